@@ -1,0 +1,118 @@
+// hisparse_cupy: helpers shared by every kernel.
+//
+// - the one row-copy primitive (copy_row_warp): a warp moves one row of 16-byte vectors,
+//   issuing every load of a pass before its first store, so a row costs one host round trip;
+// - block-wide exclusive scan (bounded to the block's warps);
+// - Programmatic Dependent Launch helpers as inline PTX (NVRTC has no
+//   cudaGridDependencySynchronize), no-ops below sm_90;
+// - a 32-bit multiplicative hash.
+#pragma once
+
+#include <cuda/std/cstdint>
+
+#ifndef HS_SRC_DIGEST
+#define HS_SRC_DIGEST 0ull
+#endif
+
+namespace hs {
+
+using i16 = ::cuda::std::int16_t;
+using i32 = ::cuda::std::int32_t;
+using i64 = ::cuda::std::int64_t;
+using u8 = ::cuda::std::uint8_t;
+using u32 = ::cuda::std::uint32_t;
+using u64 = ::cuda::std::uint64_t;
+
+constexpr unsigned FULL_MASK = 0xffffffffu;
+
+// Vectors each lane holds per pass: one pass moves rows up to 32 * 4 * 16 = 2048 bytes.
+#ifndef HS_COPY_VPL
+#define HS_COPY_VPL 4
+#endif
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// Read-only 16-byte load (non-coherent path; the source is not written during the kernel).
+__device__ __forceinline__ uint4 ld_nc_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// 16-byte store cached in L2 only: a swapped-in row is read once by attention.
+__device__ __forceinline__ void st_cg_v4(void* p, uint4 v) {
+  asm volatile("st.global.cg.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// THE copy primitive. One warp copies `row_bytes` (a multiple of 16; src and dst 16-byte
+// aligned) from src to dst. All loads of a pass are issued before the pass's stores.
+__device__ __forceinline__ void copy_row_warp(u8* __restrict__ dst, const u8* __restrict__ src,
+                                              int row_bytes, int lane) {
+  const int nvec = row_bytes >> 4;
+  for (int base = 0; base < nvec; base += 32 * HS_COPY_VPL) {
+    uint4 v[HS_COPY_VPL];
+#pragma unroll
+    for (int j = 0; j < HS_COPY_VPL; ++j) {
+      const int k = base + j * 32 + lane;
+      if (k < nvec) v[j] = ld_nc_v4(src + (static_cast<i64>(k) << 4));
+    }
+#pragma unroll
+    for (int j = 0; j < HS_COPY_VPL; ++j) {
+      const int k = base + j * 32 + lane;
+      if (k < nvec) st_cg_v4(dst + (static_cast<i64>(k) << 4), v[j]);
+    }
+  }
+}
+
+// Block-wide exclusive prefix sum of `v` over BLOCK threads (BLOCK a multiple of 32, <= 1024).
+// `s_warp` holds BLOCK/32 + 1 ints of shared memory. Returns the exclusive prefix and writes
+// the block total to `total`. Contains __syncthreads(): every thread of the block must call it.
+template <int BLOCK>
+__device__ __forceinline__ int block_exclusive_sum(int v, int* s_warp, int& total) {
+  static_assert(BLOCK % 32 == 0 && BLOCK <= 1024, "BLOCK must be a multiple of 32, <= 1024");
+  constexpr int NW = BLOCK / 32;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(FULL_MASK, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) s_warp[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    const int w = lane < NW ? s_warp[lane] : 0;
+    int s = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(FULL_MASK, s, o);
+      if (lane >= o) s += y;
+    }
+    if (lane < NW) s_warp[lane] = s - w;
+    if (lane == NW - 1) s_warp[NW] = s;
+  }
+  __syncthreads();
+  const int r = s_warp[warp] + x - v;
+  total = s_warp[NW];
+  __syncthreads();  // s_warp may be reused by the next call
+  return r;
+}
+
+__device__ __forceinline__ u32 hash_u32(u32 x) { return x * 2654435761u; }
+
+}  // namespace hs

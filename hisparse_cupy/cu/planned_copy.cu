@@ -1,0 +1,94 @@
+// hisparse_cupy: planned copy (miss-plan replay).
+//
+// planned_copy<WARPS, SrcT, DstT>
+//   For every layer l < n_layers, real request b < min(num_real, B) and plan entry
+//   m < clamp(count[b], 0, plan_stride): copy row src_idx[b, m] of layer l of the source pool to
+//   row dst_idx[b, m] of layer l of the destination pool. The swap kernels write such plans; the
+//   same kernel moves their misses, replays them for IndexCache shared layers, loads admitted
+//   requests and backs rows up to the host (SrcT/DstT select which side holds 64-bit rows).
+//
+//   Phases
+//     1. pdl_wait(): the plan may come from the kernel launched just before (PDL).
+//     2. Every block builds the exclusive prefix of the clamped counts in shared memory.
+//     3. Warps stride over the flattened (layer, request, entry) space, one row per warp: the
+//        request is found by binary search in the prefix. Few misses over many requests and
+//        many misses in one request both spread over the whole grid, whose size the caller picks
+//        (a small grid leaves SMs to the compute a replay overlaps).
+//   Rows whose source or destination index is outside its pool are skipped and counted in
+//   *bad (when given). flags & 1: dry run, all the work but no bytes moved (for measuring).
+//   spin_cycles > 0 delays each row by that many clock cycles (tests' slowed replay).
+//
+//   Shared memory (dynamic): int prefix[B + 1], int scan[WARPS + 1].
+#include "common.cuh"
+
+namespace hs {
+
+template <int WARPS, typename SrcT, typename DstT>
+__global__ void __launch_bounds__(WARPS * 32)
+    planned_copy(const SrcT* __restrict__ src_idx, const DstT* __restrict__ dst_idx,
+                 int plan_stride, const i32* __restrict__ count, int B,
+                 const i32* __restrict__ num_real, const u8* src_base, i64 src_layer_bytes,
+                 i64 n_src_rows, u8* dst_base, i64 dst_layer_bytes, i64 n_dst_rows,
+                 int row_bytes, int n_layers, int flags, i64 spin_cycles, i32* __restrict__ bad) {
+  constexpr int BLOCK = WARPS * 32;
+  extern __shared__ int smem[];
+  int* s_prefix = smem;           // [B + 1]
+  int* s_scan = smem + B + 1;     // [WARPS + 1]
+
+  pdl_wait();
+
+  int nr = num_real ? *num_real : B;
+  nr = nr < 0 ? 0 : (nr > B ? B : nr);
+
+  int carry = 0;
+  for (int base = 0; base < nr; base += BLOCK) {
+    const int b = base + threadIdx.x;
+    int c = 0;
+    if (b < nr) {
+      c = count[b];
+      c = c < 0 ? 0 : (c > plan_stride ? plan_stride : c);
+    }
+    int chunk_total;
+    const int ex = block_exclusive_sum<BLOCK>(c, s_scan, chunk_total);
+    if (b < nr) s_prefix[b] = carry + ex;
+    carry += chunk_total;
+  }
+  if (threadIdx.x == 0) s_prefix[nr] = carry;
+  __syncthreads();
+
+  const i64 pairs = carry;
+  const i64 total = pairs * n_layers;
+  const int lane = threadIdx.x & 31;
+  const i64 gw = static_cast<i64>(blockIdx.x) * WARPS + (threadIdx.x >> 5);
+  const i64 nwarps = static_cast<i64>(gridDim.x) * WARPS;
+  const bool dry = flags & 1;
+
+  for (i64 g = gw; g < total; g += nwarps) {
+    const int layer = static_cast<int>(g / pairs);
+    const int r = static_cast<int>(g - static_cast<i64>(layer) * pairs);
+    int lo = 0, hi = nr - 1;  // largest b with s_prefix[b] <= r
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (s_prefix[mid] <= r) lo = mid; else hi = mid - 1;
+    }
+    const int b = lo;
+    const i64 e = static_cast<i64>(b) * plan_stride + (r - s_prefix[b]);
+    const i64 s = static_cast<i64>(src_idx[e]);
+    const i64 d = static_cast<i64>(dst_idx[e]);
+    if (s < 0 || s >= n_src_rows || d < 0 || d >= n_dst_rows) {
+      if (lane == 0 && bad) atomicAdd(bad, 1);
+      continue;
+    }
+    if (spin_cycles > 0) {
+      const long long t0 = clock64();
+      while (clock64() - t0 < spin_cycles) {
+      }
+    }
+    if (!dry) {
+      copy_row_warp(dst_base + layer * dst_layer_bytes + d * row_bytes,
+                    src_base + layer * src_layer_bytes + s * row_bytes, row_bytes, lane);
+    }
+  }
+}
+
+}  // namespace hs

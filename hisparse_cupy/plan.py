@@ -1,0 +1,117 @@
+"""Miss plans and the planned copy.
+
+A :class:`MissPlan` records the copies a swap made: for batch row ``b``, entries
+``0 <= m < count[b]`` say "host row ``src[b, m]`` went to device row ``dst[b, m]``". Device rows
+of a request are the same in every layer, so a full layer's plan can be replayed for other
+layers (IndexCache shared layers) with :func:`replay_plan`.
+
+:func:`copy_rows` is the one launcher of the ``planned_copy`` kernel, which every bulk row move
+of the package goes through (swap misses, replays, admission loads, backups).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cupy
+import numpy as np
+
+from . import _build, _checks
+from ._launch import Ptr, launch
+from .host_pool import HostKVPool
+
+_FILE = "planned_copy.cu"
+COPY_WARPS = 8
+_H2D = f"hs::planned_copy<{COPY_WARPS}, long long, int>"  # host rows (int64) -> device rows
+_D2H = f"hs::planned_copy<{COPY_WARPS}, int, long long>"  # device rows -> host rows (int64)
+_build.register(_FILE, _H2D, _D2H)
+
+_COPY_BLOCKS_PER_SM = 2048 // (COPY_WARPS * 32)
+
+
+@functools.cache
+def _sm_count(device_id: int) -> int:
+    attr = cupy.cuda.runtime.cudaDevAttrMultiProcessorCount
+    return cupy.cuda.runtime.deviceGetAttribute(attr, device_id)
+
+
+def full_grid() -> int:
+    """Blocks of the copy kernel that fill every SM of the current device."""
+    return _sm_count(cupy.cuda.runtime.getDevice()) * _COPY_BLOCKS_PER_SM
+
+
+class MissPlan:
+    """Plan buffers for up to ``max_batch`` rows of up to ``width`` misses each.
+
+    Allocated once (graph-safe: the pointers never change); calls use the first ``B`` rows.
+
+    Attributes
+    ----------
+    src : cupy.ndarray, int64 ``[max_batch, width]``, host row of each miss
+    dst : cupy.ndarray, int32 ``[max_batch, width]``, device row it was written to
+    count : cupy.ndarray, int32 ``[max_batch]``, valid entries per row
+    """
+
+    def __init__(self, max_batch: int, width: int):
+        self.max_batch = _checks.integer("max_batch", max_batch, 1)
+        self.width = _checks.integer("width", width, 1)
+        self.src = cupy.full((self.max_batch, self.width), -1, dtype=cupy.int64)
+        self.dst = cupy.full((self.max_batch, self.width), -1, dtype=cupy.int32)
+        self.count = cupy.zeros(self.max_batch, dtype=cupy.int32)
+
+    def check_batch(self, batch: int, need_width: int) -> None:
+        if batch > self.max_batch:
+            raise ValueError(f"plan holds {self.max_batch} rows, the call has batch {batch}")
+        if need_width > self.width:
+            raise ValueError(f"plan rows hold {self.width} entries, the call needs {need_width}")
+
+    def to_numpy(self, batch: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``[(src[:count], dst[:count]) for each of the first batch rows]`` on the host."""
+        cnt = cupy.asnumpy(self.count[:batch])
+        src, dst = cupy.asnumpy(self.src[:batch]), cupy.asnumpy(self.dst[:batch])
+        return [(src[b, : cnt[b]], dst[b, : cnt[b]]) for b in range(batch)]
+
+
+def copy_rows(
+    src_idx: cupy.ndarray,
+    dst_idx: cupy.ndarray,
+    count: cupy.ndarray,
+    batch: int,
+    num_real: cupy.ndarray | None,
+    *,
+    src_base: Ptr,
+    src_layer_bytes: int,
+    n_src_rows: int,
+    dst_base: Ptr,
+    dst_layer_bytes: int,
+    n_dst_rows: int,
+    row_bytes: int,
+    n_layers: int = 1,
+    to_host: bool = False,
+    grid: int | None = None,
+    dry_run: bool = False,
+    spin_cycles: int = 0,
+    bad: cupy.ndarray | None = None,
+    pdl: bool = False,
+    stream: cupy.cuda.Stream | None = None,
+) -> None:
+    """Launch ``planned_copy`` (arguments already validated by the caller).
+
+    ``src_idx``/``dst_idx`` are ``[>= batch, stride]`` with one shared row stride; the host side
+    holds int64 rows (``to_host`` selects which side that is).
+    """
+    if batch == 0 or n_layers == 0:
+        return
+    name = _D2H if to_host else _H2D
+    if grid is None:
+        grid = max(1, min(full_grid(), -(-batch * src_idx.shape[1] * n_layers // COPY_WARPS)))
+    smem = 4 * (batch + 1) + 4 * (COPY_WARPS + 1)
+    args = (
+        src_idx, dst_idx, _checks.row_stride(src_idx), count, np.int32(batch), num_real,
+        src_base, np.int64(src_layer_bytes), np.int64(n_src_rows),
+        dst_base, np.int64(dst_layer_bytes), np.int64(n_dst_rows),
+        np.int32(row_bytes), np.int32(n_layers), np.int32(1 if dry_run else 0),
+        np.int64(spin_cycles), bad,
+    )
+    launch(_build.kernel(_FILE, name), grid, COPY_WARPS * 32, args, shared_mem=smem,
+           stream=stream, pdl=pdl)

@@ -1,0 +1,45 @@
+"""Test setup: GPU tests are marked ``gpu`` and skipped, with the reason shown, without a device."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _device_count() -> tuple[int, str]:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount(), ""
+    except Exception as e:  # no CuPy, no driver, no device
+        return 0, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _compute_capability() -> int:
+    import cupy
+
+    return int(cupy.cuda.Device().compute_capability)
+
+
+def pytest_collection_modifyitems(config, items):
+    n, why = _device_count()
+    if n == 0:
+        skip = pytest.mark.skip(reason=f"no CUDA device ({why})")
+        for it in items:
+            if "gpu" in it.keywords or "hopper" in it.keywords:
+                it.add_marker(skip)
+        return
+    if _compute_capability() < 90:
+        skip = pytest.mark.skip(reason="needs compute capability >= 9.0 (PDL)")
+        for it in items:
+            if "hopper" in it.keywords:
+                it.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    """A NumPy generator seeded from the test's name (fresh inputs per test, reproducible)."""
+    import zlib
+
+    import numpy as np
+
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

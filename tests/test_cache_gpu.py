@@ -1,0 +1,124 @@
+"""GPU: host pool and HotBufferCache through a request's whole life, bytes checked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+L, R, H, K, P, MAXLEN, ROW = 3, 4, 64, 32, 4, 400, 656
+
+
+def kv_for(rid, start, n):
+    from _util import pattern
+
+    ids = rid * MAXLEN + np.arange(start, start + n)
+    return np.stack([pattern(layer, ids, ROW) for layer in range(L)])
+
+
+def check_rows(cache, layer, rid, tokens, locs):
+    import cupy
+
+    from _util import pattern
+
+    locs = np.asarray(locs)
+    assert (locs >= 0).all()
+    got = cupy.asnumpy(cache.device_rows(layer)[cupy.asarray(locs)])
+    want = pattern(layer, rid * MAXLEN + np.asarray(tokens), ROW)
+    bad = np.nonzero((got != want).any(axis=1))[0]
+    assert bad.size == 0, f"layer {layer}: tokens {np.asarray(tokens)[bad][:5]} hold wrong bytes"
+
+
+def test_host_pool_views_pointer_and_close():
+    from hisparse_cupy import HostKVPool
+
+    with HostKVPool(2, 10, 656) as pool:
+        assert pool.numpy.shape == (2, 10, 656)
+        assert pool.layer(1).shape == (10, 656)
+        assert int(pool.device_ptr(0)) % 16 == 0
+        assert int(pool.device_ptr(1)) - int(pool.device_ptr(0)) == 10 * 656
+        pool.layer(1)[3] = 7
+        assert pool.numpy[1, 3, 0] == 7
+        with pytest.raises(ValueError, match="layer must be <= 1"):
+            pool.layer(2)
+    assert pool.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.layer(0)
+    with pytest.raises(ValueError, match="row_bytes must be a multiple of 16"):
+        HostKVPool(1, 10, 650)
+
+
+def test_request_lifecycle_through_crossing_h(rng):
+    import cupy
+
+    from hisparse_cupy import HotBufferCache
+    from hisparse_cupy import reference as ref
+
+    cache = HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN, row_bytes=ROW,
+                           hot_size=H, top_k=K, extra_page=P, max_batch=R)
+    n0 = 40
+    rid = cache.admit(n0, kv=kv_for(0, 0, n0))
+    rid2 = cache.admit(300, kv=kv_for(1, 0, 300), warm_tokens=[5, 17, 200])
+    assert (rid, rid2) == (0, 1)
+    req = cupy.asarray([rid, rid2], dtype=cupy.int32)
+    seq = n0
+    seq2 = 300
+    for step in range(130):  # crosses H = 64 for request 0
+        lens = cupy.asarray([seq, seq2], dtype=cupy.int32)
+        if step:  # the model writes this step's token into the newest row of every layer
+            rows = cupy.asnumpy(cache.newest_rows(req, lens))
+            for layer in range(L):
+                cache.device_rows(layer)[int(rows[0])] = cupy.asarray(
+                    kv_for(0, seq - 1, 1)[layer, 0])
+                cache.device_rows(layer)[int(rows[1])] = cupy.asarray(
+                    kv_for(1, seq2 - 1, 1)[layer, 0])
+            cache.backup_newest(req, lens)
+        topk = np.stack([
+            rng.choice(seq, size=min(K, seq), replace=False).astype(np.int32).tolist()
+            + [-1] * (K - min(K, seq)),
+            rng.choice(seq2, size=K, replace=False).astype(np.int32),
+        ]).astype(np.int32)
+        topk[0, 0] = seq - 1  # always select the newest token
+        for layer in range(L):
+            out = cupy.asnumpy(cache.swap(layer, req, lens, cupy.asarray(topk), check=True))
+            for b, r in enumerate((rid, rid2)):
+                sel = topk[b] >= 0
+                check_rows(cache, layer, r, topk[b][sel], out[b][sel])
+            st = cache.state(layer)
+            ref.check_invariants(cupy.asnumpy(st.slot_tokens), cupy.asnumpy(st.slot_locs),
+                                 cupy.asnumpy(st.lru), H, requests=[rid, rid2])
+        seq += 1
+        seq2 += 1
+    assert seq > H + 60
+    cache.release(rid)
+    assert cache.active == {rid2: 300}
+    assert (cupy.asnumpy(cache.slot_tokens[:, rid]) == -1).all()
+    assert (cupy.asnumpy(cache.host_locs[rid]) == -1).all()
+    assert cache.admit(10, kv=kv_for(0, 0, 10)) == rid  # the slot is reused, reset
+    cache.close()
+
+
+def test_cache_errors():
+    from hisparse_cupy import HotBufferCache
+
+    with pytest.raises(ValueError, match="top_k must be <= 64"):
+        HotBufferCache(n_layers=1, max_requests=1, max_len=100, row_bytes=656, hot_size=64,
+                       top_k=65)
+    cache = HotBufferCache(n_layers=1, max_requests=1, max_len=100, row_bytes=656, hot_size=64,
+                           top_k=32, extra_page=4)
+    with pytest.raises(ValueError, match="n_tokens must be <= 100"):
+        cache.admit(101)
+    with pytest.raises(ValueError, match="warm_tokens must lie in"):
+        cache.admit(90, warm_tokens=[89])
+    with pytest.raises(ValueError, match="warm_tokens applies only"):
+        cache.admit(10, warm_tokens=[1])
+    with pytest.raises(ValueError, match=r"kv must be uint8 \[1, n, 656\]"):
+        cache.admit(10, kv=np.zeros((1, 10, 640), np.uint8))
+    rid = cache.admit(10)
+    with pytest.raises(RuntimeError, match="all 1 request slots are in use"):
+        cache.admit(10)
+    cache.release(rid)
+    with pytest.raises(ValueError, match="is not admitted"):
+        cache.release(rid)
+    cache.close()

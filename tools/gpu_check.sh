@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Everything a CUDA box should run, in one command:
+#   1. install the project without network (no deps: CuPy, cuda-bindings, pytest are there);
+#   2. the whole test suite (CPU and GPU tests);
+#   3. compute-sanitizer memcheck, racecheck and synccheck over tools/sanitize_*.py (small runs
+#      of every kernel; zero errors required);
+#   4. the quick benchmarks (benchmarks/bench_*.py --quick), JSON (+PNG) results.
+# Logs and results go under $OUT (default ./gpu_check_out): summary.txt, pytest.log,
+# sanitize.log, bench.log and results.tgz (benchmark JSON/PNG). Exit status: non-zero if any
+# step failed.
+#
+# Usage: bash tools/gpu_check.sh [--no-tests] [--no-sanitize] [--no-bench] [--full-bench]
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT" "$OUT/results"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+tests=1 sanitize=1 bench=1 quick=--quick
+for a in "$@"; do
+  case $a in
+    --no-tests) tests=0 ;; --no-sanitize) sanitize=0 ;; --no-bench) bench=0 ;;
+    --full-bench) quick= ;;
+    *) echo "unknown option $a"; exit 2 ;;
+  esac
+done
+fail=0
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+: >"$OUT/summary.txt"
+
+$PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+  || summary "pip install -e . failed (tests use PYTHONPATH)"
+summary "$(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+summary "$($PY -c 'import cupy, numpy, sys; print("python", sys.version.split()[0], "cupy", cupy.__version__, "numpy", numpy.__version__)' 2>&1)"
+
+if [ $tests = 1 ]; then
+  t0=$SECONDS
+  $PY -m pytest -q -rs tests >"$OUT/pytest.log" 2>&1
+  rc=$?
+  summary "pytest rc=$rc ($((SECONDS - t0)) s): $(tail -n 1 "$OUT/pytest.log")"
+  [ $rc = 0 ] || fail=1
+fi
+
+if [ $sanitize = 1 ]; then
+  : >"$OUT/sanitize.log"
+  if ! command -v compute-sanitizer >/dev/null; then
+    summary "compute-sanitizer not found"; fail=1
+  else
+    for s in tools/sanitize_*.py; do
+      for tool in memcheck racecheck synccheck; do
+        t0=$SECONDS
+        echo "=== $tool $s" >>"$OUT/sanitize.log"
+        compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 20 \
+          $PY "$s" >>"$OUT/sanitize.log" 2>&1
+        rc=$?
+        errs=$(tail -n 20 "$OUT/sanitize.log" | grep -Eo 'ERROR SUMMARY: [0-9]+ error' | tail -n 1)
+        summary "sanitize $tool $(basename "$s") rc=$rc ($((SECONDS - t0)) s) ${errs:-no summary}"
+        [ $rc = 0 ] || fail=1
+      done
+    done
+  fi
+fi
+
+if [ $bench = 1 ]; then
+  : >"$OUT/bench.log"
+  for b in benchmarks/bench_*.py; do
+    t0=$SECONDS
+    echo "=== $b $quick" >>"$OUT/bench.log"
+    $PY "$b" $quick --out "$OUT/results" >>"$OUT/bench.log" 2>&1
+    rc=$?
+    summary "bench $(basename "$b") rc=$rc ($((SECONDS - t0)) s)"
+    [ $rc = 0 ] || fail=1
+  done
+  tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results"
+fi
+rm -f "$OUT/install.log"
+summary "gpu_check: $([ $fail = 0 ] && echo OK || echo FAILED)"
+exit $fail
