@@ -35,6 +35,35 @@ def time_calls(fn: Callable[[int], None], *, iters: int, warmup: int = 3,
     return out
 
 
+def time_graph_chain(enqueue: Callable[[int], None], base: Callable[[int], None] | None,
+                     *, n: int, iters: int, stream: cupy.cuda.Stream) -> dict:
+    """Marginal device time of ``enqueue`` when ``n`` calls run back to back in one CUDA graph.
+
+    Captures ``base(i); enqueue(i)`` for i < n into one graph and ``base(i)`` alone into
+    another (``base`` restores state or is None), times both graphs with events and returns
+    ``summary`` of ``(t_chain - t_base) / n`` over ``iters`` replays: the per-call time inside
+    a captured decode step, with launch latency overlapped as it is there.
+    """
+    def capture(with_call: bool):
+        with stream:
+            stream.begin_capture()
+            for i in range(n):
+                if base is not None:
+                    base(i)
+                if with_call:
+                    enqueue(i)
+            return stream.end_capture()
+
+    g_all = capture(True)
+    g_base = capture(False) if base is not None else None
+    t_all = time_calls(lambda i: g_all.launch(stream), iters=iters, stream=stream)
+    if g_base is None:
+        return summary([t / n for t in t_all])
+    t_base = time_calls(lambda i: g_base.launch(stream), iters=iters, stream=stream)
+    tb = statistics.median(t_base)
+    return summary([(t - tb) / n for t in t_all])
+
+
 def summary(us: list[float]) -> dict:
     """Median and spread (p10, p90, min) of a list of microsecond timings."""
     a = np.asarray(us)
@@ -42,9 +71,13 @@ def summary(us: list[float]) -> dict:
             "p90_us": float(np.percentile(a, 90)), "min_us": float(a.min()), "n": int(a.size)}
 
 
-def memcpy_h2d_us(host_buf: np.ndarray, nbytes: int, *, iters: int = 20,
-                  stream: cupy.cuda.Stream | None = None) -> list[float]:
-    """``cudaMemcpyAsync`` of ``nbytes`` from pinned ``host_buf`` to the device, per call (us)."""
+def memcpy_h2d(host_buf: np.ndarray, nbytes: int, *, iters: int = 20, chain: int = 8,
+               stream: cupy.cuda.Stream | None = None) -> tuple[dict, dict]:
+    """``cudaMemcpyAsync`` of ``nbytes`` from pinned ``host_buf`` to the device.
+
+    Returns (one copy per event pair, marginal time of ``chain`` copies back to back in a
+    graph), both ``summary`` dicts in microseconds. Source offsets rotate over the buffer.
+    """
     stream = stream or cupy.cuda.get_current_stream()
     nbytes = max(int(nbytes), 1)
     dst = cupy.empty(nbytes, cupy.uint8)
@@ -58,7 +91,23 @@ def memcpy_h2d_us(host_buf: np.ndarray, nbytes: int, *, iters: int = 20,
         cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.ctypes.data + offsets[i % 7], nbytes,
                                       kind, stream.ptr)
 
-    return time_calls(fn, iters=iters, stream=stream)
+    single = summary(time_calls(fn, iters=iters, stream=stream))
+    return single, time_graph_chain(fn, None, n=chain, iters=iters, stream=stream)
+
+
+_EMPTY = None
+
+
+def empty_graph_floor(stream: cupy.cuda.Stream, *, iters: int = 50) -> dict:
+    """Event-timed replay of a graph holding one empty kernel: the floor of any single call."""
+    global _EMPTY
+    if _EMPTY is None:
+        _EMPTY = cupy.RawKernel('extern "C" __global__ void hs_empty() {}', "hs_empty")
+    with stream:
+        stream.begin_capture()
+        _EMPTY((1,), (32,), (), stream=stream)
+        g = stream.end_capture()
+    return summary(time_calls(lambda i: g.launch(stream), iters=iters, stream=stream))
 
 
 def write_json(out_dir: str, name: str, payload: dict) -> Path:

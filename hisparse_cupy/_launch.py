@@ -59,6 +59,11 @@ def _max_optin_smem(device_id: int) -> int:
     return cupy.cuda.runtime.deviceGetAttribute(attr, device_id)
 
 
+def max_shared_memory() -> int:
+    """Dynamic shared memory one block may opt into on the current device (bytes)."""
+    return _max_optin_smem(cupy.cuda.runtime.getDevice())
+
+
 _smem_set: dict[tuple[int, int], int] = {}
 
 

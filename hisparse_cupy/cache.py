@@ -26,7 +26,7 @@ from ._launch import Ptr, launch
 from .host_pool import HostKVPool
 from .plan import MissPlan, copy_rows
 from .reference import N_STATUS
-from .swap import MAX_HOT, SwapState, swap_in
+from .swap import MAX_HOT, SwapState, check_sizes, swap_in
 
 _FILE = "cache.cu"
 _IDX = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
@@ -65,6 +65,7 @@ class HotBufferCache:
         self.top_k = _checks.integer("top_k", top_k, 1, H)
         self.extra_page = P = _checks.integer("extra_page", extra_page, 1)
         self.max_batch = _checks.integer("max_batch", R if max_batch is None else max_batch, 1)
+        check_sizes(self.top_k, H)
         self.slots = H + P
         self.pool = HostKVPool(self.n_layers, R * self.max_len, row_bytes)
         self.row_bytes = self.pool.row_bytes

@@ -12,7 +12,7 @@ import cupy
 import numpy as np
 
 from . import _build, _checks
-from ._launch import Ptr, launch
+from ._launch import Ptr, launch, max_shared_memory
 from .plan import MissPlan, copy_rows
 from .reference import N_STATUS, ST_BADROW, ST_NOHOST, ST_RANGE
 
@@ -30,14 +30,31 @@ MAX_HOT = 32767  # LRU entries are int16
 
 
 def hash_size(top_k: int) -> int:
-    """Shared hash slots for a top-k of ``top_k`` entries (power of two, load <= 0.5)."""
-    return max(64, 1 << (2 * top_k - 1).bit_length())
+    """Shared hash slots for a top-k of ``top_k`` entries (power of two, load <= 1/4).
+
+    A warp waits for its longest probe sequence; at load 1/2 that tail made the lookups
+    dominate the resolve, at 1/4 it is a few probes (benchmarks/NOTES.md).
+    """
+    return max(64, 1 << (4 * top_k - 1).bit_length())
 
 
 def resolve_smem_bytes(top_k: int, hot_size: int) -> int:
     """Dynamic shared memory of the resolve kernel (see the layout in ``cu/swap.cu``)."""
-    hs = hash_size(top_k)
-    return 8 * hs + 4 * top_k + 4 * (RESOLVE_BLOCK // 32 + 1) + 16 + 4 * hot_size + top_k
+    nw = RESOLVE_BLOCK // 32
+    return (8 * top_k + 8 * hash_size(top_k) + 12 * top_k + 4 * (hot_size + 1)
+            + 12 * (nw + 1) + 16 + 6 * hot_size + top_k)
+
+
+def check_sizes(top_k: int, hot_size: int) -> None:
+    """Raise ``ValueError`` if the resolve kernel cannot run K = top_k, H = hot_size here."""
+    if top_k > hot_size:
+        raise ValueError(f"top_k={top_k} must not exceed hot_size={hot_size}")
+    if not 1 <= hot_size <= MAX_HOT:
+        raise ValueError(f"hot_size must be in [1, {MAX_HOT}], got {hot_size}")
+    need, limit = resolve_smem_bytes(top_k, hot_size), max_shared_memory()
+    if need > limit:
+        raise ValueError(f"top_k={top_k} with hot_size={hot_size} needs {need} bytes of shared "
+                         f"memory per block; this device allows {limit}: lower top_k or hot_size")
 
 
 @dataclass
@@ -96,6 +113,7 @@ def swap_in(
     num_real=None,
     copy_grid: int | None = None,
     check: bool = False,
+    dry_run: bool = False,
     stream: cupy.cuda.Stream | None = None,
 ) -> cupy.ndarray:
     """Resolve one step's top-k for a batch and move the misses into the hot buffer.
@@ -118,6 +136,7 @@ def swap_in(
     num_real : int32 device scalar; rows ``>= num_real`` are CUDA-graph padding.
     copy_grid : blocks of the copy kernel (default: enough to fill the GPU).
     check : synchronize and raise ``ValueError`` naming rows and entries if any status is set.
+    dry_run : resolve and update the state but move no bytes (for measuring the copy's share).
 
     Returns
     -------
@@ -133,6 +152,7 @@ def swap_in(
         raise ValueError(f"top_k_tokens has K={K} entries per row, more than hot_size H={H}")
     if K == 0 or B == 0:
         raise ValueError(f"top_k_tokens must be non-empty, got shape {tuple(topk.shape)}")
+    check_sizes(K, H)
     req = _checks.array("req_indices", req_indices, (np.int32, np.int64), shape=(B,))
     lens = _checks.array("seq_lens", seq_lens, (np.int32, np.int64), shape=(B,))
     dev = _checks.array("device_rows", device_rows, np.uint8, ndim=2)
@@ -169,9 +189,9 @@ def swap_in(
     copy_rows(plan.src, plan.dst, plan.count, B, nr, src_base=host_rows,
               src_layer_bytes=0, n_src_rows=n_host_rows, dst_base=Ptr(dev.data.ptr),
               dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes,
-              grid=copy_grid, pdl=True, stream=stream)
+              grid=copy_grid, dry_run=dry_run, pdl=True, stream=stream)
     if check:
-        raise_on_status(status, topk, lens, stream=stream)
+        raise_on_status(status, topk, lens, max_len=state.host_locs.shape[1], stream=stream)
     return out
 
 
@@ -185,8 +205,11 @@ def _precheck(req: cupy.ndarray, nr: cupy.ndarray | None, R: int) -> None:
                          f"real rows; each request may appear once per call")
 
 
-def raise_on_status(status, top_k_tokens, seq_lens, *, stream=None) -> None:
-    """Synchronize and raise ``ValueError`` describing every row whose status is non-zero."""
+def raise_on_status(status, top_k_tokens, seq_lens, *, max_len: int, stream=None) -> None:
+    """Synchronize and raise ``ValueError`` describing every row whose status is non-zero.
+
+    ``max_len`` is the width of ``host_locs``: tokens at or beyond it are out of range too.
+    """
     if stream is not None:
         stream.synchronize()
     st = cupy.asnumpy(status)
@@ -202,9 +225,10 @@ def raise_on_status(status, top_k_tokens, seq_lens, *, stream=None) -> None:
         if st[b, ST_BADROW]:
             msg.append("request slot or seq_len out of range")
         if st[b, ST_RANGE]:
-            idx = np.nonzero((row < -1) | (row >= lens[b]))[0]
-            msg.append(f"{st[b, ST_RANGE]} token(s) outside [0, seq_len={lens[b]}) at entries "
-                       f"{idx[:8].tolist()}")
+            lim = min(int(lens[b]), max_len)
+            idx = np.nonzero((row < -1) | (row >= lim))[0]
+            msg.append(f"{st[b, ST_RANGE]} token(s) outside [0, {lim}) (seq_len {lens[b]}, "
+                       f"host_locs width {max_len}) at entries {idx[:8].tolist()}")
         if st[b, ST_NOHOST]:
             msg.append(f"{st[b, ST_NOHOST]} miss(es) with no host row")
         lines.append(": ".join(msg[:1]) + ": " + "; ".join(msg[1:]))

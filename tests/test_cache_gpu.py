@@ -7,7 +7,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-L, R, H, K, P, MAXLEN, ROW = 3, 4, 64, 32, 4, 400, 656
+L, R, H, K, P, MAXLEN, ROW = 3, 4, 64, 32, 4, 512, 656
 
 
 def kv_for(rid, start, n):
@@ -102,9 +102,12 @@ def test_request_lifecycle_through_crossing_h(rng):
 def test_cache_errors():
     from hisparse_cupy import HotBufferCache
 
-    with pytest.raises(ValueError, match="top_k must be <= 64"):
+    with pytest.raises(ValueError, match="top_k must be <= 64"):  # K <= H
         HotBufferCache(n_layers=1, max_requests=1, max_len=100, row_bytes=656, hot_size=64,
                        top_k=65)
+    with pytest.raises(ValueError, match="needs .* bytes of shared memory per block"):
+        HotBufferCache(n_layers=1, max_requests=1, max_len=100, row_bytes=656, hot_size=16384,
+                       top_k=8192)
     cache = HotBufferCache(n_layers=1, max_requests=1, max_len=100, row_bytes=656, hot_size=64,
                            top_k=32, extra_page=4)
     with pytest.raises(ValueError, match="n_tokens must be <= 100"):

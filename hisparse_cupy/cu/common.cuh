@@ -20,6 +20,7 @@ using i16 = ::cuda::std::int16_t;
 using i32 = ::cuda::std::int32_t;
 using i64 = ::cuda::std::int64_t;
 using u8 = ::cuda::std::uint8_t;
+using u16 = ::cuda::std::uint16_t;
 using u32 = ::cuda::std::uint32_t;
 using u64 = ::cuda::std::uint64_t;
 
@@ -78,6 +79,23 @@ __device__ __forceinline__ void copy_row_warp(u8* __restrict__ dst, const u8* __
   }
 }
 
+// Exclusive prefix sum, in place, of the NW <= 32 per-warp values s_w[0..NW); the total goes to
+// s_w[NW]. Executed by the calling warp only (all 32 lanes): publish s_w with a barrier before,
+// and put a barrier after it before other warps read the result.
+template <int NW>
+__device__ __forceinline__ void scan_warp_totals(int* s_w, int lane) {
+  static_assert(NW >= 1 && NW <= 32, "at most 32 warps");
+  const int w = lane < NW ? s_w[lane] : 0;
+  int s = w;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(FULL_MASK, s, o);
+    if (lane >= o) s += y;
+  }
+  if (lane < NW) s_w[lane] = s - w;
+  if (lane == NW - 1) s_w[NW] = s;
+}
+
 // Block-wide exclusive prefix sum of `v` over BLOCK threads (BLOCK a multiple of 32, <= 1024).
 // `s_warp` holds BLOCK/32 + 1 ints of shared memory. Returns the exclusive prefix and writes
 // the block total to `total`. Contains __syncthreads(): every thread of the block must call it.
@@ -95,17 +113,7 @@ __device__ __forceinline__ int block_exclusive_sum(int v, int* s_warp, int& tota
   }
   if (lane == 31) s_warp[warp] = x;
   __syncthreads();
-  if (warp == 0) {
-    const int w = lane < NW ? s_warp[lane] : 0;
-    int s = w;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(FULL_MASK, s, o);
-      if (lane >= o) s += y;
-    }
-    if (lane < NW) s_warp[lane] = s - w;
-    if (lane == NW - 1) s_warp[NW] = s;
-  }
+  if (warp == 0) scan_warp_totals<NW>(s_warp, lane);
   __syncthreads();
   const int r = s_warp[warp] + x - v;
   total = s_warp[NW];

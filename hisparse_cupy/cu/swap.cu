@@ -25,20 +25,27 @@
 //     New recency order: [untouched evictable slots][misses, in miss order][hits, old order].
 //
 // Phases (LRU path), with __syncthreads() between them:
-//   0. clear the shared hash;
+//   0. clear the shared hash, stage slot_locs[0..H] in shared memory;
 //   1. classify each entry, insert valid non-newest tokens into the hash (first index wins);
 //   2. mark duplicates;
 //   3. scan the LRU order: a slot whose token is in the hash is a hit (output written), others
-//      are evictable; hits and evictables are compacted in LRU order (one packed block scan);
+//      are evictable; hits and evictables are compacted in LRU order;
 //   4. compact misses in top-k order, assign victims, write outputs, slot tokens and the plan;
-//   5. (after a barrier) duplicates copy their canonical entry's output; LRU write-back;
-//      counts and status.
+//   5. duplicates copy their canonical entry's output; LRU write-back; outputs, counts, status.
+// Phases 3 and 4 need one block-level scan each: warp w owns a contiguous chunk of positions,
+// counts its flags with ballots, the per-warp counts are scanned by one warp, then each warp
+// places its entries at its offset.
 //
-// Shared memory (dynamic, bytes):
-//   int s_key[HS], int s_val[HS]      hash of the top-k, HS = hash_size (power of two >= 2K)
-//   int s_tok[K]                      tokens
-//   int s_scan[BLOCK/32 + 1], s_cnt[4]
+// Shared memory (dynamic, bytes), NW = BLOCK / 32:
+//   i64 s_hl[K]                       host row of each miss
+//   int s_key[HS], int s_val[HS]      hash of the top-k, HS = hash_size (power of two >= 4K:
+//                                     load <= 1/4 keeps the longest probe of a warp short)
+//   int s_tok[K], int s_out[K]        tokens, outputs (written to global once, coalesced)
+//   int s_pos[K]                      hash slot of each inserted entry (duplicates: O(1))
+//   int s_loc[H + 1]                  device rows of slots 0..H
+//   int s_wh[NW+1], s_we[NW+1], s_wm[NW+1], s_cnt[4]   per-warp counts / offsets, status
 //   i16 s_evict[H], i16 s_hit[H]      evictable / hit slots in old LRU order
+//   u16 s_tmp[H]                      slot | hit << 15 by LRU position (between passes)
 //   u8  s_kind[K]                     entry classification
 #include "common.cuh"
 
@@ -50,10 +57,17 @@ constexpr int ST_RANGE = 0;    // entries outside [0, seq_len)
 constexpr int ST_NOHOST = 1;   // misses with no valid host row
 constexpr int ST_BADROW = 2;   // request slot out of range or negative seq_len
 constexpr int N_STATUS = 3;
-constexpr int PREFETCH = 4;  // rounds of global loads issued together
+constexpr int PREFETCH = 4;  // groups of global loads a thread issues together
 
-__device__ __forceinline__ int hash_find(const int* s_key, const int* s_val, int mask, int tok) {
-  u32 h = hash_u32(static_cast<u32>(tok)) & mask;
+// Home slot of a token: the high bits of the multiplicative hash (its low bits would only
+// permute the token's low bits).
+__device__ __forceinline__ u32 hash_home(int tok, int shift) {
+  return hash_u32(static_cast<u32>(tok)) >> shift;
+}
+
+__device__ __forceinline__ int hash_find(const int* s_key, const int* s_val, int mask, int shift,
+                                         int tok) {
+  u32 h = hash_home(tok, shift);
   while (true) {
     const int k = s_key[h];
     if (k == tok) return s_val[h];
@@ -73,29 +87,59 @@ __global__ void __launch_bounds__(BLOCK, 1)
                  i32* __restrict__ out, int out_stride, i64* __restrict__ plan_src,
                  i32* __restrict__ plan_dst, int plan_stride, i32* __restrict__ plan_count,
                  i32* __restrict__ status) {
+  constexpr int NW = BLOCK / 32;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  int* s_key = reinterpret_cast<int*>(smem_raw);
+  i64* s_hl = reinterpret_cast<i64*>(smem_raw);  // [K] host row of each miss
+  int* s_key = reinterpret_cast<int*>(s_hl + K);
   int* s_val = s_key + hash_size;
   int* s_tok = s_val + hash_size;
-  int* s_scan = s_tok + K;
-  int* s_cnt = s_scan + BLOCK / 32 + 1;
+  int* s_out = s_tok + K;
+  int* s_pos = s_out + K;                  // [K] hash slot of each inserted entry's token
+  int* s_loc = s_pos + K;                  // [H + 1]
+  int* s_wh = s_loc + H + 1;               // [NW + 1] hits per warp, then offsets
+  int* s_we = s_wh + NW + 1;               // [NW + 1] evictables per warp
+  int* s_wm = s_we + NW + 1;               // [NW + 1] misses per warp
+  int* s_cnt = s_wm + NW + 1;              // [4] status counters
   i16* s_evict = reinterpret_cast<i16*>(s_cnt + 4);
   i16* s_hit = s_evict + H;
-  u8* s_kind = reinterpret_cast<u8*>(s_hit + H);
+  u16* s_tmp = reinterpret_cast<u16*>(s_hit + H);  // [H] slot | hit << 15, by LRU position
+  u8* s_kind = reinterpret_cast<u8*>(s_tmp + H);
 
   // Let the copy kernel that follows get scheduled; it waits for this grid to finish.
   pdl_launch_dependents();
 
   const int b = blockIdx.x;
   const int tid = threadIdx.x;
-  int nr = num_real ? *num_real : B;
-  nr = nr < 0 ? 0 : (nr > B ? B : nr);
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const unsigned below = (1u << lane) - 1u;
   const i32* tk = topk + static_cast<i64>(b) * topk_stride;
   i32* o = out + static_cast<i64>(b) * out_stride;
   i32* st = status + static_cast<i64>(b) * N_STATUS;
 
-  const i64 rid = b < nr ? static_cast<i64>(req_idx[b]) : -1;
-  const i64 seq = b < nr ? static_cast<i64>(seq_lens[b]) : -1;
+  // Phases 1, 3 and 4 give warp w a contiguous chunk: top-k entries [i0, i1), LRU positions
+  // [p0, p1); a lane handles entries i0 + 32 u + lane.
+  const int c4 = ((K + BLOCK - 1) / BLOCK) * 32;
+  const int i0 = warp * c4;
+  const int i1 = min(K, i0 + c4);
+  const int c3 = ((H + BLOCK - 1) / BLOCK) * 32;
+  const int p0 = warp * c3;
+  const int p1 = min(H, p0 + c3);
+
+  // ---- wave 1 of global loads (independent of each other): the row's request, length and the
+  // first PREFETCH groups of its top-k. The latency chain of the LRU path is three waves.
+  const int nr_raw = num_real ? *num_real : B;
+  const i64 rid_raw = static_cast<i64>(req_idx[b]);
+  const i64 seq_raw = static_cast<i64>(seq_lens[b]);
+  int toks[PREFETCH];
+#pragma unroll
+  for (int u = 0; u < PREFETCH; ++u) {
+    const int i = i0 + u * 32 + lane;
+    toks[u] = i < i1 ? tk[i] : -1;
+  }
+  const int nr = nr_raw < 0 ? 0 : (nr_raw > B ? B : nr_raw);
+  const i64 rid = b < nr ? rid_raw : -1;
+  const i64 seq = b < nr ? seq_raw : -1;
   if (b >= nr || rid < 0 || rid >= R || seq < 0) {
     for (int i = tid; i < K; i += BLOCK) o[i] = -1;
     if (tid == 0) {
@@ -134,46 +178,63 @@ __global__ void __launch_bounds__(BLOCK, 1)
     return;
   }
 
-  // ---- phase 0: clear the hash
+  // ---- wave 2: host rows of the prefetched tokens (speculatively: hits do not need them),
+  // the first LRU entries, the slots' device rows; wave 3: the tokens those slots hold.
+  const i64 lim = seq < host_stride ? seq : host_stride;
+  i64 hls[PREFETCH];
+  int slots[PREFETCH], held[PREFETCH];
+#pragma unroll
+  for (int u = 0; u < PREFETCH; ++u) {
+    const int t = toks[u];
+    hls[u] = (t >= 0 && t < lim && t != seq - 1) ? hloc[t] : -1;
+    const int p = p0 + u * 32 + lane;
+    slots[u] = p < p1 ? rlru[p] : 0;
+  }
+#pragma unroll
+  for (int u = 0; u < PREFETCH; ++u) {
+    const int p = p0 + u * 32 + lane;
+    held[u] = p < p1 ? stok[slots[u]] : -1;
+  }
+
+  // ---- phase 0: clear the hash, stage the slots' device rows
   const int mask = hash_size - 1;
+  const int shift = 32 - (__ffs(hash_size) - 1);  // hash_size is a power of two >= 64
   for (int h = tid; h < hash_size; h += BLOCK) {
     s_key[h] = -1;
     s_val[h] = 0x7fffffff;
   }
+#pragma unroll 8
+  for (int j = tid; j <= H; j += BLOCK) s_loc[j] = sloc[j];
   __syncthreads();
 
-  // ---- phase 1: classify, insert (all of a thread's top-k loads are issued first)
-  const i64 lim = seq < host_stride ? seq : host_stride;
-  for (int base = 0; base < K; base += PREFETCH * BLOCK) {
-    int toks[PREFETCH];
+  // ---- phase 1: classify, insert
+  for (int g = i0; g < i0 + c4; g += 32 * PREFETCH) {
+    const bool first = g == i0;  // uniform; later groups (K > PREFETCH * BLOCK) load here
 #pragma unroll
     for (int u = 0; u < PREFETCH; ++u) {
-      const int i = base + u * BLOCK + tid;
-      toks[u] = i < K ? tk[i] : -1;
-    }
-#pragma unroll
-    for (int u = 0; u < PREFETCH; ++u) {
-      const int i = base + u * BLOCK + tid;
-      if (i >= K) break;
-      const int tok = toks[u];
-      u8 kind;
+      if (g + u * 32 >= i0 + c4) break;  // uniform over the warp
+      const int i = g + u * 32 + lane;
+      if (i >= i1) continue;
+      const int tok = first ? toks[u] : tk[i];
+      u8 kind = K_CANON;
+      int r = -1;
+      i64 hl = -1;
       if (tok == -1) {
         kind = K_UNUSED;
-        o[i] = -1;
       } else if (tok < 0 || tok >= lim) {
         kind = K_INVALID;
-        o[i] = -1;
         atomicAdd(&s_cnt[ST_RANGE], 1);
       } else if (tok == seq - 1) {
         kind = K_NEWEST;
-        o[i] = sloc[H];
+        r = s_loc[H];
       } else {
-        kind = K_CANON;
-        u32 h = hash_u32(static_cast<u32>(tok)) & mask;
+        hl = first ? hls[u] : hloc[tok];
+        u32 h = hash_home(tok, shift);
         while (true) {
           const int prev = atomicCAS(&s_key[h], -1, tok);
           if (prev == -1 || prev == tok) {
             atomicMin(&s_val[h], i);
+            s_pos[i] = static_cast<int>(h);
             break;
           }
           h = (h + 1) & mask;
@@ -181,106 +242,152 @@ __global__ void __launch_bounds__(BLOCK, 1)
       }
       s_tok[i] = tok;
       s_kind[i] = kind;
+      s_out[i] = r;
+      s_hl[i] = hl;
     }
   }
   __syncthreads();
 
   // ---- phase 2: duplicates
   for (int i = tid; i < K; i += BLOCK) {
-    if (s_kind[i] == K_CANON && hash_find(s_key, s_val, mask, s_tok[i]) != i) s_kind[i] = K_DUP;
+    if (s_kind[i] == K_CANON && s_val[s_pos[i]] != i) {
+      s_kind[i] = K_DUP;
+    }
   }
   __syncthreads();
 
-  // ---- phase 3: LRU scan (hits / evictables in old LRU order). The LRU entries and slot
-  // tokens of PREFETCH rounds are loaded before the first round's scan.
-  int n_hit = 0, n_ev = 0;
-  for (int base = 0; base < H; base += PREFETCH * BLOCK) {
-    int slots[PREFETCH], held[PREFETCH];
+  // Phases 3 and 4 compact in order with one block-level scan each: each warp counts its
+  // chunk's flags with ballots (pass 1), one warp scans the per-warp counts, then each warp
+  // places its entries at its offset (pass 2).
+
+  // ---- phase 3: LRU scan (hits / evictables in old LRU order). A warp loads the LRU entries
+  // and slot tokens of PREFETCH groups before using the first.
+  {
+    int nh = 0, ne = 0;
+    for (int g = p0; g < p0 + c3; g += 32 * PREFETCH) {
+      if (g != p0) {  // uniform; H > PREFETCH * BLOCK only (the first groups are prefetched)
 #pragma unroll
-    for (int u = 0; u < PREFETCH; ++u) {
-      const int p = base + u * BLOCK + tid;
-      slots[u] = p < H ? rlru[p] : 0;
-    }
+        for (int u = 0; u < PREFETCH; ++u) {
+          const int p = g + u * 32 + lane;
+          slots[u] = p < p1 ? rlru[p] : 0;
+        }
 #pragma unroll
-    for (int u = 0; u < PREFETCH; ++u) {
-      const int p = base + u * BLOCK + tid;
-      held[u] = p < H ? stok[slots[u]] : -1;
-    }
-#pragma unroll
-    for (int u = 0; u < PREFETCH; ++u) {
-      if (base + u * BLOCK >= H) break;  // uniform over the block
-      const int p = base + u * BLOCK + tid;
-      int hit = 0, ev = 0;
-      if (p < H) {
-        const int bt = held[u];
-        const int j = bt >= 0 ? hash_find(s_key, s_val, mask, bt) : -1;
-        if (j >= 0 && s_kind[j] == K_CANON) {
-          hit = 1;
-          s_kind[j] = K_HIT;
-          o[j] = sloc[slots[u]];
-        } else {
-          ev = 1;
+        for (int u = 0; u < PREFETCH; ++u) {
+          const int p = g + u * 32 + lane;
+          held[u] = p < p1 ? stok[slots[u]] : -1;
         }
       }
-      int tot;
-      const int ex = block_exclusive_sum<BLOCK>(hit | (ev << 16), s_scan, tot);
-      if (hit) s_hit[n_hit + (ex & 0xffff)] = static_cast<i16>(slots[u]);
-      if (ev) s_evict[n_ev + (ex >> 16)] = static_cast<i16>(slots[u]);
-      n_hit += tot & 0xffff;
-      n_ev += tot >> 16;
-    }
-  }
-  // s_kind/out of hits are visible: they were written before the last scan's barriers; the
-  // last round's s_hit/s_evict stores are read only after phase 4's first scan barrier.
-
-  // ---- phase 4: misses in top-k order take the least recently used evictable slots
-  int n_miss = 0;
-  for (int base = 0; base < K; base += BLOCK) {
-    const int i = base + tid;
-    int miss = 0;
-    i64 hl = -1;
-    if (i < K && s_kind[i] == K_CANON) {
-      hl = hloc[s_tok[i]];
-      if (hl >= 0 && hl < n_host_rows) {
-        miss = 1;
-      } else {
-        s_kind[i] = K_NOHOST;
-        o[i] = -1;
-        atomicAdd(&s_cnt[ST_NOHOST], 1);
+#pragma unroll
+      for (int u = 0; u < PREFETCH; ++u) {
+        if (g + u * 32 >= p0 + c3) break;  // uniform over the warp
+        const int p = g + u * 32 + lane;
+        const bool valid = p < p1;
+        int hit = 0;
+        if (valid) {
+          const int bt = held[u];
+          const int j = bt >= 0 ? hash_find(s_key, s_val, mask, shift, bt) : -1;
+          if (j >= 0 && s_kind[j] == K_CANON) {
+            hit = 1;
+            s_kind[j] = K_HIT;
+            s_out[j] = s_loc[slots[u]];
+          }
+          s_tmp[p] = static_cast<u16>(slots[u] | (hit << 15));
+        }
+        const unsigned hm = __ballot_sync(FULL_MASK, hit);
+        const unsigned vm = __ballot_sync(FULL_MASK, valid);
+        nh += __popc(hm);
+        ne += __popc(vm & ~hm);
       }
     }
-    int tot;
-    const int m = n_miss + block_exclusive_sum<BLOCK>(miss, s_scan, tot);
-    if (miss) {
-      const int victim = s_evict[m];
-      const int loc = sloc[victim];
-      o[i] = loc;
-      stok[victim] = s_tok[i];
-      plan_src[static_cast<i64>(b) * plan_stride + m] = hl;
-      plan_dst[static_cast<i64>(b) * plan_stride + m] = loc;
-      s_kind[i] = K_MISS;
+    if (lane == 0) {
+      s_wh[warp] = nh;
+      s_we[warp] = ne;
     }
-    n_miss += tot;
   }
-  __syncthreads();  // misses' outputs and kinds, written after the last scan, are visible
+  __syncthreads();
+  if (warp == 0) scan_warp_totals<NW>(s_wh, lane);
+  if (warp == 1 % NW) scan_warp_totals<NW>(s_we, lane);  // NW == 1: the same warp, in turn
+  __syncthreads();
+  const int E = s_we[NW];
+  {
+    int ho = s_wh[warp], eo = s_we[warp];
+    for (int g = p0; g < p0 + c3; g += 32) {
+      const int p = g + lane;
+      const bool valid = p < p1;
+      const int v = valid ? s_tmp[p] : 0;
+      const bool hit = valid && (v >> 15);
+      const bool ev = valid && !hit;
+      const unsigned hm = __ballot_sync(FULL_MASK, hit);
+      const unsigned em = __ballot_sync(FULL_MASK, ev);
+      if (hit) s_hit[ho + __popc(hm & below)] = static_cast<i16>(v & 0x7fff);
+      if (ev) s_evict[eo + __popc(em & below)] = static_cast<i16>(v & 0x7fff);
+      ho += __popc(hm);
+      eo += __popc(em);
+    }
+  }
 
-  // ---- phase 5: duplicates, LRU write-back, counts
+  // ---- phase 4: misses in top-k order take the least recently used evictable slots. Pass 1
+  // needs only phase 3's kinds, published by the barrier above; host rows came with phase 1.
+  {
+    int nm = 0;
+    for (int g = i0; g < i0 + c4; g += 32) {
+      const int i = g + lane;
+      int miss = 0;
+      if (i < i1 && s_kind[i] == K_CANON) {
+        const i64 hl = s_hl[i];
+        if (hl >= 0 && hl < n_host_rows) {
+          miss = 1;
+          s_kind[i] = K_MISS;
+        } else {
+          s_kind[i] = K_NOHOST;
+          atomicAdd(&s_cnt[ST_NOHOST], 1);
+        }
+      }
+      nm += __popc(__ballot_sync(FULL_MASK, miss));
+    }
+    if (lane == 0) s_wm[warp] = nm;
+  }
+  __syncthreads();  // also publishes s_hit / s_evict
+  if (warp == 0) scan_warp_totals<NW>(s_wm, lane);
+  __syncthreads();
+  const int M = s_wm[NW];
+  {
+    int mo = s_wm[warp];
+    for (int g = i0; g < i0 + c4; g += 32) {
+      const int i = g + lane;
+      const bool miss = i < i1 && s_kind[i] == K_MISS;
+      const unsigned mm = __ballot_sync(FULL_MASK, miss);
+      if (miss) {
+        const int m = mo + __popc(mm & below);
+        const int victim = s_evict[m];
+        const int loc = s_loc[victim];
+        s_out[i] = loc;
+        stok[victim] = s_tok[i];
+        plan_src[static_cast<i64>(b) * plan_stride + m] = s_hl[i];
+        plan_dst[static_cast<i64>(b) * plan_stride + m] = loc;
+      }
+      mo += __popc(mm);
+    }
+  }
+  __syncthreads();  // misses' outputs are visible
+
+  // ---- phase 5: duplicates take their canonical entry's output; write-back
   for (int i = tid; i < K; i += BLOCK) {
     if (s_kind[i] == K_DUP) {
-      const int c = hash_find(s_key, s_val, mask, s_tok[i]);
-      o[i] = o[c];
+      const int c = s_val[s_pos[i]];
+      s_out[i] = s_out[c];
       if (s_kind[c] == K_NOHOST) atomicAdd(&s_cnt[ST_NOHOST], 1);
     }
   }
-  const int E = n_ev, M = n_miss;
   for (int p = tid; p < H; p += BLOCK) {
     i16 v;
     if (p < E - M) v = s_evict[M + p];
     else if (p < E) v = s_evict[p - (E - M)];
-    else v = s_hit[p - E];
+    else v = s_hit[p - E];  // the H - E hits
     rlru[p] = v;
   }
   __syncthreads();
+  for (int i = tid; i < K; i += BLOCK) o[i] = s_out[i];
   if (tid == 0) {
     plan_count[b] = M;
     st[ST_RANGE] = s_cnt[ST_RANGE];
