@@ -22,7 +22,8 @@ from ._build import compile_check
 from ._launch import Ptr, pdl_enabled, pdl_supported, set_pdl
 from .cache import HotBufferCache
 from .host_pool import HostKVPool
-from .plan import MissPlan
+from .plan import MissPlan, replay_plan
+from .streams import LayerPattern, Prefetcher, layer_pattern
 from .swap import SwapState, swap_in
 
 __version__ = "0.1.0"
@@ -30,13 +31,17 @@ __version__ = "0.1.0"
 __all__ = [
     "HostKVPool",
     "HotBufferCache",
+    "LayerPattern",
     "MissPlan",
+    "Prefetcher",
     "Ptr",
     "SwapState",
     "compile_check",
+    "layer_pattern",
     "pdl_enabled",
     "pdl_supported",
     "reference",
+    "replay_plan",
     "set_pdl",
     "swap_in",
 ]

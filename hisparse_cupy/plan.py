@@ -115,3 +115,93 @@ def copy_rows(
     )
     launch(_build.kernel(_FILE, name), grid, COPY_WARPS * 32, args, shared_mem=smem,
            stream=stream, pdl=pdl)
+
+
+def replay_plan(
+    plan: MissPlan,
+    batch: int,
+    *,
+    device_rows,
+    pool: HostKVPool | None = None,
+    layer: int | None = None,
+    host_rows: Ptr | None = None,
+    n_host_rows: int | None = None,
+    num_real=None,
+    grid: int | None = None,
+    dry_run: bool = False,
+    spin_cycles: int = 0,
+    bad=None,
+    stream: cupy.cuda.Stream | None = None,
+) -> None:
+    """Replay a recorded miss plan on one layer: host row ``src[b, m]`` -> device row ``dst[b, m]``.
+
+    For every real batch row ``b < min(num_real, batch)`` and entry ``m < count[b]`` (counts are
+    clamped to ``[0, plan.width]``), copies that row of the layer's host rows into the layer's
+    device rows. The work is spread over the flattened (request, miss) pairs, so any ``grid``
+    is balanced whatever the distribution of misses over requests. Queued on ``stream``
+    without host synchronization and without allocating: safe inside CUDA-graph capture.
+
+    Parameters
+    ----------
+    plan : MissPlan
+        Written by a swap (``plan.src`` int64 ``[max_batch, width]`` host rows, ``plan.dst``
+        int32 device rows, ``plan.count`` int32 ``[max_batch]``); the first ``batch`` rows are
+        replayed.
+    batch : int
+        Batch rows to replay, ``0 <= batch <= plan.max_batch`` (0: nothing is queued).
+    device_rows : uint8 ``[D, row_bytes]`` device array (C-contiguous)
+        The layer's hot-buffer rows, e.g. ``HotBufferCache.device_rows(layer)``.
+    pool, layer : HostKVPool and int
+        The source: host rows of ``layer`` in ``pool``. Or give ``host_rows`` (the device
+        address of the layer's row 0, a :class:`Ptr`) and ``n_host_rows`` instead.
+    num_real : int32 device scalar, optional
+        Rows ``>= num_real`` are CUDA-graph padding and copy nothing.
+    grid : int, optional
+        Blocks of the copy kernel (``COPY_WARPS`` warps each). Default: enough warps for every
+        entry of the plan's rows, at most :func:`full_grid`. A small grid leaves SMs to the
+        compute a side-stream replay overlaps.
+    dry_run : bool
+        Do all the work (plan reads, prefix, indexing) but move no bytes; for measuring.
+    spin_cycles : int
+        Delay each row by this many clock cycles (tests' artificially slowed replay).
+    bad : int32 device scalar, optional
+        Incremented once per entry whose host or device row is outside its array.
+    stream : cupy.cuda.Stream, optional
+        Default: the current stream.
+    """
+    if not isinstance(plan, MissPlan):
+        raise TypeError(f"plan must be a MissPlan, got {type(plan).__name__}")
+    batch = _checks.integer("batch", batch, 0, plan.max_batch)
+    dev = _checks.array("device_rows", device_rows, np.uint8, ndim=2)
+    row_bytes = _checks.row_bytes("device_rows row size", dev.shape[1])
+    if pool is not None:
+        if host_rows is not None or n_host_rows is not None:
+            raise ValueError("give either pool and layer, or host_rows and n_host_rows")
+        if not isinstance(pool, HostKVPool):
+            raise TypeError(f"pool must be a HostKVPool, got {type(pool).__name__}")
+        if layer is None:
+            raise ValueError("pool needs layer (the layer whose host rows are replayed)")
+        host_rows = pool.device_ptr(layer)
+        n_host_rows = pool.n_rows
+        if pool.row_bytes != row_bytes:
+            raise ValueError(f"device_rows rows hold {row_bytes} bytes, the pool's rows "
+                             f"{pool.row_bytes}")
+    else:
+        if layer is not None:
+            raise ValueError("layer selects a layer of pool; with host_rows give the layer's "
+                             "own address")
+        if not isinstance(host_rows, Ptr):
+            raise TypeError("give pool and layer, or host_rows as a Ptr (HostKVPool.device_ptr)")
+        if n_host_rows is None:
+            raise ValueError("host_rows needs n_host_rows (rows at that address)")
+        n_host_rows = _checks.integer("n_host_rows", n_host_rows, 0)
+    nr = None if num_real is None else _checks.device_scalar("num_real", num_real)
+    if grid is not None:
+        grid = _checks.integer("grid", grid, 1, 2**31 - 1)
+    spin_cycles = _checks.integer("spin_cycles", spin_cycles, 0)
+    if bad is not None:
+        bad = _checks.device_scalar("bad", bad)
+    copy_rows(plan.src, plan.dst, plan.count, batch, nr, src_base=host_rows,
+              src_layer_bytes=0, n_src_rows=n_host_rows, dst_base=Ptr(dev.data.ptr),
+              dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes, grid=grid,
+              dry_run=bool(dry_run), spin_cycles=spin_cycles, bad=bad, stream=stream)

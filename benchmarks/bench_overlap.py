@@ -1,0 +1,649 @@
+"""IndexCache shared-layer IO overlap: a synthetic decode step with and without the side stream.
+
+A step runs L layers with GLM-5.2's IndexShare pattern (78 layers, freq 4, offset 3: 21 full,
+57 shared), or the same rule over 24 layers for quick runs (8 full, 16 shared). Per layer: a
+stand-in attention kernel that reads every selected 656-byte row of the batch, then a cuBLAS
+fp16 matmul sized so that the no-offload layer costs about 0.2 ms (issued through PyTorch on
+the same stream, because CuPy refuses cuBLAS calls during graph capture; see ``Compute``).
+K 2048, H 4096 (+64), every request 6656 tokens long; each step an "indexer" kernel slides
+every request's top-k window by M tokens (M = miss rate x K new tokens per request per step,
+all misses; the window runs over a fixed random permutation of the request's tokens, so host
+reads are scattered over its rows). Every configuration starts from cold hot buffers.
+
+Modes (each timed eager, one Python-driven step per event pair, and as one captured graph):
+- no offload: every row already on the GPU (attention reads a fixed page table, no swap);
+- no overlap: the full swap-in (resolve + copy) on every layer on the main stream
+  (``Prefetcher`` with prefetch off);
+- overlap: full layers swap on the main stream, a side stream replays their plan for the shared
+  layers, shared layers wait on their event (``Prefetcher``);
+- overlap, skip IO: the same with replays that move no bytes (the overlap's floor);
+- compute + copies: the no-offload step while the side stream replays the shared layers' plans;
+  its main-stream time (to an event recorded before the join) over the no-offload step is the
+  compute slowdown the concurrent copies cause.
+
+Reported: per-step time (median, p10-p90, over >= 20 steps after warm-up), the offload overhead
+over no offload, the fraction of it the overlap hides next to its ceiling (the shared layers'
+share of the IO: every layer moves the same rows), the compute slowdown, and the ceilings
+measured in the same run: a cudaMemcpyAsync H2D of the step's missed bytes and the replays
+alone on an idle GPU. Everything is queued on explicit non-blocking streams.
+
+    python benchmarks/bench_overlap.py [--quick] [--out DIR]
+    python benchmarks/bench_overlap.py --plot DIR/bench_overlap.json   # PNG from a JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import cupy
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import device_info, memcpy_h2d, summary, time_calls, write_json  # noqa: E402
+
+from hisparse_cupy import HotBufferCache, LayerPattern, Prefetcher, replay_plan  # noqa: E402
+from hisparse_cupy._launch import launch  # noqa: E402
+
+K, H, P, ROW = 2048, 4096, 64, 656
+MAX_LEN = 6656  # token window U = 6655 >= H + K: a token coming back was evicted long ago
+U = MAX_LEN - 1
+TARGET_LAYER_US = 200.0
+MM_N = 4096
+MM_MAX = 16384
+WARMUP = 3
+MODES = ("no_offload", "no_overlap", "overlap", "overlap_skip_io", "compute_copies")
+
+_SRC = r"""
+// step t, request b, entry k: token perm(pos) with pos = (t*M + 7919*b + k) mod U,
+// perm(x) = (a*x + 131*b) mod U, gcd(a, U) = 1 (a bijection): the window slides by M a step.
+extern "C" __global__ void gen_topk(int* out, int K, int M, int U, long long a,
+                                    const int* step) {
+  const int b = blockIdx.y;
+  const int k = blockIdx.x * blockDim.x + threadIdx.x;
+  if (k >= K) return;
+  const long long pos = (static_cast<long long>(*step) * M + 7919LL * b + k) % U;
+  out[static_cast<long long>(b) * K + k] = static_cast<int>((pos * a + 131LL * b) % U);
+}
+
+extern "C" __global__ void tick(int* step) { *step += 1; }
+
+// Stand-in attention: reads every selected row (16-byte vectors, one warp per row) and
+// folds it into a per-request checksum.
+extern "C" __global__ void attn(const int* locs, int K, const unsigned char* rows,
+                                int row_bytes, unsigned int* out) {
+  const int b = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int nvec = row_bytes >> 4;
+  unsigned int acc = 0;
+  for (int k = blockIdx.x * 8 + warp; k < K; k += gridDim.x * 8) {
+    const int loc = locs[static_cast<long long>(b) * K + k];
+    if (loc < 0) continue;
+    const uint4* r = reinterpret_cast<const uint4*>(rows + static_cast<long long>(loc) * row_bytes);
+    for (int v = lane; v < nvec; v += 32) {
+      const uint4 x = r[v];
+      acc ^= x.x ^ x.y ^ x.z ^ x.w;
+    }
+  }
+  for (int o = 16; o; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) atomicXor(out + b, acc);
+}
+
+// Fallback compute (only if cuBLAS cannot be captured): FMAs on every SM.
+extern "C" __global__ void fma_burn(float* x, int iters) {
+  float a = x[threadIdx.x], c = 1.0f + 1e-7f * threadIdx.x;
+  for (int i = 0; i < iters; ++i) a = a * c + 1e-7f;
+  if (a == 12345.0f) x[threadIdx.x] = a;
+}
+"""
+
+
+class Kernels:
+    def __init__(self):
+        mod = cupy.RawModule(code=_SRC, options=("-std=c++17",))
+        self.gen = mod.get_function("gen_topk")
+        self.tick = mod.get_function("tick")
+        self.attn = mod.get_function("attn")
+        self.fma = mod.get_function("fma_burn")
+
+
+def _coprime(n: int) -> int:
+    a = int(n * 0.6180339887)
+    while np.gcd(a, n) != 1:
+        a += 1
+    return a
+
+
+class Compute:
+    """The per-layer compute: a cuBLAS fp16 matmul ``[m, 4096] x [4096, 4096]``.
+
+    CuPy refuses cuBLAS calls while a stream is captured, so the matmul runs through PyTorch
+    (which owns its cuBLAS handle and workspace and can be captured) on the same main stream.
+    Without PyTorch, or if its matmul cannot be captured and replayed exactly, an FMA kernel on
+    every SM stands in (``kind`` says which ran).
+    """
+
+    def __init__(self, kern: Kernels, main: cupy.cuda.Stream):
+        self.kern, self.main = kern, main
+        self.burn = cupy.zeros(1024, cupy.float32)
+        self.sms = device_info()["sms"]
+        self.m = 2048
+        self.iters = 1000
+        self.kind = "fma"
+        try:
+            import torch
+
+            self.torch = torch
+            self.tstream = torch.cuda.ExternalStream(main.ptr)
+            torch.cuda.set_stream(self.tstream)  # torch's work goes to the main stream too
+            gen = torch.Generator(device="cuda")
+            gen.manual_seed(0)
+            opts = {"device": "cuda", "dtype": torch.float16, "generator": gen}
+            self.w = torch.randn(MM_N, MM_N, **opts) * 0.01
+            self.x = torch.randn(MM_MAX, MM_N, **opts)
+            self.y = torch.empty(MM_MAX, MM_N, device="cuda", dtype=torch.float16)
+            self.kind = "cublas (torch)"
+            self._check_capture()
+        except Exception as e:  # noqa: BLE001 - any failure means: use the fallback
+            print(f"cuBLAS matmul through PyTorch unusable in a captured graph here "
+                  f"({type(e).__name__}: {e}); using an FMA kernel as the layer's compute")
+            self.kind = "fma"
+
+    def _check_capture(self) -> None:
+        s, t = self.main, self.torch
+        self.m = 256
+        self()
+        s.synchronize()
+        want = self.y[:256].clone()
+        s.synchronize()
+        self.y[:256].zero_()
+        s.begin_capture()
+        try:
+            self()
+        finally:
+            g = s.end_capture()
+        g.launch(s)
+        s.synchronize()
+        if not t.allclose(self.y[:256], want, rtol=1e-2, atol=1e-2):
+            raise RuntimeError("the captured matmul replayed a different result")
+        self.m = 2048
+
+    def __call__(self) -> None:
+        if self.kind == "fma":
+            launch(self.kern.fma, self.sms * 4, 256, (self.burn, np.int32(self.iters)),
+                   stream=self.main)
+        else:
+            self.torch.matmul(self.x[: self.m], self.w, out=self.y[: self.m])
+
+    def calibrate(self, target_us: float) -> float:
+        """Size the compute to take ``target_us``; returns its measured time (us)."""
+        for _ in range(2):
+            t = statistics.median(time_calls(lambda i: self(), iters=9, stream=self.main))
+            scale = max(target_us, 1.0) / t
+            if self.kind == "fma":
+                self.iters = max(10, int(self.iters * scale))
+            else:
+                self.m = int(min(MM_MAX, max(64, round(self.m * scale / 64) * 64)))
+        return statistics.median(time_calls(lambda i: self(), iters=9, stream=self.main))
+
+
+def record_external(ev: cupy.cuda.Event, s: cupy.cuda.Stream) -> None:
+    """Record ``ev`` on ``s``; inside a capture as an event-record node that can be timed."""
+    if not s.is_capturing():
+        ev.record(s)
+        return
+    from cuda.bindings import driver as cu
+
+    (err,) = cu.cuEventRecordWithFlags(cu.CUevent(ev.ptr), cu.CUstream(s.ptr),
+                                       cu.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuEventRecordWithFlags: {err}")
+
+
+class Rig:
+    """One cache of ``n_layers`` layers for up to ``bmax`` requests, and the step functions."""
+
+    def __init__(self, n_layers: int, bmax: int, kern: Kernels, compute: Compute,
+                 main: cupy.cuda.Stream):
+        self.L, self.bmax, self.kern, self.compute, self.main = n_layers, bmax, kern, compute, main
+        self.pattern = LayerPattern.from_freq(n_layers, 4, 3)
+        t0 = time.perf_counter()
+        self.cache = HotBufferCache(n_layers=n_layers, max_requests=bmax, max_len=MAX_LEN,
+                                    row_bytes=ROW, hot_size=H, top_k=K, extra_page=P)
+        self.rids = [self.cache.admit(MAX_LEN, stream=main) for _ in range(bmax)]
+        self.req = cupy.asarray(np.array(self.rids, np.int32))
+        self.lens = cupy.full(bmax, MAX_LEN, cupy.int32)
+        self.topk = cupy.empty((bmax, K), cupy.int32)
+        self.static = cupy.empty((bmax, K), cupy.int32)
+        self.step_ctr = cupy.zeros(1, cupy.int32)
+        self.sums = cupy.zeros(bmax, cupy.uint32)
+        self.pf = Prefetcher(self.cache, self.pattern)
+        self.fork = cupy.cuda.Event(disable_timing=True)
+        self.done = cupy.cuda.Event(disable_timing=True)
+        self.cc_end = cupy.cuda.Event()  # main stream's compute done (compute + copies mode)
+        self.cc_external = True  # cc_end can be recorded inside a captured graph
+        self.a = np.int64(_coprime(U))
+        main.synchronize()
+        self.setup_s = time.perf_counter() - t0
+        self.B, self.M = bmax, 1
+        self.last = None
+
+    def reset(self) -> None:
+        """Release and re-admit every request: cold hot buffers, so that from the second step
+        on each request misses exactly the M tokens its window brings in."""
+        s = self.main
+        self.pf.finish(s)
+        for rid in self.rids:
+            self.cache.release(rid, stream=s)
+        self.rids = [self.cache.admit(MAX_LEN, stream=s) for _ in range(self.bmax)]
+        self.req[...] = cupy.asarray(np.array(self.rids, np.int32))
+
+    # -------------------------------------------------------------- pieces
+    def gen(self) -> None:
+        launch(self.kern.gen, (-(-K // 256), self.B), 256,
+               (self.topk, np.int32(K), np.int32(self.M), np.int32(U), self.a, self.step_ctr),
+               stream=self.main)
+
+    def attention(self, locs, layer: int) -> None:
+        launch(self.kern.attn, (K // 64, self.B), 256,
+               (locs, np.int32(K), self.cache.device[layer], np.int32(ROW), self.sums),
+               stream=self.main)
+
+    # -------------------------------------------------------------- steps
+    def step_offload(self) -> None:
+        """no overlap / overlap (whichever the prefetcher is set to)."""
+        B, s = self.B, self.main
+        self.gen()
+        req, lens, tk = self.req[:B], self.lens[:B], self.topk[:B]
+        for layer in range(self.L):
+            locs = self.pf.swap(layer, req, lens, tk, stream=s)
+            self.attention(locs, layer)
+            self.compute()
+        self.pf.finish(s)
+        launch(self.kern.tick, 1, 1, (self.step_ctr,), stream=s)
+        self.last = locs
+
+    def step_no_offload(self) -> None:
+        locs = self.static[: self.B]
+        for layer in range(self.L):
+            self.attention(locs, layer)
+            self.compute()
+
+    def step_compute_copies(self) -> None:
+        """The no-offload step with each group's replays on the side stream (plan: the last
+        step's, so the copies have the steady-state size)."""
+        s, side, B = self.main, self.pf.side, self.B
+        locs = self.static[:B]
+        queued = False
+        for layer in range(self.L):
+            group = self.pattern.groups.get(layer, ())
+            if group:
+                self.fork.record(s)
+                side.wait_event(self.fork)
+                for sl in group:
+                    replay_plan(self.cache.plan, B, device_rows=self.cache.device[sl],
+                                pool=self.cache.pool, layer=sl, grid=self.pf.replay_grid,
+                                stream=side)
+                queued = True
+            self.attention(locs, layer)
+            self.compute()
+        if self.cc_external or not s.is_capturing():
+            record_external(self.cc_end, s)
+        if queued:
+            self.done.record(side)
+            s.wait_event(self.done)
+
+    def replays_alone(self, grid: int) -> None:
+        """Every shared layer's replay of one step, back to back on the main stream."""
+        for sl in self.pattern.shared_layers:
+            replay_plan(self.cache.plan, self.B, device_rows=self.cache.device[sl],
+                        pool=self.cache.pool, layer=sl, grid=grid, stream=self.main)
+
+    def capture(self, fn):
+        s = self.main
+        s.begin_capture()
+        try:
+            fn()
+        finally:
+            g = s.end_capture()
+        return g
+
+    def close(self) -> None:
+        self.main.synchronize()
+        self.pf.synchronize()
+        self.cache.close()
+
+
+def _ms(d: dict) -> dict:
+    return {"median_ms": d["median_us"] / 1e3, "p10_ms": d["p10_us"] / 1e3,
+            "p90_ms": d["p90_us"] / 1e3, "n": d["n"]}
+
+
+def time_main_part(enqueue, end_ev: cupy.cuda.Event, iters: int, s: cupy.cuda.Stream) -> dict:
+    """Microseconds from the start of ``enqueue()``'s work on ``s`` to ``end_ev`` (recorded by
+    that work), per call, warm-up excluded."""
+    e0 = cupy.cuda.Event()
+    out = []
+    for i in range(WARMUP + iters):
+        e0.record(s)
+        enqueue()
+        s.synchronize()
+        if i >= WARMUP:
+            out.append(cupy.cuda.get_elapsed_time(e0, end_ev) * 1000.0)
+    return summary(out)
+
+
+def capture_cc(rig: Rig):
+    """The compute + copies step as a graph; without a timable end event if the driver refuses
+    an external event record inside the capture."""
+    try:
+        return rig.capture(rig.step_compute_copies)
+    except Exception as e:  # noqa: BLE001
+        if not rig.cc_external:
+            raise
+        print(f"no event-record node in a captured graph ({type(e).__name__}: {e}); "
+              f"graph compute slowdown not measured")
+        rig.cc_external = False
+        return rig.capture(rig.step_compute_copies)
+
+
+def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool) -> dict:
+    s, pf = rig.main, rig.pf
+    rig.B, rig.M = B, max(1, int(round(rate * K)))
+    pf.set_enabled(True, s)
+    pf.dry_run = False
+    rig.reset()
+    # warm-up: overlap mode (compiles everything; from the second step every request misses
+    # exactly the M tokens its window brings in)
+    for _ in range(4):
+        rig.step_offload()
+    rig.static[:B] = rig.last
+    s.synchronize()
+    misses = float(cupy.asnumpy(rig.cache.plan.count[:B]).mean())
+    attn_us = statistics.median(time_calls(lambda i: rig.attention(rig.static[:B], 0), iters=9,
+                                           stream=s))
+    mm_us = rig.compute.calibrate(TARGET_LAYER_US - attn_us)
+    # second pass on the whole layer (launch gaps, the attention next to the compute)
+    g = rig.capture(rig.step_no_offload)
+    t_step = statistics.median(time_calls(lambda i: g.launch(s), iters=5, stream=s))
+    mm_us = rig.compute.calibrate(mm_us + TARGET_LAYER_US - t_step / rig.L)
+    del g
+
+    graphs = {}
+    graphs["no_offload"] = rig.capture(rig.step_no_offload)
+    graphs["overlap"] = rig.capture(rig.step_offload)
+    pf.dry_run = True
+    graphs["overlap_skip_io"] = rig.capture(rig.step_offload)
+    pf.dry_run = False
+    graphs["compute_copies"] = capture_cc(rig)
+    pf.set_enabled(False, s)
+    graphs["no_overlap"] = rig.capture(rig.step_offload)
+    pf.set_enabled(True, s)
+
+    def prepare(mode):
+        pf.set_enabled(mode != "no_overlap", s)
+        pf.dry_run = mode == "overlap_skip_io"
+
+    eager_fn = {"no_offload": rig.step_no_offload, "no_overlap": rig.step_offload,
+                "overlap": rig.step_offload, "overlap_skip_io": rig.step_offload,
+                "compute_copies": rig.step_compute_copies}
+    res = {"eager": {}, "graph": {}}
+    cc_main = {}
+    host = {}
+    for mode in MODES:
+        prepare(mode)
+        spent = []
+
+        def eager(i, fn=eager_fn[mode], spent=spent):
+            t = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - t)
+
+        res["eager"][mode] = _ms(summary(time_calls(eager, iters=iters, warmup=WARMUP,
+                                                    stream=s)))
+        host[mode] = 1e3 * statistics.median(spent)
+        g = graphs[mode]
+        res["graph"][mode] = _ms(summary(time_calls(lambda i, g=g: g.launch(s), iters=iters,
+                                                    warmup=WARMUP, stream=s)))
+    # compute + copies: time of the main stream's compute alone (to its end event)
+    cc_main["eager"] = _ms(time_main_part(rig.step_compute_copies, rig.cc_end, iters, s))
+    if rig.cc_external:
+        g = graphs["compute_copies"]
+        cc_main["graph"] = _ms(time_main_part(lambda: g.launch(s), rig.cc_end, iters, s))
+    prepare("overlap")
+    s.synchronize()
+    misses_end = float(cupy.asnumpy(rig.cache.plan.count[:B]).mean())
+
+    # ceilings, same run: the step's missed bytes by cudaMemcpyAsync, and the replays alone
+    bytes_layer = B * misses_end * ROW
+    step_bytes = int(bytes_layer * rig.L)
+    mc_single, mc_chain = memcpy_h2d(rig.cache.pool.numpy, step_bytes, iters=10, chain=2,
+                                     stream=s)
+    shared_bytes = bytes_layer * len(rig.pattern.shared_layers)
+    alone = {}
+    for name, grid in (("replay_grid", pf.replay_grid), ("full_grid", None)):
+        g = rig.capture(lambda grid=grid: rig.replays_alone(grid))
+        t = summary(time_calls(lambda i, g=g: g.launch(s), iters=10, stream=s))
+        alone[name] = {"ms": t["median_us"] / 1e3,
+                       "GBps": shared_bytes / t["median_us"] / 1e3}
+    del graphs
+    n_shared = len(rig.pattern.shared_layers)
+    derived = {}
+    for ex in ("eager", "graph"):
+        m = {k: v["median_ms"] for k, v in res[ex].items()}
+        o_sync = m["no_overlap"] - m["no_offload"]
+        o_ovl = m["overlap"] - m["no_offload"]
+        o_dry = m["overlap_skip_io"] - m["no_offload"]
+        cc = cc_main.get(ex)
+        derived[ex] = {
+            "overhead_no_overlap_ms": o_sync, "overhead_overlap_ms": o_ovl,
+            "hidden": 1.0 - o_ovl / o_sync if o_sync > 0 else float("nan"),
+            "hidden_skip_io": 1.0 - o_dry / o_sync if o_sync > 0 else float("nan"),
+            "ceiling": n_shared / rig.L,
+            "compute_slowdown": (cc["median_ms"] / m["no_offload"] - 1.0) if cc else None,
+            "offload_GBps_no_overlap": step_bytes / (o_sync * 1e6) if o_sync > 0 else None,
+        }
+    out = {"layers": rig.L, "batch": B, "miss_rate": rate, "misses_per_request": misses,
+           "misses_per_request_end": misses_end,
+           "full_layers": len(rig.pattern.full_layers), "shared_layers": n_shared,
+           "attn_us": attn_us, "compute_us": mm_us, "compute_kind": rig.compute.kind,
+           "matmul_m": rig.compute.m, "replay_grid": pf.replay_grid,
+           "step_io_bytes": step_bytes, "memcpy_step_io_ms": mc_single["median_us"] / 1e3,
+           "memcpy_GBps": step_bytes / mc_single["median_us"] / 1e3,
+           "memcpy_chain_GBps": step_bytes / mc_chain["median_us"] / 1e3,
+           "replays_alone": alone, "host_enqueue_ms_eager": host,
+           "modes": res, "compute_copies_main_ms": cc_main, "derived": derived}
+    if sweep:
+        out["sweep"] = run_sweep(rig, res["graph"], iters)
+    return out
+
+
+def run_sweep(rig: Rig, base: dict, iters: int) -> list[dict]:
+    """Overlap and compute + copies (graph) for other replay grids and the side priority."""
+    s, pf = rig.main, rig.pf
+    grid0, side0 = pf.replay_grid, pf.side
+    low = cupy.cuda.Stream(non_blocking=True)  # default priority
+    t0 = base["no_offload"]["median_ms"]
+    o_sync = base["no_overlap"]["median_ms"] - t0
+    rows = []
+    variants = [(g, "high") for g in (8, 16, grid0, 66, 132, 264)] + [(grid0, "default")]
+    for grid, prio in variants:
+        pf.replay_grid, pf.side = grid, (side0 if prio == "high" else low)
+        g_ovl = rig.capture(rig.step_offload)
+        g_cc = capture_cc(rig)
+        t_ovl = _ms(summary(time_calls(lambda i, g=g_ovl: g.launch(s), iters=iters,
+                                       warmup=WARMUP, stream=s)))
+        t_cc = (_ms(time_main_part(lambda g=g_cc: g.launch(s), rig.cc_end, iters, s))
+                if rig.cc_external else None)
+        rows.append({"replay_grid": grid, "side_priority": prio, "overlap": t_ovl,
+                     "hidden": 1.0 - (t_ovl["median_ms"] - t0) / o_sync,
+                     "compute_main": t_cc,
+                     "compute_slowdown": t_cc["median_ms"] / t0 - 1.0 if t_cc else None})
+        del g_ovl, g_cc
+    pf.replay_grid, pf.side = grid0, side0
+    s.synchronize()
+    low.synchronize()
+    return rows
+
+
+def _pct(v) -> str:
+    return "n/a" if v is None else f"{v * 100:+.1f}%"
+
+
+def sweep_table(results: list[dict]) -> str:
+    lines = ["| layers | batch | miss % | replay grid | side priority | overlap ms | hidden | "
+             "compute slowdown |", "|---" * 8 + "|"]
+    for r in results:
+        for w in r.get("sweep", ()):
+            lines.append(f"| {r['layers']} | {r['batch']} | {r['miss_rate'] * 100:g} | "
+                         f"{w['replay_grid']} | {w['side_priority']} | {_fmt(w['overlap'])} | "
+                         f"{w['hidden'] * 100:.1f}% | {_pct(w['compute_slowdown'])} |")
+    return "\n".join(lines)
+
+
+def _fmt(d: dict) -> str:
+    return f"{d['median_ms']:.2f} [{d['p10_ms']:.2f}-{d['p90_ms']:.2f}]"
+
+
+HEADER = ("| layers | batch | miss % (per req, start/end) | exec | no offload ms | no overlap ms "
+          "| overlap ms | skip-IO ms | overhead no-ovl / ovl ms | hidden | ceiling "
+          "| hidden skip-IO | compute slowdown | step IO MB | memcpy ms |\n" + "|---" * 15 + "|")
+
+
+def table(results: list[dict]) -> str:
+    lines = [HEADER]
+    for r in results:
+        for ex in ("graph", "eager"):
+            m, d = r["modes"][ex], r["derived"][ex]
+            lines.append(
+                f"| {r['layers']} | {r['batch']} | {r['miss_rate'] * 100:g} "
+                f"({r['misses_per_request']:.0f}/{r['misses_per_request_end']:.0f}) | {ex} | "
+                f"{_fmt(m['no_offload'])} | "
+                f"{_fmt(m['no_overlap'])} | {_fmt(m['overlap'])} | "
+                f"{m['overlap_skip_io']['median_ms']:.2f} | "
+                f"{d['overhead_no_overlap_ms']:.2f} / {d['overhead_overlap_ms']:.2f} | "
+                f"{d['hidden'] * 100:.1f}% | {d['ceiling'] * 100:.1f}% | "
+                f"{d['hidden_skip_io'] * 100:.1f}% | {_pct(d['compute_slowdown'])} | "
+                f"{r['step_io_bytes'] / 1e6:.1f} | {r['memcpy_step_io_ms']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(payload: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG (render it later with --plot JSON)")
+        return False
+    res = payload["results"]
+    labels = [f"L{r['layers']} B{r['batch']}\n{r['miss_rate'] * 100:g}%" for r in res]
+    x = np.arange(len(res))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(12, 2.8 * len(res)), 4.5))
+    names = {"no_offload": "no offload", "no_overlap": "offload, no overlap",
+             "overlap": "offload, overlap", "overlap_skip_io": "overlap, replays skip IO"}
+    w = 0.8 / len(names)
+    for j, (mode, lab) in enumerate(names.items()):
+        med = np.array([r["modes"]["graph"][mode]["median_ms"] for r in res])
+        lo = med - np.array([r["modes"]["graph"][mode]["p10_ms"] for r in res])
+        hi = np.array([r["modes"]["graph"][mode]["p90_ms"] for r in res]) - med
+        base = np.array([r["modes"]["graph"]["no_offload"]["median_ms"] for r in res])
+        a1.bar(x + (j - 1.5) * w, med / base, w, yerr=[lo / base, hi / base], label=lab)
+    a1.set_xticks(x, labels)
+    a1.set_ylabel("step time / no-offload step (graph)")
+    top = max(r["modes"]["graph"][m]["p90_ms"] / r["modes"]["graph"]["no_offload"]["median_ms"]
+              for r in res for m in names)
+    a1.set_ylim(0.9, 0.9 + (top - 0.9) * 1.35)
+    a1.legend(fontsize=8, loc="upper center", ncol=2)
+    a1.set_title("per-step time, CUDA graph")
+    for j, ex in enumerate(("graph", "eager")):
+        a2.bar(x + (j - 0.5) * 0.35, [100 * r["derived"][ex]["hidden"] for r in res], 0.35,
+               label=f"hidden ({ex})")
+    a2.scatter(x, [100 * r["derived"]["graph"]["ceiling"] for r in res], marker="_", s=600,
+               color="k", label="ceiling (shared layers' IO share)", zorder=3)
+    a2.axhline(55.6, color="gray", ls="--", lw=0.8, label="SGLang #28523: 55.6%")
+    a2.set_xticks(x, labels)
+    a2.set_ylabel("% of the offload overhead hidden")
+    a2.set_title("fraction of the offload overhead hidden")
+    a2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    dev = payload.get("device", {}).get("name", "")
+    fig.suptitle(f"IndexCache shared-layer IO overlap, {dev}, K {K}, H {H}, rows {ROW} B")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="24-layer pattern (plus the 78-layer target point), fewer configs")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--plot", metavar="JSON", help="only render the PNG of an existing JSON")
+    a = ap.parse_args()
+    if a.plot:
+        payload = json.loads(Path(a.plot).read_text())
+        plot(payload, Path(a.plot).with_suffix(".png"))
+        print(sweep_table(payload["results"]))
+        print(table(payload["results"]))
+        return
+    if a.quick:
+        plan = [(24, [(8, 0.05), (64, 0.01), (64, 0.05), (64, 0.20), (128, 0.05)]),
+                (78, [(64, 0.05)])]
+        iters = 20
+    else:
+        grid = [(b, r) for b in (8, 32, 64, 128) for r in (0.01, 0.05, 0.20)]
+        plan = [(24, grid), (78, grid)]
+        iters = 30
+    main_s = cupy.cuda.Stream(non_blocking=True)
+    main_s.use()  # every CuPy op of this script runs on it, never on the legacy stream
+    t0 = time.perf_counter()
+    out = Path(a.out)
+    kern = Kernels()
+    compute = Compute(kern, main_s)
+    results = []
+    payload = {"device": device_info(), "K": K, "H": H, "P": P, "row_bytes": ROW,
+               "max_len": MAX_LEN, "iters": iters, "warmup": WARMUP,
+               "target_layer_us": TARGET_LAYER_US, "setup_s": {}, "results": results}
+    for n_layers, configs in plan:
+        bmax = max(b for b, _ in configs)
+        rig = Rig(n_layers, bmax, kern, compute, main_s)
+        payload["setup_s"][n_layers] = rig.setup_s
+        print(f"{n_layers} layers, {bmax} requests: cache built in {rig.setup_s:.1f} s "
+              f"(pattern {rig.pattern})", flush=True)
+        for B, rate in configs:
+            t1 = time.perf_counter()
+            r = run_config(rig, B, rate, iters, sweep=(B, rate) == (64, 0.05))
+            results.append(r)
+            payload["wall_s"] = time.perf_counter() - t0
+            write_json(str(out), "bench_overlap.json", payload)  # partial results survive
+            d = r["derived"]["graph"]
+            print(f"L{n_layers} B{B} {rate * 100:g}%: graph no-offload "
+                  f"{r['modes']['graph']['no_offload']['median_ms']:.2f} ms, no-overlap "
+                  f"{r['modes']['graph']['no_overlap']['median_ms']:.2f}, overlap "
+                  f"{r['modes']['graph']['overlap']['median_ms']:.2f}; hidden "
+                  f"{d['hidden'] * 100:.1f}% of ceiling {d['ceiling'] * 100:.1f}% "
+                  f"({time.perf_counter() - t1:.1f} s)", flush=True)
+        rig.close()
+        del rig
+        cupy.get_default_memory_pool().free_all_blocks()
+    plot(payload, out / "bench_overlap.png")
+    for r in results:
+        c = r["replays_alone"]
+        print(f"ceilings L{r['layers']} B{r['batch']} {r['miss_rate'] * 100:g}%: memcpy H2D of "
+              f"the step's {r['step_io_bytes'] / 1e6:.1f} MB {r['memcpy_step_io_ms']:.2f} ms "
+              f"({r['memcpy_GBps']:.1f} GB/s); shared replays alone "
+              f"{c['replay_grid']['ms']:.2f} ms ({c['replay_grid']['GBps']:.1f} GB/s, grid "
+              f"{r['replay_grid']}) / {c['full_grid']['ms']:.2f} ms full grid; layer compute "
+              f"{r['attn_us']:.0f} us attention + {r['compute_us']:.0f} us {r['compute_kind']}; "
+              f"eager host enqueue {r['host_enqueue_ms_eager']['overlap']:.2f} ms/step")
+    print(sweep_table(results))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

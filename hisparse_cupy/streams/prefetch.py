@@ -1,0 +1,335 @@
+"""IndexCache shared-layer IO overlap: replay the full layer's miss plan on a side stream.
+
+Every layer of a request uses the same device rows (``HotBufferCache.slot_locs``), so when the
+layers of a group start with the same slot layout and receive the same copies, the full
+layer's page table and miss plan are valid for each shared layer after it. Per decode step:
+
+- **full layer** (main stream): the single-step swap-in of that layer, which records the miss
+  plan. If the layer has a group, the side stream forks from the main stream right after the
+  swap, replays the plan into each shared layer's device rows (one copy-only launch per shared
+  layer, from that layer's host rows) and records one event per position in the group;
+- **shared layer**: the main stream waits on the event of that layer's position and gets the
+  full layer's page table back. No hashing, no LRU, no host synchronization.
+
+With prefetch off (:meth:`Prefetcher.set_enabled`), every layer, shared ones included, runs
+the full swap-in on the main stream with its full layer's top-k: the "no overlap" mode.
+
+Hazards and how this design closes them
+---------------------------------------
+1. **Shared layer reads its rows before they land (RAW).** Event ``e[p]`` is recorded on the
+   side stream after the replay for position ``p``; the shared layer's call makes the main
+   stream wait on it before returning the page table, so anything queued on the main stream
+   after the call (its attention) sees the bytes.
+2. **Replay reads the plan before the full layer wrote it (RAW).** The fork event is recorded
+   on the main stream after the full layer's swap (resolve, which writes the plan, and its own
+   copy) and the side stream waits on it before the first replay.
+3. **A slot overwritten while the previous step may still read it (WAR).** A replay at step
+   ``t`` evicts slots that the shared layer's attention read at step ``t - 1``. The fork point
+   is on the main stream after everything the main stream queued before this full layer, which
+   includes all of step ``t - 1``'s attention; the side stream inherits that order, so no
+   replay overtakes an earlier read. Reads queued on other streams must be joined into the main
+   stream by the caller before the step. The newest-token slot ``H`` is never a plan target, so
+   the model's write of the step's KV there never races a replay.
+4. **The single plan buffer reused by the next swap (WAR).** Every swap (the next full layer's,
+   or any swap in prefetch-off mode) rewrites ``cache.plan`` while replays of the current group
+   may still read it. Before any swap, the main stream joins every replay that no shared layer
+   has waited on yet (it waits on the last recorded event; the side stream is in order), so the
+   rewrite is ordered after the last replay. When every shared layer is called, this costs
+   nothing: the last shared layer's wait has already joined the group.
+5. **Event reuse.** The ``max_group_size`` events are re-recorded by every group and every
+   step. A wait binds to the record most recently queued when the wait is queued; this object
+   queues all waits of a group (or the join of hazard 4) before the next group records again,
+   and refuses a shared layer whose full layer is not the last one swapped in this step, so a
+   wait never binds to another group's or step's record. The same holds inside graph capture,
+   where each record/wait becomes a dependency edge of the graph.
+6. **The page table and ``num_real`` (WAR).** The full layer's page table lives in this
+   object's buffer and is rewritten by the next swap on the main stream (stream order after
+   every earlier reader on the main stream). ``num_real`` (read by the replays) must be changed
+   only on the main stream between steps: all side work of a step has joined the main stream
+   by the step's last shared layer or :meth:`Prefetcher.finish`.
+7. **Host rows read before the backup of a token landed (RAW).** A replay reads the same host
+   rows as its full layer's swap and is queued after it (fork, hazard 2), so it inherits
+   whatever the main stream waited on before the swap (e.g. ``backup_newest`` on the main
+   stream, or a backup stream's event).
+8. **Lock step of the group's hot buffers.** A replay is only valid if the shared layer's slot
+   layout equals its full layer's. ``HotBufferCache.admit`` and ``release`` set every layer
+   identically and replays apply exactly the full layer's copies, so device rows stay in lock
+   step. The shared layers' own ``slot_tokens``/``lru`` are not updated while prefetch is on
+   and go stale: never run a swap on a shared layer of a cache a Prefetcher drives, except
+   through this object. :meth:`Prefetcher.set_enabled` (``False``) copies the full layers'
+   tables into their shared layers first, so the prefetch-off mode starts from correct tables.
+   The pattern (group membership) is fixed for the object's lifetime.
+9. **CUDA-graph capture.** The fork and every join happen on the capturing main stream, so
+   the side stream joins the capture at the fork and every side branch rejoins before the
+   step ends (the last shared layer's wait, hazard 4's join, or :meth:`Prefetcher.finish`,
+   which a captured step should end with). Buffers (plan, page table, events, streams) are
+   allocated once; nothing here synchronizes or allocates while a step is queued. Run one
+   step eagerly before capturing, so every kernel is compiled and loaded.
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from .. import _checks
+from .._launch import Ptr
+from ..cache import HotBufferCache
+from ..plan import copy_rows, full_grid
+from .pattern import LayerPattern, layer_pattern
+
+__all__ = ["Prefetcher", "default_replay_grid"]
+
+
+def default_replay_grid() -> int:
+    """Copy blocks of a side-stream replay: a quarter of the SMs' count, at least 8.
+
+    8 warps per block, one row in flight per warp: enough host reads in flight for the link
+    while leaving most SMs to the compute the replay overlaps. On the H200 (132 SMs, grid 33)
+    this was the best of 8 .. 264 blocks measured (``benchmarks/NOTES.md``).
+    """
+    return max(8, full_grid() // 32)
+
+
+class Prefetcher:
+    """Drives a :class:`HotBufferCache` layer by layer with IndexCache shared-layer prefetch.
+
+    Parameters
+    ----------
+    cache : HotBufferCache
+        The cache whose layers are this (pipeline stage's) layers, in order.
+    pattern : LayerPattern, str, tuple or list
+        The **model's** full/shared pattern (anything :func:`layer_pattern` accepts).
+    layer_range : (int, int), optional
+        Model layers ``start .. end - 1`` held by this pipeline stage (default: all layers).
+        :meth:`swap` takes model layer ids and converts them once, on entry; the stage's
+        layer count must equal ``cache.n_layers``.
+    enabled : bool
+        Prefetch on (default) or off (every layer runs the full swap on the main stream).
+    replay_grid : int, optional
+        Copy blocks per side-stream replay (default :func:`default_replay_grid`).
+    copy_grid : int, optional
+        Copy blocks of the full layers' own swap (default: enough to fill the GPU).
+    side_priority : int or None
+        Priority of the side stream (lower is higher); the default -1000 is clamped by CUDA to
+        the device's highest priority, so pending replay blocks are scheduled before pending
+        compute blocks (measured on the H200: within a few points of the default priority).
+        None: the default priority.
+
+    Attributes
+    ----------
+    pattern : LayerPattern
+        The stage's pattern (local indices; ``pattern.first_layer`` = ``start``).
+    side : cupy.cuda.Stream
+        The non-blocking side stream.
+    events : list of cupy.cuda.Event
+        One per position in a group (``pattern.max_group_size``).
+    dry_run : bool
+        Measuring knob: replays do all their work but move no bytes (page tables of shared
+        layers then point at stale rows).
+    spin_cycles : int
+        Testing knob: every replayed row is delayed by this many clock cycles.
+
+    Notes
+    -----
+    The page table returned by :meth:`swap` is a view of a buffer the next full layer's swap
+    (or, with prefetch off, the next swap) rewrites on the main stream: consume it on the main
+    stream before that. See the module docstring for the hazards and how they are closed.
+    """
+
+    def __init__(self, cache: HotBufferCache, pattern, *,
+                 layer_range: tuple[int, int] | None = None, enabled: bool = True,
+                 replay_grid: int | None = None, copy_grid: int | None = None,
+                 side_priority: int | None = -1000):
+        if not isinstance(cache, HotBufferCache):
+            raise TypeError(f"cache must be a HotBufferCache, got {type(cache).__name__}")
+        model = layer_pattern(pattern)
+        if layer_range is None:
+            stage = model
+        else:
+            if not isinstance(layer_range, (tuple, list)) or len(layer_range) != 2:
+                raise TypeError(f"layer_range must be (start, end), got {layer_range!r}")
+            stage = model.stage(*layer_range)
+        what = "the cache" if layer_range is None else (
+            f"the cache (stage layers {stage.first_layer} .. "
+            f"{stage.first_layer + stage.n_layers - 1} of the pattern's {model.n_layers})")
+        stage.check_length(cache.n_layers, what)
+        self.cache = cache
+        self.pattern: LayerPattern = stage
+        self.replay_grid = (default_replay_grid() if replay_grid is None
+                            else _checks.integer("replay_grid", replay_grid, 1, 2**31 - 1))
+        self.copy_grid = (None if copy_grid is None
+                          else _checks.integer("copy_grid", copy_grid, 1, 2**31 - 1))
+        self.dry_run = False
+        self.spin_cycles = 0
+        self._enabled = bool(enabled)
+        try:
+            self.side = cupy.cuda.Stream(non_blocking=True, priority=side_priority)
+        except cupy.cuda.runtime.CUDARuntimeError:  # a priority the device refuses
+            self.side = cupy.cuda.Stream(non_blocking=True)
+        self._fork = cupy.cuda.Event(disable_timing=True)
+        self.events = [cupy.cuda.Event(disable_timing=True)
+                       for _ in range(stage.max_group_size)]
+        self._out = cupy.empty((cache.max_batch, cache.top_k), cupy.int32)
+        # per layer: the replay's source and destination (validated once, here)
+        self._host = [cache.pool.device_ptr(i) for i in range(cache.n_layers)]
+        self._dev = [Ptr(cache.device[i].data.ptr) for i in range(cache.n_layers)]
+        self._reset_step()
+
+    # ------------------------------------------------------------------ state
+    def _reset_step(self) -> None:
+        self._anchor: int | None = None  # local full layer last swapped in this step
+        self._anchor_batch = 0
+        self._anchor_topk = None
+        self._anchor_out = None
+        self._queued = 0  # replays queued for the current group
+        self._joined = 0  # leading positions the main stream has waited on
+
+    @property
+    def enabled(self) -> bool:
+        """Whether shared layers are prefetched (False: full swap on every layer)."""
+        return self._enabled
+
+    def _main_stream(self, stream) -> cupy.cuda.Stream:
+        s = cupy.cuda.get_current_stream() if stream is None else stream
+        if not isinstance(s, cupy.cuda.Stream):
+            raise TypeError(f"stream must be a cupy.cuda.Stream, got {type(s).__name__}")
+        if self._enabled and s.ptr == 0:
+            raise ValueError(
+                "the prefetcher needs an explicit main stream: the legacy default stream is not "
+                "ordered with the non-blocking side stream and cannot be captured. Queue the "
+                "step on cupy.cuda.Stream(non_blocking=True) (pass stream= or use `with s:`)")
+        return s
+
+    def _join(self, s: cupy.cuda.Stream) -> None:
+        """Main stream waits for every replay of the current group not yet waited on."""
+        if self._joined < self._queued:
+            s.wait_event(self.events[self._queued - 1])
+            self._joined = self._queued
+
+    # ------------------------------------------------------------------ per layer
+    def swap(self, layer: int, req_indices, seq_lens, top_k_tokens=None, *, num_real=None,
+             stream: cupy.cuda.Stream | None = None) -> cupy.ndarray:
+        """What the decode loop calls for every layer, in layer order, once per step.
+
+        Parameters
+        ----------
+        layer : int
+            **Model** layer id (converted to this stage's local index here, once).
+        req_indices : int32 or int64 ``[B]``
+            Batch row -> request slot (as for :meth:`HotBufferCache.swap`).
+        seq_lens : int32 or int64 ``[B]``
+        top_k_tokens : int32 ``[B, K]``
+            Required for a full layer. A shared layer reuses its full layer's top-k; a value
+            given for it is ignored (IndexCache semantics).
+        num_real : int32 device scalar, optional
+            Rows ``>= num_real`` are CUDA-graph padding (the full layer's value is used by its
+            replays).
+        stream : cupy.cuda.Stream, optional
+            The main stream (default: the current stream; must not be the legacy default
+            stream while prefetch is on).
+
+        Returns
+        -------
+        cupy.ndarray
+            int32 ``[B, K]``: device row of every entry in this layer's rows
+            (``cache.device_rows(layer)``), -1 for unused or invalid entries. For a shared layer
+            with prefetch on, its full layer's page table, safe to read on the main stream
+            after this call.
+        """
+        loc = self.pattern.local_index(layer)
+        s = self._main_stream(stream)
+        full = self.pattern.full[loc]
+        if full:
+            if top_k_tokens is None:
+                raise ValueError(f"layer {layer} is a full layer: it needs top_k_tokens")
+        else:
+            anchor = self.pattern.anchor(loc)
+            if self._anchor != anchor:
+                raise RuntimeError(
+                    f"shared layer {layer} reuses full layer {anchor + self.pattern.first_layer}"
+                    f", which has not been swapped in this step: call the layers in order, "
+                    f"each step starting at a full layer")
+            req = _checks.array("req_indices", req_indices, (np.int32, np.int64), ndim=1)
+            if req.shape[0] != self._anchor_batch:
+                raise ValueError(f"shared layer {layer} has batch {req.shape[0]}, its full layer "
+                                 f"had {self._anchor_batch}")
+            if self._enabled:
+                p = self.pattern.position(loc)
+                self._wait_position(p, s)
+                return self._anchor_out
+            top_k_tokens = self._anchor_topk
+
+        # a swap: full layer, or any layer with prefetch off
+        nr = None if num_real is None else _checks.device_scalar("num_real", num_real)
+        self._join(s)  # hazard 4: the swap below rewrites the plan
+        if full:
+            self._reset_step()
+        out = self.cache.swap(loc, req_indices, seq_lens, top_k_tokens, num_real=nr,
+                              out=self._out[: len(req_indices)], copy_grid=self.copy_grid,
+                              stream=s)
+        if full:
+            self._anchor = loc
+            self._anchor_batch = out.shape[0]
+            self._anchor_topk = top_k_tokens
+            self._anchor_out = out
+            group = self.pattern.groups[loc]
+            if self._enabled and group:
+                self._queue_replays(group, out.shape[0], nr, s)
+        return out
+
+    def _queue_replays(self, group, batch: int, num_real, s: cupy.cuda.Stream) -> None:
+        plan = self.cache.plan
+        self._fork.record(s)  # hazard 2 and 3: after the full layer's swap
+        self.side.wait_event(self._fork)
+        for p, sl in enumerate(group):
+            copy_rows(plan.src, plan.dst, plan.count, batch, num_real,
+                      src_base=self._host[sl], src_layer_bytes=0,
+                      n_src_rows=self.cache.pool.n_rows, dst_base=self._dev[sl],
+                      dst_layer_bytes=0, n_dst_rows=self.cache.device.shape[1],
+                      row_bytes=self.cache.row_bytes, grid=self.replay_grid,
+                      dry_run=self.dry_run, spin_cycles=int(self.spin_cycles),
+                      stream=self.side)
+            self.events[p].record(self.side)
+        self._queued = len(group)
+        self._joined = 0
+
+    def _wait_position(self, p: int, s: cupy.cuda.Stream) -> None:
+        """Main stream waits for the replay at group position ``p`` (hazard 1)."""
+        s.wait_event(self.events[p])
+        self._joined = max(self._joined, p + 1)
+
+    def finish(self, stream: cupy.cuda.Stream | None = None) -> None:
+        """End a decode step: join any replay no shared layer waited on into the main stream.
+
+        Costs nothing when every layer was called. Call it at the end of a captured step (every
+        side branch must rejoin before ``end_capture``) and before changing ``num_real`` or
+        the plan's inputs from outside the step.
+        """
+        self._join(self._main_stream(stream))
+        self._reset_step()
+
+    def set_enabled(self, enabled: bool, stream: cupy.cuda.Stream | None = None) -> None:
+        """Turn prefetch on or off between steps (queued on ``stream``, no host sync).
+
+        Turning it off copies every full layer's ``slot_tokens`` and ``lru`` into its shared
+        layers (their own tables went stale while prefetch was on; hazard 8).
+        """
+        enabled = bool(enabled)
+        if enabled == self._enabled:
+            return
+        s = self._main_stream(stream)
+        self._join(s)
+        self._reset_step()
+        if not enabled:
+            c = self.cache
+            with s:
+                for a, group in self.pattern.groups.items():
+                    for sl in group:
+                        c.slot_tokens[sl][...] = c.slot_tokens[a]
+                        c.lru[sl][...] = c.lru[a]
+        self._enabled = enabled
+
+    def synchronize(self) -> None:
+        """Block the host until the side stream is idle (e.g. before freeing the cache)."""
+        self.side.synchronize()

@@ -1,0 +1,479 @@
+"""IndexCache overlap: layer patterns (CPU) and the side-stream Prefetcher (GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hisparse_cupy.streams import LayerPattern, layer_pattern
+
+from _util import pattern as byte_pattern
+
+# ---------------------------------------------------------------------------- patterns (CPU)
+
+GLM52_FULL = (0, 1, 2) + tuple(range(6, 75, 4))
+
+
+def test_glm52_pattern():
+    p = LayerPattern.from_freq(78, 4, 3)
+    assert p.n_layers == 78
+    assert p.full_layers == GLM52_FULL
+    assert len(p.full_layers) == 21 and len(p.shared_layers) == 57
+    assert p.shared_fraction == pytest.approx(57 / 78)
+    assert p.max_group_size == 3
+    g = p.groups
+    assert g[0] == () and g[1] == ()
+    assert g[2] == (3, 4, 5) and g[74] == (75, 76, 77)
+    assert all(g[a] == (a + 1, a + 2, a + 3) for a in range(6, 75, 4))
+    assert set(g) == set(GLM52_FULL)
+    for a, group in g.items():
+        assert p.anchor(a) == a and p.position(a) == -1 and p.is_full(a)
+        for i, s in enumerate(group):
+            assert p.anchor(s) == a and p.position(s) == i and not p.is_full(s)
+    assert str(p) == "FFF" + "SSSF" * 18 + "SSS"
+
+
+def test_freq_rule_without_offset_and_freq_one():
+    p = LayerPattern.from_freq(78, 4)
+    assert p.full_layers == (0, 1) + tuple(range(5, 78, 4))
+    assert p.groups[77] == ()
+    assert p.groups[1] == (2, 3, 4)
+    one = LayerPattern.from_freq(10, 1)
+    assert one.full_layers == tuple(range(10)) and one.max_group_size == 0
+    assert LayerPattern.from_freq(24, 4, 3).groups[22] == (23,)
+
+
+def test_forms_agree():
+    s = "FFSSFS"
+    by_str = LayerPattern.from_string(s)
+    assert by_str == LayerPattern.from_string(s.lower())
+    assert by_str == LayerPattern.from_list([True, True, False, False, True, False])
+    assert by_str == LayerPattern.from_list(["full", "F", "shared", "S", "Full", "SHARED"])
+    assert by_str == LayerPattern.from_list(np.array([1, 1, 0, 0, 1, 0], dtype=bool))
+    assert layer_pattern(s) == by_str
+    assert layer_pattern([True, True, False, False, True, False]) == by_str
+    assert layer_pattern(by_str) is by_str
+    assert layer_pattern((78, 4, 3)) == LayerPattern.from_freq(78, 4, 3)
+    assert layer_pattern((78, 4)) == LayerPattern.from_freq(78, 4)
+    assert layer_pattern((78, 4, 3), n_layers=78).n_layers == 78
+    assert by_str.groups == {0: (), 1: (2, 3), 4: (5,)}
+    assert repr(by_str) == "LayerPattern('FFSSFS')"
+
+
+def test_pattern_errors():
+    with pytest.raises(ValueError, match="layer 0 is shared but no full layer precedes it"):
+        LayerPattern.from_string("SFFS")
+    with pytest.raises(ValueError, match="every layer is shared"):
+        LayerPattern.from_string("SSS")
+    with pytest.raises(ValueError, match="layer 0 is shared"):
+        LayerPattern.from_freq(8, 4, 0)  # offset 0 makes layer 0 shared
+    with pytest.raises(ValueError, match="character 2 is 'x'"):
+        LayerPattern.from_string("FFxS")
+    with pytest.raises(ValueError, match="entry 1 is 2"):
+        LayerPattern.from_list([True, 2])
+    with pytest.raises(ValueError, match="at least one layer"):
+        LayerPattern.from_string("")
+    with pytest.raises(ValueError, match="freq must be >= 1"):
+        LayerPattern.from_freq(8, 0)
+    with pytest.raises(ValueError, match="has 78 layers but the model has 61"):
+        layer_pattern((78, 4, 3), n_layers=61)
+    with pytest.raises(TypeError, match="cannot build a layer pattern"):
+        layer_pattern(3.5)
+    p = LayerPattern.from_string("FSSF")
+    for bad in (4, -1, 100):
+        with pytest.raises(IndexError, match="outside the pattern's 4 layers"):
+            p.anchor(bad)
+    with pytest.raises(IndexError):
+        p.is_full(4)
+
+
+def test_stage_local_layers():
+    model = LayerPattern.from_freq(78, 4, 3)
+    st = model.stage(38, 78)  # a second pipeline stage: layers 38 .. 77
+    assert st.first_layer == 38 and st.n_layers == 40
+    assert st.local_index(38) == 0 and st.local_index(77) == 39
+    assert st.is_full(0) and st.groups[0] == (1, 2, 3)  # model layers 38 -> 39, 40, 41
+    assert tuple(a + 38 for a in st.full_layers) == tuple(x for x in GLM52_FULL if x >= 38)
+    for bad in (37, 78, 0):
+        with pytest.raises(IndexError, match="outside this pattern's layers 38 .. 77"):
+            st.local_index(bad)
+    first = model.stage(0, 38)
+    assert first.local_index(37) == 37
+    with pytest.raises(IndexError):
+        first.local_index(38)
+    # a stage starting at a shared layer has no full layer to reuse
+    with pytest.raises(ValueError, match="layer 39 is shared but no full layer precedes it"):
+        model.stage(39, 78)
+    with pytest.raises(ValueError, match="exceed the model's 78 layers"):
+        model.stage(40, 79)
+    with pytest.raises(ValueError, match="already a stage"):
+        st.stage(0, 4)
+    assert LayerPattern.from_freq(78, 4, 3).local_index(77) == 77
+
+
+# ---------------------------------------------------------------------------- GPU helpers
+
+
+@pytest.fixture
+def main():
+    """A non-blocking main stream, current for the whole test (never the legacy stream)."""
+    import cupy as cp
+
+    st = cp.cuda.Stream(non_blocking=True)
+    with st:
+        yield st
+    st.synchronize()
+
+
+ROW = 656
+H, K, P = 64, 32, 16
+MAX_LEN = 256  # token universe U = MAX_LEN - 1 = 255 >= H + K, so every step has misses
+
+
+def _gpu():
+    import cupy
+
+    return cupy
+
+
+def _make_cache(n_layers, R, *, stream):
+    """A cache with R requests of length MAX_LEN admitted, byte patterns in the host pool.
+
+    Host rows are written first (admit, write, release, admit again), so even the newest-token
+    rows that admission loads hold defined bytes. Everything is queued on ``stream``.
+    """
+    cp = _gpu()
+    from hisparse_cupy import HotBufferCache
+
+    with stream:
+        cache = HotBufferCache(n_layers=n_layers, max_requests=R, max_len=MAX_LEN,
+                               row_bytes=ROW, hot_size=H, top_k=K, extra_page=P)
+        cache.device[...] = 0xEE  # poison: never test on zeros
+        first = [cache.admit(MAX_LEN, stream=stream) for _ in range(R)]
+        for rid in first:
+            rows = rid * MAX_LEN + np.arange(MAX_LEN)
+            kv = np.stack([byte_pattern(layer, rows, ROW) for layer in range(n_layers)])
+            cache.write_host(rid, 0, kv)  # synchronizes the device
+        for rid in first:
+            cache.release(rid, stream=stream)
+        rids = [cache.admit(MAX_LEN, stream=stream) for _ in range(R)]
+        req = cp.asarray(np.array(rids, np.int32))
+    stream.synchronize()
+    return cache, req
+
+
+class _TopK:
+    """Sliding-window top-k: step t keeps K - M of step t-1's tokens and brings M new ones."""
+
+    def __init__(self, B, M, seed):
+        rng = np.random.default_rng(seed)
+        self.B, self.M = B, M
+        self.U = MAX_LEN - 1
+        self.perm = rng.permutation(self.U).astype(np.int32)
+
+    def host(self, t):
+        b = np.arange(self.B)[:, None]
+        pos = (t * self.M + 37 * b + np.arange(K)[None, :]) % self.U
+        tk = self.perm[pos].copy()
+        tk[:, (t * 7) % K] = -1  # one unused entry per row
+        return tk
+
+
+_READER_SRC = r"""
+extern "C" __global__ void check_rows(const int* locs, const int* topk, const int* req, int B,
+                                      int K, const int* num_real, const unsigned char* dev,
+                                      long long n_dev_rows, const unsigned char* host,
+                                      long long max_len, int row_bytes, int* errors) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= B * K) return;
+  const int b = i / K;
+  const int nr = num_real ? *num_real : B;
+  if (b >= nr) return;
+  const int tok = topk[i];
+  if (tok < 0) return;
+  const long long loc = locs[i];
+  if (loc < 0 || loc >= n_dev_rows) { atomicAdd(errors, 1); return; }
+  const unsigned* d = reinterpret_cast<const unsigned*>(dev + loc * row_bytes);
+  const unsigned* h = reinterpret_cast<const unsigned*>(
+      host + (static_cast<long long>(req[b]) * max_len + tok) * row_bytes);
+  for (int w = 0; w < row_bytes / 4; ++w) {
+    if (d[w] != h[w]) { atomicAdd(errors, 1); return; }
+  }
+}
+"""
+
+
+def _reader():
+    cp = _gpu()
+    return cp.RawKernel(_READER_SRC, "check_rows")
+
+
+def _check(reader, cache, layer, locs, topk, req, errors, stream, num_real=None):
+    """Queue the reader on ``stream``: counts entries whose device row lacks the token's bytes."""
+    from hisparse_cupy._launch import launch
+
+    B = locs.shape[0]
+    launch(reader, -(-B * K // 128), 128,
+           (locs, topk, req, np.int32(B), np.int32(K), num_real, cache.device[layer],
+            np.int64(cache.device.shape[1]), cache.pool.device_ptr(layer),
+            np.int64(MAX_LEN), np.int32(ROW), errors[layer:layer + 1]), stream=stream)
+
+
+def _host_check(cache, layer, locs, topk, req):
+    """Synchronously compare, on the host, every row ``locs`` points to with its host bytes."""
+    cp = _gpu()
+    dev = cp.asnumpy(cache.device[layer])
+    locs, topk, req = cp.asnumpy(locs), cp.asnumpy(topk), cp.asnumpy(req)
+    b, k = np.nonzero(topk >= 0)
+    assert (locs[b, k] >= 0).all()
+    want = byte_pattern(layer, req[b].astype(np.int64) * MAX_LEN + topk[b, k], ROW)
+    np.testing.assert_array_equal(dev[locs[b, k]], want)
+
+
+# ---------------------------------------------------------------------------- GPU tests
+
+
+@pytest.mark.gpu
+def test_shared_layer_bytes_after_wait(main):
+    cp = _gpu()
+    from hisparse_cupy.streams import Prefetcher
+
+    pat = "FSSFSFSS"
+    L, R, B = len(pat), 5, 5
+    cache, req = _make_cache(L, R, stream=main)
+    lens = cp.full(B, MAX_LEN, cp.int32)
+    pf = Prefetcher(cache, pat, replay_grid=2)
+    gen = _TopK(B, 6, 1)
+    reader = _reader()
+    errors = cp.zeros(L, cp.int32)
+    misses = 0
+    with main:
+        for t in range(40):
+            tk = cp.asarray(gen.host(t))
+            for layer in range(L):
+                out = pf.swap(layer, req, lens, tk, stream=main)
+                _check(reader, cache, layer, out, tk, req, errors, main)
+                if t % 13 == 5 and layer in (2, 7):  # after the wait, on the host
+                    main.synchronize()
+                    _host_check(cache, layer, out, tk, req)
+                if layer == 5 and t > 0:
+                    misses += int(cp.asnumpy(cache.plan.count[:B]).sum())
+            pf.finish(main)
+        main.synchronize()
+    assert cp.asnumpy(errors).tolist() == [0] * L
+    assert misses >= 39 * B * 5  # the window brings ~6 new tokens per row per step
+
+
+def _run_steps(pf, cache, req, lens, gen, steps, main, *, toggles=None, record=None):
+    cp = _gpu()
+    outs = []
+    with main:
+        for t in range(steps):
+            if toggles and t in toggles:
+                pf.set_enabled(toggles[t], stream=main)
+            tk = cp.asarray(gen.host(t))
+            step = []
+            for layer in range(cache.n_layers):
+                out = pf.swap(layer, req, lens, tk, stream=main)
+                step.append(out.copy())
+            pf.finish(main)
+            main.synchronize()
+            outs.append([cp.asnumpy(o) for o in step])
+            if record is not None:
+                record(t)
+    return outs
+
+
+@pytest.mark.gpu
+def test_replay_equals_full_swap_rows(main):
+    """Prefetch on (replays) and off (full swap per layer) give the same tables and bytes."""
+    cp = _gpu()
+    from hisparse_cupy.streams import Prefetcher
+
+    pat = "FSSSFSFF"
+    L, R, B = len(pat), 4, 4
+    on, req = _make_cache(L, R, stream=main)
+    off, _ = _make_cache(L, R, stream=main)
+    lens = cp.full(B, MAX_LEN, cp.int32)
+    pf_on = Prefetcher(on, pat)
+    pf_off = Prefetcher(off, pat, enabled=False)
+    gen = _TopK(B, 5, 2)
+    snaps = {}
+
+    def snap_on(t):
+        snaps[t] = (cp.asnumpy(on.device), cp.asnumpy(on.slot_tokens), cp.asnumpy(on.lru))
+
+    # on for 12 steps, off for 6 (switch copies the full layers' tables), on again for 6
+    a = _run_steps(pf_on, on, req, lens, gen, 24, main, toggles={12: False, 18: True},
+                   record=snap_on)
+    b_dev = {}
+
+    def snap_off(t):
+        b_dev[t] = (cp.asnumpy(off.device), cp.asnumpy(off.slot_tokens), cp.asnumpy(off.lru))
+
+    b = _run_steps(pf_off, off, req, lens, gen, 24, main, record=snap_off)
+    p = pf_on.pattern
+    for t in range(24):
+        for layer in range(L):
+            np.testing.assert_array_equal(a[t][layer], b[t][layer], err_msg=f"step {t} l {layer}")
+        dev_a, tok_a, lru_a = snaps[t]
+        dev_b, tok_b, lru_b = b_dev[t]
+        np.testing.assert_array_equal(dev_a, dev_b, err_msg=f"device rows differ at step {t}")
+        for layer in range(L):
+            anc = p.anchor(layer)
+            # the off cache keeps every layer in lock step with its full layer
+            np.testing.assert_array_equal(tok_b[layer], tok_b[anc])
+            np.testing.assert_array_equal(lru_b[layer], lru_b[anc])
+            if p.is_full(layer) or 12 <= t < 18:
+                np.testing.assert_array_equal(tok_a[layer], tok_b[layer])
+                np.testing.assert_array_equal(lru_a[layer], lru_b[layer])
+    # and the bytes are the right ones
+    with main:
+        tk = cp.asarray(gen.host(23))
+    for layer in range(L):
+        _host_check(on, layer, cp.asarray(a[23][layer]), tk, req)
+
+
+@pytest.mark.gpu
+def test_graph_replay_equals_eager_with_padding(main):
+    cp = _gpu()
+    from hisparse_cupy.streams import Prefetcher
+
+    pat = "FSSFSSSF"
+    L, R, B = len(pat), 6, 6
+    steps = 30
+    caches, pfs, bufs = [], [], []
+    gen = _TopK(B, 4, 3)
+    rng = np.random.default_rng(7)
+    num_reals = [B, B] + rng.integers(1, B + 1, steps).tolist()
+    reader = _reader()
+    for _ in range(2):
+        cache, req = _make_cache(L, R, stream=main)
+        caches.append(cache)
+        pfs.append(Prefetcher(cache, pat, replay_grid=3))
+        with main:
+            bufs.append(dict(tk=cp.empty((B, K), cp.int32), nr=cp.empty(1, cp.int32),
+                             res=cp.empty((L, B, K), cp.int32), err=cp.zeros(L, cp.int32)))
+    lens = cp.full(B, MAX_LEN, cp.int32)
+
+    def step(i):
+        pf, cache, buf = pfs[i], caches[i], bufs[i]
+        for layer in range(L):
+            out = pf.swap(layer, req, lens, buf["tk"], num_real=buf["nr"], stream=main)
+            buf["res"][layer][...] = out
+            _check(reader, cache, layer, out, buf["tk"], req, buf["err"], main,
+                   num_real=buf["nr"])
+        pf.finish(main)
+
+    def feed(i, t):
+        bufs[i]["tk"][...] = cp.asarray(gen.host(t))
+        bufs[i]["nr"].fill(num_reals[t])
+
+    with main:
+        for i in range(2):  # eager warm-up step (compiles and loads every kernel)
+            feed(i, 0)
+            step(i)
+        main.begin_capture()
+        step(1)
+        graph = main.end_capture()
+        for t in range(1, steps):
+            feed(0, t)
+            step(0)
+            feed(1, t)
+            graph.launch(main)
+            main.synchronize()
+            r0, r1 = cp.asnumpy(bufs[0]["res"]), cp.asnumpy(bufs[1]["res"])
+            np.testing.assert_array_equal(r0, r1, err_msg=f"page tables differ at step {t}")
+            assert (r0[:, num_reals[t]:] == -1).all()  # padding rows
+            np.testing.assert_array_equal(cp.asnumpy(caches[0].device),
+                                          cp.asnumpy(caches[1].device),
+                                          err_msg=f"device rows differ at step {t}")
+            np.testing.assert_array_equal(cp.asnumpy(caches[0].slot_tokens),
+                                          cp.asnumpy(caches[1].slot_tokens))
+    for i in range(2):
+        assert cp.asnumpy(bufs[i]["err"]).tolist() == [0] * L, f"reader errors ({i})"
+
+
+class _NoWait:
+    """Negative control: the shared layer's wait is removed (the next full layer still joins)."""
+
+    def _wait_position(self, p, s):
+        pass
+
+
+@pytest.mark.gpu
+def test_negative_control_slowed_replay(main):
+    """With a spin-slowed replay, a reader sees stale rows without the wait, none with it."""
+    cp = _gpu()
+    from hisparse_cupy.streams import Prefetcher
+
+    class NoWaitPrefetcher(_NoWait, Prefetcher):
+        pass
+
+    pat = "FSSS"
+    L, R, B = 4, 4, 4
+    reader = _reader()
+    lens = cp.full(B, MAX_LEN, cp.int32)
+    results = {}
+    for name, cls, steps in (("no_wait", NoWaitPrefetcher, 30), ("wait", Prefetcher, 1000)):
+        cache, req = _make_cache(L, R, stream=main)
+        pf = cls(cache, pat, replay_grid=1)
+        pf.spin_cycles = 200_000  # ~0.1 ms per row: a replay takes far longer than the reader
+        gen = _TopK(B, 4, 4)
+        with main:
+            table = cp.asarray(np.stack([gen.host(t) for t in range(steps)]))
+            errors = cp.zeros(L, cp.int32)
+            for t in range(steps):
+                tk = table[t]
+                for layer in range(L):
+                    out = pf.swap(layer, req, lens, tk, stream=main)
+                    _check(reader, cache, layer, out, tk, req, errors, main)
+                pf.finish(main)
+            main.synchronize()
+        results[name] = cp.asnumpy(errors)
+    assert results["no_wait"][0] == 0  # the full layer's own rows are always there
+    assert results["no_wait"][1:].sum() > 0, "the reader never saw a stale row without the wait"
+    assert results["wait"].tolist() == [0] * L
+
+
+@pytest.mark.gpu
+def test_pipeline_stage_and_errors(main):
+    cp = _gpu()
+    from hisparse_cupy.streams import Prefetcher
+
+    model = "FFSSFSSF"  # the stage holds model layers 4 .. 7: "FSSF"
+    cache, req = _make_cache(4, 3, stream=main)
+    B = 3
+    lens = cp.full(B, MAX_LEN, cp.int32)
+    with pytest.raises(ValueError, match="layer pattern has 8 layers but the cache"):
+        Prefetcher(cache, model)
+    with pytest.raises(ValueError, match="layer 5 is shared but no full layer precedes it"):
+        Prefetcher(cache, model, layer_range=(5, 8))
+    pf = Prefetcher(cache, model, layer_range=(4, 8))
+    assert str(pf.pattern) == "FSSF" and pf.pattern.first_layer == 4
+    gen = _TopK(B, 5, 5)
+    reader = _reader()
+    errors = cp.zeros(4, cp.int32)
+    with main:
+        tk = cp.asarray(gen.host(0))
+        with pytest.raises(RuntimeError, match="shared layer 5 reuses full layer 4"):
+            pf.swap(5, req, lens, tk, stream=main)
+        for bad in (3, 8):
+            with pytest.raises(IndexError, match="outside this pattern's layers 4 .. 7"):
+                pf.swap(bad, req, lens, tk, stream=main)
+        with pytest.raises(ValueError, match="needs top_k_tokens"):
+            pf.swap(4, req, lens, None, stream=main)
+        with pytest.raises(ValueError, match="legacy default stream"):
+            pf.swap(4, req, lens, tk, stream=cp.cuda.Stream.null)
+        for t in range(10):
+            tk = cp.asarray(gen.host(t))
+            for layer in range(4, 8):
+                out = pf.swap(layer, req, lens, tk, stream=main)
+                _check(reader, cache, layer - 4, out, tk, req, errors, main)
+            pf.finish(main)
+        with pytest.raises(ValueError, match="has batch 2, its full layer had 3"):
+            pf.swap(4, req, lens, tk, stream=main)
+            pf.swap(5, req[:2], lens[:2], None, stream=main)
+        pf.finish(main)
+        main.synchronize()
+    assert cp.asnumpy(errors).tolist() == [0] * 4

@@ -1,0 +1,116 @@
+"""Small run of the planned copy and the IndexCache prefetcher for compute-sanitizer.
+
+Covers replay_plan (several grids, padding via num_real, clamped and out-of-range entries,
+dry run, spin) and a few decode steps of a Prefetcher over "FSSFS" (full swaps on the main
+stream, replays on the side stream, event waits). Exits non-zero on any wrong byte.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import cupy
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from hisparse_cupy import HostKVPool, HotBufferCache, MissPlan, Prefetcher, replay_plan  # noqa: E402
+
+from _util import pattern  # noqa: E402
+
+ROW = 656
+POISON = 0xEE
+
+
+def check_replay(s, rng) -> int:
+    n_host, n_dev, B, W = 512, 256, 5, 12
+    pool = HostKVPool(2, n_host, ROW)
+    for layer in range(2):
+        pool.layer(layer)[:] = pattern(layer, np.arange(n_host), ROW)
+    plan = MissPlan(8, W)
+    counts = np.array([12, 0, 40, -1, 7], np.int32)  # 40 and -1 are clamped
+    src = np.full((8, W), -1, np.int64)
+    dst = np.full((8, W), -1, np.int32)
+    free = rng.permutation(n_dev)
+    k = 0
+    for b in range(B):
+        c = int(np.clip(counts[b], 0, W))
+        src[b, :c] = rng.choice(n_host, c, replace=False)
+        dst[b, :c] = free[k:k + c]
+        k += c
+    src[0, 5] = n_host + 3  # out of range: skipped and counted
+    cnt = np.zeros(8, np.int32)
+    cnt[:B] = counts
+    errors = 0
+    dev = cupy.empty((n_dev, ROW), cupy.uint8)
+    plan.src[...] = cupy.asarray(src)
+    plan.dst[...] = cupy.asarray(dst)
+    plan.count[...] = cupy.asarray(cnt)
+    nr = cupy.full(1, 4, cupy.int32)
+    bad = cupy.zeros(1, cupy.int32)
+    for grid, dry, spin in ((1, False, 0), (3, False, 500), (None, False, 0), (2, True, 0)):
+        dev[...] = POISON
+        replay_plan(plan, B, device_rows=dev, pool=pool, layer=1, num_real=nr, grid=grid,
+                    dry_run=dry, spin_cycles=spin, bad=bad, stream=s)
+        got = cupy.asnumpy(dev)
+        want = np.full((n_dev, ROW), POISON, np.uint8)
+        if not dry:
+            for b in range(4):
+                c = int(np.clip(counts[b], 0, W))
+                ok = src[b, :c] < n_host
+                if ok.any():
+                    want[dst[b, :c][ok]] = pattern(1, src[b, :c][ok], ROW)
+        errors += int((got != want).any(axis=1).sum())
+    if int(bad.get()[0]) != 4:
+        print(f"bad counter {int(bad.get()[0])}, expected 4")
+        errors += 1
+    s.synchronize()
+    pool.close()
+    return errors
+
+
+def check_prefetch(s, rng) -> int:
+    pat = "FSSFS"
+    L, R, H, K, max_len = len(pat), 2, 64, 32, 200
+    cache = HotBufferCache(n_layers=L, max_requests=R, max_len=max_len, row_bytes=ROW,
+                           hot_size=H, top_k=K, extra_page=8)
+    cache.device[...] = POISON
+    rids = [cache.admit(max_len, stream=s) for _ in range(R)]
+    for rid in rids:
+        rows = rid * max_len + np.arange(max_len)
+        cache.write_host(rid, 0, np.stack([pattern(layer, rows, ROW) for layer in range(L)]))
+    req = cupy.asarray(np.array(rids, np.int32))
+    lens = cupy.full(R, max_len, cupy.int32)
+    perm = rng.permutation(max_len - 1)
+    pf = Prefetcher(cache, pat, replay_grid=2)
+    errors = 0
+    for t in range(4):
+        pos = (t * 6 + 53 * np.arange(R)[:, None] + np.arange(K)[None, :]) % (max_len - 1)
+        toks = perm[pos]
+        tk = cupy.asarray(toks.astype(np.int32))
+        outs = [pf.swap(layer, req, lens, tk, stream=s).copy() for layer in range(L)]
+        pf.finish(s)
+        s.synchronize()
+        host = np.array(rids)[:, None] * max_len + toks
+        for layer in range(L):
+            locs = cupy.asnumpy(outs[layer]).reshape(-1)
+            got = cupy.asnumpy(cache.device_rows(layer))[locs]
+            errors += int((got != pattern(layer, host.reshape(-1), ROW)).any(axis=1).sum())
+    pf.synchronize()
+    cache.close()
+    return errors
+
+
+def main() -> int:
+    rng = np.random.default_rng(11)
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        e1 = check_replay(s, rng)
+        e2 = check_prefetch(s, rng)
+    cupy.cuda.Device().synchronize()
+    print(f"sanitize_plan: {e1} wrong rows in replays, {e2} in prefetcher steps")
+    return 1 if e1 or e2 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
