@@ -23,6 +23,7 @@ from ._launch import Ptr, pdl_enabled, pdl_supported, set_pdl
 from .cache import HotBufferCache
 from .host_pool import HostKVPool
 from .plan import MissPlan, replay_plan
+from .spec import SpecConfig, SpecState, SpecWorkspace, spec_swap_in
 from .streams import LayerPattern, Prefetcher, layer_pattern
 from .swap import SwapState, swap_in
 
@@ -35,6 +36,9 @@ __all__ = [
     "MissPlan",
     "Prefetcher",
     "Ptr",
+    "SpecConfig",
+    "SpecState",
+    "SpecWorkspace",
     "SwapState",
     "compile_check",
     "layer_pattern",
@@ -43,5 +47,6 @@ __all__ = [
     "reference",
     "replay_plan",
     "set_pdl",
+    "spec_swap_in",
     "swap_in",
 ]

@@ -42,7 +42,7 @@ def instances() -> dict[str, tuple[str, ...]]:
 
 def _import_ops() -> None:
     # The op modules register their instances at import time.
-    from . import cache, plan, swap  # noqa: F401
+    from . import cache, plan, spec, swap  # noqa: F401
 
 
 @functools.cache

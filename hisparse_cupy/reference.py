@@ -180,3 +180,323 @@ def check_invariants(
     locs = locs[locs >= 0]
     if np.unique(locs).size != locs.size:
         raise InvariantError("a device row is owned by two slots")
+
+
+# =============================================================================================
+# Multi-step (MTP) swap: gather + commit (cu/spec.cu, spec.py)
+#
+# The oracle below follows the kernels' semantics (the header of cu/spec.cu states them). The
+# kernels number unique misses in the order their claims land (not deterministic); pass that
+# order (``miss_order``, e.g. read back from a recorded miss plan) and the oracle reproduces the
+# call exactly: outputs, status, plan, statistics and every state array but the index, whose
+# layout depends on the order of concurrent inserts (check_spec_invariants checks it instead).
+# =============================================================================================
+
+SPEC_EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
+SPEC_BUCKET = 8
+SPEC_F_DEGRADED = 1
+_KEY_EMPTY = 0xFFFFFFFF
+_KEY_NEVER = 0xFFFFFFFE
+_KEY_AGE_MAX = 0xFFFFFFFD
+_M32 = 0xFFFFFFFF
+
+
+def spec_hash_buckets(tokens, n_buckets: int) -> tuple[np.ndarray, np.ndarray]:
+    """The two index buckets of each token (as ``spec_gather`` computes them)."""
+    t = np.asarray(tokens, dtype=np.int64).astype(np.uint64) & np.uint64(_M32)
+    nb = np.uint64(n_buckets)
+    ha = (t * np.uint64(2654435761)) & np.uint64(_M32)
+    x = t
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(0x85EBCA6B)) & np.uint64(_M32)
+    x = x ^ (x >> np.uint64(13))
+    x = (x * np.uint64(0xC2B2AE35)) & np.uint64(_M32)
+    x = x ^ (x >> np.uint64(16))
+    return ((ha * nb) >> np.uint64(32)).astype(np.int64), ((x * nb) >> np.uint64(32)).astype(
+        np.int64)
+
+
+@dataclass
+class SpecResult:
+    """What one multi-step call produced.
+
+    device_locs : int32 ``[B, S, K]``, device row of each occurrence, -1 unused / invalid
+    tokens : int32 ``[B, S, K]``, the token whose bytes ``device_locs`` must hold, -1 where none
+    kind : uint8 ``[B, S, K]``, one of ``SPEC_KINDS`` (index)
+    plan_src : int64 ``[B, S*K]``, host row of unique miss u (-1 beyond plan_count)
+    plan_dst : int32 ``[B, S*K]``, device row it was copied to
+    plan_count : int32 ``[B]``, unique misses (0 for padding and bad rows)
+    status : int32 ``[B, 3]`` (``ST_*``)
+    stats : int32 ``[B, 4]``: unique misses, admitted, evictable slots, partial admission
+    misses : per row, the unique missed tokens in miss-ordinal order
+    """
+
+    device_locs: np.ndarray
+    tokens: np.ndarray
+    kind: np.ndarray
+    plan_src: np.ndarray
+    plan_dst: np.ndarray
+    plan_count: np.ndarray
+    status: np.ndarray
+    stats: np.ndarray
+    misses: list
+
+
+SPEC_KINDS = ("unused", "range", "positional", "extra", "hit", "miss", "nohost", "badrow")
+
+
+def spec_swap_in(
+    top_k_tokens: np.ndarray,
+    req_indices: np.ndarray,
+    seq_lens: np.ndarray,
+    *,
+    host_locs: np.ndarray,
+    slot_tokens: np.ndarray,
+    slot_locs: np.ndarray,
+    scratch_locs: np.ndarray,
+    ref: np.ndarray,
+    clock: np.ndarray,
+    hot_size: int,
+    n_host_rows: int,
+    num_real: int | None = None,
+    miss_order=None,
+) -> SpecResult:
+    """Multi-step swap-in (the semantics of ``cu/spec.cu``; state updated in place).
+
+    Parameters
+    ----------
+    top_k_tokens : int ``[B, S, K]``
+    req_indices : int ``[B]``;  seq_lens : int ``[B, S]``
+    host_locs : int64 ``[R, max_len]``
+    slot_tokens, slot_locs : int32 ``[R, H + P]`` (updated)
+    scratch_locs : int32 ``[R, C]`` (updated)
+    ref : uint32 ``[R, H]`` reference epochs (updated);  clock : uint32 ``[R, 2]`` (updated)
+    hot_size : H;  n_host_rows : rows of the host pool layer
+    num_real : rows ``>= num_real`` are padding (default: all real)
+    miss_order : optional, per batch row a sequence of the row's unique missed tokens in
+        miss-ordinal order (what the kernel's claims produced). Default: order of first
+        occurrence, step-major.
+    """
+    topk = np.asarray(top_k_tokens)
+    B, S, K = topk.shape
+    T = S * K
+    H = int(hot_size)
+    R, max_len = host_locs.shape
+    P = slot_tokens.shape[1] - H
+    C = scratch_locs.shape[1]
+    nr = B if num_real is None else min(max(int(num_real), 0), B)
+    out = np.full((B, S, K), -1, np.int32)
+    toks = np.full((B, S, K), -1, np.int32)
+    kind = np.zeros((B, S, K), np.uint8)
+    psrc = np.full((B, T), -1, np.int64)
+    pdst = np.full((B, T), -1, np.int32)
+    pcnt = np.zeros(B, np.int32)
+    status = np.zeros((B, N_STATUS), np.int32)
+    stats = np.zeros((B, 4), np.int32)
+    k_of = {n: i for i, n in enumerate(SPEC_KINDS)}
+    all_misses: list = [[] for _ in range(B)]
+    for b in range(nr):
+        rid = int(req_indices[b])
+        seqs = [int(v) for v in np.asarray(seq_lens[b]).reshape(-1)]
+        if rid < 0 or rid >= R or min(seqs) < 0:
+            status[b, ST_BADROW] = 1
+            kind[b] = k_of["badrow"]
+            continue
+        epoch = int(clock[rid, 0])
+        cursor = int(clock[rid, 1]) % H
+        where = {int(t): s for s, t in enumerate(slot_tokens[rid, :H]) if t >= 0}
+        extra = slot_tokens[rid, H:]
+        misses: dict[int, list] = {}  # token -> [host row, min reverse rank, occurrences]
+        for s in range(S):
+            seq = seqs[s]
+            for i in range(K):
+                tok = int(topk[b, s, i])
+                if tok == -1:
+                    continue
+                if seq <= H:  # positional layout
+                    if i >= seq:
+                        continue
+                    if 0 <= tok < seq:
+                        out[b, s, i] = slot_locs[rid, tok]
+                        toks[b, s, i] = tok
+                        kind[b, s, i] = k_of["positional"]
+                        ref[rid, tok] = epoch
+                    else:
+                        status[b, ST_RANGE] += 1
+                        kind[b, s, i] = k_of["range"]
+                    continue
+                if tok < 0 or tok >= seq or tok >= max_len:
+                    status[b, ST_RANGE] += 1
+                    kind[b, s, i] = k_of["range"]
+                    continue
+                if tok >= seq - P:
+                    js = [j for j in range(P) if extra[j] == tok and slot_locs[rid, H + j] >= 0]
+                    if js:
+                        out[b, s, i] = slot_locs[rid, H + js[0]]
+                        toks[b, s, i] = tok
+                        kind[b, s, i] = k_of["extra"]
+                        continue
+                slot = where.get(tok, -1)
+                if slot >= 0:
+                    out[b, s, i] = slot_locs[rid, slot]
+                    toks[b, s, i] = tok
+                    kind[b, s, i] = k_of["hit"]
+                    ref[rid, slot] = epoch
+                    continue
+                hl = int(host_locs[rid, tok])
+                if not 0 <= hl < n_host_rows:
+                    status[b, ST_NOHOST] += 1
+                    kind[b, s, i] = k_of["nohost"]
+                    continue
+                rank = (S - 1 - s) * K + i
+                m = misses.setdefault(tok, [hl, rank, []])
+                m[1] = min(m[1], rank)
+                m[2].append((s, i))
+                toks[b, s, i] = tok
+                kind[b, s, i] = k_of["miss"]
+        if miss_order is None:
+            order = list(misses)  # dict order = first occurrence, step-major
+        else:
+            order = [int(t) for t in miss_order[b]]
+            if sorted(order) != sorted(misses):
+                raise ValueError(f"row {b}: miss_order {sorted(order)[:8]}... is not the set of "
+                                 f"unique misses {sorted(misses)[:8]}...")
+        M = len(order)
+        # eviction keys in ring order from the cursor
+        ring = (cursor + np.arange(H)) % H
+        keys = np.empty(H, np.int64)
+        for j, slot in enumerate(ring):
+            r = int(ref[rid, slot])
+            if r == epoch:
+                keys[j] = 0
+            elif slot_tokens[rid, slot] < 0:
+                keys[j] = _KEY_EMPTY
+            elif r == 0:
+                keys[j] = _KEY_NEVER
+            else:
+                keys[j] = min((epoch - r) & _M32, _KEY_AGE_MAX)
+        E = int((keys > 0).sum())
+        V = min(M, E)
+        partial = M > E
+        cand = np.nonzero(keys > 0)[0]
+        chosen = sorted(sorted(cand.tolist(), key=lambda j: (-keys[j], j))[:V])
+        victims = [int(ring[j]) for j in chosen]
+        new_cursor = (cursor + chosen[-1] + 1) % H if chosen else cursor
+        # admitted misses, in miss order (smallest reverse rank first)
+        rank_of = {t: misses[t][1] for t in order}
+        if not partial:
+            admitted = list(order)
+        else:
+            n_over = max(0, M - C)
+            budget = max(0, V - n_over)
+            scr = sorted(order[:C], key=lambda t: rank_of[t])
+            admitted = order[C:] + scr[:budget]
+        admitted.sort(key=lambda t: rank_of[t])
+        victim_of = {t: victims[a] for a, t in enumerate(admitted) if a < V}
+        loc_of = {}
+        for u, t in enumerate(order):
+            if u < C:
+                loc_of[t] = int(scratch_locs[rid, u])
+            elif t in victim_of:
+                loc_of[t] = int(slot_locs[rid, victim_of[t]])
+            else:
+                loc_of[t] = -1
+                status[b, ST_BADROW] = 1  # unreachable while C >= S*K - H
+            psrc[b, u] = misses[t][0] if loc_of[t] >= 0 else -1
+            pdst[b, u] = loc_of[t]
+        for u, t in enumerate(order):
+            if t not in victim_of:
+                continue
+            v = victim_of[t]
+            slot_tokens[rid, v] = t
+            ref[rid, v] = epoch
+            if u < C:
+                old = slot_locs[rid, v]
+                slot_locs[rid, v] = scratch_locs[rid, u]
+                scratch_locs[rid, u] = old
+        for t in order:
+            for s, i in misses[t][2]:
+                out[b, s, i] = loc_of[t]
+        nxt = (epoch + 1) & _M32
+        if nxt == 0:
+            nxt = 1
+            ref[rid, :] = 0
+        clock[rid, 0] = nxt
+        clock[rid, 1] = new_cursor
+        pcnt[b] = M
+        stats[b] = (M, V, E, int(partial))
+        all_misses[b] = order
+    return SpecResult(out, toks, kind, psrc, pdst, pcnt, status, stats, all_misses)
+
+
+def check_spec_invariants(
+    slot_tokens: np.ndarray,
+    slot_locs: np.ndarray,
+    scratch_locs: np.ndarray,
+    index: np.ndarray,
+    ref: np.ndarray,
+    clock: np.ndarray,
+    flags: np.ndarray,
+    hot_size: int,
+    *,
+    n_device_rows: int | None = None,
+    requests=None,
+) -> None:
+    """Assert the multi-step state invariants (raises :class:`InvariantError`).
+
+    For each request slot (default: all):
+    - hot tokens are -1 or >= 0, each held once;
+    - ``clock`` epoch != 0, cursor in ``[0, H)``; every ref epoch is 0 or older than the epoch;
+    - unless the request is degraded: every hot token is in one of its two buckets with its
+      slot, no live index entry points to a slot that does not hold its token, no token has two
+      live entries.
+    Over all requests: hot slots own a row; every row in ``slot_locs`` and ``scratch_locs`` is
+    owned once (and below ``n_device_rows`` when given).
+    """
+    H = int(hot_size)
+    R = slot_tokens.shape[0]
+    rows = range(R) if requests is None else requests
+    nb = index.shape[1] // SPEC_BUCKET
+    for r in rows:
+        toks = slot_tokens[r, :H]
+        if (toks < -1).any():
+            raise InvariantError(f"slot_tokens[{r}] holds a token below -1")
+        held = toks[toks >= 0]
+        uniq, cnt = np.unique(held, return_counts=True)
+        if (cnt > 1).any():
+            raise InvariantError(f"slot_tokens[{r}] holds token(s) {uniq[cnt > 1][:8]} twice")
+        epoch, cursor = int(clock[r, 0]), int(clock[r, 1])
+        if epoch == 0 or not 0 <= cursor < H:
+            raise InvariantError(f"clock[{r}] = ({epoch}, {cursor}) is invalid")
+        refs = ref[r].astype(np.int64)
+        if ((refs != 0) & (refs >= epoch)).any():
+            raise InvariantError(f"ref[{r}] holds an epoch >= the current epoch {epoch}")
+        if int(flags[r]) & SPEC_F_DEGRADED:
+            continue
+        ent = index[r].astype(np.uint64)
+        live = ent != SPEC_EMPTY
+        e_tok = (ent[live] & np.uint64(_M32)).astype(np.int64)
+        e_slot = (ent[live] >> np.uint64(32)).astype(np.int64)
+        pos = np.nonzero(live)[0]
+        if (e_slot >= H).any() or (toks[np.minimum(e_slot, H - 1)] != e_tok).any():
+            bad = pos[(e_slot >= H) | (toks[np.minimum(e_slot, H - 1)] != e_tok)][:4]
+            raise InvariantError(f"index[{r}] has stale entries at {bad.tolist()}")
+        if np.unique(e_tok).size != e_tok.size:
+            raise InvariantError(f"index[{r}] holds a token twice")
+        slots = np.nonzero(toks >= 0)[0]
+        ba, bb = spec_hash_buckets(toks[slots], nb)
+        found = {(int(t), int(s)): int(p) // SPEC_BUCKET
+                 for t, s, p in zip(e_tok, e_slot, pos, strict=True)}
+        for s, t, a, c in zip(slots, toks[slots], ba, bb, strict=True):
+            bk = found.get((int(t), int(s)))
+            if bk is None or bk not in (a, c):
+                raise InvariantError(f"index[{r}] does not map token {int(t)} to slot {int(s)} "
+                                     f"in bucket {int(a)} or {int(c)}")
+    if (slot_locs[:, :H] < 0).any():
+        raise InvariantError("a hot slot owns no device row")
+    locs = np.concatenate([slot_locs.reshape(-1), scratch_locs.reshape(-1)])
+    locs = locs[locs >= 0]
+    if np.unique(locs).size != locs.size:
+        raise InvariantError("a device row is owned twice (slot_locs / scratch_locs)")
+    if n_device_rows is not None and locs.size and locs.max() >= n_device_rows:
+        raise InvariantError(f"device row {locs.max()} >= n_device_rows {n_device_rows}")

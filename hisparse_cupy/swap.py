@@ -205,9 +205,12 @@ def _precheck(req: cupy.ndarray, nr: cupy.ndarray | None, R: int) -> None:
                          f"real rows; each request may appear once per call")
 
 
-def raise_on_status(status, top_k_tokens, seq_lens, *, max_len: int, stream=None) -> None:
+def raise_on_status(status, top_k_tokens, seq_lens, *, max_len: int, what: str = "swap",
+                    stream=None) -> None:
     """Synchronize and raise ``ValueError`` describing every row whose status is non-zero.
 
+    Works for single-step calls (``top_k_tokens`` ``[B, K]``, ``seq_lens`` ``[B]``) and
+    multi-step calls (``[B, S, K]`` and ``[B, S]``: entries are named as (step, entry)).
     ``max_len`` is the width of ``host_locs``: tokens at or beyond it are out of range too.
     """
     if stream is not None:
@@ -217,20 +220,26 @@ def raise_on_status(status, top_k_tokens, seq_lens, *, max_len: int, stream=None
     if bad.size == 0:
         return
     tk = cupy.asnumpy(top_k_tokens)
-    lens = cupy.asnumpy(seq_lens)
+    steps = tk.shape[1] if tk.ndim == 3 else 1
+    tk = tk.reshape(tk.shape[0], steps, -1)
+    lens = cupy.asnumpy(seq_lens).reshape(tk.shape[0], steps)
     lines = []
     for b in bad[:8]:
-        row = tk[b].reshape(-1)[: max(0, int(lens[b]))]
-        msg = [f"row {b}"]
+        msg = []
         if st[b, ST_BADROW]:
-            msg.append("request slot or seq_len out of range")
+            msg.append("request slot out of range or a negative seq_len")
         if st[b, ST_RANGE]:
-            lim = min(int(lens[b]), max_len)
-            idx = np.nonzero((row < -1) | (row >= lim))[0]
-            msg.append(f"{st[b, ST_RANGE]} token(s) outside [0, {lim}) (seq_len {lens[b]}, "
-                       f"host_locs width {max_len}) at entries {idx[:8].tolist()}")
+            where = []
+            for s in range(steps):
+                lim = min(int(lens[b, s]), max_len)
+                row = tk[b, s, : max(0, int(lens[b, s]))]
+                idx = np.nonzero((row < -1) | (row >= lim))[0][:8]
+                where += [(s, int(i)) if steps > 1 else int(i) for i in idx]
+            msg.append(f"{st[b, ST_RANGE]} token(s) outside [0, min(seq_len, {max_len})) at "
+                       f"{'(step, entry)' if steps > 1 else 'entries'} {where[:8]}")
         if st[b, ST_NOHOST]:
             msg.append(f"{st[b, ST_NOHOST]} miss(es) with no host row")
-        lines.append(": ".join(msg[:1]) + ": " + "; ".join(msg[1:]))
+        lines.append(f"row {b} (seq_len {lens[b].tolist() if steps > 1 else int(lens[b, 0])}): "
+                     + "; ".join(msg))
     more = f" (and {bad.size - 8} more rows)" if bad.size > 8 else ""
-    raise ValueError("swap found invalid input: " + " | ".join(lines) + more)
+    raise ValueError(f"{what} found invalid input: " + " | ".join(lines) + more)

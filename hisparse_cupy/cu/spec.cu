@@ -1,0 +1,851 @@
+// hisparse_cupy: multi-step (MTP) swap-in: gather + commit, and the state initialiser.
+//
+// A call resolves the top-k of S draft steps ([B, S, K] tokens) of every batch row as one
+// working set. The gather kernel resolves every occurrence (step, entry) and copies each unique
+// miss once, from the host into one of the request's scratch device rows. The commit kernel
+// runs after the whole gather grid (the kernel boundary is the grid-wide barrier; on sm_90+ it
+// is launched with Programmatic Dependent Launch and waits with griddepcontrol.wait). It picks
+// victims with a CLOCK-style policy over epoch-tagged references, admits misses by swapping the
+// scratch row with the victim's row (no second copy), and keeps the token -> slot index current.
+//
+// Per-layer state (request slot r, see spec.py):
+//   slot_tokens[r, H + P], slot_locs[r, H + P]  token / device row of each slot; slots [0, H) are
+//                                              the hot cache, [H, H + P) the extra page
+//   scratch_locs[r, C]                         spare device rows (misses land there first)
+//   index[r, NB, 8]                            token -> hot slot: NB buckets of 8 entries, each
+//                                              entry (slot << 32 | token), EMPTY = ~0; a token
+//                                              lives in bucket_a(token) or bucket_b(token).
+//                                              A hit is always checked against slot_tokens.
+//   ref[r, H]                                  epoch of each slot's last reference (0 = never)
+//   clock[r] = (epoch, cursor)                 this call's epoch (never 0), ring cursor
+//   flags[r]                                   F_DEGRADED: an insert found both buckets full
+//                                              once; lookups then also scan slot_tokens (sticky
+//                                              until the request is re-initialised)
+// Per-batch-row workspace (shareable by layers that run one after another on one stream; each
+// commit leaves its row clean: table EMPTY, meta META_INIT, counters 0):
+//   table[b, TS]    open-addressing dedup table of the call's misses, entry (value << 32 | token):
+//                   value = NONE while the claimer publishes, then the miss ordinal u; the commit
+//                   turns it into the device row of the token
+//   meta[b, TS]     smallest "reverse rank" (S - 1 - step) * K + entry over the token's
+//                   occurrences: orders misses (latest step first, then entry), deterministically
+//   compact[b, T]   table position of miss u
+//   counters[b, 8]  misses, entries out of range, host-less misses, placeholders written
+//
+// Semantics of an occurrence (b, s, i) with token t, seq = seq_lens[b, s]:
+//   - padding row (b >= num_real), request slot outside [0, R), or a negative seq_len in any
+//     step: every output -1, no state touched (status BADROW for the latter two);
+//   - seq <= H (positional layout): i >= seq or t == -1 -> -1; t outside [0, seq) -> -1 and
+//     RANGE; else slot_locs[t] (slot t is marked referenced);
+//   - seq > H: t == -1 -> -1; t outside [0, seq) or beyond host_locs' width -> -1, RANGE;
+//     t >= seq - P and held by an extra-page slot j (first such j, slot_locs >= 0) -> that row,
+//     never read from the host; held by a hot slot -> its row (slot marked referenced);
+//     otherwise a miss: no valid host row -> -1, NOHOST (per occurrence); else every occurrence
+//     of t gets the same row holding t's bytes, copied once per call.
+//
+// Commit policy (per request; E = hot slots not referenced this call, M = unique misses):
+//   - victims: V = min(M, E) unreferenced slots, preferring empty slots, then never-referenced
+//     ones, then the largest age (epoch - ref); ties by ring order from the cursor. The
+//     victims, listed in ring order, are paired with the admitted misses in miss order. The
+//     cursor moves past the last victim; the epoch advances.
+//   - M <= E (the union of this call's hits and misses fits the hot buffer): every miss is
+//     admitted, no slot referenced this call is evicted. Exact.
+//   - M > E (partial admission): every unreferenced slot is replaced. Misses without a scratch
+//     row (u >= C, copied straight into their victim) are admitted first, then scratch-resident
+//     misses in miss order (latest step first) until the slots run out; the others are served
+//     from scratch rows for this call only. Which misses lack a scratch row depends on the order
+//     of claims, so partial admission is not deterministic when M > C.
+//   Outputs are exact in every case: C >= S*K - H (checked in Python) guarantees a victim for
+//   every miss without a scratch row.
+#include "common.cuh"
+
+namespace hs {
+namespace spec {
+
+using ull = unsigned long long;
+
+constexpr ull EMPTY = ~0ull;
+constexpr int BUCKET = 8;               // index entries per bucket (64 bytes)
+constexpr u32 NONE = 0xffffffffu;       // table value: not yet published / no row
+constexpr int META_INIT = 0x7fffffff;
+constexpr int F_DEGRADED = 1;
+
+// workspace counters (per batch row)
+constexpr int C_MISS = 0, C_RANGE = 1, C_NOHOST = 2, C_PENDING = 3, N_COUNTERS = 8;
+// status columns, as in the single-step swap
+constexpr int ST_RANGE = 0, ST_NOHOST = 1, ST_BADROW = 2, N_STATUS = 3;
+// per-row statistics of the last call
+constexpr int X_MISS = 0, X_ADMIT = 1, X_EVICTABLE = 2, X_PARTIAL = 3, N_STATS = 4;
+
+// eviction priority of an unreferenced slot (0 = referenced this call, not evictable)
+constexpr u32 KEY_EMPTY = 0xffffffffu;
+constexpr u32 KEY_NEVER = 0xfffffffeu;
+constexpr u32 KEY_AGE_MAX = 0xfffffffdu;
+
+__device__ __forceinline__ u32 mix32(u32 x) {
+  x ^= x >> 16;
+  x *= 0x85ebca6bu;
+  x ^= x >> 13;
+  x *= 0xc2b2ae35u;
+  x ^= x >> 16;
+  return x;
+}
+// h -> [0, n) by the high half of a 32x32 product (any n, not only powers of two)
+__device__ __forceinline__ int reduce(u32 h, int n) {
+  return static_cast<int>((static_cast<ull>(h) * static_cast<u32>(n)) >> 32);
+}
+__device__ __forceinline__ int bucket_a(int tok, int nb) {
+  return reduce(hash_u32(static_cast<u32>(tok)), nb);
+}
+__device__ __forceinline__ int bucket_b(int tok, int nb) {
+  return reduce(mix32(static_cast<u32>(tok)), nb);
+}
+__device__ __forceinline__ ull pack(u32 hi, int lo) {
+  return (static_cast<ull>(hi) << 32) | static_cast<u32>(lo);
+}
+__device__ __forceinline__ int lo32(ull e) { return static_cast<int>(static_cast<u32>(e)); }
+__device__ __forceinline__ u32 hi32(ull e) { return static_cast<u32>(e >> 32); }
+__device__ __forceinline__ ull load_volatile(const ull* p) {
+  return *reinterpret_cast<const volatile ull*>(p);
+}
+
+// ---------------------------------------------------------------- token -> hot slot index
+
+// The hot slot holding `tok`, or -1. slot_tokens is authoritative: an index entry counts only
+// if its slot still holds its token.
+__device__ __forceinline__ int hot_find(const ull* idx, int nb, const i32* stok, int H, int tok,
+                                        bool degraded) {
+  if (tok < H && stok[tok] == tok) return tok;  // positional layout
+  const ulonglong2* pa = reinterpret_cast<const ulonglong2*>(idx + static_cast<i64>(bucket_a(tok, nb)) * BUCKET);
+  const ulonglong2* pb = reinterpret_cast<const ulonglong2*>(idx + static_cast<i64>(bucket_b(tok, nb)) * BUCKET);
+  ulonglong2 v[BUCKET];
+#pragma unroll
+  for (int j = 0; j < BUCKET / 2; ++j) {
+    v[j] = pa[j];
+    v[BUCKET / 2 + j] = pb[j];
+  }
+#pragma unroll
+  for (int j = 0; j < BUCKET; ++j) {
+    if (lo32(v[j].x) == tok) {
+      const u32 s = hi32(v[j].x);
+      if (s < static_cast<u32>(H) && stok[s] == tok) return static_cast<int>(s);
+    }
+    if (lo32(v[j].y) == tok) {
+      const u32 s = hi32(v[j].y);
+      if (s < static_cast<u32>(H) && stok[s] == tok) return static_cast<int>(s);
+    }
+  }
+  if (degraded) {
+    for (int s = 0; s < H; ++s)
+      if (stok[s] == tok) return s;
+  }
+  return -1;
+}
+
+// An entry is free when empty or stale (its slot no longer holds its token).
+__device__ __forceinline__ bool entry_free(ull e, const i32* stok, int H) {
+  if (e == EMPTY) return true;
+  const u32 s = hi32(e);
+  return s >= static_cast<u32>(H) || stok[s] != lo32(e);
+}
+
+__device__ __forceinline__ int count_free(const ull* bk, const i32* stok, int H) {
+  int n = 0;
+#pragma unroll
+  for (int j = 0; j < BUCKET; ++j) n += entry_free(load_volatile(bk + j), stok, H);
+  return n;
+}
+
+// Insert (tok -> slot) into the emptier of the token's two buckets. Concurrent inserts are safe
+// (CAS); false when both buckets stay full (the caller marks the request degraded).
+__device__ bool hot_insert(ull* idx, int nb, const i32* stok, int H, int tok, int slot) {
+  const ull want = pack(static_cast<u32>(slot), tok);
+  ull* ba = idx + static_cast<i64>(bucket_a(tok, nb)) * BUCKET;
+  ull* bb = idx + static_cast<i64>(bucket_b(tok, nb)) * BUCKET;
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    const int fa = count_free(ba, stok, H);
+    const int fb = bb == ba ? 0 : count_free(bb, stok, H);
+    if (fa + fb == 0) return false;
+    ull* bk = fb > fa ? bb : ba;
+    for (int j = 0; j < BUCKET; ++j) {
+      const ull cur = load_volatile(bk + j);
+      if (entry_free(cur, stok, H) && atomicCAS(bk + j, cur, want) == cur) return true;
+    }
+  }
+  return false;
+}
+
+__device__ __forceinline__ void hot_erase(ull* idx, int nb, int tok, int slot) {
+  const ull key = pack(static_cast<u32>(slot), tok);
+  ull* bks[2] = {idx + static_cast<i64>(bucket_a(tok, nb)) * BUCKET,
+                 idx + static_cast<i64>(bucket_b(tok, nb)) * BUCKET};
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+    for (int j = 0; j < BUCKET; ++j)
+      if (load_volatile(bks[k] + j) == key) atomicCAS(bks[k] + j, key, EMPTY);
+}
+
+// ---------------------------------------------------------------- call dedup table
+
+// Find or claim `tok` in the row's dedup table (linear probing, ts a power of two >= 2 T, so a
+// free entry always exists). Returns the position; `claimed` tells whether this thread inserted
+// it, `val` the value seen (NONE while unpublished).
+__device__ __forceinline__ int table_claim(ull* tbl, int ts, int tok, bool& claimed, u32& val) {
+  const int mask = ts - 1;
+  int h = reduce(mix32(static_cast<u32>(tok)), ts);
+  const ull mine = pack(NONE, tok);
+  for (int n = 0; n < ts; ++n) {
+    ull cur = load_volatile(tbl + h);
+    if (cur == EMPTY) {
+      cur = atomicCAS(tbl + h, EMPTY, mine);
+      if (cur == EMPTY) {
+        claimed = true;
+        val = NONE;
+        return h;
+      }
+    }
+    if (lo32(cur) == tok) {
+      claimed = false;
+      val = hi32(cur);
+      return h;
+    }
+    h = (h + 1) & mask;
+  }
+  return -1;
+}
+
+__device__ __forceinline__ bool row_is_bad(i64 rid, int R, const void* seq_lens_v, int b, int S,
+                                           bool len64) {
+  if (rid < 0 || rid >= R) return true;
+  for (int s = 0; s < S; ++s) {
+    const i64 v = len64 ? static_cast<const i64*>(seq_lens_v)[static_cast<i64>(b) * S + s]
+                        : static_cast<const i32*>(seq_lens_v)[static_cast<i64>(b) * S + s];
+    if (v < 0) return true;
+  }
+  return false;
+}
+
+__device__ __forceinline__ int clamp_real(const i32* num_real, int B) {
+  int nr = num_real ? *num_real : B;
+  return nr < 0 ? 0 : (nr > B ? B : nr);
+}
+
+template <typename T>
+__device__ __forceinline__ constexpr bool is64() {
+  return sizeof(T) == 8;
+}
+
+// =====================================================================================
+// spec_gather<BLOCK, ReqT, LenT>
+//   grid (ceil(S*K / BLOCK), B), one thread per occurrence (coalesced top-k reads).
+//   Phases
+//     0. padding / bad rows write -1 and leave.
+//     1. classify the occurrence (see the semantics above); hot hits mark ref = epoch.
+//     2. misses: find-or-claim the token in the dedup table; record its reverse rank (atomicMin).
+//        Claimers of a warp take consecutive miss ordinals u (one atomicAdd per warp) and
+//        publish u. A claimer with u < C owns the copy into scratch_locs[u]; the others
+//        (claimers with u >= C, duplicates whose claimer has not published a u < C yet) write
+//        the placeholder -2 - position, resolved by the commit.
+//     3. the warp copies its owners' rows, one row at a time, with copy_row_warp; the owner
+//        writes the plan entry u.
+//     4. per-block counts -> the row's counters (one atomicAdd each).
+//   Shared memory: 4 static ints (block counts).
+// =====================================================================================
+template <int BLOCK, typename ReqT, typename LenT>
+__global__ void __launch_bounds__(BLOCK)
+    spec_gather(const i32* __restrict__ topk, int topk_stride, int S, int K,
+                const ReqT* __restrict__ req_idx, const LenT* __restrict__ seq_lens,
+                const i32* __restrict__ num_real, int B, int R,
+                const i64* __restrict__ host_locs, int host_stride, i64 n_host_rows,
+                const i32* __restrict__ slot_tokens, const i32* __restrict__ slot_locs,
+                int slot_stride, int H, int P, const i32* __restrict__ scratch_locs,
+                int scratch_stride, int C, const ull* __restrict__ index, int nb,
+                u32* ref_epoch, int ref_stride, const u32* __restrict__ clock,
+                const i32* __restrict__ flags, ull* table, i32* meta, int ts,
+                i32* __restrict__ compact, int compact_stride, i32* counters,
+                i32* __restrict__ out, int out_stride, const u8* host_base, u8* dev_base,
+                int row_bytes, i64* __restrict__ plan_src, i32* __restrict__ plan_dst,
+                int plan_stride) {
+  __shared__ int s_cnt[4];  // C_RANGE, C_NOHOST, C_PENDING (index 0 unused)
+
+  // No early trigger (pdl_launch_dependents): measured, letting the commit blocks become
+  // resident while the gather runs made the pair slower. The commit's launch still overlaps
+  // the end of this grid, and it waits (griddepcontrol.wait) before reading anything.
+
+  const int b = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int T = S * K;
+  const int occ = blockIdx.x * BLOCK + tid;
+  const bool active = occ < T;
+  i32* orow = out + static_cast<i64>(b) * out_stride;
+
+  const int nr = clamp_real(num_real, B);
+  i64 rid = -1;
+  bool skip = b >= nr;
+  if (!skip) {
+    rid = static_cast<i64>(req_idx[b]);
+    skip = row_is_bad(rid, R, seq_lens, b, S, is64<LenT>());
+  }
+  if (skip) {  // uniform over the block
+    if (active) orow[occ] = -1;
+    return;
+  }
+
+  if (tid < 4) s_cnt[tid] = 0;
+  __syncthreads();
+
+  const i32* stok = slot_tokens + rid * slot_stride;
+  const i32* sloc = slot_locs + rid * slot_stride;
+  const i32* scr = scratch_locs + rid * scratch_stride;
+  const i64* hloc = host_locs + rid * host_stride;
+  const ull* idx = index + rid * static_cast<i64>(nb) * BUCKET;
+  u32* ref = ref_epoch + rid * ref_stride;
+  const u32 epoch = clock[rid * 2];
+  const bool degraded = flags[rid] & F_DEGRADED;
+  ull* tbl = table + static_cast<i64>(b) * ts;
+  i32* mt = meta + static_cast<i64>(b) * ts;
+  i32* cmp = compact + static_cast<i64>(b) * compact_stride;
+  i32* cnt = counters + static_cast<i64>(b) * N_COUNTERS;
+
+  // ---- phase 1: classify
+  int o = -1;
+  bool miss = false;
+  i64 hl = -1;
+  int tok = -1;
+  int step = 0, pos = 0;
+  if (active) {
+    tok = topk[static_cast<i64>(b) * topk_stride + occ];
+    step = occ / K;
+    pos = occ - step * K;
+  }
+  if (active && tok != -1) {
+    const i64 seq = static_cast<i64>(seq_lens[static_cast<i64>(b) * S + step]);
+    if (seq <= H) {  // positional layout: token p in slot p
+      if (pos < seq) {
+        if (tok >= 0 && tok < seq) {
+          o = sloc[tok];
+          ref[tok] = epoch;
+        } else {
+          atomicAdd(&s_cnt[C_RANGE], 1);
+        }
+      }
+    } else if (tok < 0 || tok >= seq || tok >= host_stride) {
+      atomicAdd(&s_cnt[C_RANGE], 1);
+    } else {
+      bool found = false;
+      if (tok >= seq - P) {  // newest / draft tokens live in the extra page
+        for (int j = 0; j < P; ++j) {
+          if (stok[H + j] == tok) {
+            const int l = sloc[H + j];
+            if (l >= 0) {
+              o = l;
+              found = true;
+              break;
+            }
+          }
+        }
+      }
+      if (!found) {
+        const int s = hot_find(idx, nb, stok, H, tok, degraded);
+        if (s >= 0) {
+          o = sloc[s];
+          ref[s] = epoch;
+        } else {
+          hl = hloc[tok];
+          if (hl >= 0 && hl < n_host_rows) {
+            miss = true;
+          } else {
+            atomicAdd(&s_cnt[C_NOHOST], 1);
+          }
+        }
+      }
+    }
+  }
+
+  // ---- phase 2: dedup of misses over all steps
+  int h = -1;
+  bool claimed = false;
+  u32 val = NONE;
+  if (miss) {
+    h = table_claim(tbl, ts, tok, claimed, val);
+    if (h >= 0) atomicMin(mt + h, (S - 1 - step) * K + pos);
+    else miss = false;  // unreachable: the table has room for every token
+  }
+  const unsigned cm = __ballot_sync(FULL_MASK, claimed);
+  int u = -1;
+  if (cm) {
+    const int leader = __ffs(cm) - 1;
+    int base = 0;
+    if (lane == leader) base = atomicAdd(cnt + C_MISS, __popc(cm));
+    base = __shfl_sync(FULL_MASK, base, leader);
+    if (claimed) u = base + __popc(cm & ((1u << lane) - 1u));
+  }
+  bool owner = false;
+  if (claimed) {
+    cmp[u] = h;
+    atomicExch(tbl + h, pack(static_cast<u32>(u), tok));
+    if (u < C) {
+      o = scr[u];
+      owner = true;
+    }
+  } else if (miss && val != NONE && val < static_cast<u32>(C)) {
+    o = scr[val];
+  }
+  if (miss && o == -1) {
+    o = -2 - h;
+    atomicAdd(&s_cnt[C_PENDING], 1);
+  }
+  if (active) orow[occ] = o;
+  if (owner && plan_src) {
+    plan_src[static_cast<i64>(b) * plan_stride + u] = hl;
+    plan_dst[static_cast<i64>(b) * plan_stride + u] = o;
+  }
+
+  // ---- phase 3: copy, one row per owner, the whole warp per row
+  unsigned om = __ballot_sync(FULL_MASK, owner);
+  while (om) {
+    const int l = __ffs(om) - 1;
+    om &= om - 1;
+    const i64 src = __shfl_sync(FULL_MASK, hl, l);
+    const int dst = __shfl_sync(FULL_MASK, o, l);
+    copy_row_warp(dev_base + static_cast<i64>(dst) * row_bytes,
+                  host_base + src * row_bytes, row_bytes, lane);
+  }
+
+  // ---- phase 4: counts
+  __syncthreads();
+  if (tid >= C_RANGE && tid <= C_PENDING && s_cnt[tid]) atomicAdd(cnt + tid, s_cnt[tid]);
+}
+
+// ------------------------------------------------------------------ commit helpers
+
+// Exclusive popcount prefix of the bitmap words: pre[w] = set bits in words [0, w).
+template <int BLOCK>
+__device__ __forceinline__ void bitmap_prefix(const u32* bits, int* pre, int nw, int* s_scan) {
+  int carry = 0;
+  for (int base = 0; base < nw; base += BLOCK) {
+    const int w = base + threadIdx.x;
+    const int c = w < nw ? __popc(bits[w]) : 0;
+    int tot;
+    const int ex = block_exclusive_sum<BLOCK>(c, s_scan, tot);
+    if (w < nw) pre[w] = carry + ex;
+    carry += tot;
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ int bitmap_rank(const u32* bits, const int* pre, int r) {
+  return pre[r >> 5] + __popc(bits[r >> 5] & ((1u << (r & 31)) - 1u));
+}
+
+// The want-th largest non-zero key (MSB-first radix select, 8 bits a pass). Returns the key;
+// `want` becomes how many keys equal to it must be taken (those larger are all taken).
+template <int BLOCK>
+__device__ u32 radix_select(const u32* keys, int n, int& want, int* s_hist, int* s_misc) {
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  u32 prefix = 0, pmask = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = tid; i < 256; i += BLOCK) s_hist[i] = 0;
+    __syncthreads();
+    for (int base = 0; base < n; base += BLOCK) {  // uniform trip count (warp collectives)
+      const int j = base + tid;
+      const u32 k = j < n ? keys[j] : 0u;
+      const bool in = k != 0 && (k & pmask) == prefix;
+      const int digit = in ? static_cast<int>((k >> shift) & 255u) : 256;
+      // keys mostly share a digit: one atomic per digit per warp, not one per key
+      const unsigned peers = __match_any_sync(FULL_MASK, digit);
+      if (in && lane == __ffs(peers) - 1) atomicAdd(&s_hist[digit], __popc(peers));
+    }
+    __syncthreads();
+    if (tid < 32) {  // lane l owns digits 255 - 8l down to 248 - 8l
+      int c[8];
+      int sum = 0;
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        c[q] = s_hist[255 - 8 * lane - q];
+        sum += c[q];
+      }
+      int incl = sum;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int y = __shfl_up_sync(FULL_MASK, incl, d);
+        if (lane >= d) incl += y;
+      }
+      const unsigned hit = __ballot_sync(FULL_MASK, incl >= want);
+      const int L = hit ? __ffs(hit) - 1 : 31;
+      if (lane == L) {
+        int acc = incl - sum;
+        int digit = 248 - 8 * lane, rest = want - acc;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          if (acc + c[q] >= want) {
+            digit = 255 - 8 * lane - q;
+            rest = want - acc;
+            break;
+          }
+          acc += c[q];
+        }
+        s_misc[0] = digit;
+        s_misc[1] = rest;
+      }
+    }
+    __syncthreads();
+    prefix |= static_cast<u32>(s_misc[0]) << shift;
+    pmask |= 0xffu << shift;
+    want = s_misc[1];
+  }
+  __syncthreads();
+  return prefix;
+}
+
+// =====================================================================================
+// spec_commit<BLOCK, ReqT, LenT>
+//   grid B, one block per batch row; launched with PDL after spec_gather.
+//   Phases
+//     0. griddepcontrol.wait; padding / bad rows: status, plan count, stats; leave.
+//     1. eviction keys of the H slots in ring order from the cursor (s_key); E = evictable;
+//        bitmap of the misses' reverse ranks.
+//     2. V = min(M, E) victims: radix select of the V-th largest key (warp-aggregated 256-bin
+//        histograms), then one packed block scan over per-thread runs of ring positions (keys
+//        above the threshold, and the first ties) -> s_vic[0..V) in ring order.
+//     3. miss order: rank of each miss among the admitted ones via bitmap popcount prefixes
+//        (partial admission first picks the admitted set, see the file header).
+//     4. per miss u: its device row (scratch_locs[u] before rotation, or its victim's row when
+//        u >= C) is written into its table entry; admitted misses take their victim: slot
+//        token, ref, rotation of slot_locs[v] <-> scratch_locs[u] (u < C) or a direct copy
+//        into the victim's row (u >= C, one warp per row), index entry of the old token erased.
+//     5. placeholders (-2 - position) in the outputs -> the row in the table entry.
+//     6. index inserts of the admitted tokens; table entries and meta cleared.
+//     7. status, plan count, stats, clock (epoch + 1, never 0: on wrap every ref is cleared;
+//        cursor past the last victim), counters cleared, degraded flag.
+//   Shared memory (dynamic, bytes):
+//     u32 s_key[H], u32 s_bits[NW], u32 s_adm[NW], int s_pre[NW + 1], int s_hist[256],
+//     int s_scan[BLOCK / 32 + 1], int s_misc[8], i16 s_vic[H]         NW = ceil(S*K / 32)
+// =====================================================================================
+template <int BLOCK, typename ReqT, typename LenT>
+__global__ void __launch_bounds__(BLOCK)
+    spec_commit(int S, int K, const ReqT* __restrict__ req_idx,
+                const LenT* __restrict__ seq_lens, const i32* __restrict__ num_real, int B,
+                int R, const i64* __restrict__ host_locs, int host_stride, i32* slot_tokens,
+                i32* slot_locs, int slot_stride, int H, i32* scratch_locs, int scratch_stride,
+                int C, ull* index, int nb, u32* ref_epoch, int ref_stride, u32* clock,
+                i32* flags, ull* table, i32* meta, int ts, const i32* __restrict__ compact,
+                int compact_stride, i32* counters, i32* out, int out_stride,
+                const u8* host_base, u8* dev_base, int row_bytes, i64* __restrict__ plan_src,
+                i32* __restrict__ plan_dst, int plan_stride, i32* __restrict__ plan_count,
+                i32* __restrict__ status, i32* __restrict__ stats) {
+  // Wait for the gather grid: its outputs, table, counters and copied rows.
+  pdl_wait();
+
+  const int b = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int T = S * K;
+  const int NW = (T + 31) >> 5;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  u32* s_key = reinterpret_cast<u32*>(smem_raw);
+  u32* s_bits = s_key + H;
+  u32* s_adm = s_bits + NW;
+  int* s_pre = reinterpret_cast<int*>(s_adm + NW);
+  int* s_hist = s_pre + NW + 1;
+  int* s_scan = s_hist + 256;
+  int* s_misc = s_scan + BLOCK / 32 + 1;  // 0,1 radix; 2 last victim; 3 degraded; 4 no room
+  i16* s_vic = reinterpret_cast<i16*>(s_misc + 8);
+
+  i32* st = status + static_cast<i64>(b) * N_STATUS;
+  i32* xs = stats + static_cast<i64>(b) * N_STATS;
+  const int nr = clamp_real(num_real, B);
+  i64 rid = -1;
+  const bool pad = b >= nr;
+  bool bad = false;
+  if (!pad) {
+    rid = static_cast<i64>(req_idx[b]);
+    bad = row_is_bad(rid, R, seq_lens, b, S, is64<LenT>());
+  }
+  if (pad || bad) {
+    if (tid == 0) {
+      st[ST_RANGE] = 0;
+      st[ST_NOHOST] = 0;
+      st[ST_BADROW] = bad ? 1 : 0;
+      if (plan_count) plan_count[b] = 0;
+      for (int i = 0; i < N_STATS; ++i) xs[i] = 0;
+    }
+    return;
+  }
+
+  i32* stok = slot_tokens + rid * slot_stride;
+  i32* sloc = slot_locs + rid * slot_stride;
+  i32* scr = scratch_locs + rid * scratch_stride;
+  const i64* hloc = host_locs + rid * host_stride;
+  ull* idx = index + rid * static_cast<i64>(nb) * BUCKET;
+  u32* ref = ref_epoch + rid * ref_stride;
+  ull* tbl = table + static_cast<i64>(b) * ts;
+  i32* mt = meta + static_cast<i64>(b) * ts;
+  const i32* cmp = compact + static_cast<i64>(b) * compact_stride;
+  i32* cnt = counters + static_cast<i64>(b) * N_COUNTERS;
+  i32* orow = out + static_cast<i64>(b) * out_stride;
+
+  const int M = cnt[C_MISS];
+  const int n_range = cnt[C_RANGE];
+  const int n_nohost = cnt[C_NOHOST];
+  const int n_pending = cnt[C_PENDING];
+  const u32 epoch = clock[rid * 2];
+  const int cursor = static_cast<int>(clock[rid * 2 + 1] % static_cast<u32>(H));
+
+  if (tid == 0) {
+    s_misc[2] = -1;
+    s_misc[3] = 0;
+    s_misc[4] = 0;
+  }
+
+  // ---- phase 1: keys in ring order; miss bitmap
+  int ev = 0;
+  constexpr int UNR = 4;  // loads of UNR ring positions in flight per thread
+  for (int base = tid; base < H; base += BLOCK * UNR) {
+    u32 r[UNR];
+    int t[UNR];
+#pragma unroll
+    for (int q = 0; q < UNR; ++q) {
+      const int j = base + q * BLOCK;
+      int slot = cursor + j;
+      if (slot >= H) slot -= H;
+      r[q] = j < H ? ref[slot] : 0u;
+      t[q] = j < H ? stok[slot] : -1;
+    }
+#pragma unroll
+    for (int q = 0; q < UNR; ++q) {
+      const int j = base + q * BLOCK;
+      if (j >= H) break;
+      u32 key;
+      if (r[q] == epoch) key = 0;
+      else if (t[q] < 0) key = KEY_EMPTY;
+      else if (r[q] == 0) key = KEY_NEVER;
+      else {
+        const u32 age = epoch - r[q];
+        key = age > KEY_AGE_MAX ? KEY_AGE_MAX : age;
+      }
+      s_key[j] = key;
+      ev += key != 0;
+    }
+  }
+  for (int w = tid; w < NW; w += BLOCK) {
+    s_bits[w] = 0;
+    s_adm[w] = 0;
+  }
+  int E;
+  block_exclusive_sum<BLOCK>(ev, s_scan, E);  // (barriers inside)
+
+  const int V = M < E ? M : E;
+  const bool partial = M > E;
+  for (int u = tid; u < M; u += BLOCK) {
+    if (!partial || u < C) {
+      const int r = mt[cmp[u]];
+      atomicOr(&s_bits[r >> 5], 1u << (r & 31));
+    }
+  }
+
+  // ---- phase 2: victims
+  u32 theta;
+  int need = 0;
+  if (V == 0) {
+    theta = KEY_EMPTY;  // nothing above it, and no tie is taken
+  } else if (V == E) {
+    theta = 0;  // every evictable slot
+  } else {
+    need = V;
+    theta = radix_select<BLOCK>(s_key, H, need, s_hist, s_misc);
+  }
+  {
+    // Each thread owns a contiguous run of ring positions; one block scan of the packed
+    // (above, tie) counts gives every run its first ordinal (counts <= H < 2^15 per half).
+    const int per = (H + BLOCK - 1) / BLOCK;
+    const int j0 = tid * per < H ? tid * per : H;
+    const int j1 = j0 + per < H ? j0 + per : H;
+    int na = 0, nt = 0;
+    for (int j = j0; j < j1; ++j) {
+      const u32 k = s_key[j];
+      na += k != 0 && k > theta;
+      nt += k != 0 && k == theta;
+    }
+    int tot;
+    const int ex = block_exclusive_sum<BLOCK>(na | (nt << 16), s_scan, tot);
+    int ta = ex & 0xffff, tt = ex >> 16, last = -1;
+    for (int j = j0; j < j1; ++j) {
+      const u32 k = s_key[j];
+      const int ab = k != 0 && k > theta;
+      const int ti = k != 0 && k == theta;
+      if (ab || (ti && tt < need)) {
+        int slot = cursor + j;
+        if (slot >= H) slot -= H;
+        s_vic[ta + (tt < need ? tt : need)] = static_cast<i16>(slot);
+        last = j;
+      }
+      ta += ab;
+      tt += ti;
+    }
+    if (last >= 0) atomicMax(&s_misc[2], last);
+  }
+
+  // ---- phase 3: ranks of the admitted misses
+  bitmap_prefix<BLOCK>(s_bits, s_pre, NW, s_scan);
+  if (partial) {
+    const int n_over = M > C ? M - C : 0;
+    const int budget = V > n_over ? V - n_over : 0;
+    for (int u = tid; u < M; u += BLOCK) {
+      const bool adm = u >= C || bitmap_rank(s_bits, s_pre, mt[cmp[u]]) < budget;
+      if (adm) atomicOr(&s_adm[u >> 5], 1u << (u & 31));
+    }
+    __syncthreads();
+    for (int w = tid; w < NW; w += BLOCK) s_bits[w] = 0;
+    __syncthreads();
+    for (int u = tid; u < M; u += BLOCK) {
+      if ((s_adm[u >> 5] >> (u & 31)) & 1u) {
+        const int r = mt[cmp[u]];
+        atomicOr(&s_bits[r >> 5], 1u << (r & 31));
+      }
+    }
+    __syncthreads();
+    bitmap_prefix<BLOCK>(s_bits, s_pre, NW, s_scan);
+  }
+
+  // ---- phase 4: rows, admissions, direct copies
+  for (int base = 0; base < M; base += BLOCK) {
+    const int u = base + tid;
+    bool owner = false;
+    i64 src = -1;
+    int dst = -1;
+    if (u < M) {
+      const int p = cmp[u];
+      const int tok = lo32(tbl[p]);
+      const bool adm = !partial || ((s_adm[u >> 5] >> (u & 31)) & 1u);
+      int v = -1;
+      if (adm) {
+        const int a = bitmap_rank(s_bits, s_pre, mt[p]);
+        if (a < V) v = s_vic[a];
+      }
+      int loc = -1;
+      if (u < C) loc = scr[u];
+      else if (v >= 0) loc = sloc[v];
+      tbl[p] = pack(static_cast<u32>(loc), tok);
+      if (v >= 0) {
+        const int old_tok = stok[v];
+        const int old_loc = sloc[v];
+        stok[v] = tok;
+        ref[v] = epoch;
+        if (u < C) {
+          sloc[v] = loc;
+          scr[u] = old_loc;
+        } else {
+          owner = true;
+          src = hloc[tok];
+          dst = old_loc;
+        }
+        if (old_tok >= 0) hot_erase(idx, nb, old_tok, v);
+      } else if (u >= C) {
+        atomicExch(&s_misc[4], 1);  // unreachable while C >= S*K - H
+      }
+      if (u >= C && plan_src) {
+        plan_src[static_cast<i64>(b) * plan_stride + u] = owner ? src : -1;
+        plan_dst[static_cast<i64>(b) * plan_stride + u] = owner ? dst : -1;
+      }
+    }
+    unsigned om = __ballot_sync(FULL_MASK, owner);
+    while (om) {
+      const int l = __ffs(om) - 1;
+      om &= om - 1;
+      const i64 s = __shfl_sync(FULL_MASK, src, l);
+      const int d = __shfl_sync(FULL_MASK, dst, l);
+      copy_row_warp(dev_base + static_cast<i64>(d) * row_bytes, host_base + s * row_bytes,
+                    row_bytes, lane);
+    }
+  }
+  __syncthreads();
+
+  // ---- phase 5: placeholders
+  if (n_pending > 0) {
+    constexpr int UNR = 8;  // loads in flight per thread
+    for (int base = tid; base < T; base += BLOCK * UNR) {
+      int o[UNR];
+#pragma unroll
+      for (int q = 0; q < UNR; ++q) o[q] = base + q * BLOCK < T ? orow[base + q * BLOCK] : 0;
+#pragma unroll
+      for (int q = 0; q < UNR; ++q)
+        if (o[q] <= -2) orow[base + q * BLOCK] = static_cast<int>(hi32(tbl[-2 - o[q]]));
+    }
+  }
+  __syncthreads();
+
+  // ---- phase 6: index inserts, workspace cleanup
+  for (int u = tid; u < M; u += BLOCK) {
+    const int p = cmp[u];
+    const int tok = lo32(tbl[p]);
+    const bool adm = !partial || ((s_adm[u >> 5] >> (u & 31)) & 1u);
+    if (adm) {
+      const int a = bitmap_rank(s_bits, s_pre, mt[p]);
+      if (a < V && !hot_insert(idx, nb, stok, H, tok, s_vic[a])) atomicExch(&s_misc[3], 1);
+    }
+    tbl[p] = EMPTY;
+    mt[p] = META_INIT;
+  }
+  if (epoch == 0xffffffffu) {  // the epoch wraps: forget every reference (once in 2^32 calls)
+    __syncthreads();
+    for (int j = tid; j < H; j += BLOCK) ref[j] = 0;
+  }
+  __syncthreads();
+
+  // ---- phase 7: per-row results and state
+  if (tid == 0) {
+    const int noroom = s_misc[4];
+    st[ST_RANGE] = n_range;
+    st[ST_NOHOST] = n_nohost;
+    st[ST_BADROW] = noroom;
+    if (plan_count) plan_count[b] = M;
+    xs[X_MISS] = M;
+    xs[X_ADMIT] = V;
+    xs[X_EVICTABLE] = E;
+    xs[X_PARTIAL] = partial ? 1 : 0;
+    const u32 next = epoch + 1u == 0u ? 1u : epoch + 1u;
+    clock[rid * 2] = next;
+    const int last = s_misc[2];
+    clock[rid * 2 + 1] = static_cast<u32>(last >= 0 ? (cursor + last + 1) % H : cursor);
+    for (int i = 0; i < N_COUNTERS; ++i) cnt[i] = 0;
+    if (s_misc[3]) atomicOr(flags + rid, F_DEGRADED);
+  }
+}
+
+// =====================================================================================
+// spec_init<BLOCK>: (re)initialise the listed request slots from their slot table.
+//   grid n (one block per listed slot). Clears the index and the ref epochs, sets
+//   clock = (1, 0), then inserts every hot slot's token (>= 0); degraded if an insert fails.
+// =====================================================================================
+template <int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+    spec_init(const i32* __restrict__ rows, const i32* __restrict__ slot_tokens,
+              int slot_stride, int H, ull* index, int nb, u32* ref_epoch, int ref_stride,
+              u32* clock, i32* flags) {
+  __shared__ int s_deg;
+  const int tid = threadIdx.x;
+  const i64 rid = rows[blockIdx.x];
+  const i32* stok = slot_tokens + rid * slot_stride;
+  ull* idx = index + rid * static_cast<i64>(nb) * BUCKET;
+  u32* ref = ref_epoch + rid * ref_stride;
+  if (tid == 0) s_deg = 0;
+  for (int i = tid; i < nb * BUCKET; i += BLOCK) idx[i] = EMPTY;
+  for (int j = tid; j < H; j += BLOCK) ref[j] = 0;
+  __syncthreads();
+  for (int s = tid; s < H; s += BLOCK) {
+    const int tok = stok[s];
+    if (tok >= 0 && !hot_insert(idx, nb, stok, H, tok, s)) atomicExch(&s_deg, 1);
+  }
+  __syncthreads();
+  if (tid == 0) {
+    clock[rid * 2] = 1u;
+    clock[rid * 2 + 1] = 0u;
+    flags[rid] = s_deg ? F_DEGRADED : 0;
+  }
+}
+
+}  // namespace spec
+}  // namespace hs

@@ -1,0 +1,472 @@
+"""Multi-step (MTP) swap-in: one gather + one commit kernel for the top-k of 2-4 draft steps.
+
+With speculative decoding each request needs the top-k of S draft steps at once. Resolving the
+steps one after another repeats lookups and launches, and copies a miss that several steps share
+several times. :func:`spec_swap_in` treats the union of the steps as one working set:
+
+- ``spec_gather`` (grid ``(ceil(S*K / 128), B)``) resolves every (step, entry) against the extra
+  page and the hot cache, and copies each unique miss once into one of the request's scratch rows;
+- ``spec_commit`` (one block per row, launched with Programmatic Dependent Launch on sm_90+)
+  chooses victims with a CLOCK-style policy, admits misses by swapping the scratch row with the
+  victim's row (no second copy) and updates the token -> slot index.
+
+The exact semantics, the state layout and the admission policy are in ``cu/spec.cu``;
+:func:`hisparse_cupy.reference.spec_swap_in` is the same algorithm in NumPy.
+
+State. :class:`SpecState` is per layer: admission rotates device rows between hot slots and
+scratch rows, so ``slot_locs`` and ``scratch_locs`` are mutated and must not be shared by layers.
+:class:`SpecWorkspace` (the per-call dedup tables, per batch row) may be shared by layers whose
+calls run one after another on one stream. :class:`SpecConfig` checks the sizes (without a GPU).
+
+Outputs index the layer's device rows and stay valid until the next call on the same layer:
+the next call reuses scratch rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cupy
+import numpy as np
+
+from . import _build, _checks
+from ._launch import Ptr, launch
+from .plan import MissPlan
+from .reference import N_STATUS
+from .swap import MAX_HOT, _precheck, raise_on_status
+
+_FILE = "spec.cu"
+GATHER_BLOCK = 128
+COMMIT_BLOCK = 512
+INIT_BLOCK = 256
+MIN_STEPS, MAX_STEPS = 2, 4
+MAX_TOKENS = 8192  # S * K per row
+BUCKET = 8  # index entries per bucket
+N_COUNTERS = 8
+N_STATS = 4  # per row: unique misses, admitted, evictable slots, partial admission (0/1)
+STATS = ("misses", "admitted", "evictable", "partial")
+F_DEGRADED = 1
+_META_INIT = 0x7FFFFFFF
+
+_IDX = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
+_GATHER = {
+    (r, s): f"hs::spec::spec_gather<{GATHER_BLOCK}, {rn}, {sn}>"
+    for r, rn in _IDX.items()
+    for s, sn in _IDX.items()
+}
+_COMMIT = {
+    (r, s): f"hs::spec::spec_commit<{COMMIT_BLOCK}, {rn}, {sn}>"
+    for r, rn in _IDX.items()
+    for s, sn in _IDX.items()
+}
+_INIT = f"hs::spec::spec_init<{INIT_BLOCK}>"
+_build.register(_FILE, *_GATHER.values(), *_COMMIT.values(), _INIT)
+
+
+def default_scratch(hot_size: int, top_k: int, max_steps: int) -> int:
+    """Default scratch rows per request: ``max(S*K - H, min(S*K, 1024))``.
+
+    ``S*K - H`` is the minimum (every miss beyond the scratch rows must find an unreferenced
+    victim); more scratch rows let more misses be admitted by rotation instead of a direct copy.
+    """
+    t = top_k * max_steps
+    return max(t - hot_size, min(t, 1024))
+
+
+def index_buckets(hot_size: int) -> int:
+    """Buckets of the token -> slot index per request (8 entries each; load <= 1/4)."""
+    return max(2, (hot_size + 1) // 2)
+
+
+def table_size(max_tokens: int) -> int:
+    """Entries of the per-row dedup table (a power of two >= 2 S*K)."""
+    return max(64, 1 << (2 * max_tokens - 1).bit_length())
+
+
+def commit_smem_bytes(hot_size: int, tokens: int) -> int:
+    """Dynamic shared memory of ``spec_commit`` for H hot slots and S*K occurrences per row."""
+    nw = -(-tokens // 32)
+    return 4 * hot_size + 4 * (3 * nw + 1) + 4 * 256 + 4 * (COMMIT_BLOCK // 32 + 1) + 32 \
+        + 2 * hot_size
+
+
+class SpecConfig:
+    """Sizes of the multi-step state, checked without a GPU.
+
+    Parameters
+    ----------
+    n_requests : R, request slots.
+    hot_size : H, hot slots per request, 2 .. 32767.
+    extra_page : P >= 1, slots after the hot slots (slot H and on: newest and draft tokens).
+    top_k : K, entries per step, 1 .. H.
+    max_steps : the most draft steps a call may have, 2 .. 4; ``max_steps * top_k <= 8192``.
+    scratch : C, scratch rows per request, ``>= max(1, max_steps * top_k - H)`` (default
+        :func:`default_scratch`). Every miss beyond the scratch rows is copied straight into an
+        unreferenced victim; the lower bound guarantees one exists.
+    max_batch : rows of the workspace (default ``n_requests``).
+    """
+
+    def __init__(self, n_requests: int, hot_size: int, extra_page: int, top_k: int, *,
+                 max_steps: int = MAX_STEPS, scratch: int | None = None,
+                 max_batch: int | None = None):
+        self.n_requests = _checks.integer("n_requests", n_requests, 1)
+        self.hot_size = H = _checks.integer("hot_size", hot_size, 2, MAX_HOT)
+        self.extra_page = _checks.integer("extra_page", extra_page, 1)
+        self.top_k = K = _checks.integer("top_k", top_k, 1, H)
+        self.max_steps = S = _checks.integer("max_steps", max_steps, MIN_STEPS, MAX_STEPS)
+        if S * K > MAX_TOKENS:
+            raise ValueError(f"max_steps * top_k must be <= {MAX_TOKENS}, got {S} * {K} = {S * K}")
+        if scratch is None:
+            scratch = default_scratch(H, K, S)
+        self.scratch = _checks.integer("scratch", scratch, max(1, S * K - H))
+        self.max_batch = _checks.integer(
+            "max_batch", self.n_requests if max_batch is None else max_batch, 1)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.max_steps * self.top_k
+
+    @property
+    def slots(self) -> int:
+        """H + P: width of the slot tables."""
+        return self.hot_size + self.extra_page
+
+    @property
+    def rows_per_request(self) -> int:
+        """Device rows a request owns: H + P slots plus C scratch rows."""
+        return self.slots + self.scratch
+
+    @property
+    def buckets(self) -> int:
+        return index_buckets(self.hot_size)
+
+    @property
+    def table_size(self) -> int:
+        return table_size(self.max_tokens)
+
+    @property
+    def commit_smem(self) -> int:
+        return commit_smem_bytes(self.hot_size, self.max_tokens)
+
+    def state_bytes(self) -> int:
+        """Device bytes of one layer's state besides the caller's slot tables and host_locs."""
+        R, H = self.n_requests, self.hot_size
+        return R * (self.buckets * BUCKET * 8 + 4 * H + 8 + 4 + 4 * self.scratch)
+
+    def workspace_bytes(self) -> int:
+        return self.max_batch * (12 * self.table_size + 4 * self.max_tokens
+                                 + 4 * (N_COUNTERS + N_STATS))
+
+    def layout(self, base: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+        """A fresh row layout: request r owns device rows ``base + r * (H + P + C) + [0, H+P+C)``.
+
+        Returns ``(slot_locs int32 [R, H+P], scratch_locs int32 [R, C], n_device_rows)``.
+        """
+        R, W, C = self.n_requests, self.slots, self.scratch
+        per = self.rows_per_request
+        start = base + per * np.arange(R, dtype=np.int64).reshape(R, 1)
+        slot_locs = (start + np.arange(W)).astype(np.int32)
+        scratch_locs = (start + W + np.arange(C)).astype(np.int32)
+        return slot_locs, scratch_locs, base + per * R
+
+    def check_tables(self, slot_tokens: np.ndarray, slot_locs: np.ndarray,
+                     scratch_locs: np.ndarray, n_device_rows: int) -> None:
+        """Validate host copies of the slot tables (raises ValueError naming the problem).
+
+        Hot tokens are -1 or >= 0 and distinct per request; hot slots' rows are >= 0; every row
+        >= 0 in ``slot_locs`` and ``scratch_locs`` is below ``n_device_rows`` and owned once.
+        """
+        R, H, W, C = self.n_requests, self.hot_size, self.slots, self.scratch
+        for name, a, shape in (("slot_tokens", slot_tokens, (R, W)),
+                               ("slot_locs", slot_locs, (R, W)),
+                               ("scratch_locs", scratch_locs, (R, C))):
+            if tuple(a.shape) != shape:
+                raise ValueError(f"{name} must have shape {shape}, got {tuple(a.shape)}")
+        hot = slot_tokens[:, :H]
+        if (slot_tokens < -1).any():
+            raise ValueError("slot_tokens holds a value below -1")
+        for r in range(R):
+            held = hot[r][hot[r] >= 0]
+            if np.unique(held).size != held.size:
+                raise ValueError(f"slot_tokens[{r}, :H] holds a token twice")
+        if (slot_locs[:, :H] < 0).any():
+            raise ValueError("slot_locs[:, :hot_size] must be >= 0 (every hot slot owns a row)")
+        if (scratch_locs < 0).any():
+            raise ValueError("scratch_locs must be >= 0")
+        rows = np.concatenate([slot_locs.reshape(-1), scratch_locs.reshape(-1)]).astype(np.int64)
+        rows = rows[rows >= 0]
+        if rows.size and rows.max() >= n_device_rows:
+            raise ValueError(f"a device row ({rows.max()}) is >= n_device_rows ({n_device_rows})")
+        if np.unique(rows).size != rows.size:
+            raise ValueError("slot_locs and scratch_locs must not share device rows")
+
+    def __repr__(self) -> str:
+        return (f"SpecConfig(R={self.n_requests}, H={self.hot_size}, P={self.extra_page}, "
+                f"K={self.top_k}, S<={self.max_steps}, C={self.scratch}, "
+                f"max_batch={self.max_batch})")
+
+
+class SpecWorkspace:
+    """Per-call scratch metadata for up to ``max_batch`` rows of up to ``max_tokens`` occurrences.
+
+    Every commit leaves its rows clean, so layers whose calls run one after another on one
+    stream may share a workspace (never two calls in flight at once).
+
+    Attributes
+    ----------
+    stats : int32 ``[max_batch, 4]``: per row of the last call: unique misses, misses admitted
+        into the hot cache, evictable (unreferenced) hot slots, partial admission (0/1).
+    """
+
+    def __init__(self, max_batch: int, max_tokens: int):
+        self.max_batch = _checks.integer("max_batch", max_batch, 1)
+        self.max_tokens = _checks.integer("max_tokens", max_tokens, 1, MAX_TOKENS)
+        self.table_size = table_size(self.max_tokens)
+        B, TS = self.max_batch, self.table_size
+        self.table = cupy.empty((B, TS), cupy.uint64)
+        self.meta = cupy.empty((B, TS), cupy.int32)
+        self.compact = cupy.zeros((B, self.max_tokens), cupy.int32)
+        self.counters = cupy.empty((B, N_COUNTERS), cupy.int32)
+        self.stats = cupy.zeros((B, N_STATS), cupy.int32)
+        self.reset()
+
+    def reset(self, stream: cupy.cuda.Stream | None = None) -> None:
+        """Clear every row (only needed if a call was abandoned half-way)."""
+        with stream or cupy.cuda.get_current_stream():
+            self.table.fill(np.uint64(0xFFFFFFFFFFFFFFFF))
+            self.meta.fill(_META_INIT)
+            self.counters.fill(0)
+
+
+class SpecState:
+    """One layer's multi-step state over a given slot table.
+
+    The slot tables are used in place and mutated by every call: ``slot_tokens`` and
+    ``slot_locs`` (int32 ``[R, H + P]``, one row stride) and ``scratch_locs`` (int32 ``[R, C]``).
+    The state allocates the token -> slot index (uint64 ``[R, NB * 8]``), the reference epochs
+    ``ref`` (uint32 ``[R, H]``), ``clock`` (uint32 ``[R, 2]``: epoch, cursor) and ``flags`` (int32
+    ``[R]``, bit 0: the index overflowed and lookups also scan the slot table), and initialises
+    them from the slot tables (:meth:`reset`).
+
+    Use :meth:`create` to build one; call :meth:`reset` for the request slots whose slot tables
+    the caller rewrote (admission, release).
+    """
+
+    def __init__(self, config: SpecConfig, host_locs, slot_tokens, slot_locs, scratch_locs, *,
+                 n_device_rows: int, workspace: SpecWorkspace | None = None,
+                 validate: bool = True):
+        cfg = self.config = config
+        R, H, W, C = cfg.n_requests, cfg.hot_size, cfg.slots, cfg.scratch
+        self.host_locs = _checks.array("host_locs", host_locs, np.int64, ndim=2)
+        if self.host_locs.shape[0] != R:
+            raise ValueError(f"host_locs must have {R} rows (one per request slot), got "
+                             f"{self.host_locs.shape[0]}")
+        self.slot_tokens = _checks.array("slot_tokens", slot_tokens, np.int32, shape=(R, W),
+                                         contiguous=False, inner_contiguous=True)
+        self.slot_locs = _checks.array("slot_locs", slot_locs, np.int32, shape=(R, W),
+                                       contiguous=False, inner_contiguous=True)
+        if self.slot_tokens.strides != self.slot_locs.strides:
+            raise ValueError("slot_tokens and slot_locs must share one row stride, got "
+                             f"{self.slot_tokens.strides} and {self.slot_locs.strides}")
+        self.scratch_locs = _checks.array("scratch_locs", scratch_locs, np.int32, shape=(R, C),
+                                          contiguous=False, inner_contiguous=True)
+        self.n_device_rows = _checks.integer("n_device_rows", n_device_rows, 1)
+        if workspace is None:
+            workspace = SpecWorkspace(cfg.max_batch, cfg.max_tokens)
+        elif not isinstance(workspace, SpecWorkspace):
+            raise TypeError("workspace must be a SpecWorkspace")
+        elif workspace.max_tokens < cfg.max_tokens:
+            raise ValueError(f"workspace holds {workspace.max_tokens} occurrences per row, the "
+                             f"config needs {cfg.max_tokens}")
+        self.workspace = workspace
+        if validate:
+            cfg.check_tables(cupy.asnumpy(self.slot_tokens), cupy.asnumpy(self.slot_locs),
+                             cupy.asnumpy(self.scratch_locs), self.n_device_rows)
+        self.index = cupy.empty((R, cfg.buckets * BUCKET), cupy.uint64)
+        self.ref = cupy.zeros((R, H), cupy.uint32)
+        self.clock = cupy.zeros((R, 2), cupy.uint32)
+        self.flags = cupy.zeros(R, cupy.int32)
+        self.reset()
+
+    @classmethod
+    def create(cls, host_locs, slot_tokens, slot_locs, scratch_locs, *, hot_size: int,
+               top_k: int, n_device_rows: int, max_steps: int = MAX_STEPS,
+               max_batch: int | None = None, workspace: SpecWorkspace | None = None,
+               validate: bool = True) -> SpecState:
+        """Build the state of one layer from its slot tables (sizes taken from the arrays).
+
+        Parameters
+        ----------
+        host_locs : int64 ``[R, max_len]``, token -> host row (-1 = none); read only.
+        slot_tokens, slot_locs : int32 ``[R, H + P]`` (mutated in place).
+        scratch_locs : int32 ``[R, C]`` spare device rows, disjoint from ``slot_locs`` (mutated).
+        hot_size : H.  top_k : the largest K a call will use.
+        n_device_rows : rows of the layer's device array (every row index is checked against it).
+        max_steps : the most steps a call will use (2-4).
+        max_batch : workspace rows (default R); ignored when ``workspace`` is given.
+        validate : check the slot tables on the host first (one device -> host copy).
+        """
+        W = slot_tokens.shape[1]
+        cfg = SpecConfig(slot_tokens.shape[0], hot_size, W - hot_size, top_k,
+                         max_steps=max_steps, scratch=scratch_locs.shape[1],
+                         max_batch=workspace.max_batch if workspace is not None else max_batch)
+        return cls(cfg, host_locs, slot_tokens, slot_locs, scratch_locs,
+                   n_device_rows=n_device_rows, workspace=workspace, validate=validate)
+
+    @property
+    def hot_size(self) -> int:
+        return self.config.hot_size
+
+    def reset(self, requests=None, *, stream: cupy.cuda.Stream | None = None) -> None:
+        """(Re)initialise the index, epochs and cursor of ``requests`` (default: all) from
+        their current slot tables. Queued on ``stream``; no host synchronisation."""
+        R = self.config.n_requests
+        if requests is None:
+            rows = np.arange(R, dtype=np.int32)
+        else:
+            rows = np.unique(np.asarray(requests, dtype=np.int64).reshape(-1))
+            if rows.size and (rows.min() < 0 or rows.max() >= R):
+                raise ValueError(f"requests must lie in [0, {R}), got {rows.tolist()[:8]}")
+            rows = rows.astype(np.int32)
+        if rows.size == 0:
+            return
+        s = stream or cupy.cuda.get_current_stream()
+        with s:
+            d_rows = cupy.asarray(rows)
+        args = (d_rows, self.slot_tokens, _checks.row_stride(self.slot_tokens),
+                np.int32(self.hot_size), self.index, np.int32(self.config.buckets),
+                self.ref, _checks.row_stride(self.ref), self.clock, self.flags)
+        launch(_build.kernel(_FILE, _INIT), int(rows.size), INIT_BLOCK, args, stream=s)
+
+    def to_numpy(self) -> dict[str, np.ndarray]:
+        """Host copies of every state array (for tests and debugging; synchronises)."""
+        names = ("slot_tokens", "slot_locs", "scratch_locs", "index", "ref", "clock", "flags")
+        return {n: cupy.asnumpy(getattr(self, n)) for n in names}
+
+
+def spec_swap_in(
+    top_k_tokens,
+    req_indices,
+    seq_lens,
+    state: SpecState,
+    *,
+    host_rows: Ptr,
+    n_host_rows: int,
+    device_rows,
+    plan: MissPlan | None = None,
+    out=None,
+    status=None,
+    num_real=None,
+    check: bool = False,
+    stream: cupy.cuda.Stream | None = None,
+) -> cupy.ndarray:
+    """Resolve the top-k of S draft steps for a batch, copying each unique miss once.
+
+    Parameters
+    ----------
+    top_k_tokens : int32 ``[B, S, K]`` device array (rows may be strided, each row's ``[S, K]``
+        contiguous), token positions, -1 = unused. ``2 <= S <= state.config.max_steps``,
+        ``K <= state.config.top_k``.
+    req_indices : int32 or int64 ``[B]``, batch row -> request slot (unique among real rows).
+    seq_lens : int32 or int64 ``[B, S]``, each step's length (the step's tokens lie in
+        ``[0, seq_len)``).
+    state : the layer's :class:`SpecState`.
+    host_rows : device address of the layer's host rows (``HostKVPool.device_ptr(layer)``).
+    n_host_rows : rows in that layer (host rows outside ``[0, n_host_rows)`` count as missing).
+    device_rows : uint8 ``[D, row_bytes]`` device array, the layer's rows
+        (``D >= state.n_device_rows``).
+    plan : optional :class:`MissPlan` (``>= B`` rows of ``>= S*K`` entries): entry u of row b is
+        the u-th unique miss (host row -> device row it was copied to), ``count[b]`` the number
+        of unique misses. Entry order follows the kernel's claims (not deterministic).
+    out : int32 ``[B, S, K]`` for the result (allocated when None).
+    status : int32 ``[B, 3]`` (allocated when None): per row, occurrences out of range, miss
+        occurrences with no host row, bad request slot / negative length.
+    num_real : int32 device scalar; rows ``>= num_real`` are CUDA-graph padding (output -1).
+    check : synchronise and raise ``ValueError`` if any status is set (and reject repeated
+        request slots first).
+
+    Returns
+    -------
+    cupy.ndarray
+        ``out``: int32 ``[B, S, K]``, the device row of each occurrence, -1 for unused or invalid.
+        Valid until the next call on this layer. ``state.workspace.stats[:B]`` holds per-row
+        statistics of the call.
+    """
+    cfg = state.config
+    topk = _checks.array("top_k_tokens", top_k_tokens, np.int32, ndim=3, contiguous=False,
+                         inner_contiguous=True)
+    B, S, K = topk.shape
+    if not MIN_STEPS <= S <= cfg.max_steps:
+        raise ValueError(f"top_k_tokens must have {MIN_STEPS}-{cfg.max_steps} steps (dim 1), "
+                         f"got {S}")
+    if not 1 <= K <= cfg.top_k:
+        raise ValueError(f"top_k_tokens must have 1..{cfg.top_k} entries per step (dim 2), "
+                         f"got {K}")
+    ws = state.workspace
+    if not 1 <= B <= ws.max_batch:
+        raise ValueError(f"batch must be in [1, {ws.max_batch}] (workspace rows), got {B}")
+    T = S * K
+    req = _checks.array("req_indices", req_indices, (np.int32, np.int64), shape=(B,))
+    lens = _checks.array("seq_lens", seq_lens, (np.int32, np.int64), shape=(B, S))
+    dev = _checks.array("device_rows", device_rows, np.uint8, ndim=2)
+    row_bytes = _checks.row_bytes("device_rows row size", dev.shape[1])
+    if dev.shape[0] < state.n_device_rows:
+        raise ValueError(f"device_rows has {dev.shape[0]} rows, the state indexes "
+                         f"{state.n_device_rows}")
+    n_host_rows = _checks.integer("n_host_rows", n_host_rows, 0)
+    if not isinstance(host_rows, Ptr):
+        raise TypeError("host_rows must be a Ptr (HostKVPool.device_ptr(layer))")
+    nr = None if num_real is None else _checks.device_scalar("num_real", num_real)
+    if out is None:
+        out = cupy.empty((B, S, K), cupy.int32)
+    else:
+        out = _checks.array("out", out, np.int32, shape=(B, S, K), contiguous=False,
+                            inner_contiguous=True)
+    if status is None:
+        status = cupy.empty((B, N_STATUS), cupy.int32)
+    else:
+        status = _checks.array("status", status, np.int32, shape=(B, N_STATUS))
+    if plan is not None:
+        if not isinstance(plan, MissPlan):
+            raise TypeError("plan must be a MissPlan")
+        plan.check_batch(B, T)
+        p_src, p_dst, p_stride, p_cnt = plan.src, plan.dst, _checks.row_stride(plan.src), \
+            plan.count
+    else:
+        p_src = p_dst = p_cnt = None
+        p_stride = np.int32(0)
+    if check:
+        _precheck(req, nr, cfg.n_requests)
+
+    H, R = cfg.hot_size, cfg.n_requests
+    hrows = Ptr(int(host_rows))
+    drows = Ptr(dev.data.ptr)
+    common = (np.int32(B), np.int32(R), state.host_locs, _checks.row_stride(state.host_locs))
+    gather_args = (
+        topk, _checks.row_stride(topk), np.int32(S), np.int32(K), req, lens, nr, *common,
+        np.int64(n_host_rows), state.slot_tokens, state.slot_locs,
+        _checks.row_stride(state.slot_locs), np.int32(H), np.int32(cfg.extra_page),
+        state.scratch_locs, _checks.row_stride(state.scratch_locs), np.int32(cfg.scratch),
+        state.index, np.int32(cfg.buckets), state.ref, _checks.row_stride(state.ref),
+        state.clock, state.flags, ws.table, ws.meta, np.int32(ws.table_size), ws.compact,
+        _checks.row_stride(ws.compact), ws.counters, out, _checks.row_stride(out), hrows, drows,
+        np.int32(row_bytes), p_src, p_dst, p_stride,
+    )
+    commit_args = (
+        np.int32(S), np.int32(K), req, lens, nr, *common, state.slot_tokens, state.slot_locs,
+        _checks.row_stride(state.slot_locs), np.int32(H), state.scratch_locs,
+        _checks.row_stride(state.scratch_locs), np.int32(cfg.scratch), state.index,
+        np.int32(cfg.buckets), state.ref, _checks.row_stride(state.ref), state.clock,
+        state.flags, ws.table, ws.meta, np.int32(ws.table_size), ws.compact,
+        _checks.row_stride(ws.compact), ws.counters, out, _checks.row_stride(out), hrows, drows,
+        np.int32(row_bytes), p_src, p_dst, p_stride, p_cnt, status, ws.stats,
+    )
+    key = (req.dtype, lens.dtype)
+    launch(_build.kernel(_FILE, _GATHER[key]), (math.ceil(T / GATHER_BLOCK), B), GATHER_BLOCK,
+           gather_args, stream=stream)
+    launch(_build.kernel(_FILE, _COMMIT[key]), B, COMMIT_BLOCK, commit_args,
+           shared_mem=commit_smem_bytes(H, T), stream=stream, pdl=True)
+    if check:
+        raise_on_status(status, topk, lens, max_len=state.host_locs.shape[1], what="spec swap",
+                        stream=stream)
+    return out
