@@ -10,17 +10,19 @@
 # step failed.
 #
 # Usage: bash tools/gpu_check.sh [--no-tests] [--no-sanitize] [--no-bench] [--full-bench]
+#                                [--full=bench_NAME ...]   (that benchmark in full, others quick)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT" "$OUT/results"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-tests=1 sanitize=1 bench=1 quick=--quick
+tests=1 sanitize=1 bench=1 quick=--quick full_only=
 for a in "$@"; do
   case $a in
     --no-tests) tests=0 ;; --no-sanitize) sanitize=0 ;; --no-bench) bench=0 ;;
     --full-bench) quick= ;;
+    --full=*) full_only="$full_only ${a#--full=}" ;;
     *) echo "unknown option $a"; exit 2 ;;
   esac
 done
@@ -65,10 +67,12 @@ if [ $bench = 1 ]; then
   : >"$OUT/bench.log"
   for b in benchmarks/bench_*.py; do
     t0=$SECONDS
-    echo "=== $b $quick" >>"$OUT/bench.log"
-    $PY "$b" $quick --out "$OUT/results" >>"$OUT/bench.log" 2>&1
+    mode=$quick
+    case " $full_only " in *" $(basename "$b" .py) "*) mode= ;; esac
+    echo "=== $b $mode" >>"$OUT/bench.log"
+    timeout "${BENCH_TIMEOUT:-900}" $PY "$b" $mode --out "$OUT/results" >>"$OUT/bench.log" 2>&1
     rc=$?
-    summary "bench $(basename "$b") rc=$rc ($((SECONDS - t0)) s)"
+    summary "bench $(basename "$b") ${mode:-full} rc=$rc ($((SECONDS - t0)) s)"
     [ $rc = 0 ] || fail=1
   done
   tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results"

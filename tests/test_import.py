@@ -1,0 +1,21 @@
+"""CPU: the package imports without a GPU, and without CuPy says which extra to install."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_import_without_gpu_exposes_the_api():
+    import hisparse_cupy as h
+
+    for name in ("HostKVPool", "HotBufferCache", "MissPlan", "swap_in", "compile_check",
+                 "reference"):
+        assert hasattr(h, name), name
+
+
+def test_import_without_cupy_names_the_extras():
+    code = "import sys; sys.modules['cupy'] = None; import hisparse_cupy"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode != 0
+    assert "hisparse_cupy[cuda12]" in p.stderr and "hisparse_cupy[cuda13]" in p.stderr
