@@ -17,11 +17,26 @@ import hashlib
 from pathlib import Path
 
 import cupy
+import numpy as np
 
 CU_DIR = Path(__file__).resolve().parent / "cu"
 
 # file name -> ordered name expressions registered for it
 _INSTANCES: dict[str, list[str]] = {}
+
+
+# C++ spelling of the index dtypes kernels accept for req_indices / seq_lens
+INDEX_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
+
+
+def index_instances(template: str) -> dict[tuple[np.dtype, np.dtype], str]:
+    """Name expressions of ``template`` for every (req_indices, seq_lens) dtype pair.
+
+    ``template`` holds the fields ``{req}`` and ``{len}``, e.g.
+    ``"hs::swap_resolve<1024, {req}, {len}>"``; keys are ``(req dtype, len dtype)``.
+    """
+    return {(r, s): template.format(req=rn, len=sn)
+            for r, rn in INDEX_TYPES.items() for s, sn in INDEX_TYPES.items()}
 
 
 def register(file: str, *name_expressions: str) -> None:

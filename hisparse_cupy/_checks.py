@@ -7,6 +7,7 @@ PyTorch, JAX or anything else that speaks DLPack are imported without a copy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import cupy
@@ -15,6 +16,12 @@ import numpy as np
 
 def _dtype_names(dtypes) -> str:
     return " or ".join(np.dtype(d).name for d in dtypes)
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype_set(dtypes) -> tuple[np.dtype, ...]:
+    return tuple(np.dtype(d) for d in (dtypes if isinstance(dtypes, (list, tuple)) else
+                                       [dtypes]))
 
 
 def as_device_array(name: str, x) -> cupy.ndarray:
@@ -57,7 +64,7 @@ def array(
         have any stride that is a whole number of elements)
     """
     arr = as_device_array(name, x)
-    dts = [np.dtype(d) for d in (dtypes if isinstance(dtypes, (list, tuple)) else [dtypes])]
+    dts = _dtype_set(dtypes)
     if arr.dtype not in dts:
         raise TypeError(f"{name} must have dtype {_dtype_names(dts)}, got {arr.dtype}")
     if shape is not None:

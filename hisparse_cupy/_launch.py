@@ -16,9 +16,9 @@ as 64-bit values, silently misread by a 32-bit parameter.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
+import threading
 
 import cupy
 import numpy as np
@@ -94,29 +94,34 @@ def _plain_arg(a):
     raise TypeError(f"kernel argument {a!r}: pass a cupy.ndarray, None, Ptr or a NumPy scalar")
 
 
-_CTYPE = {
-    np.dtype(np.int32): ctypes.c_int32,
-    np.dtype(np.uint32): ctypes.c_uint32,
-    np.dtype(np.int64): ctypes.c_int64,
-    np.dtype(np.uint64): ctypes.c_uint64,
-    np.dtype(np.float32): ctypes.c_float,
-}
+_MASK64 = (1 << 64) - 1
 
 
-def _ex_arg(a):
-    if isinstance(a, cupy.ndarray):
-        return a.data.ptr, ctypes.c_void_p
+def _ex_word(a) -> int:
+    """One kernel argument as the 64-bit word whose low bytes the driver reads."""
+    t = type(a)
+    if t is cupy.ndarray:
+        return a.data.ptr
     if a is None:
-        return 0, ctypes.c_void_p
-    if isinstance(a, Ptr):
-        return int(a), ctypes.c_void_p
-    if isinstance(a, np.generic) and a.dtype in _CTYPE:
-        return a.item(), _CTYPE[a.dtype]
-    raise TypeError(f"kernel argument {a!r}: pass a cupy.ndarray, None, Ptr or a NumPy scalar")
+        return 0
+    if t is Ptr:
+        return int(a)
+    if isinstance(a, (np.int32, np.int64, np.uint32, np.uint64)):
+        return int(a) & _MASK64  # little-endian: an int32 parameter reads the low 4 bytes
+    if isinstance(a, cupy.ndarray):
+        return a.data.ptr
+    raise TypeError(f"kernel argument {a!r}: pass a cupy.ndarray, None, Ptr or an integer "
+                    f"NumPy scalar")
 
 
 class _PdlConfig:
-    """A cached CUlaunchConfig with the PDL attribute; per launch only grid and stream change."""
+    """A cached CUlaunchConfig with the PDL attribute, and a reusable argument block.
+
+    Per launch only the grid, the stream and the argument words change: the words are written
+    into one uint64 array whose element addresses form the ``void**`` the driver reads, so no
+    per-argument Python objects are built. A lock keeps two threads from interleaving the
+    fill and the launch.
+    """
 
     def __init__(self, block: tuple[int, int, int], shared_mem: int):
         from cuda.bindings import driver as cu
@@ -131,21 +136,35 @@ class _PdlConfig:
         cfg.attrs = [attr]
         cfg.numAttrs = 1
         self.cfg = cfg
+        self.words = np.zeros(0, np.uint64)
+        self.ptrs = np.zeros(0, np.uintp)
+        self.funcs: dict[int, object] = {}
+        self.lock = threading.Lock()
+
+    def _buffers(self, n: int) -> None:
+        if self.words.size != n:
+            self.words = np.zeros(n, np.uint64)
+            self.ptrs = self.words.ctypes.data + 8 * np.arange(n, dtype=np.uintp)
 
     def launch(self, func_ptr: int, grid, stream_ptr: int, args) -> None:
         cu = self.cu
-        cfg = self.cfg
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
-        cfg.hStream = cu.CUstream(stream_ptr)
-        packed = [_ex_arg(a) for a in args]
-        values = tuple(v for v, _ in packed)
-        types = tuple(t for _, t in packed)
-        (err,) = cu.cuLaunchKernelEx(cfg, cu.CUfunction(func_ptr), (values, types), 0)
+        func = self.funcs.get(func_ptr)
+        if func is None:
+            func = self.funcs[func_ptr] = cu.CUfunction(func_ptr)
+        words = [_ex_word(a) for a in args]
+        with self.lock:
+            self._buffers(len(words))
+            self.words[:] = words
+            cfg = self.cfg
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+            cfg.hStream = cu.CUstream(stream_ptr)
+            (err,) = cu.cuLaunchKernelEx(cfg, func, self.ptrs.ctypes.data, 0)
         if err != cu.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernelEx failed: {cu.cuGetErrorName(err)[1]}")
 
 
 _pdl_configs: dict[tuple, _PdlConfig] = {}
+_func_ptrs: dict[int, int] = {}  # id(RawKernel) -> CUfunction; kernels are memoized by _build
 
 
 def _dim3(x) -> tuple[int, int, int]:
@@ -187,6 +206,9 @@ def launch(
         cfg = _pdl_configs.get(key)
         if cfg is None:
             cfg = _pdl_configs[key] = _PdlConfig(block, shared_mem)
-        cfg.launch(kernel.kernel.ptr, grid, stream.ptr, args)
+        fptr = _func_ptrs.get(id(kernel))
+        if fptr is None:  # RawKernel.kernel resolves the module on every access: cache it
+            fptr = _func_ptrs[id(kernel)] = kernel.kernel.ptr
+        cfg.launch(fptr, grid, stream.ptr, args)
         return
     kernel(grid, block, tuple(_plain_arg(a) for a in args), shared_mem=shared_mem, stream=stream)

@@ -29,10 +29,7 @@ from .reference import N_STATUS
 from .swap import MAX_HOT, SwapState, check_sizes, swap_in
 
 _FILE = "cache.cu"
-_IDX = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
-_NEWEST = {
-    (r, s): f"hs::newest_rows<{rn}, {sn}>" for r, rn in _IDX.items() for s, sn in _IDX.items()
-}
+_NEWEST = _build.index_instances("hs::newest_rows<{req}, {len}>")
 _build.register(_FILE, *_NEWEST.values())
 
 

@@ -48,17 +48,8 @@ STATS = ("misses", "admitted", "evictable", "partial")
 F_DEGRADED = 1
 _META_INIT = 0x7FFFFFFF
 
-_IDX = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
-_GATHER = {
-    (r, s): f"hs::spec::spec_gather<{GATHER_BLOCK}, {rn}, {sn}>"
-    for r, rn in _IDX.items()
-    for s, sn in _IDX.items()
-}
-_COMMIT = {
-    (r, s): f"hs::spec::spec_commit<{COMMIT_BLOCK}, {rn}, {sn}>"
-    for r, rn in _IDX.items()
-    for s, sn in _IDX.items()
-}
+_GATHER = _build.index_instances(f"hs::spec::spec_gather<{GATHER_BLOCK}, {{req}}, {{len}}>")
+_COMMIT = _build.index_instances(f"hs::spec::spec_commit<{COMMIT_BLOCK}, {{req}}, {{len}}>")
 _INIT = f"hs::spec::spec_init<{INIT_BLOCK}>"
 _build.register(_FILE, *_GATHER.values(), *_COMMIT.values(), _INIT)
 

@@ -6,6 +6,7 @@ same algorithm in NumPy.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import cupy
@@ -18,12 +19,7 @@ from .reference import N_STATUS, ST_BADROW, ST_NOHOST, ST_RANGE
 
 _FILE = "swap.cu"
 RESOLVE_BLOCK = 1024
-_INDEX_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
-_NAMES = {
-    (r, s): f"hs::swap_resolve<{RESOLVE_BLOCK}, {rn}, {sn}>"
-    for r, rn in _INDEX_TYPES.items()
-    for s, sn in _INDEX_TYPES.items()
-}
+_NAMES = _build.index_instances(f"hs::swap_resolve<{RESOLVE_BLOCK}, {{req}}, {{len}}>")
 _build.register(_FILE, *_NAMES.values())
 
 MAX_HOT = 32767  # LRU entries are int16
@@ -47,6 +43,11 @@ def resolve_smem_bytes(top_k: int, hot_size: int) -> int:
 
 def check_sizes(top_k: int, hot_size: int) -> None:
     """Raise ``ValueError`` if the resolve kernel cannot run K = top_k, H = hot_size here."""
+    _check_sizes(top_k, hot_size, cupy.cuda.runtime.getDevice())
+
+
+@functools.lru_cache(maxsize=256)
+def _check_sizes(top_k: int, hot_size: int, device_id: int) -> None:
     if top_k > hot_size:
         raise ValueError(f"top_k={top_k} must not exceed hot_size={hot_size}")
     if not 1 <= hot_size <= MAX_HOT:
