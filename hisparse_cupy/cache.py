@@ -126,6 +126,9 @@ class HotBufferCache:
                 raise ValueError(f"warm_tokens must lie in [0, n_tokens - 1 = {n - 1})")
             if np.unique(warm).size != warm.size:
                 raise ValueError("warm_tokens must be distinct")
+        if kv is not None and (np.ndim(kv) != 3 or np.shape(kv)[1] != n):
+            raise ValueError(f"kv must hold the n_tokens={n} rows being admitted: uint8 "
+                             f"[{self.n_layers}, {n}, {self.row_bytes}], got shape {np.shape(kv)}")
         rid = self._free.pop()
         try:
             if kv is not None:
