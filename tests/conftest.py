@@ -43,3 +43,14 @@ def rng(request):
     import numpy as np
 
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def stream():
+    """A non-blocking stream, current for the whole test (nothing runs on the legacy stream)."""
+    import cupy
+
+    st = cupy.cuda.Stream(non_blocking=True)
+    with st:
+        yield st
+    st.synchronize()

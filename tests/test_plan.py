@@ -14,14 +14,9 @@ POISON = 0xEE
 
 
 @pytest.fixture
-def s():
-    """A non-blocking stream, current for the whole test (nothing runs on the legacy stream)."""
-    import cupy as cp
-
-    st = cp.cuda.Stream(non_blocking=True)
-    with st:
-        yield st
-    st.synchronize()
+def s(stream):
+    """The conftest's non-blocking stream, current for the whole test."""
+    return stream
 
 
 def _setup(stream, n_layers=2):

@@ -115,14 +115,9 @@ def test_stage_local_layers():
 
 
 @pytest.fixture
-def main():
-    """A non-blocking main stream, current for the whole test (never the legacy stream)."""
-    import cupy as cp
-
-    st = cp.cuda.Stream(non_blocking=True)
-    with st:
-        yield st
-    st.synchronize()
+def main(stream):
+    """The conftest's non-blocking stream, current for the whole test."""
+    return stream
 
 
 ROW = 656
