@@ -10,7 +10,7 @@ excluded; median of >= 20 with p10-p90.
 Timed per method, under CUDA graphs: "chain" = marginal time of one call inside a graph of 8
 back-to-back (restore, call) pairs, restores subtracted (the time a call adds to a captured decode
 step); "one-graph" = one call per graph replay (includes the graph launch, floor printed first).
-Methods: ``spec_swap_in`` (gather + commit, commit launched with PDL or plainly) and S calls of
+Methods: ``multistep_swap_in`` (gather + commit, commit launched with PDL or plainly) and S calls of
 ``swap_in`` on the same top-k (resolve + planned copy each, PDL on or off). Ceiling: one
 ``cudaMemcpyAsync`` H2D of the unique missed bytes from the same pinned pool, timed the same ways.
 
@@ -40,11 +40,11 @@ from _timing import (  # noqa: E402
 from hisparse_cupy import (  # noqa: E402
     HostKVPool,
     MissPlan,
-    SpecConfig,
-    SpecState,
+    MultiStepConfig,
+    MultiStepState,
     SwapState,
+    multistep_swap_in,
     set_pdl,
-    spec_swap_in,
     swap_in,
 )
 
@@ -93,10 +93,11 @@ class Case:
             tokens[:, :H] = resident
             self.req = cupy.arange(B, dtype=cupy.int32)
             # multi-step
-            cfg = SpecConfig(B, H, P, K, max_steps=S, max_batch=B)
+            cfg = MultiStepConfig(B, H, P, K, max_steps=S, max_batch=B)
             slot_locs, scratch_locs, D = cfg.layout()
-            self.spec = SpecState(cfg, host_locs, cupy.asarray(tokens), cupy.asarray(slot_locs),
-                                  cupy.asarray(scratch_locs), n_device_rows=D)
+            self.spec = MultiStepState(cfg, host_locs, cupy.asarray(tokens),
+                                       cupy.asarray(slot_locs), cupy.asarray(scratch_locs),
+                                       n_device_rows=D)
             self.spec_rows = cupy.empty((D, row_bytes), cupy.uint8)
             self.spec_lens = cupy.full((B, S), SEQ, cupy.int32)
             self.spec_out = cupy.empty((B, S, K), cupy.int32)
@@ -127,7 +128,7 @@ class Case:
             a[...] = s
 
     def spec_call(self, i):
-        spec_swap_in(self.sets[i % NSETS], self.req, self.spec_lens, self.spec,
+        multistep_swap_in(self.sets[i % NSETS], self.req, self.spec_lens, self.spec,
                      host_rows=self.pool.device_ptr(0), n_host_rows=N_HOST,
                      device_rows=self.spec_rows, plan=self.spec_plan, out=self.spec_out,
                      status=self.spec_status, stream=self.stream)

@@ -1,29 +1,35 @@
-"""Kernel build path: ``cu/*.cu`` -> ``cupy.RawModule`` with name expressions.
+"""Kernel build path: one ``cupy.RawModule`` per ``cu/*.cu``, holding every instance of it.
 
-Every kernel of the package is a template instance in one of the ``cu/*.cu`` files. Op modules
-declare the instances they use with :func:`register`; :func:`kernel` compiles the module of one
-(file, instance) pair on first use, memoized per device, and returns its ``cupy.RawKernel``.
-The compile options carry a digest of every ``.cu``/``.cuh`` source, so an edited header
-changes CuPy's cache key and recompiles (CuPy's own key covers only the top-level source).
+:data:`INSTANCES` is the static table of every template instance the package launches, by
+source file. :func:`kernel` returns the ``cupy.RawKernel`` of one instance: the file's
+RawModule is created on first use and CuPy compiles it lazily (NVRTC, then its disk cache) and
+per device. The options (:func:`options`) carry a digest of every ``.cu``/``.cuh`` source, so an
+edited header changes CuPy's cache key, and the ABI macros of :mod:`hisparse_cupy._abi`
+(struct layouts, constants, shared-memory tables) that the kernels ``static_assert`` against.
 
-:func:`compile_check` compiles every registered instance through NVRTC for sm_80 and sm_90 with
-``cuda.core`` and no GPU, so CPU-only CI catches a kernel that no longer compiles.
+:func:`compile_check` compiles every instance through NVRTC (``cuda.bindings.nvrtc``, no GPU)
+with exactly these options plus the ones CuPy appends (``-ftz=true``,
+``--device-as-default-execution-space``, ``-arch``), so CPU-only CI catches a kernel that no
+longer compiles and any drift between a C++ parameter struct and its Python mirror. The
+kernels include nothing outside ``cu/`` (fixed-width types come from NVRTC's builtins), so the
+include paths CuPy adds do not change what compiles.
+
+``HISPARSE_CUPY_DEBUG=1`` adds ``-DHS_DEBUG``: every shared-memory carve is checked against
+the launch's dynamic shared memory (a trap on overrun).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from pathlib import Path
 
-import cupy
 import numpy as np
 
+from . import _abi
+
 CU_DIR = Path(__file__).resolve().parent / "cu"
-
-# file name -> ordered name expressions registered for it
-_INSTANCES: dict[str, list[str]] = {}
-
 
 # C++ spelling of the index dtypes kernels accept for req_indices / seq_lens
 INDEX_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
@@ -33,31 +39,28 @@ def index_instances(template: str) -> dict[tuple[np.dtype, np.dtype], str]:
     """Name expressions of ``template`` for every (req_indices, seq_lens) dtype pair.
 
     ``template`` holds the fields ``{req}`` and ``{len}``, e.g.
-    ``"hs::swap_resolve<1024, {req}, {len}>"``; keys are ``(req dtype, len dtype)``.
+    ``"hs::swap_resolve<{req}, {len}>"``; keys are ``(req dtype, len dtype)``.
     """
     return {(r, s): template.format(req=rn, len=sn)
             for r, rn in INDEX_TYPES.items() for s, sn in INDEX_TYPES.items()}
 
 
-def register(file: str, *name_expressions: str) -> None:
-    """Declare template instances of ``cu/<file>`` that the package launches."""
-    if not (CU_DIR / file).is_file():
-        raise FileNotFoundError(f"no kernel source {CU_DIR / file}")
-    names = _INSTANCES.setdefault(file, [])
-    for n in name_expressions:
-        if n not in names:
-            names.append(n)
+# Every instance the package launches (the ops pick theirs from these tables).
+RESOLVE = index_instances("hs::swap_resolve<{req}, {len}>")
+COPY_H2D = "hs::planned_copy<long long, int>"  # host rows (int64) -> device rows
+COPY_D2H = "hs::planned_copy<int, long long>"  # device rows -> host rows (int64)
+NEWEST = index_instances("hs::newest_rows<{req}, {len}>")
+GATHER = index_instances("hs::ms::gather<{req}, {len}>")
+COMMIT = index_instances("hs::ms::commit<{req}, {len}>")
+MS_INIT = "hs::ms::init"
 
-
-def instances() -> dict[str, tuple[str, ...]]:
-    """All registered instances, by source file (after importing every op module)."""
-    _import_ops()
-    return {f: tuple(n) for f, n in _INSTANCES.items()}
-
-
-def _import_ops() -> None:
-    # The op modules register their instances at import time.
-    from . import cache, plan, spec, swap  # noqa: F401
+INSTANCES: dict[str, tuple[str, ...]] = {
+    "swap.cu": tuple(RESOLVE.values()),
+    "plan.cu": (COPY_H2D, COPY_D2H),
+    "cache.cu": tuple(NEWEST.values()),
+    "multistep.cu": (*GATHER.values(), *COMMIT.values(), MS_INIT),
+}
+_FILE_OF = {n: f for f, names in INSTANCES.items() for n in names}
 
 
 @functools.cache
@@ -70,64 +73,98 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-def _options() -> tuple[str, ...]:
+def debug() -> bool:
+    return os.environ.get("HISPARSE_CUPY_DEBUG", "0") not in ("", "0", "false", "off")
+
+
+def options() -> tuple[str, ...]:
+    """The NVRTC options of every compile (runtime and :func:`compile_check`)."""
     return (
-        "-std=c++17",
+        "-std=c++20",  # designated initializers check the ABI (cu/abi.cuh)
         f"-I{CU_DIR}",
         f"-DHS_SRC_DIGEST=0x{source_digest()[:16]}ull",
+        *(f"-D{name}={value}" for name, value in _abi.defines()),
+        *(("-DHS_DEBUG",) if debug() else ()),
     )
 
 
-@functools.cache
-def _kernel(device_id: int, file: str, name_expression: str) -> cupy.RawKernel:
-    src = (CU_DIR / file).read_text()
-    mod = cupy.RawModule(code=src, options=_options(), name_expressions=(name_expression,))
-    return mod.get_function(name_expression)
+_modules: dict[tuple[str, tuple[str, ...]], object] = {}
+_kernels: dict[tuple[int, str], object] = {}
 
 
-def kernel(file: str, name_expression: str) -> cupy.RawKernel:
-    """The compiled kernel ``name_expression`` of ``cu/<file>`` on the current device.
+def kernel(name_expression: str):
+    """The ``cupy.RawKernel`` of one instance (see :data:`INSTANCES`) on the current device."""
+    import cupy
 
-    Compiled on first use (NVRTC, then CuPy's disk cache) and memoized per device and instance.
-    """
-    if name_expression not in _INSTANCES.get(file, ()):
-        raise KeyError(f"{name_expression!r} is not a registered instance of {file}")
-    return _kernel(cupy.cuda.runtime.getDevice(), file, name_expression)
+    file = _FILE_OF.get(name_expression)
+    if file is None:
+        raise KeyError(f"{name_expression!r} is not an instance of any kernel source "
+                       f"(see hisparse_cupy._build.INSTANCES)")
+    dev = cupy.cuda.runtime.getDevice()
+    k = _kernels.get((dev, name_expression))
+    if k is not None:
+        return k
+    opts = options()
+    mod = _modules.get((file, opts))
+    if mod is None:
+        mod = _modules[(file, opts)] = cupy.RawModule(
+            code=(CU_DIR / file).read_text(encoding="utf-8"), options=opts,
+            name_expressions=INSTANCES[file])
+    k = _kernels[(dev, name_expression)] = mod.get_function(name_expression)
+    return k
 
 
-def _include_paths() -> list[str]:
-    """The -I list CuPy's RawModule compiles with (CCCL, CuPy and CUDA headers) plus cu/."""
-    from cupy._core.core import assemble_cupy_compiler_options  # private, mirrors RawModule
+class CompileError(RuntimeError):
+    """NVRTC rejected a kernel source; the message holds the file, arch and NVRTC's log."""
 
-    opts = assemble_cupy_compiler_options(tuple(o for o in _options() if o.startswith("-I")))
-    return [o[2:] for o in opts if o.startswith("-I")]
+
+def _nvrtc_compile(file: str, names: tuple[str, ...], arch: str) -> int:
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as e:  # pragma: no cover - the cuda12/cuda13 extras bring it
+        raise ImportError("compile_check() needs cuda-bindings and NVRTC: install the "
+                          "package with its cuda12 or cuda13 extra") from e
+
+    def ok(res):
+        err = res[0]
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(f"NVRTC error {err} for {file} ({arch})")
+        return res[1:]
+
+    path = str(CU_DIR / file)
+    (prog,) = ok(nvrtc.nvrtcCreateProgram((CU_DIR / file).read_bytes(), path.encode(), 0, [],
+                                          []))
+    try:
+        for n in names:
+            ok(nvrtc.nvrtcAddNameExpression(prog, n.encode()))
+        opts = [o.encode() for o in options()] + [
+            b"-ftz=true", b"--device-as-default-execution-space", f"-arch={arch}".encode()]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            (size,) = ok(nvrtc.nvrtcGetProgramLogSize(prog))
+            log = b" " * size
+            ok(nvrtc.nvrtcGetProgramLog(prog, log))
+            raise CompileError(f"{file} does not compile for {arch}:\n"
+                               f"{log.decode(errors='replace')}")
+        (size,) = ok(nvrtc.nvrtcGetCUBINSize(prog))
+        for n in names:  # every instance was instantiated
+            ok(nvrtc.nvrtcGetLoweredName(prog, n.encode()))
+        return int(size)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
 
 
 def compile_check(archs: tuple[str, ...] = ("sm_80", "sm_90")) -> dict[tuple[str, str], int]:
-    """Compile every registered instance with NVRTC for each arch, no GPU needed.
+    """Compile every kernel instance with NVRTC for each arch; no GPU needed.
+
+    Needs ``cuda-bindings`` and the NVRTC library (both come with the ``cuda12`` / ``cuda13``
+    extras). Uses exactly the runtime's options (:func:`options`) plus the ones CuPy appends.
 
     Returns
     -------
     dict
-        ``(file, arch) -> cubin size in bytes``. Raises the NVRTC error (with its log) on the
-        first source that does not compile.
+        ``(file, arch) -> cubin size in bytes``. Raises :class:`CompileError` with NVRTC's log
+        on the first source that does not compile.
     """
-    from cuda.core import Program, ProgramOptions
-
-    inc = _include_paths()
-    out = {}
-    for file, names in instances().items():
-        src = (CU_DIR / file).read_text()
-        for arch in archs:
-            po = ProgramOptions(
-                name=str(CU_DIR / file),
-                arch=arch,
-                std="c++17",
-                include_path=inc,
-                ftz=True,
-                device_as_default_execution_space=True,
-                define_macro=[("HS_SRC_DIGEST", f"0x{source_digest()[:16]}ull")],
-            )
-            obj = Program(src, "c++", options=po).compile("cubin", name_expressions=names)
-            out[(file, arch)] = len(obj.code)
-    return out
+    return {(file, arch): _nvrtc_compile(file, names, arch)
+            for file, names in INSTANCES.items() for arch in archs}

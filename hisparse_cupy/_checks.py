@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import cupy
 import numpy as np
 
+from . import _abi
+
 
 def _dtype_names(dtypes) -> str:
     return " or ".join(np.dtype(d).name for d in dtypes)
@@ -123,3 +125,98 @@ def device_scalar(name: str, x) -> cupy.ndarray:
     if arr.size != 1:
         raise ValueError(f"{name} must hold exactly one int32, got shape {tuple(arr.shape)}")
     return arr
+
+
+def sizes(name: str, arr, names: str) -> None:
+    """Reject an empty dimension with a message about sizes (``names``: one letter per dim)."""
+    for n, letter in zip(arr.shape, names, strict=False):
+        if n == 0:
+            raise ValueError(f"{name} must have {letter} >= 1, got shape {tuple(arr.shape)} "
+                             f"({names[0]}{''.join(', ' + c for c in names[1:])})")
+
+
+def index_vector(name: str, x, B: int | None = None) -> cupy.ndarray:
+    """int32/int64 ``[B]`` device array (``B`` >= 1; checked against ``B`` when given)."""
+    arr = array(name, x, (np.int32, np.int64), ndim=1)
+    if arr.shape[0] == 0:
+        raise ValueError(f"{name} must hold at least one batch row, got shape {tuple(arr.shape)}")
+    if B is not None and arr.shape[0] != B:
+        raise ValueError(f"{name} must have shape ({B},) (one entry per batch row), got "
+                         f"{tuple(arr.shape)}")
+    return arr
+
+
+def lengths(x, B: int, steps: int | None = None) -> tuple[cupy.ndarray, int, int]:
+    """``seq_lens``: int32/int64 ``[B]`` or ``[B, S']`` (``S' >= steps`` when given).
+
+    Returns ``(array, row stride, step stride)`` in elements; a ``[B]`` array serves every step
+    of a multi-step call (step stride 0), a ``[B, S']`` one serves single-step calls with its
+    column 0.
+    """
+    arr = array("seq_lens", x, (np.int32, np.int64), contiguous=False, inner_contiguous=True)
+    if arr.ndim not in (1, 2) or arr.shape[0] != B:
+        raise ValueError(f"seq_lens must have shape ({B},) or ({B}, S) (one row per batch row), "
+                         f"got {tuple(arr.shape)}")
+    if arr.ndim == 1:
+        if not arr.flags.c_contiguous:
+            raise ValueError(f"seq_lens must be contiguous (strides {arr.strides})")
+        return arr, 1, 0
+    if steps is not None and arr.shape[1] < steps:
+        raise ValueError(f"seq_lens has {arr.shape[1]} step column(s), the call has {steps} "
+                         f"steps")
+    return arr, int(arr.strides[0] // arr.itemsize), 1
+
+
+def unique_requests(req: cupy.ndarray, num_real: cupy.ndarray | None, R: int) -> None:
+    """Raise if a valid request slot (in ``[0, R)``) repeats among the real rows (synchronizes).
+
+    Invalid slots are not judged here: they get a defined per-row status (bad row).
+    """
+    r = cupy.asnumpy(req)
+    n = r.size if num_real is None else int(cupy.asnumpy(num_real)[0])
+    real = r[: max(0, min(n, r.size))]
+    real = real[(real >= 0) & (real < R)]
+    vals, cnt = np.unique(real, return_counts=True)
+    if (cnt > 1).any():
+        raise ValueError(f"req_indices repeats request slot(s) {vals[cnt > 1].tolist()} among "
+                         f"real rows; each request may appear once per call")
+
+
+def raise_on_status(status, top_k_tokens, seq_lens, *, max_len: int, what: str = "swap",
+                    stream=None) -> None:
+    """Synchronize and raise ``ValueError`` describing every row whose status is non-zero.
+
+    Works for single-step calls (``top_k_tokens`` ``[B, K]``, ``seq_lens`` ``[B]``) and
+    multi-step calls (``[B, S, K]`` and ``[B, S]``: entries are named as (step, entry)).
+    ``max_len`` is the width of ``host_locs``: tokens at or beyond it are out of range too.
+    """
+    (stream or cupy.cuda.get_current_stream()).synchronize()
+    st = cupy.asnumpy(status)
+    bad = np.nonzero(st.any(axis=1))[0]
+    if bad.size == 0:
+        return
+    tk = cupy.asnumpy(top_k_tokens)
+    steps = tk.shape[1] if tk.ndim == 3 else 1
+    tk = tk.reshape(tk.shape[0], steps, -1)
+    lens = cupy.asnumpy(seq_lens).reshape(tk.shape[0], -1)
+    lens = np.repeat(lens, steps, axis=1) if lens.shape[1] == 1 else lens[:, :steps]
+    lines = []
+    for b in bad[:8]:
+        msg = []
+        if st[b, _abi.ST_BADROW]:
+            msg.append("request slot out of range, a negative seq_len, or (multi-step) no room")
+        if st[b, _abi.ST_RANGE]:
+            where = []
+            for s in range(steps):
+                lim = min(int(lens[b, s]), max_len)
+                row = tk[b, s, : max(0, int(lens[b, s]))]
+                idx = np.nonzero((row < -1) | (row >= lim))[0][:8]
+                where += [(s, int(i)) if steps > 1 else int(i) for i in idx]
+            msg.append(f"{st[b, _abi.ST_RANGE]} token(s) outside [0, min(seq_len, {max_len})) at "
+                       f"{'(step, entry)' if steps > 1 else 'entries'} {where[:8]}")
+        if st[b, _abi.ST_NOHOST]:
+            msg.append(f"{st[b, _abi.ST_NOHOST]} miss(es) with no host row")
+        lines.append(f"row {b} (seq_len {lens[b].tolist() if steps > 1 else int(lens[b, 0])}): "
+                     + "; ".join(msg))
+    more = f" (and {bad.size - 8} more rows)" if bad.size > 8 else ""
+    raise ValueError(f"{what} found invalid input: " + " | ".join(lines) + more)

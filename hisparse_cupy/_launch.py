@@ -1,17 +1,26 @@
-"""The one launch path of the package.
+"""The one launch path of the package, and the caller's stream.
 
-Every op launches through :func:`launch`. A plain launch is ``RawKernel.__call__``; a launch with
-``pdl=True`` on a device of compute capability 9.0 or newer goes through
-``cuda.bindings.driver.cuLaunchKernelEx`` with the programmatic-stream-serialization attribute,
-so the kernel may start while the previous kernel on the stream finishes; such kernels must call
-``hs::pdl_wait()`` before reading what the previous kernel wrote. Elsewhere, or with PDL
-disabled (``HISPARSE_CUPY_PDL=0`` or :func:`set_pdl`), the same kernel is launched plainly and
-its ``griddepcontrol.wait`` returns at once.
+Every kernel takes one parameter struct by value (:mod:`hisparse_cupy._abi`): a :class:`Params`
+holds it as a one-element NumPy structured array. :func:`launch` queues a kernel with it:
 
-Kernel arguments are ``cupy.ndarray`` (passed as its data pointer), ``None`` (a null pointer),
-:class:`Ptr` (a raw device pointer) or NumPy scalars (``np.int32``, ``np.int64``, ``np.uint64``)
-whose width matches the kernel's parameter. Plain Python ints are refused: CuPy would pass them
-as 64-bit values, silently misread by a 32-bit parameter.
+- plainly, through ``RawKernel.__call__`` (CuPy copies the struct into the launch);
+- with Programmatic Dependent Launch (``pdl=True`` on a device of compute capability 9.0 or
+  newer), through ``cuda.bindings.driver.cuLaunchKernelEx`` with the
+  programmatic-stream-serialization attribute: the kernel may start while the previous kernel on
+  the stream finishes, and calls ``hs::pdl_wait()`` before reading what that kernel wrote. The
+  launch configuration is cached per (block, shared memory), so a launch sets the grid and the
+  stream and passes one pointer (to the struct's bytes) as the argument block.
+
+:func:`as_stream` turns whatever the caller passed as ``stream=`` into a CuPy stream object:
+``None`` (CuPy's current stream), a ``cupy.cuda.Stream`` or ``ExternalStream``, an object with
+``__cuda_stream__`` (PyTorch >= 2.7, cuda.core), an object with an integer ``cuda_stream``
+attribute (older PyTorch streams) or a raw integer handle. Foreign streams are wrapped once per
+handle with ``cupy.cuda.Stream.from_external`` and cached, so the per-call cost is a dictionary
+lookup. The wrapper does not own the stream: keep the original alive while work is queued.
+
+:func:`resolve_pdl` turns a per-call ``pdl: bool | None`` into what the launch does (None: use
+PDL where the device supports it and it is not turned off with ``HISPARSE_CUPY_PDL=0`` or
+:func:`set_pdl`).
 """
 
 from __future__ import annotations
@@ -28,11 +37,39 @@ _pdl_enabled = os.environ.get("HISPARSE_CUPY_PDL", "1") not in ("0", "false", "o
 
 
 class Ptr(int):
-    """A raw device (or device-mapped host) address passed to a kernel as a pointer."""
+    """A raw device (or device-mapped host) address."""
 
 
+class Params:
+    """One kernel parameter struct: ``arr`` (a ``(1,)`` structured array) and its address."""
+
+    __slots__ = ("arr", "addr")
+
+    def __init__(self, dtype: np.dtype):
+        self.arr = np.zeros(1, dtype)
+        self.addr = self.arr.ctypes.data
+
+    def __getitem__(self, field: str):
+        return self.arr[field][0]
+
+    def __setitem__(self, field: str, value) -> None:
+        self.arr[field] = value
+
+    def set(self, **fields) -> Params:
+        a = self.arr
+        for k, v in fields.items():
+            a[k] = v
+        return self
+
+
+def ptr(x) -> int:
+    """Device address of a CuPy array, or 0 for None."""
+    return 0 if x is None else x.data.ptr
+
+
+# ----------------------------------------------------------------------------- PDL switch
 def set_pdl(enabled: bool) -> None:
-    """Turn Programmatic Dependent Launch on or off for all later launches."""
+    """Turn Programmatic Dependent Launch on or off for later launches that do not choose."""
     global _pdl_enabled
     _pdl_enabled = bool(enabled)
 
@@ -47,12 +84,75 @@ def _compute_capability(device_id: int) -> int:
 
 
 def pdl_supported(device_id: int | None = None) -> bool:
-    """Whether PDL launches will be used on this device (sm_90+ and enabled)."""
+    """Whether PDL launches will be used on this device by default (sm_90+ and enabled)."""
     if device_id is None:
         device_id = cupy.cuda.runtime.getDevice()
     return _pdl_enabled and _compute_capability(device_id) >= 90
 
 
+def resolve_pdl(pdl: bool | None) -> bool:
+    """A call's ``pdl`` argument -> whether its dependent kernels launch with PDL.
+
+    None: what :func:`pdl_supported` says. True: PDL where the device has it (sm_90+; below
+    that the kernel's wait is a no-op and the launch is plain). False: plain launches.
+    """
+    if pdl is None:
+        return pdl_supported()
+    if pdl:
+        return _compute_capability(cupy.cuda.runtime.getDevice()) >= 90
+    return False
+
+
+# ----------------------------------------------------------------------------- streams
+class _Handle:
+    """A raw stream handle speaking the ``__cuda_stream__`` protocol."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+_foreign: dict[tuple[int, int], cupy.cuda.ExternalStream] = {}
+
+
+def _wrap(handle: int):
+    dev = cupy.cuda.runtime.getDevice()
+    s = _foreign.get((dev, handle))
+    if s is None:
+        s = _foreign[(dev, handle)] = cupy.cuda.Stream.from_external(_Handle(handle))
+    return s
+
+
+def as_stream(stream=None):
+    """The CuPy stream object for a call's ``stream=`` argument (see the module docstring)."""
+    if stream is None:
+        return cupy.cuda.get_current_stream()
+    if isinstance(stream, cupy.cuda.stream._BaseStream):
+        return stream
+    if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
+        return _wrap(int(stream))
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        got = proto() if callable(proto) else proto
+        try:
+            handle = int(got[1])
+        except (TypeError, ValueError, IndexError):
+            raise TypeError(f"stream.__cuda_stream__() must return (version, handle), got "
+                            f"{got!r}") from None
+        return _wrap(handle)
+    handle = getattr(stream, "cuda_stream", None)
+    if isinstance(handle, (int, np.integer)):
+        return _wrap(int(handle))
+    raise TypeError(f"stream must be a CuPy stream, an object with __cuda_stream__ or an integer "
+                    f"cuda_stream attribute (PyTorch), or an int handle; got "
+                    f"{type(stream).__name__}")
+
+
+# ----------------------------------------------------------------------------- launches
 @functools.cache
 def _max_optin_smem(device_id: int) -> int:
     attr = cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin
@@ -64,63 +164,36 @@ def max_shared_memory() -> int:
     return _max_optin_smem(cupy.cuda.runtime.getDevice())
 
 
+@functools.cache
+def _sm_count(device_id: int) -> int:
+    attr = cupy.cuda.runtime.cudaDevAttrMultiProcessorCount
+    return cupy.cuda.runtime.deviceGetAttribute(attr, device_id)
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device."""
+    return _sm_count(cupy.cuda.runtime.getDevice())
+
+
 _smem_set: dict[tuple[int, int], int] = {}
 
 
-def _opt_in_smem(kernel: cupy.RawKernel, shared_mem: int) -> None:
-    dev = cupy.cuda.runtime.getDevice()
+def _opt_in_smem(kernel, shared_mem: int, dev: int) -> None:
     key = (id(kernel), dev)
     if _smem_set.get(key, _SMEM_DEFAULT_LIMIT) >= shared_mem:
         return
     limit = _max_optin_smem(dev)
     if shared_mem > limit:
-        raise ValueError(
-            f"kernel {kernel.name} needs {shared_mem} bytes of shared memory; "
-            f"this device allows {limit}"
-        )
+        raise ValueError(f"kernel {kernel.name} needs {shared_mem} bytes of shared memory; "
+                         f"this device allows {limit}")
     kernel.max_dynamic_shared_size_bytes = shared_mem
     _smem_set[key] = shared_mem
 
 
-def _plain_arg(a):
-    if isinstance(a, cupy.ndarray):
-        return a
-    if a is None:
-        return np.uint64(0)
-    if isinstance(a, Ptr):
-        return np.uint64(int(a))
-    if isinstance(a, np.generic):
-        return a
-    raise TypeError(f"kernel argument {a!r}: pass a cupy.ndarray, None, Ptr or a NumPy scalar")
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _ex_word(a) -> int:
-    """One kernel argument as the 64-bit word whose low bytes the driver reads."""
-    t = type(a)
-    if t is cupy.ndarray:
-        return a.data.ptr
-    if a is None:
-        return 0
-    if t is Ptr:
-        return int(a)
-    if isinstance(a, (np.int32, np.int64, np.uint32, np.uint64)):
-        return int(a) & _MASK64  # little-endian: an int32 parameter reads the low 4 bytes
-    if isinstance(a, cupy.ndarray):
-        return a.data.ptr
-    raise TypeError(f"kernel argument {a!r}: pass a cupy.ndarray, None, Ptr or an integer "
-                    f"NumPy scalar")
-
-
 class _PdlConfig:
-    """A cached CUlaunchConfig with the PDL attribute, and a reusable argument block.
+    """A cached CUlaunchConfig with the PDL attribute, and its one-pointer argument block.
 
-    Per launch only the grid, the stream and the argument words change: the words are written
-    into one uint64 array whose element addresses form the ``void**`` the driver reads, so no
-    per-argument Python objects are built. A lock keeps two threads from interleaving the
-    fill and the launch.
+    A lock keeps two threads from interleaving the fill of the shared config and the launch.
     """
 
     def __init__(self, block: tuple[int, int, int], shared_mem: int):
@@ -136,35 +209,28 @@ class _PdlConfig:
         cfg.attrs = [attr]
         cfg.numAttrs = 1
         self.cfg = cfg
-        self.words = np.zeros(0, np.uint64)
-        self.ptrs = np.zeros(0, np.uintp)
-        self.funcs: dict[int, object] = {}
+        self.args = np.zeros(1, np.uintp)  # void* kernelParams[1]: the struct's address
+        self.args_addr = self.args.ctypes.data
+        self.streams: dict[int, object] = {}
         self.lock = threading.Lock()
 
-    def _buffers(self, n: int) -> None:
-        if self.words.size != n:
-            self.words = np.zeros(n, np.uint64)
-            self.ptrs = self.words.ctypes.data + 8 * np.arange(n, dtype=np.uintp)
-
-    def launch(self, func_ptr: int, grid, stream_ptr: int, args) -> None:
+    def launch(self, func, grid, stream_ptr: int, params_addr: int) -> None:
         cu = self.cu
-        func = self.funcs.get(func_ptr)
-        if func is None:
-            func = self.funcs[func_ptr] = cu.CUfunction(func_ptr)
-        words = [_ex_word(a) for a in args]
+        hs = self.streams.get(stream_ptr)
+        if hs is None:
+            hs = self.streams[stream_ptr] = cu.CUstream(stream_ptr)
         with self.lock:
-            self._buffers(len(words))
-            self.words[:] = words
+            self.args[0] = params_addr
             cfg = self.cfg
             cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
-            cfg.hStream = cu.CUstream(stream_ptr)
-            (err,) = cu.cuLaunchKernelEx(cfg, func, self.ptrs.ctypes.data, 0)
+            cfg.hStream = hs
+            (err,) = cu.cuLaunchKernelEx(cfg, func, self.args_addr, 0)
         if err != cu.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernelEx failed: {cu.cuGetErrorName(err)[1]}")
 
 
 _pdl_configs: dict[tuple, _PdlConfig] = {}
-_func_ptrs: dict[int, int] = {}  # id(RawKernel) -> CUfunction; kernels are memoized by _build
+_funcs: dict[tuple[int, int], object] = {}  # (id(RawKernel), device) -> CUfunction
 
 
 def _dim3(x) -> tuple[int, int, int]:
@@ -172,43 +238,32 @@ def _dim3(x) -> tuple[int, int, int]:
     return tuple(int(v) for v in t) + (1,) * (3 - len(t))
 
 
-def launch(
-    kernel: cupy.RawKernel,
-    grid,
-    block,
-    args: tuple,
-    *,
-    shared_mem: int = 0,
-    stream: cupy.cuda.Stream | None = None,
-    pdl: bool = False,
-) -> None:
-    """Launch ``kernel`` on ``stream`` (default: CuPy's current stream).
+def launch(kernel, grid, block, params: Params, *, shared_mem: int = 0, stream=None,
+           pdl: bool = False) -> None:
+    """Queue ``kernel`` with its parameter struct on ``stream`` (a CuPy stream object; None:
+    the current stream).
 
-    Parameters
-    ----------
-    grid, block : int or tuple of up to 3 ints
-    args : tuple
-        Kernel arguments (see the module docstring for the accepted kinds).
-    shared_mem : int
-        Dynamic shared memory in bytes; above 48 KB the kernel is opted in once.
-    pdl : bool
-        Launch with Programmatic Dependent Launch where supported (see :func:`pdl_supported`).
+    ``grid`` / ``block``: int or tuple of up to 3 ints (an empty grid queues nothing).
+    ``shared_mem``: dynamic shared memory in bytes; above 48 KB the kernel is opted in once.
+    ``pdl``: already resolved (:func:`resolve_pdl`); True launches with the PDL attribute.
     """
-    grid, block = _dim3(grid), _dim3(block)
+    grid = _dim3(grid)
     if min(grid) <= 0:
         return  # nothing to do; CUDA rejects empty grids
-    if stream is None:
-        stream = cupy.cuda.get_current_stream()
+    block = _dim3(block)
+    dev = cupy.cuda.runtime.getDevice()
     if shared_mem > _SMEM_DEFAULT_LIMIT:
-        _opt_in_smem(kernel, shared_mem)
-    if pdl and pdl_supported():
+        _opt_in_smem(kernel, shared_mem, dev)
+    if pdl:
+        if stream is None:
+            stream = cupy.cuda.get_current_stream()
         key = (block, shared_mem)
         cfg = _pdl_configs.get(key)
         if cfg is None:
             cfg = _pdl_configs[key] = _PdlConfig(block, shared_mem)
-        fptr = _func_ptrs.get(id(kernel))
-        if fptr is None:  # RawKernel.kernel resolves the module on every access: cache it
-            fptr = _func_ptrs[id(kernel)] = kernel.kernel.ptr
-        cfg.launch(fptr, grid, stream.ptr, args)
+        func = _funcs.get((id(kernel), dev))
+        if func is None:  # RawKernel.kernel resolves the module on every access: cache it
+            func = _funcs[(id(kernel), dev)] = cfg.cu.CUfunction(kernel.kernel.ptr)
+        cfg.launch(func, grid, stream.ptr, params.addr)
         return
-    kernel(grid, block, tuple(_plain_arg(a) for a in args), shared_mem=shared_mem, stream=stream)
+    kernel(grid, block, (params.arr,), shared_mem=shared_mem, stream=stream)

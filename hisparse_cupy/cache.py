@@ -1,19 +1,27 @@
-"""HotBufferCache: the stateful layer engines and examples call.
+"""HotBufferCache: the stateful layer engines and examples call, and its per-step plan.
 
 It owns, for ``n_layers`` layers and ``max_requests`` request slots:
 
 - the host pool (:class:`HostKVPool`): request slot ``r``'s token ``p`` lives in host row
   ``r * max_len + p`` of every layer (one request's rows are close together in host memory);
-- the device rows: uint8 ``[n_layers, R * (H + P), row_bytes]``; slot ``s`` of request slot
-  ``r`` is device row ``r * (H + P) + s`` in every layer (``slot_locs``, shared by the layers);
-- per layer: ``slot_tokens`` int32 ``[R, H + P]`` and ``lru`` int16 ``[R, H]``;
+- the device rows: uint8 ``[n_layers, R * (H + P + C), row_bytes]``; request slot ``r`` owns
+  rows ``r * (H + P + C) + [0, H + P + C)`` of every layer: its H + P slots, then C scratch
+  rows (C = 0 without multi-step state);
+- per layer: ``slot_tokens`` and ``slot_locs`` int32 ``[R, H + P]`` and ``lru`` int16
+  ``[R, H]``; with ``max_steps >= 2`` also the multi-step state (``scratch_locs``, the
+  token -> slot index, reference epochs, clock, flags: :class:`MultiStepState` views);
 - ``host_locs`` int64 ``[R, max_len]``: -1 until a token's host row has been written.
 
-Request lifecycle: :meth:`admit` (prefill KV given or already written), then per decode step
-the model writes the new token's KV into :meth:`newest_rows` of every layer, calls
-:meth:`backup_newest` once (device -> host copy of that row for all layers), and :meth:`swap`
-per layer; :meth:`release` at the end. Every call is queued on the current CuPy stream (or the
-``stream`` given) without host synchronization, so a decode step can be captured in a graph.
+One plan per decode step (FlashInfer's plan/run): :meth:`HotBufferCache.begin_step` validates the
+batch once and returns a :class:`Step`; ``step.swap(layer, top_k)`` then only checks the top-k
+and launches. A ``[B, K]`` top-k runs the single-step swap, a ``[B, S, K]`` one the multi-step
+swap, over the same hot buffers: single-step admissions keep the multi-step index current, so
+the two alternate freely (each policy keeps its own recency record: the LRU order for the
+single-step swap, reference epochs for the multi-step CLOCK; an admission by one is seen by the
+other as a resident token with no recent use). Request lifecycle: :meth:`admit`, then per step
+``step.newest_rows()`` (the model writes the new token's KV there), ``step.backup_newest()``
+once, ``step.swap(layer, ...)`` per layer; :meth:`release` at the end. Every call is queued on
+the step's stream without host synchronization, so a decode step can be captured in a graph.
 """
 
 from __future__ import annotations
@@ -21,16 +29,20 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from . import _build, _checks
-from ._launch import Ptr, launch
+from . import _abi, _build, _checks
+from ._launch import Params, as_stream, launch, ptr, resolve_pdl
 from .host_pool import HostKVPool
-from .plan import MissPlan, copy_rows
-from .reference import N_STATUS
-from .swap import MAX_HOT, SwapState, check_sizes, swap_in
-
-_FILE = "cache.cu"
-_NEWEST = _build.index_instances("hs::newest_rows<{req}, {len}>")
-_build.register(_FILE, *_NEWEST.values())
+from .multistep import (
+    MultiStepConfig,
+    MultiStepState,
+    MultiStepWorkspace,
+    init_states,
+)
+from .multistep import run as run_multistep
+from .multistep import set_call as set_multistep_call
+from .plan import MissPlan, copy_params, default_copy_grid, launch_copy
+from .swap import MAX_HOT, SwapState, check_sizes, set_batch, set_call
+from .swap import run as run_swap
 
 
 class HotBufferCache:
@@ -49,40 +61,88 @@ class HotBufferCache:
     extra_page : int
         P, slots after the hot slots; slot H holds the newest token (default 64).
     max_batch : int
-        Largest batch a :meth:`swap` call takes (default ``max_requests``).
+        Largest batch a step takes (default ``max_requests``).
+    max_steps : int
+        1 (default): single-step swaps only. 2-4: also multi-step (MTP) swaps of up to that many
+        draft steps, with their state for every layer.
+    scratch : int, optional
+        Scratch rows per request for multi-step admission (default
+        :func:`hisparse_cupy.multistep.default_scratch`).
     """
 
     def __init__(self, *, n_layers: int, max_requests: int, max_len: int, row_bytes: int,
                  hot_size: int = 4096, top_k: int = 2048, extra_page: int = 64,
-                 max_batch: int | None = None):
-        self.n_layers = _checks.integer("n_layers", n_layers, 1)
+                 max_batch: int | None = None, max_steps: int = 1, scratch: int | None = None):
+        self.n_layers = L = _checks.integer("n_layers", n_layers, 1)
         self.max_requests = R = _checks.integer("max_requests", max_requests, 1)
         self.max_len = _checks.integer("max_len", max_len, 1)
         self.hot_size = H = _checks.integer("hot_size", hot_size, 1, MAX_HOT)
-        self.top_k = _checks.integer("top_k", top_k, 1, H)
+        self.top_k = K = _checks.integer("top_k", top_k, 1, H)
         self.extra_page = P = _checks.integer("extra_page", extra_page, 1)
         self.max_batch = _checks.integer("max_batch", R if max_batch is None else max_batch, 1)
-        check_sizes(self.top_k, H)
-        self.slots = H + P
-        self.pool = HostKVPool(self.n_layers, R * self.max_len, row_bytes)
+        self.max_steps = S = _checks.integer("max_steps", max_steps, 1, _abi.MS_MAX_STEPS)
+        check_sizes(K, H)
+        self.ms_config = None
+        C = 0
+        if S >= 2:
+            self.ms_config = MultiStepConfig(R, H, P, K, max_steps=S, scratch=scratch,
+                                             max_batch=self.max_batch)
+            C = self.ms_config.scratch
+        elif scratch is not None:
+            raise ValueError("scratch applies only with max_steps >= 2")
+        self.slots = W = H + P
+        self.scratch = C
+        self.rows_per_request = W + C
+        self.pool = HostKVPool(L, R * self.max_len, row_bytes)
         self.row_bytes = self.pool.row_bytes
-        D = R * self.slots
-        self.device = cupy.empty((self.n_layers, D, self.row_bytes), cupy.uint8)
-        self.slot_locs = cupy.arange(D, dtype=cupy.int32).reshape(R, self.slots)
-        self.slot_tokens = cupy.full((self.n_layers, R, self.slots), -1, cupy.int32)
-        self.lru = cupy.empty((self.n_layers, R, H), cupy.int16)
+        D = R * (W + C)
+        self.device = cupy.empty((L, D, self.row_bytes), cupy.uint8)
+        base = (np.arange(R, dtype=np.int64) * (W + C)).reshape(R, 1)
+        self._slot_layout = cupy.asarray((base + np.arange(W)).astype(np.int32))
+        self.slot_locs = cupy.empty((L, R, W), cupy.int32)
+        self.slot_locs[...] = self._slot_layout
+        self.slot_tokens = cupy.full((L, R, W), -1, cupy.int32)
+        self.lru = cupy.empty((L, R, H), cupy.int16)
         self.lru[...] = cupy.arange(H, dtype=cupy.int16)
         self.host_locs = cupy.full((R, self.max_len), -1, cupy.int64)
-        self.plan = MissPlan(self.max_batch, self.top_k)
-        self.out = cupy.empty((self.max_batch, self.top_k), cupy.int32)
-        self.status = cupy.empty((self.max_batch, N_STATUS), cupy.int32)
+        self.plan = MissPlan(self.max_batch, K * max(1, S))
+        self.out = cupy.empty((self.max_batch, K), cupy.int32)
+        self.status = cupy.empty((self.max_batch, _abi.N_STATUS), cupy.int32)
         self._newest = cupy.empty(self.max_batch, cupy.int32)
         # one-entry D2H plan per batch row: newest token's device row -> its host row
         self._backup_src = cupy.empty((self.max_batch, 1), cupy.int32)
         self._backup_dst = cupy.empty((self.max_batch, 1), cupy.int64)
         self._backup_count = cupy.zeros(self.max_batch, cupy.int32)
+        self._ms: list[MultiStepState] = []
+        if S >= 2:
+            cfg = self.ms_config
+            self._scratch_layout = cupy.asarray((base + W + np.arange(C)).astype(np.int32))
+            self.scratch_locs = cupy.empty((L, R, C), cupy.int32)
+            self.scratch_locs[...] = self._scratch_layout
+            self.ms_index = cupy.full((L, R, cfg.buckets * _abi.MS_BUCKET),
+                                      np.uint64(_abi.MS_EMPTY), cupy.uint64)
+            self.ms_ref = cupy.zeros((L, R, H), cupy.uint32)
+            self.ms_clock = cupy.zeros((L, R, 2), cupy.uint32)
+            self.ms_clock[..., 0] = 1
+            self.ms_flags = cupy.zeros((L, R), cupy.int32)
+            self.workspace = MultiStepWorkspace(self.max_batch, cfg.max_tokens)
+            self.ms_out = cupy.empty((self.max_batch, S, K), cupy.int32)
+            for layer in range(L):
+                self._ms.append(MultiStepState(
+                    cfg, self.host_locs, self.slot_tokens[layer], self.slot_locs[layer],
+                    self.scratch_locs[layer], n_device_rows=D, workspace=self.workspace,
+                    validate=False, storage={"index": self.ms_index[layer],
+                                             "ref": self.ms_ref[layer],
+                                             "clock": self.ms_clock[layer],
+                                             "flags": self.ms_flags[layer]}))
+        self._states = [self._swap_state(layer) for layer in range(L)]
         self._free = list(range(R - 1, -1, -1))
         self._len: dict[int, int] = {}
+
+    def _swap_state(self, layer: int) -> SwapState:
+        ms = {} if not self._ms else self._ms[layer].swap_state_fields()
+        return SwapState(self.host_locs, self.slot_tokens[layer], self.slot_locs[layer],
+                         self.lru[layer], **ms)
 
     # ----------------------------------------------------------------- requests
     @property
@@ -91,7 +151,7 @@ class HotBufferCache:
         return dict(self._len)
 
     def admit(self, n_tokens: int, kv: np.ndarray | None = None,
-              warm_tokens=None, *, stream: cupy.cuda.Stream | None = None) -> int:
+              warm_tokens=None, *, stream=None) -> int:
         """Admit a request of ``n_tokens`` tokens whose KV is (or is now) in the host pool.
 
         Parameters
@@ -105,6 +165,7 @@ class HotBufferCache:
             For ``n_tokens > H``: up to H distinct tokens in ``[0, n_tokens - 1)`` to load into
             the hot buffer now (default: start cold). Ignored for short requests, which are
             loaded whole in positional layout.
+        stream : any stream kind (default: CuPy's current stream).
 
         Returns
         -------
@@ -133,25 +194,24 @@ class HotBufferCache:
         try:
             if kv is not None:
                 self.write_host(rid, 0, kv, _admitting=n)
-            s = stream or cupy.cuda.get_current_stream()
+            s = as_stream(stream)
             with s:
                 self.host_locs[rid, :n] = rid * self.max_len + cupy.arange(n, dtype=cupy.int64)
                 self.host_locs[rid, n:] = -1
+                self._reset_slot(rid)
                 if n <= H:  # positional layout: slot p is token p's
-                    self.slot_tokens[:, rid, :] = -1
                     self.slot_tokens[:, rid, :H] = cupy.arange(H, dtype=cupy.int32)
-                    self.lru[:, rid] = cupy.arange(H, dtype=cupy.int16)
                     slots = np.arange(n)
                     tokens = np.arange(n)
                 else:  # LRU layout: newest token in slot H, warm tokens in slots 0..w-1
                     w = warm.size
-                    self.slot_tokens[:, rid, :] = -1
                     self.slot_tokens[:, rid, :w] = cupy.asarray(warm, dtype=cupy.int32)
                     self.slot_tokens[:, rid, H] = n - 1
                     order = np.concatenate([np.arange(w, H), np.arange(w)]).astype(np.int16)
                     self.lru[:, rid] = cupy.asarray(order)
                     slots = np.concatenate([np.arange(w), [H]])
                     tokens = np.concatenate([warm, [n - 1]])
+                self._init_multistep(rid, s)
                 self._load(rid, slots, tokens, s)
         except Exception:
             self._free.append(rid)
@@ -159,17 +219,33 @@ class HotBufferCache:
         self._len[rid] = n
         return rid
 
+    def _reset_slot(self, rid: int) -> None:
+        """Every per-layer table of request slot ``rid`` back to empty (on the current stream)."""
+        self.slot_tokens[:, rid] = -1
+        self.lru[:, rid] = cupy.arange(self.hot_size, dtype=cupy.int16)
+        self.slot_locs[:, rid] = self._slot_layout[rid]  # undo multi-step rotations
+        if self._ms:
+            self.scratch_locs[:, rid] = self._scratch_layout[rid]
+
+    def _init_multistep(self, rid: int, stream) -> None:
+        if self._ms:
+            rows = cupy.full(1, rid, cupy.int32)
+            init_states(rows, None, self.slot_tokens, self.ms_index, self.ms_ref, self.ms_clock,
+                        self.ms_flags, hot_size=self.hot_size, n_buckets=self.ms_config.buckets,
+                        stream=stream)
+
     def _load(self, rid: int, slots: np.ndarray, tokens: np.ndarray, stream) -> None:
         """Copy host rows of ``tokens`` into ``slots`` of request ``rid`` for every layer."""
         n = len(slots)
         src = cupy.asarray((rid * self.max_len + tokens).astype(np.int64).reshape(1, n))
-        dst = self.slot_locs[rid, cupy.asarray(slots)].reshape(1, n)
+        dst = cupy.ascontiguousarray(self._slot_layout[rid, cupy.asarray(slots)].reshape(1, n))
         cnt = cupy.full(1, n, dtype=cupy.int32)
-        copy_rows(src, cupy.ascontiguousarray(dst), cnt, 1, None,
-                  src_base=self.pool.device_ptr(0), src_layer_bytes=self.pool.layer_bytes,
-                  n_src_rows=self.pool.n_rows, dst_base=Ptr(self.device.data.ptr),
-                  dst_layer_bytes=self.device[0].nbytes, n_dst_rows=self.device.shape[1],
-                  row_bytes=self.row_bytes, n_layers=self.n_layers, stream=stream)
+        p = copy_params(src, dst, cnt, 1, None, src_base=self.pool.device_ptr(0),
+                        src_layer_bytes=self.pool.layer_bytes, n_src_rows=self.pool.n_rows,
+                        dst_base=self.device.data.ptr, dst_layer_bytes=self.device[0].nbytes,
+                        n_dst_rows=self.device.shape[1], row_bytes=self.row_bytes,
+                        n_layers=self.n_layers)
+        launch_copy(p, grid=default_copy_grid(1, n, self.n_layers), stream=stream)
 
     def write_host(self, rid: int, start: int, kv: np.ndarray, *, _admitting: int = 0) -> None:
         """Write KV rows of tokens ``start .. start + n`` of request ``rid`` into the host pool.
@@ -196,89 +272,79 @@ class HotBufferCache:
             self.host_locs[rid, start: start + kv.shape[1]] = (
                 base + cupy.arange(kv.shape[1], dtype=cupy.int64))
 
-    def release(self, rid: int, *, stream: cupy.cuda.Stream | None = None) -> None:
-        """Free request slot ``rid``: its slot tables, LRU order and host rows are reset."""
+    def release(self, rid: int, *, stream=None) -> None:
+        """Free request slot ``rid``: every table of it (slot tables, LRU order, multi-step
+        index, epochs, clock, rotated rows) and its host rows are reset."""
         rid = _checks.integer("rid", rid, 0, self.max_requests - 1)
         if rid not in self._len:
             raise ValueError(f"request slot {rid} is not admitted")
-        with stream or cupy.cuda.get_current_stream():
-            self.slot_tokens[:, rid] = -1
-            self.lru[:, rid] = cupy.arange(self.hot_size, dtype=cupy.int16)
+        s = as_stream(stream)
+        with s:
+            self._reset_slot(rid)
             self.host_locs[rid] = -1
+            self._init_multistep(rid, s)
         del self._len[rid]
         self._free.append(rid)
 
-    # ----------------------------------------------------------------- per step
+    # ----------------------------------------------------------------- per layer
+    def _layer(self, layer) -> int:
+        return _checks.integer("layer", layer, 0, self.n_layers - 1)
+
     def state(self, layer: int) -> SwapState:
-        """The swap tables of ``layer`` (views)."""
-        layer = _checks.integer("layer", layer, 0, self.n_layers - 1)
-        return SwapState(self.host_locs, self.slot_tokens[layer], self.slot_locs,
-                         self.lru[layer])
+        """The single-step swap tables of ``layer`` (views)."""
+        return self._states[self._layer(layer)]
+
+    def multistep_state(self, layer: int) -> MultiStepState:
+        """The multi-step state of ``layer`` (views; needs ``max_steps >= 2``)."""
+        layer = self._layer(layer)
+        if not self._ms:
+            raise ValueError("this cache was built with max_steps=1: no multi-step state")
+        return self._ms[layer]
 
     def device_rows(self, layer: int) -> cupy.ndarray:
-        """uint8 ``[R * (H + P), row_bytes]``: the rows that swap outputs index, for ``layer``."""
-        return self.device[_checks.integer("layer", layer, 0, self.n_layers - 1)]
+        """uint8 ``[D, row_bytes]``: the rows that swap outputs index, for ``layer``."""
+        return self.device[self._layer(layer)]
 
-    def _batch(self, req_indices, seq_lens):
-        req = _checks.array("req_indices", req_indices, (np.int32, np.int64), ndim=1)
-        B = req.shape[0]
-        if not 1 <= B <= self.max_batch:
-            raise ValueError(f"batch must be in [1, max_batch={self.max_batch}], got {B}")
-        lens = _checks.array("seq_lens", seq_lens, (np.int32, np.int64), shape=(B,))
-        return req, lens, B
+    # ----------------------------------------------------------------- per step
+    def begin_step(self, req_indices, seq_lens, num_real=None, *, stream=None,
+                   pdl: bool | None = None, prefetcher=None) -> Step:
+        """Validate a decode step's batch once; the returned :class:`Step` runs every layer.
 
-    def newest_rows(self, req_indices, seq_lens, num_real=None, *, backup: bool = False,
-                    stream: cupy.cuda.Stream | None = None) -> cupy.ndarray:
-        """Device row (in every layer) of each row's newest token ``seq_len - 1``.
+        Parameters
+        ----------
+        req_indices : int32 or int64 ``[B]`` device array, batch row -> request slot,
+            ``1 <= B <= max_batch`` (unique among real rows).
+        seq_lens : int32 or int64 ``[B]`` (each request's length including the newest token) or
+            ``[B, S]`` (per draft step; single-step calls use column 0).
+        num_real : int32 device scalar, optional: rows ``>= num_real`` are graph padding.
+        stream : CuPy, PyTorch or ``__cuda_stream__`` stream, or an int handle (default: CuPy's
+            current stream); every launch of the step goes there.
+        pdl : Programmatic Dependent Launch for the dependent kernels (default: where supported).
+        prefetcher : :class:`hisparse_cupy.Prefetcher` driving this cache, optional: then
+            :meth:`Step.swap` runs each layer through it (IndexCache shared-layer overlap).
 
-        The model writes the step's KV there. Returns int32 ``[B]`` (a view valid until the
-        next call), -1 for padding or invalid rows. With ``backup=True`` also copies that row of
-        every layer to its host row (what :meth:`backup_newest` does).
+        The arrays are used in place (no copy): do not change them while the step's work is
+        queued. The step holds no device memory of its own; create one per decode step.
         """
-        req, lens, B = self._batch(req_indices, seq_lens)
-        nr = None if num_real is None else _checks.device_scalar("num_real", num_real)
-        name = _NEWEST[(req.dtype, lens.dtype)]
-        args = (req, lens, nr, np.int32(B), np.int32(self.max_requests),
-                np.int32(self.max_len), self.slot_locs, _checks.row_stride(self.slot_locs),
-                np.int32(self.hot_size), self.host_locs, _checks.row_stride(self.host_locs),
-                self._newest, self._backup_src, self._backup_dst, self._backup_count,
-                np.int32(1 if backup else 0))
-        launch(_build.kernel(_FILE, name), -(-B // 128), 128, args, stream=stream)
-        if backup:
-            copy_rows(self._backup_src, self._backup_dst, self._backup_count, B, nr,
-                      src_base=Ptr(self.device.data.ptr), src_layer_bytes=self.device[0].nbytes,
-                      n_src_rows=self.device.shape[1], dst_base=self.pool.device_ptr(0),
-                      dst_layer_bytes=self.pool.layer_bytes, n_dst_rows=self.pool.n_rows,
-                      row_bytes=self.row_bytes, n_layers=self.n_layers, to_host=True,
-                      stream=stream)
-        return self._newest[:B]
-
-    def backup_newest(self, req_indices, seq_lens, num_real=None, *,
-                      stream: cupy.cuda.Stream | None = None) -> None:
-        """Copy each row's newest token from the device to its host row, all layers, one launch.
-
-        Call once per decode step after the model wrote the step's KV, before any later swap
-        that may select that token (queue order on one stream guarantees it).
-        """
-        self.newest_rows(req_indices, seq_lens, num_real, backup=True, stream=stream)
+        return Step(self, req_indices, seq_lens, num_real, stream=stream, pdl=pdl,
+                    prefetcher=prefetcher)
 
     def swap(self, layer: int, req_indices, seq_lens, top_k_tokens, *, num_real=None,
              out=None, copy_grid: int | None = None, check: bool = False,
-             stream: cupy.cuda.Stream | None = None) -> cupy.ndarray:
-        """Single-step swap-in of ``layer`` for a batch; returns int32 ``[B, K]`` device rows.
+             stream=None, pdl: bool | None = None) -> cupy.ndarray:
+        """One swap outside a step: ``begin_step(...).swap(layer, top_k_tokens, ...)``."""
+        return self.begin_step(req_indices, seq_lens, num_real, stream=stream, pdl=pdl).swap(
+            layer, top_k_tokens, out=out, copy_grid=copy_grid, check=check)
 
-        The result indexes :meth:`device_rows`. Without ``out`` it is a view of a buffer the
-        next swap overwrites; :attr:`plan` holds this call's miss plan and :attr:`status` its
-        per-row status until then. See :func:`hisparse_cupy.swap.swap_in`.
-        """
-        req, lens, B = self._batch(req_indices, seq_lens)
-        return swap_in(
-            top_k_tokens, req, lens, self.state(layer),
-            host_rows=self.pool.device_ptr(layer), n_host_rows=self.pool.n_rows,
-            device_rows=self.device[layer], plan=self.plan,
-            out=self.out[:B] if out is None else out, status=self.status[:B],
-            num_real=num_real, copy_grid=copy_grid, check=check, stream=stream,
-        )
+    def newest_rows(self, req_indices, seq_lens, num_real=None, *, backup: bool = False,
+                    stream=None) -> cupy.ndarray:
+        """``begin_step(...).newest_rows(backup=backup)``."""
+        return self.begin_step(req_indices, seq_lens, num_real, stream=stream).newest_rows(
+            backup=backup)
+
+    def backup_newest(self, req_indices, seq_lens, num_real=None, *, stream=None) -> None:
+        """``begin_step(...).backup_newest()``."""
+        self.newest_rows(req_indices, seq_lens, num_real, backup=True, stream=stream)
 
     def close(self) -> None:
         """Free the host pool (after the device finished with it)."""
@@ -289,3 +355,160 @@ class HotBufferCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Step:
+    """One decode step of a :class:`HotBufferCache`: the batch, validated once.
+
+    Made by :meth:`HotBufferCache.begin_step`. Every method queues work on the step's stream
+    without host synchronization (``check=True`` excepted).
+    """
+
+    def __init__(self, cache: HotBufferCache, req_indices, seq_lens, num_real=None, *,
+                 stream=None, pdl: bool | None = None, prefetcher=None):
+        self.cache = c = cache
+        self.req = _checks.index_vector("req_indices", req_indices)
+        self.batch = B = self.req.shape[0]
+        if B > c.max_batch:
+            raise ValueError(f"batch must be in [1, max_batch={c.max_batch}], got {B}")
+        self.seq_lens, self._lens_stride, self._lens_step = _checks.lengths(seq_lens, B)
+        self.num_real = None if num_real is None else _checks.device_scalar("num_real",
+                                                                            num_real)
+        self.stream = as_stream(stream)
+        self.pdl = resolve_pdl(pdl)
+        self.prefetcher = prefetcher
+        if prefetcher is not None and prefetcher.cache is not c:
+            raise ValueError("prefetcher drives another cache")
+        self._key = (self.req.dtype, self.seq_lens.dtype)
+        self._resolve = Params(_abi.SWAP_RESOLVE)
+        set_batch(self._resolve, self.req, self.seq_lens, self._lens_stride, B, self.num_real)
+        self._copy = copy_params(c.plan.src, c.plan.dst, c.plan.count, B, self.num_real,
+                                 src_base=0, src_layer_bytes=0, n_src_rows=c.pool.n_rows,
+                                 dst_base=0, dst_layer_bytes=0, n_dst_rows=c.device.shape[1],
+                                 row_bytes=c.row_bytes)
+        self._ms = None
+
+    # ----------------------------------------------------------------- swaps
+    def swap(self, layer: int, top_k_tokens, *, out=None, copy_grid: int | None = None,
+             check: bool = False) -> cupy.ndarray:
+        """Swap in ``layer``'s top-k: int32 ``[B, K]`` (single-step) or ``[B, S, K]``
+        (multi-step, ``2 <= S <= max_steps``); returns the device rows (same shape) of
+        ``cache.device_rows(layer)``, -1 for unused or invalid entries.
+
+        Without ``out`` the result is a view of a buffer the next swap overwrites; the cache's
+        :attr:`~HotBufferCache.plan` and :attr:`~HotBufferCache.status` hold this call's miss plan
+        and per-row status until then. ``check``: see :func:`hisparse_cupy.swap_in` (it
+        synchronizes). With a prefetcher, shared layers return their full layer's rows.
+        """
+        if self.prefetcher is not None:
+            return self.prefetcher.swap_step(self, layer, top_k_tokens)
+        return self._swap(layer, top_k_tokens, out=out, copy_grid=copy_grid, check=check)
+
+    def _swap(self, layer: int, top_k_tokens, *, out=None, copy_grid: int | None = None,
+              check: bool = False) -> cupy.ndarray:
+        c = self.cache
+        layer = c._layer(layer)
+        topk = _checks.array("top_k_tokens", top_k_tokens, np.int32, contiguous=False,
+                             inner_contiguous=True)
+        B = self.batch
+        if topk.ndim == 3:
+            return self._swap_multistep(layer, topk, out=out, check=check)
+        if topk.ndim != 2 or topk.shape[0] != B:
+            raise ValueError(f"top_k_tokens must have shape ({B}, K) or ({B}, S, K), got "
+                             f"{tuple(topk.shape)}")
+        K = topk.shape[1]
+        if not 1 <= K <= c.top_k:
+            raise ValueError(f"top_k_tokens must have 1..{c.top_k} entries per row (the cache's "
+                             f"top_k), got {K}")
+        if out is None:
+            out = c.out[:B]
+        else:
+            out = _checks.array("out", out, np.int32, shape=(B, K), contiguous=False,
+                                inner_contiguous=True)
+        if check:
+            _checks.unique_requests(self.req, self.num_real, c.max_requests)
+        p = c._states[layer].params(self._resolve)
+        set_call(p, topk, out, c.status, c.plan, c.pool.n_rows)
+        self._copy.set(src_base=int(c.pool.device_ptr(layer)),
+                       dst_base=c.device[layer].data.ptr)
+        run_swap(p, self._copy, _build.RESOLVE, self._key, B=B, K=K, H=c.hot_size,
+                 stream=self.stream, pdl=self.pdl, copy_grid=copy_grid)
+        if check:
+            _checks.raise_on_status(c.status[:B], topk, self.seq_lens,
+                                    max_len=c.max_len, stream=self.stream)
+        return out
+
+    def _swap_multistep(self, layer: int, topk, *, out=None, check: bool = False):
+        c = self.cache
+        B, S, K = topk.shape
+        if c.max_steps < 2:
+            raise ValueError("a [B, S, K] top-k needs a cache built with max_steps >= 2")
+        if topk.shape[0] != B or not 2 <= S <= c.max_steps or not 1 <= K <= c.top_k:
+            raise ValueError(f"top_k_tokens must have shape ({self.batch}, 2..{c.max_steps}, "
+                             f"1..{c.top_k}), got {tuple(topk.shape)}")
+        if self._lens_step and self.seq_lens.shape[1] < S:
+            raise ValueError(f"seq_lens has {self.seq_lens.shape[1]} step column(s), the call "
+                             f"has {S} steps")
+        if out is None:
+            out = c.ms_out[:B, :S, :K]
+        else:
+            out = _checks.array("out", out, np.int32, shape=(B, S, K), contiguous=False,
+                                inner_contiguous=True)
+        if check:
+            _checks.unique_requests(self.req, self.num_real, c.max_requests)
+        st = c._ms[layer]
+        p = self._ms = st.params(self._ms)
+        set_multistep_call(p, topk, self.req, self.seq_lens, self._lens_stride, self._lens_step,
+                           self.num_real, out, c.status, c.plan,
+                           host_rows=int(c.pool.device_ptr(layer)), n_host_rows=c.pool.n_rows,
+                           device_rows=c.device[layer], row_bytes=c.row_bytes)
+        run_multistep(p, self._key, B=B, T=S * K, H=c.hot_size, stream=self.stream,
+                      pdl=self.pdl)
+        if check:
+            _checks.raise_on_status(c.status[:B], topk, self.seq_lens, max_len=c.max_len,
+                                    what="multi-step swap", stream=self.stream)
+        return out
+
+    # ----------------------------------------------------------------- newest token
+    def newest_rows(self, *, backup: bool = False) -> cupy.ndarray:
+        """Device row (in every layer) of each row's newest token ``seq_len - 1``.
+
+        The model writes the step's KV there. Returns int32 ``[B]`` (a view valid until the
+        next call), -1 for padding or invalid rows. With ``backup=True`` also copies that row of
+        every layer to its host row (what :meth:`backup_newest` does) and, past H, records the
+        token in slot H of every layer (where the multi-step swap finds it).
+        """
+        c, B = self.cache, self.batch
+        p = Params(_abi.NEWEST_ROWS).set(
+            req=ptr(self.req), lens=ptr(self.seq_lens), num_real=ptr(self.num_real),
+            slot_locs=ptr(c.slot_locs[0]), slot_tokens=ptr(c.slot_tokens),
+            host_locs=ptr(c.host_locs), rows_out=ptr(c._newest),
+            plan_src=ptr(c._backup_src), plan_dst=ptr(c._backup_dst),
+            plan_count=ptr(c._backup_count), slot_layer_stride=c.slot_tokens.strides[0] // 4,
+            B=B, R=c.max_requests, max_len=c.max_len, slot_stride=c.slots, H=c.hot_size,
+            host_stride=c.max_len, lens_stride=self._lens_stride, n_layers=c.n_layers,
+            record=1 if backup else 0)
+        launch(_build.kernel(_build.NEWEST[self._key]), -(-B // _abi.NEWEST_BLOCK),
+               _abi.NEWEST_BLOCK, p, stream=self.stream)
+        if backup:
+            cp = copy_params(c._backup_src, c._backup_dst, c._backup_count, B, self.num_real,
+                             src_base=c.device.data.ptr, src_layer_bytes=c.device[0].nbytes,
+                             n_src_rows=c.device.shape[1], dst_base=c.pool.device_ptr(0),
+                             dst_layer_bytes=c.pool.layer_bytes, n_dst_rows=c.pool.n_rows,
+                             row_bytes=c.row_bytes, n_layers=c.n_layers)
+            launch_copy(cp, to_host=True, grid=default_copy_grid(B, 1, c.n_layers),
+                        stream=self.stream, pdl=self.pdl)
+        return c._newest[:B]
+
+    def backup_newest(self) -> None:
+        """Copy each row's newest token from the device to its host row, all layers, one launch.
+
+        Call once per decode step after the model wrote the step's KV, before any later swap
+        that may select that token (queue order on the step's stream guarantees it).
+        """
+        self.newest_rows(backup=True)
+
+    def finish(self) -> None:
+        """End the step: with a prefetcher, join its side stream into the step's stream."""
+        if self.prefetcher is not None:
+            self.prefetcher.finish(self.stream)

@@ -5,39 +5,27 @@ A :class:`MissPlan` records the copies a swap made: for batch row ``b``, entries
 of a request are the same in every layer, so a full layer's plan can be replayed for other
 layers (IndexCache shared layers) with :func:`replay_plan`.
 
-:func:`copy_rows` is the one launcher of the ``planned_copy`` kernel, which every bulk row move
-of the package goes through (swap misses, replays, admission loads, backups).
+:func:`copy_params` + :func:`launch_copy` are the one launcher of the ``planned_copy`` kernel,
+which every bulk row move of the package goes through (swap misses, replays, admission loads,
+backups).
 """
 
 from __future__ import annotations
 
-import functools
-
 import cupy
 import numpy as np
 
-from . import _build, _checks
-from ._launch import Ptr, launch
+from . import _abi, _build, _checks
+from ._launch import Params, Ptr, as_stream, launch, ptr, resolve_pdl, sm_count
 from .host_pool import HostKVPool
 
-_FILE = "planned_copy.cu"
-COPY_WARPS = 8
-_H2D = f"hs::planned_copy<{COPY_WARPS}, long long, int>"  # host rows (int64) -> device rows
-_D2H = f"hs::planned_copy<{COPY_WARPS}, int, long long>"  # device rows -> host rows (int64)
-_build.register(_FILE, _H2D, _D2H)
-
+COPY_WARPS = _abi.COPY_WARPS
 _COPY_BLOCKS_PER_SM = 2048 // (COPY_WARPS * 32)
-
-
-@functools.cache
-def _sm_count(device_id: int) -> int:
-    attr = cupy.cuda.runtime.cudaDevAttrMultiProcessorCount
-    return cupy.cuda.runtime.deviceGetAttribute(attr, device_id)
 
 
 def full_grid() -> int:
     """Blocks of the copy kernel that fill every SM of the current device."""
-    return _sm_count(cupy.cuda.runtime.getDevice()) * _COPY_BLOCKS_PER_SM
+    return sm_count() * _COPY_BLOCKS_PER_SM
 
 
 class MissPlan:
@@ -72,49 +60,55 @@ class MissPlan:
         return [(src[b, : cnt[b]], dst[b, : cnt[b]]) for b in range(batch)]
 
 
-def copy_rows(
+def copy_params(
     src_idx: cupy.ndarray,
     dst_idx: cupy.ndarray,
     count: cupy.ndarray,
     batch: int,
     num_real: cupy.ndarray | None,
     *,
-    src_base: Ptr,
+    src_base: int,
     src_layer_bytes: int,
     n_src_rows: int,
-    dst_base: Ptr,
+    dst_base: int,
     dst_layer_bytes: int,
     n_dst_rows: int,
     row_bytes: int,
     n_layers: int = 1,
-    to_host: bool = False,
-    grid: int | None = None,
     dry_run: bool = False,
     spin_cycles: int = 0,
     bad: cupy.ndarray | None = None,
-    pdl: bool = False,
-    stream: cupy.cuda.Stream | None = None,
-) -> None:
-    """Launch ``planned_copy`` (arguments already validated by the caller).
+    params: Params | None = None,
+) -> Params:
+    """The ``planned_copy`` struct for a plan (arguments already validated by the caller).
 
-    ``src_idx``/``dst_idx`` are ``[>= batch, stride]`` with one shared row stride; the host side
-    holds int64 rows (``to_host`` selects which side that is).
+    ``src_idx``/``dst_idx`` are ``[>= batch, stride]`` with one shared row stride.
     """
-    if batch == 0 or n_layers == 0:
+    p = params or Params(_abi.PLANNED_COPY)
+    return p.set(src_idx=ptr(src_idx), dst_idx=ptr(dst_idx), count=ptr(count),
+                 num_real=ptr(num_real), src_base=int(src_base), dst_base=int(dst_base),
+                 bad=ptr(bad), src_layer_bytes=src_layer_bytes, n_src_rows=n_src_rows,
+                 dst_layer_bytes=dst_layer_bytes, n_dst_rows=n_dst_rows,
+                 spin_cycles=spin_cycles, plan_stride=_checks.row_stride(src_idx), B=batch,
+                 row_bytes=row_bytes, n_layers=n_layers,
+                 flags=_abi.COPY_DRY_RUN if dry_run else 0)
+
+
+def default_copy_grid(batch: int, width: int, n_layers: int = 1) -> int:
+    """Enough copy blocks for every entry of ``batch`` rows of ``width``, at most a full GPU."""
+    return max(1, min(full_grid(), -(-batch * width * n_layers // COPY_WARPS)))
+
+
+def launch_copy(params: Params, *, to_host: bool = False, grid: int, stream,
+                pdl: bool = False) -> None:
+    """Queue ``planned_copy`` with a struct from :func:`copy_params` (stream: a CuPy stream)."""
+    B = int(params["B"])
+    if B == 0 or params["n_layers"] == 0:
         return
-    name = _D2H if to_host else _H2D
-    if grid is None:
-        grid = max(1, min(full_grid(), -(-batch * src_idx.shape[1] * n_layers // COPY_WARPS)))
-    smem = 4 * (batch + 1) + 4 * (COPY_WARPS + 1)
-    args = (
-        src_idx, dst_idx, _checks.row_stride(src_idx), count, np.int32(batch), num_real,
-        src_base, np.int64(src_layer_bytes), np.int64(n_src_rows),
-        dst_base, np.int64(dst_layer_bytes), np.int64(n_dst_rows),
-        np.int32(row_bytes), np.int32(n_layers), np.int32(1 if dry_run else 0),
-        np.int64(spin_cycles), bad,
-    )
-    launch(_build.kernel(_FILE, name), grid, COPY_WARPS * 32, args, shared_mem=smem,
-           stream=stream, pdl=pdl)
+    smem = _abi.smem_bytes("PLANNED_COPY", B=B)
+    name = _build.COPY_D2H if to_host else _build.COPY_H2D
+    launch(_build.kernel(name), grid, COPY_WARPS * 32, params, shared_mem=smem, stream=stream,
+           pdl=pdl)
 
 
 def replay_plan(
@@ -131,7 +125,8 @@ def replay_plan(
     dry_run: bool = False,
     spin_cycles: int = 0,
     bad=None,
-    stream: cupy.cuda.Stream | None = None,
+    stream=None,
+    pdl: bool | None = None,
 ) -> None:
     """Replay a recorded miss plan on one layer: host row ``src[b, m]`` -> device row ``dst[b, m]``.
 
@@ -166,8 +161,13 @@ def replay_plan(
         Delay each row by this many clock cycles (tests' artificially slowed replay).
     bad : int32 device scalar, optional
         Incremented once per entry whose host or device row is outside its array.
-    stream : cupy.cuda.Stream, optional
-        Default: the current stream.
+    stream : optional
+        Any stream kind :func:`hisparse_cupy._launch.as_stream` accepts (CuPy, PyTorch,
+        ``__cuda_stream__``, int handle). Default: CuPy's current stream.
+    pdl : bool or None
+        Launch with Programmatic Dependent Launch (default: where the device supports it): the
+        replay may start while the previous kernel on the stream drains, and waits for it
+        before reading the plan.
     """
     if not isinstance(plan, MissPlan):
         raise TypeError(f"plan must be a MissPlan, got {type(plan).__name__}")
@@ -196,12 +196,15 @@ def replay_plan(
             raise ValueError("host_rows needs n_host_rows (rows at that address)")
         n_host_rows = _checks.integer("n_host_rows", n_host_rows, 0)
     nr = None if num_real is None else _checks.device_scalar("num_real", num_real)
-    if grid is not None:
+    if grid is None:
+        grid = default_copy_grid(batch, plan.width)
+    else:
         grid = _checks.integer("grid", grid, 1, 2**31 - 1)
     spin_cycles = _checks.integer("spin_cycles", spin_cycles, 0)
     if bad is not None:
         bad = _checks.device_scalar("bad", bad)
-    copy_rows(plan.src, plan.dst, plan.count, batch, nr, src_base=host_rows,
-              src_layer_bytes=0, n_src_rows=n_host_rows, dst_base=Ptr(dev.data.ptr),
-              dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes, grid=grid,
-              dry_run=bool(dry_run), spin_cycles=spin_cycles, bad=bad, stream=stream)
+    p = copy_params(plan.src, plan.dst, plan.count, batch, nr, src_base=host_rows,
+                    src_layer_bytes=0, n_src_rows=n_host_rows, dst_base=dev.data.ptr,
+                    dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes,
+                    dry_run=bool(dry_run), spin_cycles=spin_cycles, bad=bad)
+    launch_copy(p, grid=grid, stream=as_stream(stream), pdl=resolve_pdl(pdl))

@@ -10,11 +10,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# status columns (per batch row), shared with the kernels
-ST_RANGE = 0  # entries outside [0, seq_len) (or beyond the host_locs width)
-ST_NOHOST = 1  # misses whose token has no valid host row
-ST_BADROW = 2  # request slot outside [0, R) or negative seq_len
-N_STATUS = 3
+from ._abi import MS_BUCKET, MS_EMPTY, MS_F_DEGRADED, N_STATUS, ST_BADROW, ST_NOHOST, ST_RANGE
+
+__all__ = [
+    "InvariantError", "MULTISTEP_KINDS", "MultiStepResult", "N_STATUS", "ST_BADROW",
+    "ST_NOHOST", "ST_RANGE", "SwapResult", "check_invariants", "check_multistep_invariants",
+    "multistep_hash_buckets", "multistep_swap_in", "swap_in",
+]
 
 
 @dataclass
@@ -183,26 +185,24 @@ def check_invariants(
 
 
 # =============================================================================================
-# Multi-step (MTP) swap: gather + commit (cu/spec.cu, spec.py)
+# Multi-step (MTP) swap: gather + commit (cu/multistep.cu, multistep.py)
 #
-# The oracle below follows the kernels' semantics (the header of cu/spec.cu states them). The
+# The oracle below follows the kernels' semantics (the header of cu/multistep.cu states them). The
 # kernels number unique misses in the order their claims land (not deterministic); pass that
 # order (``miss_order``, e.g. read back from a recorded miss plan) and the oracle reproduces the
 # call exactly: outputs, status, plan, statistics and every state array but the index, whose
-# layout depends on the order of concurrent inserts (check_spec_invariants checks it instead).
+# layout depends on the order of concurrent inserts (check_multistep_invariants checks it instead).
 # =============================================================================================
 
-SPEC_EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
-SPEC_BUCKET = 8
-SPEC_F_DEGRADED = 1
+_EMPTY = np.uint64(MS_EMPTY)
 _KEY_EMPTY = 0xFFFFFFFF
 _KEY_NEVER = 0xFFFFFFFE
 _KEY_AGE_MAX = 0xFFFFFFFD
 _M32 = 0xFFFFFFFF
 
 
-def spec_hash_buckets(tokens, n_buckets: int) -> tuple[np.ndarray, np.ndarray]:
-    """The two index buckets of each token (as ``spec_gather`` computes them)."""
+def multistep_hash_buckets(tokens, n_buckets: int) -> tuple[np.ndarray, np.ndarray]:
+    """The two index buckets of each token (as the multi-step kernels compute them)."""
     t = np.asarray(tokens, dtype=np.int64).astype(np.uint64) & np.uint64(_M32)
     nb = np.uint64(n_buckets)
     ha = (t * np.uint64(2654435761)) & np.uint64(_M32)
@@ -217,12 +217,12 @@ def spec_hash_buckets(tokens, n_buckets: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @dataclass
-class SpecResult:
+class MultiStepResult:
     """What one multi-step call produced.
 
     device_locs : int32 ``[B, S, K]``, device row of each occurrence, -1 unused / invalid
     tokens : int32 ``[B, S, K]``, the token whose bytes ``device_locs`` must hold, -1 where none
-    kind : uint8 ``[B, S, K]``, one of ``SPEC_KINDS`` (index)
+    kind : uint8 ``[B, S, K]``, one of ``MULTISTEP_KINDS`` (index)
     plan_src : int64 ``[B, S*K]``, host row of unique miss u (-1 beyond plan_count)
     plan_dst : int32 ``[B, S*K]``, device row it was copied to
     plan_count : int32 ``[B]``, unique misses (0 for padding and bad rows)
@@ -242,10 +242,10 @@ class SpecResult:
     misses: list
 
 
-SPEC_KINDS = ("unused", "range", "positional", "extra", "hit", "miss", "nohost", "badrow")
+MULTISTEP_KINDS = ("unused", "range", "positional", "extra", "hit", "miss", "nohost", "badrow")
 
 
-def spec_swap_in(
+def multistep_swap_in(
     top_k_tokens: np.ndarray,
     req_indices: np.ndarray,
     seq_lens: np.ndarray,
@@ -260,8 +260,8 @@ def spec_swap_in(
     n_host_rows: int,
     num_real: int | None = None,
     miss_order=None,
-) -> SpecResult:
-    """Multi-step swap-in (the semantics of ``cu/spec.cu``; state updated in place).
+) -> MultiStepResult:
+    """Multi-step swap-in (the semantics of ``cu/multistep.cu``; state updated in place).
 
     Parameters
     ----------
@@ -293,7 +293,7 @@ def spec_swap_in(
     pcnt = np.zeros(B, np.int32)
     status = np.zeros((B, N_STATUS), np.int32)
     stats = np.zeros((B, 4), np.int32)
-    k_of = {n: i for i, n in enumerate(SPEC_KINDS)}
+    k_of = {n: i for i, n in enumerate(MULTISTEP_KINDS)}
     all_misses: list = [[] for _ in range(B)]
     for b in range(nr):
         rid = int(req_indices[b])
@@ -426,10 +426,10 @@ def spec_swap_in(
         pcnt[b] = M
         stats[b] = (M, V, E, int(partial))
         all_misses[b] = order
-    return SpecResult(out, toks, kind, psrc, pdst, pcnt, status, stats, all_misses)
+    return MultiStepResult(out, toks, kind, psrc, pdst, pcnt, status, stats, all_misses)
 
 
-def check_spec_invariants(
+def check_multistep_invariants(
     slot_tokens: np.ndarray,
     slot_locs: np.ndarray,
     scratch_locs: np.ndarray,
@@ -456,7 +456,7 @@ def check_spec_invariants(
     H = int(hot_size)
     R = slot_tokens.shape[0]
     rows = range(R) if requests is None else requests
-    nb = index.shape[1] // SPEC_BUCKET
+    nb = index.shape[1] // MS_BUCKET
     for r in rows:
         toks = slot_tokens[r, :H]
         if (toks < -1).any():
@@ -471,10 +471,10 @@ def check_spec_invariants(
         refs = ref[r].astype(np.int64)
         if ((refs != 0) & (refs >= epoch)).any():
             raise InvariantError(f"ref[{r}] holds an epoch >= the current epoch {epoch}")
-        if int(flags[r]) & SPEC_F_DEGRADED:
+        if int(flags[r]) & MS_F_DEGRADED:
             continue
         ent = index[r].astype(np.uint64)
-        live = ent != SPEC_EMPTY
+        live = ent != _EMPTY
         e_tok = (ent[live] & np.uint64(_M32)).astype(np.int64)
         e_slot = (ent[live] >> np.uint64(32)).astype(np.int64)
         pos = np.nonzero(live)[0]
@@ -484,8 +484,8 @@ def check_spec_invariants(
         if np.unique(e_tok).size != e_tok.size:
             raise InvariantError(f"index[{r}] holds a token twice")
         slots = np.nonzero(toks >= 0)[0]
-        ba, bb = spec_hash_buckets(toks[slots], nb)
-        found = {(int(t), int(s)): int(p) // SPEC_BUCKET
+        ba, bb = multistep_hash_buckets(toks[slots], nb)
+        found = {(int(t), int(s)): int(p) // MS_BUCKET
                  for t, s, p in zip(e_tok, e_slot, pos, strict=True)}
         for s, t, a, c in zip(slots, toks[slots], ba, bb, strict=True):
             bk = found.get((int(t), int(s)))

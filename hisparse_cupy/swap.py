@@ -12,33 +12,18 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from . import _build, _checks
-from ._launch import Ptr, launch, max_shared_memory
-from .plan import MissPlan, copy_rows
-from .reference import N_STATUS, ST_BADROW, ST_NOHOST, ST_RANGE
+from . import _abi, _build, _checks
+from ._launch import Params, Ptr, as_stream, launch, max_shared_memory, ptr, resolve_pdl
+from .plan import MissPlan, copy_params, default_copy_grid, launch_copy
 
-_FILE = "swap.cu"
-RESOLVE_BLOCK = 1024
-_NAMES = _build.index_instances(f"hs::swap_resolve<{RESOLVE_BLOCK}, {{req}}, {{len}}>")
-_build.register(_FILE, *_NAMES.values())
-
-MAX_HOT = 32767  # LRU entries are int16
-
-
-def hash_size(top_k: int) -> int:
-    """Shared hash slots for a top-k of ``top_k`` entries (power of two, load <= 1/4).
-
-    A warp waits for its longest probe sequence; at load 1/2 that tail made the lookups
-    dominate the resolve, at 1/4 it is a few probes (benchmarks/NOTES.md).
-    """
-    return max(64, 1 << (4 * top_k - 1).bit_length())
+MAX_HOT = _abi.MAX_HOT
+RESOLVE_BLOCK = _abi.RESOLVE_BLOCK
+hash_size = _abi.hash_size
 
 
 def resolve_smem_bytes(top_k: int, hot_size: int) -> int:
-    """Dynamic shared memory of the resolve kernel (see the layout in ``cu/swap.cu``)."""
-    nw = RESOLVE_BLOCK // 32
-    return (8 * top_k + 8 * hash_size(top_k) + 12 * top_k + 4 * (hot_size + 1)
-            + 12 * (nw + 1) + 16 + 6 * hot_size + top_k)
+    """Dynamic shared memory of the resolve kernel (``_abi.SMEM["SWAP_RESOLVE"]``)."""
+    return _abi.smem_bytes("SWAP_RESOLVE", **_abi.resolve_sizes(top_k, hot_size))
 
 
 def check_sizes(top_k: int, hot_size: int) -> None:
@@ -63,20 +48,25 @@ class SwapState:
     """The device tables of one layer's hot buffers (validated views, see DESIGN §3).
 
     host_locs : int64 ``[R, max_len]``; slot_tokens, slot_locs : int32 ``[R, H + P]`` (one row
-    stride); lru : int16 ``[R, H]``.
+    stride); lru : int16 ``[R, H]``. ``index`` / ``flags`` (optional): the layer's multi-step
+    token -> slot index and flags (:class:`hisparse_cupy.MultiStepState`), which the resolve
+    then keeps current, so single- and multi-step calls can share the hot buffer.
     """
 
     host_locs: cupy.ndarray
     slot_tokens: cupy.ndarray
     slot_locs: cupy.ndarray
     lru: cupy.ndarray
+    index: cupy.ndarray | None = None
+    flags: cupy.ndarray | None = None
 
     @property
     def hot_size(self) -> int:
         return self.lru.shape[1]
 
     @classmethod
-    def validated(cls, host_locs, slot_tokens, slot_locs, lru) -> SwapState:
+    def validated(cls, host_locs, slot_tokens, slot_locs, lru, *, index=None,
+                  flags=None) -> SwapState:
         host_locs = _checks.array("host_locs", host_locs, np.int64, ndim=2)
         lru = _checks.array("lru", lru, np.int16, ndim=2, contiguous=False, inner_contiguous=True)
         R, H = lru.shape
@@ -96,7 +86,72 @@ class SwapState:
         if slot_tokens.strides != slot_locs.strides:
             raise ValueError("slot_tokens and slot_locs must share one row stride, got "
                              f"{slot_tokens.strides} and {slot_locs.strides}")
-        return cls(host_locs, slot_tokens, slot_locs, lru)
+        if (index is None) != (flags is None):
+            raise ValueError("give both index and flags (a MultiStepState's), or neither")
+        if index is not None:
+            index = _checks.array("index", index, np.uint64, ndim=2)
+            flags = _checks.array("flags", flags, np.int32, shape=(R,))
+            if index.shape[0] != R or index.shape[1] % _abi.MS_BUCKET:
+                raise ValueError(f"index must have shape ({R}, n_buckets * {_abi.MS_BUCKET}), "
+                                 f"got {tuple(index.shape)}")
+        return cls(host_locs, slot_tokens, slot_locs, lru, index, flags)
+
+    def params(self, p: Params | None = None) -> Params:
+        """The layer's fields of the resolve struct (the batch's and the call's come later)."""
+        p = p or Params(_abi.SWAP_RESOLVE)
+        return p.set(
+            host_locs=ptr(self.host_locs), host_stride=_checks.row_stride(self.host_locs),
+            slot_tokens=ptr(self.slot_tokens), slot_locs=ptr(self.slot_locs),
+            slot_stride=_checks.row_stride(self.slot_locs), lru=ptr(self.lru),
+            lru_stride=_checks.row_stride(self.lru), R=self.lru.shape[0], H=self.hot_size,
+            index=ptr(self.index), flags=ptr(self.flags),
+            n_buckets=0 if self.index is None else self.index.shape[1] // _abi.MS_BUCKET)
+
+    def check_on_host(self, n_device_rows: int) -> None:
+        """Raise ``ValueError`` if the tables are not a valid state (synchronizes).
+
+        ``slot_locs`` of every hot slot and of slot H must lie in ``[0, n_device_rows)``, and
+        :func:`hisparse_cupy.reference.check_invariants` must hold (``lru`` a permutation of
+        ``0 .. H-1``, hot tokens held once, device rows owned once).
+        """
+        from . import reference
+
+        H = self.hot_size
+        locs = cupy.asnumpy(self.slot_locs[:, : H + 1])
+        bad = np.argwhere((locs < 0) | (locs >= n_device_rows))
+        if bad.size:
+            r, s = bad[0]
+            raise ValueError(f"invalid state: slot_locs[{r}, {s}] = {locs[r, s]} is outside the "
+                             f"{n_device_rows} device rows ({len(bad)} such slot(s))")
+        try:
+            reference.check_invariants(cupy.asnumpy(self.slot_tokens), locs,
+                                       cupy.asnumpy(self.lru), H)
+        except reference.InvariantError as e:
+            raise ValueError(f"invalid state: {e}") from None
+
+
+def set_batch(p: Params, req: cupy.ndarray, lens: cupy.ndarray, lens_stride: int, B: int,
+              num_real: cupy.ndarray | None) -> None:
+    """The batch's fields of a resolve struct."""
+    p.set(req=ptr(req), lens=ptr(lens), lens_stride=lens_stride, B=B, num_real=ptr(num_real))
+
+
+def set_call(p: Params, topk: cupy.ndarray, out: cupy.ndarray, status: cupy.ndarray,
+             plan: MissPlan, n_host_rows: int) -> None:
+    """The call's fields of a resolve struct."""
+    K = topk.shape[1]
+    p.set(topk=ptr(topk), topk_stride=_checks.row_stride(topk), K=K, hash_size=hash_size(K),
+          out=ptr(out), out_stride=_checks.row_stride(out), status=ptr(status),
+          plan_src=ptr(plan.src), plan_dst=ptr(plan.dst), plan_count=ptr(plan.count),
+          plan_stride=_checks.row_stride(plan.src), n_host_rows=n_host_rows)
+
+
+def run(resolve: Params, copy: Params, names, key, *, B: int, K: int, H: int, stream,
+        pdl: bool, copy_grid: int | None) -> None:
+    """Queue the resolve (one block per row) and the planned copy (PDL) on ``stream``."""
+    launch(_build.kernel(names[key]), B, RESOLVE_BLOCK, resolve,
+           shared_mem=resolve_smem_bytes(K, H), stream=stream)
+    launch_copy(copy, grid=copy_grid or default_copy_grid(B, K), stream=stream, pdl=pdl)
 
 
 def swap_in(
@@ -114,17 +169,20 @@ def swap_in(
     num_real=None,
     copy_grid: int | None = None,
     check: bool = False,
+    validate_state: bool = False,
     dry_run: bool = False,
-    stream: cupy.cuda.Stream | None = None,
+    stream=None,
+    pdl: bool | None = None,
 ) -> cupy.ndarray:
     """Resolve one step's top-k for a batch and move the misses into the hot buffer.
 
     Parameters
     ----------
     top_k_tokens : int32 ``[B, K]`` device array (rows may be strided), token positions, -1 =
-        unused.
+        unused. ``B >= 1``, ``1 <= K <= H``.
     req_indices : int32 or int64 ``[B]``, batch row -> request slot (unique among real rows).
-    seq_lens : int32 or int64 ``[B]``, the request's length including the newest token.
+    seq_lens : int32 or int64 ``[B]`` (or ``[B, S]``: column 0 is used), the request's length
+        including the newest token.
     state : :class:`SwapState` of the layer.
     host_rows : device address of the layer's host rows (``HostKVPool.device_ptr(layer)``).
     n_host_rows : rows in that layer (host rows outside ``[0, n_host_rows)`` count as missing).
@@ -135,9 +193,19 @@ def swap_in(
     status : int32 ``[B, 3]`` device array: per row, entries out of range, misses without a
         host row, bad request slot / length (allocated when None).
     num_real : int32 device scalar; rows ``>= num_real`` are CUDA-graph padding.
-    copy_grid : blocks of the copy kernel (default: enough to fill the GPU).
-    check : synchronize and raise ``ValueError`` naming rows and entries if any status is set.
+    copy_grid : blocks of the copy kernel (default: enough for every entry, at most a full GPU).
+    check : reject repeated valid request slots first (synchronizes), then run the call, then
+        synchronize and raise ``ValueError`` naming rows and entries if any status is set.
+        When it raises, the call has **completed**: valid entries were resolved, the state was
+        updated and their bytes copied; the flagged entries are -1 and touched nothing.
+    validate_state : before launching, copy the layer's tables to the host and raise
+        ``ValueError`` if they are not a valid state (``slot_locs`` outside ``device_rows``,
+        ``lru`` not a permutation, a token held twice): a debugging mode, it synchronizes.
+        Without it the state is trusted (as every kernel of this package leaves it valid).
     dry_run : resolve and update the state but move no bytes (for measuring the copy's share).
+    stream : CuPy, PyTorch or ``__cuda_stream__`` stream, or an int handle (default: CuPy's
+        current stream).
+    pdl : launch the copy with Programmatic Dependent Launch (default: where supported).
 
     Returns
     -------
@@ -146,21 +214,22 @@ def swap_in(
     """
     topk = _checks.array("top_k_tokens", top_k_tokens, np.int32, ndim=2, contiguous=False,
                          inner_contiguous=True)
+    _checks.sizes("top_k_tokens", topk, "BK")
     B, K = topk.shape
     H = state.hot_size
     R = state.lru.shape[0]
     if K > H:
         raise ValueError(f"top_k_tokens has K={K} entries per row, more than hot_size H={H}")
-    if K == 0 or B == 0:
-        raise ValueError(f"top_k_tokens must be non-empty, got shape {tuple(topk.shape)}")
     check_sizes(K, H)
-    req = _checks.array("req_indices", req_indices, (np.int32, np.int64), shape=(B,))
-    lens = _checks.array("seq_lens", seq_lens, (np.int32, np.int64), shape=(B,))
+    req = _checks.index_vector("req_indices", req_indices, B)
+    lens, lens_stride, _ = _checks.lengths(seq_lens, B)
     dev = _checks.array("device_rows", device_rows, np.uint8, ndim=2)
     row_bytes = _checks.row_bytes("device_rows row size", dev.shape[1])
     n_host_rows = _checks.integer("n_host_rows", n_host_rows, 0)
     if not isinstance(host_rows, Ptr):
         raise TypeError("host_rows must be a Ptr (HostKVPool.device_ptr(layer))")
+    if not isinstance(plan, MissPlan):
+        raise TypeError(f"plan must be a MissPlan, got {type(plan).__name__}")
     plan.check_batch(B, K)
     nr = None if num_real is None else _checks.device_scalar("num_real", num_real)
     if out is None:
@@ -169,78 +238,25 @@ def swap_in(
         out = _checks.array("out", out, np.int32, shape=(B, K), contiguous=False,
                             inner_contiguous=True)
     if status is None:
-        status = cupy.empty((B, N_STATUS), cupy.int32)
+        status = cupy.empty((B, _abi.N_STATUS), cupy.int32)
     else:
-        status = _checks.array("status", status, np.int32, shape=(B, N_STATUS))
+        status = _checks.array("status", status, np.int32, shape=(B, _abi.N_STATUS))
+    s = as_stream(stream)
+    if validate_state:
+        s.synchronize()
+        state.check_on_host(dev.shape[0])
     if check:
-        _precheck(req, nr, R)
+        _checks.unique_requests(req, nr, R)
 
-    hsize = hash_size(K)
-    args = (
-        topk, _checks.row_stride(topk), np.int32(K), req, lens, nr, np.int32(B), np.int32(R),
-        state.host_locs, _checks.row_stride(state.host_locs), np.int64(n_host_rows),
-        state.slot_tokens, state.slot_locs, _checks.row_stride(state.slot_locs),
-        state.lru, _checks.row_stride(state.lru), np.int32(H), np.int32(hsize),
-        out, _checks.row_stride(out), plan.src, plan.dst, _checks.row_stride(plan.src),
-        plan.count, status,
-    )
-    name = _NAMES[(req.dtype, lens.dtype)]
-    launch(_build.kernel(_FILE, name), B, RESOLVE_BLOCK, args,
-           shared_mem=resolve_smem_bytes(K, H), stream=stream)
-    copy_rows(plan.src, plan.dst, plan.count, B, nr, src_base=host_rows,
-              src_layer_bytes=0, n_src_rows=n_host_rows, dst_base=Ptr(dev.data.ptr),
-              dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes,
-              grid=copy_grid, dry_run=dry_run, pdl=True, stream=stream)
+    resolve = state.params()
+    set_batch(resolve, req, lens, lens_stride, B, nr)
+    set_call(resolve, topk, out, status, plan, n_host_rows)
+    copy = copy_params(plan.src, plan.dst, plan.count, B, nr, src_base=host_rows,
+                       src_layer_bytes=0, n_src_rows=n_host_rows, dst_base=dev.data.ptr,
+                       dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes,
+                       dry_run=dry_run)
+    run(resolve, copy, _build.RESOLVE, (req.dtype, lens.dtype), B=B, K=K, H=H, stream=s,
+        pdl=resolve_pdl(pdl), copy_grid=copy_grid)
     if check:
-        raise_on_status(status, topk, lens, max_len=state.host_locs.shape[1], stream=stream)
+        _checks.raise_on_status(status, topk, lens, max_len=state.host_locs.shape[1], stream=s)
     return out
-
-
-def _precheck(req: cupy.ndarray, nr: cupy.ndarray | None, R: int) -> None:
-    r = cupy.asnumpy(req)
-    n = r.size if nr is None else int(cupy.asnumpy(nr)[0])
-    real = r[: max(0, min(n, r.size))]
-    vals, cnt = np.unique(real, return_counts=True)
-    if (cnt > 1).any():
-        raise ValueError(f"req_indices repeats request slot(s) {vals[cnt > 1].tolist()} among "
-                         f"real rows; each request may appear once per call")
-
-
-def raise_on_status(status, top_k_tokens, seq_lens, *, max_len: int, what: str = "swap",
-                    stream=None) -> None:
-    """Synchronize and raise ``ValueError`` describing every row whose status is non-zero.
-
-    Works for single-step calls (``top_k_tokens`` ``[B, K]``, ``seq_lens`` ``[B]``) and
-    multi-step calls (``[B, S, K]`` and ``[B, S]``: entries are named as (step, entry)).
-    ``max_len`` is the width of ``host_locs``: tokens at or beyond it are out of range too.
-    """
-    if stream is not None:
-        stream.synchronize()
-    st = cupy.asnumpy(status)
-    bad = np.nonzero(st.any(axis=1))[0]
-    if bad.size == 0:
-        return
-    tk = cupy.asnumpy(top_k_tokens)
-    steps = tk.shape[1] if tk.ndim == 3 else 1
-    tk = tk.reshape(tk.shape[0], steps, -1)
-    lens = cupy.asnumpy(seq_lens).reshape(tk.shape[0], steps)
-    lines = []
-    for b in bad[:8]:
-        msg = []
-        if st[b, ST_BADROW]:
-            msg.append("request slot out of range or a negative seq_len")
-        if st[b, ST_RANGE]:
-            where = []
-            for s in range(steps):
-                lim = min(int(lens[b, s]), max_len)
-                row = tk[b, s, : max(0, int(lens[b, s]))]
-                idx = np.nonzero((row < -1) | (row >= lim))[0][:8]
-                where += [(s, int(i)) if steps > 1 else int(i) for i in idx]
-            msg.append(f"{st[b, ST_RANGE]} token(s) outside [0, min(seq_len, {max_len})) at "
-                       f"{'(step, entry)' if steps > 1 else 'entries'} {where[:8]}")
-        if st[b, ST_NOHOST]:
-            msg.append(f"{st[b, ST_NOHOST]} miss(es) with no host row")
-        lines.append(f"row {b} (seq_len {lens[b].tolist() if steps > 1 else int(lens[b, 0])}): "
-                     + "; ".join(msg))
-    more = f" (and {bad.size - 8} more rows)" if bad.size > 8 else ""
-    raise ValueError(f"{what} found invalid input: " + " | ".join(lines) + more)

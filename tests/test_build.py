@@ -1,57 +1,119 @@
-"""CPU: every registered kernel instance compiles through NVRTC for sm_80 and sm_90, no GPU."""
+"""CPU: every kernel instance compiles through NVRTC for sm_80 and sm_90 (no GPU), with the ABI
+macros of _abi.py; a drift between a C++ parameter struct and its Python mirror fails."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from hisparse_cupy import _build
+from hisparse_cupy import _abi, _build
 
 
 def test_compile_check_covers_every_instance():
     sizes = _build.compile_check()
-    files = set(_build.instances())
-    assert {"swap.cu", "planned_copy.cu", "cache.cu"} <= files
-    for f in files:
+    assert set(_build.INSTANCES) == {"swap.cu", "plan.cu", "cache.cu", "multistep.cu"}
+    for f in _build.INSTANCES:
         for arch in ("sm_80", "sm_90"):
             assert sizes[(f, arch)] > 1000, (f, arch)
 
 
-def test_a_broken_kernel_fails_the_check(monkeypatch, tmp_path):
-    from cuda.core import Program  # noqa: F401  (the check's compiler)
-
-    bad = tmp_path / "cu"
-    bad.mkdir()
-    for p in _build.CU_DIR.glob("*.cu*"):
-        (bad / p.name).write_text(p.read_text())
-    src = (bad / "planned_copy.cu").read_text().replace("pdl_wait();", "pdl_wait(); oops = 1;")
-    (bad / "planned_copy.cu").write_text(src)
-    monkeypatch.setattr(_build, "CU_DIR", bad)
-    _build.source_digest.cache_clear()
-    try:
-        with pytest.raises(Exception, match="oops"):
-            _build.compile_check(archs=("sm_90",))
-    finally:
-        _build.source_digest.cache_clear()
-
-
-def test_digest_covers_headers(monkeypatch, tmp_path):
+def _copy_sources(tmp_path, monkeypatch):
     d = tmp_path / "cu"
     d.mkdir()
     for p in _build.CU_DIR.glob("*.cu*"):
         (d / p.name).write_text(p.read_text())
     monkeypatch.setattr(_build, "CU_DIR", d)
     _build.source_digest.cache_clear()
+    return d
+
+
+@pytest.fixture
+def sources(tmp_path, monkeypatch):
+    d = _copy_sources(tmp_path, monkeypatch)
+    yield d
+    _build.source_digest.cache_clear()
+
+
+def test_a_broken_kernel_fails_the_check(sources):
+    src = (sources / "plan.cu").read_text().replace("pdl_wait();", "pdl_wait(); oops = 1;")
+    (sources / "plan.cu").write_text(src)
+    with pytest.raises(_build.CompileError, match="oops"):
+        _build.compile_check(archs=("sm_90",))
+
+
+def _reordered(dt: np.dtype, a: str, b: str) -> np.dtype:
+    names = list(dt.names)
+    i, j = names.index(a), names.index(b)
+    names[i], names[j] = names[j], names[i]
+    return np.dtype([(n, dt[n]) for n in names], align=True)
+
+
+def test_abi_field_order_drift_fails_the_check(sources, monkeypatch):
+    # Python lists two pointer fields of the resolve struct in the other order: same sizes,
+    # same total, every offset of the pair wrong.
+    bad = dict(_abi.STRUCTS)
+    bad["SwapResolveParams"] = _reordered(_abi.SWAP_RESOLVE, "req", "lens")
+    monkeypatch.setattr(_abi, "STRUCTS", bad)
+    with pytest.raises(_build.CompileError, match="swap.cu"):
+        _build.compile_check(archs=("sm_90",))
+
+
+def test_abi_field_type_drift_fails_the_check(sources, monkeypatch):
+    fields = [(n, "i4" if n == "n_src_rows" else _abi.PLANNED_COPY[n]) for n in
+              _abi.PLANNED_COPY.names]
+    fields = [(n, t) for n, t in fields if n != "pad"]  # keep the struct free of tail padding
+    bad = dict(_abi.STRUCTS)
+    bad["PlannedCopyParams"] = np.dtype(fields, align=True)
+    monkeypatch.setattr(_abi, "STRUCTS", bad)
+    with pytest.raises(_build.CompileError, match="PlannedCopyParams.n_src_rows: size differs"):
+        _build.compile_check(archs=("sm_90",))
+
+
+def test_a_field_only_cpp_has_fails_the_check(sources):
+    src = (sources / "abi.cuh").read_text().replace(
+        "  i32 record;              // 1: record", "  i32 extra_a, extra_b;\n  i32 record;  // 1:")
+    (sources / "abi.cuh").write_text(src)
+    with pytest.raises(_build.CompileError, match="NewestRowsParams"):
+        _build.compile_check(archs=("sm_90",))
+
+
+def test_python_structs_have_no_tail_padding():
+    for name, dt in _abi.STRUCTS.items():
+        last = dt.names[-1]
+        assert dt.fields[last][1] + dt[last].itemsize == dt.itemsize, name
+
+
+def test_smem_tables_size_the_launch():
+    # the resolve at K 2048, H 4096 (the standard shape) and its regions' 16-byte alignment
+    sizes = _abi.resolve_sizes(2048, 4096)
+    n = _abi.smem_bytes("SWAP_RESOLVE", **sizes)
+    by_hand = sum(-(-b // 16) * 16 for b in (
+        8 * 2048, 4 * 8192, 4 * 8192, 4 * 2048, 4 * 2048, 4 * 2048, 4 * 4097, 4 * 33, 4 * 33,
+        4 * 33, 16, 2 * 4096, 2 * 4096, 2 * 4096, 2048))
+    assert n == by_hand
+    assert _abi.smem_bytes("PLANNED_COPY", B=7) == 32 + 48
+
+
+def test_digest_covers_headers(sources):
     before = _build.source_digest()
-    (d / "common.cuh").write_text((d / "common.cuh").read_text() + "\n// edited\n")
+    (sources / "common.cuh").write_text((sources / "common.cuh").read_text() + "\n// edited\n")
     _build.source_digest.cache_clear()
     after = _build.source_digest()
-    _build.source_digest.cache_clear()
     assert before != after
-    assert any(after[:16] in o for o in _build._options())
+    assert any(after[:16] in o for o in _build.options())
 
 
-def test_unregistered_instance_and_missing_file_are_errors():
-    with pytest.raises(KeyError, match="not a registered instance"):
-        _build.kernel("swap.cu", "hs::swap_resolve<7, int, int>")
-    with pytest.raises(FileNotFoundError):
-        _build.register("nope.cu", "k")
+def test_options_carry_the_abi_and_no_include_outside_cu():
+    opts = _build.options()
+    assert "-DHS_ST_NOHOST=1" in opts
+    assert any(o.startswith("-DHS_ABI_SwapResolveParams_FIELDS(X)=X(SwapResolveParams,topk,8)")
+               for o in opts)
+    for p in _build.CU_DIR.glob("*.cu*"):
+        for line in p.read_text().splitlines():
+            if line.startswith("#include"):
+                assert '"' in line, f"{p.name}: {line} (compile_check passes no include path)"
+
+
+def test_unknown_instance_is_an_error():
+    with pytest.raises(KeyError, match="not an instance"):
+        _build.kernel("hs::swap_resolve<short, int>")

@@ -15,7 +15,16 @@ def test_import_without_gpu_exposes_the_api():
 
 
 def test_import_without_cupy_names_the_extras():
-    code = "import sys; sys.modules['cupy'] = None; import hisparse_cupy"
+    code = "import sys; sys.modules['cupy'] = None; import hisparse_cupy; hisparse_cupy.swap_in"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode != 0
     assert "hisparse_cupy[cuda12]" in p.stderr and "hisparse_cupy[cuda13]" in p.stderr
+
+
+def test_oracle_and_abi_need_numpy_only():
+    code = ("import sys; sys.modules['cupy'] = None; import hisparse_cupy.reference as r; "
+            "from hisparse_cupy import _abi; print(r.N_STATUS, _abi.ST_NOHOST, "
+            "r.ST_NOHOST is _abi.ST_NOHOST)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["3", "1", "True"]

@@ -1,4 +1,5 @@
-"""CPU: argument words of the PDL launch path (the driver call itself is stubbed)."""
+"""CPU: the PDL launch's argument block (the driver call itself is stubbed) and the stream kinds
+every call accepts."""
 
 from __future__ import annotations
 
@@ -8,42 +9,83 @@ import types
 import numpy as np
 import pytest
 
-from hisparse_cupy import _launch
-from hisparse_cupy._launch import Ptr
+from hisparse_cupy import _abi, _launch
+from hisparse_cupy._launch import Params
 
 
-def test_words_of_each_argument_kind():
-    assert _launch._ex_word(None) == 0
-    assert _launch._ex_word(Ptr(0x7F0012345670)) == 0x7F0012345670
-    assert _launch._ex_word(np.int64(-2)) == (1 << 64) - 2
-    w = _launch._ex_word(np.int32(-1))
-    assert ctypes.c_int32(w & 0xFFFFFFFF).value == -1
-    with pytest.raises(TypeError, match="pass a cupy.ndarray, None, Ptr"):
-        _launch._ex_word(5)  # a Python int would be ambiguous in width
-    with pytest.raises(TypeError, match="pass a cupy.ndarray, None, Ptr"):
-        _launch._ex_word(np.float64(1.0))
+def test_params_hold_the_struct_bytes():
+    p = Params(_abi.PLANNED_COPY).set(B=7, src_base=0xABCDEF0, spin_cycles=-5)
+    raw = bytes((ctypes.c_char * _abi.PLANNED_COPY.itemsize).from_address(p.addr))
+    off = _abi.PLANNED_COPY.fields
+    assert int.from_bytes(raw[off["B"][1]:off["B"][1] + 4], "little") == 7
+    assert int.from_bytes(raw[off["src_base"][1]:off["src_base"][1] + 8], "little") == 0xABCDEF0
+    assert int.from_bytes(raw[off["spin_cycles"][1]:][:8], "little", signed=True) == -5
+    assert p["B"] == 7
 
 
-def test_pdl_config_passes_a_void_pointer_array_the_driver_can_read(monkeypatch):
+def test_pdl_config_passes_one_pointer_to_the_struct(monkeypatch):
     cfg = _launch._PdlConfig((256, 1, 1), 1024)
     seen = {}
 
     def fake_launch(config, func, params, extra):
-        ptrs = (ctypes.c_void_p * 4).from_address(params)
-        seen["i32"] = ctypes.c_int32.from_address(ptrs[0]).value
-        seen["ptr"] = ctypes.c_uint64.from_address(ptrs[1]).value
-        seen["i64"] = ctypes.c_int64.from_address(ptrs[2]).value
-        seen["null"] = ctypes.c_uint64.from_address(ptrs[3]).value
+        arg0 = ctypes.c_void_p.from_address(params).value
+        seen["B"] = ctypes.c_int32.from_address(arg0 + _abi.PLANNED_COPY.fields["B"][1]).value
         seen["grid"] = (config.gridDimX, config.gridDimY, config.gridDimZ)
         seen["smem"] = config.sharedMemBytes
         return (cfg.cu.CUresult.CUDA_SUCCESS,)
 
     cfg.cu = types.SimpleNamespace(cuLaunchKernelEx=fake_launch, CUresult=cfg.cu.CUresult,
-                                   CUstream=cfg.cu.CUstream, CUfunction=cfg.cu.CUfunction,
-                                   cuGetErrorName=cfg.cu.cuGetErrorName)
-    cfg.launch(0x1000, (7, 2, 1), 0, (np.int32(-3), Ptr(0xABCDEF0), np.int64(-(2**40)), None))
-    assert seen == {"i32": -3, "ptr": 0xABCDEF0, "i64": -(2**40), "null": 0,
-                    "grid": (7, 2, 1), "smem": 1024}
-    # a second launch with other values reuses the block and sees the new words
-    cfg.launch(0x1000, (1, 1, 1), 0, (np.int32(9), Ptr(1), np.int64(2), None))
-    assert seen["i32"] == 9 and seen["i64"] == 2
+                                   CUstream=cfg.cu.CUstream, cuGetErrorName=cfg.cu.cuGetErrorName)
+    p = Params(_abi.PLANNED_COPY).set(B=3)
+    cfg.launch(object(), (7, 2, 1), 0, p.addr)
+    assert seen == {"B": 3, "grid": (7, 2, 1), "smem": 1024}
+    p["B"] = 9  # a later launch with the same struct object sees the new values
+    cfg.launch(object(), (1, 1, 1), 0, p.addr)
+    assert seen["B"] == 9
+
+
+class _FakeStream:
+    """Stands in for cupy's from_external wrapper (no GPU here)."""
+
+    def __init__(self, obj):
+        self.ptr = obj.__cuda_stream__()[1]
+
+
+@pytest.fixture
+def no_gpu_streams(monkeypatch):
+    import cupy
+
+    monkeypatch.setattr(cupy.cuda.Stream, "from_external",
+                        staticmethod(lambda obj: _FakeStream(obj)))
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    _launch._foreign.clear()
+    yield
+    _launch._foreign.clear()
+
+
+def test_every_stream_kind_maps_to_its_handle(no_gpu_streams):
+    class TorchLikeOld:  # torch.cuda.Stream before __cuda_stream__
+        cuda_stream = 0x1234
+
+    class Protocol:
+        def __cuda_stream__(self):
+            return (0, 0x5678)
+
+    assert _launch.as_stream(0x42).ptr == 0x42
+    assert _launch.as_stream(np.int64(0x43)).ptr == 0x43
+    assert _launch.as_stream(TorchLikeOld()).ptr == 0x1234
+    assert _launch.as_stream(Protocol()).ptr == 0x5678
+    assert _launch.as_stream(0x42) is _launch.as_stream(0x42)  # wrapped once per handle
+
+
+def test_bad_stream_kinds_are_named(no_gpu_streams):
+    class BadProto:
+        def __cuda_stream__(self):
+            return "nope"
+
+    with pytest.raises(TypeError, match="stream must be a CuPy stream"):
+        _launch.as_stream("stream")
+    with pytest.raises(TypeError, match="stream must be a CuPy stream"):
+        _launch.as_stream(True)
+    with pytest.raises(TypeError, match=r"__cuda_stream__\(\) must return \(version, handle\)"):
+        _launch.as_stream(BadProto())

@@ -4,25 +4,31 @@
 #   2. the whole test suite (CPU and GPU tests);
 #   3. compute-sanitizer memcheck, racecheck and synccheck over tools/sanitize_*.py (small runs
 #      of every kernel; zero errors required);
-#   4. the quick benchmarks (benchmarks/bench_*.py --quick), JSON (+PNG) results.
+#   4. the quick benchmarks (benchmarks/bench_*.py --quick), JSON (+PNG) results;
+#   5. tools/host_overhead.py (host time per eager call and per launch path), JSON;
+#   6. with --peer DIR (a copy of the peer_sglang probe, e.g. .peer): SGLang's kernels beside
+#      ours (bench_peer.py --quick, bench_peer_spec.py --quick), JSON.
 # Logs and results go under $OUT (default ./gpu_check_out): summary.txt, pytest.log,
 # sanitize.log, bench.log and results.tgz (benchmark JSON/PNG). Exit status: non-zero if any
 # step failed.
 #
 # Usage: bash tools/gpu_check.sh [--no-tests] [--no-sanitize] [--no-bench] [--full-bench]
 #                                [--full=bench_NAME ...]   (that benchmark in full, others quick)
+#                                [--peer=DIR] [--tests=PYTEST_ARGS]
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT" "$OUT/results"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-tests=1 sanitize=1 bench=1 quick=--quick full_only=
+tests=1 sanitize=1 bench=1 quick=--quick full_only= peer= test_args=tests
 for a in "$@"; do
   case $a in
     --no-tests) tests=0 ;; --no-sanitize) sanitize=0 ;; --no-bench) bench=0 ;;
     --full-bench) quick= ;;
     --full=*) full_only="$full_only ${a#--full=}" ;;
+    --peer=*) peer=${a#--peer=} ;;
+    --tests=*) test_args=${a#--tests=} ;;
     *) echo "unknown option $a"; exit 2 ;;
   esac
 done
@@ -37,7 +43,7 @@ summary "$($PY -c 'import cupy, numpy, sys; print("python", sys.version.split()[
 
 if [ $tests = 1 ]; then
   t0=$SECONDS
-  $PY -m pytest -q -rs tests >"$OUT/pytest.log" 2>&1
+  $PY -m pytest -q -rs $test_args >"$OUT/pytest.log" 2>&1
   rc=$?
   summary "pytest rc=$rc ($((SECONDS - t0)) s): $(tail -n 1 "$OUT/pytest.log")"
   [ $rc = 0 ] || fail=1
@@ -76,6 +82,22 @@ if [ $bench = 1 ]; then
     [ $rc = 0 ] || fail=1
   done
   tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results"
+fi
+t0=$SECONDS
+$PY tools/host_overhead.py --json "$OUT/host_overhead.json" >"$OUT/host_overhead.log" 2>&1
+rc=$?
+summary "host_overhead rc=$rc ($((SECONDS - t0)) s)"
+[ $rc = 0 ] || fail=1
+
+if [ -n "$peer" ]; then
+  for b in bench_peer bench_peer_spec; do
+    t0=$SECONDS
+    timeout "${BENCH_TIMEOUT:-900}" $PY "$peer/$b.py" --quick --out "$OUT/peer" >"$OUT/$b.log" 2>&1
+    rc=$?
+    summary "peer $b --quick rc=$rc ($((SECONDS - t0)) s)"
+    [ $rc = 0 ] || fail=1
+  done
+  [ -d "$OUT/peer" ] && tar -czf "$OUT/peer.tgz" -C "$OUT" peer && rm -rf "$OUT/peer"
 fi
 rm -f "$OUT/install.log"
 summary "gpu_check: $([ $fail = 0 ] && echo OK || echo FAILED)"

@@ -1,43 +1,48 @@
 // hisparse_cupy: per-step bookkeeping of HotBufferCache.
 //
-// newest_rows<ReqT, LenT>: one thread per batch row. For a real row whose request slot and
-// length are valid, the newest token t = seq_len - 1 lives in slot min(t, H) (positional layout
-// while seq_len <= H, the newest-token slot H after). Writes its device row to rows_out[b] and
-// a one-entry D2H plan (device row -> host row rid * max_len + t) that planned_copy runs for
-// every layer, and records the host row in host_locs (the token becomes loadable once the copy,
-// queued right after on the same stream, has landed). Padding or invalid rows: -1, count 0.
-#include "common.cuh"
+// newest_rows<ReqT, LenT>(NewestRowsParams): one thread per batch row. For a real row whose
+// request slot and length are valid, the newest token t = seq_len - 1 lives in slot min(t, H)
+// (positional layout while seq_len <= H, the newest-token slot H after; slot H's device row is
+// the same in every layer, since admissions rotate hot slots only). Writes its device row to
+// rows_out[b]. With `record`, also writes a one-entry D2H plan (device row -> host row
+// rid * max_len + t) that planned_copy runs for every layer, records the host row in host_locs
+// (the token becomes loadable once the copy, queued right after on the same stream, has landed)
+// and, past H, marks slot H of every layer as holding t (the multi-step swap finds the newest
+// token there). Padding or invalid rows: -1, count 0.
+#include "abi.cuh"
 
 namespace hs {
 
 template <typename ReqT, typename LenT>
-__global__ void newest_rows(const ReqT* __restrict__ req_idx, const LenT* __restrict__ seq_lens,
-                            const i32* __restrict__ num_real, int B, int R, int max_len,
-                            const i32* __restrict__ slot_locs, int slot_stride, int H,
-                            i64* __restrict__ host_locs, int host_stride,
-                            i32* __restrict__ rows_out, i32* __restrict__ plan_src,
-                            i64* __restrict__ plan_dst, i32* __restrict__ plan_count,
-                            int record) {
+__global__ void __launch_bounds__(NEWEST_BLOCK) newest_rows(const NewestRowsParams p) {
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
-  if (b >= B) return;
-  int nr = num_real ? *num_real : B;
-  nr = nr < 0 ? 0 : (nr > B ? B : nr);
-  const i64 rid = b < nr ? static_cast<i64>(req_idx[b]) : -1;
-  const i64 seq = b < nr ? static_cast<i64>(seq_lens[b]) : 0;
-  if (rid < 0 || rid >= R || seq < 1 || seq > max_len) {
-    rows_out[b] = -1;
-    if (record) plan_count[b] = 0;
+  if (b >= p.B) return;
+  const int nr = clamp_real(p.num_real, p.B);
+  const i64 rid = b < nr ? static_cast<i64>(static_cast<const ReqT*>(p.req)[b]) : -1;
+  const i64 seq =
+      b < nr ? static_cast<i64>(static_cast<const LenT*>(p.lens)[static_cast<i64>(b) *
+                                                                   p.lens_stride])
+             : 0;
+  if (rid < 0 || rid >= p.R || seq < 1 || seq > p.max_len) {
+    p.rows_out[b] = -1;
+    if (p.record) p.plan_count[b] = 0;
     return;
   }
   const i64 t = seq - 1;
-  const int row = slot_locs[rid * slot_stride + (t < H ? t : H)];
-  rows_out[b] = row;
-  if (record) {
-    const i64 host = rid * max_len + t;
-    host_locs[rid * host_stride + t] = host;
-    plan_src[b] = row;
-    plan_dst[b] = host;
-    plan_count[b] = 1;
+  const int slot = t < p.H ? static_cast<int>(t) : p.H;
+  const int row = p.slot_locs[rid * p.slot_stride + slot];
+  p.rows_out[b] = row;
+  if (p.record) {
+    const i64 host = rid * p.max_len + t;
+    p.host_locs[rid * p.host_stride + t] = host;
+    if (slot == p.H && p.slot_tokens) {
+      for (int l = 0; l < p.n_layers; ++l)
+        p.slot_tokens[l * p.slot_layer_stride + rid * p.slot_stride + slot] =
+            static_cast<i32>(t);
+    }
+    p.plan_src[b] = row;
+    p.plan_dst[b] = host;
+    p.plan_count[b] = 1;
   }
 }
 

@@ -5,10 +5,9 @@
 // - block-wide exclusive scan (bounded to the block's warps);
 // - Programmatic Dependent Launch helpers as inline PTX (NVRTC has no
 //   cudaGridDependencySynchronize), no-ops below sm_90;
-// - a 32-bit multiplicative hash.
+// - a 32-bit multiplicative hash;
+// - the graph-padding clamp of num_real.
 #pragma once
-
-#include <cuda/std/cstdint>
 
 #ifndef HS_SRC_DIGEST
 #define HS_SRC_DIGEST 0ull
@@ -16,13 +15,16 @@
 
 namespace hs {
 
-using i16 = ::cuda::std::int16_t;
-using i32 = ::cuda::std::int32_t;
-using i64 = ::cuda::std::int64_t;
-using u8 = ::cuda::std::uint8_t;
-using u16 = ::cuda::std::uint16_t;
-using u32 = ::cuda::std::uint32_t;
-using u64 = ::cuda::std::uint64_t;
+// Fixed-width integers without any header (NVRTC's builtin types: the kernels include nothing
+// outside cu/, so compile_check needs no CUDA or CCCL headers).
+using i16 = short;
+using i32 = int;
+using i64 = long long;
+using u8 = unsigned char;
+using u16 = unsigned short;
+using u32 = unsigned int;
+using u64 = unsigned long long;
+static_assert(sizeof(i16) == 2 && sizeof(i32) == 4 && sizeof(i64) == 8, "integer widths");
 
 constexpr unsigned FULL_MASK = 0xffffffffu;
 
@@ -122,5 +124,12 @@ __device__ __forceinline__ int block_exclusive_sum(int v, int* s_warp, int& tota
 }
 
 __device__ __forceinline__ u32 hash_u32(u32 x) { return x * 2654435761u; }
+
+// Real rows of a call: *num_real clamped to [0, B] (B when num_real is null). Rows at or beyond
+// it are CUDA-graph padding.
+__device__ __forceinline__ int clamp_real(const i32* num_real, int B) {
+  const int nr = num_real ? *num_real : B;
+  return nr < 0 ? 0 : (nr > B ? B : nr);
+}
 
 }  // namespace hs

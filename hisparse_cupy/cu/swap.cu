@@ -1,6 +1,6 @@
 // hisparse_cupy: single-step swap-in, resolve half.
 //
-// swap_resolve<BLOCK, ReqT, LenT>: one block per batch row. Resolves the row's top-k against
+// swap_resolve<ReqT, LenT>(SwapResolveParams): one block of RESOLVE_BLOCK threads per batch row. Resolves the row's top-k against
 // the request's hot buffer (hash of the top-k in shared memory, LRU scan), assigns victims to
 // the misses, updates the slot table and the LRU order, writes the device row of every entry
 // and the row's miss plan (host row -> device row). The bytes are moved afterwards by
@@ -24,6 +24,11 @@
 //       miss without a valid host row -> -1, status[1]++, never touches the cache.
 //     New recency order: [untouched evictable slots][misses, in miss order][hits, old order].
 //
+// When the cache also holds multi-step state (p.index not null), every admission keeps the
+// multi-step token -> slot index current: the victim's old token is erased, the new one
+// inserted (an insert that finds both buckets full marks the request MS_F_DEGRADED), so a
+// multi-step call that follows sees exactly the slots this call left.
+//
 // Phases (LRU path), with __syncthreads() between them:
 //   0. clear the shared hash, stage slot_locs[0..H] in shared memory;
 //   1. classify each entry, insert valid non-newest tokens into the hash (first index wins);
@@ -36,27 +41,14 @@
 // counts its flags with ballots, the per-warp counts are scanned by one warp, then each warp
 // places its entries at its offset.
 //
-// Shared memory (dynamic, bytes), NW = BLOCK / 32:
-//   i64 s_hl[K]                       host row of each miss
-//   int s_key[HS], int s_val[HS]      hash of the top-k, HS = hash_size (power of two >= 4K:
-//                                     load <= 1/4 keeps the longest probe of a warp short)
-//   int s_tok[K], int s_out[K]        tokens, outputs (written to global once, coalesced)
-//   int s_pos[K]                      hash slot of each inserted entry (duplicates: O(1))
-//   int s_loc[H + 1]                  device rows of slots 0..H
-//   int s_wh[NW+1], s_we[NW+1], s_wm[NW+1], s_cnt[4]   per-warp counts / offsets, status
-//   i16 s_evict[H], i16 s_hit[H]      evictable / hit slots in old LRU order
-//   u16 s_tmp[H]                      slot | hit << 15 by LRU position (between passes)
-//   u8  s_kind[K]                     entry classification
-#include "common.cuh"
+// Shared memory: _abi.SMEM["SWAP_RESOLVE"] (named regions; NW = RESOLVE_BLOCK / 32, HS = hash
+// slots, a power of two >= 4 K: load <= 1/4 keeps the longest probe of a warp short).
+#include "index.cuh"
 
 namespace hs {
 
 enum : u8 { K_UNUSED = 0, K_INVALID, K_NEWEST, K_CANON, K_DUP, K_HIT, K_MISS, K_NOHOST };
 
-constexpr int ST_RANGE = 0;    // entries outside [0, seq_len)
-constexpr int ST_NOHOST = 1;   // misses with no valid host row
-constexpr int ST_BADROW = 2;   // request slot out of range or negative seq_len
-constexpr int N_STATUS = 3;
 constexpr int PREFETCH = 4;  // groups of global loads a thread issues together
 
 // Home slot of a token: the high bits of the multiplicative hash (its low bits would only
@@ -76,34 +68,31 @@ __device__ __forceinline__ int hash_find(const int* s_key, const int* s_val, int
   }
 }
 
-template <int BLOCK, typename ReqT, typename LenT>
-__global__ void __launch_bounds__(BLOCK, 1)
-    swap_resolve(const i32* __restrict__ topk, int topk_stride, int K,
-                 const ReqT* __restrict__ req_idx, const LenT* __restrict__ seq_lens,
-                 const i32* __restrict__ num_real, int B, int R,
-                 const i64* __restrict__ host_locs, int host_stride, i64 n_host_rows,
-                 i32* __restrict__ slot_tokens, const i32* __restrict__ slot_locs,
-                 int slot_stride, i16* __restrict__ lru, int lru_stride, int H, int hash_size,
-                 i32* __restrict__ out, int out_stride, i64* __restrict__ plan_src,
-                 i32* __restrict__ plan_dst, int plan_stride, i32* __restrict__ plan_count,
-                 i32* __restrict__ status) {
+template <typename ReqT, typename LenT>
+__global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResolveParams p) {
+  constexpr int BLOCK = RESOLVE_BLOCK;
   constexpr int NW = BLOCK / 32;
+  const int K = p.K, B = p.B, R = p.R, H = p.H, HS = p.hash_size;
+  const int hash_size = HS;
+  const int host_stride = p.host_stride;
+  const i64 n_host_rows = p.n_host_rows;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  i64* s_hl = reinterpret_cast<i64*>(smem_raw);  // [K] host row of each miss
-  int* s_key = reinterpret_cast<int*>(s_hl + K);
-  int* s_val = s_key + hash_size;
-  int* s_tok = s_val + hash_size;
-  int* s_out = s_tok + K;
-  int* s_pos = s_out + K;                  // [K] hash slot of each inserted entry's token
-  int* s_loc = s_pos + K;                  // [H + 1]
-  int* s_wh = s_loc + H + 1;               // [NW + 1] hits per warp, then offsets
-  int* s_we = s_wh + NW + 1;               // [NW + 1] evictables per warp
-  int* s_wm = s_we + NW + 1;               // [NW + 1] misses per warp
-  int* s_cnt = s_wm + NW + 1;              // [4] status counters
-  i16* s_evict = reinterpret_cast<i16*>(s_cnt + 4);
-  i16* s_hit = s_evict + H;
-  u16* s_tmp = reinterpret_cast<u16*>(s_hit + H);  // [H] slot | hit << 15, by LRU position
-  u8* s_kind = reinterpret_cast<u8*>(s_tmp + H);
+  HS_SMEM_CARVE(SWAP_RESOLVE, sm, smem_raw);
+  i64* s_hl = sm.host_row;
+  int* s_key = sm.hkey;
+  int* s_val = sm.hval;
+  int* s_tok = sm.tok;
+  int* s_out = sm.res;
+  int* s_pos = sm.hpos;
+  int* s_loc = sm.loc;
+  int* s_wh = sm.warp_hits;
+  int* s_we = sm.warp_evict;
+  int* s_wm = sm.warp_miss;
+  int* s_cnt = sm.count;
+  i16* s_evict = sm.evict;
+  i16* s_hit = sm.hit;
+  u16* s_tmp = sm.order;
+  u8* s_kind = sm.kind;
 
   // Let the copy kernel that follows get scheduled; it waits for this grid to finish.
   pdl_launch_dependents();
@@ -113,9 +102,10 @@ __global__ void __launch_bounds__(BLOCK, 1)
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const unsigned below = (1u << lane) - 1u;
-  const i32* tk = topk + static_cast<i64>(b) * topk_stride;
-  i32* o = out + static_cast<i64>(b) * out_stride;
-  i32* st = status + static_cast<i64>(b) * N_STATUS;
+  const i32* tk = p.topk + static_cast<i64>(b) * p.topk_stride;
+  i32* o = p.out + static_cast<i64>(b) * p.out_stride;
+  i32* st = p.status + static_cast<i64>(b) * N_STATUS;
+  i32* plan_count = p.plan_count;
 
   // Phases 1, 3 and 4 give warp w a contiguous chunk: top-k entries [i0, i1), LRU positions
   // [p0, p1); a lane handles entries i0 + 32 u + lane.
@@ -128,16 +118,16 @@ __global__ void __launch_bounds__(BLOCK, 1)
 
   // ---- wave 1 of global loads (independent of each other): the row's request, length and the
   // first PREFETCH groups of its top-k. The latency chain of the LRU path is three waves.
-  const int nr_raw = num_real ? *num_real : B;
-  const i64 rid_raw = static_cast<i64>(req_idx[b]);
-  const i64 seq_raw = static_cast<i64>(seq_lens[b]);
+  const int nr = clamp_real(p.num_real, B);
+  const i64 rid_raw = static_cast<i64>(static_cast<const ReqT*>(p.req)[b]);
+  const i64 seq_raw =
+      static_cast<i64>(static_cast<const LenT*>(p.lens)[static_cast<i64>(b) * p.lens_stride]);
   int toks[PREFETCH];
 #pragma unroll
   for (int u = 0; u < PREFETCH; ++u) {
     const int i = i0 + u * 32 + lane;
     toks[u] = i < i1 ? tk[i] : -1;
   }
-  const int nr = nr_raw < 0 ? 0 : (nr_raw > B ? B : nr_raw);
   const i64 rid = b < nr ? rid_raw : -1;
   const i64 seq = b < nr ? seq_raw : -1;
   if (b >= nr || rid < 0 || rid >= R || seq < 0) {
@@ -150,10 +140,12 @@ __global__ void __launch_bounds__(BLOCK, 1)
     }
     return;
   }
-  i32* stok = slot_tokens + rid * slot_stride;
-  const i32* sloc = slot_locs + rid * slot_stride;
-  const i64* hloc = host_locs + rid * host_stride;
-  i16* rlru = lru + rid * lru_stride;
+  i32* stok = p.slot_tokens + rid * p.slot_stride;
+  const i32* sloc = p.slot_locs + rid * p.slot_stride;
+  const i64* hloc = p.host_locs + rid * host_stride;
+  i16* rlru = p.lru + rid * p.lru_stride;
+  const int nb = p.n_buckets;
+  u64* idx = p.index ? p.index + rid * static_cast<i64>(nb) * MS_BUCKET : nullptr;
 
   if (tid < 4) s_cnt[tid] = 0;
 
@@ -362,21 +354,28 @@ __global__ void __launch_bounds__(BLOCK, 1)
         const int victim = s_evict[m];
         const int loc = s_loc[victim];
         s_out[i] = loc;
+        if (idx) {
+          const int old = stok[victim];
+          if (old >= 0) hot_erase(idx, nb, old, victim);
+          s_pos[i] = victim;  // the hash slot is not needed any more: phase 5 inserts
+        }
         stok[victim] = s_tok[i];
-        plan_src[static_cast<i64>(b) * plan_stride + m] = s_hl[i];
-        plan_dst[static_cast<i64>(b) * plan_stride + m] = loc;
+        p.plan_src[static_cast<i64>(b) * p.plan_stride + m] = s_hl[i];
+        p.plan_dst[static_cast<i64>(b) * p.plan_stride + m] = loc;
       }
       mo += __popc(mm);
     }
   }
   __syncthreads();  // misses' outputs are visible
 
-  // ---- phase 5: duplicates take their canonical entry's output; write-back
+  // ---- phase 5: duplicates take their canonical entry's output; write-back; index inserts
   for (int i = tid; i < K; i += BLOCK) {
     if (s_kind[i] == K_DUP) {
       const int c = s_val[s_pos[i]];
       s_out[i] = s_out[c];
       if (s_kind[c] == K_NOHOST) atomicAdd(&s_cnt[ST_NOHOST], 1);
+    } else if (idx && s_kind[i] == K_MISS) {
+      if (!hot_insert(idx, nb, stok, H, s_tok[i], s_pos[i])) atomicOr(p.flags + rid, MS_F_DEGRADED);
     }
   }
   for (int p = tid; p < H; p += BLOCK) {

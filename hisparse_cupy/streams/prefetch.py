@@ -70,12 +70,11 @@ Hazards and how this design closes them
 from __future__ import annotations
 
 import cupy
-import numpy as np
 
 from .. import _checks
-from .._launch import Ptr
+from .._launch import as_stream
 from ..cache import HotBufferCache
-from ..plan import copy_rows, full_grid
+from ..plan import copy_params, full_grid, launch_copy
 from .pattern import LayerPattern, layer_pattern
 
 __all__ = ["Prefetcher", "default_replay_grid"]
@@ -171,9 +170,11 @@ class Prefetcher:
         self.events = [cupy.cuda.Event(disable_timing=True)
                        for _ in range(stage.max_group_size)]
         self._out = cupy.empty((cache.max_batch, cache.top_k), cupy.int32)
+        self._ms_out = None if cache.max_steps < 2 else cupy.empty(
+            (cache.max_batch, cache.max_steps, cache.top_k), cupy.int32)
         # per layer: the replay's source and destination (validated once, here)
-        self._host = [cache.pool.device_ptr(i) for i in range(cache.n_layers)]
-        self._dev = [Ptr(cache.device[i].data.ptr) for i in range(cache.n_layers)]
+        self._host = [int(cache.pool.device_ptr(i)) for i in range(cache.n_layers)]
+        self._dev = [cache.device[i].data.ptr for i in range(cache.n_layers)]
         self._reset_step()
 
     # ------------------------------------------------------------------ state
@@ -190,10 +191,8 @@ class Prefetcher:
         """Whether shared layers are prefetched (False: full swap on every layer)."""
         return self._enabled
 
-    def _main_stream(self, stream) -> cupy.cuda.Stream:
-        s = cupy.cuda.get_current_stream() if stream is None else stream
-        if not isinstance(s, cupy.cuda.Stream):
-            raise TypeError(f"stream must be a cupy.cuda.Stream, got {type(s).__name__}")
+    def _main_stream(self, stream):
+        s = as_stream(stream)
         if self._enabled and s.ptr == 0:
             raise ValueError(
                 "the prefetcher needs an explicit main stream: the legacy default stream is not "
@@ -209,8 +208,12 @@ class Prefetcher:
 
     # ------------------------------------------------------------------ per layer
     def swap(self, layer: int, req_indices, seq_lens, top_k_tokens=None, *, num_real=None,
-             stream: cupy.cuda.Stream | None = None) -> cupy.ndarray:
+             stream=None) -> cupy.ndarray:
         """What the decode loop calls for every layer, in layer order, once per step.
+
+        Equivalent to ``self.cache.begin_step(req_indices, seq_lens, num_real, stream=stream,
+        prefetcher=self).swap(layer, top_k_tokens)``; with a step object, validate the batch
+        once per step instead (:meth:`HotBufferCache.begin_step` with ``prefetcher=``).
 
         Parameters
         ----------
@@ -218,27 +221,37 @@ class Prefetcher:
             **Model** layer id (converted to this stage's local index here, once).
         req_indices : int32 or int64 ``[B]``
             Batch row -> request slot (as for :meth:`HotBufferCache.swap`).
-        seq_lens : int32 or int64 ``[B]``
-        top_k_tokens : int32 ``[B, K]``
+        seq_lens : int32 or int64 ``[B]`` (or ``[B, S]`` for multi-step calls)
+        top_k_tokens : int32 ``[B, K]`` or ``[B, S, K]``
             Required for a full layer. A shared layer reuses its full layer's top-k; a value
             given for it is ignored (IndexCache semantics).
         num_real : int32 device scalar, optional
             Rows ``>= num_real`` are CUDA-graph padding (the full layer's value is used by its
             replays).
-        stream : cupy.cuda.Stream, optional
-            The main stream (default: the current stream; must not be the legacy default
-            stream while prefetch is on).
+        stream : optional
+            The main stream, any kind :meth:`HotBufferCache.begin_step` accepts (default: the
+            current stream; must not be the legacy default stream while prefetch is on).
 
         Returns
         -------
         cupy.ndarray
-            int32 ``[B, K]``: device row of every entry in this layer's rows
+            int32 ``[B, K]`` (or ``[B, S, K]``): device row of every entry in this layer's rows
             (``cache.device_rows(layer)``), -1 for unused or invalid entries. For a shared layer
             with prefetch on, its full layer's page table, safe to read on the main stream
             after this call.
         """
+        step = self.cache.begin_step(req_indices, seq_lens, num_real, stream=stream)
+        return self.swap_step(step, layer, top_k_tokens)
+
+    def swap_step(self, step, layer: int, top_k_tokens=None) -> cupy.ndarray:
+        """:meth:`swap` for a :class:`hisparse_cupy.cache.Step` (its batch already validated).
+
+        A multi-step (``[B, S, K]``) full layer records the plan of its unique misses, which
+        its shared layers replay the same way: the shared layers mirror the full layer's device
+        rows byte for byte and use its page table.
+        """
         loc = self.pattern.local_index(layer)
-        s = self._main_stream(stream)
+        s = self._main_stream(step.stream)
         full = self.pattern.full[loc]
         if full:
             if top_k_tokens is None:
@@ -250,9 +263,8 @@ class Prefetcher:
                     f"shared layer {layer} reuses full layer {anchor + self.pattern.first_layer}"
                     f", which has not been swapped in this step: call the layers in order, "
                     f"each step starting at a full layer")
-            req = _checks.array("req_indices", req_indices, (np.int32, np.int64), ndim=1)
-            if req.shape[0] != self._anchor_batch:
-                raise ValueError(f"shared layer {layer} has batch {req.shape[0]}, its full layer "
+            if step.batch != self._anchor_batch:
+                raise ValueError(f"shared layer {layer} has batch {step.batch}, its full layer "
                                  f"had {self._anchor_batch}")
             if self._enabled:
                 p = self.pattern.position(loc)
@@ -261,35 +273,40 @@ class Prefetcher:
             top_k_tokens = self._anchor_topk
 
         # a swap: full layer, or any layer with prefetch off
-        nr = None if num_real is None else _checks.device_scalar("num_real", num_real)
         self._join(s)  # hazard 4: the swap below rewrites the plan
         if full:
             self._reset_step()
-        out = self.cache.swap(loc, req_indices, seq_lens, top_k_tokens, num_real=nr,
-                              out=self._out[: len(req_indices)], copy_grid=self.copy_grid,
-                              stream=s)
+        B = step.batch
+        ndim = getattr(top_k_tokens, "ndim", 2)
+        if ndim == 3 and self._ms_out is not None:
+            S, K = top_k_tokens.shape[1:]
+            out = self._ms_out[:B, :S, :K]
+        else:
+            out = self._out[:B, : top_k_tokens.shape[-1]]
+        out = step._swap(loc, top_k_tokens, out=out, copy_grid=self.copy_grid)
         if full:
             self._anchor = loc
-            self._anchor_batch = out.shape[0]
+            self._anchor_batch = B
             self._anchor_topk = top_k_tokens
             self._anchor_out = out
             group = self.pattern.groups[loc]
             if self._enabled and group:
-                self._queue_replays(group, out.shape[0], nr, s)
+                self._queue_replays(group, B, step.num_real, s)
         return out
 
     def _queue_replays(self, group, batch: int, num_real, s: cupy.cuda.Stream) -> None:
-        plan = self.cache.plan
+        c = self.cache
+        plan = c.plan
         self._fork.record(s)  # hazard 2 and 3: after the full layer's swap
         self.side.wait_event(self._fork)
+        prm = copy_params(plan.src, plan.dst, plan.count, batch, num_real, src_base=0,
+                          src_layer_bytes=0, n_src_rows=c.pool.n_rows, dst_base=0,
+                          dst_layer_bytes=0, n_dst_rows=c.device.shape[1],
+                          row_bytes=c.row_bytes, dry_run=self.dry_run,
+                          spin_cycles=int(self.spin_cycles))
         for p, sl in enumerate(group):
-            copy_rows(plan.src, plan.dst, plan.count, batch, num_real,
-                      src_base=self._host[sl], src_layer_bytes=0,
-                      n_src_rows=self.cache.pool.n_rows, dst_base=self._dev[sl],
-                      dst_layer_bytes=0, n_dst_rows=self.cache.device.shape[1],
-                      row_bytes=self.cache.row_bytes, grid=self.replay_grid,
-                      dry_run=self.dry_run, spin_cycles=int(self.spin_cycles),
-                      stream=self.side)
+            prm.set(src_base=self._host[sl], dst_base=self._dev[sl])
+            launch_copy(prm, grid=self.replay_grid, stream=self.side)
             self.events[p].record(self.side)
         self._queued = len(group)
         self._joined = 0
@@ -299,7 +316,7 @@ class Prefetcher:
         s.wait_event(self.events[p])
         self._joined = max(self._joined, p + 1)
 
-    def finish(self, stream: cupy.cuda.Stream | None = None) -> None:
+    def finish(self, stream=None) -> None:
         """End a decode step: join any replay no shared layer waited on into the main stream.
 
         Costs nothing when every layer was called. Call it at the end of a captured step (every
@@ -309,11 +326,12 @@ class Prefetcher:
         self._join(self._main_stream(stream))
         self._reset_step()
 
-    def set_enabled(self, enabled: bool, stream: cupy.cuda.Stream | None = None) -> None:
+    def set_enabled(self, enabled: bool, stream=None) -> None:
         """Turn prefetch on or off between steps (queued on ``stream``, no host sync).
 
-        Turning it off copies every full layer's ``slot_tokens`` and ``lru`` into its shared
-        layers (their own tables went stale while prefetch was on; hazard 8).
+        Turning it off copies every full layer's tables (``slot_tokens``, ``slot_locs``,
+        ``lru`` and any multi-step state) into its shared layers (their own tables went stale
+        while prefetch was on; hazard 8).
         """
         enabled = bool(enabled)
         if enabled == self._enabled:
@@ -324,10 +342,13 @@ class Prefetcher:
         if not enabled:
             c = self.cache
             with s:
+                tables = [c.slot_tokens, c.slot_locs, c.lru]
+                if c.max_steps >= 2:
+                    tables += [c.scratch_locs, c.ms_index, c.ms_ref, c.ms_clock, c.ms_flags]
                 for a, group in self.pattern.groups.items():
                     for sl in group:
-                        c.slot_tokens[sl][...] = c.slot_tokens[a]
-                        c.lru[sl][...] = c.lru[a]
+                        for t in tables:
+                            t[sl][...] = t[a]
         self._enabled = enabled
 
     def synchronize(self) -> None:

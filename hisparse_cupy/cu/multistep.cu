@@ -1,4 +1,5 @@
 // hisparse_cupy: multi-step (MTP) swap-in: gather + commit, and the state initialiser.
+// Both kernels take one MultiStepParams (cu/abi.cuh), which holds every pointer and size below.
 //
 // A call resolves the top-k of S draft steps ([B, S, K] tokens) of every batch row as one
 // working set. The gather kernel resolves every occurrence (step, entry) and copies each unique
@@ -8,7 +9,7 @@
 // victims with a CLOCK-style policy over epoch-tagged references, admits misses by swapping the
 // scratch row with the victim's row (no second copy), and keeps the token -> slot index current.
 //
-// Per-layer state (request slot r, see spec.py):
+// Per-layer state (request slot r, see multistep.py):
 //   slot_tokens[r, H + P], slot_locs[r, H + P]  token / device row of each slot; slots [0, H) are
 //                                              the hot cache, [H, H + P) the extra page
 //   scratch_locs[r, C]                         spare device rows (misses land there first)
@@ -18,7 +19,7 @@
 //                                              A hit is always checked against slot_tokens.
 //   ref[r, H]                                  epoch of each slot's last reference (0 = never)
 //   clock[r] = (epoch, cursor)                 this call's epoch (never 0), ring cursor
-//   flags[r]                                   F_DEGRADED: an insert found both buckets full
+//   flags[r]                                   MS_F_DEGRADED: an insert found both buckets full
 //                                              once; lookups then also scan slot_tokens (sticky
 //                                              until the request is re-initialised)
 // Per-batch-row workspace (shareable by layers that run one after another on one stream; each
@@ -56,133 +57,24 @@
 //     of claims, so partial admission is not deterministic when M > C.
 //   Outputs are exact in every case: C >= S*K - H (checked in Python) guarantees a victim for
 //   every miss without a scratch row.
-#include "common.cuh"
+#include "index.cuh"
 
 namespace hs {
-namespace spec {
+namespace ms {
 
-using ull = unsigned long long;
+using ull = u64;
 
-constexpr ull EMPTY = ~0ull;
-constexpr int BUCKET = 8;               // index entries per bucket (64 bytes)
 constexpr u32 NONE = 0xffffffffu;       // table value: not yet published / no row
-constexpr int META_INIT = 0x7fffffff;
-constexpr int F_DEGRADED = 1;
 
-// workspace counters (per batch row)
-constexpr int C_MISS = 0, C_RANGE = 1, C_NOHOST = 2, C_PENDING = 3, N_COUNTERS = 8;
-// status columns, as in the single-step swap
-constexpr int ST_RANGE = 0, ST_NOHOST = 1, ST_BADROW = 2, N_STATUS = 3;
-// per-row statistics of the last call
-constexpr int X_MISS = 0, X_ADMIT = 1, X_EVICTABLE = 2, X_PARTIAL = 3, N_STATS = 4;
+// workspace counters (per batch row, MS_N_COUNTERS of them)
+constexpr int C_MISS = 0, C_RANGE = 1, C_NOHOST = 2, C_PENDING = 3;
+// per-row statistics of the last call (MS_N_STATS of them, named in _abi.MS_STATS)
+constexpr int X_MISS = 0, X_ADMIT = 1, X_EVICTABLE = 2, X_PARTIAL = 3;
 
 // eviction priority of an unreferenced slot (0 = referenced this call, not evictable)
 constexpr u32 KEY_EMPTY = 0xffffffffu;
 constexpr u32 KEY_NEVER = 0xfffffffeu;
 constexpr u32 KEY_AGE_MAX = 0xfffffffdu;
-
-__device__ __forceinline__ u32 mix32(u32 x) {
-  x ^= x >> 16;
-  x *= 0x85ebca6bu;
-  x ^= x >> 13;
-  x *= 0xc2b2ae35u;
-  x ^= x >> 16;
-  return x;
-}
-// h -> [0, n) by the high half of a 32x32 product (any n, not only powers of two)
-__device__ __forceinline__ int reduce(u32 h, int n) {
-  return static_cast<int>((static_cast<ull>(h) * static_cast<u32>(n)) >> 32);
-}
-__device__ __forceinline__ int bucket_a(int tok, int nb) {
-  return reduce(hash_u32(static_cast<u32>(tok)), nb);
-}
-__device__ __forceinline__ int bucket_b(int tok, int nb) {
-  return reduce(mix32(static_cast<u32>(tok)), nb);
-}
-__device__ __forceinline__ ull pack(u32 hi, int lo) {
-  return (static_cast<ull>(hi) << 32) | static_cast<u32>(lo);
-}
-__device__ __forceinline__ int lo32(ull e) { return static_cast<int>(static_cast<u32>(e)); }
-__device__ __forceinline__ u32 hi32(ull e) { return static_cast<u32>(e >> 32); }
-__device__ __forceinline__ ull load_volatile(const ull* p) {
-  return *reinterpret_cast<const volatile ull*>(p);
-}
-
-// ---------------------------------------------------------------- token -> hot slot index
-
-// The hot slot holding `tok`, or -1. slot_tokens is authoritative: an index entry counts only
-// if its slot still holds its token.
-__device__ __forceinline__ int hot_find(const ull* idx, int nb, const i32* stok, int H, int tok,
-                                        bool degraded) {
-  if (tok < H && stok[tok] == tok) return tok;  // positional layout
-  const ulonglong2* pa = reinterpret_cast<const ulonglong2*>(idx + static_cast<i64>(bucket_a(tok, nb)) * BUCKET);
-  const ulonglong2* pb = reinterpret_cast<const ulonglong2*>(idx + static_cast<i64>(bucket_b(tok, nb)) * BUCKET);
-  ulonglong2 v[BUCKET];
-#pragma unroll
-  for (int j = 0; j < BUCKET / 2; ++j) {
-    v[j] = pa[j];
-    v[BUCKET / 2 + j] = pb[j];
-  }
-#pragma unroll
-  for (int j = 0; j < BUCKET; ++j) {
-    if (lo32(v[j].x) == tok) {
-      const u32 s = hi32(v[j].x);
-      if (s < static_cast<u32>(H) && stok[s] == tok) return static_cast<int>(s);
-    }
-    if (lo32(v[j].y) == tok) {
-      const u32 s = hi32(v[j].y);
-      if (s < static_cast<u32>(H) && stok[s] == tok) return static_cast<int>(s);
-    }
-  }
-  if (degraded) {
-    for (int s = 0; s < H; ++s)
-      if (stok[s] == tok) return s;
-  }
-  return -1;
-}
-
-// An entry is free when empty or stale (its slot no longer holds its token).
-__device__ __forceinline__ bool entry_free(ull e, const i32* stok, int H) {
-  if (e == EMPTY) return true;
-  const u32 s = hi32(e);
-  return s >= static_cast<u32>(H) || stok[s] != lo32(e);
-}
-
-__device__ __forceinline__ int count_free(const ull* bk, const i32* stok, int H) {
-  int n = 0;
-#pragma unroll
-  for (int j = 0; j < BUCKET; ++j) n += entry_free(load_volatile(bk + j), stok, H);
-  return n;
-}
-
-// Insert (tok -> slot) into the emptier of the token's two buckets. Concurrent inserts are safe
-// (CAS); false when both buckets stay full (the caller marks the request degraded).
-__device__ bool hot_insert(ull* idx, int nb, const i32* stok, int H, int tok, int slot) {
-  const ull want = pack(static_cast<u32>(slot), tok);
-  ull* ba = idx + static_cast<i64>(bucket_a(tok, nb)) * BUCKET;
-  ull* bb = idx + static_cast<i64>(bucket_b(tok, nb)) * BUCKET;
-  for (int attempt = 0; attempt < 4; ++attempt) {
-    const int fa = count_free(ba, stok, H);
-    const int fb = bb == ba ? 0 : count_free(bb, stok, H);
-    if (fa + fb == 0) return false;
-    ull* bk = fb > fa ? bb : ba;
-    for (int j = 0; j < BUCKET; ++j) {
-      const ull cur = load_volatile(bk + j);
-      if (entry_free(cur, stok, H) && atomicCAS(bk + j, cur, want) == cur) return true;
-    }
-  }
-  return false;
-}
-
-__device__ __forceinline__ void hot_erase(ull* idx, int nb, int tok, int slot) {
-  const ull key = pack(static_cast<u32>(slot), tok);
-  ull* bks[2] = {idx + static_cast<i64>(bucket_a(tok, nb)) * BUCKET,
-                 idx + static_cast<i64>(bucket_b(tok, nb)) * BUCKET};
-#pragma unroll
-  for (int k = 0; k < 2; ++k)
-    for (int j = 0; j < BUCKET; ++j)
-      if (load_volatile(bks[k] + j) == key) atomicCAS(bks[k] + j, key, EMPTY);
-}
 
 // ---------------------------------------------------------------- call dedup table
 
@@ -213,30 +105,25 @@ __device__ __forceinline__ int table_claim(ull* tbl, int ts, int tok, bool& clai
   return -1;
 }
 
-__device__ __forceinline__ bool row_is_bad(i64 rid, int R, const void* seq_lens_v, int b, int S,
-                                           bool len64) {
-  if (rid < 0 || rid >= R) return true;
-  for (int s = 0; s < S; ++s) {
-    const i64 v = len64 ? static_cast<const i64*>(seq_lens_v)[static_cast<i64>(b) * S + s]
-                        : static_cast<const i32*>(seq_lens_v)[static_cast<i64>(b) * S + s];
-    if (v < 0) return true;
-  }
+// Element (b, s) of the per-step lengths.
+template <typename LenT>
+__device__ __forceinline__ i64 step_len(const MultiStepParams& p, int b, int s) {
+  return static_cast<i64>(static_cast<const LenT*>(
+      p.lens)[static_cast<i64>(b) * p.lens_stride + static_cast<i64>(s) * p.lens_step]);
+}
+
+// A request slot outside [0, R) or a negative length in any step makes the whole row bad.
+template <typename LenT>
+__device__ __forceinline__ bool row_is_bad(const MultiStepParams& p, i64 rid, int b) {
+  if (rid < 0 || rid >= p.R) return true;
+  for (int s = 0; s < p.S; ++s)
+    if (step_len<LenT>(p, b, s) < 0) return true;
   return false;
 }
 
-__device__ __forceinline__ int clamp_real(const i32* num_real, int B) {
-  int nr = num_real ? *num_real : B;
-  return nr < 0 ? 0 : (nr > B ? B : nr);
-}
-
-template <typename T>
-__device__ __forceinline__ constexpr bool is64() {
-  return sizeof(T) == 8;
-}
-
 // =====================================================================================
-// spec_gather<BLOCK, ReqT, LenT>
-//   grid (ceil(S*K / BLOCK), B), one thread per occurrence (coalesced top-k reads).
+// gather<ReqT, LenT>
+//   grid (ceil(S*K / GATHER_BLOCK), B), one thread per occurrence (coalesced top-k reads).
 //   Phases
 //     0. padding / bad rows write -1 and leave.
 //     1. classify the occurrence (see the semantics above); hot hits mark ref = epoch.
@@ -250,21 +137,19 @@ __device__ __forceinline__ constexpr bool is64() {
 //     4. per-block counts -> the row's counters (one atomicAdd each).
 //   Shared memory: 4 static ints (block counts).
 // =====================================================================================
-template <int BLOCK, typename ReqT, typename LenT>
-__global__ void __launch_bounds__(BLOCK)
-    spec_gather(const i32* __restrict__ topk, int topk_stride, int S, int K,
-                const ReqT* __restrict__ req_idx, const LenT* __restrict__ seq_lens,
-                const i32* __restrict__ num_real, int B, int R,
-                const i64* __restrict__ host_locs, int host_stride, i64 n_host_rows,
-                const i32* __restrict__ slot_tokens, const i32* __restrict__ slot_locs,
-                int slot_stride, int H, int P, const i32* __restrict__ scratch_locs,
-                int scratch_stride, int C, const ull* __restrict__ index, int nb,
-                u32* ref_epoch, int ref_stride, const u32* __restrict__ clock,
-                const i32* __restrict__ flags, ull* table, i32* meta, int ts,
-                i32* __restrict__ compact, int compact_stride, i32* counters,
-                i32* __restrict__ out, int out_stride, const u8* host_base, u8* dev_base,
-                int row_bytes, i64* __restrict__ plan_src, i32* __restrict__ plan_dst,
-                int plan_stride) {
+template <typename ReqT, typename LenT>
+__global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) {
+  constexpr int BLOCK = GATHER_BLOCK;
+  const int S = p.S, K = p.K, B = p.B, R = p.R, H = p.H, P = p.P, C = p.C;
+  const int nb = p.n_buckets, ts = p.table_size;
+  const i64 n_host_rows = p.n_host_rows;
+  const int host_stride = p.host_stride;
+  const int row_bytes = p.row_bytes, plan_stride = p.plan_stride;
+  const ReqT* __restrict__ req_idx = static_cast<const ReqT*>(p.req);
+  const i32* __restrict__ topk = p.topk;
+  i32* __restrict__ out = p.out;
+  i64* __restrict__ plan_src = p.plan_src;
+  i32* __restrict__ plan_dst = p.plan_dst;
   __shared__ int s_cnt[4];  // C_RANGE, C_NOHOST, C_PENDING (index 0 unused)
 
   // No early trigger (pdl_launch_dependents): measured, letting the commit blocks become
@@ -277,14 +162,14 @@ __global__ void __launch_bounds__(BLOCK)
   const int T = S * K;
   const int occ = blockIdx.x * BLOCK + tid;
   const bool active = occ < T;
-  i32* orow = out + static_cast<i64>(b) * out_stride;
+  i32* orow = out + static_cast<i64>(b) * p.out_stride;
 
-  const int nr = clamp_real(num_real, B);
+  const int nr = clamp_real(p.num_real, B);
   i64 rid = -1;
   bool skip = b >= nr;
   if (!skip) {
     rid = static_cast<i64>(req_idx[b]);
-    skip = row_is_bad(rid, R, seq_lens, b, S, is64<LenT>());
+    skip = row_is_bad<LenT>(p, rid, b);
   }
   if (skip) {  // uniform over the block
     if (active) orow[occ] = -1;
@@ -294,18 +179,18 @@ __global__ void __launch_bounds__(BLOCK)
   if (tid < 4) s_cnt[tid] = 0;
   __syncthreads();
 
-  const i32* stok = slot_tokens + rid * slot_stride;
-  const i32* sloc = slot_locs + rid * slot_stride;
-  const i32* scr = scratch_locs + rid * scratch_stride;
-  const i64* hloc = host_locs + rid * host_stride;
-  const ull* idx = index + rid * static_cast<i64>(nb) * BUCKET;
-  u32* ref = ref_epoch + rid * ref_stride;
-  const u32 epoch = clock[rid * 2];
-  const bool degraded = flags[rid] & F_DEGRADED;
-  ull* tbl = table + static_cast<i64>(b) * ts;
-  i32* mt = meta + static_cast<i64>(b) * ts;
-  i32* cmp = compact + static_cast<i64>(b) * compact_stride;
-  i32* cnt = counters + static_cast<i64>(b) * N_COUNTERS;
+  const i32* stok = p.slot_tokens + rid * p.slot_stride;
+  const i32* sloc = p.slot_locs + rid * p.slot_stride;
+  const i32* scr = p.scratch_locs + rid * p.scratch_stride;
+  const i64* hloc = p.host_locs + rid * host_stride;
+  const ull* idx = p.index + rid * static_cast<i64>(nb) * MS_BUCKET;
+  u32* ref = p.ref + rid * p.ref_stride;
+  const u32 epoch = p.clock[rid * 2];
+  const bool degraded = p.flags[rid] & MS_F_DEGRADED;
+  ull* tbl = p.table + static_cast<i64>(b) * ts;
+  i32* mt = p.meta + static_cast<i64>(b) * ts;
+  i32* cmp = p.compact + static_cast<i64>(b) * p.compact_stride;
+  i32* cnt = p.counters + static_cast<i64>(b) * MS_N_COUNTERS;
 
   // ---- phase 1: classify
   int o = -1;
@@ -314,12 +199,12 @@ __global__ void __launch_bounds__(BLOCK)
   int tok = -1;
   int step = 0, pos = 0;
   if (active) {
-    tok = topk[static_cast<i64>(b) * topk_stride + occ];
+    tok = topk[static_cast<i64>(b) * p.topk_stride + occ];
     step = occ / K;
     pos = occ - step * K;
   }
   if (active && tok != -1) {
-    const i64 seq = static_cast<i64>(seq_lens[static_cast<i64>(b) * S + step]);
+    const i64 seq = step_len<LenT>(p, b, step);
     if (seq <= H) {  // positional layout: token p in slot p
       if (pos < seq) {
         if (tok >= 0 && tok < seq) {
@@ -408,8 +293,8 @@ __global__ void __launch_bounds__(BLOCK)
     om &= om - 1;
     const i64 src = __shfl_sync(FULL_MASK, hl, l);
     const int dst = __shfl_sync(FULL_MASK, o, l);
-    copy_row_warp(dev_base + static_cast<i64>(dst) * row_bytes,
-                  host_base + src * row_bytes, row_bytes, lane);
+    copy_row_warp(p.dev_base + static_cast<i64>(dst) * row_bytes,
+                  p.host_base + src * row_bytes, row_bytes, lane);
   }
 
   // ---- phase 4: counts
@@ -441,7 +326,8 @@ __device__ __forceinline__ int bitmap_rank(const u32* bits, const int* pre, int 
 // The want-th largest non-zero key (MSB-first radix select, 8 bits a pass). Returns the key;
 // `want` becomes how many keys equal to it must be taken (those larger are all taken).
 template <int BLOCK>
-__device__ u32 radix_select(const u32* keys, int n, int& want, int* s_hist, int* s_misc) {
+__device__ u32 radix_select(const u32* keys, int n, int& want, int* s_hist, int* s_digit,
+                            int* s_rest) {
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   u32 prefix = 0, pmask = 0;
@@ -486,22 +372,22 @@ __device__ u32 radix_select(const u32* keys, int n, int& want, int* s_hist, int*
           }
           acc += c[q];
         }
-        s_misc[0] = digit;
-        s_misc[1] = rest;
+        *s_digit = digit;
+        *s_rest = rest;
       }
     }
     __syncthreads();
-    prefix |= static_cast<u32>(s_misc[0]) << shift;
+    prefix |= static_cast<u32>(*s_digit) << shift;
     pmask |= 0xffu << shift;
-    want = s_misc[1];
+    want = *s_rest;
   }
   __syncthreads();
   return prefix;
 }
 
 // =====================================================================================
-// spec_commit<BLOCK, ReqT, LenT>
-//   grid B, one block per batch row; launched with PDL after spec_gather.
+// commit<ReqT, LenT>
+//   grid B, one block per batch row; launched with PDL after the gather.
 //   Phases
 //     0. griddepcontrol.wait; padding / bad rows: status, plan count, stats; leave.
 //     1. eviction keys of the H slots in ring order from the cursor (s_key); E = evictable;
@@ -519,22 +405,18 @@ __device__ u32 radix_select(const u32* keys, int n, int& want, int* s_hist, int*
 //     6. index inserts of the admitted tokens; table entries and meta cleared.
 //     7. status, plan count, stats, clock (epoch + 1, never 0: on wrap every ref is cleared;
 //        cursor past the last victim), counters cleared, degraded flag.
-//   Shared memory (dynamic, bytes):
-//     u32 s_key[H], u32 s_bits[NW], u32 s_adm[NW], int s_pre[NW + 1], int s_hist[256],
-//     int s_scan[BLOCK / 32 + 1], int s_misc[8], i16 s_vic[H]         NW = ceil(S*K / 32)
+//   Shared memory: _abi.SMEM["MULTISTEP_COMMIT"] (named regions; NW = ceil(S*K / 32)).
 // =====================================================================================
-template <int BLOCK, typename ReqT, typename LenT>
-__global__ void __launch_bounds__(BLOCK)
-    spec_commit(int S, int K, const ReqT* __restrict__ req_idx,
-                const LenT* __restrict__ seq_lens, const i32* __restrict__ num_real, int B,
-                int R, const i64* __restrict__ host_locs, int host_stride, i32* slot_tokens,
-                i32* slot_locs, int slot_stride, int H, i32* scratch_locs, int scratch_stride,
-                int C, ull* index, int nb, u32* ref_epoch, int ref_stride, u32* clock,
-                i32* flags, ull* table, i32* meta, int ts, const i32* __restrict__ compact,
-                int compact_stride, i32* counters, i32* out, int out_stride,
-                const u8* host_base, u8* dev_base, int row_bytes, i64* __restrict__ plan_src,
-                i32* __restrict__ plan_dst, int plan_stride, i32* __restrict__ plan_count,
-                i32* __restrict__ status, i32* __restrict__ stats) {
+template <typename ReqT, typename LenT>
+__global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) {
+  constexpr int BLOCK = COMMIT_BLOCK;
+  const int S = p.S, K = p.K, B = p.B, H = p.H, C = p.C;
+  const int nb = p.n_buckets, ts = p.table_size;
+  const int row_bytes = p.row_bytes, plan_stride = p.plan_stride;
+  const ReqT* __restrict__ req_idx = static_cast<const ReqT*>(p.req);
+  i64* __restrict__ plan_src = p.plan_src;
+  i32* __restrict__ plan_dst = p.plan_dst;
+  i32* __restrict__ plan_count = p.plan_count;
   // Wait for the gather grid: its outputs, table, counters and copied rows.
   pdl_wait();
 
@@ -544,25 +426,26 @@ __global__ void __launch_bounds__(BLOCK)
   const int T = S * K;
   const int NW = (T + 31) >> 5;
 
+  constexpr int NS = BLOCK / 32 + 1;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  u32* s_key = reinterpret_cast<u32*>(smem_raw);
-  u32* s_bits = s_key + H;
-  u32* s_adm = s_bits + NW;
-  int* s_pre = reinterpret_cast<int*>(s_adm + NW);
-  int* s_hist = s_pre + NW + 1;
-  int* s_scan = s_hist + 256;
-  int* s_misc = s_scan + BLOCK / 32 + 1;  // 0,1 radix; 2 last victim; 3 degraded; 4 no room
-  i16* s_vic = reinterpret_cast<i16*>(s_misc + 8);
+  HS_SMEM_CARVE(MULTISTEP_COMMIT, sm, smem_raw);
+  u32* s_key = sm.key;
+  u32* s_bits = sm.bits;
+  u32* s_adm = sm.admit;
+  int* s_pre = sm.prefix;
+  int* s_hist = sm.hist;
+  int* s_scan = sm.scan;
+  i16* s_vic = sm.victim;
 
-  i32* st = status + static_cast<i64>(b) * N_STATUS;
-  i32* xs = stats + static_cast<i64>(b) * N_STATS;
-  const int nr = clamp_real(num_real, B);
+  i32* st = p.status + static_cast<i64>(b) * N_STATUS;
+  i32* xs = p.stats + static_cast<i64>(b) * MS_N_STATS;
+  const int nr = clamp_real(p.num_real, B);
   i64 rid = -1;
   const bool pad = b >= nr;
   bool bad = false;
   if (!pad) {
     rid = static_cast<i64>(req_idx[b]);
-    bad = row_is_bad(rid, R, seq_lens, b, S, is64<LenT>());
+    bad = row_is_bad<LenT>(p, rid, b);
   }
   if (pad || bad) {
     if (tid == 0) {
@@ -570,22 +453,23 @@ __global__ void __launch_bounds__(BLOCK)
       st[ST_NOHOST] = 0;
       st[ST_BADROW] = bad ? 1 : 0;
       if (plan_count) plan_count[b] = 0;
-      for (int i = 0; i < N_STATS; ++i) xs[i] = 0;
+      for (int i = 0; i < MS_N_STATS; ++i) xs[i] = 0;
     }
     return;
   }
 
-  i32* stok = slot_tokens + rid * slot_stride;
-  i32* sloc = slot_locs + rid * slot_stride;
-  i32* scr = scratch_locs + rid * scratch_stride;
-  const i64* hloc = host_locs + rid * host_stride;
-  ull* idx = index + rid * static_cast<i64>(nb) * BUCKET;
-  u32* ref = ref_epoch + rid * ref_stride;
-  ull* tbl = table + static_cast<i64>(b) * ts;
-  i32* mt = meta + static_cast<i64>(b) * ts;
-  const i32* cmp = compact + static_cast<i64>(b) * compact_stride;
-  i32* cnt = counters + static_cast<i64>(b) * N_COUNTERS;
-  i32* orow = out + static_cast<i64>(b) * out_stride;
+  i32* stok = p.slot_tokens + rid * p.slot_stride;
+  i32* sloc = p.slot_locs + rid * p.slot_stride;
+  i32* scr = p.scratch_locs + rid * p.scratch_stride;
+  const i64* hloc = p.host_locs + rid * p.host_stride;
+  ull* idx = p.index + rid * static_cast<i64>(nb) * MS_BUCKET;
+  u32* ref = p.ref + rid * p.ref_stride;
+  u32* clock = p.clock;
+  ull* tbl = p.table + static_cast<i64>(b) * ts;
+  i32* mt = p.meta + static_cast<i64>(b) * ts;
+  const i32* cmp = p.compact + static_cast<i64>(b) * p.compact_stride;
+  i32* cnt = p.counters + static_cast<i64>(b) * MS_N_COUNTERS;
+  i32* orow = p.out + static_cast<i64>(b) * p.out_stride;
 
   const int M = cnt[C_MISS];
   const int n_range = cnt[C_RANGE];
@@ -595,9 +479,9 @@ __global__ void __launch_bounds__(BLOCK)
   const int cursor = static_cast<int>(clock[rid * 2 + 1] % static_cast<u32>(H));
 
   if (tid == 0) {
-    s_misc[2] = -1;
-    s_misc[3] = 0;
-    s_misc[4] = 0;
+    *sm.last_victim = -1;
+    *sm.degraded = 0;
+    *sm.no_room = 0;
   }
 
   // ---- phase 1: keys in ring order; miss bitmap
@@ -655,7 +539,7 @@ __global__ void __launch_bounds__(BLOCK)
     theta = 0;  // every evictable slot
   } else {
     need = V;
-    theta = radix_select<BLOCK>(s_key, H, need, s_hist, s_misc);
+    theta = radix_select<BLOCK>(s_key, H, need, s_hist, sm.radix_digit, sm.radix_rest);
   }
   {
     // Each thread owns a contiguous run of ring positions; one block scan of the packed
@@ -685,7 +569,7 @@ __global__ void __launch_bounds__(BLOCK)
       ta += ab;
       tt += ti;
     }
-    if (last >= 0) atomicMax(&s_misc[2], last);
+    if (last >= 0) atomicMax(sm.last_victim, last);
   }
 
   // ---- phase 3: ranks of the admitted misses
@@ -717,18 +601,18 @@ __global__ void __launch_bounds__(BLOCK)
     i64 src = -1;
     int dst = -1;
     if (u < M) {
-      const int p = cmp[u];
-      const int tok = lo32(tbl[p]);
+      const int q = cmp[u];
+      const int tok = lo32(tbl[q]);
       const bool adm = !partial || ((s_adm[u >> 5] >> (u & 31)) & 1u);
       int v = -1;
       if (adm) {
-        const int a = bitmap_rank(s_bits, s_pre, mt[p]);
+        const int a = bitmap_rank(s_bits, s_pre, mt[q]);
         if (a < V) v = s_vic[a];
       }
       int loc = -1;
       if (u < C) loc = scr[u];
       else if (v >= 0) loc = sloc[v];
-      tbl[p] = pack(static_cast<u32>(loc), tok);
+      tbl[q] = pack(static_cast<u32>(loc), tok);
       if (v >= 0) {
         const int old_tok = stok[v];
         const int old_loc = sloc[v];
@@ -744,7 +628,7 @@ __global__ void __launch_bounds__(BLOCK)
         }
         if (old_tok >= 0) hot_erase(idx, nb, old_tok, v);
       } else if (u >= C) {
-        atomicExch(&s_misc[4], 1);  // unreachable while C >= S*K - H
+        atomicExch(sm.no_room, 1);  // unreachable while C >= S*K - H
       }
       if (u >= C && plan_src) {
         plan_src[static_cast<i64>(b) * plan_stride + u] = owner ? src : -1;
@@ -757,7 +641,7 @@ __global__ void __launch_bounds__(BLOCK)
       om &= om - 1;
       const i64 s = __shfl_sync(FULL_MASK, src, l);
       const int d = __shfl_sync(FULL_MASK, dst, l);
-      copy_row_warp(dev_base + static_cast<i64>(d) * row_bytes, host_base + s * row_bytes,
+      copy_row_warp(p.dev_base + static_cast<i64>(d) * row_bytes, p.host_base + s * row_bytes,
                     row_bytes, lane);
     }
   }
@@ -779,15 +663,15 @@ __global__ void __launch_bounds__(BLOCK)
 
   // ---- phase 6: index inserts, workspace cleanup
   for (int u = tid; u < M; u += BLOCK) {
-    const int p = cmp[u];
-    const int tok = lo32(tbl[p]);
+    const int q = cmp[u];
+    const int tok = lo32(tbl[q]);
     const bool adm = !partial || ((s_adm[u >> 5] >> (u & 31)) & 1u);
     if (adm) {
-      const int a = bitmap_rank(s_bits, s_pre, mt[p]);
-      if (a < V && !hot_insert(idx, nb, stok, H, tok, s_vic[a])) atomicExch(&s_misc[3], 1);
+      const int a = bitmap_rank(s_bits, s_pre, mt[q]);
+      if (a < V && !hot_insert(idx, nb, stok, H, tok, s_vic[a])) atomicExch(sm.degraded, 1);
     }
-    tbl[p] = EMPTY;
-    mt[p] = META_INIT;
+    tbl[q] = EMPTY;
+    mt[q] = MS_META_INIT;
   }
   if (epoch == 0xffffffffu) {  // the epoch wraps: forget every reference (once in 2^32 calls)
     __syncthreads();
@@ -797,7 +681,7 @@ __global__ void __launch_bounds__(BLOCK)
 
   // ---- phase 7: per-row results and state
   if (tid == 0) {
-    const int noroom = s_misc[4];
+    const int noroom = *sm.no_room;
     st[ST_RANGE] = n_range;
     st[ST_NOHOST] = n_nohost;
     st[ST_BADROW] = noroom;
@@ -808,31 +692,36 @@ __global__ void __launch_bounds__(BLOCK)
     xs[X_PARTIAL] = partial ? 1 : 0;
     const u32 next = epoch + 1u == 0u ? 1u : epoch + 1u;
     clock[rid * 2] = next;
-    const int last = s_misc[2];
+    const int last = *sm.last_victim;
     clock[rid * 2 + 1] = static_cast<u32>(last >= 0 ? (cursor + last + 1) % H : cursor);
-    for (int i = 0; i < N_COUNTERS; ++i) cnt[i] = 0;
-    if (s_misc[3]) atomicOr(flags + rid, F_DEGRADED);
+    for (int i = 0; i < MS_N_COUNTERS; ++i) cnt[i] = 0;
+    if (*sm.degraded) atomicOr(p.flags + rid, MS_F_DEGRADED);
   }
 }
 
 // =====================================================================================
-// spec_init<BLOCK>: (re)initialise the listed request slots from their slot table.
-//   grid n (one block per listed slot). Clears the index and the ref epochs, sets
-//   clock = (1, 0), then inserts every hot slot's token (>= 0); degraded if an insert fails.
+// init: (re)initialise the listed request slots of every layer from their slot tables.
+//   grid (B, L): block (b, l) handles request slot rows[b] of layer l (rows outside [0, R) and
+//   rows b >= *num_real are skipped). Clears the index and the ref epochs, sets clock = (1, 0),
+//   then inserts every hot slot's token (>= 0); degraded if an insert fails.
 // =====================================================================================
-template <int BLOCK>
-__global__ void __launch_bounds__(BLOCK)
-    spec_init(const i32* __restrict__ rows, const i32* __restrict__ slot_tokens,
-              int slot_stride, int H, ull* index, int nb, u32* ref_epoch, int ref_stride,
-              u32* clock, i32* flags) {
+__global__ void __launch_bounds__(INIT_BLOCK) init(const MultiStepInitParams p) {
+  constexpr int BLOCK = INIT_BLOCK;
   __shared__ int s_deg;
   const int tid = threadIdx.x;
-  const i64 rid = rows[blockIdx.x];
-  const i32* stok = slot_tokens + rid * slot_stride;
-  ull* idx = index + rid * static_cast<i64>(nb) * BUCKET;
-  u32* ref = ref_epoch + rid * ref_stride;
+  const int b = blockIdx.x;
+  const i64 layer = blockIdx.y;
+  if (b >= clamp_real(p.num_real, p.B)) return;
+  const i64 rid = p.rows[b];
+  if (rid < 0 || rid >= p.R) return;
+  const int H = p.H, nb = p.n_buckets;
+  const i32* stok = p.slot_tokens + layer * p.slot_layer_stride + rid * p.slot_stride;
+  u64* idx = p.index + layer * p.index_layer_stride + rid * static_cast<i64>(nb) * MS_BUCKET;
+  u32* ref = p.ref + layer * p.ref_layer_stride + rid * p.ref_stride;
+  u32* clock = p.clock + layer * 2 * p.R + rid * 2;
+  i32* flags = p.flags + layer * p.R + rid;
   if (tid == 0) s_deg = 0;
-  for (int i = tid; i < nb * BUCKET; i += BLOCK) idx[i] = EMPTY;
+  for (int i = tid; i < nb * MS_BUCKET; i += BLOCK) idx[i] = EMPTY;
   for (int j = tid; j < H; j += BLOCK) ref[j] = 0;
   __syncthreads();
   for (int s = tid; s < H; s += BLOCK) {
@@ -841,11 +730,11 @@ __global__ void __launch_bounds__(BLOCK)
   }
   __syncthreads();
   if (tid == 0) {
-    clock[rid * 2] = 1u;
-    clock[rid * 2 + 1] = 0u;
-    flags[rid] = s_deg ? F_DEGRADED : 0;
+    clock[0] = 1u;
+    clock[1] = 0u;
+    *flags = s_deg ? MS_F_DEGRADED : 0;
   }
 }
 
-}  // namespace spec
+}  // namespace ms
 }  // namespace hs

@@ -2,7 +2,7 @@
 
 With speculative decoding each request needs the top-k of S draft steps at once. Resolving the
 steps one after another repeats lookups and launches, and copies a miss that several steps share
-several times. :func:`spec_swap_in` treats the union of the steps as one working set:
+several times. :func:`multistep_swap_in` treats the union of the steps as one working set:
 
 - ``spec_gather`` (grid ``(ceil(S*K / 128), B)``) resolves every (step, entry) against the extra
   page and the hot cache, and copies each unique miss once into one of the request's scratch rows;
@@ -11,12 +11,13 @@ several times. :func:`spec_swap_in` treats the union of the steps as one working
   victim's row (no second copy) and updates the token -> slot index.
 
 The exact semantics, the state layout and the admission policy are in ``cu/spec.cu``;
-:func:`hisparse_cupy.reference.spec_swap_in` is the same algorithm in NumPy.
+:func:`hisparse_cupy.reference.multistep_swap_in` is the same algorithm in NumPy.
 
-State. :class:`SpecState` is per layer: admission rotates device rows between hot slots and
+State. :class:`MultiStepState` is per layer: admission rotates device rows between hot slots and
 scratch rows, so ``slot_locs`` and ``scratch_locs`` are mutated and must not be shared by layers.
-:class:`SpecWorkspace` (the per-call dedup tables, per batch row) may be shared by layers whose
-calls run one after another on one stream. :class:`SpecConfig` checks the sizes (without a GPU).
+:class:`MultiStepWorkspace` (the per-call dedup tables, per batch row) may be shared by layers
+whose calls run one after another on one stream. :class:`MultiStepConfig` checks the sizes
+(without a GPU).
 
 Outputs index the layer's device rows and stay valid until the next call on the same layer:
 the next call reuses scratch rows.
@@ -29,29 +30,18 @@ import math
 import cupy
 import numpy as np
 
-from . import _build, _checks
-from ._launch import Ptr, launch
+from . import _abi, _build, _checks
+from ._launch import Params, Ptr, as_stream, launch, ptr, resolve_pdl
 from .plan import MissPlan
-from .reference import N_STATUS
-from .swap import MAX_HOT, _precheck, raise_on_status
 
-_FILE = "spec.cu"
-GATHER_BLOCK = 128
-COMMIT_BLOCK = 512
-INIT_BLOCK = 256
-MIN_STEPS, MAX_STEPS = 2, 4
-MAX_TOKENS = 8192  # S * K per row
-BUCKET = 8  # index entries per bucket
-N_COUNTERS = 8
-N_STATS = 4  # per row: unique misses, admitted, evictable slots, partial admission (0/1)
-STATS = ("misses", "admitted", "evictable", "partial")
-F_DEGRADED = 1
-_META_INIT = 0x7FFFFFFF
-
-_GATHER = _build.index_instances(f"hs::spec::spec_gather<{GATHER_BLOCK}, {{req}}, {{len}}>")
-_COMMIT = _build.index_instances(f"hs::spec::spec_commit<{COMMIT_BLOCK}, {{req}}, {{len}}>")
-_INIT = f"hs::spec::spec_init<{INIT_BLOCK}>"
-_build.register(_FILE, *_GATHER.values(), *_COMMIT.values(), _INIT)
+MAX_HOT = _abi.MAX_HOT
+GATHER_BLOCK = _abi.GATHER_BLOCK
+COMMIT_BLOCK = _abi.COMMIT_BLOCK
+INIT_BLOCK = _abi.INIT_BLOCK
+MIN_STEPS, MAX_STEPS = _abi.MS_MIN_STEPS, _abi.MS_MAX_STEPS
+MAX_TOKENS = _abi.MS_MAX_TOKENS  # S * K per row
+BUCKET = _abi.MS_BUCKET
+STATS = _abi.MS_STATS
 
 
 def default_scratch(hot_size: int, top_k: int, max_steps: int) -> int:
@@ -75,13 +65,12 @@ def table_size(max_tokens: int) -> int:
 
 
 def commit_smem_bytes(hot_size: int, tokens: int) -> int:
-    """Dynamic shared memory of ``spec_commit`` for H hot slots and S*K occurrences per row."""
-    nw = -(-tokens // 32)
-    return 4 * hot_size + 4 * (3 * nw + 1) + 4 * 256 + 4 * (COMMIT_BLOCK // 32 + 1) + 32 \
-        + 2 * hot_size
+    """Dynamic shared memory of the commit for H hot slots and S*K occurrences per row."""
+    return _abi.smem_bytes("MULTISTEP_COMMIT", H=hot_size, NW=-(-tokens // 32),
+                           NS=COMMIT_BLOCK // 32 + 1)
 
 
-class SpecConfig:
+class MultiStepConfig:
     """Sizes of the multi-step state, checked without a GPU.
 
     Parameters
@@ -146,7 +135,7 @@ class SpecConfig:
 
     def workspace_bytes(self) -> int:
         return self.max_batch * (12 * self.table_size + 4 * self.max_tokens
-                                 + 4 * (N_COUNTERS + N_STATS))
+                                 + 4 * (_abi.MS_N_COUNTERS + _abi.MS_N_STATS))
 
     def layout(self, base: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
         """A fresh row layout: request r owns device rows ``base + r * (H + P + C) + [0, H+P+C)``.
@@ -192,12 +181,12 @@ class SpecConfig:
             raise ValueError("slot_locs and scratch_locs must not share device rows")
 
     def __repr__(self) -> str:
-        return (f"SpecConfig(R={self.n_requests}, H={self.hot_size}, P={self.extra_page}, "
+        return (f"MultiStepConfig(R={self.n_requests}, H={self.hot_size}, P={self.extra_page}, "
                 f"K={self.top_k}, S<={self.max_steps}, C={self.scratch}, "
                 f"max_batch={self.max_batch})")
 
 
-class SpecWorkspace:
+class MultiStepWorkspace:
     """Per-call scratch metadata for up to ``max_batch`` rows of up to ``max_tokens`` occurrences.
 
     Every commit leaves its rows clean, so layers whose calls run one after another on one
@@ -217,19 +206,19 @@ class SpecWorkspace:
         self.table = cupy.empty((B, TS), cupy.uint64)
         self.meta = cupy.empty((B, TS), cupy.int32)
         self.compact = cupy.zeros((B, self.max_tokens), cupy.int32)
-        self.counters = cupy.empty((B, N_COUNTERS), cupy.int32)
-        self.stats = cupy.zeros((B, N_STATS), cupy.int32)
+        self.counters = cupy.empty((B, _abi.MS_N_COUNTERS), cupy.int32)
+        self.stats = cupy.zeros((B, _abi.MS_N_STATS), cupy.int32)
         self.reset()
 
     def reset(self, stream: cupy.cuda.Stream | None = None) -> None:
         """Clear every row (only needed if a call was abandoned half-way)."""
         with stream or cupy.cuda.get_current_stream():
             self.table.fill(np.uint64(0xFFFFFFFFFFFFFFFF))
-            self.meta.fill(_META_INIT)
+            self.meta.fill(_abi.MS_META_INIT)
             self.counters.fill(0)
 
 
-class SpecState:
+class MultiStepState:
     """One layer's multi-step state over a given slot table.
 
     The slot tables are used in place and mutated by every call: ``slot_tokens`` and
@@ -243,9 +232,10 @@ class SpecState:
     the caller rewrote (admission, release).
     """
 
-    def __init__(self, config: SpecConfig, host_locs, slot_tokens, slot_locs, scratch_locs, *,
-                 n_device_rows: int, workspace: SpecWorkspace | None = None,
-                 validate: bool = True):
+    def __init__(self, config: MultiStepConfig, host_locs, slot_tokens, slot_locs, scratch_locs,
+                 *,
+                 n_device_rows: int, workspace: MultiStepWorkspace | None = None,
+                 validate: bool = True, storage: dict | None = None):
         cfg = self.config = config
         R, H, W, C = cfg.n_requests, cfg.hot_size, cfg.slots, cfg.scratch
         self.host_locs = _checks.array("host_locs", host_locs, np.int64, ndim=2)
@@ -263,9 +253,9 @@ class SpecState:
                                           contiguous=False, inner_contiguous=True)
         self.n_device_rows = _checks.integer("n_device_rows", n_device_rows, 1)
         if workspace is None:
-            workspace = SpecWorkspace(cfg.max_batch, cfg.max_tokens)
-        elif not isinstance(workspace, SpecWorkspace):
-            raise TypeError("workspace must be a SpecWorkspace")
+            workspace = MultiStepWorkspace(cfg.max_batch, cfg.max_tokens)
+        elif not isinstance(workspace, MultiStepWorkspace):
+            raise TypeError("workspace must be a MultiStepWorkspace")
         elif workspace.max_tokens < cfg.max_tokens:
             raise ValueError(f"workspace holds {workspace.max_tokens} occurrences per row, the "
                              f"config needs {cfg.max_tokens}")
@@ -273,6 +263,10 @@ class SpecState:
         if validate:
             cfg.check_tables(cupy.asnumpy(self.slot_tokens), cupy.asnumpy(self.slot_locs),
                              cupy.asnumpy(self.scratch_locs), self.n_device_rows)
+        if storage is not None:  # views of a HotBufferCache's arrays, initialised by it
+            self.index, self.ref = storage["index"], storage["ref"]
+            self.clock, self.flags = storage["clock"], storage["flags"]
+            return
         self.index = cupy.empty((R, cfg.buckets * BUCKET), cupy.uint64)
         self.ref = cupy.zeros((R, H), cupy.uint32)
         self.clock = cupy.zeros((R, 2), cupy.uint32)
@@ -282,8 +276,8 @@ class SpecState:
     @classmethod
     def create(cls, host_locs, slot_tokens, slot_locs, scratch_locs, *, hot_size: int,
                top_k: int, n_device_rows: int, max_steps: int = MAX_STEPS,
-               max_batch: int | None = None, workspace: SpecWorkspace | None = None,
-               validate: bool = True) -> SpecState:
+               max_batch: int | None = None, workspace: MultiStepWorkspace | None = None,
+               validate: bool = True) -> MultiStepState:
         """Build the state of one layer from its slot tables (sizes taken from the arrays).
 
         Parameters
@@ -298,7 +292,7 @@ class SpecState:
         validate : check the slot tables on the host first (one device -> host copy).
         """
         W = slot_tokens.shape[1]
-        cfg = SpecConfig(slot_tokens.shape[0], hot_size, W - hot_size, top_k,
+        cfg = MultiStepConfig(slot_tokens.shape[0], hot_size, W - hot_size, top_k,
                          max_steps=max_steps, scratch=scratch_locs.shape[1],
                          max_batch=workspace.max_batch if workspace is not None else max_batch)
         return cls(cfg, host_locs, slot_tokens, slot_locs, scratch_locs,
@@ -308,7 +302,7 @@ class SpecState:
     def hot_size(self) -> int:
         return self.config.hot_size
 
-    def reset(self, requests=None, *, stream: cupy.cuda.Stream | None = None) -> None:
+    def reset(self, requests=None, *, stream=None) -> None:
         """(Re)initialise the index, epochs and cursor of ``requests`` (default: all) from
         their current slot tables. Queued on ``stream``; no host synchronisation."""
         R = self.config.n_requests
@@ -321,13 +315,33 @@ class SpecState:
             rows = rows.astype(np.int32)
         if rows.size == 0:
             return
-        s = stream or cupy.cuda.get_current_stream()
+        s = as_stream(stream)
         with s:
             d_rows = cupy.asarray(rows)
-        args = (d_rows, self.slot_tokens, _checks.row_stride(self.slot_tokens),
-                np.int32(self.hot_size), self.index, np.int32(self.config.buckets),
-                self.ref, _checks.row_stride(self.ref), self.clock, self.flags)
-        launch(_build.kernel(_FILE, _INIT), int(rows.size), INIT_BLOCK, args, stream=s)
+        init_states(d_rows, None, self.slot_tokens[None], self.index[None], self.ref[None],
+                    self.clock[None], self.flags[None], hot_size=self.hot_size,
+                    n_buckets=self.config.buckets, stream=s)
+
+    def params(self, p: Params | None = None) -> Params:
+        """The layer's fields of the multi-step struct (the call's come later)."""
+        cfg, ws = self.config, self.workspace
+        p = p or Params(_abi.MULTISTEP)
+        return p.set(
+            host_locs=ptr(self.host_locs), host_stride=_checks.row_stride(self.host_locs),
+            slot_tokens=ptr(self.slot_tokens), slot_locs=ptr(self.slot_locs),
+            slot_stride=_checks.row_stride(self.slot_locs), scratch_locs=ptr(self.scratch_locs),
+            scratch_stride=_checks.row_stride(self.scratch_locs), index=ptr(self.index),
+            ref=ptr(self.ref), ref_stride=_checks.row_stride(self.ref), clock=ptr(self.clock),
+            flags=ptr(self.flags), table=ptr(ws.table), meta=ptr(ws.meta),
+            table_size=ws.table_size, compact=ptr(ws.compact),
+            compact_stride=_checks.row_stride(ws.compact), counters=ptr(ws.counters),
+            stats=ptr(ws.stats), R=cfg.n_requests, H=cfg.hot_size, P=cfg.extra_page,
+            C=cfg.scratch, n_buckets=cfg.buckets)
+
+    def swap_state_fields(self) -> dict:
+        """``index`` and ``flags`` for :meth:`hisparse_cupy.SwapState.validated`: single-step
+        calls on the same slot tables then keep this state's index current."""
+        return {"index": self.index, "flags": self.flags}
 
     def to_numpy(self) -> dict[str, np.ndarray]:
         """Host copies of every state array (for tests and debugging; synchronises)."""
@@ -335,11 +349,32 @@ class SpecState:
         return {n: cupy.asnumpy(getattr(self, n)) for n in names}
 
 
-def spec_swap_in(
+def init_states(rows: cupy.ndarray, num_real: cupy.ndarray | None, slot_tokens: cupy.ndarray,
+                index: cupy.ndarray, ref: cupy.ndarray, clock: cupy.ndarray,
+                flags: cupy.ndarray, *, hot_size: int, n_buckets: int, stream) -> None:
+    """(Re)initialise request slots ``rows`` (int32 ``[B]``) of every layer from their slot tables.
+
+    Arrays are per layer: slot_tokens int32 ``[L, R, W]``, index uint64 ``[L, R, NB * 8]``, ref
+    uint32 ``[L, R, H]``, clock uint32 ``[L, R, 2]`` and flags int32 ``[L, R]`` (the last three
+    contiguous). Rows outside ``[0, R)`` or at or beyond ``num_real`` are skipped.
+    """
+    L, R = slot_tokens.shape[:2]
+    B = rows.shape[0]
+    p = Params(_abi.MULTISTEP_INIT).set(
+        rows=ptr(rows), num_real=ptr(num_real), slot_tokens=ptr(slot_tokens),
+        index=ptr(index), ref=ptr(ref), clock=ptr(clock), flags=ptr(flags),
+        slot_layer_stride=slot_tokens.strides[0] // 4, index_layer_stride=index.strides[0] // 8,
+        ref_layer_stride=ref.strides[0] // 4, R=R, B=B,
+        slot_stride=slot_tokens.strides[1] // 4, H=hot_size, n_buckets=n_buckets,
+        ref_stride=ref.strides[1] // 4)
+    launch(_build.kernel(_build.MS_INIT), (B, L), INIT_BLOCK, p, stream=stream)
+
+
+def multistep_swap_in(
     top_k_tokens,
     req_indices,
     seq_lens,
-    state: SpecState,
+    state: MultiStepState,
     *,
     host_rows: Ptr,
     n_host_rows: int,
@@ -349,7 +384,8 @@ def spec_swap_in(
     status=None,
     num_real=None,
     check: bool = False,
-    stream: cupy.cuda.Stream | None = None,
+    stream=None,
+    pdl: bool | None = None,
 ) -> cupy.ndarray:
     """Resolve the top-k of S draft steps for a batch, copying each unique miss once.
 
@@ -359,9 +395,9 @@ def spec_swap_in(
         contiguous), token positions, -1 = unused. ``2 <= S <= state.config.max_steps``,
         ``K <= state.config.top_k``.
     req_indices : int32 or int64 ``[B]``, batch row -> request slot (unique among real rows).
-    seq_lens : int32 or int64 ``[B, S]``, each step's length (the step's tokens lie in
-        ``[0, seq_len)``).
-    state : the layer's :class:`SpecState`.
+    seq_lens : int32 or int64 ``[B, S']`` (``S' >= S``), each step's length (the step's tokens
+        lie in ``[0, seq_len)``), or ``[B]``: one length for every step.
+    state : the layer's :class:`MultiStepState`.
     host_rows : device address of the layer's host rows (``HostKVPool.device_ptr(layer)``).
     n_host_rows : rows in that layer (host rows outside ``[0, n_host_rows)`` count as missing).
     device_rows : uint8 ``[D, row_bytes]`` device array, the layer's rows
@@ -373,8 +409,12 @@ def spec_swap_in(
     status : int32 ``[B, 3]`` (allocated when None): per row, occurrences out of range, miss
         occurrences with no host row, bad request slot / negative length.
     num_real : int32 device scalar; rows ``>= num_real`` are CUDA-graph padding (output -1).
-    check : synchronise and raise ``ValueError`` if any status is set (and reject repeated
-        request slots first).
+    check : reject repeated valid request slots first (synchronizes), then run the call, then
+        synchronize and raise ``ValueError`` if any status is set. When it raises, the call has
+        completed: valid occurrences were resolved, the state updated and their bytes copied.
+    stream : CuPy, PyTorch or ``__cuda_stream__`` stream, or an int handle (default: CuPy's
+        current stream).
+    pdl : launch the commit with Programmatic Dependent Launch (default: where supported).
 
     Returns
     -------
@@ -386,19 +426,19 @@ def spec_swap_in(
     cfg = state.config
     topk = _checks.array("top_k_tokens", top_k_tokens, np.int32, ndim=3, contiguous=False,
                          inner_contiguous=True)
+    _checks.sizes("top_k_tokens", topk, "BSK")
     B, S, K = topk.shape
     if not MIN_STEPS <= S <= cfg.max_steps:
         raise ValueError(f"top_k_tokens must have {MIN_STEPS}-{cfg.max_steps} steps (dim 1), "
                          f"got {S}")
-    if not 1 <= K <= cfg.top_k:
+    if K > cfg.top_k:
         raise ValueError(f"top_k_tokens must have 1..{cfg.top_k} entries per step (dim 2), "
                          f"got {K}")
     ws = state.workspace
-    if not 1 <= B <= ws.max_batch:
+    if B > ws.max_batch:
         raise ValueError(f"batch must be in [1, {ws.max_batch}] (workspace rows), got {B}")
-    T = S * K
-    req = _checks.array("req_indices", req_indices, (np.int32, np.int64), shape=(B,))
-    lens = _checks.array("seq_lens", seq_lens, (np.int32, np.int64), shape=(B, S))
+    req = _checks.index_vector("req_indices", req_indices, B)
+    lens, lens_stride, lens_step = _checks.lengths(seq_lens, B, S)
     dev = _checks.array("device_rows", device_rows, np.uint8, ndim=2)
     row_bytes = _checks.row_bytes("device_rows row size", dev.shape[1])
     if dev.shape[0] < state.n_device_rows:
@@ -414,50 +454,52 @@ def spec_swap_in(
         out = _checks.array("out", out, np.int32, shape=(B, S, K), contiguous=False,
                             inner_contiguous=True)
     if status is None:
-        status = cupy.empty((B, N_STATUS), cupy.int32)
+        status = cupy.empty((B, _abi.N_STATUS), cupy.int32)
     else:
-        status = _checks.array("status", status, np.int32, shape=(B, N_STATUS))
+        status = _checks.array("status", status, np.int32, shape=(B, _abi.N_STATUS))
     if plan is not None:
         if not isinstance(plan, MissPlan):
             raise TypeError("plan must be a MissPlan")
-        plan.check_batch(B, T)
-        p_src, p_dst, p_stride, p_cnt = plan.src, plan.dst, _checks.row_stride(plan.src), \
-            plan.count
-    else:
-        p_src = p_dst = p_cnt = None
-        p_stride = np.int32(0)
+        plan.check_batch(B, S * K)
+    s = as_stream(stream)
     if check:
-        _precheck(req, nr, cfg.n_requests)
-
-    H, R = cfg.hot_size, cfg.n_requests
-    hrows = Ptr(int(host_rows))
-    drows = Ptr(dev.data.ptr)
-    common = (np.int32(B), np.int32(R), state.host_locs, _checks.row_stride(state.host_locs))
-    gather_args = (
-        topk, _checks.row_stride(topk), np.int32(S), np.int32(K), req, lens, nr, *common,
-        np.int64(n_host_rows), state.slot_tokens, state.slot_locs,
-        _checks.row_stride(state.slot_locs), np.int32(H), np.int32(cfg.extra_page),
-        state.scratch_locs, _checks.row_stride(state.scratch_locs), np.int32(cfg.scratch),
-        state.index, np.int32(cfg.buckets), state.ref, _checks.row_stride(state.ref),
-        state.clock, state.flags, ws.table, ws.meta, np.int32(ws.table_size), ws.compact,
-        _checks.row_stride(ws.compact), ws.counters, out, _checks.row_stride(out), hrows, drows,
-        np.int32(row_bytes), p_src, p_dst, p_stride,
-    )
-    commit_args = (
-        np.int32(S), np.int32(K), req, lens, nr, *common, state.slot_tokens, state.slot_locs,
-        _checks.row_stride(state.slot_locs), np.int32(H), state.scratch_locs,
-        _checks.row_stride(state.scratch_locs), np.int32(cfg.scratch), state.index,
-        np.int32(cfg.buckets), state.ref, _checks.row_stride(state.ref), state.clock,
-        state.flags, ws.table, ws.meta, np.int32(ws.table_size), ws.compact,
-        _checks.row_stride(ws.compact), ws.counters, out, _checks.row_stride(out), hrows, drows,
-        np.int32(row_bytes), p_src, p_dst, p_stride, p_cnt, status, ws.stats,
-    )
-    key = (req.dtype, lens.dtype)
-    launch(_build.kernel(_FILE, _GATHER[key]), (math.ceil(T / GATHER_BLOCK), B), GATHER_BLOCK,
-           gather_args, stream=stream)
-    launch(_build.kernel(_FILE, _COMMIT[key]), B, COMMIT_BLOCK, commit_args,
-           shared_mem=commit_smem_bytes(H, T), stream=stream, pdl=True)
+        _checks.unique_requests(req, nr, cfg.n_requests)
+    p = state.params()
+    set_call(p, topk, req, lens, lens_stride, lens_step, nr, out, status, plan,
+             host_rows=int(host_rows), n_host_rows=n_host_rows, device_rows=dev,
+             row_bytes=row_bytes)
+    run(p, (req.dtype, lens.dtype), B=B, T=S * K, H=cfg.hot_size, stream=s,
+        pdl=resolve_pdl(pdl))
     if check:
-        raise_on_status(status, topk, lens, max_len=state.host_locs.shape[1], what="spec swap",
-                        stream=stream)
+        _checks.raise_on_status(status, topk, lens, max_len=state.host_locs.shape[1],
+                                what="multi-step swap", stream=s)
     return out
+
+
+def set_call(p: Params, topk, req, lens, lens_stride: int, lens_step: int, num_real, out, status,
+             plan: MissPlan | None, *, host_rows: int, n_host_rows: int, device_rows,
+             row_bytes: int) -> None:
+    """The batch's and the call's fields of a multi-step struct."""
+    B, S, K = topk.shape
+    p.set(topk=ptr(topk), topk_stride=_checks.row_stride(topk), S=S, K=K, B=B, req=ptr(req),
+          lens=ptr(lens), lens_stride=lens_stride, lens_step=lens_step, num_real=ptr(num_real),
+          out=ptr(out), out_stride=_checks.row_stride(out), status=ptr(status),
+          host_base=host_rows, n_host_rows=n_host_rows, dev_base=device_rows.data.ptr,
+          row_bytes=row_bytes)
+    if plan is None:
+        p.set(plan_src=0, plan_dst=0, plan_count=0, plan_stride=0)
+    else:
+        p.set(plan_src=ptr(plan.src), plan_dst=ptr(plan.dst), plan_count=ptr(plan.count),
+              plan_stride=_checks.row_stride(plan.src))
+
+
+def run(p: Params, key, *, B: int, T: int, H: int, stream, pdl: bool) -> None:
+    """Queue the gather and the commit (PDL) on ``stream``."""
+    launch(_build.kernel(_build.GATHER[key]), (math.ceil(T / GATHER_BLOCK), B), GATHER_BLOCK, p,
+           stream=stream)
+    launch(_build.kernel(_build.COMMIT[key]), B, COMMIT_BLOCK, p,
+           shared_mem=commit_smem_bytes(H, T), stream=stream, pdl=pdl)
+
+
+# The name the first releases used; the peer benchmark and older callers import it.
+spec_swap_in = multistep_swap_in

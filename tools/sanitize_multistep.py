@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hisparse_cupy import (  # noqa: E402
     HostKVPool,
     MissPlan,
-    SpecConfig,
-    SpecState,
+    MultiStepConfig,
+    MultiStepState,
+    multistep_swap_in,
     reference,
     set_pdl,
-    spec_swap_in,
 )
 
 from _util import pattern  # noqa: E402
@@ -34,7 +34,7 @@ LENS = np.array([300, 40, 500])  # request 1 is short (positional layout)
 def main() -> int:
     set_pdl(True)
     rng = np.random.default_rng(11)
-    cfg = SpecConfig(R, H, P, K, max_steps=S_MAX, scratch=S_MAX * K - H, max_batch=R)
+    cfg = MultiStepConfig(R, H, P, K, max_steps=S_MAX, scratch=S_MAX * K - H, max_batch=R)
     slot_locs, scratch_locs, D = cfg.layout()
     L = int(LENS.max()) + 8
     host_locs = (np.arange(R)[:, None] * L + np.arange(L)).astype(np.int64)
@@ -51,8 +51,8 @@ def main() -> int:
         s = np.nonzero(tokens[r] >= 0)[0]
         dev_np[slot_locs[r, s]] = pattern(0, r * L + tokens[r, s], ROW)
     dev = cupy.asarray(dev_np)
-    state = SpecState(cfg, cupy.asarray(host_locs), cupy.asarray(tokens), cupy.asarray(slot_locs),
-                      cupy.asarray(scratch_locs), n_device_rows=D)
+    state = MultiStepState(cfg, cupy.asarray(host_locs), cupy.asarray(tokens),
+                           cupy.asarray(slot_locs), cupy.asarray(scratch_locs), n_device_rows=D)
     np_state = dict(slot_tokens=tokens.copy(), slot_locs=slot_locs.copy(),
                     scratch_locs=scratch_locs.copy(), ref=np.zeros((R, H), np.uint32),
                     clock=np.tile(np.uint32([1, 0]), (R, 1)))
@@ -75,14 +75,14 @@ def main() -> int:
                 topk[b, s] = rng.permutation(row)
         num_real = R if call % 2 == 0 else R - 1
         d_nr = cupy.asarray([num_real], cupy.int32)
-        out = spec_swap_in(cupy.asarray(topk), cupy.asarray(req.astype(np.int32)),
+        out = multistep_swap_in(cupy.asarray(topk), cupy.asarray(req.astype(np.int32)),
                            cupy.asarray(seqs.astype(np.int32)), state,
                            host_rows=pool.device_ptr(0), n_host_rows=pool.n_rows,
                            device_rows=dev, plan=plan, num_real=d_nr)
         got = cupy.asnumpy(out)
         cnt, src = cupy.asnumpy(plan.count[:R]), cupy.asnumpy(plan.src[:R])
         order = [src[b, : cnt[b]] - req[b] * L for b in range(R)]
-        res = reference.spec_swap_in(topk, req, seqs, host_locs=host_locs, hot_size=H,
+        res = reference.multistep_swap_in(topk, req, seqs, host_locs=host_locs, hot_size=H,
                                      n_host_rows=pool.n_rows, num_real=num_real,
                                      miss_order=order, **np_state)
         errors += int((got != res.device_locs).sum())
@@ -90,7 +90,7 @@ def main() -> int:
         for k in ("slot_tokens", "slot_locs", "scratch_locs", "ref", "clock"):
             errors += int((gs[k] != np_state[k]).sum())
         try:
-            reference.check_spec_invariants(gs["slot_tokens"], gs["slot_locs"],
+            reference.check_multistep_invariants(gs["slot_tokens"], gs["slot_locs"],
                                             gs["scratch_locs"], gs["index"], gs["ref"],
                                             gs["clock"], gs["flags"], H, n_device_rows=D)
         except reference.InvariantError as e:

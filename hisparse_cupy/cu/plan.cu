@@ -1,6 +1,6 @@
 // hisparse_cupy: planned copy (miss-plan replay).
 //
-// planned_copy<WARPS, SrcT, DstT>
+// planned_copy<SrcT, DstT>(PlannedCopyParams)
 //   For every layer l < n_layers, real request b < min(num_real, B) and plan entry
 //   m < clamp(count[b], 0, plan_stride): copy row src_idx[b, m] of layer l of the source pool to
 //   row dst_idx[b, m] of layer l of the destination pool. The swap kernels write such plans; the
@@ -15,37 +15,36 @@
 //        many misses in one request both spread over the whole grid, whose size the caller picks
 //        (a small grid leaves SMs to the compute a replay overlaps).
 //   Rows whose source or destination index is outside its pool are skipped and counted in
-//   *bad (when given). flags & 1: dry run, all the work but no bytes moved (for measuring).
+//   *bad (when given). flags & COPY_DRY_RUN: all the work but no bytes moved (for measuring).
 //   spin_cycles > 0 delays each row by that many clock cycles (tests' slowed replay).
 //
-//   Shared memory (dynamic): int prefix[B + 1], int scan[WARPS + 1].
-#include "common.cuh"
+//   Shared memory: _abi.SMEM["PLANNED_COPY"].
+#include "abi.cuh"
 
 namespace hs {
 
-template <int WARPS, typename SrcT, typename DstT>
-__global__ void __launch_bounds__(WARPS * 32)
-    planned_copy(const SrcT* __restrict__ src_idx, const DstT* __restrict__ dst_idx,
-                 int plan_stride, const i32* __restrict__ count, int B,
-                 const i32* __restrict__ num_real, const u8* src_base, i64 src_layer_bytes,
-                 i64 n_src_rows, u8* dst_base, i64 dst_layer_bytes, i64 n_dst_rows,
-                 int row_bytes, int n_layers, int flags, i64 spin_cycles, i32* __restrict__ bad) {
+template <typename SrcT, typename DstT>
+__global__ void __launch_bounds__(COPY_WARPS * 32) planned_copy(const PlannedCopyParams p) {
+  constexpr int WARPS = COPY_WARPS;
   constexpr int BLOCK = WARPS * 32;
-  extern __shared__ int smem[];
-  int* s_prefix = smem;           // [B + 1]
-  int* s_scan = smem + B + 1;     // [WARPS + 1]
+  const int B = p.B, plan_stride = p.plan_stride, row_bytes = p.row_bytes;
+  const SrcT* __restrict__ src_idx = static_cast<const SrcT*>(p.src_idx);
+  const DstT* __restrict__ dst_idx = static_cast<const DstT*>(p.dst_idx);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  HS_SMEM_CARVE(PLANNED_COPY, sm, smem_raw);
+  int* s_prefix = sm.prefix;
+  int* s_scan = sm.scan;
 
   pdl_wait();
 
-  int nr = num_real ? *num_real : B;
-  nr = nr < 0 ? 0 : (nr > B ? B : nr);
+  const int nr = clamp_real(p.num_real, B);
 
   int carry = 0;
   for (int base = 0; base < nr; base += BLOCK) {
     const int b = base + threadIdx.x;
     int c = 0;
     if (b < nr) {
-      c = count[b];
+      c = p.count[b];
       c = c < 0 ? 0 : (c > plan_stride ? plan_stride : c);
     }
     int chunk_total;
@@ -57,11 +56,11 @@ __global__ void __launch_bounds__(WARPS * 32)
   __syncthreads();
 
   const i64 pairs = carry;
-  const i64 total = pairs * n_layers;
+  const i64 total = pairs * p.n_layers;
   const int lane = threadIdx.x & 31;
   const i64 gw = static_cast<i64>(blockIdx.x) * WARPS + (threadIdx.x >> 5);
   const i64 nwarps = static_cast<i64>(gridDim.x) * WARPS;
-  const bool dry = flags & 1;
+  const bool dry = p.flags & COPY_DRY_RUN;
 
   for (i64 g = gw; g < total; g += nwarps) {
     const int layer = static_cast<int>(g / pairs);
@@ -75,18 +74,18 @@ __global__ void __launch_bounds__(WARPS * 32)
     const i64 e = static_cast<i64>(b) * plan_stride + (r - s_prefix[b]);
     const i64 s = static_cast<i64>(src_idx[e]);
     const i64 d = static_cast<i64>(dst_idx[e]);
-    if (s < 0 || s >= n_src_rows || d < 0 || d >= n_dst_rows) {
-      if (lane == 0 && bad) atomicAdd(bad, 1);
+    if (s < 0 || s >= p.n_src_rows || d < 0 || d >= p.n_dst_rows) {
+      if (lane == 0 && p.bad) atomicAdd(p.bad, 1);
       continue;
     }
-    if (spin_cycles > 0) {
+    if (p.spin_cycles > 0) {
       const long long t0 = clock64();
-      while (clock64() - t0 < spin_cycles) {
+      while (clock64() - t0 < p.spin_cycles) {
       }
     }
     if (!dry) {
-      copy_row_warp(dst_base + layer * dst_layer_bytes + d * row_bytes,
-                    src_base + layer * src_layer_bytes + s * row_bytes, row_bytes, lane);
+      copy_row_warp(p.dst_base + layer * p.dst_layer_bytes + d * row_bytes,
+                    p.src_base + layer * p.src_layer_bytes + s * row_bytes, row_bytes, lane);
     }
   }
 }

@@ -1,8 +1,9 @@
 """Multi-step (MTP) swap: sizing and validation, the NumPy oracle, and the GPU kernels against it.
 
-GPU calls are compared with :func:`hisparse_cupy.reference.spec_swap_in` given the kernel's miss
-order (read back from the recorded miss plan): outputs, status, plan, statistics and every state
-array must match exactly; the index is checked with ``check_spec_invariants``; and the bytes of
+GPU calls are compared with :func:`hisparse_cupy.reference.multistep_swap_in` given the
+kernel's miss order (read back from the recorded miss plan): outputs, status, plan, statistics
+and every state array must match exactly; the index is checked with
+``check_multistep_invariants``; and the bytes of
 every output row and of every resident hot slot are checked against the host pattern.
 """
 
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 
 from hisparse_cupy import reference as ref
-from hisparse_cupy.spec import (
-    SpecConfig,
+from hisparse_cupy.multistep import (
+    MultiStepConfig,
     commit_smem_bytes,
     default_scratch,
     index_buckets,
@@ -26,7 +27,7 @@ from _util import pattern
 
 
 def test_config_defaults_and_sizes():
-    cfg = SpecConfig(64, 4096, 64, 2048)
+    cfg = MultiStepConfig(64, 4096, 64, 2048)
     assert cfg.max_steps == 4 and cfg.max_tokens == 8192
     assert cfg.scratch == 4096 == default_scratch(4096, 2048, 4)
     assert cfg.max_batch == 64
@@ -34,8 +35,8 @@ def test_config_defaults_and_sizes():
     assert cfg.buckets == index_buckets(4096) == 2048
     assert cfg.table_size == table_size(8192) == 16384
     assert cfg.commit_smem == commit_smem_bytes(4096, 8192) < 48 * 1024
-    assert SpecConfig(8, 4096, 64, 2048, max_steps=2).scratch == 1024
-    assert SpecConfig(8, 100, 8, 30, max_steps=4).scratch == 120  # min(T, 1024) > T - H
+    assert MultiStepConfig(8, 4096, 64, 2048, max_steps=2).scratch == 1024
+    assert MultiStepConfig(8, 100, 8, 30, max_steps=4).scratch == 120  # min(T, 1024) > T - H
     assert cfg.state_bytes() > 0 and cfg.workspace_bytes() > 0
 
 
@@ -60,16 +61,16 @@ def test_config_rejects(kw, msg):
     args.update(kw)
     n, h, p, k = (args.pop(x) for x in ("n_requests", "hot_size", "extra_page", "top_k"))
     with pytest.raises(ValueError, match=msg):
-        SpecConfig(n, h, p, k, **args)
+        MultiStepConfig(n, h, p, k, **args)
 
 
 def test_config_rejects_types():
     with pytest.raises(TypeError, match="top_k must be an int"):
-        SpecConfig(4, 64, 8, 16.0)
+        MultiStepConfig(4, 64, 8, 16.0)
 
 
 def test_layout_and_table_checks():
-    cfg = SpecConfig(3, 16, 4, 8, max_steps=2)
+    cfg = MultiStepConfig(3, 16, 4, 8, max_steps=2)
     slot_locs, scratch_locs, D = cfg.layout(base=5)
     assert D == 5 + 3 * cfg.rows_per_request
     rows = np.concatenate([slot_locs.ravel(), scratch_locs.ravel()])
@@ -99,15 +100,15 @@ def test_layout_and_table_checks():
         cfg.check_tables(tokens, slot_locs, scratch_locs[:, :-1], D)
 
 
-def test_compile_check_covers_spec():
+def test_compile_check_covers_multistep():
     import hisparse_cupy as hc
     from hisparse_cupy import _build
 
-    names = _build.instances()["spec.cu"]
-    assert any("spec_gather" in n for n in names) and any("spec_commit" in n for n in names)
-    assert any("spec_init" in n for n in names) and len(names) == 9
+    names = _build.INSTANCES["multistep.cu"]
+    assert any("gather" in n for n in names) and any("commit" in n for n in names)
+    assert any("init" in n for n in names) and len(names) == 9
     sizes = hc.compile_check()
-    assert sizes[("spec.cu", "sm_80")] > 0 and sizes[("spec.cu", "sm_90")] > 0
+    assert sizes[("multistep.cu", "sm_80")] > 0 and sizes[("multistep.cu", "sm_90")] > 0
 
 
 # ============================================================================ CPU: oracle
@@ -115,7 +116,7 @@ def test_compile_check_covers_spec():
 
 def _np_state(R, H, P, C, tokens_by_req, *, extra=None):
     """Slot tables with the given hot tokens in slots 0.., layout rows, zero refs, clock (1, 0)."""
-    cfg = SpecConfig(R, H, P, 1, max_steps=2, scratch=C)
+    cfg = MultiStepConfig(R, H, P, 1, max_steps=2, scratch=C)
     slot_locs, scratch_locs, D = cfg.layout()
     st = np.full((R, H + P), -1, np.int32)
     for r, toks in enumerate(tokens_by_req):
@@ -131,7 +132,7 @@ def _run(topk, req, seqs, state, *, H, max_len=1000, n_host_rows=None, host_locs
     R = state["slot_tokens"].shape[0]
     if host_locs is None:
         host_locs = (np.arange(R).reshape(-1, 1) * max_len + np.arange(max_len)).astype(np.int64)
-    return ref.spec_swap_in(np.asarray(topk, np.int32), np.asarray(req), np.asarray(seqs),
+    return ref.multistep_swap_in(np.asarray(topk, np.int32), np.asarray(req), np.asarray(seqs),
                             host_locs=host_locs, hot_size=H,
                             n_host_rows=n_host_rows or host_locs.size, **state, **kw)
 
@@ -165,7 +166,7 @@ def test_oracle_invalid_entries_and_extra_page():
     host[0, 7] = -1  # token 7 has no host row
     topk = [[[-1, -5, 101, 99, 7, 7, 1, 100], [100, 99, 1, 2, 200, 7, 300, -1]]]
     res = _run(topk, [0], [[100, 101]], st, H=H, host_locs=host)
-    k = [ref.SPEC_KINDS[i] for i in res.kind[0].ravel()]
+    k = [ref.MULTISTEP_KINDS[i] for i in res.kind[0].ravel()]
     assert k[:8] == ["unused", "range", "range", "extra", "nohost", "nohost", "hit", "range"]
     assert k[8:] == ["extra", "extra", "hit", "hit", "range", "nohost", "range", "unused"]
     assert res.status[0].tolist() == [5, 3, 0]
@@ -246,35 +247,35 @@ def test_invariants_detect_damage():
     H, P, C = 8, 2, 8
     st, D = _np_state(2, H, P, C, [[5, 6, 7], [1]])
     nb = index_buckets(H)
-    index = np.full((2, nb * 8), ref.SPEC_EMPTY, np.uint64)
+    index = np.full((2, nb * 8), ref.MS_EMPTY, np.uint64)
     for r in range(2):
         for s in range(H):
             t = int(st["slot_tokens"][r, s])
             if t >= 0:
-                a, _ = ref.spec_hash_buckets([t], nb)
+                a, _ = ref.multistep_hash_buckets([t], nb)
                 row = index[r].reshape(nb, 8)
-                j = int(np.nonzero(row[a[0]] == ref.SPEC_EMPTY)[0][0])
+                j = int(np.nonzero(row[a[0]] == ref.MS_EMPTY)[0][0])
                 row[a[0], j] = (np.uint64(s) << np.uint64(32)) | np.uint64(t)
     flags = np.zeros(2, np.int32)
     args = (st["slot_tokens"], st["slot_locs"], st["scratch_locs"], index, st["ref"],
             st["clock"], flags, H)
-    ref.check_spec_invariants(*args, n_device_rows=D)
+    ref.check_multistep_invariants(*args, n_device_rows=D)
     st["slot_tokens"][0, 0] = 9  # index now stale for token 5
     with pytest.raises(ref.InvariantError, match="stale"):
-        ref.check_spec_invariants(*args)
-    flags[0] = ref.SPEC_F_DEGRADED  # degraded requests skip the index checks
-    ref.check_spec_invariants(*args)
+        ref.check_multistep_invariants(*args)
+    flags[0] = ref.MS_F_DEGRADED  # degraded requests skip the index checks
+    ref.check_multistep_invariants(*args)
     st["slot_tokens"][1, 3] = 1
     with pytest.raises(ref.InvariantError, match="twice"):
-        ref.check_spec_invariants(*args)
+        ref.check_multistep_invariants(*args)
     st["slot_tokens"][1, 3] = -1
     st["scratch_locs"][1, 0] = st["slot_locs"][0, 2]
     with pytest.raises(ref.InvariantError, match="owned twice"):
-        ref.check_spec_invariants(*args)
+        ref.check_multistep_invariants(*args)
     st["scratch_locs"][1, 0] = D + 100
     st["clock"][1] = [0, 0]
     with pytest.raises(ref.InvariantError, match="clock"):
-        ref.check_spec_invariants(*args)
+        ref.check_multistep_invariants(*args)
 
 
 # ============================================================================ GPU helpers
@@ -288,11 +289,12 @@ class Env:
                  max_batch=None, fill=0.7, nohost=0, workspace=None, positional=()):
         import cupy
 
-        from hisparse_cupy import HostKVPool, MissPlan, SpecState
+        from hisparse_cupy import HostKVPool, MissPlan, MultiStepState
 
         self.rng = rng
         self.positional = tuple(positional)
-        self.cfg = cfg = SpecConfig(R, H, P, K, max_steps=S_max, scratch=C, max_batch=max_batch)
+        self.cfg = cfg = MultiStepConfig(R, H, P, K, max_steps=S_max, scratch=C,
+                                         max_batch=max_batch)
         if lens is None:
             lens = rng.integers(H + 20, 6 * H, size=R)
         self.lens = np.asarray(lens, dtype=np.int64)
@@ -322,7 +324,7 @@ class Env:
             s = np.nonzero(st[r] >= 0)[0]
             poison[slot_locs[r, s]] = self.expect(r, st[r, s])
         self.dev = cupy.asarray(poison)
-        self.state = SpecState.create(
+        self.state = MultiStepState.create(
             cupy.asarray(self.host_locs), cupy.asarray(st), cupy.asarray(slot_locs),
             cupy.asarray(scratch_locs), hot_size=H, top_k=K, n_device_rows=D, max_steps=S_max,
             max_batch=max_batch, workspace=workspace)
@@ -366,7 +368,7 @@ class Env:
     def call(self, topk, req, seqs, *, num_real=None, out=None, check=False, verify=True):
         import cupy
 
-        from hisparse_cupy import spec_swap_in
+        from hisparse_cupy import multistep_swap_in
 
         if isinstance(topk, cupy.ndarray):  # a device array as given (may be strided)
             d_topk, topk = topk, topk.get()
@@ -381,9 +383,11 @@ class Env:
         if out is None:
             out = cupy.full(topk.shape, 12345, cupy.int32)
         self.plan.count[:] = 123
-        got = spec_swap_in(d_topk, d_req, d_lens, self.state, host_rows=self.pool.device_ptr(0),
-                           n_host_rows=self.pool.n_rows, device_rows=self.dev, plan=self.plan,
-                           out=out, status=status, num_real=nr, check=check)
+        got = multistep_swap_in(d_topk, d_req, d_lens, self.state,
+                                host_rows=self.pool.device_ptr(0),
+                                n_host_rows=self.pool.n_rows, device_rows=self.dev,
+                                plan=self.plan, out=out, status=status, num_real=nr,
+                                check=check)
         self.calls += 1
         if verify:
             return self.verify(topk, req, seqs, num_real, got, status)
@@ -401,9 +405,10 @@ class Env:
     def verify(self, topk, req, seqs, num_real, out, status):
         B = topk.shape[0]
         order = self.miss_order(req, B, num_real)
-        res = ref.spec_swap_in(topk, np.asarray(req), np.asarray(seqs), host_locs=self.host_locs,
-                               hot_size=self.cfg.hot_size, n_host_rows=self.pool.n_rows,
-                               num_real=num_real, miss_order=order, **self.np)
+        res = ref.multistep_swap_in(topk, np.asarray(req), np.asarray(seqs),
+                                    host_locs=self.host_locs, hot_size=self.cfg.hot_size,
+                                    n_host_rows=self.pool.n_rows, num_real=num_real,
+                                    miss_order=order, **self.np)
         got = out.get()
         np.testing.assert_array_equal(got, res.device_locs, err_msg="outputs")
         np.testing.assert_array_equal(status.get(), res.status, err_msg="status")
@@ -419,7 +424,7 @@ class Env:
         for k in ("slot_tokens", "slot_locs", "scratch_locs", "ref", "clock"):
             np.testing.assert_array_equal(gs[k], self.np[k], err_msg=f"state {k}")
         assert (gs["flags"] == 0).all()
-        ref.check_spec_invariants(gs["slot_tokens"], gs["slot_locs"], gs["scratch_locs"],
+        ref.check_multistep_invariants(gs["slot_tokens"], gs["slot_locs"], gs["scratch_locs"],
                                   gs["index"], gs["ref"], gs["clock"], gs["flags"],
                                   self.cfg.hot_size, n_device_rows=self.D)
         self.check_bytes(res, req)
@@ -586,7 +591,7 @@ def test_cross_step_duplicate_misses_copied_once(rng):
     for b in range(2):
         src = env.plan.src[b, :196].get()
         assert np.unique(src).size == 196  # each unique miss copied once
-        miss = res.kind[b] == ref.SPEC_KINDS.index("miss")
+        miss = res.kind[b] == ref.MULTISTEP_KINDS.index("miss")
         by_tok = {}
         for s, i in zip(*np.nonzero(miss), strict=True):
             by_tok.setdefault(int(topk[b, s, i]), set()).add(int(got[b, s, i]))
@@ -659,7 +664,7 @@ def test_tokens_beyond_one_million(rng):
     assert res.plan_count[0] == 4
     _, res = env.call(topk, [0], seqs)  # resident now: hits, no misses
     assert res.plan_count[0] == 0 and res.status.sum() == 0
-    assert (res.kind[0, :, -4:] == ref.SPEC_KINDS.index("hit")).all()
+    assert (res.kind[0, :, -4:] == ref.MULTISTEP_KINDS.index("hit")).all()
 
 
 @pytest.mark.gpu
@@ -716,7 +721,7 @@ def test_padding_rows(rng):
 def test_adversarial_rows_and_strided_arrays(rng):
     import cupy
 
-    from hisparse_cupy import spec_swap_in
+    from hisparse_cupy import multistep_swap_in
 
     env = Env(rng, R=4, H=64, P=8, K=16, S_max=4, nohost=5)
     S, K = 4, 16
@@ -743,11 +748,11 @@ def test_adversarial_rows_and_strided_arrays(rng):
     for k in ("slot_tokens", "slot_locs", "scratch_locs", "index", "ref", "clock"):
         np.testing.assert_array_equal(after[k][[1, 2, 3]], before[k][[1, 2, 3]])
     with pytest.raises(ValueError, match="spec swap found invalid input: row 0"):
-        spec_swap_in(big[:, :S], cupy.asarray([0, 1, 2]), cupy.asarray(seqs[[0, 0, 0]]),
+        multistep_swap_in(big[:, :S], cupy.asarray([0, 1, 2]), cupy.asarray(seqs[[0, 0, 0]]),
                      env.state, host_rows=env.pool.device_ptr(0), n_host_rows=env.pool.n_rows,
                      device_rows=env.dev, check=True)
     with pytest.raises(ValueError, match="repeats request slot"):
-        spec_swap_in(big[:, :S], cupy.asarray([0, 0, 2]), cupy.asarray(seqs[[0, 0, 0]]),
+        multistep_swap_in(big[:, :S], cupy.asarray([0, 0, 2]), cupy.asarray(seqs[[0, 0, 0]]),
                      env.state, host_rows=env.pool.device_ptr(0), n_host_rows=env.pool.n_rows,
                      device_rows=env.dev, check=True)
 
@@ -756,7 +761,7 @@ def test_adversarial_rows_and_strided_arrays(rng):
 def test_call_validation(rng):
     import cupy
 
-    from hisparse_cupy import MissPlan, Ptr, spec_swap_in
+    from hisparse_cupy import MissPlan, Ptr, multistep_swap_in
 
     env = Env(rng, R=2, H=64, P=8, K=16, S_max=3, max_batch=2)
     kw = dict(host_rows=env.pool.device_ptr(0), n_host_rows=env.pool.n_rows,
@@ -781,7 +786,7 @@ def test_call_validation(rng):
     ]
     for args, extra, exc, msg in cases:
         with pytest.raises(exc, match=msg):
-            spec_swap_in(*args, env.state, **{**kw, **extra})
+            multistep_swap_in(*args, env.state, **{**kw, **extra})
     assert isinstance(kw["host_rows"], Ptr)
 
 
@@ -799,7 +804,7 @@ def test_degraded_index_falls_back_to_slot_scan(rng):
         gs = env.state.to_numpy()
         assert gs["flags"][0] == 1
         gs["flags"][0] = 0  # compare the rest as usual
-        res = ref.spec_swap_in(topk, np.array([0, 1]), seqs, host_locs=env.host_locs,
+        res = ref.multistep_swap_in(topk, np.array([0, 1]), seqs, host_locs=env.host_locs,
                                hot_size=64, n_host_rows=env.pool.n_rows,
                                miss_order=env.miss_order([0, 1], 2, None), **env.np)
         np.testing.assert_array_equal(got.get(), res.device_locs)
@@ -813,11 +818,10 @@ def test_shared_workspace_and_plan_replay(rng):
     """Two layers share one workspace; a recorded plan replays through planned_copy."""
     import cupy
 
-    from hisparse_cupy import Ptr
-    from hisparse_cupy.plan import copy_rows
-    from hisparse_cupy.spec import SpecWorkspace
+    from hisparse_cupy import replay_plan
+    from hisparse_cupy.multistep import MultiStepWorkspace
 
-    ws = SpecWorkspace(3, 4 * 32)
+    ws = MultiStepWorkspace(3, 4 * 32)
     envs = [Env(rng, R=3, H=64, P=8, K=32, S_max=4, workspace=ws) for _ in range(2)]
     for e in envs:
         e.pools = [np.arange(int(e.lens[r]) - 1) for r in range(3)]
@@ -831,9 +835,8 @@ def test_shared_workspace_and_plan_replay(rng):
     # replay the last plan into a poisoned copy of the device rows
     replay = cupy.zeros_like(e.dev)
     B = 3
-    copy_rows(e.plan.src, e.plan.dst, e.plan.count, B, None, src_base=e.pool.device_ptr(0),
-              src_layer_bytes=0, n_src_rows=e.pool.n_rows, dst_base=Ptr(replay.data.ptr),
-              dst_layer_bytes=0, n_dst_rows=replay.shape[0], row_bytes=e.row_bytes)
+    replay_plan(e.plan, B, device_rows=replay, host_rows=e.pool.device_ptr(0),
+                n_host_rows=e.pool.n_rows)
     cnt = e.plan.count[:B].get()
     dst = e.plan.dst[:B].get()
     rows = np.concatenate([dst[b, : cnt[b]] for b in range(B)])
@@ -846,7 +849,7 @@ def test_shared_workspace_and_plan_replay(rng):
 def test_graph_capture_and_replay(rng, pdl_mode):
     import cupy
 
-    from hisparse_cupy import spec_swap_in
+    from hisparse_cupy import multistep_swap_in
 
     B, S, K = 3, 4, 32
     env = Env(rng, R=4, H=64, P=8, K=K, S_max=S, max_batch=B, nohost=3)
@@ -873,7 +876,7 @@ def test_graph_capture_and_replay(rng, pdl_mode):
         return topk, req, seqs, nr
 
     def op():
-        spec_swap_in(d_topk, d_req, d_lens, env.state, host_rows=env.pool.device_ptr(0),
+        multistep_swap_in(d_topk, d_req, d_lens, env.state, host_rows=env.pool.device_ptr(0),
                      n_host_rows=env.pool.n_rows, device_rows=env.dev, plan=env.plan, out=out,
                      status=status, num_real=d_nr, stream=stream)
 

@@ -1,0 +1,238 @@
+"""The kernel ABI: parameter structs, shared-memory layouts and constants, defined once.
+
+Every kernel takes one parameter struct by value (``cu/abi.cuh`` declares them). This module
+mirrors each struct as a NumPy structured dtype (``align=True``: C layout), and is the single
+definition of the constants kernels, ops and the oracle share (status columns, sentinels,
+limits, block sizes) and of every kernel's dynamic shared-memory layout. It imports NumPy only,
+so the oracle (:mod:`hisparse_cupy.reference`) can use it without CuPy.
+
+How the two sides are kept equal: :func:`defines` turns everything here into ``-D`` macros
+that every compile passes (the runtime's and :func:`hisparse_cupy.compile_check`'s):
+
+- ``HS_ABI_<STRUCT>_SIZE`` and ``HS_ABI_<STRUCT>_FIELDS(X)`` (every field's name and size, in
+  order): ``cu/abi.cuh`` ``static_assert``s the struct's size and each field's, and checks the
+  order with a C++20 designated initializer, so a field added, dropped, reordered or retyped
+  on one side fails the CPU compile check (NVRTC has no ``offsetof``; with the sizes and the
+  order fixed, and no tail padding, the offsets are fixed too);
+- ``HS_<CONSTANT>``: the constants, which the header turns into ``constexpr`` values (a
+  missing one is an ``#error``);
+- ``HS_SMEM_<KERNEL>(X)``: an X-macro listing the kernel's shared-memory regions (element
+  type, name, element count as an expression of the kernel's sizes). The device carve
+  (``HS_SMEM_CARVE`` in ``cu/abi.cuh``) lays them out with the same 16-byte alignment rule
+  that :func:`smem_bytes` uses to size the launch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# ------------------------------------------------------------------------------- constants
+# status columns (per batch row, int32 [B, N_STATUS]), shared by both swaps
+ST_RANGE = 0  # entries outside [0, seq_len) (or beyond the host_locs width)
+ST_NOHOST = 1  # misses whose token has no valid host row
+ST_BADROW = 2  # request slot outside [0, R), a negative seq_len, or no room (multi-step)
+N_STATUS = 3
+STATUS_NAMES = ("range", "nohost", "badrow")
+
+MAX_HOT = 32767  # single-step LRU entries are int16
+RESOLVE_BLOCK = 1024  # threads of the single-step resolve (one block per batch row)
+COPY_WARPS = 8  # warps per block of the planned copy
+NEWEST_BLOCK = 128
+
+# multi-step (MTP) swap
+MS_MIN_STEPS, MS_MAX_STEPS = 2, 4
+MS_MAX_TOKENS = 8192  # S * K per row
+MS_BUCKET = 8  # index entries per bucket (64 bytes)
+MS_F_DEGRADED = 1  # flags bit: an index insert failed; lookups also scan slot_tokens
+MS_META_INIT = 0x7FFFFFFF
+MS_EMPTY = 0xFFFFFFFFFFFFFFFF  # empty index / dedup-table entry
+MS_N_COUNTERS = 8  # per batch row: misses, out of range, no host row, placeholders
+MS_N_STATS = 4  # per batch row: unique misses, admitted, evictable slots, partial (0/1)
+MS_STATS = ("misses", "admitted", "evictable", "partial")
+GATHER_BLOCK = 128
+COMMIT_BLOCK = 512
+INIT_BLOCK = 256
+
+# planned-copy flags
+COPY_DRY_RUN = 1  # do all the work, move no bytes (measuring knob)
+
+CONSTANTS = {
+    "ST_RANGE": ST_RANGE, "ST_NOHOST": ST_NOHOST, "ST_BADROW": ST_BADROW, "N_STATUS": N_STATUS,
+    "MAX_HOT": MAX_HOT, "RESOLVE_BLOCK": RESOLVE_BLOCK, "COPY_WARPS": COPY_WARPS,
+    "NEWEST_BLOCK": NEWEST_BLOCK, "MS_MAX_TOKENS": MS_MAX_TOKENS, "MS_BUCKET": MS_BUCKET,
+    "MS_F_DEGRADED": MS_F_DEGRADED, "MS_META_INIT": MS_META_INIT,
+    "MS_N_COUNTERS": MS_N_COUNTERS, "MS_N_STATS": MS_N_STATS, "GATHER_BLOCK": GATHER_BLOCK,
+    "COMMIT_BLOCK": COMMIT_BLOCK, "INIT_BLOCK": INIT_BLOCK, "COPY_DRY_RUN": COPY_DRY_RUN,
+}
+
+# ------------------------------------------------------------------------------- structs
+_P = "u8"  # a device pointer (or a device-mapped host address) as a 64-bit word
+
+
+def _struct(fields: list[tuple[str, str]]) -> np.dtype:
+    dt = np.dtype(fields, align=True)
+    last = dt.names[-1]
+    if dt.fields[last][1] + dt[last].itemsize != dt.itemsize:  # see the C++ checks
+        raise AssertionError(f"struct {fields[:2]}... has tail padding: add an explicit field")
+    return dt
+
+
+# One entry per kernel parameter struct: C++ name -> dtype. Field order and types must equal the
+# C++ declaration in cu/abi.cuh (the static_asserts check it). Pointers first, then 64-bit
+# scalars, then 32-bit ones.
+SWAP_RESOLVE = _struct([
+    ("topk", _P), ("req", _P), ("lens", _P), ("num_real", _P), ("host_locs", _P),
+    ("slot_tokens", _P), ("slot_locs", _P), ("lru", _P), ("out", _P), ("plan_src", _P),
+    ("plan_dst", _P), ("plan_count", _P), ("status", _P), ("index", _P), ("flags", _P),
+    ("n_host_rows", "i8"),
+    ("topk_stride", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"), ("host_stride", "i4"),
+    ("slot_stride", "i4"), ("lru_stride", "i4"), ("H", "i4"), ("hash_size", "i4"),
+    ("out_stride", "i4"), ("plan_stride", "i4"), ("lens_stride", "i4"), ("n_buckets", "i4"),
+    ("pad", "i4"),
+])
+
+PLANNED_COPY = _struct([
+    ("src_idx", _P), ("dst_idx", _P), ("count", _P), ("num_real", _P), ("src_base", _P),
+    ("dst_base", _P), ("bad", _P),
+    ("src_layer_bytes", "i8"), ("n_src_rows", "i8"), ("dst_layer_bytes", "i8"),
+    ("n_dst_rows", "i8"), ("spin_cycles", "i8"),
+    ("plan_stride", "i4"), ("B", "i4"), ("row_bytes", "i4"), ("n_layers", "i4"),
+    ("flags", "i4"), ("pad", "i4"),
+])
+
+NEWEST_ROWS = _struct([
+    ("req", _P), ("lens", _P), ("num_real", _P), ("slot_locs", _P), ("slot_tokens", _P),
+    ("host_locs", _P), ("rows_out", _P), ("plan_src", _P), ("plan_dst", _P),
+    ("plan_count", _P),
+    ("slot_layer_stride", "i8"),
+    ("B", "i4"), ("R", "i4"), ("max_len", "i4"), ("slot_stride", "i4"), ("H", "i4"),
+    ("host_stride", "i4"), ("lens_stride", "i4"), ("n_layers", "i4"), ("record", "i4"),
+    ("pad", "i4"),
+])
+
+MULTISTEP = _struct([  # gather and commit take the same struct
+    ("topk", _P), ("req", _P), ("lens", _P), ("num_real", _P), ("host_locs", _P),
+    ("slot_tokens", _P), ("slot_locs", _P), ("scratch_locs", _P), ("index", _P),
+    ("ref", _P), ("clock", _P), ("flags", _P), ("table", _P), ("meta", _P), ("compact", _P),
+    ("counters", _P), ("out", _P), ("host_base", _P), ("dev_base", _P), ("plan_src", _P),
+    ("plan_dst", _P), ("plan_count", _P), ("status", _P), ("stats", _P),
+    ("n_host_rows", "i8"),
+    ("topk_stride", "i4"), ("S", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"),
+    ("host_stride", "i4"), ("slot_stride", "i4"), ("H", "i4"), ("P", "i4"),
+    ("scratch_stride", "i4"), ("C", "i4"), ("n_buckets", "i4"), ("ref_stride", "i4"),
+    ("table_size", "i4"), ("compact_stride", "i4"), ("out_stride", "i4"), ("row_bytes", "i4"),
+    ("plan_stride", "i4"), ("lens_stride", "i4"), ("lens_step", "i4"),
+])
+
+MULTISTEP_INIT = _struct([
+    ("rows", _P), ("num_real", _P), ("slot_tokens", _P), ("index", _P), ("ref", _P),
+    ("clock", _P), ("flags", _P),
+    ("slot_layer_stride", "i8"), ("index_layer_stride", "i8"), ("ref_layer_stride", "i8"),
+    ("R", "i4"), ("B", "i4"), ("slot_stride", "i4"), ("H", "i4"), ("n_buckets", "i4"),
+    ("ref_stride", "i4"),
+])
+
+STRUCTS = {
+    "SwapResolveParams": SWAP_RESOLVE,
+    "PlannedCopyParams": PLANNED_COPY,
+    "NewestRowsParams": NEWEST_ROWS,
+    "MultiStepParams": MULTISTEP,
+    "MultiStepInitParams": MULTISTEP_INIT,
+}
+
+
+def new(dtype: np.dtype, n: int = 1) -> np.ndarray:
+    """Zeroed parameter structs: a ``(n,)`` array (CuPy passes element 0 by value)."""
+    return np.zeros(n, dtype)
+
+
+# ------------------------------------------------------------------------------- shared memory
+# Per kernel: (C type, region name, element count as an expression of the kernel's sizes). The
+# same expressions are evaluated here (with the sizes as Python ints) and in the kernel (where
+# each name is a local variable), and every region starts on a 16-byte boundary.
+_CTYPE_BYTES = {"i64": 8, "i32": 4, "u32": 4, "i16": 2, "u16": 2, "u8": 1}
+
+SMEM = {
+    # single-step resolve; NW = RESOLVE_BLOCK / 32, HS = hash slots (power of two >= 4 K)
+    "SWAP_RESOLVE": (
+        ("i64", "host_row", "K"),  # host row of each entry's token (misses use it)
+        ("i32", "hkey", "HS"),  # hash of the top-k: token
+        ("i32", "hval", "HS"),  # hash: first entry that selected it
+        ("i32", "tok", "K"),  # entry -> token
+        ("i32", "res", "K"),  # entry -> output (written to global once, coalesced)
+        ("i32", "hpos", "K"),  # entry -> its token's hash slot (duplicates: O(1))
+        ("i32", "loc", "H+1"),  # device rows of slots 0..H
+        ("i32", "warp_hits", "NW+1"),  # per-warp counts, then offsets
+        ("i32", "warp_evict", "NW+1"),
+        ("i32", "warp_miss", "NW+1"),
+        ("i32", "count", "4"),  # status counters, indexed by ST_*
+        ("i16", "evict", "H"),  # evictable slots, old LRU order
+        ("i16", "hit", "H"),  # hit slots, old LRU order
+        ("u16", "order", "H"),  # slot | hit << 15, by LRU position (between passes)
+        ("u8", "kind", "K"),  # entry classification
+    ),
+    # planned copy: the exclusive prefix of the clamped counts, and the block scan's scratch
+    "PLANNED_COPY": (
+        ("i32", "prefix", "B+1"),
+        ("i32", "scan", "COPY_WARPS+1"),
+    ),
+    # multi-step commit; NW = ceil(S K / 32)
+    "MULTISTEP_COMMIT": (
+        ("u32", "key", "H"),  # eviction key of each ring position (0 = referenced)
+        ("u32", "bits", "NW"),  # bitmap over reverse ranks of the misses
+        ("u32", "admit", "NW"),  # bitmap over miss ordinals: admitted (partial admission)
+        ("i32", "prefix", "NW+1"),  # popcount prefix of `bits`
+        ("i32", "hist", "256"),  # radix-select histogram
+        ("i32", "scan", "NS"),  # block scan scratch, NS = COMMIT_BLOCK / 32 + 1
+        ("i32", "radix_digit", "1"),  # radix select: the digit of this pass
+        ("i32", "radix_rest", "1"),  # radix select: keys still wanted at that digit
+        ("i32", "last_victim", "1"),  # largest ring position taken (the new cursor)
+        ("i32", "degraded", "1"),  # an index insert failed
+        ("i32", "no_room", "1"),  # a miss without a scratch row found no victim
+        ("i16", "victim", "H"),  # victims in ring order
+    ),
+}
+
+
+def _align16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def smem_bytes(kernel: str, **sizes: int) -> int:
+    """Dynamic shared memory of ``kernel`` (a key of :data:`SMEM`) for the given sizes."""
+    env = {**CONSTANTS, **sizes}
+    total = 0
+    for ctype, _name, count in SMEM[kernel]:
+        n = eval(count, {"__builtins__": {}}, env)  # noqa: S307 - fixed expressions above
+        total += _align16(_CTYPE_BYTES[ctype] * int(n))
+    return total
+
+
+def resolve_sizes(top_k: int, hot_size: int) -> dict[str, int]:
+    """The sizes the resolve kernel's shared memory depends on."""
+    return {"K": top_k, "H": hot_size, "HS": hash_size(top_k), "NW": RESOLVE_BLOCK // 32}
+
+
+def hash_size(top_k: int) -> int:
+    """Shared hash slots for a top-k of ``top_k`` entries (power of two, load <= 1/4).
+
+    A warp waits for its longest probe sequence; at load 1/2 that tail made the lookups
+    dominate the resolve, at 1/4 it is a few probes (benchmarks/NOTES.md).
+    """
+    return max(64, 1 << (4 * top_k - 1).bit_length())
+
+
+# ------------------------------------------------------------------------------- -D macros
+def defines() -> list[tuple[str, str]]:
+    """``(name, value)`` pairs every compile defines (see the module docstring)."""
+    out: list[tuple[str, str]] = []
+    for struct, dt in STRUCTS.items():
+        out.append((f"HS_ABI_{struct}_SIZE", str(dt.itemsize)))
+        fields = "".join(f"X({struct},{f},{dt[f].itemsize})" for f in dt.names)
+        out.append((f"HS_ABI_{struct}_FIELDS(X)", fields))
+    for name, value in CONSTANTS.items():
+        out.append((f"HS_{name}", str(value)))
+    for kernel, regions in SMEM.items():
+        body = "".join(f"X({t},{n},({c}))" for t, n, c in regions)
+        out.append((f"HS_SMEM_{kernel}(X)", body))
+    return out

@@ -1,0 +1,202 @@
+// hisparse_cupy: the kernel ABI. One parameter struct per kernel family, taken by value.
+//
+// hisparse_cupy/_abi.py mirrors every struct as a NumPy structured dtype and defines, for each
+// compile, HS_ABI_<Struct>_SIZE and HS_ABI_<Struct>_FIELDS (name and size of every field, in
+// order): the checks below fail the compile (CPU CI runs it) if the two sides disagree. The constants and the
+// shared-memory layouts (X-macros HS_SMEM_<KERNEL>) come from the same module.
+//
+// Shapes use B (batch rows), K (entries per step), S (steps), R (request slots), H (hot slots),
+// P (extra-page slots), W = H + P, C (scratch rows), L (layers), D (device rows of a layer).
+// A stride is in elements of the array it belongs to.
+#pragma once
+
+#include "common.cuh"
+
+#if !defined(HS_ST_RANGE) || !defined(HS_N_STATUS) || !defined(HS_MAX_HOT) ||     \
+    !defined(HS_RESOLVE_BLOCK) || !defined(HS_COPY_WARPS) || !defined(HS_MS_BUCKET) || \
+    !defined(HS_COMMIT_BLOCK) || !defined(HS_GATHER_BLOCK) || !defined(HS_INIT_BLOCK)
+#error "compile with the -D macros of hisparse_cupy._abi.defines()"
+#endif
+
+namespace hs {
+
+// ---- constants (values from _abi.py)
+constexpr int ST_RANGE = HS_ST_RANGE;
+constexpr int ST_NOHOST = HS_ST_NOHOST;
+constexpr int ST_BADROW = HS_ST_BADROW;
+constexpr int N_STATUS = HS_N_STATUS;
+constexpr int MAX_HOT = HS_MAX_HOT;
+constexpr int RESOLVE_BLOCK = HS_RESOLVE_BLOCK;
+constexpr int COPY_WARPS = HS_COPY_WARPS;
+constexpr int NEWEST_BLOCK = HS_NEWEST_BLOCK;
+constexpr int COPY_DRY_RUN = HS_COPY_DRY_RUN;
+constexpr int MS_MAX_TOKENS = HS_MS_MAX_TOKENS;
+constexpr int MS_BUCKET = HS_MS_BUCKET;
+constexpr int MS_F_DEGRADED = HS_MS_F_DEGRADED;
+constexpr int MS_META_INIT = HS_MS_META_INIT;
+constexpr int MS_N_COUNTERS = HS_MS_N_COUNTERS;
+constexpr int MS_N_STATS = HS_MS_N_STATS;
+constexpr int GATHER_BLOCK = HS_GATHER_BLOCK;
+constexpr int COMMIT_BLOCK = HS_COMMIT_BLOCK;
+constexpr int INIT_BLOCK = HS_INIT_BLOCK;
+
+// ---- single-step resolve (swap.cu). Grid: (B), block RESOLVE_BLOCK.
+struct SwapResolveParams {
+  const i32* topk;         // [B, K], row stride topk_stride: token positions, -1 = unused
+  const void* req;         // [B] ReqT (int32/int64): batch row -> request slot
+  const void* lens;        // [B] LenT, element b at b * lens_stride: length incl. the newest
+  const i32* num_real;     // device scalar or null: rows >= *num_real are graph padding
+  const i64* host_locs;    // [R, host_stride]: token -> host row, -1 = none
+  i32* slot_tokens;        // [R, W], row stride slot_stride: token held by each slot
+  const i32* slot_locs;    // [R, W], row stride slot_stride: device row of each slot
+  i16* lru;                // [R, H], row stride lru_stride: recency order, 0 = least recent
+  i32* out;                // [B, K], row stride out_stride: device row of each entry
+  i64* plan_src;           // [>= B, plan_stride]: host row of miss m
+  i32* plan_dst;           // [>= B, plan_stride]: device row it goes to
+  i32* plan_count;         // [>= B]: misses of each row
+  i32* status;             // [B, N_STATUS]
+  u64* index;              // [R, n_buckets * MS_BUCKET] multi-step token -> slot index, or null
+  i32* flags;              // [R] multi-step flags (MS_F_DEGRADED), or null with index
+  i64 n_host_rows;         // host rows of the layer: rows outside [0, n_host_rows) are missing
+  i32 topk_stride, K, B, R, host_stride, slot_stride, lru_stride, H;
+  i32 hash_size;           // shared hash slots (power of two >= 64)
+  i32 out_stride, plan_stride, lens_stride;
+  i32 n_buckets;           // buckets of `index` per request
+  i32 pad;                 // (no tail padding: see the checks below)
+};
+
+// ---- planned copy (plan.cu). Grid: any, block COPY_WARPS * 32.
+//   For every layer l < n_layers, real row b < min(*num_real, B), entry m < count[b]: row
+//   src_idx[b, m] of layer l of the source -> row dst_idx[b, m] of layer l of the destination.
+struct PlannedCopyParams {
+  const void* src_idx;     // [>= B, plan_stride] SrcT
+  const void* dst_idx;     // [>= B, plan_stride] DstT
+  const i32* count;        // [>= B], clamped to [0, plan_stride]
+  const i32* num_real;     // device scalar or null
+  const u8* src_base;      // row 0 of layer 0 of the source (device or mapped host address)
+  u8* dst_base;            // row 0 of layer 0 of the destination
+  i32* bad;                // device scalar or null: += entries whose row is outside its array
+  i64 src_layer_bytes, n_src_rows, dst_layer_bytes, n_dst_rows;
+  i64 spin_cycles;         // > 0: delay each row by that many cycles (tests' slowed replay)
+  i32 plan_stride, B, row_bytes, n_layers;
+  i32 flags;               // COPY_DRY_RUN: all the work, no bytes moved
+  i32 pad;
+};
+
+// ---- newest rows (cache.cu). Grid: ceil(B / NEWEST_BLOCK), block NEWEST_BLOCK.
+struct NewestRowsParams {
+  const void* req;         // [B] ReqT
+  const void* lens;        // [B] LenT, at b * lens_stride
+  const i32* num_real;     // device scalar or null
+  const i32* slot_locs;    // [R, W] of layer 0 (slot H's row is the same in every layer)
+  i32* slot_tokens;        // [L, R, W], layer stride slot_layer_stride: slot H gets the token
+  i64* host_locs;          // [R, host_stride]: the newest token's host row is recorded
+  i32* rows_out;           // [B]: device row of the newest token, -1 for padding / invalid
+  i32* plan_src;           // [>= B, 1]: one-entry device -> host plan per row
+  i64* plan_dst;           // [>= B, 1]
+  i32* plan_count;         // [>= B]
+  i64 slot_layer_stride;
+  i32 B, R, max_len, slot_stride, H, host_stride, lens_stride, n_layers;
+  i32 record;              // 1: record host_locs, slot tokens and the backup plan
+  i32 pad;
+};
+
+// ---- multi-step gather + commit (multistep.cu); both kernels take this struct.
+//   gather: grid (ceil(S K / GATHER_BLOCK), B), block GATHER_BLOCK.
+//   commit: grid (B), block COMMIT_BLOCK, launched with PDL after the gather.
+struct MultiStepParams {
+  const i32* topk;         // [B, S, K], row stride topk_stride, each row's [S, K] contiguous
+  const void* req;         // [B] ReqT
+  const void* lens;        // [B, S] LenT: element (b, s) at b * lens_stride + s * lens_step
+  const i32* num_real;     // device scalar or null
+  const i64* host_locs;    // [R, host_stride]
+  i32* slot_tokens;        // [R, W], row stride slot_stride
+  i32* slot_locs;          // [R, W], row stride slot_stride (rotated by admissions)
+  i32* scratch_locs;       // [R, C], row stride scratch_stride (rotated by admissions)
+  u64* index;              // [R, n_buckets * MS_BUCKET]: (slot << 32 | token), ~0 = empty
+  u32* ref;                // [R, H], row stride ref_stride: epoch of each slot's last use
+  u32* clock;              // [R, 2]: (epoch, cursor)
+  i32* flags;              // [R]: MS_F_DEGRADED
+  u64* table;              // [B, table_size]: per-call dedup table (workspace)
+  i32* meta;               // [B, table_size]: smallest reverse rank of each claimed token
+  i32* compact;            // [B, compact_stride]: table position of miss u
+  i32* counters;           // [B, MS_N_COUNTERS]
+  i32* out;                // [B, S, K], row stride out_stride
+  const u8* host_base;     // row 0 of the layer's host rows (mapped)
+  u8* dev_base;            // row 0 of the layer's device rows
+  i64* plan_src;           // [>= B, plan_stride] or null: host row of unique miss u
+  i32* plan_dst;           // [>= B, plan_stride] or null: device row it was copied to
+  i32* plan_count;         // [>= B] or null
+  i32* status;             // [B, N_STATUS]
+  i32* stats;              // [B, MS_N_STATS]
+  i64 n_host_rows;
+  i32 topk_stride, S, K, B, R, host_stride, slot_stride, H, P, scratch_stride, C;
+  i32 n_buckets, ref_stride, table_size, compact_stride, out_stride, row_bytes, plan_stride;
+  i32 lens_stride, lens_step;
+};
+
+// ---- multi-step state (re)initialisation (multistep.cu). Grid: (B, L), block INIT_BLOCK.
+struct MultiStepInitParams {
+  const i32* rows;         // [B] request slots to initialise (outside [0, R): skipped)
+  const i32* num_real;     // device scalar or null: rows >= *num_real are skipped
+  const i32* slot_tokens;  // [L, R, W], layer stride slot_layer_stride
+  u64* index;              // [L, R, n_buckets * MS_BUCKET], layer stride index_layer_stride
+  u32* ref;                // [L, R, H], layer stride ref_layer_stride
+  u32* clock;              // [L, R, 2], layer stride 2 R
+  i32* flags;              // [L, R], layer stride R
+  i64 slot_layer_stride, index_layer_stride, ref_layer_stride;
+  i32 R, B, slot_stride, H, n_buckets, ref_stride;
+};
+
+// ---- the checks against _abi.py. NVRTC has no offsetof, so the layout is pinned by what it
+// determines: the size of every field, their order (a C++20 designated initializer in
+// _abi.py's order is a compile error when the declaration order differs) and the struct's size
+// (_abi.py's structs have no tail padding, so a field only one side has changes it).
+#define HS_ABI_FIELD_SIZE(S, f, n) static_assert(sizeof(S::f) == (n), #S "." #f ": size differs from _abi.py");
+#define HS_ABI_DESIGNATOR(S, f, n) .f = {},
+#define HS_ABI_CHECK(S)                                                                  \
+  HS_ABI_##S##_FIELDS(HS_ABI_FIELD_SIZE)                                                 \
+  static_assert(sizeof(S{HS_ABI_##S##_FIELDS(HS_ABI_DESIGNATOR)}) == sizeof(S), #S);     \
+  static_assert(sizeof(S) == HS_ABI_##S##_SIZE, #S ": size differs from _abi.py")
+
+HS_ABI_CHECK(SwapResolveParams);
+HS_ABI_CHECK(PlannedCopyParams);
+HS_ABI_CHECK(NewestRowsParams);
+HS_ABI_CHECK(MultiStepParams);
+HS_ABI_CHECK(MultiStepInitParams);
+
+// ---- shared memory: HS_SMEM_CARVE(KERNEL, var, base) declares `var`, a struct with one
+// pointer per region of HS_SMEM_<KERNEL> (_abi.SMEM) plus `end`, carved from `base` with every
+// region 16-byte aligned. The element counts are expressions of local variables in scope.
+// With HS_DEBUG, a carve that overruns the launch's dynamic shared memory traps.
+__device__ __forceinline__ u32 dynamic_smem_size() {
+  u32 n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
+__device__ __forceinline__ unsigned char* smem_take(unsigned char*& p, unsigned long long bytes) {
+  unsigned char* r = p;
+  p += (bytes + 15) / 16 * 16;
+  return r;
+}
+#define HS_SMEM_FIELD(T, name, n) T* name;
+#define HS_SMEM_TAKE(T, name, n) var_.name = reinterpret_cast<T*>(smem_take(p_, sizeof(T) * (n)));
+#ifdef HS_DEBUG
+#define HS_SMEM_GUARD(var)                                                               \
+  if (static_cast<u32>((var).end - smem_base_) > dynamic_smem_size()) __trap();
+#else
+#define HS_SMEM_GUARD(var)
+#endif
+#define HS_SMEM_CARVE(KERNEL, var, base)                                                 \
+  struct {                                                                               \
+    HS_SMEM_##KERNEL(HS_SMEM_FIELD) unsigned char* end;                                  \
+  } var;                                                                                 \
+  {                                                                                      \
+    unsigned char* const smem_base_ = (base);                                            \
+    unsigned char* p_ = smem_base_;                                                      \
+    auto& var_ = var;                                                                    \
+    HS_SMEM_##KERNEL(HS_SMEM_TAKE) var_.end = p_;                                        \
+    HS_SMEM_GUARD(var)                                                                   \
+  }
+
+}  // namespace hs
