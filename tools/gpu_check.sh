@@ -3,7 +3,8 @@
 #   1. install the project without network (no deps: CuPy, cuda-bindings, pytest are there);
 #   2. the whole test suite (CPU and GPU tests);
 #   3. compute-sanitizer memcheck, racecheck and synccheck over tools/sanitize_*.py (small runs
-#      of every kernel; zero errors required);
+#      of every kernel, built with HISPARSE_CUPY_DEBUG=1 so every shared-memory carve is checked
+#      against the launch; zero errors required);
 #   4. the quick benchmarks (benchmarks/bench_*.py --quick), JSON (+PNG) results;
 #   5. tools/host_overhead.py (host time per eager call and per launch path), JSON;
 #   6. with --peer DIR (a copy of the peer_sglang probe, e.g. .peer): SGLang's kernels beside
@@ -58,7 +59,7 @@ if [ $sanitize = 1 ]; then
       for tool in memcheck racecheck synccheck; do
         t0=$SECONDS
         echo "=== $tool $s" >>"$OUT/sanitize.log"
-        compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 20 --report-api-errors no \
+        HISPARSE_CUPY_DEBUG=1 compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 20 --report-api-errors no \
           $PY "$s" >>"$OUT/sanitize.log" 2>&1
         rc=$?
         errs=$(tail -n 20 "$OUT/sanitize.log" | grep -Eo 'ERROR SUMMARY: [0-9]+ error' | tail -n 1)
