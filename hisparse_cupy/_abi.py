@@ -24,6 +24,8 @@ that every compile passes (the runtime's and :func:`hisparse_cupy.compile_check`
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 # ------------------------------------------------------------------------------- constants
@@ -200,7 +202,12 @@ def _align16(n: int) -> int:
 
 def smem_bytes(kernel: str, **sizes: int) -> int:
     """Dynamic shared memory of ``kernel`` (a key of :data:`SMEM`) for the given sizes."""
-    env = {**CONSTANTS, **sizes}
+    return _smem_bytes(kernel, tuple(sorted(sizes.items())))
+
+
+@functools.lru_cache(maxsize=1024)
+def _smem_bytes(kernel: str, sizes: tuple) -> int:
+    env = {**CONSTANTS, **dict(sizes)}
     total = 0
     for ctype, _name, count in SMEM[kernel]:
         n = eval(count, {"__builtins__": {}}, env)  # noqa: S307 - fixed expressions above
@@ -208,6 +215,7 @@ def smem_bytes(kernel: str, **sizes: int) -> int:
     return total
 
 
+@functools.lru_cache(maxsize=256)
 def resolve_sizes(top_k: int, hot_size: int) -> dict[str, int]:
     """The sizes the resolve kernel's shared memory depends on."""
     return {"K": top_k, "H": hot_size, "HS": hash_size(top_k), "NW": RESOLVE_BLOCK // 32}

@@ -79,12 +79,17 @@ def debug() -> bool:
 
 def options() -> tuple[str, ...]:
     """The NVRTC options of every compile (runtime and :func:`compile_check`)."""
+    return _options(source_digest(), debug(), tuple(_abi.defines()))
+
+
+@functools.lru_cache(maxsize=8)
+def _options(digest: str, dbg: bool, defines: tuple) -> tuple[str, ...]:
     return (
         "-std=c++20",  # designated initializers check the ABI (cu/abi.cuh)
         f"-I{CU_DIR}",
-        f"-DHS_SRC_DIGEST=0x{source_digest()[:16]}ull",
-        *(f"-D{name}={value}" for name, value in _abi.defines()),
-        *(("-DHS_DEBUG",) if debug() else ()),
+        f"-DHS_SRC_DIGEST=0x{digest[:16]}ull",
+        *(f"-D{name}={value}" for name, value in defines),
+        *(("-DHS_DEBUG",) if dbg else ()),
     )
 
 

@@ -41,13 +41,29 @@ class Ptr(int):
 
 
 class Params:
-    """One kernel parameter struct: ``arr`` (a ``(1,)`` structured array) and its address."""
+    """One kernel parameter struct: ``arr`` (a ``(1,)`` structured array) and its address.
+
+    ``Params(dtype)`` owns a fresh zeroed struct; :meth:`rows` gives one Params per element of
+    a structured array (views: setting a field writes the array), for per-layer templates.
+    """
 
     __slots__ = ("arr", "addr")
 
-    def __init__(self, dtype: np.dtype):
-        self.arr = np.zeros(1, dtype)
-        self.addr = self.arr.ctypes.data
+    def __init__(self, dtype: np.dtype | None = None, *, _view: np.ndarray | None = None,
+                 _addr: int | None = None):
+        self.arr = np.zeros(1, dtype) if _view is None else _view
+        self.addr = self.arr.ctypes.data if _addr is None else _addr
+
+    @classmethod
+    def rows(cls, arr: np.ndarray) -> list[Params]:
+        """A Params view of each element of the 1-D structured array ``arr``."""
+        return [cls.row(arr, i) for i in range(arr.shape[0])]
+
+    @classmethod
+    def row(cls, arr: np.ndarray, i: int, base: int | None = None) -> Params:
+        """A Params view of element ``i`` of ``arr`` (``base``: ``arr``'s address, if known)."""
+        base = arr.ctypes.data if base is None else base
+        return cls(_view=arr[i:i + 1], _addr=base + i * arr.itemsize)
 
     def __getitem__(self, field: str):
         return self.arr[field][0]

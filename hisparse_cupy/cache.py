@@ -39,9 +39,9 @@ from .multistep import (
     init_states,
 )
 from .multistep import run as run_multistep
-from .multistep import set_call as set_multistep_call
+from .multistep import set_topk as set_multistep_topk
 from .plan import MissPlan, copy_params, default_copy_grid, launch_copy
-from .swap import MAX_HOT, SwapState, check_sizes, set_batch, set_call
+from .swap import MAX_HOT, SwapState, check_sizes, set_call
 from .swap import run as run_swap
 
 
@@ -136,8 +136,39 @@ class HotBufferCache:
                                              "clock": self.ms_clock[layer],
                                              "flags": self.ms_flags[layer]}))
         self._states = [self._swap_state(layer) for layer in range(L)]
+        self._templates()
         self._free = list(range(R - 1, -1, -1))
         self._len: dict[int, int] = {}
+
+    def _templates(self) -> None:
+        """Per-layer parameter structs with every field that does not depend on the step.
+
+        A :class:`Step` copies them and fills the batch's fields for all layers at once, so a
+        swap only writes its top-k's fields (FlashInfer's plan/run split)."""
+        L = self.n_layers
+        self._tmpl_resolve = np.zeros(L, _abi.SWAP_RESOLVE)
+        self._tmpl_copy = np.zeros(L, _abi.PLANNED_COPY)
+        self._tmpl_ms = np.zeros(L, _abi.MULTISTEP) if self._ms else None
+        n_host = self.pool.n_rows
+        for layer, (res, cp) in enumerate(zip(Params.rows(self._tmpl_resolve),
+                                              Params.rows(self._tmpl_copy), strict=True)):
+            self._states[layer].params(res)
+            res.set(status=ptr(self.status), plan_src=ptr(self.plan.src),
+                    plan_dst=ptr(self.plan.dst), plan_count=ptr(self.plan.count),
+                    plan_stride=self.plan.width, n_host_rows=n_host)
+            copy_params(self.plan.src, self.plan.dst, self.plan.count, 0, None,
+                        src_base=int(self.pool.device_ptr(layer)), src_layer_bytes=0,
+                        n_src_rows=n_host, dst_base=self.device[layer].data.ptr,
+                        dst_layer_bytes=0, n_dst_rows=self.device.shape[1],
+                        row_bytes=self.row_bytes, params=cp)
+        if self._ms:
+            for layer, ms in enumerate(Params.rows(self._tmpl_ms)):
+                self._ms[layer].params(ms)
+                ms.set(status=ptr(self.status), plan_src=ptr(self.plan.src),
+                       plan_dst=ptr(self.plan.dst), plan_count=ptr(self.plan.count),
+                       plan_stride=self.plan.width, host_base=int(self.pool.device_ptr(layer)),
+                       n_host_rows=n_host, dev_base=self.device[layer].data.ptr,
+                       row_bytes=self.row_bytes)
 
     def _swap_state(self, layer: int) -> SwapState:
         ms = {} if not self._ms else self._ms[layer].swap_state_fields()
@@ -380,13 +411,25 @@ class Step:
         if prefetcher is not None and prefetcher.cache is not c:
             raise ValueError("prefetcher drives another cache")
         self._key = (self.req.dtype, self.seq_lens.dtype)
-        self._resolve = Params(_abi.SWAP_RESOLVE)
-        set_batch(self._resolve, self.req, self.seq_lens, self._lens_stride, B, self.num_real)
-        self._copy = copy_params(c.plan.src, c.plan.dst, c.plan.count, B, self.num_real,
-                                 src_base=0, src_layer_bytes=0, n_src_rows=c.pool.n_rows,
-                                 dst_base=0, dst_layer_bytes=0, n_dst_rows=c.device.shape[1],
-                                 row_bytes=c.row_bytes)
-        self._ms = None
+        req, lens, nr = ptr(self.req), ptr(self.seq_lens), ptr(self.num_real)
+        self._resolve = res = c._tmpl_resolve.copy()  # every layer's struct, batch filled in
+        res["req"], res["lens"], res["lens_stride"] = req, lens, self._lens_stride
+        res["B"], res["num_real"] = B, nr
+        self._copy = cp = c._tmpl_copy.copy()
+        cp["B"], cp["num_real"] = B, nr
+        self._ms = ms = None if c._tmpl_ms is None else c._tmpl_ms.copy()
+        if ms is not None:
+            ms["req"], ms["lens"], ms["num_real"], ms["B"] = req, lens, nr, B
+            ms["lens_stride"], ms["lens_step"] = self._lens_stride, self._lens_step
+        self._bases = (res.ctypes.data, cp.ctypes.data, 0 if ms is None else ms.ctypes.data)
+        self._views: dict[tuple[int, int], Params] = {}
+
+    def _row(self, which: int, arr: np.ndarray, layer: int) -> Params:
+        """The Params view of ``layer``'s struct in one of the step's arrays (made once)."""
+        p = self._views.get((which, layer))
+        if p is None:
+            p = self._views[(which, layer)] = Params.row(arr, layer, self._bases[which])
+        return p
 
     # ----------------------------------------------------------------- swaps
     def swap(self, layer: int, top_k_tokens, *, out=None, copy_grid: int | None = None,
@@ -427,12 +470,10 @@ class Step:
                                 inner_contiguous=True)
         if check:
             _checks.unique_requests(self.req, self.num_real, c.max_requests)
-        p = c._states[layer].params(self._resolve)
-        set_call(p, topk, out, c.status, c.plan, c.pool.n_rows)
-        self._copy.set(src_base=int(c.pool.device_ptr(layer)),
-                       dst_base=c.device[layer].data.ptr)
-        run_swap(p, self._copy, _build.RESOLVE, self._key, B=B, K=K, H=c.hot_size,
-                 stream=self.stream, pdl=self.pdl, copy_grid=copy_grid)
+        p = self._row(0, self._resolve, layer)
+        set_call(p, topk, out)
+        run_swap(p, self._row(1, self._copy, layer), _build.RESOLVE, self._key, B=B, K=K,
+                 H=c.hot_size, stream=self.stream, pdl=self.pdl, copy_grid=copy_grid)
         if check:
             _checks.raise_on_status(c.status[:B], topk, self.seq_lens,
                                     max_len=c.max_len, stream=self.stream)
@@ -456,12 +497,8 @@ class Step:
                                 inner_contiguous=True)
         if check:
             _checks.unique_requests(self.req, self.num_real, c.max_requests)
-        st = c._ms[layer]
-        p = self._ms = st.params(self._ms)
-        set_multistep_call(p, topk, self.req, self.seq_lens, self._lens_stride, self._lens_step,
-                           self.num_real, out, c.status, c.plan,
-                           host_rows=int(c.pool.device_ptr(layer)), n_host_rows=c.pool.n_rows,
-                           device_rows=c.device[layer], row_bytes=c.row_bytes)
+        p = self._row(2, self._ms, layer)
+        set_multistep_topk(p, topk, out)
         run_multistep(p, self._key, B=B, T=S * K, H=c.hot_size, stream=self.stream,
                       pdl=self.pdl)
         if check:

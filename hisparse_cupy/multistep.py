@@ -476,14 +476,21 @@ def multistep_swap_in(
     return out
 
 
+def set_topk(p: Params, topk, out) -> None:
+    """The call's top-k and output fields of a multi-step struct."""
+    a = p.arr
+    a["topk"], a["topk_stride"], a["S"], a["K"] = (
+        topk.data.ptr, _checks.row_stride(topk), topk.shape[1], topk.shape[2])
+    a["out"], a["out_stride"] = out.data.ptr, _checks.row_stride(out)
+
+
 def set_call(p: Params, topk, req, lens, lens_stride: int, lens_step: int, num_real, out, status,
              plan: MissPlan | None, *, host_rows: int, n_host_rows: int, device_rows,
              row_bytes: int) -> None:
-    """The batch's and the call's fields of a multi-step struct."""
-    B, S, K = topk.shape
-    p.set(topk=ptr(topk), topk_stride=_checks.row_stride(topk), S=S, K=K, B=B, req=ptr(req),
-          lens=ptr(lens), lens_stride=lens_stride, lens_step=lens_step, num_real=ptr(num_real),
-          out=ptr(out), out_stride=_checks.row_stride(out), status=ptr(status),
+    """The batch's and the call's fields of a multi-step struct (the stateless op)."""
+    set_topk(p, topk, out)
+    p.set(B=topk.shape[0], req=ptr(req), lens=ptr(lens), lens_stride=lens_stride,
+          lens_step=lens_step, num_real=ptr(num_real), status=ptr(status),
           host_base=host_rows, n_host_rows=n_host_rows, dev_base=device_rows.data.ptr,
           row_bytes=row_bytes)
     if plan is None:

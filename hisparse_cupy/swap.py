@@ -136,14 +136,20 @@ def set_batch(p: Params, req: cupy.ndarray, lens: cupy.ndarray, lens_stride: int
     p.set(req=ptr(req), lens=ptr(lens), lens_stride=lens_stride, B=B, num_real=ptr(num_real))
 
 
-def set_call(p: Params, topk: cupy.ndarray, out: cupy.ndarray, status: cupy.ndarray,
-             plan: MissPlan, n_host_rows: int) -> None:
-    """The call's fields of a resolve struct."""
+def set_call(p: Params, topk: cupy.ndarray, out: cupy.ndarray) -> None:
+    """The call's top-k and output fields of a resolve struct."""
+    a = p.arr
     K = topk.shape[1]
-    p.set(topk=ptr(topk), topk_stride=_checks.row_stride(topk), K=K, hash_size=hash_size(K),
-          out=ptr(out), out_stride=_checks.row_stride(out), status=ptr(status),
-          plan_src=ptr(plan.src), plan_dst=ptr(plan.dst), plan_count=ptr(plan.count),
-          plan_stride=_checks.row_stride(plan.src), n_host_rows=n_host_rows)
+    a["topk"], a["topk_stride"], a["K"], a["hash_size"] = (
+        topk.data.ptr, _checks.row_stride(topk), K, hash_size(K))
+    a["out"], a["out_stride"] = out.data.ptr, _checks.row_stride(out)
+
+
+def set_outputs(p: Params, status: cupy.ndarray, plan: MissPlan, n_host_rows: int) -> None:
+    """The status, plan and host-row-count fields of a resolve struct."""
+    p.set(status=ptr(status), plan_src=ptr(plan.src), plan_dst=ptr(plan.dst),
+          plan_count=ptr(plan.count), plan_stride=_checks.row_stride(plan.src),
+          n_host_rows=n_host_rows)
 
 
 def run(resolve: Params, copy: Params, names, key, *, B: int, K: int, H: int, stream,
@@ -250,7 +256,8 @@ def swap_in(
 
     resolve = state.params()
     set_batch(resolve, req, lens, lens_stride, B, nr)
-    set_call(resolve, topk, out, status, plan, n_host_rows)
+    set_call(resolve, topk, out)
+    set_outputs(resolve, status, plan, n_host_rows)
     copy = copy_params(plan.src, plan.dst, plan.count, B, nr, src_base=host_rows,
                        src_layer_bytes=0, n_src_rows=n_host_rows, dst_base=dev.data.ptr,
                        dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes,

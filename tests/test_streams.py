@@ -205,12 +205,11 @@ def _reader():
 
 def _check(reader, cache, layer, locs, topk, req, errors, stream, num_real=None):
     """Queue the reader on ``stream``: counts entries whose device row lacks the token's bytes."""
-    from hisparse_cupy._launch import launch
-
     B = locs.shape[0]
-    launch(reader, -(-B * K // 128), 128,
-           (locs, topk, req, np.int32(B), np.int32(K), num_real, cache.device[layer],
-            np.int64(cache.device.shape[1]), cache.pool.device_ptr(layer),
+    nr = np.uint64(0) if num_real is None else num_real
+    reader((-(-B * K // 128),), (128,),
+           (locs, topk, req, np.int32(B), np.int32(K), nr, cache.device[layer],
+            np.int64(cache.device.shape[1]), np.uint64(int(cache.pool.device_ptr(layer))),
             np.int64(MAX_LEN), np.int32(ROW), errors[layer:layer + 1]), stream=stream)
 
 

@@ -1,0 +1,377 @@
+"""GPU: the step API (plan once per step, run per layer) over one cache that serves single- and
+multi-step calls, every stream kind a call accepts, and the adversarial probes of the validation.
+
+The oracle state of each layer is driven alongside: single-step calls by
+:func:`reference.swap_in` (slot tokens, LRU order), multi-step calls by
+:func:`reference.multistep_swap_in` (slot tokens, rotated slot / scratch rows, epochs, clock),
+both over the same slot tables; every output, every state array and every byte an output
+points to must match, and both policies' invariants (the multi-step index included, which
+single-step admissions keep current) must hold after every call.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from hisparse_cupy import reference as ref
+from hisparse_cupy._abi import MS_EMPTY
+
+from _util import pattern
+
+pytestmark = pytest.mark.gpu
+
+L, R, H, P, K, S_MAX, ROW = 3, 6, 64, 8, 24, 4, 64
+MAX_LEN = 600
+
+
+class Twin:
+    """A HotBufferCache (max_steps 4) and the NumPy state of each of its layers."""
+
+    def __init__(self, rng, stream=None):
+        import cupy
+
+        from hisparse_cupy import HotBufferCache
+
+        self.rng = rng
+        self.c = c = HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,
+                                    hot_size=H, top_k=K, extra_page=P, max_steps=S_MAX)
+        for layer in range(L):
+            c.pool.layer(layer)[:] = pattern(layer, np.arange(c.pool.n_rows), ROW)
+        self.lens = rng.integers(H + 40, MAX_LEN - 1, size=R)
+        for r in range(R):
+            warm = rng.choice(int(self.lens[r]) - 1, size=int(H * 0.8), replace=False)
+            assert c.admit(int(self.lens[r]), warm_tokens=warm, stream=stream) == r
+        cupy.cuda.Device().synchronize()
+        self.np = [self.snapshot(layer) for layer in range(L)]
+        self.host_locs = cupy.asnumpy(c.host_locs)
+
+    def snapshot(self, layer):
+        import cupy
+
+        c = self.c
+        return dict(slot_tokens=cupy.asnumpy(c.slot_tokens[layer]),
+                    slot_locs=cupy.asnumpy(c.slot_locs[layer]),
+                    scratch_locs=cupy.asnumpy(c.scratch_locs[layer]),
+                    lru=cupy.asnumpy(c.lru[layer]), ref=cupy.asnumpy(c.ms_ref[layer]),
+                    clock=cupy.asnumpy(c.ms_clock[layer]))
+
+    def topk(self, req, S=None, miss=0.2):
+        rows = []
+        for r in req:
+            n = int(self.lens[r]) - 1  # the newest token is not selected here
+            held = self.np[0]["slot_tokens"][r, :H]
+            held = held[(held >= 0) & (held < n)]
+            one = []
+            for _ in range(S or 1):
+                k_miss = int(K * miss)
+                row = np.concatenate([self.rng.choice(held, K - k_miss, replace=False),
+                                      self.rng.integers(0, n, k_miss)])
+                self.rng.shuffle(row)
+                row[self.rng.random(K) < 0.05] = -1
+                one.append(row)
+            rows.append(one if S else one[0])
+        return np.asarray(rows, np.int32)
+
+    def expect_single(self, layer, topk, req, nr=None):
+        st = self.np[layer]
+        return ref.swap_in(topk, req, self.lens[req], host_locs=self.host_locs,
+                           slot_tokens=st["slot_tokens"], slot_locs=st["slot_locs"],
+                           lru=st["lru"], hot_size=H, n_host_rows=self.c.pool.n_rows,
+                           num_real=nr)
+
+    def expect_multi(self, layer, topk, req, nr=None):
+        import cupy
+
+        st, c = self.np[layer], self.c
+        B = topk.shape[0]
+        cnt, src = cupy.asnumpy(c.plan.count[:B]), cupy.asnumpy(c.plan.src[:B])
+        order = [src[b, : cnt[b]] - int(req[b]) * MAX_LEN for b in range(B)]
+        lens = np.repeat(self.lens[req][:, None], topk.shape[1], axis=1)
+        return ref.multistep_swap_in(
+            topk, req, lens, host_locs=self.host_locs,
+            slot_tokens=st["slot_tokens"], slot_locs=st["slot_locs"],
+            scratch_locs=st["scratch_locs"], ref=st["ref"], clock=st["clock"], hot_size=H,
+            n_host_rows=c.pool.n_rows, num_real=nr, miss_order=order)
+
+    def verify(self, layer, topk, req, got, exp):
+        import cupy
+
+        c = self.c
+        got = cupy.asnumpy(got)
+        np.testing.assert_array_equal(got, exp.device_locs, err_msg=f"layer {layer} outputs")
+        np.testing.assert_array_equal(cupy.asnumpy(c.status[: len(req)]), exp.status)
+        now = self.snapshot(layer)
+        for k, v in self.np[layer].items():
+            np.testing.assert_array_equal(now[k], v, err_msg=f"layer {layer} {k}")
+        ref.check_invariants(now["slot_tokens"], now["slot_locs"], now["lru"], H)
+        ms = c.multistep_state(layer).to_numpy()
+        ref.check_multistep_invariants(ms["slot_tokens"], ms["slot_locs"], ms["scratch_locs"],
+                                       ms["index"], ms["ref"], ms["clock"], ms["flags"], H,
+                                       n_device_rows=c.device.shape[1])
+        flat_t = topk.reshape(len(req), -1)
+        flat_o = got.reshape(len(req), -1)
+        bb, ii = np.nonzero(flat_o >= 0)
+        ids = np.asarray(req)[bb].astype(np.int64) * MAX_LEN + flat_t[bb, ii]
+        rows = cupy.asnumpy(c.device_rows(layer)[cupy.asarray(flat_o[bb, ii])])
+        bad = np.nonzero((rows != pattern(layer, ids, ROW)).any(axis=1))[0]
+        assert bad.size == 0, f"layer {layer}: {bad.size} rows hold wrong bytes"
+
+
+def test_single_and_multi_step_alternate_on_one_cache(rng, stream):
+    import cupy
+
+    t = Twin(rng)
+    for _ in range(40):
+        B = int(rng.integers(1, R + 1))
+        req = rng.permutation(R)[:B]
+        step = t.c.begin_step(cupy.asarray(req.astype(np.int32)),
+                              cupy.asarray(t.lens[req].astype(np.int64)), stream=stream)
+        for layer in range(L):
+            multi = rng.random() < 0.5
+            if multi:
+                S = int(rng.integers(2, S_MAX + 1))
+                topk = t.topk(req, S, miss=float(rng.choice([0.05, 0.3, 1.0])))
+                got = step.swap(layer, cupy.asarray(topk))
+                exp = t.expect_multi(layer, topk, req)
+            else:
+                topk = t.topk(req, miss=float(rng.choice([0.0, 0.1, 0.5])))
+                got = step.swap(layer, cupy.asarray(topk))
+                exp = t.expect_single(layer, topk, req)
+            t.verify(layer, topk, req, got, exp)
+    # release resets every table of the request, multi-step state and rotated rows included
+    t.c.release(2, stream=stream)
+    stream.synchronize()
+    for layer in range(L):
+        assert (cupy.asnumpy(t.c.slot_tokens[layer, 2]) == -1).all()
+        np.testing.assert_array_equal(cupy.asnumpy(t.c.slot_locs[layer, 2]),
+                                      cupy.asnumpy(t.c._slot_layout[2]))
+        np.testing.assert_array_equal(cupy.asnumpy(t.c.scratch_locs[layer, 2]),
+                                      cupy.asnumpy(t.c._scratch_layout[2]))
+        assert (cupy.asnumpy(t.c.ms_index[layer, 2]) == np.uint64(MS_EMPTY)).all()
+        assert cupy.asnumpy(t.c.ms_clock[layer, 2]).tolist() == [1, 0]
+        assert (cupy.asnumpy(t.c.ms_ref[layer, 2]) == 0).all()
+    t.c.close()
+
+
+def test_step_in_a_graph_equals_eager(rng, stream):
+    """A whole step (single- and multi-step layers, padding rows) captured once and replayed
+    with new inputs in the same buffers equals the same calls made eagerly on a twin cache."""
+    import cupy
+
+    eager, graph = Twin(rng), Twin(np.random.default_rng(7))
+    graph.np = eager.np  # same admissions would differ: copy the eager cache's state instead
+    with stream:
+        for name in ("slot_tokens", "slot_locs", "scratch_locs", "lru", "ms_index", "ms_ref",
+                     "ms_clock", "ms_flags", "host_locs", "device"):
+            getattr(graph.c, name)[...] = getattr(eager.c, name)
+        graph.lens = eager.lens
+        B = R
+        g_req = cupy.zeros(B, cupy.int32)
+        g_len = cupy.zeros(B, cupy.int64)
+        g_nr = cupy.zeros(1, cupy.int32)
+        g_t1 = cupy.full((B, K), -1, cupy.int32)
+        g_t3 = cupy.full((B, 3, K), -1, cupy.int32)
+        step = graph.c.begin_step(g_req, g_len, g_nr, stream=stream)
+        outs = [step.swap(0, g_t1, out=cupy.empty((B, K), cupy.int32)),
+                step.swap(1, g_t3, out=cupy.empty((B, 3, K), cupy.int32))]
+        stream.synchronize()  # warm-up compiled and loaded every kernel (nothing selected)
+        stream.begin_capture()
+        step.swap(0, g_t1, out=outs[0])
+        step.swap(1, g_t3, out=outs[1])
+        g = stream.end_capture()
+    for it in range(12):
+        nr = int(rng.integers(1, B + 1))
+        req = rng.permutation(R)[:B]
+        t1, t3 = eager.topk(req[:nr]), eager.topk(req[:nr], 3)
+        e = eager.c.begin_step(cupy.asarray(req[:nr].astype(np.int32)),
+                               cupy.asarray(eager.lens[req[:nr]]), stream=stream)
+        w1 = cupy.asnumpy(e.swap(0, cupy.asarray(t1)))
+        w3 = cupy.asnumpy(e.swap(1, cupy.asarray(t3)))
+        pad1 = np.full((B, K), -1, np.int32)
+        pad3 = np.full((B, 3, K), -1, np.int32)
+        pad1[:nr], pad3[:nr] = t1, t3
+        with stream:
+            g_req.set(req.astype(np.int32), stream=stream)
+            g_len.set(eager.lens[req].astype(np.int64), stream=stream)
+            g_nr.set(np.array([nr], np.int32), stream=stream)
+            g_t1.set(pad1, stream=stream)
+            g_t3.set(pad3, stream=stream)
+            g.launch(stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(cupy.asnumpy(outs[0])[:nr], w1, err_msg=f"it {it}")
+        assert (cupy.asnumpy(outs[0])[nr:] == -1).all()
+        got3 = cupy.asnumpy(outs[1])[:nr]
+        # multi-step miss order may differ between runs: compare bytes through each cache
+        for c, o in ((eager.c, w3), (graph.c, got3)):
+            ids = req[:nr, None, None].astype(np.int64) * MAX_LEN + t3
+            sel = o >= 0
+            assert (sel == (t3 >= 0)).all()
+            rows = cupy.asnumpy(c.device_rows(1)[cupy.asarray(o[sel])])
+            assert (rows == pattern(1, ids[sel], ROW)).all()
+        for name in ("slot_tokens", "lru"):
+            np.testing.assert_array_equal(cupy.asnumpy(getattr(graph.c, name)[0]),
+                                          cupy.asnumpy(getattr(eager.c, name)[0]))
+    eager.c.close()
+    graph.c.close()
+
+
+def _stream_kinds(cupy):
+    kinds = []
+    s = cupy.cuda.Stream(non_blocking=True)
+    kinds.append(("cupy.Stream", s, s))
+    s2 = cupy.cuda.Stream(non_blocking=True)
+    with warnings.catch_warnings():  # deprecated in CuPy 14, still what engines pass
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ext = cupy.cuda.ExternalStream(s2.ptr)
+    kinds.append(("cupy.ExternalStream", ext, s2))
+    s3 = cupy.cuda.Stream(non_blocking=True)
+    kinds.append(("int handle", s3.ptr, s3))
+
+    class Proto:
+        def __init__(self, st):
+            self.st = st
+
+        def __cuda_stream__(self):
+            return (0, self.st.ptr)
+
+    s4 = cupy.cuda.Stream(non_blocking=True)
+    kinds.append(("__cuda_stream__", Proto(s4), s4))
+    return kinds
+
+
+def test_every_stream_kind(rng):
+    import cupy
+
+    t = Twin(rng)
+    for name, given, owner in _stream_kinds(cupy):
+        req = rng.permutation(R)[:4]
+        topk = t.topk(req)
+        step = t.c.begin_step(cupy.asarray(req.astype(np.int32)), cupy.asarray(t.lens[req]),
+                              stream=given)
+        assert step.stream.ptr == owner.ptr, name
+        got = step.swap(0, cupy.asarray(topk))
+        owner.synchronize()
+        t.verify(0, topk, req, got, t.expect_single(0, topk, req))
+        got = step.swap(1, cupy.asarray(t.topk(req, 2)))  # multi-step on the same stream
+        owner.synchronize()
+    t.c.close()
+
+
+def test_torch_stream_orders_torch_work_before_the_swap(rng):
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    t = Twin(rng)
+    ts = torch.cuda.Stream()
+    req = rng.permutation(R)[:4]
+    topk = t.topk(req)
+    with torch.cuda.stream(ts):
+        # torch writes the top-k on its stream, after a long kernel: the swap must see it
+        torch.cuda._sleep(50_000_000)
+        tk = torch.from_numpy(topk).cuda()
+        rq = torch.from_numpy(req.astype(np.int32)).cuda()
+        ln = torch.from_numpy(t.lens[req].astype(np.int64)).cuda()
+    step = t.c.begin_step(rq, ln, stream=ts)
+    got = step.swap(0, tk)
+    assert cupy.from_dlpack(tk).data.ptr == tk.data_ptr()  # imported without a copy
+    ts.synchronize()
+    t.verify(0, topk, req, got, t.expect_single(0, topk, req))
+    # the raw-handle spelling of the same stream
+    step = t.c.begin_step(rq, ln, stream=ts.cuda_stream)
+    assert step.stream.ptr == ts.cuda_stream
+    t.c.close()
+
+
+def test_prefetcher_on_an_external_stream(rng):
+    import cupy
+
+    from hisparse_cupy import Prefetcher
+
+    t = Twin(rng)
+    main = cupy.cuda.Stream(non_blocking=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ext = cupy.cuda.ExternalStream(main.ptr)
+    pf = Prefetcher(t.c, "FSS")
+    req = rng.permutation(R)[:5]
+    for it in range(6):
+        topk = t.topk(req, miss=0.3)
+        step = t.c.begin_step(cupy.asarray(req.astype(np.int32)), cupy.asarray(t.lens[req]),
+                              stream=ext, prefetcher=pf)
+        outs = [step.swap(layer, cupy.asarray(topk) if layer == 0 else None)
+                for layer in range(L)]
+        step.finish()
+        main.synchronize()
+        exp = t.expect_single(0, topk, req)
+        np.testing.assert_array_equal(cupy.asnumpy(outs[0]), exp.device_locs)
+        for layer in range(L):  # shared layers: the full layer's rows hold their own bytes
+            o = cupy.asnumpy(outs[layer])
+            sel = o >= 0
+            ids = req[:, None].astype(np.int64) * MAX_LEN + topk
+            rows = cupy.asnumpy(t.c.device_rows(layer)[cupy.asarray(o[sel])])
+            assert (rows == pattern(layer, ids[sel], ROW)).all(), (it, layer)
+    pf.synchronize()
+    t.c.close()
+
+
+def test_probes_state_validation_and_sizes(rng, stream):
+    import cupy
+
+    from hisparse_cupy import swap_in
+
+    t = Twin(rng)
+    c = t.c
+    st = c.state(0)
+    req = cupy.asarray([0, 1], dtype=cupy.int32)
+    lens = cupy.asarray(t.lens[[0, 1]])
+    topk = cupy.asarray(t.topk([0, 1]))
+    kw = dict(host_rows=c.pool.device_ptr(0), n_host_rows=c.pool.n_rows,
+              device_rows=c.device[0], plan=c.plan)
+    # slot_locs beyond device_rows: validate_state reports it and launches nothing
+    before = cupy.asnumpy(c.slot_tokens[0])
+    c.slot_locs[0, 1, 5] = c.device.shape[1] + 3
+    with pytest.raises(ValueError, match=r"slot_locs\[1, 5\] = .* is outside the .* device rows"):
+        swap_in(topk, req, lens, st, validate_state=True, **kw)
+    np.testing.assert_array_equal(cupy.asnumpy(c.slot_tokens[0]), before)
+    c.slot_locs[0, 1, 5] = c._slot_layout[1, 5]
+    c.lru[0, 0, 3] = c.lru[0, 0, 4]  # not a permutation any more
+    with pytest.raises(ValueError, match=r"invalid state: lru\[0\] is not a permutation"):
+        swap_in(topk, req, lens, st, validate_state=True, **kw)
+    c.lru[0, 0] = cupy.asarray(t.np[0]["lru"][0])
+    # empty sizes are named as sizes
+    with pytest.raises(ValueError, match=r"top_k_tokens must have K >= 1, got shape \(2, 0\)"):
+        swap_in(cupy.zeros((2, 0), cupy.int32), req, lens, st, **kw)
+    with pytest.raises(ValueError, match=r"top_k_tokens must have B >= 1, got shape \(0, 8\)"):
+        swap_in(cupy.zeros((0, 8), cupy.int32), req[:0], lens[:0], st, **kw)
+    with pytest.raises(ValueError, match="req_indices must hold at least one batch row"):
+        c.begin_step(req[:0], lens[:0])
+    # repeated invalid request slots are not "repeats": they get the bad-row status
+    bad_req = cupy.asarray([-1, -1], dtype=cupy.int32)
+    with pytest.raises(ValueError, match=r"row 0 .*request slot out of range"):
+        swap_in(topk, bad_req, lens, st, check=True, **kw)
+    with pytest.raises(ValueError, match=r"repeats request slot\(s\) \[1\]"):
+        swap_in(topk, cupy.asarray([1, 1], dtype=cupy.int32), lens, st, check=True, **kw)
+    # check=True raises after the call completed: the valid row was resolved and admitted
+    tk = t.topk([0, 1], miss=0.5)
+    tk[1, 0] = MAX_LEN + 5  # out of range in row 1
+    with pytest.raises(ValueError, match=r"row 1 .*outside"):
+        c.begin_step(req, lens, stream=stream).swap(0, cupy.asarray(tk), check=True)
+    exp = t.expect_single(0, tk, np.array([0, 1]))
+    np.testing.assert_array_equal(cupy.asnumpy(c.out[:2]), exp.device_locs)
+    np.testing.assert_array_equal(cupy.asnumpy(c.slot_tokens[0]), t.np[0]["slot_tokens"])
+    # the step's own checks
+    with pytest.raises(ValueError, match=r"batch must be in \[1, max_batch=6\]"):
+        c.begin_step(cupy.zeros(7, cupy.int32), cupy.zeros(7, cupy.int32))
+    with pytest.raises(ValueError, match=r"seq_lens must have shape \(2,\) or \(2, S\)"):
+        c.begin_step(req, cupy.zeros(3, cupy.int32))
+    step = c.begin_step(req, lens)
+    with pytest.raises(ValueError, match=r"top_k_tokens must have shape \(2, K\)"):
+        step.swap(0, cupy.zeros((3, 8), cupy.int32))
+    with pytest.raises(ValueError, match=r"1..24 entries per row"):
+        step.swap(0, cupy.zeros((2, 25), cupy.int32))
+    with pytest.raises(TypeError, match="stream must be a CuPy stream"):
+        c.begin_step(req, lens, stream="main")
+    c.close()
