@@ -81,7 +81,7 @@ def array(
                 raise ValueError(f"{name} must have shape {exp}, got {tuple(arr.shape)} (dim {i})")
     if contiguous and not arr.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous (strides {arr.strides})")
-    if inner_contiguous and arr.ndim >= 2:
+    if inner_contiguous and arr.ndim >= 2 and arr.size:  # (an empty array: sizes() names it)
         expected = arr.itemsize
         for d in range(arr.ndim - 1, 0, -1):
             if arr.shape[d] > 1 and arr.strides[d] != expected:

@@ -1,15 +1,14 @@
 """The one launch path of the package, and the caller's stream.
 
 Every kernel takes one parameter struct by value (:mod:`hisparse_cupy._abi`): a :class:`Params`
-holds it as a one-element NumPy structured array. :func:`launch` queues a kernel with it:
-
-- plainly, through ``RawKernel.__call__`` (CuPy copies the struct into the launch);
-- with Programmatic Dependent Launch (``pdl=True`` on a device of compute capability 9.0 or
-  newer), through ``cuda.bindings.driver.cuLaunchKernelEx`` with the
-  programmatic-stream-serialization attribute: the kernel may start while the previous kernel on
-  the stream finishes, and calls ``hs::pdl_wait()`` before reading what that kernel wrote. The
-  launch configuration is cached per (block, shared memory), so a launch sets the grid and the
-  stream and passes one pointer (to the struct's bytes) as the argument block.
+holds it as a one-element NumPy structured array. :func:`launch` queues a kernel with it through
+``cuda.bindings.driver.cuLaunchKernelEx`` (the driver copies the struct at the launch, and into
+the graph node under capture), with Programmatic Dependent Launch when ``pdl=True`` on a device
+of compute capability 9.0 or newer: the programmatic-stream-serialization attribute lets the
+kernel start while the previous kernel on the stream finishes, and the kernel calls
+``hs::pdl_wait()`` before reading what that kernel wrote. The launch configuration is cached
+per (block, shared memory, PDL), so a launch sets the grid and the stream only when they
+changed and passes one pointer (to the struct's bytes) as the argument block.
 
 :func:`as_stream` turns whatever the caller passed as ``stream=`` into a CuPy stream object:
 ``None`` (CuPy's current stream), a ``cupy.cuda.Stream`` or ``ExternalStream``, an object with
@@ -206,25 +205,27 @@ def _opt_in_smem(kernel, shared_mem: int, dev: int) -> None:
     _smem_set[key] = shared_mem
 
 
-class _PdlConfig:
-    """A cached CUlaunchConfig with the PDL attribute, and its one-pointer argument block.
+class _LaunchConfig:
+    """A cached CUlaunchConfig (with the PDL attribute or without) and its one-pointer argument
+    block. A lock keeps two threads from interleaving the fill of the shared config and the
+    launch."""
 
-    A lock keeps two threads from interleaving the fill of the shared config and the launch.
-    """
-
-    def __init__(self, block: tuple[int, int, int], shared_mem: int):
+    def __init__(self, block: tuple[int, int, int], shared_mem: int, pdl: bool = True):
         from cuda.bindings import driver as cu
 
         self.cu = cu
         cfg = cu.CUlaunchConfig()
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
         cfg.sharedMemBytes = shared_mem
-        attr = cu.CUlaunchAttribute()
-        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        cfg.attrs = [attr]
-        cfg.numAttrs = 1
+        if pdl:
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
         self.cfg = cfg
+        self.grid = (0, 0, 0)
+        self.stream = -1
         self.args = np.zeros(1, np.uintp)  # void* kernelParams[1]: the struct's address
         self.args_addr = self.args.ctypes.data
         self.streams: dict[int, object] = {}
@@ -232,54 +233,58 @@ class _PdlConfig:
 
     def launch(self, func, grid, stream_ptr: int, params_addr: int) -> None:
         cu = self.cu
-        hs = self.streams.get(stream_ptr)
-        if hs is None:
-            hs = self.streams[stream_ptr] = cu.CUstream(stream_ptr)
         with self.lock:
-            self.args[0] = params_addr
             cfg = self.cfg
-            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
-            cfg.hStream = hs
+            if grid != self.grid:
+                cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.grid = grid
+            if stream_ptr != self.stream:
+                hs = self.streams.get(stream_ptr)
+                if hs is None:
+                    hs = self.streams[stream_ptr] = cu.CUstream(stream_ptr)
+                cfg.hStream = hs
+                self.stream = stream_ptr
+            self.args[0] = params_addr
             (err,) = cu.cuLaunchKernelEx(cfg, func, self.args_addr, 0)
         if err != cu.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernelEx failed: {cu.cuGetErrorName(err)[1]}")
 
 
-_pdl_configs: dict[tuple, _PdlConfig] = {}
+_configs: dict[tuple, _LaunchConfig] = {}
 _funcs: dict[tuple[int, int], object] = {}  # (id(RawKernel), device) -> CUfunction
 
 
 def _dim3(x) -> tuple[int, int, int]:
-    t = (x,) if isinstance(x, int) else tuple(x)
-    return tuple(int(v) for v in t) + (1,) * (3 - len(t))
+    if isinstance(x, int):
+        return (x, 1, 1)
+    t = tuple(int(v) for v in x)
+    return t + (1,) * (3 - len(t))
 
 
 def launch(kernel, grid, block, params: Params, *, shared_mem: int = 0, stream=None,
            pdl: bool = False) -> None:
     """Queue ``kernel`` with its parameter struct on ``stream`` (a CuPy stream object; None:
-    the current stream).
+    the current stream), through ``cuLaunchKernelEx``.
 
     ``grid`` / ``block``: int or tuple of up to 3 ints (an empty grid queues nothing).
     ``shared_mem``: dynamic shared memory in bytes; above 48 KB the kernel is opted in once.
     ``pdl``: already resolved (:func:`resolve_pdl`); True launches with the PDL attribute.
+    CuPy's own ``RawKernel.__call__`` is not used: with one struct argument this path costs a
+    fraction of its host time (``tools/host_overhead.py``).
     """
     grid = _dim3(grid)
-    if min(grid) <= 0:
+    if grid[0] <= 0 or grid[1] <= 0 or grid[2] <= 0:
         return  # nothing to do; CUDA rejects empty grids
     block = _dim3(block)
     dev = cupy.cuda.runtime.getDevice()
     if shared_mem > _SMEM_DEFAULT_LIMIT:
         _opt_in_smem(kernel, shared_mem, dev)
-    if pdl:
-        if stream is None:
-            stream = cupy.cuda.get_current_stream()
-        key = (block, shared_mem)
-        cfg = _pdl_configs.get(key)
-        if cfg is None:
-            cfg = _pdl_configs[key] = _PdlConfig(block, shared_mem)
-        func = _funcs.get((id(kernel), dev))
-        if func is None:  # RawKernel.kernel resolves the module on every access: cache it
-            func = _funcs[(id(kernel), dev)] = cfg.cu.CUfunction(kernel.kernel.ptr)
-        cfg.launch(func, grid, stream.ptr, params.addr)
-        return
-    kernel(grid, block, (params.arr,), shared_mem=shared_mem, stream=stream)
+    if stream is None:
+        stream = cupy.cuda.get_current_stream()
+    key = (block, shared_mem, pdl)
+    cfg = _configs.get(key)
+    if cfg is None:
+        cfg = _configs[key] = _LaunchConfig(block, shared_mem, pdl)
+    func = _funcs.get((id(kernel), dev))
+    if func is None:  # RawKernel.kernel resolves the module on every access: cache it
+        func = _funcs[(id(kernel), dev)] = cfg.cu.CUfunction(kernel.kernel.ptr)
+    cfg.launch(func, grid, stream.ptr, params.addr)

@@ -24,7 +24,7 @@ def test_params_hold_the_struct_bytes():
 
 
 def test_pdl_config_passes_one_pointer_to_the_struct(monkeypatch):
-    cfg = _launch._PdlConfig((256, 1, 1), 1024)
+    cfg = _launch._LaunchConfig((256, 1, 1), 1024)
     seen = {}
 
     def fake_launch(config, func, params, extra):

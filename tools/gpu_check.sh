@@ -85,7 +85,7 @@ if [ $bench = 1 ]; then
   tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results"
 fi
 t0=$SECONDS
-$PY tools/host_overhead.py --json "$OUT/host_overhead.json" >"$OUT/host_overhead.log" 2>&1
+$PY tools/host_overhead.py --profile --json "$OUT/host_overhead.json" >"$OUT/host_overhead.log" 2>&1
 rc=$?
 summary "host_overhead rc=$rc ($((SECONDS - t0)) s)"
 [ $rc = 0 ] || fail=1

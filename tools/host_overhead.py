@@ -98,10 +98,13 @@ def launch_paths(stream, B: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the cProfile of begin_step and step.swap at batch 64")
     args = ap.parse_args()
     stream = cupy.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(0)
-    results = {f"batch_{B}": per_batch(B, stream, rng) for B in (8, 64)}
+    results = {f"batch_{B}": per_batch(B, stream, rng, args.profile and B == 64)
+               for B in (8, 64)}
     results["launch_paths"] = launch_paths(stream, 64)
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"host time per eager call ({dev}, K {K}, H {H}, rows {ROW} B; median of {ROUNDS} "
@@ -117,7 +120,20 @@ def main() -> None:
             json.dump({"device": dev, "results": results}, f, indent=1)
 
 
-def per_batch(B: int, stream, rng) -> dict:
+def profile(fn, label: str) -> None:
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(N):
+        fn()
+    pr.disable()
+    print(f"--- cProfile of {N} calls of {label}")
+    pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+
+
+def per_batch(B: int, stream, rng, prof: bool = False) -> dict:
     """Host time of each call at batch B (a two-layer cache, every request warm)."""
     cache = HotBufferCache(n_layers=2, max_requests=B, max_len=MAX_LEN, row_bytes=ROW,
                            hot_size=H, top_k=K, extra_page=P, max_steps=2)
@@ -140,6 +156,10 @@ def per_batch(B: int, stream, rng) -> dict:
     step = cache.begin_step(req, lens, stream=stream)
     r["step_swap"] = per_call_us(lambda: step.swap(0, topk), stream)
     r["step_swap_multistep_S2"] = per_call_us(lambda: step.swap(1, topk2), stream)
+    if prof:
+        profile(lambda: cache.begin_step(req, lens, stream=stream), "begin_step")
+        profile(lambda: step.swap(0, topk), "step.swap")
+        stream.synchronize()
     stream.synchronize()
     cache.close()
     return r
