@@ -250,7 +250,40 @@ class _LaunchConfig:
 
 
 _configs: dict[tuple, _LaunchConfig] = {}
-_funcs: dict[tuple[int, int], object] = {}  # (id(RawKernel), device) -> CUfunction
+_launchers: dict[tuple, Launcher] = {}
+
+
+class Launcher:
+    """One kernel bound to a block size, dynamic shared memory and PDL choice on the current
+    device: ``launcher(grid3, stream_ptr, params_addr)`` is the whole per-launch cost."""
+
+    __slots__ = ("cfg", "func")
+
+    def __init__(self, kernel, block: tuple[int, int, int], shared_mem: int, pdl: bool):
+        dev = cupy.cuda.runtime.getDevice()
+        if shared_mem > _SMEM_DEFAULT_LIMIT:
+            _opt_in_smem(kernel, shared_mem, dev)
+        key = (block, shared_mem, pdl)
+        cfg = _configs.get(key)
+        if cfg is None:
+            cfg = _configs[key] = _LaunchConfig(block, shared_mem, pdl)
+        self.cfg = cfg
+        # RawKernel.kernel loads the module on this device (CuPy compiles it on first use)
+        self.func = cfg.cu.CUfunction(kernel.kernel.ptr)
+
+    def __call__(self, grid: tuple[int, int, int], stream_ptr: int, params_addr: int) -> None:
+        if grid[0] > 0 and grid[1] > 0 and grid[2] > 0:  # CUDA rejects empty grids
+            self.cfg.launch(self.func, grid, stream_ptr, params_addr)
+
+
+def launcher(kernel, block, shared_mem: int = 0, pdl: bool = False) -> Launcher:
+    """The cached :class:`Launcher` of ``kernel`` on the current device."""
+    block = _dim3(block)
+    key = (id(kernel), cupy.cuda.runtime.getDevice(), block, shared_mem, bool(pdl))
+    la = _launchers.get(key)
+    if la is None:
+        la = _launchers[key] = Launcher(kernel, block, shared_mem, bool(pdl))
+    return la
 
 
 def _dim3(x) -> tuple[int, int, int]:
@@ -271,20 +304,6 @@ def launch(kernel, grid, block, params: Params, *, shared_mem: int = 0, stream=N
     CuPy's own ``RawKernel.__call__`` is not used: with one struct argument this path costs a
     fraction of its host time (``tools/host_overhead.py``).
     """
-    grid = _dim3(grid)
-    if grid[0] <= 0 or grid[1] <= 0 or grid[2] <= 0:
-        return  # nothing to do; CUDA rejects empty grids
-    block = _dim3(block)
-    dev = cupy.cuda.runtime.getDevice()
-    if shared_mem > _SMEM_DEFAULT_LIMIT:
-        _opt_in_smem(kernel, shared_mem, dev)
     if stream is None:
         stream = cupy.cuda.get_current_stream()
-    key = (block, shared_mem, pdl)
-    cfg = _configs.get(key)
-    if cfg is None:
-        cfg = _configs[key] = _LaunchConfig(block, shared_mem, pdl)
-    func = _funcs.get((id(kernel), dev))
-    if func is None:  # RawKernel.kernel resolves the module on every access: cache it
-        func = _funcs[(id(kernel), dev)] = cfg.cu.CUfunction(kernel.kernel.ptr)
-    cfg.launch(func, grid, stream.ptr, params.addr)
+    launcher(kernel, block, shared_mem, pdl)(_dim3(grid), stream.ptr, params.addr)

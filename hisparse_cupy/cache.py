@@ -30,19 +30,27 @@ import cupy
 import numpy as np
 
 from . import _abi, _build, _checks
-from ._launch import Params, as_stream, launch, ptr, resolve_pdl
+from ._launch import Params, as_stream, launch, launcher, ptr, resolve_pdl
 from .host_pool import HostKVPool
 from .multistep import (
     MultiStepConfig,
     MultiStepState,
     MultiStepWorkspace,
+    commit_smem_bytes,
     init_states,
 )
-from .multistep import run as run_multistep
-from .multistep import set_topk as set_multistep_topk
 from .plan import MissPlan, copy_params, default_copy_grid, launch_copy
-from .swap import MAX_HOT, SwapState, check_sizes, set_call
-from .swap import run as run_swap
+from .swap import MAX_HOT, SwapState, check_sizes, hash_size, resolve_smem_bytes
+
+
+def _words(dt: np.dtype, size: int) -> dict[str, int]:
+    """Field -> index in a ``size``-byte-word view of one struct (fields of that width)."""
+    return {n: dt.fields[n][1] // size for n in dt.names if dt[n].itemsize == size}
+
+
+# per-call fields are written through integer views of a step's struct arrays
+_RES8, _RES4 = _words(_abi.SWAP_RESOLVE, 8), _words(_abi.SWAP_RESOLVE, 4)
+_MS8, _MS4 = _words(_abi.MULTISTEP, 8), _words(_abi.MULTISTEP, 4)
 
 
 class HotBufferCache:
@@ -388,6 +396,10 @@ class HotBufferCache:
         self.close()
 
 
+def _copy_structs(tmpl: np.ndarray) -> np.ndarray:
+    return tmpl.view(np.uint8).copy().view(tmpl.dtype)
+
+
 class Step:
     """One decode step of a :class:`HotBufferCache`: the batch, validated once.
 
@@ -412,24 +424,19 @@ class Step:
             raise ValueError("prefetcher drives another cache")
         self._key = (self.req.dtype, self.seq_lens.dtype)
         req, lens, nr = ptr(self.req), ptr(self.seq_lens), ptr(self.num_real)
-        self._resolve = res = c._tmpl_resolve.copy()  # every layer's struct, batch filled in
+        # every layer's structs, copied from the cache's templates (as bytes: a structured
+        # copy is ten times slower) and the batch's fields filled in for all layers at once
+        self._resolve = res = _copy_structs(c._tmpl_resolve)
         res["req"], res["lens"], res["lens_stride"] = req, lens, self._lens_stride
         res["B"], res["num_real"] = B, nr
-        self._copy = cp = c._tmpl_copy.copy()
+        self._copy = cp = _copy_structs(c._tmpl_copy)
         cp["B"], cp["num_real"] = B, nr
-        self._ms = ms = None if c._tmpl_ms is None else c._tmpl_ms.copy()
+        self._ms = ms = None if c._tmpl_ms is None else _copy_structs(c._tmpl_ms)
         if ms is not None:
             ms["req"], ms["lens"], ms["num_real"], ms["B"] = req, lens, nr, B
             ms["lens_stride"], ms["lens_step"] = self._lens_stride, self._lens_step
-        self._bases = (res.ctypes.data, cp.ctypes.data, 0 if ms is None else ms.ctypes.data)
-        self._views: dict[tuple[int, int], Params] = {}
-
-    def _row(self, which: int, arr: np.ndarray, layer: int) -> Params:
-        """The Params view of ``layer``'s struct in one of the step's arrays (made once)."""
-        p = self._views.get((which, layer))
-        if p is None:
-            p = self._views[(which, layer)] = Params.row(arr, layer, self._bases[which])
-        return p
+        self._dev = cupy.cuda.runtime.getDevice()
+        self._launch: dict[tuple, tuple] = {}  # per top-k shape: launchers, grids, outputs
 
     # ----------------------------------------------------------------- swaps
     def swap(self, layer: int, top_k_tokens, *, out=None, copy_grid: int | None = None,
@@ -450,9 +457,9 @@ class Step:
     def _swap(self, layer: int, top_k_tokens, *, out=None, copy_grid: int | None = None,
               check: bool = False) -> cupy.ndarray:
         c = self.cache
-        layer = c._layer(layer)
-        topk = _checks.array("top_k_tokens", top_k_tokens, np.int32, contiguous=False,
-                             inner_contiguous=True)
+        if not 0 <= layer < c.n_layers:
+            layer = c._layer(layer)  # raises with the range
+        topk = _checks.token_rows("top_k_tokens", top_k_tokens, self._dev)
         B = self.batch
         if topk.ndim == 3:
             return self._swap_multistep(layer, topk, out=out, check=check)
@@ -460,47 +467,108 @@ class Step:
             raise ValueError(f"top_k_tokens must have shape ({B}, K) or ({B}, S, K), got "
                              f"{tuple(topk.shape)}")
         K = topk.shape[1]
-        if not 1 <= K <= c.top_k:
-            raise ValueError(f"top_k_tokens must have 1..{c.top_k} entries per row (the cache's "
-                             f"top_k), got {K}")
+        plan = self._launch.get((K, copy_grid))
+        if plan is None:
+            plan = self._plan_single(K, copy_grid)
+        la_resolve, la_copy, grid_resolve, grid_copy, default_out = plan
         if out is None:
-            out = c.out[:B]
+            out = default_out
         else:
             out = _checks.array("out", out, np.int32, shape=(B, K), contiguous=False,
                                 inner_contiguous=True)
         if check:
             _checks.unique_requests(self.req, self.num_real, c.max_requests)
-        p = self._row(0, self._resolve, layer)
-        set_call(p, topk, out)
-        run_swap(p, self._row(1, self._copy, layer), _build.RESOLVE, self._key, B=B, K=K,
-                 H=c.hot_size, stream=self.stream, pdl=self.pdl, copy_grid=copy_grid)
+        res = self._resolve
+        w8, w4 = layer * (res.itemsize // 8), layer * (res.itemsize // 4)
+        u64, i32 = self._res_words
+        u64[w8 + _RES8["topk"]] = topk.data.ptr
+        u64[w8 + _RES8["out"]] = out.data.ptr
+        i32[w4 + _RES4["topk_stride"]] = topk.strides[0] // 4
+        i32[w4 + _RES4["out_stride"]] = out.strides[0] // 4
+        if i32[w4 + _RES4["K"]] != K:
+            i32[w4 + _RES4["K"]] = K
+            i32[w4 + _RES4["hash_size"]] = hash_size(K)
+        sptr = self.stream.ptr
+        la_resolve(grid_resolve, sptr, self._bases[0] + layer * res.itemsize)
+        la_copy(grid_copy, sptr, self._bases[1] + layer * self._copy.itemsize)
         if check:
             _checks.raise_on_status(c.status[:B], topk, self.seq_lens,
                                     max_len=c.max_len, stream=self.stream)
         return out
+
+    @property
+    def _bases(self) -> tuple[int, int, int]:
+        b = self.__dict__.get("_bases_")
+        if b is None:
+            ms = self._ms
+            b = self.__dict__["_bases_"] = (self._resolve.ctypes.data, self._copy.ctypes.data,
+                                            0 if ms is None else ms.ctypes.data)
+        return b
+
+    @property
+    def _res_words(self):
+        w = self.__dict__.get("_res_words_")
+        if w is None:
+            w = self.__dict__["_res_words_"] = (self._resolve.view(np.uint64),
+                                                self._resolve.view(np.int32))
+        return w
+
+    def _plan_single(self, K: int, copy_grid: int | None):
+        """Launchers, grids and default output of single-step swaps with K entries."""
+        c, B = self.cache, self.batch
+        if not 1 <= K <= c.top_k:
+            raise ValueError(f"top_k_tokens must have 1..{c.top_k} entries per row (the cache's "
+                             f"top_k), got {K}")
+        grid = _checks.integer("copy_grid", copy_grid, 1, 2**31 - 1) if copy_grid else \
+            default_copy_grid(B, K)
+        plan = (launcher(_build.kernel(_build.RESOLVE[self._key]), _abi.RESOLVE_BLOCK,
+                         resolve_smem_bytes(K, c.hot_size)),
+                launcher(_build.kernel(_build.COPY_H2D), _abi.COPY_WARPS * 32,
+                         _abi.smem_bytes("PLANNED_COPY", B=B), self.pdl),
+                (B, 1, 1), (grid, 1, 1), c.out[:B, :K])
+        self._launch[(K, copy_grid)] = plan
+        return plan
 
     def _swap_multistep(self, layer: int, topk, *, out=None, check: bool = False):
         c = self.cache
         B, S, K = topk.shape
         if c.max_steps < 2:
             raise ValueError("a [B, S, K] top-k needs a cache built with max_steps >= 2")
-        if topk.shape[0] != B or not 2 <= S <= c.max_steps or not 1 <= K <= c.top_k:
+        if B != self.batch or not 2 <= S <= c.max_steps or not 1 <= K <= c.top_k:
             raise ValueError(f"top_k_tokens must have shape ({self.batch}, 2..{c.max_steps}, "
                              f"1..{c.top_k}), got {tuple(topk.shape)}")
-        if self._lens_step and self.seq_lens.shape[1] < S:
-            raise ValueError(f"seq_lens has {self.seq_lens.shape[1]} step column(s), the call "
-                             f"has {S} steps")
+        plan = self._launch.get((S, K))
+        if plan is None:
+            if self._lens_step and self.seq_lens.shape[1] < S:
+                raise ValueError(f"seq_lens has {self.seq_lens.shape[1]} step column(s), the "
+                                 f"call has {S} steps")
+            T = S * K
+            plan = self._launch[(S, K)] = (
+                launcher(_build.kernel(_build.GATHER[self._key]), _abi.GATHER_BLOCK),
+                launcher(_build.kernel(_build.COMMIT[self._key]), _abi.COMMIT_BLOCK,
+                         commit_smem_bytes(c.hot_size, T), self.pdl),
+                (-(-T // _abi.GATHER_BLOCK), B, 1), (B, 1, 1), c.ms_out[:B, :S, :K])
+        la_gather, la_commit, grid_gather, grid_commit, default_out = plan
         if out is None:
-            out = c.ms_out[:B, :S, :K]
+            out = default_out
         else:
             out = _checks.array("out", out, np.int32, shape=(B, S, K), contiguous=False,
                                 inner_contiguous=True)
         if check:
             _checks.unique_requests(self.req, self.num_real, c.max_requests)
-        p = self._row(2, self._ms, layer)
-        set_multistep_topk(p, topk, out)
-        run_multistep(p, self._key, B=B, T=S * K, H=c.hot_size, stream=self.stream,
-                      pdl=self.pdl)
+        ms = self._ms
+        u64, i32 = ms.view(np.uint64), ms.view(np.int32)
+        w8, w4 = layer * (ms.itemsize // 8), layer * (ms.itemsize // 4)
+        u64[w8 + _MS8["topk"]] = topk.data.ptr
+        u64[w8 + _MS8["out"]] = out.data.ptr
+        i32[w4 + _MS4["topk_stride"]] = topk.strides[0] // 4
+        i32[w4 + _MS4["out_stride"]] = out.strides[0] // 4
+        i32[w4 + _MS4["S"]] = S
+        i32[w4 + _MS4["K"]] = K
+        sptr = self.stream.ptr
+        addr = self._bases[2] + layer * ms.itemsize
+        la_gather(grid_gather, sptr, addr)
+        la_commit(grid_commit, sptr, addr)
         if check:
             _checks.raise_on_status(c.status[:B], topk, self.seq_lens, max_len=c.max_len,
                                     what="multi-step swap", stream=self.stream)
