@@ -6,9 +6,9 @@ launch through each launch path.
 Per call, median over 5 rounds of 200 calls (time.perf_counter; the device is drained between
 rounds): ``swap_in`` (the stateless op, validates everything), ``cache.begin_step`` (validates
 the batch once), ``step.swap`` single-step and multi-step (checks only the top-k), and one
-launch of the planned-copy kernel with PDL through this package's ``cuLaunchKernelEx`` path
-and through ``cuda.core.launch`` with a ``LaunchConfig(programmatic_stream_serialization=True)``
-(eager and while a CUDA graph is being captured).
+PDL launch of a one-argument kernel through this package's launcher and through
+``cuda.core.launch`` with a ``LaunchConfig(programmatic_stream_serialization=True)`` (eager
+and while a CUDA graph is being captured).
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ import time
 import cupy
 import numpy as np
 
-from hisparse_cupy import HotBufferCache, _abi, _build, swap_in
-from hisparse_cupy._launch import launch
-from hisparse_cupy.plan import copy_params
+from hisparse_cupy import HotBufferCache, _abi, swap_in
+from hisparse_cupy._launch import launcher
 
 ROUNDS, N = 5, 200
 K, H, P, MAX_LEN, ROW = 2048, 4096, 64, 8192, 656
@@ -43,55 +42,58 @@ def per_call_us(fn, stream) -> dict:
     return {"median_us": statistics.median(out), "min_us": min(out), "max_us": max(out)}
 
 
-def launch_paths(stream, B: int) -> dict:
-    """One planned-copy launch with PDL: ours vs cuda.core (same kernel, same struct)."""
-    c = cupy.zeros((B, 1), cupy.int64)
-    d = cupy.zeros((B, 1), cupy.int32)
-    n = cupy.zeros(B, cupy.int32)  # counts 0: the kernel does nothing
-    p = copy_params(c, d, n, B, None, src_base=0, src_layer_bytes=0, n_src_rows=1, dst_base=0,
-                    dst_layer_bytes=0, n_dst_rows=1, row_bytes=16)
-    k = _build.kernel(_build.COPY_H2D)
-    smem = _abi.smem_bytes("PLANNED_COPY", B=B)
-    res = {"ours_eager": per_call_us(
-        lambda: launch(k, 64, 256, p, shared_mem=smem, stream=stream, pdl=True), stream)}
+_NOP = r"""extern "C" __global__ void nop(unsigned long long x) {
+  if (x == 1) asm volatile("griddepcontrol.wait;" ::: "memory");
+}"""
+
+
+def _captured(fn, stream) -> dict:
+    """Host time per call while ``stream`` is being captured into a graph."""
+    times = []
+    for _ in range(ROUNDS):
+        with stream:
+            stream.begin_capture()
+            t0 = time.perf_counter()
+            for _ in range(N):
+                fn()
+            times.append((time.perf_counter() - t0) / N * 1e6)
+            stream.end_capture()
+    return {"median_us": statistics.median(times), "min_us": min(times), "max_us": max(times)}
+
+
+def launch_paths(stream) -> dict:
+    """One PDL launch of a one-argument kernel: this package's path vs ``cuda.core.launch``.
+
+    Both launch the same CUfunction (CuPy-compiled) on the same stream with the
+    programmatic-stream-serialization attribute, eager and under capture. Then: can cuda.core
+    pass this package's parameter struct by value?
+    """
+    k = cupy.RawKernel(_NOP, "nop")
+    arg = np.zeros(1, np.uint64)
+    la = launcher(k, 32, 0, pdl=True)
+    grid, sptr, addr = (1, 1, 1), stream.ptr, arg.ctypes.data
+    res = {"ours_eager": per_call_us(lambda: la(grid, sptr, addr), stream),
+           "ours_capture": _captured(lambda: la(grid, sptr, addr), stream)}
     try:
-        from cuda.core import Device, Kernel, LaunchConfig
+        from cuda.core import Device, Kernel, LaunchConfig, Stream
         from cuda.core import launch as core_launch
 
         Device().set_current()
         ck = Kernel.from_handle(k.kernel.ptr)
-        cfg = LaunchConfig(grid=64, block=256, shmem_size=smem,
-                           programmatic_stream_serialization=True)
-        import ctypes
-
-        blob = (ctypes.c_byte * p.arr.itemsize).from_buffer(p.arr)
-        res["core_eager"] = per_call_us(lambda: core_launch(stream, cfg, ck, blob), stream)
-    except Exception as e:  # the library could not launch our kernel / struct
+        cs = Stream.from_handle(stream.ptr)
+        cfg = LaunchConfig(grid=1, block=32, programmatic_stream_serialization=True)
+        x = np.uint64(0)
+        res["core_eager"] = per_call_us(lambda: core_launch(cs, cfg, ck, x), stream)
+        res["core_capture"] = _captured(lambda: core_launch(cs, cfg, ck, x), stream)
+        try:  # the struct-by-value ABI: a SwapResolveParams as one argument
+            p = np.zeros(1, _abi.SWAP_RESOLVE)
+            core_launch(cs, cfg, ck, p[0])
+            res["core_struct_arg"] = "accepted"
+        except Exception as e:
+            res["core_struct_arg"] = f"refused: {type(e).__name__}: {e}"
+        stream.synchronize()
+    except Exception as e:  # the library could not launch the kernel at all
         res["core_error"] = f"{type(e).__name__}: {e}"
-    # inside capture
-    for name, fn in (("ours_capture", lambda: launch(k, 64, 256, p, shared_mem=smem,
-                                                     stream=stream, pdl=True)),):
-        times = []
-        for _ in range(ROUNDS):
-            with stream:
-                stream.begin_capture()
-                t0 = time.perf_counter()
-                for _ in range(N):
-                    fn()
-                times.append((time.perf_counter() - t0) / N * 1e6)
-                stream.end_capture()
-        res[name] = {"median_us": statistics.median(times)}
-    if "core_eager" in res:
-        times = []
-        for _ in range(ROUNDS):
-            with stream:
-                stream.begin_capture()
-                t0 = time.perf_counter()
-                for _ in range(N):
-                    core_launch(stream, cfg, ck, blob)
-                times.append((time.perf_counter() - t0) / N * 1e6)
-                stream.end_capture()
-        res["core_capture"] = {"median_us": statistics.median(times)}
     return res
 
 
@@ -105,7 +107,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     results = {f"batch_{B}": per_batch(B, stream, rng, args.profile and B == 64)
                for B in (8, 64)}
-    results["launch_paths"] = launch_paths(stream, 64)
+    results["launch_paths"] = launch_paths(stream)
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"host time per eager call ({dev}, K {K}, H {H}, rows {ROW} B; median of {ROUNDS} "
           f"rounds of {N})")
