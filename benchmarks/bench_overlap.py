@@ -47,7 +47,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import device_info, memcpy_h2d, summary, time_calls, write_json  # noqa: E402
 
 from hisparse_cupy import HotBufferCache, LayerPattern, Prefetcher, replay_plan  # noqa: E402
-from hisparse_cupy._launch import launch  # noqa: E402
 
 K, H, P, ROW = 2048, 4096, 64, 656
 MAX_LEN = 6656  # token window U = 6655 >= H + K: a token coming back was evicted long ago
@@ -174,7 +173,7 @@ class Compute:
 
     def __call__(self) -> None:
         if self.kind == "fma":
-            launch(self.kern.fma, self.sms * 4, 256, (self.burn, np.int32(self.iters)),
+            self.kern.fma((self.sms * 4,), (256,), (self.burn, np.int32(self.iters)),
                    stream=self.main)
         else:
             self.torch.matmul(self.x[: self.m], self.w, out=self.y[: self.m])
@@ -244,14 +243,14 @@ class Rig:
 
     # -------------------------------------------------------------- pieces
     def gen(self) -> None:
-        launch(self.kern.gen, (-(-K // 256), self.B), 256,
-               (self.topk, np.int32(K), np.int32(self.M), np.int32(U), self.a, self.step_ctr),
-               stream=self.main)
+        self.kern.gen((-(-K // 256), self.B), (256,),
+                      (self.topk, np.int32(K), np.int32(self.M), np.int32(U), self.a,
+                       self.step_ctr), stream=self.main)
 
     def attention(self, locs, layer: int) -> None:
-        launch(self.kern.attn, (K // 64, self.B), 256,
-               (locs, np.int32(K), self.cache.device[layer], np.int32(ROW), self.sums),
-               stream=self.main)
+        self.kern.attn((K // 64, self.B), (256,),
+                       (locs, np.int32(K), self.cache.device[layer], np.int32(ROW), self.sums),
+                       stream=self.main)
 
     # -------------------------------------------------------------- steps
     def step_offload(self) -> None:
@@ -259,12 +258,13 @@ class Rig:
         B, s = self.B, self.main
         self.gen()
         req, lens, tk = self.req[:B], self.lens[:B], self.topk[:B]
+        step = self.cache.begin_step(req, lens, stream=s, prefetcher=self.pf)
         for layer in range(self.L):
-            locs = self.pf.swap(layer, req, lens, tk, stream=s)
+            locs = step.swap(layer, tk)
             self.attention(locs, layer)
             self.compute()
         self.pf.finish(s)
-        launch(self.kern.tick, 1, 1, (self.step_ctr,), stream=s)
+        self.kern.tick((1,), (1,), (self.step_ctr,), stream=s)
         self.last = locs
 
     def step_no_offload(self) -> None:

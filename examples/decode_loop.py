@@ -61,16 +61,18 @@ def run_gpu(steps: int, R: int, rng) -> None:
     for step in range(steps):
         seq += 1
         lens = cupy.full(R, seq, dtype=cupy.int32)
-        rows = cache.newest_rows(req, lens)  # the model writes this step's KV here
+        step_ = cache.begin_step(req, lens)  # the batch is validated once per step
+        rows = step_.newest_rows()  # the model writes this step's KV here
         for layer in range(L):
             new = np.concatenate([kv_bytes(layer, [r * max_len + seq - 1]) for r in rids])
             cache.device_rows(layer)[rows] = cupy.asarray(new)
-        cache.backup_newest(req, lens)
+        step_.backup_newest()
         topk = np.stack([indexer(rng, seq, prev[b]) for b in range(R)])
         prev = list(topk)
+        d_topk = cupy.asarray(topk)
         misses = 0
         for layer in range(L):
-            locs = cupy.asnumpy(cache.swap(layer, req, lens, cupy.asarray(topk), check=True))
+            locs = cupy.asnumpy(step_.swap(layer, d_topk, check=True))
             misses += int(cupy.asnumpy(cache.plan.count[:R]).sum())
             got = cupy.asnumpy(cache.device_rows(layer)[cupy.asarray(locs.reshape(-1))])
             ids = (np.asarray(rids)[:, None] * max_len + topk).reshape(-1)
