@@ -2,7 +2,8 @@
 
 Every kernel takes one parameter struct by value (:mod:`hisparse_cupy._abi`): a :class:`Params`
 holds it as a one-element NumPy structured array. :func:`launch` queues a kernel with it through
-``cuda.bindings.driver.cuLaunchKernelEx`` (the driver copies the struct at the launch, and into
+the driver's ``cuLaunchKernelEx`` (called with ctypes; the driver copies the struct at the
+launch, and into
 the graph node under capture), with Programmatic Dependent Launch when ``pdl=True`` on a device
 of compute capability 9.0 or newer: the programmatic-stream-serialization attribute lets the
 kernel start while the previous kernel on the stream finishes, and the kernel calls
@@ -24,6 +25,7 @@ PDL where the device supports it and it is not turned off with ``HISPARSE_CUPY_P
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import threading
@@ -205,48 +207,80 @@ def _opt_in_smem(kernel, shared_mem: int, dev: int) -> None:
     _smem_set[key] = shared_mem
 
 
+# The driver's launch structures (cuda.h, CUDA 12.0+; stable ABI): called through ctypes, whose
+# per-call cost is a fraction of a generated binding's (tools/host_overhead.py measures it).
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _CUlaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_char * 64)]  # CUlaunchAttributeValue: a 64-byte union
+
+
+class _CUlaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_CUlaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+@functools.cache
+def _driver():
+    """``(cuLaunchKernelEx, cuGetErrorName)`` of the CUDA driver library."""
+    lib = ctypes.CDLL("libcuda.so.1" if os.name != "nt" else "nvcuda.dll")
+    try:
+        fn = lib.cuLaunchKernelEx
+    except AttributeError as e:
+        raise RuntimeError("the CUDA driver has no cuLaunchKernelEx: hisparse_cupy needs a "
+                           "CUDA 12.0 or newer driver") from e
+    fn.argtypes = [ctypes.c_void_p] * 4
+    fn.restype = ctypes.c_int
+    name = lib.cuGetErrorName
+    name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    name.restype = ctypes.c_int
+    return fn, name
+
+
 class _LaunchConfig:
     """A cached CUlaunchConfig (with the PDL attribute or without) and its one-pointer argument
     block. A lock keeps two threads from interleaving the fill of the shared config and the
     launch."""
 
     def __init__(self, block: tuple[int, int, int], shared_mem: int, pdl: bool = True):
-        from cuda.bindings import driver as cu
-
-        self.cu = cu
-        cfg = cu.CUlaunchConfig()
+        cfg = self.cfg = _CUlaunchConfig()
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
         cfg.sharedMemBytes = shared_mem
+        self.attr = _CUlaunchAttribute()
         if pdl:
-            attr = cu.CUlaunchAttribute()
-            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            cfg.attrs = [attr]
+            self.attr.id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+            self.attr.value = (1).to_bytes(4, "little") + bytes(60)  # ...Allowed = 1
+            cfg.attrs = ctypes.pointer(self.attr)
             cfg.numAttrs = 1
-        self.cfg = cfg
+        self.cfg_addr = ctypes.addressof(cfg)
         self.grid = (0, 0, 0)
         self.stream = -1
         self.args = np.zeros(1, np.uintp)  # void* kernelParams[1]: the struct's address
         self.args_addr = self.args.ctypes.data
-        self.streams: dict[int, object] = {}
+        self.call = None  # the driver's cuLaunchKernelEx, resolved at the first launch
         self.lock = threading.Lock()
 
-    def launch(self, func, grid, stream_ptr: int, params_addr: int) -> None:
-        cu = self.cu
+    def launch(self, func: int, grid, stream_ptr: int, params_addr: int) -> None:
+        if self.call is None:
+            self.call = _driver()[0]
         with self.lock:
             cfg = self.cfg
             if grid != self.grid:
                 cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.grid = grid
             if stream_ptr != self.stream:
-                hs = self.streams.get(stream_ptr)
-                if hs is None:
-                    hs = self.streams[stream_ptr] = cu.CUstream(stream_ptr)
-                cfg.hStream = hs
-                self.stream = stream_ptr
+                cfg.hStream = self.stream = stream_ptr
             self.args[0] = params_addr
-            (err,) = cu.cuLaunchKernelEx(cfg, func, self.args_addr, 0)
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuLaunchKernelEx failed: {cu.cuGetErrorName(err)[1]}")
+            err = self.call(self.cfg_addr, func, self.args_addr, None)
+        if err:
+            msg = ctypes.c_char_p()
+            _driver()[1](err, ctypes.byref(msg))
+            raise RuntimeError(f"cuLaunchKernelEx failed: {err} "
+                               f"({(msg.value or b'?').decode()})")
 
 
 _configs: dict[tuple, _LaunchConfig] = {}
@@ -269,7 +303,7 @@ class Launcher:
             cfg = _configs[key] = _LaunchConfig(block, shared_mem, pdl)
         self.cfg = cfg
         # RawKernel.kernel loads the module on this device (CuPy compiles it on first use)
-        self.func = cfg.cu.CUfunction(kernel.kernel.ptr)
+        self.func = kernel.kernel.ptr
 
     def __call__(self, grid: tuple[int, int, int], stream_ptr: int, params_addr: int) -> None:
         if grid[0] > 0 and grid[1] > 0 and grid[2] > 0:  # CUDA rejects empty grids

@@ -513,6 +513,13 @@ class Step:
                                                 self._resolve.view(np.int32))
         return w
 
+    @property
+    def _ms_words(self):
+        w = self.__dict__.get("_ms_words_")
+        if w is None:
+            w = self.__dict__["_ms_words_"] = (self._ms.view(np.uint64), self._ms.view(np.int32))
+        return w
+
     def _plan_single(self, K: int, copy_grid: int | None):
         """Launchers, grids and default output of single-step swaps with K entries."""
         c, B = self.cache, self.batch
@@ -557,7 +564,7 @@ class Step:
         if check:
             _checks.unique_requests(self.req, self.num_real, c.max_requests)
         ms = self._ms
-        u64, i32 = ms.view(np.uint64), ms.view(np.int32)
+        u64, i32 = self._ms_words
         w8, w4 = layer * (ms.itemsize // 8), layer * (ms.itemsize // 4)
         u64[w8 + _MS8["topk"]] = topk.data.ptr
         u64[w8 + _MS8["out"]] = out.data.ptr

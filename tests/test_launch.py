@@ -4,7 +4,6 @@ every call accepts."""
 from __future__ import annotations
 
 import ctypes
-import types
 
 import numpy as np
 import pytest
@@ -23,25 +22,38 @@ def test_params_hold_the_struct_bytes():
     assert p["B"] == 7
 
 
-def test_pdl_config_passes_one_pointer_to_the_struct(monkeypatch):
+def test_launch_config_passes_one_pointer_to_the_struct():
     cfg = _launch._LaunchConfig((256, 1, 1), 1024)
     seen = {}
 
     def fake_launch(config, func, params, extra):
+        c = _launch._CUlaunchConfig.from_address(config)
         arg0 = ctypes.c_void_p.from_address(params).value
         seen["B"] = ctypes.c_int32.from_address(arg0 + _abi.PLANNED_COPY.fields["B"][1]).value
-        seen["grid"] = (config.gridDimX, config.gridDimY, config.gridDimZ)
-        seen["smem"] = config.sharedMemBytes
-        return (cfg.cu.CUresult.CUDA_SUCCESS,)
+        seen["grid"] = (c.gridDimX, c.gridDimY, c.gridDimZ)
+        seen["smem"], seen["stream"], seen["func"] = c.sharedMemBytes, c.hStream, func
+        seen["pdl"] = (c.numAttrs, c.attrs[0].id, c.attrs[0].value[0])
+        return 0
 
-    cfg.cu = types.SimpleNamespace(cuLaunchKernelEx=fake_launch, CUresult=cfg.cu.CUresult,
-                                   CUstream=cfg.cu.CUstream, cuGetErrorName=cfg.cu.cuGetErrorName)
+    cfg.call = fake_launch
     p = Params(_abi.PLANNED_COPY).set(B=3)
-    cfg.launch(object(), (7, 2, 1), 0, p.addr)
-    assert seen == {"B": 3, "grid": (7, 2, 1), "smem": 1024}
+    cfg.launch(0xF00, (7, 2, 1), 0x5000, p.addr)
+    assert seen == {"B": 3, "grid": (7, 2, 1), "smem": 1024, "stream": 0x5000, "func": 0xF00,
+                    "pdl": (1, 6, 1)}
     p["B"] = 9  # a later launch with the same struct object sees the new values
-    cfg.launch(object(), (1, 1, 1), 0, p.addr)
-    assert seen["B"] == 9
+    cfg.launch(0xF00, (1, 1, 1), 0x6000, p.addr)
+    assert seen["B"] == 9 and seen["grid"] == (1, 1, 1) and seen["stream"] == 0x6000
+
+
+def test_launch_structures_match_the_driver_abi():
+    # cuda.h: CUlaunchAttribute is 72 bytes (id, pad, 64-byte value union); CUlaunchConfig puts
+    # hStream at 32 and numAttrs at 48 (x86-64)
+    assert ctypes.sizeof(_launch._CUlaunchAttribute) == 72
+    assert _launch._CUlaunchConfig.hStream.offset == 32
+    assert _launch._CUlaunchConfig.attrs.offset == 40
+    assert _launch._CUlaunchConfig.numAttrs.offset == 48
+    plain = _launch._LaunchConfig((32, 1, 1), 0, pdl=False)
+    assert plain.cfg.numAttrs == 0
 
 
 class _FakeStream:
