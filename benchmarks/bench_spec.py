@@ -15,6 +15,9 @@ Methods: ``multistep_swap_in`` (gather + commit, commit launched with PDL or pla
 ``cudaMemcpyAsync`` H2D of the unique missed bytes from the same pinned pool, timed the same ways.
 
     python benchmarks/bench_spec.py [--quick] [--out DIR]
+
+(The file keeps its first name, and ``Case`` its attribute names, because the peer benchmark
+that runs SGLang's kernels beside ours imports them.)
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ several times. :func:`multistep_swap_in` treats the union of the steps as one wo
   chooses victims with a CLOCK-style policy, admits misses by swapping the scratch row with the
   victim's row (no second copy) and updates the token -> slot index.
 
-The exact semantics, the state layout and the admission policy are in ``cu/spec.cu``;
+The exact semantics, the state layout and the admission policy are in ``cu/multistep.cu``;
 :func:`hisparse_cupy.reference.multistep_swap_in` is the same algorithm in NumPy.
 
 State. :class:`MultiStepState` is per layer: admission rotates device rows between hot slots and

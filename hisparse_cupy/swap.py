@@ -45,7 +45,7 @@ def _check_sizes(top_k: int, hot_size: int, device_id: int) -> None:
 
 @dataclass
 class SwapState:
-    """The device tables of one layer's hot buffers (validated views, see DESIGN §3).
+    """The device tables of one layer's hot buffers (validated views, see docs/design.md §3).
 
     host_locs : int64 ``[R, max_len]``; slot_tokens, slot_locs : int32 ``[R, H + P]`` (one row
     stride); lru : int16 ``[R, H]``. ``index`` / ``flags`` (optional): the layer's multi-step
