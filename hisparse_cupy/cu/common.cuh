@@ -81,6 +81,21 @@ __device__ __forceinline__ void copy_row_warp(u8* __restrict__ dst, const u8* __
   }
 }
 
+// Every lane whose `owner` is set has its row (src -> dst, row indices) copied by the whole warp,
+// one row after another. Every lane of the warp must call it (warp collectives).
+__device__ __forceinline__ void copy_owned_rows_warp(bool owner, i64 src, i64 dst, u8* dst_base,
+                                                     const u8* src_base, int row_bytes,
+                                                     int lane) {
+  unsigned om = __ballot_sync(FULL_MASK, owner);
+  while (om) {
+    const int l = __ffs(om) - 1;
+    om &= om - 1;
+    const i64 s = __shfl_sync(FULL_MASK, src, l);
+    const i64 d = __shfl_sync(FULL_MASK, dst, l);
+    copy_row_warp(dst_base + d * row_bytes, src_base + s * row_bytes, row_bytes, lane);
+  }
+}
+
 // Exclusive prefix sum, in place, of the NW <= 32 per-warp values s_w[0..NW); the total goes to
 // s_w[NW]. Executed by the calling warp only (all 32 lanes): publish s_w with a barrier before,
 // and put a barrier after it before other warps read the result.

@@ -287,15 +287,7 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   }
 
   // ---- phase 3: copy, one row per owner, the whole warp per row
-  unsigned om = __ballot_sync(FULL_MASK, owner);
-  while (om) {
-    const int l = __ffs(om) - 1;
-    om &= om - 1;
-    const i64 src = __shfl_sync(FULL_MASK, hl, l);
-    const int dst = __shfl_sync(FULL_MASK, o, l);
-    copy_row_warp(p.dev_base + static_cast<i64>(dst) * row_bytes,
-                  p.host_base + src * row_bytes, row_bytes, lane);
-  }
+  copy_owned_rows_warp(owner, hl, o, p.dev_base, p.host_base, row_bytes, lane);
 
   // ---- phase 4: counts
   __syncthreads();
@@ -635,15 +627,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
         plan_dst[static_cast<i64>(b) * plan_stride + u] = owner ? dst : -1;
       }
     }
-    unsigned om = __ballot_sync(FULL_MASK, owner);
-    while (om) {
-      const int l = __ffs(om) - 1;
-      om &= om - 1;
-      const i64 s = __shfl_sync(FULL_MASK, src, l);
-      const int d = __shfl_sync(FULL_MASK, dst, l);
-      copy_row_warp(p.dev_base + static_cast<i64>(d) * row_bytes, p.host_base + s * row_bytes,
-                    row_bytes, lane);
-    }
+    copy_owned_rows_warp(owner, src, dst, p.dev_base, p.host_base, row_bytes, lane);
   }
   __syncthreads();
 
