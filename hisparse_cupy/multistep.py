@@ -210,9 +210,10 @@ class MultiStepWorkspace:
         self.stats = cupy.zeros((B, _abi.MS_N_STATS), cupy.int32)
         self.reset()
 
-    def reset(self, stream: cupy.cuda.Stream | None = None) -> None:
-        """Clear every row (only needed if a call was abandoned half-way)."""
-        with stream or cupy.cuda.get_current_stream():
+    def reset(self, stream=None) -> None:
+        """Clear every row (only needed if a call was abandoned half-way); queued on ``stream``
+        (any kind :func:`hisparse_cupy._launch.as_stream` accepts)."""
+        with as_stream(stream):
             self.table.fill(np.uint64(0xFFFFFFFFFFFFFFFF))
             self.meta.fill(_abi.MS_META_INIT)
             self.counters.fill(0)
