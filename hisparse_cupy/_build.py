@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _abi
+from ._log import log
 
 CU_DIR = Path(__file__).resolve().parent / "cu"
 
@@ -116,6 +117,8 @@ def kernel(name_expression: str):
             code=(CU_DIR / file).read_text(encoding="utf-8"), options=opts,
             name_expressions=INSTANCES[file])
     k = _kernels[(dev, name_expression)] = mod.get_function(name_expression)
+    log.info("kernel %s of %s ready on device %d (NVRTC or CuPy's disk cache)",
+             name_expression, file, dev)
     return k
 
 

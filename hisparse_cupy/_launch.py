@@ -33,6 +33,8 @@ import threading
 import cupy
 import numpy as np
 
+from ._log import log
+
 _SMEM_DEFAULT_LIMIT = 48 * 1024
 _pdl_enabled = os.environ.get("HISPARSE_CUPY_PDL", "1") not in ("0", "false", "off")
 
@@ -141,6 +143,7 @@ def _wrap(handle: int):
     s = _foreign.get((dev, handle))
     if s is None:
         s = _foreign[(dev, handle)] = cupy.cuda.Stream.from_external(_Handle(handle))
+        log.debug("wrapped foreign stream 0x%x on device %d", handle, dev)
     return s
 
 
@@ -301,6 +304,8 @@ class Launcher:
         cfg = _configs.get(key)
         if cfg is None:
             cfg = _configs[key] = _LaunchConfig(block, shared_mem, pdl)
+            log.debug("launch config: block %s, %d B shared memory, PDL %s", block, shared_mem,
+                      pdl)
         self.cfg = cfg
         # RawKernel.kernel loads the module on this device (CuPy compiles it on first use)
         self.func = kernel.kernel.ptr

@@ -147,6 +147,7 @@ class HotBufferCache:
         self._templates()
         self._free = list(range(R - 1, -1, -1))
         self._len: dict[int, int] = {}
+        self._released: dict[int, cupy.cuda.Event] = {}
 
     def _templates(self) -> None:
         """Per-layer parameter structs with every field that does not depend on the step.
@@ -199,7 +200,10 @@ class HotBufferCache:
             Current length, 1 .. max_len.
         kv : uint8 ``[n_layers, n_tokens, row_bytes]``, optional
             Prefill KV to write into the host pool first (else write it with
-            :meth:`write_host` before admitting, or host rows stay unwritten).
+            :meth:`write_host` before admitting, or host rows stay unwritten). A GPU array
+            (CuPy, or any DLPack exporter: PyTorch, JAX) is copied device -> host on ``stream``
+            without any host synchronization; a host array is written by the CPU (see
+            :meth:`write_host`).
         warm_tokens : sequence of int, optional
             For ``n_tokens > H``: up to H distinct tokens in ``[0, n_tokens - 1)`` to load into
             the hot buffer now (default: start cold). Ignored for short requests, which are
@@ -226,14 +230,15 @@ class HotBufferCache:
                 raise ValueError(f"warm_tokens must lie in [0, n_tokens - 1 = {n - 1})")
             if np.unique(warm).size != warm.size:
                 raise ValueError("warm_tokens must be distinct")
-        if kv is not None and (np.ndim(kv) != 3 or np.shape(kv)[1] != n):
+        if kv is not None and (len(getattr(kv, "shape", ())) != 3 or kv.shape[1] != n):
             raise ValueError(f"kv must hold the n_tokens={n} rows being admitted: uint8 "
-                             f"[{self.n_layers}, {n}, {self.row_bytes}], got shape {np.shape(kv)}")
+                             f"[{self.n_layers}, {n}, {self.row_bytes}], got shape "
+                             f"{tuple(getattr(kv, 'shape', ()))}")
         rid = self._free.pop()
         try:
-            if kv is not None:
-                self.write_host(rid, 0, kv, _admitting=n)
             s = as_stream(stream)
+            if kv is not None:
+                self.write_host(rid, 0, kv, stream=s, _admitting=n)
             with s:
                 self.host_locs[rid, :n] = rid * self.max_len + cupy.arange(n, dtype=cupy.int64)
                 self.host_locs[rid, n:] = -1
@@ -286,30 +291,64 @@ class HotBufferCache:
                         n_layers=self.n_layers)
         launch_copy(p, grid=default_copy_grid(1, n, self.n_layers), stream=stream)
 
-    def write_host(self, rid: int, start: int, kv: np.ndarray, *, _admitting: int = 0) -> None:
+    def write_host(self, rid: int, start: int, kv, *, stream=None, _admitting: int = 0) -> None:
         """Write KV rows of tokens ``start .. start + n`` of request ``rid`` into the host pool.
 
-        ``kv`` is uint8 ``[n_layers, n, row_bytes]``. Synchronizes the device first, so no queued
-        kernel reads these rows while they change.
+        Parameters
+        ----------
+        kv : uint8 ``[n_layers, n, row_bytes]``
+            A GPU array (CuPy, or any DLPack exporter), each row contiguous: copied device ->
+            host rows by one planned-copy launch on ``stream`` (all layers), then the tokens'
+            host rows are recorded on the same stream; nothing synchronizes. Or a host array
+            (NumPy, or anything ``numpy.asarray`` takes): the CPU writes the rows once the work
+            queued before on ``stream`` has finished (that stream is synchronized, not the
+            device) and, for a slot being admitted, once its previous request's release has.
+        stream : any stream kind (default: CuPy's current stream).
         """
         rid = _checks.integer("rid", rid, 0, self.max_requests - 1)
         if rid not in self._len and not _admitting:
             raise ValueError(f"request slot {rid} is not admitted")
-        kv = np.asarray(kv)
-        if kv.dtype != np.uint8 or kv.ndim != 3 or kv.shape[0] != self.n_layers \
-                or kv.shape[2] != self.row_bytes:
-            raise ValueError(f"kv must be uint8 [{self.n_layers}, n, {self.row_bytes}], got "
-                             f"{kv.dtype} {kv.shape}")
         start = _checks.integer("start", start, 0)
-        if start + kv.shape[1] > self.max_len:
-            raise ValueError(f"tokens {start}..{start + kv.shape[1]} exceed max_len "
-                             f"{self.max_len}")
-        cupy.cuda.Device().synchronize()
+        s = as_stream(stream)
+        dev = getattr(kv, "__dlpack_device__", None)
+        on_host = isinstance(kv, np.ndarray) or dev is None or dev()[0] in (1, 3)  # CPU, pinned
+        if on_host:
+            kv = np.asarray(kv)
+            if kv.dtype != np.uint8:
+                raise TypeError(f"kv must have dtype uint8, got {kv.dtype}")
+        else:
+            kv = _checks.array("kv", kv, np.uint8, ndim=3, contiguous=False)
+        if kv.ndim != 3 or kv.shape[0] != self.n_layers or kv.shape[2] != self.row_bytes:
+            raise ValueError(f"kv must be uint8 [{self.n_layers}, n, {self.row_bytes}], got "
+                             f"{kv.dtype} {tuple(kv.shape)}")
+        n = kv.shape[1]
+        if start + n > self.max_len:
+            raise ValueError(f"tokens {start}..{start + n} exceed max_len {self.max_len}")
+        if n == 0:
+            return
         base = rid * self.max_len + start
-        self.pool.numpy[:, base: base + kv.shape[1]] = kv
+        if on_host:
+            ev = self._released.pop(rid, None)
+            if ev is not None:
+                ev.synchronize()  # the previous request's queued work is done with these rows
+            s.synchronize()
+            self.pool.numpy[:, base: base + n] = kv
+        else:
+            if kv.strides[2] != 1 or (n > 1 and kv.strides[1] != self.row_bytes):
+                raise ValueError(f"kv rows must be contiguous (strides {kv.strides})")
+            with s:
+                src = cupy.arange(n, dtype=cupy.int32).reshape(1, n)
+                dst = (base + cupy.arange(n, dtype=cupy.int64)).reshape(1, n)
+                cnt = cupy.full(1, n, dtype=cupy.int32)
+            p = copy_params(src, dst, cnt, 1, None, src_base=kv.data.ptr,
+                            src_layer_bytes=kv.strides[0], n_src_rows=n,
+                            dst_base=self.pool.device_ptr(0), dst_layer_bytes=self.pool.layer_bytes,
+                            n_dst_rows=self.pool.n_rows, row_bytes=self.row_bytes,
+                            n_layers=self.n_layers)
+            launch_copy(p, to_host=True, grid=default_copy_grid(1, n, self.n_layers), stream=s)
         if not _admitting:
-            self.host_locs[rid, start: start + kv.shape[1]] = (
-                base + cupy.arange(kv.shape[1], dtype=cupy.int64))
+            with s:
+                self.host_locs[rid, start: start + n] = base + cupy.arange(n, dtype=cupy.int64)
 
     def release(self, rid: int, *, stream=None) -> None:
         """Free request slot ``rid``: every table of it (slot tables, LRU order, multi-step
@@ -322,6 +361,8 @@ class HotBufferCache:
             self._reset_slot(rid)
             self.host_locs[rid] = -1
             self._init_multistep(rid, s)
+            ev = self._released[rid] = cupy.cuda.Event(disable_timing=True)
+            ev.record(s)  # a host write into this slot's rows waits for this, not the device
         del self._len[rid]
         self._free.append(rid)
 

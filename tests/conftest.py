@@ -6,11 +6,17 @@ import pytest
 
 
 def _device_count() -> tuple[int, str]:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0, "no NVIDIA driver found: libcuda.so.1 cannot be loaded"
     try:
         import cupy
 
         return cupy.cuda.runtime.getDeviceCount(), ""
-    except Exception as e:  # no CuPy, no driver, no device
+    except Exception as e:  # no CuPy, a driver too old for it, no device
         return 0, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 

@@ -375,3 +375,48 @@ def test_probes_state_validation_and_sizes(rng, stream):
     with pytest.raises(TypeError, match="stream must be a CuPy stream"):
         c.begin_step(req, lens, stream="main")
     c.close()
+
+
+def test_admit_from_prefill_kv_on_the_gpu(rng, stream):
+    """Prefill KV already on the GPU goes device -> host rows on the stream (no host sync);
+    a NumPy one is written by the CPU; a torch tensor goes through DLPack. The swap then returns
+    every request's bytes."""
+    import cupy
+
+    from hisparse_cupy import HotBufferCache
+
+    R4, n = 4, 300
+    c = HotBufferCache(n_layers=L, max_requests=R4, max_len=MAX_LEN, row_bytes=ROW, hot_size=H,
+                       top_k=K, extra_page=P)
+
+    def host(r):
+        return np.stack([pattern(layer, r * MAX_LEN + np.arange(n), ROW) for layer in range(L)])
+
+    assert c.admit(n, kv=cupy.asarray(host(0)), stream=stream) == 0  # CuPy, contiguous
+    assert c.admit(n, kv=host(1), stream=stream) == 1  # NumPy: the CPU writes it
+    big = cupy.zeros((L, n + 7, ROW), cupy.uint8)  # a strided layer dimension, rows contiguous
+    big[:, :n] = cupy.asarray(host(2))
+    assert c.admit(n, kv=big[:, :n], warm_tokens=None, stream=stream) == 2
+    with pytest.raises(ValueError, match="kv rows must be contiguous"):
+        c.write_host(2, 0, big[:, ::2][:, :10], stream=stream)  # every other row
+    try:
+        import torch
+
+        kv3 = torch.from_numpy(host(3)).cuda()
+    except ImportError:
+        kv3 = cupy.asarray(host(3))
+    assert c.admit(n, kv=kv3, stream=stream) == 3
+    req = cupy.arange(R4, dtype=cupy.int32)
+    lens = cupy.full(R4, n, dtype=cupy.int32)
+    topk = np.stack([rng.choice(n - 1, K, replace=False) for _ in range(R4)]).astype(np.int32)
+    step = c.begin_step(req, lens, stream=stream)
+    for layer in range(L):
+        got = cupy.asnumpy(step.swap(layer, cupy.asarray(topk)))
+        stream.synchronize()
+        for b in range(R4):
+            rows = cupy.asnumpy(c.device_rows(layer)[cupy.asarray(got[b])])
+            assert (rows == pattern(layer, b * MAX_LEN + topk[b], ROW)).all(), (layer, b)
+    # a released slot's host rows are rewritten by the CPU only after the release's work
+    c.release(1, stream=stream)
+    assert c.admit(n, kv=host(1), stream=stream) == 1
+    c.close()
