@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def pattern(layer: int, rows: np.ndarray, row_bytes: int) -> np.ndarray:
-    """uint8 ``[len(rows), row_bytes]``: a pattern unique to (layer, row) in every 4-byte word."""
-    rows = np.asarray(rows, dtype=np.uint64).reshape(-1, 1)
-    words = np.arange(row_bytes // 4, dtype=np.uint64).reshape(1, -1)
-    key = (np.uint64(layer) * np.uint64(1_000_003) + rows) * np.uint64(2_654_435_761)
-    w = (key + words * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(17)
-    w = (w & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    return w.view(np.uint8).reshape(len(rows), row_bytes)
+from hisparse_cupy._selfcheck import pattern  # noqa: F401  (one copy, shared with the check)
 
 
 def lru_state(R: int, H: int, P: int, rng, *, fill: float = 0.7, max_token: int = 10**6):

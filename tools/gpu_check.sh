@@ -6,7 +6,8 @@
 #      of every kernel, built with HISPARSE_CUPY_DEBUG=1 so every shared-memory carve is checked
 #      against the launch; zero errors required);
 #   4. the quick benchmarks (benchmarks/bench_*.py --quick), JSON (+PNG) results;
-#   5. tools/host_overhead.py (host time per eager call and per launch path), JSON;
+#   5. python -m hisparse_cupy info (the measured ceilings); tools/host_overhead.py (host time
+#      per eager call and per launch path), JSON;
 #   6. with --peer DIR (a copy of the peer_sglang probe, e.g. .peer): SGLang's kernels beside
 #      ours (bench_peer.py --quick, bench_peer_spec.py --quick), JSON.
 # Logs and results go under $OUT (default ./gpu_check_out): summary.txt, pytest.log,
@@ -84,6 +85,9 @@ if [ $bench = 1 ]; then
   done
   tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results"
 fi
+$PY -m hisparse_cupy info >"$OUT/info.log" 2>&1
+summary "info rc=$?: $(grep -m1 'ceilings' "$OUT/info.log" | sed 's/^ *//')"
+
 t0=$SECONDS
 $PY tools/host_overhead.py --profile --json "$OUT/host_overhead.json" >"$OUT/host_overhead.log" 2>&1
 rc=$?

@@ -1,0 +1,205 @@
+"""The command line: ``python -m hisparse_cupy COMMAND``.
+
+- ``info``: versions, driver, devices, PDL, and the host -> device ceilings for a row size
+  measured on this GPU (a ``cudaMemcpyAsync`` and a zero-copy gather of random rows);
+- ``check``: every kernel against the NumPy oracle on this GPU (:mod:`hisparse_cupy._selfcheck`);
+  for people who installed a wheel and have no test suite at hand;
+- ``demo``: the decode loop (:mod:`hisparse_cupy.demo`; the NumPy oracle without a GPU);
+- ``bench``: the benchmark scripts of a source checkout (``benchmarks/bench_*.py``), JSON and
+  plots collected in one folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _version(dist: str) -> str:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def _gpu():
+    """``cupy`` if a CUDA device can be used, else the reason why not (a string)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "no NVIDIA driver found (libcuda.so.1 cannot be loaded)"
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed: pip install 'hisparse_cupy[cuda12]' (or [cuda13])"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # a driver too old for this CuPy, no device
+        return f"no usable CUDA device: {str(e).splitlines()[0]}"
+    return cupy if n else "no CUDA device"
+
+
+def _ceilings(cupy, row_bytes: int, rows: int = 65536, iters: int = 10) -> tuple[float, float]:
+    """GB/s of a cudaMemcpyAsync of ``rows`` rows and of a zero-copy gather of ``rows`` random
+    rows of ``row_bytes`` (this package's planned copy), from one pinned mapped pool."""
+    import numpy as np
+
+    from .host_pool import HostKVPool
+    from .plan import MissPlan, replay_plan
+
+    n_pool = rows * 8
+    s = cupy.cuda.Stream(non_blocking=True)
+    with HostKVPool(1, n_pool, row_bytes) as pool, s:
+        dev = cupy.empty((rows, row_bytes), cupy.uint8)
+        plan = MissPlan(1, rows)
+        rng = np.random.default_rng(0)
+        plan.src[0] = cupy.asarray(rng.choice(n_pool, rows, replace=False).astype(np.int64))
+        plan.dst[0] = cupy.arange(rows, dtype=cupy.int32)
+        plan.count[0] = rows
+        nbytes = rows * row_bytes
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+
+        def timed(fn) -> float:
+            fn()
+            out = []
+            for _ in range(iters):
+                e0.record(s)
+                fn()
+                e1.record(s)
+                e1.synchronize()
+                out.append(cupy.cuda.get_elapsed_time(e0, e1))
+            return nbytes / (sorted(out)[iters // 2] * 1e-3) / 1e9
+
+        src = pool.numpy[0]
+        memcpy = timed(lambda: cupy.cuda.runtime.memcpyAsync(
+            dev.data.ptr, src.ctypes.data, nbytes, cupy.cuda.runtime.memcpyHostToDevice, s.ptr))
+        gather = timed(lambda: replay_plan(plan, 1, device_rows=dev, pool=pool, layer=0,
+                                           stream=s))
+        s.synchronize()
+    return memcpy, gather
+
+
+def cmd_info(args) -> int:
+    import numpy as np
+
+    import hisparse_cupy
+
+    print(f"hisparse_cupy {hisparse_cupy.__version__}, Python {platform.python_version()}, "
+          f"NumPy {np.__version__}")
+    for dist in ("cupy-cuda12x", "cupy-cuda13x", "cuda-bindings"):
+        v = _version(dist)
+        if v != "not installed":
+            print(f"{dist} {v}")
+    g = _gpu()
+    if isinstance(g, str):
+        print(g)
+        return 0
+    cupy = g
+    rt = cupy.cuda.runtime
+    drv = rt.driverGetVersion()
+    print(f"CUDA driver {drv // 1000}.{drv % 1000 // 10}, CuPy {cupy.__version__}")
+    try:
+        from cuda.bindings import nvrtc
+
+        _, major, minor = nvrtc.nvrtcVersion()
+        print(f"NVRTC {major}.{minor}")
+    except Exception as e:  # NVRTC wheel missing: kernels will not compile
+        print(f"NVRTC not found ({type(e).__name__}): kernels cannot compile")
+    from ._launch import pdl_supported
+
+    for i in range(rt.getDeviceCount()):
+        p = rt.getDeviceProperties(i)
+        with cupy.cuda.Device(i):
+            pdl = "yes" if pdl_supported(i) else "no (needs sm_90 and HISPARSE_CUPY_PDL != 0)"
+            print(f"device {i}: {p['name'].decode()}, sm_{p['major']}{p['minor']}, "
+                  f"{p['multiProcessorCount']} SMs, {p['totalGlobalMem'] / 2**30:.0f} GiB, "
+                  f"PDL {pdl}")
+            if i == args.device:
+                memcpy, gather = _ceilings(cupy, args.row_bytes)
+                print(f"  ceilings for {args.row_bytes}-byte rows (65536 rows from pinned "
+                      f"mapped memory, median of 10): cudaMemcpyAsync {memcpy:.1f} GB/s, "
+                      f"zero-copy gather of random rows {gather:.1f} GB/s")
+    return 0
+
+
+def cmd_check(args) -> int:
+    g = _gpu()
+    if isinstance(g, str):
+        print(f"check needs a CUDA device: {g}")
+        return 1
+    from ._selfcheck import run
+
+    t0 = time.perf_counter()
+    ok = run(seed=args.seed)
+    print(f"({time.perf_counter() - t0:.1f} s including compiles)")
+    return 0 if ok else 1
+
+
+def cmd_demo(args) -> int:
+    from .demo import main
+
+    main(args.rest)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    root = Path(__file__).resolve().parents[1]
+    scripts = sorted((root / "benchmarks").glob("bench_*.py"))
+    if not scripts:
+        print("the benchmarks ship with the source repository, not with the package: clone it "
+              "and run `python -m hisparse_cupy bench` from the checkout")
+        return 1
+    if args.names:
+        scripts = [p for p in scripts if p.stem in args.names or p.stem[6:] in args.names]
+        if not scripts:
+            print(f"no benchmark named {args.names}; have: "
+                  f"{[p.stem for p in sorted((root / 'benchmarks').glob('bench_*.py'))]}")
+            return 2
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    rc = 0
+    for i, p in enumerate(scripts, 1):
+        cmd = [sys.executable, str(p), "--out", str(out)] + ([] if args.full else ["--quick"])
+        print(f"[{i}/{len(scripts)}] {' '.join(cmd[1:])}", flush=True)
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd)
+        print(f"[{i}/{len(scripts)}] {p.stem}: rc={r.returncode} "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        rc = rc or r.returncode
+    print(f"results (JSON, PNG): {out}")
+    return rc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hisparse_cupy",
+                                 description="hierarchical sparse KV caching: CUDA kernels "
+                                             "through CuPy")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("info", help="versions, driver, devices, PDL, measured link ceilings")
+    p.add_argument("--row-bytes", type=int, default=656, help="row size of the ceilings")
+    p.add_argument("--device", type=int, default=0, help="device whose ceilings to measure")
+    p.set_defaults(fn=cmd_info)
+    p = sub.add_parser("check", help="every kernel against the NumPy oracle on this GPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("demo", help="the decode loop (NumPy oracle without a GPU); its options "
+                                    "follow (--steps N, --requests R)", add_help=False)
+    p.set_defaults(fn=cmd_demo)
+    p = sub.add_parser("bench", help="the benchmark scripts of a source checkout")
+    p.add_argument("names", nargs="*", help="benchmarks to run (default: all), e.g. swap spec")
+    p.add_argument("--full", action="store_true", help="full grids (default: --quick)")
+    p.add_argument("--out", default="bench_results", help="folder for JSON and plots")
+    p.set_defaults(fn=cmd_bench)
+    args, rest = ap.parse_known_args(argv)
+    if args.cmd == "demo":
+        args.rest = rest
+    elif rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args.fn(args)
