@@ -7,7 +7,7 @@
 // planned_copy over the flattened (request, miss) pairs of every row, so the copy is not
 // limited to one block per request.
 //
-// Semantics (docs/design.md §6):
+// Semantics (docs/design.md, section 6):
 //   - rows b >= num_real (graph padding): output -1, plan count 0, status 0, no state touched;
 //   - a request slot outside [0, R) or seq_len < 0: output -1, status[2] = 1, no state touched;
 //   - seq_len <= H (positional fast path): entry i < seq_len with 0 <= tok < seq_len gets
