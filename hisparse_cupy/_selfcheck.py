@@ -128,19 +128,21 @@ class Twin:
         assert bad.size == 0, f"layer {layer}: {bad.size} rows hold wrong bytes"
 
 
-def _check_single_multi(rng, stream) -> str:
+def alternate(t: Twin, rng, stream, steps: int) -> int:
+    """``steps`` random decode steps over every layer of ``t``, each layer's call single- or
+    multi-step at random, every call verified against the oracle; returns the calls made."""
     import cupy
 
-    t = Twin(rng)
     calls = 0
-    for _ in range(12):
+    for _ in range(steps):
         B = int(rng.integers(1, R + 1))
         req = rng.permutation(R)[:B]
         step = t.c.begin_step(cupy.asarray(req.astype(np.int32)),
                               cupy.asarray(t.lens[req].astype(np.int64)), stream=stream)
         for layer in range(L):
             if rng.random() < 0.5:
-                topk = t.topk(req, int(rng.integers(2, S_MAX + 1)), miss=0.3)
+                S = int(rng.integers(2, S_MAX + 1))
+                topk = t.topk(req, S, miss=float(rng.choice([0.05, 0.3, 1.0])))
                 got = step.swap(layer, cupy.asarray(topk))
                 exp = t.expect_multi(layer, topk, req)
             else:
@@ -149,6 +151,12 @@ def _check_single_multi(rng, stream) -> str:
                 exp = t.expect_single(layer, topk, req)
             t.verify(layer, topk, req, got, exp)
             calls += 1
+    return calls
+
+
+def _check_single_multi(rng, stream) -> str:
+    t = Twin(rng)
+    calls = alternate(t, rng, stream, 12)
     t.c.close()
     return f"{calls} calls, outputs, state, invariants and bytes equal the oracle"
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from hisparse_cupy._abi import MS_EMPTY
-from hisparse_cupy._selfcheck import MAX_LEN, ROW, S_MAX, H, K, L, P, R, Twin, pattern
+from hisparse_cupy._selfcheck import MAX_LEN, ROW, H, K, L, P, R, Twin, alternate, pattern
 
 pytestmark = pytest.mark.gpu
 
@@ -26,23 +26,7 @@ def test_single_and_multi_step_alternate_on_one_cache(rng, stream):
     import cupy
 
     t = Twin(rng)
-    for _ in range(40):
-        B = int(rng.integers(1, R + 1))
-        req = rng.permutation(R)[:B]
-        step = t.c.begin_step(cupy.asarray(req.astype(np.int32)),
-                              cupy.asarray(t.lens[req].astype(np.int64)), stream=stream)
-        for layer in range(L):
-            multi = rng.random() < 0.5
-            if multi:
-                S = int(rng.integers(2, S_MAX + 1))
-                topk = t.topk(req, S, miss=float(rng.choice([0.05, 0.3, 1.0])))
-                got = step.swap(layer, cupy.asarray(topk))
-                exp = t.expect_multi(layer, topk, req)
-            else:
-                topk = t.topk(req, miss=float(rng.choice([0.0, 0.1, 0.5])))
-                got = step.swap(layer, cupy.asarray(topk))
-                exp = t.expect_single(layer, topk, req)
-            t.verify(layer, topk, req, got, exp)
+    assert alternate(t, rng, stream, 40) == 40 * L
     # release resets every table of the request, multi-step state and rotated rows included
     t.c.release(2, stream=stream)
     stream.synchronize()
