@@ -1,13 +1,17 @@
 """IndexCache shared-layer IO overlap: replay the full layer's miss plan on a side stream.
 
-Every layer of a request uses the same device rows (``HotBufferCache.slot_locs``), so when the
-layers of a group start with the same slot layout and receive the same copies, the full
-layer's page table and miss plan are valid for each shared layer after it. Per decode step:
+Every layer of a request starts with the same slot layout (``HotBufferCache.slot_locs[layer]``
+are equal after admission), so when the layers of a group receive the same copies into the same
+device rows, the full layer's page table and miss plan are valid for each shared layer after it.
+A multi-step call on the full layer rotates rows between its slots and scratch rows; its plan
+records every unique miss with the row it landed in, so the shared layers, which keep using the
+full layer's page table, still hold the same bytes at the same rows. Per decode step:
 
-- **full layer** (main stream): the single-step swap-in of that layer, which records the miss
-  plan. If the layer has a group, the side stream forks from the main stream right after the
-  swap, replays the plan into each shared layer's device rows (one copy-only launch per shared
-  layer, from that layer's host rows) and records one event per position in the group;
+- **full layer** (main stream): the single- or multi-step swap-in of that layer, which records
+  the miss plan. If the layer has a group, the side stream forks from the main stream right
+  after the swap, replays the plan into each shared layer's device rows (one copy-only launch
+  per shared layer, from that layer's host rows) and records one event per position in the
+  group;
 - **shared layer**: the main stream waits on the event of that layer's position and gets the
   full layer's page table back. No hashing, no LRU, no host synchronization.
 
