@@ -76,11 +76,18 @@ class HotBufferCache:
     scratch : int, optional
         Scratch rows per request for multi-step admission (default
         :func:`hisparse_cupy.multistep.default_scratch`).
+    pool : HostKVPool, optional
+        The host pool to use (one the engine made, a shared one :meth:`HostKVPool.attach`
+        mapped, or one registered in place with :meth:`HostKVPool.from_buffer`):
+        ``n_layers`` layers of at least ``max_requests * max_len`` rows of ``row_bytes``.
+        Request slot ``r``'s token ``p`` is its row ``r * max_len + p``. The cache does not
+        close a pool it was given. Default: the cache allocates one.
     """
 
     def __init__(self, *, n_layers: int, max_requests: int, max_len: int, row_bytes: int,
                  hot_size: int = 4096, top_k: int = 2048, extra_page: int = 64,
-                 max_batch: int | None = None, max_steps: int = 1, scratch: int | None = None):
+                 max_batch: int | None = None, max_steps: int = 1, scratch: int | None = None,
+                 pool: HostKVPool | None = None):
         self.n_layers = L = _checks.integer("n_layers", n_layers, 1)
         self.max_requests = R = _checks.integer("max_requests", max_requests, 1)
         self.max_len = _checks.integer("max_len", max_len, 1)
@@ -101,7 +108,18 @@ class HotBufferCache:
         self.slots = W = H + P
         self.scratch = C
         self.rows_per_request = W + C
-        self.pool = HostKVPool(L, R * self.max_len, row_bytes)
+        if pool is None:
+            self.pool, self._own_pool = HostKVPool(L, R * self.max_len, row_bytes), True
+        else:
+            if not isinstance(pool, HostKVPool):
+                raise TypeError(f"pool must be a HostKVPool, got {type(pool).__name__}")
+            row_bytes = _checks.row_bytes("row_bytes", row_bytes)
+            if (pool.n_layers, pool.row_bytes) != (L, row_bytes) or \
+                    pool.n_rows < R * self.max_len:
+                raise ValueError(f"pool holds {pool.n_layers} layers of {pool.n_rows} rows of "
+                                 f"{pool.row_bytes} bytes; the cache needs {L} layers of at "
+                                 f"least {R * self.max_len} rows of {row_bytes}")
+            self.pool, self._own_pool = pool, False
         self.row_bytes = self.pool.row_bytes
         D = R * (W + C)
         self.device = cupy.empty((L, D, self.row_bytes), cupy.uint8)
@@ -427,8 +445,9 @@ class HotBufferCache:
         self.newest_rows(req_indices, seq_lens, num_real, backup=True, stream=stream)
 
     def close(self) -> None:
-        """Free the host pool (after the device finished with it)."""
-        self.pool.close()
+        """Free the host pool the cache made (after the device finished with it)."""
+        if self._own_pool:
+            self.pool.close()
 
     def __enter__(self) -> HotBufferCache:
         return self

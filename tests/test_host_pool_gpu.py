@@ -1,0 +1,96 @@
+"""GPU: a shared host pool registered by two processes (one host copy of the KV), and a pool
+over host memory the caller owns; swaps through a cache over each return the right bytes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from _util import pattern
+
+pytestmark = pytest.mark.gpu
+
+L, R, MAX_LEN, ROW, H, K = 2, 2, 512, 656, 64, 32
+
+
+def _swap_bytes_ok(cache, rid: int, n: int, rng) -> bool:
+    """Admitted request ``rid`` (length n, host rows already written): a swap returns rows
+    holding pattern(layer, rid * MAX_LEN + token)."""
+    import cupy
+
+    req = cupy.asarray([rid], dtype=cupy.int32)
+    lens = cupy.asarray([n], dtype=cupy.int32)
+    topk = rng.choice(n - 1, K, replace=False).astype(np.int32)[None]
+    step = cache.begin_step(req, lens)
+    ok = True
+    for layer in range(L):
+        got = cupy.asnumpy(step.swap(layer, cupy.asarray(topk)))
+        rows = cupy.asnumpy(cache.device_rows(layer)[cupy.asarray(got[0])])
+        ok &= bool((rows == pattern(layer, rid * MAX_LEN + topk[0], ROW)).all())
+    return ok
+
+
+def test_two_processes_share_one_pool(rng):
+    from hisparse_cupy import HostKVPool, HotBufferCache
+
+    name = f"hs-gpu-test-{os.getpid()}"
+    with HostKVPool(L, R * MAX_LEN, ROW, shared_name=name) as pool:
+        n = 400
+        for layer in range(L):  # request slot 0's prefill, written once on the host
+            pool.layer(layer)[:n] = pattern(layer, np.arange(n), ROW)
+        cache = HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,
+                               hot_size=H, top_k=K, extra_page=4, pool=pool)
+        assert cache.admit(n) == 0  # its host rows are already there
+        assert _swap_bytes_ok(cache, 0, n, rng)
+        # another process attaches (registers the same pages for its GPU context), swaps
+        # request slot 0 from the rows written here, and writes request slot 1's prefill from
+        # its GPU into the shared rows, which this process then swaps
+        code = textwrap.dedent(f"""
+            import sys, numpy as np, cupy
+            sys.path.insert(0, {os.path.dirname(__file__)!r})
+            from hisparse_cupy import HostKVPool, HotBufferCache
+            from test_host_pool_gpu import _swap_bytes_ok, L, MAX_LEN, ROW, H, K, R
+            from _util import pattern
+            pool = HostKVPool.attach({name!r}, {L}, {R * MAX_LEN}, {ROW})
+            c = HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,
+                               hot_size=H, top_k=K, extra_page=4, pool=pool)
+            assert c.admit({n}) == 0
+            assert _swap_bytes_ok(c, 0, {n}, np.random.default_rng(1)), "process B, slot 0"
+            kv = np.stack([pattern(l, MAX_LEN + np.arange(300), ROW) for l in range(L)])
+            assert c.admit(300, kv=cupy.asarray(kv)) == 1  # device -> shared host rows
+            cupy.cuda.Device().synchronize()
+            c.close(); pool.close()
+            print("B ok")
+        """)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0 and "B ok" in r.stdout, r.stdout + r.stderr
+        assert cache.admit(300) == 1  # rows written by the other process's GPU
+        assert _swap_bytes_ok(cache, 1, 300, rng)
+        cache.close()
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_pool_over_caller_owned_memory(rng):
+    from hisparse_cupy import HostKVPool, HotBufferCache
+
+    buf = np.empty((L, R * MAX_LEN, ROW), np.uint8)
+    n = 300
+    for layer in range(L):
+        buf[layer, :n] = pattern(layer, np.arange(n), ROW)
+    pool = HostKVPool.from_buffer(buf)
+    cache = HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,
+                           hot_size=H, top_k=K, extra_page=4, pool=pool)
+    assert cache.admit(n) == 0
+    assert _swap_bytes_ok(cache, 0, n, rng)
+    cache.close()
+    assert not pool.closed  # the cache does not close a pool it was given
+    pool.close()
+    with pytest.raises(ValueError, match="the cache needs 2 layers of at least 1024 rows"):
+        HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW, hot_size=H,
+                       top_k=K, pool=HostKVPool.from_buffer(np.empty((L, 100, ROW), np.uint8)))
