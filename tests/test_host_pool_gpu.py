@@ -91,6 +91,8 @@ def test_pool_over_caller_owned_memory(rng):
     cache.close()
     assert not pool.closed  # the cache does not close a pool it was given
     pool.close()
-    with pytest.raises(ValueError, match="the cache needs 2 layers of at least 1024 rows"):
-        HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW, hot_size=H,
-                       top_k=K, pool=HostKVPool.from_buffer(np.empty((L, 100, ROW), np.uint8)))
+    small = np.empty((L, 100, ROW), np.uint8)
+    with HostKVPool.from_buffer(small) as p:
+        with pytest.raises(ValueError, match="the cache needs 2 layers of at least 1024 rows"):
+            HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,
+                           hot_size=H, top_k=K, pool=p)
