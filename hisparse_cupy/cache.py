@@ -517,8 +517,8 @@ class Step:
     def _swap(self, layer: int, top_k_tokens, *, out=None, copy_grid: int | None = None,
               check: bool = False) -> cupy.ndarray:
         c = self.cache
-        if not 0 <= layer < c.n_layers:
-            layer = c._layer(layer)  # raises with the range
+        if type(layer) is not int or not 0 <= layer < c.n_layers:
+            layer = c._layer(layer)  # an int in range, or a TypeError / ValueError naming it
         topk = _checks.token_rows("top_k_tokens", top_k_tokens, self._dev)
         B = self.batch
         if topk.ndim == 3:
