@@ -203,7 +203,6 @@ def run(seed: int = 0, out=print) -> bool:
     """Run every check; print one line each; True when all passed."""
     import cupy
 
-    from . import compile_check  # noqa: F401  (the package imports)
     from ._launch import pdl_supported
 
     dev = cupy.cuda.Device()

@@ -320,7 +320,8 @@ class HotBufferCache:
             host rows are recorded on the same stream; nothing synchronizes. Or a host array
             (NumPy, or anything ``numpy.asarray`` takes): the CPU writes the rows once the work
             queued before on ``stream`` has finished (that stream is synchronized, not the
-            device) and, for a slot being admitted, once its previous request's release has.
+            device) and, for a slot being admitted, once its previous request's release has
+            (a GPU array's copy waits for that release on the device).
         stream : any stream kind (default: CuPy's current stream).
         """
         rid = _checks.integer("rid", rid, 0, self.max_requests - 1)
@@ -345,15 +346,17 @@ class HotBufferCache:
         if n == 0:
             return
         base = rid * self.max_len + start
+        released = self._released.pop(rid, None)  # the slot's previous request's last work
         if on_host:
-            ev = self._released.pop(rid, None)
-            if ev is not None:
-                ev.synchronize()  # the previous request's queued work is done with these rows
+            if released is not None:
+                released.synchronize()
             s.synchronize()
             self.pool.numpy[:, base: base + n] = kv
         else:
             if kv.strides[2] != 1 or (n > 1 and kv.strides[1] != self.row_bytes):
                 raise ValueError(f"kv rows must be contiguous (strides {kv.strides})")
+            if released is not None:
+                s.wait_event(released)  # ordered after it on the device, no host sync
             with s:
                 src = cupy.arange(n, dtype=cupy.int32).reshape(1, n)
                 dst = (base + cupy.arange(n, dtype=cupy.int64)).reshape(1, n)

@@ -6,18 +6,11 @@ import pytest
 
 
 def _device_count() -> tuple[int, str]:
-    import ctypes
+    """(devices, why none): the command line's detection (driver, CuPy, device), one copy."""
+    from hisparse_cupy._cli import _gpu
 
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0, "no NVIDIA driver found: libcuda.so.1 cannot be loaded"
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount(), ""
-    except Exception as e:  # no CuPy, a driver too old for it, no device
-        return 0, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    g = _gpu()
+    return (0, g) if isinstance(g, str) else (g.cuda.runtime.getDeviceCount(), "")
 
 
 def _compute_capability() -> int:
