@@ -1,10 +1,15 @@
-"""A decode loop over a hierarchical sparse KV cache (the code is hisparse_cupy/demo.py, which
-``python -m hisparse_cupy demo`` runs too).
+"""The decode loop: a synthetic sparse-attention model decoding over a hierarchical sparse KV
+cache in three modes (gpu-only, offload, overlap), checked bit for bit against gpu-only.
 
-    python examples/decode_loop.py [--steps N] [--requests R]
+The code is the package's ``hisparse_cupy/demo/`` (``python -m hisparse_cupy demo`` runs the
+same); ``--help`` lists every knob.
+
+    python examples/decode_loop.py [--batch 32] [--context 8192] [--steps 200] [--graph]
 """
+
+import sys
 
 from hisparse_cupy.demo import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -145,8 +145,7 @@ def cmd_check(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import main
 
-    main(args.rest)
-    return 0
+    return main(args.rest)
 
 
 def cmd_bench(args) -> int:
@@ -190,7 +189,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("demo", help="the decode loop (NumPy oracle without a GPU); its options "
-                                    "follow (--steps N, --requests R)", add_help=False)
+                                    "follow (demo --help lists them)", add_help=False)
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("bench", help="the benchmark scripts of a source checkout")
     p.add_argument("names", nargs="*", help="benchmarks to run (default: all), e.g. swap spec")

@@ -44,10 +44,17 @@ def test_check_on_gpu():
     assert p.stdout.count("  ok    ") == 2
 
 
+SMALL_DEMO = ("--layers", "4", "--batch", "2", "--context", "2048", "--hot", "1024",
+              "--top-k", "256", "--steps", "4", "--warmup", "2")
+
+
 def test_demo_and_bench_arguments():
-    p = cli("demo", "--steps", "4", "--requests", "2")
-    assert p.returncode == 0, p.stderr
-    assert ("NumPy oracle" in p.stdout) != _have_gpu()
+    p = cli("demo", *SMALL_DEMO)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert ("running the NumPy reference backend" in p.stdout) != _have_gpu()
+    assert "self-check passed" in p.stdout
+    p = cli("demo", "--context", "100")
+    assert p.returncode != 0 and "--context (100) must exceed --hot + --top-k" in p.stderr
     p = cli("bench", "nope")
     assert p.returncode == 2 and "no benchmark named ['nope']" in p.stdout
     p = cli("info", "--bogus")

@@ -8,7 +8,9 @@
 #   4. the quick benchmarks (benchmarks/bench_*.py --quick), JSON (+PNG) results;
 #   5. python -m hisparse_cupy info (the measured ceilings); tools/host_overhead.py (host time
 #      per eager call and per launch path), JSON;
-#   6. with --peer DIR (a copy of the peer_sglang probe, e.g. .peer): SGLang's kernels beside
+#   6. the decode loop (python -m hisparse_cupy demo, default sizes, every mode eager and graph,
+#      self-check), JSON + PNG in results; --demo=ARGS replaces its arguments, --no-demo skips it;
+#   7. with --peer DIR (a copy of the peer_sglang probe, e.g. .peer): SGLang's kernels beside
 #      ours (bench_peer.py --quick, bench_peer_spec.py --quick), JSON.
 # Logs and results go under $OUT (default ./gpu_check_out): summary.txt, pytest.log,
 # sanitize.log, bench.log and results.tgz (benchmark JSON/PNG). Exit status: non-zero if any
@@ -16,14 +18,15 @@
 #
 # Usage: bash tools/gpu_check.sh [--no-tests] [--no-sanitize] [--no-bench] [--full-bench]
 #                                [--full=bench_NAME ...]   (that benchmark in full, others quick)
-#                                [--peer=DIR] [--tests=PYTEST_ARGS]
+#                                [--peer=DIR] [--tests=PYTEST_ARGS] [--no-demo] [--demo=ARGS]
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT" "$OUT/results"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-tests=1 sanitize=1 bench=1 quick=--quick full_only= peer= test_args=tests
+tests=1 sanitize=1 bench=1 quick=--quick full_only= peer= test_args=tests demo=1
+demo_args="--steps 100 --warmup 20 --eager-and-graph"
 for a in "$@"; do
   case $a in
     --no-tests) tests=0 ;; --no-sanitize) sanitize=0 ;; --no-bench) bench=0 ;;
@@ -31,6 +34,7 @@ for a in "$@"; do
     --full=*) full_only="$full_only ${a#--full=}" ;;
     --peer=*) peer=${a#--peer=} ;;
     --tests=*) test_args=${a#--tests=} ;;
+    --no-demo) demo=0 ;; --demo=*) demo_args=${a#--demo=} ;;
     *) echo "unknown option $a"; exit 2 ;;
   esac
 done
@@ -71,6 +75,16 @@ if [ $sanitize = 1 ]; then
   fi
 fi
 
+if [ $demo = 1 ]; then
+  t0=$SECONDS
+  # shellcheck disable=SC2086
+  $PY -m hisparse_cupy demo $demo_args --json "$OUT/results/demo.json" --png "$OUT/results/demo.png" \
+    >"$OUT/demo.log" 2>&1
+  rc=$?
+  summary "demo $demo_args rc=$rc ($((SECONDS - t0)) s): $(grep -E 'self-check|SELF-CHECK' "$OUT/demo.log" | head -n 1)"
+  [ $rc = 0 ] || fail=1
+fi
+
 if [ $bench = 1 ]; then
   : >"$OUT/bench.log"
   for b in benchmarks/bench_*.py; do
@@ -83,8 +97,9 @@ if [ $bench = 1 ]; then
     summary "bench $(basename "$b") ${mode:-full} rc=$rc ($((SECONDS - t0)) s)"
     [ $rc = 0 ] || fail=1
   done
-  tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results"
 fi
+[ -n "$(ls -A "$OUT/results")" ] && tar -czf "$OUT/results.tgz" -C "$OUT" results
+rm -rf "$OUT/results"
 $PY -m hisparse_cupy info >"$OUT/info.log" 2>&1
 summary "info rc=$?: $(grep -m1 'ceilings' "$OUT/info.log" | sed 's/^ *//')"
 

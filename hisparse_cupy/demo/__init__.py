@@ -1,0 +1,133 @@
+"""The decode loop: the whole system end to end, and the command the README's quick start runs.
+
+    python -m hisparse_cupy demo [--batch 32] [--context 8192] [--steps 200] [--graph] ...
+    python examples/decode_loop.py ...            (the same)
+    python -m hisparse_cupy demo --help           (every knob)
+
+A synthetic sparse-attention model with realistic shapes (GLM-5.2's 78 layers and IndexCache
+pattern, MLA rows of 576 bf16 values, 16 heads, K 2048, H 4096) decodes a batch of long requests
+in three modes, one after another on the same inputs:
+
+- ``gpu-only``: every layer's KV resident on the GPU; the attention reads it directly;
+- ``offload``: the full KV in pinned host memory, a hot buffer per request and layer on the GPU,
+  every layer swapped in on the main stream (:class:`hisparse_cupy.HotBufferCache`);
+- ``overlap``: the same with IndexCache overlap: shared layers replay their full layer's miss
+  plan on a side stream while the main stream computes (:class:`hisparse_cupy.Prefetcher`);
+
+each eager (a Python loop) or captured as one CUDA graph per step (``--graph``). It checks
+itself: the offloaded modes' attention outputs (every step, every layer) must equal the
+GPU-only mode's bit for bit, or it exits with status 1. It prints the memory a configuration
+needs before allocating, then a table per run: step time (ITL) after the warm-up (mean, p50,
+p99), overhead over gpu-only, share of the overhead hidden, hit rate, bytes moved per step and
+their rate, and the Python time of one swap call (eager); ``--json`` and ``--png`` write the
+results and an ITL-per-step plot.
+
+Without a CUDA device it runs the same algorithm on the NumPy reference backend, small, and
+says so in its first line (:mod:`hisparse_cupy.demo.cpu`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from .config import Config, from_args, host_memory_bytes
+
+__all__ = ["Config", "main", "run_gpu"]
+
+
+def _gpu_or_reason():
+    from .._cli import _gpu
+
+    return _gpu()
+
+
+def run_gpu(cfg: Config) -> int:
+    """Run every configured mode and exec kind; returns the exit status (1: self-check failed)."""
+    import cupy
+
+    from .. import _launch
+    from . import report
+    from .loop import Rig
+
+    log = (lambda msg: None) if cfg.quiet else (lambda msg: print(msg, flush=True))
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"].decode()
+    pattern = cfg.pattern_obj()
+    n_full = len(pattern.full_layers)
+    print(f"hisparse_cupy decode loop on {name}: {cfg.layers} layers ({n_full} full, "
+          f"{cfg.layers - n_full} shared), batch {cfg.batch}, context {cfg.context}, K "
+          f"{cfg.top_k}, H {cfg.hot}, rows of 576 bf16 values (1152 B), 16 heads, "
+          f"{100 * cfg.new_share:g}% new tokens per step"
+          + (f", MTP {cfg.mtp} draft steps (multi-step swap)" if cfg.mtp > 1 else ""))
+    mem = cfg.memory()
+    print(cfg.describe_memory(), flush=True)
+    free, total = cupy.cuda.runtime.memGetInfo()
+    need_gpu = max(mem["gpu_resident"], mem["gpu_hot"]) + mem["gpu_model"]
+    if need_gpu > free:
+        print(f"demo: this configuration needs {need_gpu / 1e9:.1f} GB of GPU memory, "
+              f"{free / 1e9:.1f} GB are free: lower --batch, --context or --layers")
+        return 2
+    host = host_memory_bytes()
+    if host and mem["host_pinned"] > 0.8 * host:
+        print(f"demo: {mem['host_pinned'] / 1e9:.1f} GB of pinned host memory is more than 80% "
+              f"of this machine's {host / 1e9:.0f} GB: lower --batch, --context or --layers")
+        return 2
+    s = cupy.cuda.Stream(non_blocking=True)
+    t0 = time.perf_counter()
+    rig = Rig(cfg, s, log)
+    log(f"model: {rig.model.gemm.kind}; attention split in {rig.model.nsplit} x "
+        f"{rig.model.chunk} rows; PDL {'on' if _launch.resolve_pdl(None) else 'off'}")
+    results = []
+    try:
+        for mode in cfg.modes:
+            for ex in cfg.execs:
+                t1 = time.perf_counter()
+                r = rig.run(mode, ex, None if cfg.quiet else log)
+                log(f"{mode} {ex}: {cfg.total_steps} steps in {time.perf_counter() - t1:.1f} s, "
+                    f"mean step {r.step_ms.mean():.3f} ms")
+                results.append(r)
+    finally:
+        rig.close()
+    rows = report.summarize(cfg, results, n_full)
+    print()
+    print(f"step time after {cfg.warmup} warm-up steps, {cfg.steps} timed (CUDA events on the "
+          f"main stream); overhead vs gpu-only of the same exec kind; hidden = share of the "
+          f"offload overhead the overlap removes; GB/s = bytes moved per step / overhead; "
+          f"swap us = Python time of one step.swap call (eager, measured on an idle stream)")
+    print(report.table(rows))
+    errors = report.self_check(results)
+    extra = {"device": name, "matmul": rig.model.gemm.kind, "wall_s": time.perf_counter() - t0,
+             "self_check": "passed" if not errors else errors}
+    if cfg.json:
+        report.write_json(cfg.json, cfg, rows, results, extra)
+        print(f"json: {cfg.json}")
+    if cfg.png:
+        print(report.plot(cfg.png, cfg, results,
+                          f"{name}: {cfg.layers} layers, batch {cfg.batch}, context "
+                          f"{cfg.context}, {100 * cfg.new_share:g}% new tokens/step"))
+    if errors:
+        print("SELF-CHECK FAILED:\n  " + "\n  ".join(errors))
+        return 1
+    print(f"self-check passed: every offloaded run's attention outputs ({cfg.total_steps} steps "
+          f"x {cfg.layers} layers) are bit-identical to gpu-only")
+    return 0
+
+
+def main(argv=None) -> int:
+    """``python -m hisparse_cupy demo``: the GPU decode loop, or the NumPy backend without one."""
+    cfg = from_args(argv)
+    g = _gpu_or_reason()
+    if isinstance(g, str):
+        print(f"{g}: running the NumPy reference backend (hisparse_cupy.reference) on a small "
+              f"configuration (8 layers, 2 requests, context 1536, K 128, H 512)", flush=True)
+        from .cpu import run
+
+        run(steps=min(cfg.steps, 12), batch=min(cfg.batch, 2))
+        return 0
+    return run_gpu(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

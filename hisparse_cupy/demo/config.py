@@ -1,0 +1,156 @@
+"""The decode loop's configuration: every knob a flag, and the memory a configuration needs
+(computed before anything is allocated). NumPy-free and CuPy-free."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+ROW_BYTES = 1152  # 576 bf16 values: an MLA latent (512) + rope (64) row
+HEADS = 16
+GB = 1e9
+
+
+@dataclasses.dataclass
+class Config:
+    layers: int = 78
+    pattern: str | None = None  # F/S string; default: GLM-5.2's rule (freq 4, offset 3)
+    batch: int = 32
+    context: int = 8192  # prompt tokens per request
+    steps: int = 200  # timed steps
+    warmup: int = 20
+    new_share: float = 0.05  # share of each top-k replaced per step
+    recent: int = 8  # newest tokens always selected
+    top_k: int = 2048
+    hot: int = 4096
+    extra_page: int = 64
+    hidden: int = 4096
+    mtp: int = 1  # draft steps per call (2-4: the multi-step swap)
+    modes: tuple[str, ...] = ("gpu-only", "offload", "overlap")
+    execs: tuple[str, ...] = ("eager",)
+    json: str | None = None
+    png: str | None = None
+    quiet: bool = False
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps
+
+    @property
+    def max_len(self) -> int:
+        return self.context + self.total_steps
+
+    @property
+    def queries(self) -> int:
+        return self.batch * self.mtp
+
+    def pattern_obj(self):
+        from ..streams.pattern import LayerPattern
+
+        if self.pattern:
+            p = LayerPattern.from_string(self.pattern)
+            p.check_length(self.layers, "--layers")
+            return p
+        return LayerPattern.from_freq(self.layers, 4, 3)
+
+    def check(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise SystemExit(f"demo: {msg}")
+
+        need(self.layers >= 1, f"--layers must be >= 1, got {self.layers}")
+        need(self.batch >= 1, f"--batch must be >= 1, got {self.batch}")
+        need(self.steps >= 1 and self.warmup >= 1,
+             f"--steps and --warmup must be >= 1, got {self.steps} and {self.warmup}")
+        need(1 <= self.top_k <= self.hot, f"--top-k must be in [1, --hot={self.hot}]")
+        need(self.top_k % 16 == 0, f"--top-k must be a multiple of 16, got {self.top_k}")
+        need(0 <= self.recent < self.top_k and self.recent >= 1,
+             f"--recent must be in [1, --top-k), got {self.recent}")
+        need(self.context > self.hot + self.top_k,
+             f"--context ({self.context}) must exceed --hot + --top-k ({self.hot + self.top_k})"
+             " so that tokens leaving the window are evicted before they return")
+        need(0.0 < self.new_share <= 0.5, f"--new-share must be in (0, 0.5], got "
+                                          f"{self.new_share}")
+        need(1 <= self.mtp <= 4, f"--mtp must be 1 (off) or 2..4, got {self.mtp}")
+        need(self.mtp * self.top_k <= 8192, "--mtp x --top-k must be <= 8192")
+        need(self.extra_page >= self.recent, "--extra-page must be >= --recent")
+        bad = set(self.modes) - {"gpu-only", "offload", "overlap"}
+        need(not bad, f"unknown --mode {sorted(bad)}")
+
+    def scratch(self) -> int:
+        if self.mtp < 2:
+            return 0
+        t = self.top_k * self.mtp
+        return max(t - self.hot, min(t, 1024))  # multistep.default_scratch
+
+    def memory(self) -> dict[str, float]:
+        """Bytes each part needs (before allocating)."""
+        L, B = self.layers, self.batch
+        resident = L * B * self.max_len * ROW_BYTES
+        hot = L * B * (self.hot + self.extra_page + self.scratch()) * ROW_BYTES
+        Q = self.queries
+        model = 2 * (HEADS * 512 * self.hidden + self.hidden * HEADS * 576) + \
+            Q * 2 * (self.hidden + HEADS * 576 + HEADS * 512) + Q * 64 * HEADS * 514 * 4
+        offload = any(m != "gpu-only" for m in self.modes)
+        return {"host_pinned": resident if offload else 0, "gpu_resident": resident,
+                "gpu_hot": hot if offload else 0, "gpu_model": model}
+
+    def describe_memory(self) -> str:
+        m = self.memory()
+        return (f"memory: {m['host_pinned'] / GB:.1f} GB pinned host (the full KV), GPU "
+                f"{m['gpu_resident'] / GB:.1f} GB resident KV (gpu-only mode) + "
+                f"{m['gpu_hot'] / GB:.1f} GB hot buffers (offloaded modes) + "
+                f"{m['gpu_model'] / GB:.2f} GB model; the modes run one after another")
+
+
+def host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    d = Config()
+    ap = argparse.ArgumentParser(
+        prog="python -m hisparse_cupy demo",
+        description="A decode loop over a hierarchical sparse KV cache: a synthetic sparse-"
+                    "attention model (MLA rows of 576 bf16 values, 16 heads) run GPU-only, "
+                    "offloaded, and offloaded with IndexCache overlap; the offloaded modes "
+                    "must reproduce the GPU-only attention outputs bit for bit.")
+    a = ap.add_argument
+    a("--layers", type=int, default=d.layers, help="layers (default 78, GLM-5.2)")
+    a("--pattern", default=None, help="full/shared layers as F/S characters (default: GLM-5.2's "
+                                      "IndexCache rule, every 4th layer full from layer 2)")
+    a("--batch", type=int, default=d.batch, help="requests decoded together")
+    a("--context", type=int, default=d.context, help="prompt tokens per request")
+    a("--steps", type=int, default=d.steps, help="timed decode steps")
+    a("--warmup", type=int, default=d.warmup, help="decode steps before timing")
+    a("--new-share", type=float, default=d.new_share,
+      help="share of each top-k replaced by new tokens per step (0.01 = 1%%)")
+    a("--recent", type=int, default=d.recent, help="newest tokens every top-k holds")
+    a("--top-k", type=int, default=d.top_k)
+    a("--hot", type=int, default=d.hot, help="hot slots per request (H)")
+    a("--hidden", type=int, default=d.hidden, help="hidden size of the MLP stand-in")
+    a("--mtp", type=int, default=d.mtp, help="draft steps per swap (2-4: multi-step swap)")
+    a("--mode", action="append", choices=("gpu-only", "offload", "overlap"),
+      help="modes to run (repeatable; default all; gpu-only always runs as the reference)")
+    a("--graph", action="store_true", help="run each step as a captured CUDA graph")
+    a("--eager-and-graph", action="store_true", help="run both")
+    a("--json", default=None, help="write the results as JSON to this file")
+    a("--png", default=None, help="plot ITL per step per mode to this PNG (needs matplotlib)")
+    a("--quiet", action="store_true", help="no progress lines")
+    return ap
+
+
+def from_args(argv=None) -> Config:
+    ns = parser().parse_args(argv)
+    modes = tuple(dict.fromkeys(["gpu-only"] + (ns.mode or ["offload", "overlap"])))
+    execs = ("eager", "graph") if ns.eager_and_graph else (("graph",) if ns.graph else ("eager",))
+    cfg = Config(layers=ns.layers, pattern=ns.pattern, batch=ns.batch, context=ns.context,
+                 steps=ns.steps, warmup=ns.warmup, new_share=ns.new_share, recent=ns.recent,
+                 top_k=ns.top_k, hot=ns.hot, hidden=ns.hidden, mtp=ns.mtp, modes=modes,
+                 execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)
+    cfg.check()
+    return cfg

@@ -1,0 +1,107 @@
+"""The decode loop without a GPU: the same algorithm on the NumPy reference backend, small.
+
+The cache is :mod:`hisparse_cupy.reference` (the oracle the kernels are tested against), the
+"device" rows a NumPy array that each swap's miss plan is copied into; the attention is the
+same softmax(q.k) over the selected rows in NumPy. Every layer runs its own swap (the offload
+mode; the IndexCache overlap needs streams), and its attention output must equal, bit for bit,
+the output of the same attention reading the full KV directly (the GPU-only mode).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .. import reference as ref
+from ..streams.pattern import LayerPattern
+
+ROW, ROW_V, HEADS = 576, 512, 16
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def kv_rows(layer: int, slot: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """bf16 rows (as float32, exact) of tokens ``(slot, pos)`` in ``layer``: [n, 576]."""
+    key = (np.uint64(layer) << np.uint64(56)) ^ (slot.astype(np.uint64) << np.uint64(40)) ^ \
+        pos.astype(np.uint64)
+    h = _mix(_mix(key)[:, None] + np.arange(ROW, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    u = ((h >> np.uint64(40)).astype(np.int64) - (1 << 23)).astype(np.float32) * np.float32(2**-23)
+    return (u.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+def attention(q: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """softmax(q . k) v per head: q [HEADS, 576] (unit rows), rows [K, 576] -> [HEADS, 512]."""
+    s = (q @ rows.T) * np.float32(4.0)
+    s = np.exp(s - s.max(axis=1, keepdims=True))
+    return (s / s.sum(axis=1, keepdims=True)) @ rows[:, :ROW_V]
+
+
+def run(steps: int = 12, batch: int = 2, layers: int = 8, context: int = 1536, hot: int = 512,
+        top_k: int = 128, page: int = 8, share: float = 0.05, recent: int = 4) -> None:
+    t_start = time.perf_counter()
+    pattern = LayerPattern.from_freq(layers, 4, 3)
+    full = pattern.full
+    max_len = context + steps
+    R, W, M = batch, hot + page, max(1, round(share * top_k))
+    rng = np.random.default_rng(0)
+    host = np.zeros((layers, R * max_len, ROW), np.float32)  # the pinned pool
+    for layer in range(layers):
+        for r in range(R):
+            host[layer, r * max_len: r * max_len + context] = kv_rows(
+                layer, np.full(context, r), np.arange(context))
+    device = np.zeros((layers, R * W, ROW), np.float32)
+    host_locs = np.full((R, max_len), -1, np.int64)
+    host_locs[:, :context] = np.arange(R)[:, None] * max_len + np.arange(context)
+    slot_locs = (np.arange(R)[:, None] * W + np.arange(W)).astype(np.int32)
+    tokens = np.full((layers, R, W), -1, np.int32)
+    tokens[:, :, hot] = context - 1  # admission: the newest token in slot H
+    device[:, slot_locs[:, hot]] = host[:, np.arange(R) * max_len + context - 1]
+    lru = np.tile(np.arange(hot, dtype=np.int16), (layers, R, 1))
+    perm = np.stack([rng.permutation(context) for _ in range(len(pattern.full_layers))])
+    req = np.arange(R)
+    for t in range(steps):
+        lens = np.full(R, context + t + 1)
+        newest = lens - 1
+        for layer in range(layers):  # the step's KV: its device row (slot H) and its backup
+            kv = kv_rows(layer, req, newest)
+            device[layer, slot_locs[req, hot]] = kv
+            host[layer, req * max_len + newest] = kv
+        host_locs[req, newest] = req * max_len + newest
+        q = rng.standard_normal((R, HEADS, ROW)).astype(np.float32)
+        q /= np.linalg.norm(q, axis=2, keepdims=True)
+        misses = 0
+        for layer in range(layers):
+            if full[layer]:
+                j = pattern.full_layers.index(layer)
+                nrec = min(recent, t + 1)
+                win = (t * M + 7919 * req[:, None] + np.arange(top_k - nrec)) % context
+                topk = np.concatenate([perm[j][win], newest[:, None] - np.arange(nrec)[::-1]],
+                                      axis=1).astype(np.int32)
+            res = ref.swap_in(topk, req, lens, host_locs=host_locs, slot_tokens=tokens[layer],
+                              slot_locs=slot_locs, lru=lru[layer], hot_size=hot,
+                              n_host_rows=R * max_len)
+            if res.status.any() or (res.device_locs < 0).any():
+                raise SystemExit(f"step {t} layer {layer}: the swap reported {res.status}")
+            for b in range(R):  # the planned copy
+                n = res.plan_count[b]
+                device[layer, res.plan_dst[b, :n]] = host[layer, res.plan_src[b, :n]]
+            misses += int(res.plan_count.sum())
+            ref.check_invariants(tokens[layer], slot_locs, lru[layer], hot)
+            for b in range(R):
+                direct = attention(q[b], host[layer, b * max_len + topk[b]])
+                offload = attention(q[b], device[layer, res.device_locs[b]])
+                if not np.array_equal(direct.view(np.uint32), offload.view(np.uint32)):
+                    raise SystemExit(f"SELF-CHECK FAILED: step {t}, layer {layer}, request {b}: "
+                                     f"the offloaded attention output differs from gpu-only")
+        print(f"step {t:3d}  seq_len {lens[0]}  misses per layer and request "
+              f"{misses / (layers * R):6.1f} of {top_k}  invariants hold, attention outputs "
+              f"bit-identical to gpu-only")
+    print(f"{steps} steps x {layers} layers x {R} requests on the NumPy reference backend in "
+          f"{time.perf_counter() - t_start:.1f} s: self-check passed")

@@ -1,0 +1,248 @@
+"""The decode loop on the GPU: one mode (gpu-only, offload, overlap), eager or graph-captured.
+
+Per step (DESIGN's request lifecycle): the newest token's KV of every layer is written into its
+device row (``step.newest_rows()``) and backed up to the host pool (``step.backup_newest()``,
+queued before any swap that could miss on it); the step's input goes through the first query
+projection; then per layer: a full layer's "indexer" (a drifting top-k), the swap-in (or, for a
+shared layer with overlap, the wait on its side-stream replay), the sparse attention over the
+returned device rows and the matmuls. Everything is queued on one non-blocking stream; the step
+index and sequence lengths live on the device, so one captured step replays for every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import cupy
+import numpy as np
+
+from ..cache import HotBufferCache
+from ..streams import Prefetcher
+from .config import ROW_BYTES, Config
+from .model import Kernels, Model
+
+
+@dataclasses.dataclass
+class RunResult:
+    mode: str
+    exec: str
+    step_ms: np.ndarray  # per timed step
+    digest: np.ndarray  # uint64 [total_steps, L]: every layer's attention output, hashed
+    rows_moved: np.ndarray  # per timed step: rows copied host -> device (all layers)
+    misses: np.ndarray  # per timed step: misses of the full layers' swaps
+    swap_call_us: float | None  # eager: mean Python time of one step.swap call, measured in
+    # warm-up steps 1.. that start on an idle stream (so no launch waits for queue space)
+
+
+def _coprime(n: int) -> int:
+    a = max(2, int(n * 0.6180339887))
+    while np.gcd(a, n) != 1:
+        a += 1
+    return a
+
+
+class Rig:
+    """Buffers shared by every mode, and the per-mode state (resident KV or cache)."""
+
+    def __init__(self, cfg: Config, stream: cupy.cuda.Stream, log):
+        self.cfg, self.s, self.log = cfg, stream, log
+        self.pattern = cfg.pattern_obj()
+        self.full = self.pattern.full
+        self.groups = self.pattern.groups
+        self.k = Kernels()
+        with stream:
+            self.model = Model(self.k, queries=cfg.queries, top_k=cfg.top_k, hidden=cfg.hidden,
+                               n_layers=cfg.layers, stream=stream)
+            B, S, K = cfg.batch, cfg.mtp, cfg.top_k
+            self.req = cupy.arange(B, dtype=cupy.int32)  # request slot b (the cache's rids too)
+            self.lens = cupy.empty(B, cupy.int32)
+            self.step_ctr = cupy.zeros(1, cupy.int32)
+            self.topk = cupy.empty((B, S, K), cupy.int32)
+            self.locs = cupy.empty((B, S, K), cupy.int32)
+            self.digest = cupy.zeros((cfg.total_steps, cfg.layers), cupy.uint64)
+            self.moved = cupy.zeros((cfg.total_steps, 2), cupy.uint64)
+        self.U = cfg.context
+        self.a = np.int64(_coprime(self.U))
+        self.M = max(1, round(cfg.new_share * K))
+        self.salt = {layer: (1_000_003 * j) % self.U
+                     for j, layer in enumerate(self.pattern.full_layers)}
+        self.resident = None
+        self.cache = self.pf = None
+        self.swap_s = 0.0
+        self.swap_n = 0
+        self.time_host = False
+
+    # ------------------------------------------------------------------ state
+    def _prefill(self, base: int, layer_bytes: int) -> None:
+        c = self.cfg
+        reqs = self.req
+        grid = (-(-c.context * 72 // 256), c.batch, c.layers)
+        self.k.kv_prefill(grid, (256,), (cupy.uint64(base), np.int64(layer_bytes), reqs,
+                                         np.int32(c.context), np.int32(c.max_len)),
+                          stream=self.s)
+
+    def use_resident(self) -> None:
+        """GPU-only mode: every layer's KV resident on the GPU (rows ``r * max_len + p``)."""
+        c = self.cfg
+        self.free_cache()
+        if self.resident is None:
+            t0 = time.perf_counter()
+            with self.s:
+                self.resident = cupy.empty((c.layers, c.batch * c.max_len, ROW_BYTES),
+                                           cupy.uint8)
+            self._prefill(self.resident.data.ptr, self.resident[0].nbytes)
+            self.s.synchronize()
+            self.log(f"gpu-only: {self.resident.nbytes / 1e9:.1f} GB of KV written on the GPU "
+                     f"in {time.perf_counter() - t0:.1f} s")
+
+    def free_resident(self) -> None:
+        if self.resident is not None:
+            self.s.synchronize()
+            self.resident = None
+            cupy.get_default_memory_pool().free_all_blocks()
+
+    def use_cache(self) -> None:
+        """Offloaded modes: the full KV in the pinned host pool, hot buffers on the GPU."""
+        c = self.cfg
+        self.free_resident()
+        if self.cache is None:
+            t0 = time.perf_counter()
+            self.cache = HotBufferCache(n_layers=c.layers, max_requests=c.batch,
+                                        max_len=c.max_len, row_bytes=ROW_BYTES, hot_size=c.hot,
+                                        top_k=c.top_k, extra_page=c.extra_page,
+                                        max_steps=c.mtp)
+            t1 = time.perf_counter()
+            pool = self.cache.pool
+            self._prefill(int(pool.device_ptr(0)), pool.layer_bytes)  # the GPU writes the pool
+            self.s.synchronize()
+            self.pf = Prefetcher(self.cache, self.pattern)
+            self.log(f"offload: {pool.n_layers * pool.layer_bytes / 1e9:.1f} GB host pool pinned "
+                     f"in {t1 - t0:.1f} s and written in {time.perf_counter() - t1:.1f} s")
+
+    def free_cache(self) -> None:
+        if self.cache is not None:
+            self.s.synchronize()
+            self.pf.synchronize()
+            self.cache.close()
+            self.cache = self.pf = None
+            cupy.get_default_memory_pool().free_all_blocks()
+
+    def reset(self, mode: str) -> None:
+        """Every request back at its prompt (cold hot buffers), step 0, outputs cleared."""
+        c, s = self.cfg, self.s
+        if mode != "gpu-only":
+            cache, pf = self.cache, self.pf
+            pf.finish(s)
+            pf.set_enabled(mode == "overlap", stream=s)
+            for rid in list(cache.active):
+                cache.release(rid, stream=s)
+            rids = [cache.admit(c.context, stream=s) for _ in range(c.batch)]
+            # batch row b is request slot b in every mode (a KV row is a function of the slot)
+            if sorted(rids) != list(range(c.batch)):
+                raise RuntimeError(f"unexpected request slots {rids}")
+        with s:
+            self.lens.fill(c.context)
+            self.step_ctr.fill(0)
+            self.digest.fill(0)
+            self.moved.fill(0)
+        self.swap_s, self.swap_n = 0.0, 0
+
+    # ------------------------------------------------------------------ one step
+    def step(self, mode: str) -> None:
+        c, s, k, m = self.cfg, self.s, self.k, self.model
+        B, S, K = c.batch, c.mtp, c.top_k
+        gpu_only = mode == "gpu-only"
+        if gpu_only:
+            res = self.resident
+            k.kv_newest((B, c.layers), (96,), (res, np.int64(res[0].nbytes), self.req, self.lens,
+                                                cupy.uint64(0), np.int32(c.max_len)), stream=s)
+        else:
+            cache = self.cache
+            st = cache.begin_step(self.req, self.lens, stream=s, prefetcher=self.pf)
+            rows = st.newest_rows()  # the model writes this step's KV there
+            k.kv_newest((B, c.layers), (96,),
+                        (cache.device, np.int64(cache.device[0].nbytes), self.req, self.lens,
+                         rows, np.int32(c.max_len)), stream=s)
+            st.backup_newest()  # before any later swap that may select these tokens
+        m.start(self.step_ctr)
+        topk = self.topk if S > 1 else self.topk.reshape(B, K)
+        locs = self.locs if S > 1 else self.locs.reshape(B, K)
+        for layer in range(c.layers):
+            if self.full[layer]:
+                k.topk_drift((-(-K // 256), B * S), (256,),
+                             (self.topk, np.int32(S), np.int32(K), np.int32(self.M),
+                              np.int32(max(1, self.M // 2)), np.int32(self.U), self.a,
+                              np.int64(self.salt[layer]), np.int32(c.recent), self.step_ctr,
+                              self.lens), stream=s)
+                if gpu_only:
+                    n = B * S * K
+                    k.direct_locs((-(-n // 256),), (256,),
+                                  (self.topk, self.req, np.int32(S * K), np.int32(c.max_len),
+                                   np.int32(n), self.locs), stream=s)
+            if gpu_only:
+                out, rows = locs, self.resident[layer]
+            elif self.time_host:
+                t0 = time.perf_counter()
+                out = st.swap(layer, topk)
+                self.swap_s += time.perf_counter() - t0
+                self.swap_n += 1
+            else:
+                out = st.swap(layer, topk)
+            if not gpu_only:
+                if self.full[layer]:  # rows this swap and its shared layers' move
+                    w = 1 + len(self.groups.get(layer, ()))
+                    k.tally((1,), (128,), (cache.plan.count, np.int32(B), np.int32(w), self.moved,
+                                           self.step_ctr), stream=s)
+                rows = cache.device[layer]
+            m.layer(out, rows, layer, self.digest, self.step_ctr, last=layer == c.layers - 1)
+        if not gpu_only:
+            st.finish()
+        k.tick((1,), (128,), (self.step_ctr, self.lens, np.int32(B)), stream=s)
+
+    # ------------------------------------------------------------------ one mode
+    def run(self, mode: str, exec_: str, progress) -> RunResult:
+        c, s = self.cfg, self.s
+        (self.use_resident if mode == "gpu-only" else self.use_cache)()
+        self.reset(mode)
+        n = c.total_steps
+        ev = [cupy.cuda.Event() for _ in range(n + 1)]
+        graph = None
+        every = max(1, n // 10)
+        t0 = time.perf_counter()
+        for i in range(n):
+            ev[i].record(s)
+            if graph is not None:
+                graph.launch(s)
+            else:
+                # eager warm-up steps 1.. start on an idle stream: their host time per swap
+                # call is the Python overhead alone (later, launches wait for queue space)
+                self.time_host = exec_ == "eager" and 1 <= i < c.warmup
+                if self.time_host:
+                    s.synchronize()
+                self.step(mode)
+                self.time_host = False
+                if exec_ == "graph":  # step 0 ran eagerly (kernels loaded): capture the step
+                    s.begin_capture()
+                    try:
+                        self.step(mode)
+                    finally:
+                        graph = s.end_capture()
+            if progress and (i + 1) % every == 0:
+                progress(f"  {mode} {exec_}: step {i + 1}/{n} queued, "
+                         f"{time.perf_counter() - t0:.1f} s")
+        ev[n].record(s)
+        ev[n].synchronize()
+        w = c.warmup
+        step_ms = np.array([cupy.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(w, n)])
+        moved = cupy.asnumpy(self.moved)
+        swap_us = None
+        if exec_ == "eager" and self.swap_n:
+            swap_us = 1e6 * self.swap_s / self.swap_n
+        return RunResult(mode, exec_, step_ms, cupy.asnumpy(self.digest),
+                         moved[w:, 0].astype(np.int64), moved[w:, 1].astype(np.int64), swap_us)
+
+    def close(self) -> None:
+        self.free_cache()
+        self.free_resident()
+        self.model.close()

@@ -1,0 +1,345 @@
+// hisparse_cupy demo: the synthetic model's kernels (not part of the library's ABI).
+//
+// KV rows are MLA-like: D_ROW = 576 bf16 values (1152 bytes), the first D_V = 512 of which are
+// the value (the latent), all 576 the key. A token's row in layer l of request slot r at
+// position p is a pure function of (l, r, p): every mode (GPU-only, offload, overlap) and the
+// host pool hold the same bytes, so the attention outputs must agree bit for bit.
+//
+// Every kernel that changes from step to step reads the step index and the sequence lengths
+// from device memory, so one captured decode step replays for every step.
+// ASCII only (NVRTC reads the source as bytes).
+
+#define D_ROW 576
+#define D_V 512
+#define NH 16            // query heads
+#define TR 16            // rows per attention tile
+#define QS 580           // padded row stride (floats) of the query and tile buffers
+#define ATT_THREADS 256
+#define INFINITY __int_as_float(0x7f800000)
+
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u64 mix64(u64 x) {
+  x ^= x >> 30; x *= 0xBF58476D1CE4E5B9ULL;
+  x ^= x >> 27; x *= 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+// a value in [-1, 1) as bf16 bits (exact: 8 significant bits)
+__device__ __forceinline__ unsigned short hash_bf16(u64 h) {
+  const float u = static_cast<float>(static_cast<int>(h >> 40) - (1 << 23)) * (1.0f / (1 << 23));
+  return static_cast<unsigned short>(__float_as_uint(u) >> 16);
+}
+
+__device__ __forceinline__ float bf16_to_float(unsigned short b) {
+  return __uint_as_float(static_cast<unsigned int>(b) << 16);
+}
+
+__device__ __forceinline__ unsigned short float_to_bf16(float x) {  // round to nearest even
+  unsigned int u = __float_as_uint(x);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<unsigned short>(u >> 16);
+}
+
+// Eight values (16 bytes) of token (r, p)'s row in layer l, chunk c of 72.
+__device__ __forceinline__ uint4 kv_chunk(int l, int r, long long p, int c) {
+  const u64 key = mix64((static_cast<u64>(l) << 56) ^ (static_cast<u64>(r) << 40) ^
+                        static_cast<u64>(p)) + static_cast<u64>(c) * 0x9E3779B97F4A7C15ULL;
+  unsigned int w[4];
+  for (int i = 0; i < 4; ++i) {
+    const unsigned short a = hash_bf16(mix64(key + 2 * i));
+    const unsigned short b = hash_bf16(mix64(key + 2 * i + 1));
+    w[i] = static_cast<unsigned int>(a) | (static_cast<unsigned int>(b) << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Prefill: rows of positions [0, n_tokens) of request slots reqs[0..n_req) into
+// base + l * layer_bytes + (r * max_len + p) * 1152, every layer (base: device or mapped host).
+// grid (ceil(n_tokens * 72 / 256), n_req, n_layers)
+extern "C" __global__ void kv_prefill(unsigned char* base, long long layer_bytes,
+                                      const int* reqs, int n_tokens, int max_len) {
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<long long>(n_tokens) * 72) return;
+  const int l = blockIdx.z, r = reqs[blockIdx.y];
+  const long long p = i / 72;
+  const int c = static_cast<int>(i % 72);
+  uint4* dst = reinterpret_cast<uint4*>(base + l * layer_bytes +
+                                        (static_cast<long long>(r) * max_len + p) * (2 * D_ROW));
+  dst[c] = kv_chunk(l, r, p, c);
+}
+
+// The newest token (position lens[b] - 1) of every batch row, every layer: into device row
+// rows[b] (the cache's newest_rows(); -1 skips) or, with rows == nullptr, row
+// req[b] * max_len + lens[b] - 1 (the GPU-only mode's resident KV). grid (B, n_layers), 96 thr.
+extern "C" __global__ void kv_newest(unsigned char* base, long long layer_bytes, const int* req,
+                                     const int* lens, const int* rows, int max_len) {
+  const int b = blockIdx.x, l = blockIdx.y, c = threadIdx.x;
+  if (c >= 72) return;
+  const int r = req[b];
+  const long long p = lens[b] - 1;
+  const long long row = rows ? static_cast<long long>(rows[b])
+                             : static_cast<long long>(r) * max_len + p;
+  if (row < 0) return;
+  uint4* dst = reinterpret_cast<uint4*>(base + l * layer_bytes + row * (2 * D_ROW));
+  dst[c] = kv_chunk(l, r, p, c);
+}
+
+// Drifting top-k of one full layer, int32 [B, S, K]: entry k < K - nrec of draft step s is
+// token perm(pos), pos = (t * M + s * Md + 7919 b + salt + k) mod U, perm(x) = (a x + 131 b +
+// salt) mod U (a bijection: gcd(a, U) = 1), so each step M tokens of the window are new; the
+// last nrec = min(recent, t + 1) entries are the newest tokens lens[b] - nrec .. lens[b] - 1.
+// grid (ceil(K / 256), B * S)
+extern "C" __global__ void topk_drift(int* topk, int S, int K, int M, int Md, int U, long long a,
+                                      long long salt, int recent, const int* step,
+                                      const int* lens) {
+  const int k = blockIdx.x * blockDim.x + threadIdx.x;
+  if (k >= K) return;
+  const int bs = blockIdx.y, b = bs / S, s = bs % S;
+  const int t = *step;
+  const int nrec = min(recent, t + 1);
+  int tok;
+  if (k >= K - nrec) {
+    tok = lens[b] - (K - k);
+  } else {
+    const long long pos = (static_cast<long long>(t) * M + static_cast<long long>(s) * Md +
+                           7919LL * b + salt + k) % U;
+    tok = static_cast<int>((pos * a + 131LL * b + salt) % U);
+  }
+  topk[static_cast<long long>(bs) * K + k] = tok;
+}
+
+// GPU-only page table: locs = req[b] * max_len + token (-1 for a negative token). n = B * S * K.
+extern "C" __global__ void direct_locs(const int* topk, const int* req, int SK, int max_len,
+                                       int n, int* locs) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int t = topk[i];
+  locs[i] = t < 0 ? -1 : req[i / SK] * max_len + t;
+}
+
+// The step's input hidden state, bf16 [Q, D]: a function of (step, row, column).
+extern "C" __global__ void embed(unsigned short* h, int n, int D, const int* step) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  h[i] = hash_bf16(mix64((static_cast<u64>(*step) << 40) ^ static_cast<u64>(i) ^
+                         0x5851F42D4C957F2DULL));
+}
+
+// Weights, bf16 [n]: uniform in [-scale, scale) (scale a power of two keeps them exact).
+extern "C" __global__ void weights(unsigned short* w, long long n, u64 seed, float scale) {
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  w[i] = float_to_bf16(bf16_to_float(hash_bf16(mix64(seed ^ static_cast<u64>(i)))) * scale);
+}
+
+// Sparse MLA-style attention, split over the K selected rows (flash-decoding), part 1.
+// Query row q (= b * S + s) has NH heads of D_ROW values (bf16, normalised here per head and
+// scaled by temp); its selected rows are locs[b * ld_b + s * ld_s + k], k < K (-1: skipped).
+// Block (split, q): rows [split * chunk, min(K, (split + 1) * chunk)). Per head: running max m,
+// sum l, and acc[D_V] = sum_j exp(score_j - m) * value_j. Fixed order: deterministic.
+// grid (n_split, Q), ATT_THREADS threads, dynamic smem att_smem_bytes().
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+attn_partial(const unsigned short* qraw, const int* locs, long long ld_b, long long ld_s, int S,
+             int K, int chunk, const unsigned char* rows, float temp, float* part_m,
+             float* part_l, float* part_acc) {
+  extern __shared__ float4 smem4[];
+  float* q_s = reinterpret_cast<float*>(smem4);  // [NH][QS]
+  float* kv_s = q_s + NH * QS;                     // [TR][QS]
+  float* p_s = kv_s + TR * QS;                     // [TR][NH] scores, then weights
+  float* c_s = p_s + TR * NH;                      // [NH] rescale of this tile
+  float* nrm_s = c_s + NH;                         // [NH]
+  int* ok_s = reinterpret_cast<int*>(nrm_s + NH);  // [TR]
+  const int split = blockIdx.x, q = blockIdx.y, nsplit = gridDim.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int b = q / S, s = q % S;
+  const int* lrow = locs + b * ld_b + s * ld_s;
+
+  // query: load, then normalise each head (warp w: heads w and w + 8)
+  const unsigned short* qr = qraw + static_cast<long long>(q) * NH * D_ROW;
+  for (int i = tid; i < NH * D_ROW; i += ATT_THREADS)
+    q_s[(i / D_ROW) * QS + i % D_ROW] = bf16_to_float(qr[i]);
+  __syncthreads();
+  for (int h = warp; h < NH; h += ATT_THREADS / 32) {
+    float ss = 0.0f;
+    for (int d = lane; d < D_ROW; d += 32) ss += q_s[h * QS + d] * q_s[h * QS + d];
+    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) nrm_s[h] = temp * rsqrtf(ss + 1e-20f);
+  }
+  __syncthreads();
+  for (int i = tid; i < NH * D_ROW; i += ATT_THREADS) {
+    const int h = i / D_ROW;
+    q_s[h * QS + i % D_ROW] *= nrm_s[h];
+  }
+
+  float m = -INFINITY, l = 0.0f;  // thread h < NH: head h's running max and sum
+  float acc[NH][2];
+#pragma unroll
+  for (int h = 0; h < NH; ++h) acc[h][0] = acc[h][1] = 0.0f;
+  const int k0 = split * chunk, k1 = min(K, k0 + chunk);
+  for (int kt = k0; kt < k1; kt += TR) {
+    __syncthreads();  // the previous tile is consumed (and the query is ready)
+    if (tid < TR) {
+      const int k = kt + tid;
+      ok_s[tid] = (k < k1 && lrow[k] >= 0) ? lrow[k] : -1;
+    }
+    __syncthreads();
+    for (int i = tid; i < TR * 72; i += ATT_THREADS) {
+      const int r = i / 72, c = i % 72;
+      const int loc = ok_s[r];
+      float* dst = kv_s + r * QS + c * 8;
+      if (loc < 0) {
+        for (int j = 0; j < 8; ++j) dst[j] = 0.0f;
+      } else {
+        const uint4 v = reinterpret_cast<const uint4*>(
+            rows + static_cast<long long>(loc) * (2 * D_ROW))[c];
+        const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+        for (int j = 0; j < 4; ++j) {
+          dst[2 * j] = __uint_as_float(w[j] << 16);
+          dst[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+        }
+      }
+    }
+    __syncthreads();
+    {  // scores: thread (r, h)
+      const int r = tid / NH, h = tid % NH;
+      const float4* qa = reinterpret_cast<const float4*>(q_s + h * QS);
+      const float4* ka = reinterpret_cast<const float4*>(kv_s + r * QS);
+      float sc = 0.0f;
+      for (int d = 0; d < D_ROW / 4; ++d) {
+        const float4 x = qa[d], y = ka[d];
+        sc += x.x * y.x + x.y * y.y + x.z * y.z + x.w * y.w;
+      }
+      p_s[r * NH + h] = ok_s[r] >= 0 ? sc : -INFINITY;
+    }
+    __syncthreads();
+    if (tid < NH) {  // online softmax of head tid over the tile's rows, in row order
+      float mt = m;
+      for (int r = 0; r < TR; ++r) mt = fmaxf(mt, p_s[r * NH + tid]);
+      if (mt == -INFINITY) {
+        c_s[tid] = 1.0f;
+        for (int r = 0; r < TR; ++r) p_s[r * NH + tid] = 0.0f;
+      } else {
+        const float c = __expf(m - mt);
+        float sum = 0.0f;
+        for (int r = 0; r < TR; ++r) {
+          const float p = __expf(p_s[r * NH + tid] - mt);
+          p_s[r * NH + tid] = p;
+          sum += p;
+        }
+        c_s[tid] = c;
+        l = l * c + sum;
+        m = mt;
+      }
+    }
+    __syncthreads();
+    {  // values: thread owns dims 2 tid, 2 tid + 1 of every head
+      const int d = 2 * tid;
+#pragma unroll
+      for (int h = 0; h < NH; ++h) {
+        float a0 = acc[h][0] * c_s[h], a1 = acc[h][1] * c_s[h];
+        for (int r = 0; r < TR; ++r) {
+          const float p = p_s[r * NH + h];
+          const float2 v = *reinterpret_cast<const float2*>(kv_s + r * QS + d);
+          a0 += p * v.x;
+          a1 += p * v.y;
+        }
+        acc[h][0] = a0;
+        acc[h][1] = a1;
+      }
+    }
+  }
+  const long long base = (static_cast<long long>(q) * nsplit + split) * NH;
+  if (tid < NH) {
+    part_m[base + tid] = m;
+    part_l[base + tid] = l;
+  }
+#pragma unroll
+  for (int h = 0; h < NH; ++h)
+    *reinterpret_cast<float2*>(part_acc + (base + h) * D_V + 2 * tid) =
+        make_float2(acc[h][0], acc[h][1]);
+}
+
+// Part 2: combine the splits in split order, bf16 out [Q, NH * D_V], and fold the output into
+// digest[step * n_layers + layer] (a wrapping sum of hashed (index, value) pairs: independent of
+// the summation order, so it is deterministic, and any changed bit changes it).
+// grid Q, D_V threads.
+extern "C" __global__ void attn_combine(const float* part_m, const float* part_l,
+                                        const float* part_acc, int nsplit, unsigned short* out,
+                                        u64* digest, const int* step, int n_layers, int layer) {
+  const int q = blockIdx.x, d = threadIdx.x;
+  u64 dig = 0;
+  for (int h = 0; h < NH; ++h) {
+    const long long base = static_cast<long long>(q) * nsplit * NH + h;
+    float mx = -INFINITY;
+    for (int sp = 0; sp < nsplit; ++sp) mx = fmaxf(mx, part_m[base + sp * NH]);
+    float num = 0.0f, den = 0.0f;
+    if (mx != -INFINITY) {
+      for (int sp = 0; sp < nsplit; ++sp) {
+        const float ms = part_m[base + sp * NH];
+        if (ms == -INFINITY) continue;
+        const float w = __expf(ms - mx);
+        den += part_l[base + sp * NH] * w;
+        num += part_acc[(base + sp * NH) * D_V + d] * w;
+      }
+    }
+    const unsigned short o = float_to_bf16(den > 0.0f ? num / den : 0.0f);
+    const long long idx = (static_cast<long long>(q) * NH + h) * D_V + d;
+    out[idx] = o;
+    dig += mix64((static_cast<u64>(idx) << 16) | o);
+  }
+  for (int o = 16; o; o >>= 1) dig += __shfl_xor_sync(0xffffffffu, dig, o);
+  if ((d & 31) == 0) atomicAdd(digest + static_cast<long long>(*step) * n_layers + layer, dig);
+}
+
+// Rows moved and misses of one swap: acc[2 step] += weight * sum(count[:B]),
+// acc[2 step + 1] += sum(count[:B]). One block.
+extern "C" __global__ void tally(const int* count, int B, int weight, u64* acc,
+                                 const int* step) {
+  __shared__ u64 s_sum;
+  if (threadIdx.x == 0) s_sum = 0;
+  __syncthreads();
+  u64 v = 0;
+  for (int b = threadIdx.x; b < B; b += blockDim.x) v += static_cast<u64>(max(count[b], 0));
+  atomicAdd(&s_sum, v);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    atomicAdd(acc + 2 * (*step), s_sum * static_cast<u64>(weight));
+    atomicAdd(acc + 2 * (*step) + 1, s_sum);
+  }
+}
+
+// End of a step: step += 1, every length += 1. One block.
+extern "C" __global__ void tick(int* step, int* lens, int B) {
+  for (int b = threadIdx.x; b < B; b += blockDim.x) lens[b] += 1;
+  if (threadIdx.x == 0) *step += 1;
+}
+
+// Fallback matmul when cuBLAS cannot be loaded: C[M, N] = A[M, Kd] x B[Kd, N], bf16 in and
+// out, fp32 accumulation in k order. grid (ceil(N / 128), ceil(M / 16)), 128 threads.
+extern "C" __global__ void gemm_bf16(const unsigned short* A, const unsigned short* B,
+                                     unsigned short* C, int M, int N, int Kd) {
+  __shared__ float a_s[16][64];
+  const int n = blockIdx.x * 128 + threadIdx.x, m0 = blockIdx.y * 16;
+  float acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
+  for (int k0 = 0; k0 < Kd; k0 += 64) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < 16 * 64; i += 128) {
+      const int mi = i / 64, kk = i % 64;
+      a_s[mi][kk] = (m0 + mi < M && k0 + kk < Kd)
+                        ? bf16_to_float(A[static_cast<long long>(m0 + mi) * Kd + k0 + kk]) : 0.0f;
+    }
+    __syncthreads();
+    if (n < N) {
+      const int kn = min(64, Kd - k0);
+      for (int kk = 0; kk < kn; ++kk) {
+        const float bv = bf16_to_float(B[static_cast<long long>(k0 + kk) * N + n]);
+        for (int mi = 0; mi < 16; ++mi) acc[mi] += a_s[mi][kk] * bv;
+      }
+    }
+  }
+  if (n < N)
+    for (int mi = 0; mi < 16 && m0 + mi < M; ++mi)
+      C[static_cast<long long>(m0 + mi) * N + n] = float_to_bf16(acc[mi]);
+}

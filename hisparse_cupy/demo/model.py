@@ -1,0 +1,170 @@
+"""The decode loop's synthetic model on the GPU: its kernels (``model.cu``) and a capturable
+matmul.
+
+Per layer the model does what a sparse-attention (MLA + DSA-like) decoder layer costs: a sparse
+attention over the K selected KV rows of every query row (16 heads, 576-value bf16 rows, softmax
+of q.k, weighted sum of the 512-value latents; split over the rows flash-decoding style), then
+two bf16 matmuls on cuBLAS (the output projection into a 4096-wide hidden state, and the next
+layer's query projection): the MLP stand-in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from pathlib import Path
+
+import cupy
+import numpy as np
+
+ROW_VALUES, V_VALUES, HEADS = 576, 512, 16
+ROW_BYTES = 2 * ROW_VALUES
+TILE = 16  # rows per attention tile (TR in model.cu)
+_QS = 580
+ATT_THREADS = 256
+ATT_SMEM = 4 * (2 * HEADS * _QS + TILE * HEADS + 2 * HEADS + TILE)
+
+
+class Kernels:
+    """``model.cu`` compiled once (per process and device)."""
+
+    _NAMES = ("kv_prefill", "kv_newest", "topk_drift", "direct_locs", "embed", "weights",
+              "attn_partial", "attn_combine", "tally", "tick", "gemm_bf16")
+
+    def __init__(self):
+        src = (Path(__file__).with_name("model.cu")).read_text(encoding="ascii")
+        mod = cupy.RawModule(code=src, options=("-std=c++17",))
+        for n in self._NAMES:
+            setattr(self, n, mod.get_function(n))
+        self.attn_partial.max_dynamic_shared_size_bytes = ATT_SMEM
+
+
+class Gemm:
+    """``C = A @ B`` for row-major bf16 matrices (uint16 storage), fp32 accumulation.
+
+    cuBLAS's ``cublasGemmEx`` called through ctypes with its own handle and a fixed workspace,
+    so that it can be captured in a CUDA graph (CuPy's cuBLAS wrappers refuse to run while a
+    stream is captured). Without a loadable cuBLAS a simple kernel stands in; :attr:`kind`
+    says which runs.
+    """
+
+    _OP_N, _R_16BF, _COMPUTE_32F, _ALGO_DEFAULT = 0, 14, 68, -1
+    WORKSPACE = 32 << 20
+
+    def __init__(self, kernels: Kernels):
+        self.k = kernels
+        self._lib = None
+        try:
+            from cuda.pathfinder import load_nvidia_dynamic_lib
+
+            lib = ctypes.CDLL(load_nvidia_dynamic_lib("cublas").abs_path)
+            h = ctypes.c_void_p()
+            self._ok(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
+            self._ws = cupy.empty(self.WORKSPACE, cupy.uint8)
+            self._ok(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(self._ws.data.ptr),
+                                               ctypes.c_size_t(self.WORKSPACE)),
+                     "cublasSetWorkspace")
+            lib.cublasGemmEx.argtypes = [
+                ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+            self._lib, self._h = lib, h
+            self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+            self.kind = "cuBLAS (cublasGemmEx, bf16, fp32 compute)"
+        except Exception as e:  # noqa: BLE001 - any failure: the fallback kernel
+            self.kind = f"fallback matmul kernel (cuBLAS unavailable: {type(e).__name__}: {e})"
+
+    @staticmethod
+    def _ok(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+    def __call__(self, a: cupy.ndarray, b: cupy.ndarray, c: cupy.ndarray,
+                 stream: cupy.cuda.Stream) -> None:
+        M, Kd = a.shape
+        N = b.shape[1]
+        if self._lib is None:
+            self.k.gemm_bf16((-(-N // 128), -(-M // 16)), (128,),
+                             (a, b, c, np.int32(M), np.int32(N), np.int32(Kd)), stream=stream)
+            return
+        lib = self._lib
+        self._ok(lib.cublasSetStream_v2(self._h, ctypes.c_void_p(stream.ptr)), "cublasSetStream")
+        # row-major C = A B is column-major C^T = B^T A^T
+        self._ok(lib.cublasGemmEx(
+            self._h, self._OP_N, self._OP_N, N, M, Kd, ctypes.byref(self._one), b.data.ptr,
+            self._R_16BF, N, a.data.ptr, self._R_16BF, Kd, ctypes.byref(self._zero), c.data.ptr,
+            self._R_16BF, N, self._COMPUTE_32F, self._ALGO_DEFAULT), "cublasGemmEx")
+
+    def close(self) -> None:
+        if self._lib is not None:
+            self._lib.cublasDestroy_v2(self._h)
+            self._lib = None
+
+
+class Model:
+    """Weights and per-step buffers for ``Q`` query rows (batch x draft steps)."""
+
+    def __init__(self, kernels: Kernels, *, queries: int, top_k: int, hidden: int,
+                 n_layers: int, stream: cupy.cuda.Stream, temperature: float = 4.0):
+        self.k, self.Q, self.K, self.D, self.L = kernels, queries, top_k, hidden, n_layers
+        self.s = stream
+        self.gemm = Gemm(kernels)
+        self.temp = np.float32(temperature)
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        # splits of the K rows: about four blocks per SM, each a whole number of tiles
+        want = max(1, min(top_k // TILE, math.ceil(4 * sms / queries)))
+        self.chunk = TILE * math.ceil(top_k / want / TILE)
+        self.nsplit = math.ceil(top_k / self.chunk)
+        with stream:
+            self.w_o = self._weights((HEADS * V_VALUES, hidden), 1, 2.0 ** -6)
+            self.w_q = self._weights((hidden, HEADS * ROW_VALUES), 2, 2.0 ** -5)
+            self.h = cupy.empty((queries, hidden), cupy.uint16)
+            self.qraw = cupy.empty((queries, HEADS * ROW_VALUES), cupy.uint16)
+            self.o = cupy.empty((queries, HEADS * V_VALUES), cupy.uint16)
+            n = queries * self.nsplit * HEADS
+            self.part_m = cupy.empty(n, cupy.float32)
+            self.part_l = cupy.empty(n, cupy.float32)
+            self.part_acc = cupy.empty(n * V_VALUES, cupy.float32)
+
+    def _weights(self, shape, seed: int, scale: float) -> cupy.ndarray:
+        w = cupy.empty(shape, cupy.uint16)
+        n = w.size
+        self.k.weights((-(-n // 256),), (256,), (w, np.int64(n), np.uint64(seed * 0x9E3779B9),
+                                                 np.float32(scale)), stream=self.s)
+        return w
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.w_o, self.w_q, self.h, self.qraw, self.o,
+                                      self.part_m, self.part_l, self.part_acc))
+
+    def start(self, step_ctr: cupy.ndarray) -> None:
+        """The step's input hidden state, then the first layer's query."""
+        n = self.h.size
+        self.k.embed((-(-n // 256),), (256,), (self.h, np.int32(n), np.int32(self.D), step_ctr),
+                     stream=self.s)
+        self.gemm(self.h, self.w_q, self.qraw, self.s)
+
+    def layer(self, locs: cupy.ndarray, rows: cupy.ndarray, layer: int, digest: cupy.ndarray,
+              step_ctr: cupy.ndarray, last: bool) -> None:
+        """Attention of every query row over its rows ``locs`` ([B, K] or [B, S, K]) of
+        ``rows`` (uint8 [D, 1152]), its output folded into ``digest``; then the matmuls."""
+        S = 1 if locs.ndim == 2 else locs.shape[1]
+        ld_b = locs.strides[0] // 4
+        ld_s = 0 if locs.ndim == 2 else locs.strides[1] // 4
+        self.k.attn_partial(
+            (self.nsplit, self.Q), (ATT_THREADS,),
+            (self.qraw, locs, np.int64(ld_b), np.int64(ld_s), np.int32(S), np.int32(self.K),
+             np.int32(self.chunk), rows, self.temp, self.part_m, self.part_l, self.part_acc),
+            shared_mem=ATT_SMEM, stream=self.s)
+        self.k.attn_combine((self.Q,), (V_VALUES,),
+                            (self.part_m, self.part_l, self.part_acc, np.int32(self.nsplit),
+                             self.o, digest, step_ctr, np.int32(self.L), np.int32(layer)),
+                            stream=self.s)
+        self.gemm(self.o, self.w_o, self.h, self.s)
+        if not last:
+            self.gemm(self.h, self.w_q, self.qraw, self.s)
+
+    def close(self) -> None:
+        self.gemm.close()

@@ -1,0 +1,115 @@
+"""The decode loop's self-check, table, JSON and plot (NumPy only)."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import numpy as np
+
+from .config import ROW_BYTES, Config
+
+
+def self_check(results) -> list[str]:
+    """Errors: every run's attention outputs (per step and layer digests) must equal the
+    GPU-only run's bit for bit; the reference must hold real outputs."""
+    ref = next((r for r in results if r.mode == "gpu-only"), None)
+    if ref is None:
+        return ["no gpu-only run to check against"]
+    errors = []
+    if not ref.digest.all():
+        errors.append("the gpu-only run left some (step, layer) outputs empty")
+    for r in results:
+        if r is ref:
+            continue
+        bad = np.argwhere(r.digest != ref.digest)
+        if bad.size:
+            t, layer = bad[0]
+            errors.append(f"{r.mode} {r.exec}: attention output of step {t}, layer {layer} "
+                          f"differs from gpu-only {ref.exec} ({len(bad)} (step, layer) pairs "
+                          f"differ)")
+    return errors
+
+
+def summarize(cfg: Config, results, n_full: int) -> list[dict]:
+    """One row per run: ITL statistics, overhead over gpu-only, share hidden, IO."""
+    base = {r.exec: float(r.step_ms.mean()) for r in results if r.mode == "gpu-only"}
+    off = {r.exec: float(r.step_ms.mean()) for r in results if r.mode == "offload"}
+    rows = []
+    for r in results:
+        ms = r.step_ms
+        mean = float(ms.mean())
+        row = {"mode": r.mode, "exec": r.exec, "mean_ms": mean,
+               "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+               "steps": int(ms.size)}
+        if r.mode != "gpu-only":
+            g = base.get(r.exec)
+            over = None if g is None else mean - g
+            entries = n_full * cfg.batch * cfg.mtp * cfg.top_k
+            nbytes = float(r.rows_moved.mean()) * ROW_BYTES
+            row.update(overhead_ms=over, overhead_pct=None if g is None else 100 * over / g,
+                       hit_rate=1.0 - float(r.misses.mean()) / entries,
+                       mb_per_step=nbytes / 1e6,
+                       gbps=(nbytes / (over * 1e-3) / 1e9) if over and over > 0 else None,
+                       swap_call_us=r.swap_call_us)
+            if r.mode == "overlap" and g is not None and r.exec in off and off[r.exec] > g:
+                row["hidden_pct"] = 100 * (off[r.exec] - mean) / (off[r.exec] - g)
+        rows.append(row)
+    return rows
+
+
+def _fmt(v, spec: str, none: str = "-") -> str:
+    return none if v is None else format(v, spec)
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'mode':<9}{'exec':<6}{'mean ms':>9}{'p50':>8}{'p99':>8}{'overhead':>10}"
+            f"{'hidden':>8}{'hit rate':>10}{'MB/step':>9}{'GB/s':>7}{'swap us':>11}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        over = r.get("overhead_ms")
+        over_s = "-" if over is None else f"{over:+.2f} ms"
+        hid = r.get("hidden_pct")
+        hid_s = "-" if hid is None else f"{hid:.1f}%"
+        lines.append(
+            f"{r['mode']:<9}{r['exec']:<6}{r['mean_ms']:>9.3f}{r['p50_ms']:>8.3f}"
+            f"{r['p99_ms']:>8.3f}{over_s:>10}{hid_s:>8}"
+            f"{_fmt(r.get('hit_rate'), '.4f'):>10}{_fmt(r.get('mb_per_step'), '.1f'):>9}"
+            f"{_fmt(r.get('gbps'), '.1f'):>7}{_fmt(r.get('swap_call_us'), '.1f'):>11}")
+    return "\n".join(lines)
+
+
+def write_json(path: str, cfg: Config, rows, results, extra: dict) -> None:
+    doc = {"config": {k: v for k, v in vars(cfg).items() if k not in ("json", "png")},
+           "python": platform.python_version(), **extra, "summary": rows,
+           "runs": [{"mode": r.mode, "exec": r.exec, "step_ms": r.step_ms.round(4).tolist(),
+                     "rows_moved": r.rows_moved.tolist(), "misses": r.misses.tolist()}
+                    for r in results]}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=1))
+
+
+def plot(path: str, cfg: Config, results, title: str) -> str:
+    """ITL per step for every run; returns what happened (matplotlib is optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no PNG: matplotlib is not installed (pip install matplotlib)"
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for r in results:
+        x = np.arange(cfg.warmup, cfg.warmup + r.step_ms.size)
+        ax.plot(x, r.step_ms, lw=0.8, label=f"{r.mode} ({r.exec})")
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot: {path}"
