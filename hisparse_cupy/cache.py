@@ -82,12 +82,19 @@ class HotBufferCache:
         ``n_layers`` layers of at least ``max_requests * max_len`` rows of ``row_bytes``.
         Request slot ``r``'s token ``p`` is its row ``r * max_len + p``. The cache does not
         close a pool it was given. Default: the cache allocates one.
+    device_rows : uint8 ``[n_layers, D, row_bytes]`` device array, optional
+        The device rows to use, allocated by the engine: a CuPy array or any DLPack exporter
+        (a PyTorch tensor, a JAX array; imported without a copy, the engine keeps it alive).
+        C-contiguous, on the current device, ``D >= max_requests * rows_per_request`` (the
+        cache uses the first ``max_requests * rows_per_request`` rows of each layer; see
+        :meth:`rows_needed`). Its contents are overwritten as requests are admitted. Default:
+        the cache allocates them.
     """
 
     def __init__(self, *, n_layers: int, max_requests: int, max_len: int, row_bytes: int,
                  hot_size: int = 4096, top_k: int = 2048, extra_page: int = 64,
                  max_batch: int | None = None, max_steps: int = 1, scratch: int | None = None,
-                 pool: HostKVPool | None = None):
+                 pool: HostKVPool | None = None, device_rows=None):
         self.n_layers = L = _checks.integer("n_layers", n_layers, 1)
         self.max_requests = R = _checks.integer("max_requests", max_requests, 1)
         self.max_len = _checks.integer("max_len", max_len, 1)
@@ -122,7 +129,16 @@ class HotBufferCache:
             self.pool, self._own_pool = pool, False
         self.row_bytes = self.pool.row_bytes
         D = R * (W + C)
-        self.device = cupy.empty((L, D, self.row_bytes), cupy.uint8)
+        if device_rows is None:
+            self.device = cupy.empty((L, D, self.row_bytes), cupy.uint8)
+        else:
+            dev = _checks.array("device_rows", device_rows, np.uint8,
+                                shape=(L, None, self.row_bytes))
+            if dev.shape[1] < D:
+                raise ValueError(f"device_rows holds {dev.shape[1]} rows per layer; the cache "
+                                 f"needs at least max_requests * rows_per_request = {R} * "
+                                 f"{W + C} = {D}")
+            self.device = dev
         base = (np.arange(R, dtype=np.int64) * (W + C)).reshape(R, 1)
         self._slot_layout = cupy.asarray((base + np.arange(W)).astype(np.int32))
         self.slot_locs = cupy.empty((L, R, W), cupy.int32)
@@ -166,6 +182,17 @@ class HotBufferCache:
         self._free = list(range(R - 1, -1, -1))
         self._len: dict[int, int] = {}
         self._released: dict[int, cupy.cuda.Event] = {}
+
+    @staticmethod
+    def rows_needed(*, max_requests: int, hot_size: int = 4096, top_k: int = 2048,
+                    extra_page: int = 64, max_steps: int = 1, scratch: int | None = None) -> int:
+        """Device rows per layer a cache of these sizes uses (for ``device_rows=``):
+        ``max_requests * (hot_size + extra_page + scratch rows)``."""
+        C = 0
+        if max_steps >= 2:
+            C = MultiStepConfig(max_requests, hot_size, extra_page, top_k, max_steps=max_steps,
+                                scratch=scratch).scratch
+        return max_requests * (hot_size + extra_page + C)
 
     def _templates(self) -> None:
         """Per-layer parameter structs with every field that does not depend on the step.

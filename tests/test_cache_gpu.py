@@ -127,3 +127,52 @@ def test_cache_errors():
     with pytest.raises(ValueError, match="is not admitted"):
         cache.release(rid)
     cache.close()
+
+
+def test_engine_owned_device_rows_and_pool(rng):
+    """Device rows the engine allocated (any DLPack exporter; more rows than needed) and a host
+    pool it registered: used in place, no copy; swaps return the right bytes."""
+    import cupy
+
+    from hisparse_cupy import HostKVPool, HotBufferCache
+
+    D = HotBufferCache.rows_needed(max_requests=R, hot_size=H, top_k=K, extra_page=P)
+    assert D == R * (H + P)
+    rows = cupy.full((L, D + 7, ROW), 0xA5, cupy.uint8)  # poisoned, with spare rows
+
+    class Exporter:  # a foreign framework's tensor: DLPack only
+        def __dlpack__(self, **kw):
+            return rows.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return rows.__dlpack_device__()
+
+    host = np.empty((L, R * MAXLEN, ROW), np.uint8)
+    with HostKVPool.from_buffer(host) as pool:
+        cache = HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN, row_bytes=ROW,
+                               hot_size=H, top_k=K, extra_page=P, pool=pool,
+                               device_rows=Exporter())
+        assert cache.device.data.ptr == rows.data.ptr and cache.pool is pool
+        n = 200
+        rid = cache.admit(n, kv=kv_for(2, 0, n))
+        req = cupy.asarray([rid], dtype=cupy.int32)
+        lens = cupy.asarray([n], dtype=cupy.int32)
+        for _ in range(3):
+            topk = rng.choice(n, size=K, replace=False).astype(np.int32)
+            for layer in range(L):
+                locs = cupy.asnumpy(cache.swap(layer, req, lens, cupy.asarray(topk[None])))[0]
+                assert (locs >= 0).all() and (locs < D).all()
+                got = cupy.asnumpy(rows[layer][cupy.asarray(locs)])  # the engine's own array
+                assert (got == kv_for(2, 0, n)[layer][topk]).all()
+        assert (cupy.asnumpy(rows[:, D:]) == 0xA5).all()  # the spare rows are untouched
+        cache.release(rid)
+        cupy.cuda.get_current_stream().synchronize()
+    with pytest.raises(ValueError, match="device_rows holds 10 rows per layer"):
+        HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN, row_bytes=ROW, hot_size=H,
+                       top_k=K, extra_page=P, device_rows=cupy.empty((L, 10, ROW), cupy.uint8))
+    with pytest.raises(ValueError, match=r"device_rows must have shape \(3, \*, 656\)"):
+        HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN, row_bytes=ROW, hot_size=H,
+                       top_k=K, extra_page=P, device_rows=cupy.empty((L, D, 640), cupy.uint8))
+    with pytest.raises(TypeError, match="device_rows must have dtype uint8"):
+        HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN, row_bytes=ROW, hot_size=H,
+                       top_k=K, extra_page=P, device_rows=cupy.empty((L, D, ROW // 4), cupy.int32))
