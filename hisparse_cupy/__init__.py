@@ -39,6 +39,7 @@ _LAZY = {
     "pdl_supported": "_launch",
     "set_pdl": "_launch",
     "compile_check": "_build",
+    "interop": None,
     "reference": None,
 }
 

@@ -363,7 +363,8 @@ class HotBufferCache:
             if kv.dtype != np.uint8:
                 raise TypeError(f"kv must have dtype uint8, got {kv.dtype}")
         else:
-            kv = _checks.array("kv", kv, np.uint8, ndim=3, contiguous=False)
+            with s:  # a DLPack import orders on the copy's stream
+                kv = _checks.array("kv", kv, np.uint8, ndim=3, contiguous=False)
         if kv.ndim != 3 or kv.shape[0] != self.n_layers or kv.shape[2] != self.row_bytes:
             raise ValueError(f"kv must be uint8 [{self.n_layers}, n, {self.row_bytes}], got "
                              f"{kv.dtype} {tuple(kv.shape)}")
@@ -500,14 +501,15 @@ class Step:
     def __init__(self, cache: HotBufferCache, req_indices, seq_lens, num_real=None, *,
                  stream=None, pdl: bool | None = None, prefetcher=None):
         self.cache = c = cache
-        self.req = _checks.index_vector("req_indices", req_indices)
-        self.batch = B = self.req.shape[0]
-        if B > c.max_batch:
-            raise ValueError(f"batch must be in [1, max_batch={c.max_batch}], got {B}")
-        self.seq_lens, self._lens_stride, self._lens_step = _checks.lengths(seq_lens, B)
-        self.num_real = None if num_real is None else _checks.device_scalar("num_real",
-                                                                            num_real)
         self.stream = as_stream(stream)
+        with self.stream:  # DLPack imports order on the step's stream (and stay capturable)
+            self.req = _checks.index_vector("req_indices", req_indices)
+            self.batch = B = self.req.shape[0]
+            if B > c.max_batch:
+                raise ValueError(f"batch must be in [1, max_batch={c.max_batch}], got {B}")
+            self.seq_lens, self._lens_stride, self._lens_step = _checks.lengths(seq_lens, B)
+            self.num_real = None if num_real is None else _checks.device_scalar("num_real",
+                                                                                num_real)
         self.pdl = resolve_pdl(pdl)
         self.prefetcher = prefetcher
         if prefetcher is not None and prefetcher.cache is not c:
@@ -549,7 +551,11 @@ class Step:
         c = self.cache
         if type(layer) is not int or not 0 <= layer < c.n_layers:
             layer = c._layer(layer)  # an int in range, or a TypeError / ValueError naming it
-        topk = _checks.token_rows("top_k_tokens", top_k_tokens, self._dev)
+        if type(top_k_tokens) is cupy.ndarray:
+            topk = _checks.token_rows("top_k_tokens", top_k_tokens, self._dev)
+        else:
+            with self.stream:  # a DLPack import orders on the step's stream
+                topk = _checks.token_rows("top_k_tokens", top_k_tokens, self._dev)
         B = self.batch
         if topk.ndim == 3:
             return self._swap_multistep(layer, topk, out=out, check=check)
@@ -564,8 +570,9 @@ class Step:
         if out is None:
             out = default_out
         else:
-            out = _checks.array("out", out, np.int32, shape=(B, K), contiguous=False,
-                                inner_contiguous=True)
+            with self.stream:
+                out = _checks.array("out", out, np.int32, shape=(B, K), contiguous=False,
+                                    inner_contiguous=True)
         if check:
             _checks.unique_requests(self.req, self.num_real, c.max_requests)
         res = self._resolve
@@ -649,8 +656,9 @@ class Step:
         if out is None:
             out = default_out
         else:
-            out = _checks.array("out", out, np.int32, shape=(B, S, K), contiguous=False,
-                                inner_contiguous=True)
+            with self.stream:
+                out = _checks.array("out", out, np.int32, shape=(B, S, K), contiguous=False,
+                                    inner_contiguous=True)
         if check:
             _checks.unique_requests(self.req, self.num_real, c.max_requests)
         ms = self._ms

@@ -425,44 +425,45 @@ def multistep_swap_in(
         statistics of the call.
     """
     cfg = state.config
-    topk = _checks.array("top_k_tokens", top_k_tokens, np.int32, ndim=3, contiguous=False,
-                         inner_contiguous=True)
-    _checks.sizes("top_k_tokens", topk, "BSK")
-    B, S, K = topk.shape
-    if not MIN_STEPS <= S <= cfg.max_steps:
-        raise ValueError(f"top_k_tokens must have {MIN_STEPS}-{cfg.max_steps} steps (dim 1), "
-                         f"got {S}")
-    if K > cfg.top_k:
-        raise ValueError(f"top_k_tokens must have 1..{cfg.top_k} entries per step (dim 2), "
-                         f"got {K}")
-    ws = state.workspace
-    if B > ws.max_batch:
-        raise ValueError(f"batch must be in [1, {ws.max_batch}] (workspace rows), got {B}")
-    req = _checks.index_vector("req_indices", req_indices, B)
-    lens, lens_stride, lens_step = _checks.lengths(seq_lens, B, S)
-    dev = _checks.array("device_rows", device_rows, np.uint8, ndim=2)
-    row_bytes = _checks.row_bytes("device_rows row size", dev.shape[1])
-    if dev.shape[0] < state.n_device_rows:
-        raise ValueError(f"device_rows has {dev.shape[0]} rows, the state indexes "
-                         f"{state.n_device_rows}")
-    n_host_rows = _checks.integer("n_host_rows", n_host_rows, 0)
-    if not isinstance(host_rows, Ptr):
-        raise TypeError("host_rows must be a Ptr (HostKVPool.device_ptr(layer))")
-    nr = None if num_real is None else _checks.device_scalar("num_real", num_real)
-    if out is None:
-        out = cupy.empty((B, S, K), cupy.int32)
-    else:
-        out = _checks.array("out", out, np.int32, shape=(B, S, K), contiguous=False,
-                            inner_contiguous=True)
-    if status is None:
-        status = cupy.empty((B, _abi.N_STATUS), cupy.int32)
-    else:
-        status = _checks.array("status", status, np.int32, shape=(B, _abi.N_STATUS))
-    if plan is not None:
-        if not isinstance(plan, MissPlan):
-            raise TypeError("plan must be a MissPlan")
-        plan.check_batch(B, S * K)
     s = as_stream(stream)
+    with s:  # DLPack imports order on the stream the kernels run on
+        topk = _checks.array("top_k_tokens", top_k_tokens, np.int32, ndim=3, contiguous=False,
+                             inner_contiguous=True)
+        _checks.sizes("top_k_tokens", topk, "BSK")
+        B, S, K = topk.shape
+        if not MIN_STEPS <= S <= cfg.max_steps:
+            raise ValueError(f"top_k_tokens must have {MIN_STEPS}-{cfg.max_steps} steps (dim 1), "
+                             f"got {S}")
+        if K > cfg.top_k:
+            raise ValueError(f"top_k_tokens must have 1..{cfg.top_k} entries per step (dim 2), "
+                             f"got {K}")
+        ws = state.workspace
+        if B > ws.max_batch:
+            raise ValueError(f"batch must be in [1, {ws.max_batch}] (workspace rows), got {B}")
+        req = _checks.index_vector("req_indices", req_indices, B)
+        lens, lens_stride, lens_step = _checks.lengths(seq_lens, B, S)
+        dev = _checks.array("device_rows", device_rows, np.uint8, ndim=2)
+        row_bytes = _checks.row_bytes("device_rows row size", dev.shape[1])
+        if dev.shape[0] < state.n_device_rows:
+            raise ValueError(f"device_rows has {dev.shape[0]} rows, the state indexes "
+                             f"{state.n_device_rows}")
+        n_host_rows = _checks.integer("n_host_rows", n_host_rows, 0)
+        if not isinstance(host_rows, Ptr):
+            raise TypeError("host_rows must be a Ptr (HostKVPool.device_ptr(layer))")
+        nr = None if num_real is None else _checks.device_scalar("num_real", num_real)
+        if out is None:
+            out = cupy.empty((B, S, K), cupy.int32)
+        else:
+            out = _checks.array("out", out, np.int32, shape=(B, S, K), contiguous=False,
+                                inner_contiguous=True)
+        if status is None:
+            status = cupy.empty((B, _abi.N_STATUS), cupy.int32)
+        else:
+            status = _checks.array("status", status, np.int32, shape=(B, _abi.N_STATUS))
+        if plan is not None:
+            if not isinstance(plan, MissPlan):
+                raise TypeError("plan must be a MissPlan")
+            plan.check_batch(B, S * K)
     if check:
         _checks.unique_requests(req, nr, cfg.n_requests)
     p = state.params()

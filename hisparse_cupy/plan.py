@@ -172,7 +172,12 @@ def replay_plan(
     if not isinstance(plan, MissPlan):
         raise TypeError(f"plan must be a MissPlan, got {type(plan).__name__}")
     batch = _checks.integer("batch", batch, 0, plan.max_batch)
-    dev = _checks.array("device_rows", device_rows, np.uint8, ndim=2)
+    s = as_stream(stream)
+    with s:  # DLPack imports order on the stream the kernels run on
+        dev = _checks.array("device_rows", device_rows, np.uint8, ndim=2)
+        nr = None if num_real is None else _checks.device_scalar("num_real", num_real)
+        if bad is not None:
+            bad = _checks.device_scalar("bad", bad)
     row_bytes = _checks.row_bytes("device_rows row size", dev.shape[1])
     if pool is not None:
         if host_rows is not None or n_host_rows is not None:
@@ -195,16 +200,13 @@ def replay_plan(
         if n_host_rows is None:
             raise ValueError("host_rows needs n_host_rows (rows at that address)")
         n_host_rows = _checks.integer("n_host_rows", n_host_rows, 0)
-    nr = None if num_real is None else _checks.device_scalar("num_real", num_real)
     if grid is None:
         grid = default_copy_grid(batch, plan.width)
     else:
         grid = _checks.integer("grid", grid, 1, 2**31 - 1)
     spin_cycles = _checks.integer("spin_cycles", spin_cycles, 0)
-    if bad is not None:
-        bad = _checks.device_scalar("bad", bad)
     p = copy_params(plan.src, plan.dst, plan.count, batch, nr, src_base=host_rows,
                     src_layer_bytes=0, n_src_rows=n_host_rows, dst_base=dev.data.ptr,
                     dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes,
                     dry_run=bool(dry_run), spin_cycles=spin_cycles, bad=bad)
-    launch_copy(p, grid=grid, stream=as_stream(stream), pdl=resolve_pdl(pdl))
+    launch_copy(p, grid=grid, stream=s, pdl=resolve_pdl(pdl))

@@ -218,36 +218,37 @@ def swap_in(
     cupy.ndarray
         ``out``: int32 ``[B, K]``, the device row of each entry, -1 for unused or invalid.
     """
-    topk = _checks.array("top_k_tokens", top_k_tokens, np.int32, ndim=2, contiguous=False,
-                         inner_contiguous=True)
-    _checks.sizes("top_k_tokens", topk, "BK")
-    B, K = topk.shape
-    H = state.hot_size
-    R = state.lru.shape[0]
-    if K > H:
-        raise ValueError(f"top_k_tokens has K={K} entries per row, more than hot_size H={H}")
-    check_sizes(K, H)
-    req = _checks.index_vector("req_indices", req_indices, B)
-    lens, lens_stride, _ = _checks.lengths(seq_lens, B)
-    dev = _checks.array("device_rows", device_rows, np.uint8, ndim=2)
-    row_bytes = _checks.row_bytes("device_rows row size", dev.shape[1])
-    n_host_rows = _checks.integer("n_host_rows", n_host_rows, 0)
-    if not isinstance(host_rows, Ptr):
-        raise TypeError("host_rows must be a Ptr (HostKVPool.device_ptr(layer))")
-    if not isinstance(plan, MissPlan):
-        raise TypeError(f"plan must be a MissPlan, got {type(plan).__name__}")
-    plan.check_batch(B, K)
-    nr = None if num_real is None else _checks.device_scalar("num_real", num_real)
-    if out is None:
-        out = cupy.empty((B, K), cupy.int32)
-    else:
-        out = _checks.array("out", out, np.int32, shape=(B, K), contiguous=False,
-                            inner_contiguous=True)
-    if status is None:
-        status = cupy.empty((B, _abi.N_STATUS), cupy.int32)
-    else:
-        status = _checks.array("status", status, np.int32, shape=(B, _abi.N_STATUS))
     s = as_stream(stream)
+    with s:  # DLPack imports order on the stream the kernels run on
+        topk = _checks.array("top_k_tokens", top_k_tokens, np.int32, ndim=2, contiguous=False,
+                             inner_contiguous=True)
+        _checks.sizes("top_k_tokens", topk, "BK")
+        B, K = topk.shape
+        H = state.hot_size
+        R = state.lru.shape[0]
+        if K > H:
+            raise ValueError(f"top_k_tokens has K={K} entries per row, more than hot_size H={H}")
+        check_sizes(K, H)
+        req = _checks.index_vector("req_indices", req_indices, B)
+        lens, lens_stride, _ = _checks.lengths(seq_lens, B)
+        dev = _checks.array("device_rows", device_rows, np.uint8, ndim=2)
+        row_bytes = _checks.row_bytes("device_rows row size", dev.shape[1])
+        n_host_rows = _checks.integer("n_host_rows", n_host_rows, 0)
+        if not isinstance(host_rows, Ptr):
+            raise TypeError("host_rows must be a Ptr (HostKVPool.device_ptr(layer))")
+        if not isinstance(plan, MissPlan):
+            raise TypeError(f"plan must be a MissPlan, got {type(plan).__name__}")
+        plan.check_batch(B, K)
+        nr = None if num_real is None else _checks.device_scalar("num_real", num_real)
+        if out is None:
+            out = cupy.empty((B, K), cupy.int32)
+        else:
+            out = _checks.array("out", out, np.int32, shape=(B, K), contiguous=False,
+                                inner_contiguous=True)
+        if status is None:
+            status = cupy.empty((B, _abi.N_STATUS), cupy.int32)
+        else:
+            status = _checks.array("status", status, np.int32, shape=(B, _abi.N_STATUS))
     if validate_state:
         s.synchronize()
         state.check_on_host(dev.shape[0])

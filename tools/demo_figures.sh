@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The decode loop's figures: GLM-5.2's 78-layer pattern, every mode eager and graph-captured,
+# 1 % and 5 % new tokens per step, at the given batch:context pairs. One process per
+# configuration (each pins its own host pool); JSON, PNG and logs under $OUT/demo_figures.
+#
+# Usage: bash tools/demo_figures.sh [--warmup N] [--steps N] BATCH:CONTEXT ...
+#   e.g. bash tools/demo_figures.sh --warmup 100 --steps 300 32:8192 64:6272
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_check_out}
+dir="$OUT/demo_figures"
+mkdir -p "$dir"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+warmup=100 steps=300 fail=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --warmup) warmup=$2; shift 2 ;;
+    --steps) steps=$2; shift 2 ;;
+    *) break ;;
+  esac
+done
+for bc in "$@"; do
+  b=${bc%%:*} ctx=${bc##*:}
+  for share in 0.01 0.05; do
+    name="b${b}_ctx${ctx}_new${share}"
+    t0=$SECONDS
+    $PY -m hisparse_cupy demo --batch "$b" --context "$ctx" --new-share "$share" \
+      --warmup "$warmup" --steps "$steps" --eager-and-graph --quiet \
+      --json "$dir/$name.json" --png "$dir/$name.png" >"$dir/$name.log" 2>&1
+    rc=$?
+    echo "$name rc=$rc ($((SECONDS - t0)) s)"
+    sed -n '/^mode/,$p' "$dir/$name.log"
+    [ $rc = 0 ] || fail=1
+  done
+done
+exit $fail
