@@ -547,7 +547,9 @@ class Step:
         return self._swap(layer, top_k_tokens, out=out, copy_grid=copy_grid, check=check)
 
     def _swap(self, layer: int, top_k_tokens, *, out=None, copy_grid: int | None = None,
-              check: bool = False) -> cupy.ndarray:
+              check: bool = False, out_checked: bool = False) -> cupy.ndarray:
+        """:meth:`swap` without the prefetcher; ``out_checked``: ``out`` is a CuPy view the
+        caller (the prefetcher, for its own buffer) made with the right shape."""
         c = self.cache
         if type(layer) is not int or not 0 <= layer < c.n_layers:
             layer = c._layer(layer)  # an int in range, or a TypeError / ValueError naming it
@@ -558,7 +560,8 @@ class Step:
                 topk = _checks.token_rows("top_k_tokens", top_k_tokens, self._dev)
         B = self.batch
         if topk.ndim == 3:
-            return self._swap_multistep(layer, topk, out=out, check=check)
+            return self._swap_multistep(layer, topk, out=out, check=check,
+                                        out_checked=out_checked)
         if topk.ndim != 2 or topk.shape[0] != B:
             raise ValueError(f"top_k_tokens must have shape ({B}, K) or ({B}, S, K), got "
                              f"{tuple(topk.shape)}")
@@ -569,10 +572,8 @@ class Step:
         la_resolve, la_copy, grid_resolve, grid_copy, default_out = plan
         if out is None:
             out = default_out
-        else:
-            with self.stream:
-                out = _checks.array("out", out, np.int32, shape=(B, K), contiguous=False,
-                                    inner_contiguous=True)
+        elif not out_checked:
+            out = self._out_arg(out, (B, K))
         if check:
             _checks.unique_requests(self.req, self.num_real, c.max_requests)
         res = self._resolve
@@ -633,7 +634,15 @@ class Step:
         self._launch[(K, copy_grid)] = plan
         return plan
 
-    def _swap_multistep(self, layer: int, topk, *, out=None, check: bool = False):
+    def _out_arg(self, out, shape) -> cupy.ndarray:
+        if type(out) is not cupy.ndarray:
+            with self.stream:  # a DLPack import orders on the step's stream
+                return self._out_arg(_checks.as_device_array("out", out), shape)
+        return _checks.array("out", out, np.int32, shape=shape, contiguous=False,
+                             inner_contiguous=True)
+
+    def _swap_multistep(self, layer: int, topk, *, out=None, check: bool = False,
+                        out_checked: bool = False):
         c = self.cache
         B, S, K = topk.shape
         if c.max_steps < 2:
@@ -655,10 +664,8 @@ class Step:
         la_gather, la_commit, grid_gather, grid_commit, default_out = plan
         if out is None:
             out = default_out
-        else:
-            with self.stream:
-                out = _checks.array("out", out, np.int32, shape=(B, S, K), contiguous=False,
-                                    inner_contiguous=True)
+        elif not out_checked:
+            out = self._out_arg(out, (B, S, K))
         if check:
             _checks.unique_requests(self.req, self.num_real, c.max_requests)
         ms = self._ms

@@ -174,6 +174,8 @@ class Prefetcher:
         self.events = [cupy.cuda.Event(disable_timing=True)
                        for _ in range(stage.max_group_size)]
         self._out = cupy.empty((cache.max_batch, cache.top_k), cupy.int32)
+        self._views: dict = {}  # (batch, top-k shape) -> view of _out / _ms_out
+        self._replay: dict = {}  # (batch, num_real pointer, knobs) -> replay Params
         self._ms_out = None if cache.max_steps < 2 else cupy.empty(
             (cache.max_batch, cache.max_steps, cache.top_k), cupy.int32)
         # per layer: the replay's source and destination (validated once, here)
@@ -281,13 +283,19 @@ class Prefetcher:
         if full:
             self._reset_step()
         B = step.batch
-        ndim = getattr(top_k_tokens, "ndim", 2)
-        if ndim == 3 and self._ms_out is not None:
-            S, K = top_k_tokens.shape[1:]
-            out = self._ms_out[:B, :S, :K]
-        else:
-            out = self._out[:B, : top_k_tokens.shape[-1]]
-        out = step._swap(loc, top_k_tokens, out=out, copy_grid=self.copy_grid)
+        shape = getattr(top_k_tokens, "shape", ())
+        out = self._views.get((B, shape))  # this object's output buffer, sliced once per shape
+        if out is None:
+            if len(shape) == 3 and self._ms_out is not None:
+                out = self._ms_out[:B, : shape[1], : shape[2]]
+            elif len(shape) >= 2:
+                out = self._out[:B, : shape[-1]]
+            if out is not None:
+                self._views[(B, shape)] = out
+        # the swap checks top_k_tokens against the batch and the cache: a shape it refuses
+        # leaves no view used
+        out = step._swap(loc, top_k_tokens, out=out, copy_grid=self.copy_grid,
+                         out_checked=out is not None)
         if full:
             self._anchor = loc
             self._anchor_batch = B
@@ -303,11 +311,15 @@ class Prefetcher:
         plan = c.plan
         self._fork.record(s)  # hazard 2 and 3: after the full layer's swap
         self.side.wait_event(self._fork)
-        prm = copy_params(plan.src, plan.dst, plan.count, batch, num_real, src_base=0,
-                          src_layer_bytes=0, n_src_rows=c.pool.n_rows, dst_base=0,
-                          dst_layer_bytes=0, n_dst_rows=c.device.shape[1],
-                          row_bytes=c.row_bytes, dry_run=self.dry_run,
-                          spin_cycles=int(self.spin_cycles))
+        key = (batch, 0 if num_real is None else num_real.data.ptr, self.dry_run,
+               int(self.spin_cycles))
+        prm = self._replay.get(key)
+        if prm is None:
+            prm = self._replay[key] = copy_params(
+                plan.src, plan.dst, plan.count, batch, num_real, src_base=0, src_layer_bytes=0,
+                n_src_rows=c.pool.n_rows, dst_base=0, dst_layer_bytes=0,
+                n_dst_rows=c.device.shape[1], row_bytes=c.row_bytes, dry_run=self.dry_run,
+                spin_cycles=int(self.spin_cycles))
         for p, sl in enumerate(group):
             prm.set(src_base=self._host[sl], dst_base=self._dev[sl])
             launch_copy(prm, grid=self.replay_grid, stream=self.side)
