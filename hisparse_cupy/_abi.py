@@ -71,6 +71,16 @@ CONSTANTS = {
 _P = "u8"  # a device pointer (or a device-mapped host address) as a 64-bit word
 
 
+def default_scratch(hot_size: int, top_k: int, max_steps: int) -> int:
+    """Default scratch rows per request: ``max(S*K - H, min(S*K, 1024))``.
+
+    ``S*K - H`` is the minimum (every miss beyond the scratch rows must find an unreferenced
+    victim); more scratch rows let more misses be admitted by rotation instead of a direct copy.
+    """
+    t = top_k * max_steps
+    return max(t - hot_size, min(t, 1024))
+
+
 def _struct(fields: list[tuple[str, str]]) -> np.dtype:
     dt = np.dtype(fields, align=True)
     last = dt.names[-1]

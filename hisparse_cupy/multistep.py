@@ -44,14 +44,7 @@ BUCKET = _abi.MS_BUCKET
 STATS = _abi.MS_STATS
 
 
-def default_scratch(hot_size: int, top_k: int, max_steps: int) -> int:
-    """Default scratch rows per request: ``max(S*K - H, min(S*K, 1024))``.
-
-    ``S*K - H`` is the minimum (every miss beyond the scratch rows must find an unreferenced
-    victim); more scratch rows let more misses be admitted by rotation instead of a direct copy.
-    """
-    t = top_k * max_steps
-    return max(t - hot_size, min(t, 1024))
+default_scratch = _abi.default_scratch
 
 
 def index_buckets(hot_size: int) -> int:

@@ -79,10 +79,9 @@ class Config:
         need(not bad, f"unknown --mode {sorted(bad)}")
 
     def scratch(self) -> int:
-        if self.mtp < 2:
-            return 0
-        t = self.top_k * self.mtp
-        return max(t - self.hot, min(t, 1024))  # multistep.default_scratch
+        from .._abi import default_scratch
+
+        return 0 if self.mtp < 2 else default_scratch(self.hot, self.top_k, self.mtp)
 
     def memory(self) -> dict[str, float]:
         """Bytes each part needs (before allocating)."""
