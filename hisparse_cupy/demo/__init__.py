@@ -33,7 +33,7 @@ import time
 
 from .config import Config, from_args, host_memory_bytes
 
-__all__ = ["Config", "main", "run_gpu"]
+__all__ = ["Config", "describe", "main", "report_results", "run_gpu", "run_modes"]
 
 
 def _gpu_or_reason():
@@ -42,20 +42,12 @@ def _gpu_or_reason():
     return _gpu()
 
 
-def run_gpu(cfg: Config) -> int:
-    """Run every configured mode and exec kind; returns the exit status (1: self-check failed)."""
+def describe(cfg: Config) -> str | None:
+    """Print what runs and the memory it needs; returns why it cannot run here, or None."""
     import cupy
 
-    from .. import _launch
-    from . import report
-    from .loop import Rig
-
-    log = (lambda msg: None) if cfg.quiet else (lambda msg: print(msg, flush=True))
-    dev = cupy.cuda.Device()
-    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
-    name = props["name"].decode()
-    pattern = cfg.pattern_obj()
-    n_full = len(pattern.full_layers)
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    n_full = len(cfg.pattern_obj().full_layers)
     print(f"hisparse_cupy decode loop on {name}: {cfg.layers} layers ({n_full} full, "
           f"{cfg.layers - n_full} shared), batch {cfg.batch}, context {cfg.context}, K "
           f"{cfg.top_k}, H {cfg.hot}, rows of 576 bf16 values (1152 B), 16 heads, "
@@ -63,34 +55,40 @@ def run_gpu(cfg: Config) -> int:
           + (f", MTP {cfg.mtp} draft steps (multi-step swap)" if cfg.mtp > 1 else ""))
     mem = cfg.memory()
     print(cfg.describe_memory(), flush=True)
-    free, total = cupy.cuda.runtime.memGetInfo()
+    free, _ = cupy.cuda.runtime.memGetInfo()
     need_gpu = max(mem["gpu_resident"], mem["gpu_hot"]) + mem["gpu_model"]
     if need_gpu > free:
-        print(f"demo: this configuration needs {need_gpu / 1e9:.1f} GB of GPU memory, "
-              f"{free / 1e9:.1f} GB are free: lower --batch, --context or --layers")
-        return 2
+        return (f"this configuration needs {need_gpu / 1e9:.1f} GB of GPU memory, "
+                f"{free / 1e9:.1f} GB are free: lower --batch, --context or --layers")
     host = host_memory_bytes()
     if host and mem["host_pinned"] > 0.8 * host:
-        print(f"demo: {mem['host_pinned'] / 1e9:.1f} GB of pinned host memory is more than 80% "
-              f"of this machine's {host / 1e9:.0f} GB: lower --batch, --context or --layers")
-        return 2
-    s = cupy.cuda.Stream(non_blocking=True)
-    t0 = time.perf_counter()
-    rig = Rig(cfg, s, log)
+        return (f"{mem['host_pinned'] / 1e9:.1f} GB of pinned host memory is more than 80% of "
+                f"this machine's {host / 1e9:.0f} GB: lower --batch, --context or --layers")
+    return None
+
+
+def run_modes(cfg: Config, rig, log) -> list:
+    """Every configured mode and exec kind on ``rig`` (a :class:`~.loop.Rig`), in order."""
+    from .. import _launch
+
     log(f"model: {rig.model.gemm.kind}; attention split in {rig.model.nsplit} x "
         f"{rig.model.chunk} rows; PDL {'on' if _launch.resolve_pdl(None) else 'off'}")
     results = []
-    try:
-        for mode in cfg.modes:
-            for ex in cfg.execs:
-                t1 = time.perf_counter()
-                r = rig.run(mode, ex, None if cfg.quiet else log)
-                log(f"{mode} {ex}: {cfg.total_steps} steps in {time.perf_counter() - t1:.1f} s, "
-                    f"mean step {r.step_ms.mean():.3f} ms")
-                results.append(r)
-    finally:
-        rig.close()
-    rows = report.summarize(cfg, results, n_full)
+    for mode in cfg.modes:
+        for ex in cfg.execs:
+            t1 = time.perf_counter()
+            r = rig.run(mode, ex, None if cfg.quiet else log)
+            log(f"{mode} {ex}: {cfg.total_steps} steps in {time.perf_counter() - t1:.1f} s, "
+                f"mean step {r.step_ms.mean():.3f} ms")
+            results.append(r)
+    return results
+
+
+def report_results(cfg: Config, results, extra: dict, title: str) -> int:
+    """The table, the self-check, JSON and PNG; returns the exit status (1: check failed)."""
+    from . import report
+
+    rows = report.summarize(cfg, results, len(cfg.pattern_obj().full_layers))
     print()
     print(f"step time after {cfg.warmup} warm-up steps, {cfg.steps} timed (CUDA events on the "
           f"main stream); overhead vs gpu-only of the same exec kind; hidden = share of the "
@@ -98,21 +96,45 @@ def run_gpu(cfg: Config) -> int:
           f"swap us = Python time of one step.swap call (eager, measured on an idle stream)")
     print(report.table(rows))
     errors = report.self_check(results)
-    extra = {"device": name, "matmul": rig.model.gemm.kind, "wall_s": time.perf_counter() - t0,
-             "self_check": "passed" if not errors else errors}
+    extra = {**extra, "self_check": "passed" if not errors else errors}
     if cfg.json:
         report.write_json(cfg.json, cfg, rows, results, extra)
         print(f"json: {cfg.json}")
     if cfg.png:
-        print(report.plot(cfg.png, cfg, results,
-                          f"{name}: {cfg.layers} layers, batch {cfg.batch}, context "
-                          f"{cfg.context}, {100 * cfg.new_share:g}% new tokens/step"))
+        print(report.plot(cfg.png, cfg, results, title))
     if errors:
         print("SELF-CHECK FAILED:\n  " + "\n  ".join(errors))
         return 1
     print(f"self-check passed: every offloaded run's attention outputs ({cfg.total_steps} steps "
           f"x {cfg.layers} layers) are bit-identical to gpu-only")
     return 0
+
+
+def run_gpu(cfg: Config) -> int:
+    """Run every configured mode and exec kind; returns the exit status (1: self-check failed,
+    2: the configuration does not fit)."""
+    import cupy
+
+    from .loop import Rig
+
+    log = (lambda msg: None) if cfg.quiet else (lambda msg: print(msg, flush=True))
+    why = describe(cfg)
+    if why:
+        print(f"demo: {why}")
+        return 2
+    s = cupy.cuda.Stream(non_blocking=True)
+    t0 = time.perf_counter()
+    rig = Rig(cfg, s, log)
+    try:
+        results = run_modes(cfg, rig, log)
+    finally:
+        rig.close()
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    return report_results(
+        cfg, results, {"device": name, "matmul": rig.model.gemm.kind,
+                       "wall_s": time.perf_counter() - t0},
+        f"{name}: {cfg.layers} layers, batch {cfg.batch}, context {cfg.context}, "
+        f"{100 * cfg.new_share:g}% new tokens/step")
 
 
 def main(argv=None) -> int:

@@ -43,17 +43,26 @@ def _coprime(n: int) -> int:
 
 
 class Rig:
-    """Buffers shared by every mode, and the per-mode state (resident KV or cache)."""
+    """Buffers shared by every mode, and the per-mode state (resident KV or cache).
 
-    def __init__(self, cfg: Config, stream: cupy.cuda.Stream, log):
+    ``pool``: a host pool to put the caches over (e.g. one shared by tensor-parallel ranks,
+    ``HostKVPool.attach``); ``write_pool``: whether this process writes its prompt rows (one
+    writer per shared pool; the others must wait for it before their first offloaded run).
+    ``tp``: see :class:`Model`.
+    """
+
+    def __init__(self, cfg: Config, stream: cupy.cuda.Stream, log, *, pool=None,
+                 write_pool: bool = True, tp=None):
         self.cfg, self.s, self.log = cfg, stream, log
+        self.pool, self.write_pool = pool, write_pool
+        self.pool_ready = False
         self.pattern = cfg.pattern_obj()
         self.full = self.pattern.full
         self.groups = self.pattern.groups
         self.k = Kernels()
         with stream:
             self.model = Model(self.k, queries=cfg.queries, top_k=cfg.top_k, hidden=cfg.hidden,
-                               n_layers=cfg.layers, stream=stream)
+                               n_layers=cfg.layers, stream=stream, tp=tp)
             B, S, K = cfg.batch, cfg.mtp, cfg.top_k
             self.req = cupy.arange(B, dtype=cupy.int32)  # request slot b (the cache's rids too)
             self.lens = cupy.empty(B, cupy.int32)
@@ -111,14 +120,18 @@ class Rig:
             self.cache = HotBufferCache(n_layers=c.layers, max_requests=c.batch,
                                         max_len=c.max_len, row_bytes=ROW_BYTES, hot_size=c.hot,
                                         top_k=c.top_k, extra_page=c.extra_page,
-                                        max_steps=c.mtp)
+                                        max_steps=c.mtp, pool=self.pool)
             t1 = time.perf_counter()
             pool = self.cache.pool
-            self._prefill(int(pool.device_ptr(0)), pool.layer_bytes)  # the GPU writes the pool
-            self.s.synchronize()
+            if self.write_pool and not (self.pool is not None and self.pool_ready):
+                self._prefill(int(pool.device_ptr(0)), pool.layer_bytes)  # the GPU writes it
+                self.s.synchronize()
+                self.pool_ready = True
             self.pf = Prefetcher(self.cache, self.pattern)
-            self.log(f"offload: {pool.n_layers * pool.layer_bytes / 1e9:.1f} GB host pool pinned "
-                     f"in {t1 - t0:.1f} s and written in {time.perf_counter() - t1:.1f} s")
+            self.log(f"offload: {pool.n_layers * pool.layer_bytes / 1e9:.1f} GB host pool "
+                     f"{'pinned' if self.pool is None else 'given'} in {t1 - t0:.1f} s, "
+                     f"{'written' if self.write_pool else 'not written here'} in "
+                     f"{time.perf_counter() - t1:.1f} s")
 
     def free_cache(self) -> None:
         if self.cache is not None:

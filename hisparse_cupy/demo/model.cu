@@ -316,9 +316,10 @@ extern "C" __global__ void tick(int* step, int* lens, int B) {
 }
 
 // Fallback matmul when cuBLAS cannot be loaded: C[M, N] = A[M, Kd] x B[Kd, N], bf16 in and
-// out, fp32 accumulation in k order. grid (ceil(N / 128), ceil(M / 16)), 128 threads.
+// out, fp32 accumulation in k order; A's rows lda elements apart (B and C dense).
+// grid (ceil(N / 128), ceil(M / 16)), 128 threads.
 extern "C" __global__ void gemm_bf16(const unsigned short* A, const unsigned short* B,
-                                     unsigned short* C, int M, int N, int Kd) {
+                                     unsigned short* C, int M, int N, int Kd, long long lda) {
   __shared__ float a_s[16][64];
   const int n = blockIdx.x * 128 + threadIdx.x, m0 = blockIdx.y * 16;
   float acc[16];
@@ -328,7 +329,7 @@ extern "C" __global__ void gemm_bf16(const unsigned short* A, const unsigned sho
     for (int i = threadIdx.x; i < 16 * 64; i += 128) {
       const int mi = i / 64, kk = i % 64;
       a_s[mi][kk] = (m0 + mi < M && k0 + kk < Kd)
-                        ? bf16_to_float(A[static_cast<long long>(m0 + mi) * Kd + k0 + kk]) : 0.0f;
+                        ? bf16_to_float(A[static_cast<long long>(m0 + mi) * lda + k0 + kk]) : 0.0f;
     }
     __syncthreads();
     if (n < N) {

@@ -82,18 +82,22 @@ class Gemm:
 
     def __call__(self, a: cupy.ndarray, b: cupy.ndarray, c: cupy.ndarray,
                  stream: cupy.cuda.Stream) -> None:
+        """``c = a @ b``; ``a`` may be a column slice (rows ``a.strides[0]`` bytes apart),
+        ``b`` and ``c`` are dense."""
         M, Kd = a.shape
         N = b.shape[1]
+        lda = a.strides[0] // 2
         if self._lib is None:
             self.k.gemm_bf16((-(-N // 128), -(-M // 16)), (128,),
-                             (a, b, c, np.int32(M), np.int32(N), np.int32(Kd)), stream=stream)
+                             (a, b, c, np.int32(M), np.int32(N), np.int32(Kd), np.int64(lda)),
+                             stream=stream)
             return
         lib = self._lib
         self._ok(lib.cublasSetStream_v2(self._h, ctypes.c_void_p(stream.ptr)), "cublasSetStream")
         # row-major C = A B is column-major C^T = B^T A^T
         self._ok(lib.cublasGemmEx(
             self._h, self._OP_N, self._OP_N, N, M, Kd, ctypes.byref(self._one), b.data.ptr,
-            self._R_16BF, N, a.data.ptr, self._R_16BF, Kd, ctypes.byref(self._zero), c.data.ptr,
+            self._R_16BF, N, a.data.ptr, self._R_16BF, lda, ctypes.byref(self._zero), c.data.ptr,
             self._R_16BF, N, self._COMPUTE_32F, self._ALGO_DEFAULT), "cublasGemmEx")
 
     def close(self) -> None:
@@ -103,10 +107,16 @@ class Gemm:
 
 
 class Model:
-    """Weights and per-step buffers for ``Q`` query rows (batch x draft steps)."""
+    """Weights and per-step buffers for ``Q`` query rows (batch x draft steps).
+
+    Tensor parallel (``tp=(rank, size, all_reduce)``): every rank attends with all heads over
+    the same (replicated, MLA) KV rows, multiplies its ``1 / size`` of the heads' outputs by
+    its rows of the output projection and ``all_reduce(h)`` sums the partial hidden states in
+    place on the step's stream (an NCCL all-reduce in ``examples/tp_decode.py``).
+    """
 
     def __init__(self, kernels: Kernels, *, queries: int, top_k: int, hidden: int,
-                 n_layers: int, stream: cupy.cuda.Stream, temperature: float = 4.0):
+                 n_layers: int, stream: cupy.cuda.Stream, temperature: float = 4.0, tp=None):
         self.k, self.Q, self.K, self.D, self.L = kernels, queries, top_k, hidden, n_layers
         self.s = stream
         self.gemm = Gemm(kernels)
@@ -118,6 +128,12 @@ class Model:
         self.nsplit = math.ceil(top_k / self.chunk)
         with stream:
             self.w_o = self._weights((HEADS * V_VALUES, hidden), 1, 2.0 ** -6)
+            rank, size, self.all_reduce = tp or (0, 1, None)
+            if HEADS % size:
+                raise ValueError(f"{HEADS} heads do not split over {size} ranks")
+            cols = HEADS * V_VALUES // size
+            self.o_cols = slice(rank * cols, (rank + 1) * cols)
+            self.w_o_rank = self.w_o[self.o_cols]  # this rank's rows (dense)
             self.w_q = self._weights((hidden, HEADS * ROW_VALUES), 2, 2.0 ** -5)
             self.h = cupy.empty((queries, hidden), cupy.uint16)
             self.qraw = cupy.empty((queries, HEADS * ROW_VALUES), cupy.uint16)
@@ -162,7 +178,9 @@ class Model:
                             (self.part_m, self.part_l, self.part_acc, np.int32(self.nsplit),
                              self.o, digest, step_ctr, np.int32(self.L), np.int32(layer)),
                             stream=self.s)
-        self.gemm(self.o, self.w_o, self.h, self.s)
+        self.gemm(self.o[:, self.o_cols], self.w_o_rank, self.h, self.s)
+        if self.all_reduce is not None:
+            self.all_reduce(self.h)
         if not last:
             self.gemm(self.h, self.w_q, self.qraw, self.s)
 
