@@ -1,7 +1,8 @@
 """Tensor-parallel ranks over one shared host pool (two GPUs; skipped, with the reason, on one):
 examples/tp_decode.py (NCCL all-reduce, each rank's attention bit for bit against its gpu-only
-run, prompt rows written by rank 0 and swapped by rank 1) and benchmarks/bench_shared_pool.py
-(every GPU's gathers from the one pool return the right bytes)."""
+run, prompt rows written by rank 0 and swapped by rank 1), benchmarks/bench_shared_pool.py
+(every GPU's gathers from the one pool return the right bytes), and one process mapping one pool
+into both GPUs."""
 
 from __future__ import annotations
 
@@ -61,3 +62,55 @@ def test_shared_pool_bench_two_gpus(tmp_path):
     assert [r["gpu"] for r in doc["per_gpu"]] == [0, 1]
     assert all(r["bytes_ok"] for r in doc["per_gpu"])
     assert doc["host_gb_pinned_without_sharing"] == 2 * doc["host_gb_pinned"]
+
+
+@pytest.mark.gpu
+def test_one_process_maps_one_pool_into_two_gpus(rng):
+    """One process, one pool (portable pinned memory), a cache per GPU over it: a request whose
+    prefill one GPU wrote (device -> host) is admitted and swapped by the other, both ways."""
+    _two_gpus()
+    import cupy
+    import numpy as np
+
+    from hisparse_cupy import HostKVPool, HotBufferCache
+
+    L, R, MAXLEN, ROW, H, K = 2, 2, 512, 656, 64, 32
+    n = 400
+
+    def kv(rid):
+        ids = (rid * MAXLEN + np.arange(n)).astype(np.uint64)[:, None]
+        words = np.arange(ROW // 8, dtype=np.uint64)[None, :]
+        return np.stack([((ids * np.uint64(0x9E3779B97F4A7C15) + np.uint64(layer)) ^ words)
+                         .view(np.uint8).reshape(n, ROW) for layer in range(L)])
+
+    def swap_ok(gpu, rid):
+        with cupy.cuda.Device(gpu):
+            c = caches[gpu]
+            req = cupy.asarray([rid], dtype=cupy.int32)
+            lens = cupy.asarray([n], dtype=cupy.int32)
+            topk = rng.choice(n - 1, K, replace=False).astype(np.int32)
+            for layer in range(L):
+                locs = c.swap(layer, req, lens, cupy.asarray(topk[None]))
+                got = cupy.asnumpy(c.device_rows(layer)[locs[0]])
+                assert (got == kv(rid)[layer][topk]).all(), (gpu, rid, layer)
+
+    with HostKVPool(L, R * MAXLEN, ROW) as pool:
+        caches = []
+        for gpu in (0, 1):
+            with cupy.cuda.Device(gpu):
+                caches.append(HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN,
+                                             row_bytes=ROW, hot_size=H, top_k=K, extra_page=4,
+                                             pool=pool))
+        for writer, reader in ((0, 1), (1, 0)):  # request slot `writer`
+            rid = writer
+            with cupy.cuda.Device(writer):  # prefill from this GPU into the shared rows
+                slot = caches[writer].admit(n, kv=cupy.asarray(kv(rid)))
+                cupy.cuda.get_current_stream().synchronize()
+            with cupy.cuda.Device(reader):
+                assert caches[reader].admit(n) == slot == rid  # rows already in the pool
+            swap_ok(writer, rid)
+            swap_ok(reader, rid)
+        for gpu in (0, 1):
+            with cupy.cuda.Device(gpu):
+                cupy.cuda.get_current_stream().synchronize()
+                caches[gpu].close()
