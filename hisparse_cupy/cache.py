@@ -84,7 +84,8 @@ class HotBufferCache:
         close a pool it was given. Default: the cache allocates one.
     device_rows : uint8 ``[n_layers, D, row_bytes]`` device array, optional
         The device rows to use, allocated by the engine: a CuPy array or any DLPack exporter
-        (a PyTorch tensor, a JAX array; imported without a copy, the engine keeps it alive).
+        (a PyTorch tensor; imported without a copy, the engine keeps it alive; not a JAX array:
+        the cache writes into it).
         C-contiguous, on the current device, ``D >= max_requests * rows_per_request`` (the
         cache uses the first ``max_requests * rows_per_request`` rows of each layer; see
         :meth:`rows_needed`). Its contents are overwritten as requests are admitted. Default:
@@ -487,6 +488,13 @@ class HotBufferCache:
         self.close()
 
 
+def _dense_view(buf: cupy.ndarray, shape: tuple[int, ...]) -> cupy.ndarray:
+    """A C-contiguous ``shape`` view of the first elements of ``buf`` (the multi-step kernels
+    write each row's ``[S, K]`` block densely: a ``[:B, :S, :K]`` slice of a larger buffer
+    would not be)."""
+    return buf.reshape(-1)[: int(np.prod(shape))].reshape(shape)
+
+
 def _copy_structs(tmpl: np.ndarray) -> np.ndarray:
     return tmpl.view(np.uint8).copy().view(tmpl.dtype)
 
@@ -566,7 +574,7 @@ class Step:
             raise ValueError(f"top_k_tokens must have shape ({B}, K) or ({B}, S, K), got "
                              f"{tuple(topk.shape)}")
         K = topk.shape[1]
-        plan = self._launch.get((K, copy_grid))
+        plan = self._launch.get(("single", K, copy_grid))
         if plan is None:
             plan = self._plan_single(K, copy_grid)
         la_resolve, la_copy, grid_resolve, grid_copy, default_out = plan
@@ -631,7 +639,7 @@ class Step:
                 launcher(_build.kernel(_build.COPY_H2D), _abi.COPY_WARPS * 32,
                          _abi.smem_bytes("PLANNED_COPY", B=B), self.pdl),
                 (B, 1, 1), (grid, 1, 1), c.out[:B, :K])
-        self._launch[(K, copy_grid)] = plan
+        self._launch[("single", K, copy_grid)] = plan
         return plan
 
     def _out_arg(self, out, shape) -> cupy.ndarray:
@@ -650,17 +658,18 @@ class Step:
         if B != self.batch or not 2 <= S <= c.max_steps or not 1 <= K <= c.top_k:
             raise ValueError(f"top_k_tokens must have shape ({self.batch}, 2..{c.max_steps}, "
                              f"1..{c.top_k}), got {tuple(topk.shape)}")
-        plan = self._launch.get((S, K))
+        plan = self._launch.get(("multi", S, K))
         if plan is None:
             if self._lens_step and self.seq_lens.shape[1] < S:
                 raise ValueError(f"seq_lens has {self.seq_lens.shape[1]} step column(s), the "
                                  f"call has {S} steps")
             T = S * K
-            plan = self._launch[(S, K)] = (
+            plan = self._launch[("multi", S, K)] = (
                 launcher(_build.kernel(_build.GATHER[self._key]), _abi.GATHER_BLOCK),
                 launcher(_build.kernel(_build.COMMIT[self._key]), _abi.COMMIT_BLOCK,
                          commit_smem_bytes(c.hot_size, T), self.pdl),
-                (-(-T // _abi.GATHER_BLOCK), B, 1), (B, 1, 1), c.ms_out[:B, :S, :K])
+                (-(-T // _abi.GATHER_BLOCK), B, 1), (B, 1, 1),
+                _dense_view(c.ms_out, (B, S, K)))
         la_gather, la_commit, grid_gather, grid_commit, default_out = plan
         if out is None:
             out = default_out

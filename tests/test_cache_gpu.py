@@ -176,3 +176,34 @@ def test_engine_owned_device_rows_and_pool(rng):
     with pytest.raises(TypeError, match="device_rows must have dtype uint8"):
         HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN, row_bytes=ROW, hot_size=H,
                        top_k=K, extra_page=P, device_rows=cupy.empty((L, D, ROW // 4), cupy.int32))
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_multistep_with_fewer_entries_than_top_k(rng, prefetch):
+    """A [B, S, K] call with K < the cache's top_k (through a step, and through a Prefetcher):
+    the output is dense per row and every entry points at its token's bytes."""
+    import cupy
+
+    from hisparse_cupy import HotBufferCache, Prefetcher
+
+    cache = HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN, row_bytes=ROW,
+                           hot_size=H, top_k=K, extra_page=P, max_steps=2)
+    n = 300
+    rid = cache.admit(n, kv=kv_for(0, 0, n))
+    s = cupy.cuda.Stream(non_blocking=True)
+    pf = Prefetcher(cache, "FSS") if prefetch else None
+    req = cupy.asarray([rid], dtype=cupy.int32)
+    lens = cupy.asarray([n], dtype=cupy.int32)
+    k = K // 2
+    for _ in range(3):
+        topk = np.stack([rng.choice(n - 1, k, replace=False) for _ in range(2)]).astype(np.int32)
+        step = cache.begin_step(req, lens, stream=s, prefetcher=pf)
+        for layer in range(L):
+            out = step.swap(layer, cupy.asarray(topk[None]))
+            assert out.shape == (1, 2, k) and out.flags.c_contiguous
+            locs = cupy.asnumpy(out)[0]
+            for st in range(2):
+                check_rows(cache, layer, 0, topk[st], locs[st])
+        step.finish()
+        s.synchronize()
+    cache.close()

@@ -98,8 +98,8 @@ if [ $bench = 1 ]; then
     [ $rc = 0 ] || fail=1
   done
 fi
-[ -n "$(ls -A "$OUT/results")" ] && tar -czf "$OUT/results.tgz" -C "$OUT" results
-rm -rf "$OUT/results"
+if [ -z "$(ls -A "$OUT/results")" ]; then rmdir "$OUT/results"
+else tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results"; fi
 $PY -m hisparse_cupy info >"$OUT/info.log" 2>&1
 summary "info rc=$?: $(grep -m1 'ceilings' "$OUT/info.log" | sed 's/^ *//')"
 

@@ -131,6 +131,7 @@ def parser() -> argparse.ArgumentParser:
     a("--recent", type=int, default=d.recent, help="newest tokens every top-k holds")
     a("--top-k", type=int, default=d.top_k)
     a("--hot", type=int, default=d.hot, help="hot slots per request (H)")
+    a("--extra-page", type=int, default=d.extra_page, help="slots after the hot slots (P)")
     a("--hidden", type=int, default=d.hidden, help="hidden size of the MLP stand-in")
     a("--mtp", type=int, default=d.mtp, help="draft steps per swap (2-4: multi-step swap)")
     a("--mode", action="append", choices=("gpu-only", "offload", "overlap"),
@@ -149,7 +150,8 @@ def from_args(argv=None) -> Config:
     execs = ("eager", "graph") if ns.eager_and_graph else (("graph",) if ns.graph else ("eager",))
     cfg = Config(layers=ns.layers, pattern=ns.pattern, batch=ns.batch, context=ns.context,
                  steps=ns.steps, warmup=ns.warmup, new_share=ns.new_share, recent=ns.recent,
-                 top_k=ns.top_k, hot=ns.hot, hidden=ns.hidden, mtp=ns.mtp, modes=modes,
+                 top_k=ns.top_k, hot=ns.hot, extra_page=ns.extra_page, hidden=ns.hidden,
+                 mtp=ns.mtp, modes=modes,
                  execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)
     cfg.check()
     return cfg

@@ -77,7 +77,7 @@ import cupy
 
 from .. import _checks
 from .._launch import as_stream
-from ..cache import HotBufferCache
+from ..cache import HotBufferCache, _dense_view
 from ..plan import copy_params, full_grid, launch_copy
 from .pattern import LayerPattern, layer_pattern
 
@@ -287,7 +287,7 @@ class Prefetcher:
         out = self._views.get((B, shape))  # this object's output buffer, sliced once per shape
         if out is None:
             if len(shape) == 3 and self._ms_out is not None:
-                out = self._ms_out[:B, : shape[1], : shape[2]]
+                out = _dense_view(self._ms_out, (B, shape[1], shape[2]))
             elif len(shape) >= 2:
                 out = self._out[:B, : shape[-1]]
             if out is not None:
