@@ -116,12 +116,24 @@ class HotBufferCache:
         self.slots = W = H + P
         self.scratch = C
         self.rows_per_request = W + C
+        row_bytes = _checks.row_bytes("row_bytes", row_bytes)
+        D = R * (W + C)
+        # the engine's device rows are checked before a host pool is pinned
+        if device_rows is None:
+            self.device = None
+        else:
+            dev = _checks.array("device_rows", device_rows, np.uint8,
+                                shape=(L, None, row_bytes))
+            if dev.shape[1] < D:
+                raise ValueError(f"device_rows holds {dev.shape[1]} rows per layer; the cache "
+                                 f"needs at least max_requests * rows_per_request = {R} * "
+                                 f"{W + C} = {D}")
+            self.device = dev
         if pool is None:
             self.pool, self._own_pool = HostKVPool(L, R * self.max_len, row_bytes), True
         else:
             if not isinstance(pool, HostKVPool):
                 raise TypeError(f"pool must be a HostKVPool, got {type(pool).__name__}")
-            row_bytes = _checks.row_bytes("row_bytes", row_bytes)
             if (pool.n_layers, pool.row_bytes) != (L, row_bytes) or \
                     pool.n_rows < R * self.max_len:
                 raise ValueError(f"pool holds {pool.n_layers} layers of {pool.n_rows} rows of "
@@ -129,17 +141,8 @@ class HotBufferCache:
                                  f"least {R * self.max_len} rows of {row_bytes}")
             self.pool, self._own_pool = pool, False
         self.row_bytes = self.pool.row_bytes
-        D = R * (W + C)
-        if device_rows is None:
+        if self.device is None:
             self.device = cupy.empty((L, D, self.row_bytes), cupy.uint8)
-        else:
-            dev = _checks.array("device_rows", device_rows, np.uint8,
-                                shape=(L, None, self.row_bytes))
-            if dev.shape[1] < D:
-                raise ValueError(f"device_rows holds {dev.shape[1]} rows per layer; the cache "
-                                 f"needs at least max_requests * rows_per_request = {R} * "
-                                 f"{W + C} = {D}")
-            self.device = dev
         base = (np.arange(R, dtype=np.int64) * (W + C)).reshape(R, 1)
         self._slot_layout = cupy.asarray((base + np.arange(W)).astype(np.int32))
         self.slot_locs = cupy.empty((L, R, W), cupy.int32)
