@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import device_info, memcpy_h2d, summary, time_calls, write_json  # noqa: E402
 
 from hisparse_cupy import HotBufferCache, LayerPattern, Prefetcher, replay_plan  # noqa: E402
+from hisparse_cupy.demo.loop import coprime  # noqa: E402
 
 K, H, P, ROW = 2048, 4096, 64, 656
 MAX_LEN = 6656  # token window U = 6655 >= H + K: a token coming back was evicted long ago
@@ -108,13 +109,6 @@ class Kernels:
         self.tick = mod.get_function("tick")
         self.attn = mod.get_function("attn")
         self.fma = mod.get_function("fma_burn")
-
-
-def _coprime(n: int) -> int:
-    a = int(n * 0.6180339887)
-    while np.gcd(a, n) != 1:
-        a += 1
-    return a
 
 
 class Compute:
@@ -225,7 +219,7 @@ class Rig:
         self.done = cupy.cuda.Event(disable_timing=True)
         self.cc_end = cupy.cuda.Event()  # main stream's compute done (compute + copies mode)
         self.cc_external = True  # cc_end can be recorded inside a captured graph
-        self.a = np.int64(_coprime(U))
+        self.a = np.int64(coprime(U))
         main.synchronize()
         self.setup_s = time.perf_counter() - t0
         self.B, self.M = bmax, 1

@@ -31,15 +31,15 @@ from pathlib import Path
 import numpy as np
 
 
-def _fill(pool, seed: int = 0) -> None:
-    """Every row of the pool: a pattern of its index (checked after the gathers)."""
+def _fill(pool) -> None:
+    """Every row of the pool: the self-check's pattern of its index (checked after gathers)."""
+    from hisparse_cupy._selfcheck import pattern
+
     rows = pool.numpy.reshape(-1, pool.row_bytes)
     step = 1 << 16
     for i in range(0, rows.shape[0], step):
-        ids = np.arange(i, min(i + step, rows.shape[0]), dtype=np.uint64)[:, None]
-        words = np.arange(pool.row_bytes // 8, dtype=np.uint64)[None, :]
-        v = (ids * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed)) ^ words
-        rows[i: i + len(ids)] = v.view(np.uint8).reshape(len(ids), pool.row_bytes)
+        ids = np.arange(i, min(i + step, rows.shape[0]))
+        rows[i: i + len(ids)] = pattern(0, ids, pool.row_bytes)
 
 
 def _worker(gpu: int, name: str, args, barrier, out) -> None:

@@ -26,6 +26,8 @@ the step's stream without host synchronization, so a decode step can be captured
 
 from __future__ import annotations
 
+import contextlib
+
 import cupy
 import numpy as np
 
@@ -646,11 +648,10 @@ class Step:
         return plan
 
     def _out_arg(self, out, shape) -> cupy.ndarray:
-        if type(out) is not cupy.ndarray:
-            with self.stream:  # a DLPack import orders on the step's stream
-                return self._out_arg(_checks.as_device_array("out", out), shape)
-        return _checks.array("out", out, np.int32, shape=shape, contiguous=False,
-                             inner_contiguous=True)
+        """``out`` checked; a foreign array is imported on the step's stream."""
+        with self.stream if type(out) is not cupy.ndarray else contextlib.nullcontext():
+            return _checks.array("out", out, np.int32, shape=shape, contiguous=False,
+                                 inner_contiguous=True)
 
     def _swap_multistep(self, layer: int, topk, *, out=None, check: bool = False,
                         out_checked: bool = False):

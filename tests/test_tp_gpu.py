@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from _util import pattern
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--layers", "8", "--batch", "4", "--context", "2304", "--hot", "1024", "--top-k", "256",
          "--steps", "6", "--warmup", "3"]
@@ -78,10 +80,7 @@ def test_one_process_maps_one_pool_into_two_gpus(rng):
     n = 400
 
     def kv(rid):
-        ids = (rid * MAXLEN + np.arange(n)).astype(np.uint64)[:, None]
-        words = np.arange(ROW // 8, dtype=np.uint64)[None, :]
-        return np.stack([((ids * np.uint64(0x9E3779B97F4A7C15) + np.uint64(layer)) ^ words)
-                         .view(np.uint8).reshape(n, ROW) for layer in range(L)])
+        return np.stack([pattern(layer, rid * MAXLEN + np.arange(n), ROW) for layer in range(L)])
 
     def swap_ok(gpu, rid):
         with cupy.cuda.Device(gpu):

@@ -7,8 +7,8 @@ import argparse
 import dataclasses
 import os
 
-ROW_BYTES = 1152  # 576 bf16 values: an MLA latent (512) + rope (64) row
-HEADS = 16
+ROW_VALUES, V_VALUES, HEADS = 576, 512, 16  # an MLA row: latent (512, the value) + rope (64)
+ROW_BYTES = 2 * ROW_VALUES  # bf16
 GB = 1e9
 
 
@@ -89,8 +89,9 @@ class Config:
         resident = L * B * self.max_len * ROW_BYTES
         hot = L * B * (self.hot + self.extra_page + self.scratch()) * ROW_BYTES
         Q = self.queries
-        model = 2 * (HEADS * 512 * self.hidden + self.hidden * HEADS * 576) + \
-            Q * 2 * (self.hidden + HEADS * 576 + HEADS * 512) + Q * 64 * HEADS * 514 * 4
+        model = 2 * (HEADS * V_VALUES * self.hidden + self.hidden * HEADS * ROW_VALUES) + \
+            Q * 2 * (self.hidden + HEADS * ROW_VALUES + HEADS * V_VALUES) + \
+            Q * 64 * HEADS * (V_VALUES + 2) * 4
         offload = any(m != "gpu-only" for m in self.modes)
         return {"host_pinned": resident if offload else 0, "gpu_resident": resident,
                 "gpu_hot": hot if offload else 0, "gpu_model": model}

@@ -15,8 +15,9 @@ import numpy as np
 
 from .. import reference as ref
 from ..streams.pattern import LayerPattern
-
-ROW, ROW_V, HEADS = 576, 512, 16
+from .config import HEADS
+from .config import ROW_VALUES as ROW
+from .config import V_VALUES as ROW_V
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

@@ -35,7 +35,8 @@ class RunResult:
     # warm-up steps 1.. that start on an idle stream (so no launch waits for queue space)
 
 
-def _coprime(n: int) -> int:
+def coprime(n: int) -> int:
+    """A multiplier near n / phi with gcd(a, n) = 1 (x -> a x mod n is a bijection)."""
     a = max(2, int(n * 0.6180339887))
     while np.gcd(a, n) != 1:
         a += 1
@@ -72,7 +73,7 @@ class Rig:
             self.digest = cupy.zeros((cfg.total_steps, cfg.layers), cupy.uint64)
             self.moved = cupy.zeros((cfg.total_steps, 2), cupy.uint64)
         self.U = cfg.context
-        self.a = np.int64(_coprime(self.U))
+        self.a = np.int64(coprime(self.U))
         self.M = max(1, round(cfg.new_share * K))
         self.salt = {layer: (1_000_003 * j) % self.U
                      for j, layer in enumerate(self.pattern.full_layers)}

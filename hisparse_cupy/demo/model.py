@@ -17,8 +17,8 @@ from pathlib import Path
 import cupy
 import numpy as np
 
-ROW_VALUES, V_VALUES, HEADS = 576, 512, 16
-ROW_BYTES = 2 * ROW_VALUES
+from .config import HEADS, ROW_VALUES, V_VALUES
+
 TILE = 16  # rows per attention tile (TR in model.cu)
 _QS = 580
 ATT_THREADS = 256
