@@ -15,7 +15,11 @@ kernels include nothing outside ``cu/`` (fixed-width types come from NVRTC's bui
 include paths CuPy adds do not change what compiles.
 
 ``HISPARSE_CUPY_DEBUG=1`` adds ``-DHS_DEBUG``: every shared-memory carve is checked against
-the launch's dynamic shared memory (a trap on overrun).
+the launch's dynamic shared memory (a trap on overrun). ``HISPARSE_CUPY_LINEINFO=1`` adds
+``-lineinfo`` (source lines in Nsight Compute's source view; ``tools/profile_kernels.py``).
+``HISPARSE_CUPY_PHASE_CLOCK=1`` adds ``-DHS_PHASE_CLOCK``: the kernels record the SM cycles from
+their start to the end of each phase (a barrier is added at each mark; measuring only, see
+:func:`phase_cycles` and ``tools/profile_kernels.py --phases``).
 """
 
 from __future__ import annotations
@@ -75,22 +79,37 @@ def source_digest() -> str:
 
 
 def debug() -> bool:
-    return os.environ.get("HISPARSE_CUPY_DEBUG", "0") not in ("", "0", "false", "off")
+    return _flag("HISPARSE_CUPY_DEBUG")
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0", "false", "off")
+
+
+def lineinfo() -> bool:
+    return _flag("HISPARSE_CUPY_LINEINFO")
+
+
+def phase_clock() -> bool:
+    return _flag("HISPARSE_CUPY_PHASE_CLOCK")
 
 
 def options() -> tuple[str, ...]:
     """The NVRTC options of every compile (runtime and :func:`compile_check`)."""
-    return _options(source_digest(), debug(), tuple(_abi.defines()))
+    return _options(source_digest(), debug(), lineinfo(), phase_clock(), tuple(_abi.defines()))
 
 
 @functools.lru_cache(maxsize=8)
-def _options(digest: str, dbg: bool, defines: tuple) -> tuple[str, ...]:
+def _options(digest: str, dbg: bool, lines: bool, clock: bool,
+             defines: tuple) -> tuple[str, ...]:
     return (
         "-std=c++20",  # designated initializers check the ABI (cu/abi.cuh)
         f"-I{CU_DIR}",
         f"-DHS_SRC_DIGEST=0x{digest[:16]}ull",
         *(f"-D{name}={value}" for name, value in defines),
         *(("-DHS_DEBUG",) if dbg else ()),
+        *(("-lineinfo",) if lines else ()),
+        *(("-DHS_PHASE_CLOCK",) if clock else ()),
     )
 
 
@@ -120,6 +139,28 @@ def kernel(name_expression: str):
     log.info("kernel %s of %s ready on device %d (NVRTC or CuPy's disk cache)",
              name_expression, file, dev)
     return k
+
+
+def phase_cycles(file: str, reset: bool = True) -> np.ndarray:
+    """The phase clock of ``file``'s module (built with ``HISPARSE_CUPY_PHASE_CLOCK=1``): uint64
+    ``[HS_PHASE_SLOTS]``, slot i = the most SM cycles any block took from its start to mark i
+    (0 where no block reached it); ``reset`` zeroes it afterwards. The device must be idle."""
+    import cupy
+
+    if not phase_clock():
+        raise RuntimeError("set HISPARSE_CUPY_PHASE_CLOCK=1 before the first kernel is built")
+    mod = _modules.get((file, options()))
+    if mod is None:
+        raise KeyError(f"no kernel of {file} has been built yet")
+    g = mod.get_global("hs_phase_clock")
+    arr = cupy.ndarray((PHASE_SLOTS,), cupy.uint64, g)
+    out = cupy.asnumpy(arr)
+    if reset:
+        arr.fill(0)
+    return out
+
+
+PHASE_SLOTS = 32
 
 
 class CompileError(RuntimeError):

@@ -197,13 +197,14 @@ def test_multistep_with_fewer_entries_than_top_k(rng, prefetch):
     k = K // 2
     for _ in range(3):
         topk = np.stack([rng.choice(n - 1, k, replace=False) for _ in range(2)]).astype(np.int32)
-        step = cache.begin_step(req, lens, stream=s, prefetcher=pf)
-        for layer in range(L):
-            out = step.swap(layer, cupy.asarray(topk[None]))
-            assert out.shape == (1, 2, k) and out.flags.c_contiguous
-            locs = cupy.asnumpy(out)[0]
-            for st in range(2):
-                check_rows(cache, layer, 0, topk[st], locs[st])
-        step.finish()
+        with s:  # the top-k upload and the reads of the outputs are ordered on the step's stream
+            step = cache.begin_step(req, lens, stream=s, prefetcher=pf)
+            for layer in range(L):
+                out = step.swap(layer, cupy.asarray(topk[None]))
+                assert out.shape == (1, 2, k) and out.flags.c_contiguous
+                locs = cupy.asnumpy(out)[0]
+                for st in range(2):
+                    check_rows(cache, layer, 0, topk[st], locs[st])
+            step.finish()
         s.synchronize()
     cache.close()

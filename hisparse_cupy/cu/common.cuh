@@ -13,6 +13,28 @@
 #define HS_SRC_DIGEST 0ull
 #endif
 
+// Phase clock (measuring only; HISPARSE_CUPY_PHASE_CLOCK=1 adds -DHS_PHASE_CLOCK). HS_PHASE_START
+// reads the SM clock at a kernel's start; HS_PHASE(i) (at a point every thread of the block
+// reaches) adds a barrier and keeps the most cycles any block took to reach mark i in
+// hs_phase_clock[i] (hisparse_cupy._build.phase_cycles reads it). Without the macro both are empty.
+#ifdef HS_PHASE_CLOCK
+extern "C" {
+__device__ unsigned long long hs_phase_clock[32];
+}
+#define HS_PHASE_START const long long hs_phase_t0_ = clock64();
+#define HS_PHASE(i)                                                                       \
+  do {                                                                                    \
+    __syncthreads();                                                                      \
+    if (threadIdx.x == 0)                                                                 \
+      atomicMax(&hs_phase_clock[i], static_cast<unsigned long long>(clock64() - hs_phase_t0_)); \
+  } while (0)
+#else
+#define HS_PHASE_START
+#define HS_PHASE(i) \
+  do {              \
+  } while (0)
+#endif
+
 namespace hs {
 
 // Fixed-width integers without any header (NVRTC's builtin types: the kernels include nothing

@@ -152,6 +152,7 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   i32* __restrict__ plan_dst = p.plan_dst;
   __shared__ int s_cnt[4];  // C_RANGE, C_NOHOST, C_PENDING (index 0 unused)
 
+  HS_PHASE_START
   // No early trigger (pdl_launch_dependents): measured, letting the commit blocks become
   // resident while the gather runs made the pair slower. The commit's launch still overlaps
   // the end of this grid, and it waits (griddepcontrol.wait) before reading anything.
@@ -178,6 +179,7 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
 
   if (tid < 4) s_cnt[tid] = 0;
   __syncthreads();
+  HS_PHASE(0);
 
   const i32* stok = p.slot_tokens + rid * p.slot_stride;
   const i32* sloc = p.slot_locs + rid * p.slot_stride;
@@ -247,6 +249,7 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
     }
   }
 
+  HS_PHASE(1);
   // ---- phase 2: dedup of misses over all steps
   int h = -1;
   bool claimed = false;
@@ -286,12 +289,15 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
     plan_dst[static_cast<i64>(b) * plan_stride + u] = o;
   }
 
+  HS_PHASE(2);
   // ---- phase 3: copy, one row per owner, the whole warp per row
   copy_owned_rows_warp(owner, hl, o, p.dev_base, p.host_base, row_bytes, lane);
+  HS_PHASE(3);
 
   // ---- phase 4: counts
   __syncthreads();
   if (tid >= C_RANGE && tid <= C_PENDING && s_cnt[tid]) atomicAdd(cnt + tid, s_cnt[tid]);
+  HS_PHASE(4);
 }
 
 // ------------------------------------------------------------------ commit helpers
@@ -411,6 +417,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
   i32* __restrict__ plan_count = p.plan_count;
   // Wait for the gather grid: its outputs, table, counters and copied rows.
   pdl_wait();
+  HS_PHASE_START
 
   const int b = blockIdx.x;
   const int tid = threadIdx.x;
@@ -512,6 +519,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
   }
   int E;
   block_exclusive_sum<BLOCK>(ev, s_scan, E);  // (barriers inside)
+  HS_PHASE(16);
 
   const int V = M < E ? M : E;
   const bool partial = M > E;
@@ -522,6 +530,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
     }
   }
 
+  HS_PHASE(17);
   // ---- phase 2: victims
   u32 theta;
   int need = 0;
@@ -533,6 +542,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
     need = V;
     theta = radix_select<BLOCK>(s_key, H, need, s_hist, sm.radix_digit, sm.radix_rest);
   }
+  HS_PHASE(18);
   {
     // Each thread owns a contiguous run of ring positions; one block scan of the packed
     // (above, tie) counts gives every run its first ordinal (counts <= H < 2^15 per half).
@@ -564,6 +574,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
     if (last >= 0) atomicMax(sm.last_victim, last);
   }
 
+  HS_PHASE(19);
   // ---- phase 3: ranks of the admitted misses
   bitmap_prefix<BLOCK>(s_bits, s_pre, NW, s_scan);
   if (partial) {
@@ -586,6 +597,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
     bitmap_prefix<BLOCK>(s_bits, s_pre, NW, s_scan);
   }
 
+  HS_PHASE(20);
   // ---- phase 4: rows, admissions, direct copies
   for (int base = 0; base < M; base += BLOCK) {
     const int u = base + tid;
@@ -631,6 +643,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
   }
   __syncthreads();
 
+  HS_PHASE(21);
   // ---- phase 5: placeholders
   if (n_pending > 0) {
     constexpr int UNR = 8;  // loads in flight per thread
@@ -645,6 +658,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
   }
   __syncthreads();
 
+  HS_PHASE(22);
   // ---- phase 6: index inserts, workspace cleanup
   for (int u = tid; u < M; u += BLOCK) {
     const int q = cmp[u];
@@ -681,6 +695,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
     for (int i = 0; i < MS_N_COUNTERS; ++i) cnt[i] = 0;
     if (*sm.degraded) atomicOr(p.flags + rid, MS_F_DEGRADED);
   }
+  HS_PHASE(23);
 }
 
 // =====================================================================================

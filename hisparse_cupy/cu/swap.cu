@@ -94,6 +94,7 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
   u16* s_tmp = sm.order;
   u8* s_kind = sm.kind;
 
+  HS_PHASE_START
   // Let the copy kernel that follows get scheduled; it waits for this grid to finish.
   pdl_launch_dependents();
 
@@ -198,6 +199,7 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
 #pragma unroll 8
   for (int j = tid; j <= H; j += BLOCK) s_loc[j] = sloc[j];
   __syncthreads();
+  HS_PHASE(0);
 
   // ---- phase 1: classify, insert
   for (int g = i0; g < i0 + c4; g += 32 * PREFETCH) {
@@ -240,6 +242,7 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
   }
   __syncthreads();
 
+  HS_PHASE(1);
   // ---- phase 2: duplicates
   for (int i = tid; i < K; i += BLOCK) {
     if (s_kind[i] == K_CANON && s_val[s_pos[i]] != i) {
@@ -248,6 +251,7 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
   }
   __syncthreads();
 
+  HS_PHASE(2);
   // Phases 3 and 4 compact in order with one block-level scan each: each warp counts its
   // chunk's flags with ballots (pass 1), one warp scans the per-warp counts, then each warp
   // places its entries at its offset (pass 2).
@@ -318,6 +322,7 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
     }
   }
 
+  HS_PHASE(3);
   // ---- phase 4: misses in top-k order take the least recently used evictable slots. Pass 1
   // needs only phase 3's kinds, published by the barrier above; host rows came with phase 1.
   {
@@ -367,6 +372,7 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
     }
   }
   __syncthreads();  // misses' outputs are visible
+  HS_PHASE(4);
 
   // ---- phase 5: duplicates take their canonical entry's output; write-back; index inserts
   for (int i = tid; i < K; i += BLOCK) {
@@ -393,6 +399,7 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
     st[ST_NOHOST] = s_cnt[ST_NOHOST];
     st[ST_BADROW] = 0;
   }
+  HS_PHASE(5);
 }
 
 }  // namespace hs
