@@ -65,6 +65,7 @@ CONSTANTS = {
     "MS_F_DEGRADED": MS_F_DEGRADED, "MS_META_INIT": MS_META_INIT,
     "MS_N_COUNTERS": MS_N_COUNTERS, "MS_N_STATS": MS_N_STATS, "GATHER_BLOCK": GATHER_BLOCK,
     "COMMIT_BLOCK": COMMIT_BLOCK, "INIT_BLOCK": INIT_BLOCK, "COPY_DRY_RUN": COPY_DRY_RUN,
+    "MS_MAX_STEPS": MS_MAX_STEPS,
 }
 
 # ------------------------------------------------------------------------------- structs

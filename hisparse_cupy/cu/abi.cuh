@@ -31,6 +31,7 @@ constexpr int COPY_WARPS = HS_COPY_WARPS;
 constexpr int NEWEST_BLOCK = HS_NEWEST_BLOCK;
 constexpr int COPY_DRY_RUN = HS_COPY_DRY_RUN;
 constexpr int MS_MAX_TOKENS = HS_MS_MAX_TOKENS;
+constexpr int MS_MAX_STEPS = HS_MS_MAX_STEPS;
 constexpr int MS_BUCKET = HS_MS_BUCKET;
 constexpr int MS_F_DEGRADED = HS_MS_F_DEGRADED;
 constexpr int MS_META_INIT = HS_MS_META_INIT;

@@ -42,11 +42,12 @@ __device__ __forceinline__ u64 load_volatile(const u64* p) {
 
 // ---------------------------------------------------------------- token -> hot slot index
 
-// The hot slot holding `tok`, or -1. slot_tokens is authoritative: an index entry counts only
-// if its slot still holds its token.
-__device__ __forceinline__ int hot_find(const u64* idx, int nb, const i32* stok, int H, int tok,
-                                        bool degraded) {
-  if (tok < H && stok[tok] == tok) return tok;  // positional layout
+// The hot slot holding `tok`, or -1; `loc` gets that slot's device row (slot_locs). slot_tokens
+// is authoritative: an index entry counts only if its slot still holds its token. The loads go
+// in two waves: the positional slot and both buckets, then a candidate's token and row together.
+__device__ __forceinline__ int hot_find(const u64* idx, int nb, const i32* stok, const i32* sloc,
+                                        int H, int tok, bool degraded, int& loc) {
+  const int held_pos = tok < H ? stok[tok] : -1;
   const ulonglong2* pa = reinterpret_cast<const ulonglong2*>(idx + static_cast<i64>(bucket_a(tok, nb)) * MS_BUCKET);
   const ulonglong2* pb = reinterpret_cast<const ulonglong2*>(idx + static_cast<i64>(bucket_b(tok, nb)) * MS_BUCKET);
   ulonglong2 v[MS_BUCKET];
@@ -55,52 +56,76 @@ __device__ __forceinline__ int hot_find(const u64* idx, int nb, const i32* stok,
     v[j] = pa[j];
     v[MS_BUCKET / 2 + j] = pb[j];
   }
+  if (held_pos == tok) {  // positional layout
+    loc = sloc[tok];
+    return tok;
+  }
 #pragma unroll
-  for (int j = 0; j < MS_BUCKET; ++j) {
-    if (lo32(v[j].x) == tok) {
-      const u32 s = hi32(v[j].x);
-      if (s < static_cast<u32>(H) && stok[s] == tok) return static_cast<int>(s);
-    }
-    if (lo32(v[j].y) == tok) {
-      const u32 s = hi32(v[j].y);
-      if (s < static_cast<u32>(H) && stok[s] == tok) return static_cast<int>(s);
+  for (int j = 0; j < 2 * MS_BUCKET; ++j) {
+    const u64 e = (j & 1) ? v[j >> 1].y : v[j >> 1].x;
+    if (lo32(e) == tok && hi32(e) < static_cast<u32>(H)) {
+      const int s = static_cast<int>(hi32(e));
+      const int held = stok[s];
+      const int l = sloc[s];
+      if (held == tok) {
+        loc = l;
+        return s;
+      }
     }
   }
   if (degraded) {
     for (int s = 0; s < H; ++s)
-      if (stok[s] == tok) return s;
+      if (stok[s] == tok) {
+        loc = sloc[s];
+        return s;
+      }
   }
   return -1;
 }
 
-// An entry is free when empty or stale (its slot no longer holds its token).
-__device__ __forceinline__ bool entry_free(u64 e, const i32* stok, int H) {
-  if (e == EMPTY) return true;
-  const u32 s = hi32(e);
-  return s >= static_cast<u32>(H) || stok[s] != lo32(e);
-}
-
-__device__ __forceinline__ int count_free(const u64* bk, const i32* stok, int H) {
-  int n = 0;
+// Both buckets of a token (entries [0, MS_BUCKET) of `a`, then of `b`), read at L2 (other threads
+// change them with atomics) with every load in flight together.
+__device__ __forceinline__ void load_buckets(const u64* a, const u64* b, u64 (&e)[2 * MS_BUCKET]) {
 #pragma unroll
-  for (int j = 0; j < MS_BUCKET; ++j) n += entry_free(load_volatile(bk + j), stok, H);
-  return n;
+  for (int j = 0; j < MS_BUCKET; j += 2) {
+    asm volatile("ld.global.cg.v2.u64 {%0, %1}, [%2];" : "=l"(e[j]), "=l"(e[j + 1]) : "l"(a + j));
+    asm volatile("ld.global.cg.v2.u64 {%0, %1}, [%2];"
+                 : "=l"(e[MS_BUCKET + j]), "=l"(e[MS_BUCKET + j + 1])
+                 : "l"(b + j));
+  }
 }
 
-// Insert (tok -> slot) into the emptier of the token's two buckets. Concurrent inserts are safe
-// (CAS); false when both buckets stay fu64 (the caller marks the request degraded).
+// Insert (tok -> slot) into the emptier of the token's two buckets (the first free entry in
+// bucket order); an entry is free when empty or stale (its slot no longer holds its token).
+// Concurrent inserts are safe (CAS; a lost race re-reads); false when both buckets stay full
+// (the caller marks the request degraded). Loads: both buckets, then the slots they name.
 __device__ bool hot_insert(u64* idx, int nb, const i32* stok, int H, int tok, int slot) {
   const u64 want = pack(static_cast<u32>(slot), tok);
   u64* ba = idx + static_cast<i64>(bucket_a(tok, nb)) * MS_BUCKET;
   u64* bb = idx + static_cast<i64>(bucket_b(tok, nb)) * MS_BUCKET;
   for (int attempt = 0; attempt < 4; ++attempt) {
-    const int fa = count_free(ba, stok, H);
-    const int fb = bb == ba ? 0 : count_free(bb, stok, H);
+    u64 e[2 * MS_BUCKET];
+    load_buckets(ba, bb, e);
+    int held[2 * MS_BUCKET];
+#pragma unroll
+    for (int j = 0; j < 2 * MS_BUCKET; ++j)
+      held[j] = (e[j] != EMPTY && hi32(e[j]) < static_cast<u32>(H)) ? stok[hi32(e[j])] : -1;
+    unsigned free_mask = 0;
+#pragma unroll
+    for (int j = 0; j < 2 * MS_BUCKET; ++j) {
+      const bool f = e[j] == EMPTY || hi32(e[j]) >= static_cast<u32>(H) || held[j] != lo32(e[j]);
+      free_mask |= static_cast<unsigned>(f) << j;
+    }
+    const unsigned lo_mask = (1u << MS_BUCKET) - 1u;
+    const int fa = __popc(free_mask & lo_mask);
+    const int fb = bb == ba ? 0 : __popc(free_mask >> MS_BUCKET);
     if (fa + fb == 0) return false;
+    const int off = fb > fa ? MS_BUCKET : 0;
     u64* bk = fb > fa ? bb : ba;
     for (int j = 0; j < MS_BUCKET; ++j) {
-      const u64 cur = load_volatile(bk + j);
-      if (entry_free(cur, stok, H) && atomicCAS(bk + j, cur, want) == cur) return true;
+      if (!((free_mask >> (off + j)) & 1u)) continue;
+      const u64 cur = e[off + j];
+      if (atomicCAS(bk + j, cur, want) == cur) return true;
     }
   }
   return false;
@@ -108,12 +133,13 @@ __device__ bool hot_insert(u64* idx, int nb, const i32* stok, int H, int tok, in
 
 __device__ __forceinline__ void hot_erase(u64* idx, int nb, int tok, int slot) {
   const u64 key = pack(static_cast<u32>(slot), tok);
-  u64* bks[2] = {idx + static_cast<i64>(bucket_a(tok, nb)) * MS_BUCKET,
-                 idx + static_cast<i64>(bucket_b(tok, nb)) * MS_BUCKET};
+  u64* ba = idx + static_cast<i64>(bucket_a(tok, nb)) * MS_BUCKET;
+  u64* bb = idx + static_cast<i64>(bucket_b(tok, nb)) * MS_BUCKET;
+  u64 e[2 * MS_BUCKET];
+  load_buckets(ba, bb, e);
 #pragma unroll
-  for (int k = 0; k < 2; ++k)
-    for (int j = 0; j < MS_BUCKET; ++j)
-      if (load_volatile(bks[k] + j) == key) atomicCAS(bks[k] + j, key, EMPTY);
+  for (int j = 0; j < 2 * MS_BUCKET; ++j)
+    if (e[j] == key) atomicCAS((j < MS_BUCKET ? ba : bb) + (j % MS_BUCKET), key, EMPTY);
 }
 
 }  // namespace hs

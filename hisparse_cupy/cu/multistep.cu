@@ -112,13 +112,17 @@ __device__ __forceinline__ i64 step_len(const MultiStepParams& p, int b, int s) 
       p.lens)[static_cast<i64>(b) * p.lens_stride + static_cast<i64>(s) * p.lens_step]);
 }
 
-// A request slot outside [0, R) or a negative length in any step makes the whole row bad.
+// A request slot outside [0, R) or a negative length in any step makes the whole row bad. The
+// S lengths are loaded together (no load waits for the previous one's test).
 template <typename LenT>
 __device__ __forceinline__ bool row_is_bad(const MultiStepParams& p, i64 rid, int b) {
-  if (rid < 0 || rid >= p.R) return true;
-  for (int s = 0; s < p.S; ++s)
-    if (step_len<LenT>(p, b, s) < 0) return true;
-  return false;
+  i64 len[MS_MAX_STEPS];
+#pragma unroll
+  for (int s = 0; s < MS_MAX_STEPS; ++s) len[s] = s < p.S ? step_len<LenT>(p, b, s) : 0;
+  bool bad = rid < 0 || rid >= p.R;
+#pragma unroll
+  for (int s = 0; s < MS_MAX_STEPS; ++s) bad |= len[s] < 0;
+  return bad;
 }
 
 // =====================================================================================
@@ -165,6 +169,15 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   const bool active = occ < T;
   i32* orow = out + static_cast<i64>(b) * p.out_stride;
 
+  // First wave of loads, independent of each other: the occurrence's token, the row's request
+  // slot and lengths. The second wave (request state, index buckets, host row) needs both.
+  int tok = -1;
+  int step = 0, pos = 0;
+  if (active) {
+    tok = topk[static_cast<i64>(b) * p.topk_stride + occ];
+    step = occ / K;
+    pos = occ - step * K;
+  }
   const int nr = clamp_real(p.num_real, B);
   i64 rid = -1;
   bool skip = b >= nr;
@@ -198,13 +211,6 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   int o = -1;
   bool miss = false;
   i64 hl = -1;
-  int tok = -1;
-  int step = 0, pos = 0;
-  if (active) {
-    tok = topk[static_cast<i64>(b) * p.topk_stride + occ];
-    step = occ / K;
-    pos = occ - step * K;
-  }
   if (active && tok != -1) {
     const i64 seq = step_len<LenT>(p, b, step);
     if (seq <= H) {  // positional layout: token p in slot p
@@ -233,12 +239,16 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
         }
       }
       if (!found) {
-        const int s = hot_find(idx, nb, stok, H, tok, degraded);
+        // the host row is loaded with the index buckets (a hit does not need it; a miss does
+        // not wait a round trip more for it)
+        const i64 hl_spec = hloc[tok];
+        int loc = -1;
+        const int s = hot_find(idx, nb, stok, sloc, H, tok, degraded, loc);
         if (s >= 0) {
-          o = sloc[s];
+          o = loc;
           ref[s] = epoch;
         } else {
-          hl = hloc[tok];
+          hl = hl_spec;
           if (hl >= 0 && hl < n_host_rows) {
             miss = true;
           } else {
