@@ -333,13 +333,19 @@ __device__ __forceinline__ int bitmap_rank(const u32* bits, const int* pre, int 
 
 // The want-th largest non-zero key (MSB-first radix select, 8 bits a pass). Returns the key;
 // `want` becomes how many keys equal to it must be taken (those larger are all taken).
+// kor / kand: OR and AND of every non-zero key. The digits above the highest bit in which the
+// keys differ are common to all of them, so the passes start at that bit's digit; equal keys
+// need no pass at all.
 template <int BLOCK>
-__device__ u32 radix_select(const u32* keys, int n, int& want, int* s_hist, int* s_digit,
-                            int* s_rest) {
+__device__ u32 radix_select(const u32* keys, int n, int& want, u32 kor, u32 kand, int* s_hist,
+                            int* s_digit, int* s_rest) {
   const int tid = threadIdx.x;
   const int lane = tid & 31;
-  u32 prefix = 0, pmask = 0;
-  for (int shift = 24; shift >= 0; shift -= 8) {
+  if (kor == kand) return kand;  // every non-zero key is the same: take `want` of them
+  const int top = (31 - __clz(kor ^ kand)) & ~7;  // the first digit in which keys differ
+  u32 pmask = top == 24 ? 0u : ~((1u << (top + 8)) - 1u);
+  u32 prefix = kand & pmask;
+  for (int shift = top; shift >= 0; shift -= 8) {
     for (int i = tid; i < 256; i += BLOCK) s_hist[i] = 0;
     __syncthreads();
     for (int base = 0; base < n; base += BLOCK) {  // uniform trip count (warp collectives)
@@ -495,6 +501,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
 
   // ---- phase 1: keys in ring order; miss bitmap
   int ev = 0;
+  u32 kor = 0u, kand = ~0u;  // OR / AND of the non-zero keys (radix_select's first digit)
   constexpr int UNR = 4;  // loads of UNR ring positions in flight per thread
   for (int base = tid; base < H; base += BLOCK * UNR) {
     u32 r[UNR];
@@ -521,7 +528,19 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
       }
       s_key[j] = key;
       ev += key != 0;
+      if (key != 0) {
+        kor |= key;
+        kand &= key;
+      }
     }
+  }
+  kor = __reduce_or_sync(FULL_MASK, kor);
+  kand = __reduce_and_sync(FULL_MASK, kand);
+  constexpr int n_warps = BLOCK / 32;
+  static_assert(2 * n_warps <= 256, "the key OR / AND per warp go in s_hist");
+  if (lane == 0) {  // published by the barriers of the block scan below
+    s_hist[tid >> 5] = static_cast<int>(kor);
+    s_hist[n_warps + (tid >> 5)] = static_cast<int>(kand);
   }
   for (int w = tid; w < NW; w += BLOCK) {
     s_bits[w] = 0;
@@ -529,6 +548,12 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
   }
   int E;
   block_exclusive_sum<BLOCK>(ev, s_scan, E);  // (barriers inside)
+#pragma unroll
+  for (int w = 0; w < n_warps; ++w) {
+    kor |= static_cast<u32>(s_hist[w]);
+    kand &= static_cast<u32>(s_hist[n_warps + w]);
+  }
+  __syncthreads();  // s_hist is cleared by radix_select
   HS_PHASE(16);
 
   const int V = M < E ? M : E;
@@ -550,7 +575,8 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
     theta = 0;  // every evictable slot
   } else {
     need = V;
-    theta = radix_select<BLOCK>(s_key, H, need, s_hist, sm.radix_digit, sm.radix_rest);
+    theta = radix_select<BLOCK>(s_key, H, need, kor, kand, s_hist, sm.radix_digit,
+                                sm.radix_rest);
   }
   HS_PHASE(18);
   {
