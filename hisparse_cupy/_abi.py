@@ -195,7 +195,7 @@ SMEM = {
         ("u32", "bits", "NW"),  # bitmap over reverse ranks of the misses
         ("u32", "admit", "NW"),  # bitmap over miss ordinals: admitted (partial admission)
         ("i32", "prefix", "NW+1"),  # popcount prefix of `bits`
-        ("i32", "hist", "256"),  # radix-select histogram
+        ("i32", "hist", "256"),  # radix-select histogram (phase 1: per-warp key OR / AND)
         ("i32", "scan", "NS"),  # block scan scratch, NS = COMMIT_BLOCK / 32 + 1
         ("i32", "radix_digit", "1"),  # radix select: the digit of this pass
         ("i32", "radix_rest", "1"),  # radix select: keys still wanted at that digit
