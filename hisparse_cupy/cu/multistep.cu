@@ -227,13 +227,19 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
     } else {
       bool found = false;
       if (tok >= seq - P) {  // newest / draft tokens live in the extra page
-        for (int j = 0; j < P; ++j) {
-          if (stok[H + j] == tok) {
-            const int l = sloc[H + j];
-            if (l >= 0) {
-              o = l;
-              found = true;
-              break;
+        constexpr int G = 8;  // extra-page slots whose tokens are loaded together
+        for (int j0 = 0; j0 < P && !found; j0 += G) {
+          int t[G];
+#pragma unroll
+          for (int q = 0; q < G; ++q) t[q] = j0 + q < P ? stok[H + j0 + q] : -1;
+#pragma unroll
+          for (int q = 0; q < G; ++q) {
+            if (!found && t[q] == tok) {
+              const int l = sloc[H + j0 + q];
+              if (l >= 0) {
+                o = l;
+                found = true;
+              }
             }
           }
         }
@@ -502,7 +508,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
   // ---- phase 1: keys in ring order; miss bitmap
   int ev = 0;
   u32 kor = 0u, kand = ~0u;  // OR / AND of the non-zero keys (radix_select's first digit)
-  constexpr int UNR = 4;  // loads of UNR ring positions in flight per thread
+  constexpr int UNR = 8;  // loads of UNR ring positions in flight per thread (H 4096: one round)
   for (int base = tid; base < H; base += BLOCK * UNR) {
     u32 r[UNR];
     int t[UNR];
