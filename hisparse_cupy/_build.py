@@ -94,6 +94,9 @@ def phase_clock() -> bool:
     return _flag("HISPARSE_CUPY_PHASE_CLOCK")
 
 
+PHASE_SLOTS = 32  # marks of the phase clock (HS_PHASE_SLOTS in the kernels)
+
+
 def options() -> tuple[str, ...]:
     """The NVRTC options of every compile (runtime and :func:`compile_check`)."""
     return _options(source_digest(), debug(), lineinfo(), phase_clock(), tuple(_abi.defines()))
@@ -109,7 +112,7 @@ def _options(digest: str, dbg: bool, lines: bool, clock: bool,
         *(f"-D{name}={value}" for name, value in defines),
         *(("-DHS_DEBUG",) if dbg else ()),
         *(("-lineinfo",) if lines else ()),
-        *(("-DHS_PHASE_CLOCK",) if clock else ()),
+        *(("-DHS_PHASE_CLOCK", f"-DHS_PHASE_SLOTS={PHASE_SLOTS}") if clock else ()),
     )
 
 
@@ -143,7 +146,7 @@ def kernel(name_expression: str):
 
 def phase_cycles(file: str, reset: bool = True) -> np.ndarray:
     """The phase clock of ``file``'s module (built with ``HISPARSE_CUPY_PHASE_CLOCK=1``): uint64
-    ``[HS_PHASE_SLOTS]``, slot i = the most SM cycles any block took from its start to mark i
+    ``[PHASE_SLOTS]``, slot i = the most SM cycles any block took from its start to mark i
     (0 where no block reached it); ``reset`` zeroes it afterwards. The device must be idle."""
     import cupy
 
@@ -158,9 +161,6 @@ def phase_cycles(file: str, reset: bool = True) -> np.ndarray:
     if reset:
         arr.fill(0)
     return out
-
-
-PHASE_SLOTS = 32
 
 
 class CompileError(RuntimeError):

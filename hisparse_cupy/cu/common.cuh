@@ -19,7 +19,7 @@
 // hs_phase_clock[i] (hisparse_cupy._build.phase_cycles reads it). Without the macro both are empty.
 #ifdef HS_PHASE_CLOCK
 extern "C" {
-__device__ unsigned long long hs_phase_clock[32];
+__device__ unsigned long long hs_phase_clock[HS_PHASE_SLOTS];
 }
 #define HS_PHASE_START const long long hs_phase_t0_ = clock64();
 #define HS_PHASE(i)                                                                       \
