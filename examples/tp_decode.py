@@ -8,19 +8,26 @@ keeps its own hot buffers and cache state over it. The model is the decode loop'
 replicated KV rows, multiplies its share of the heads' outputs by its rows of the output
 projection, and an NCCL all-reduce (``torch.distributed``) sums the partial hidden states.
 
-Who writes the newest token's host row: every rank backs up its own copy of the newest token's
-KV (identical bytes: the KV is replicated) on its own stream, before any swap of its own that
-could miss on it. No rank ever reads a host row before its own backup of it has landed, and no
-cross-process event is needed; the cost is one extra device -> host row per layer and request
-per rank and step (the tables show it in the offload overhead).
+Who writes the newest token's host row (``--newest-writer``):
+
+- ``every`` (the default): every rank backs up its own copy of the newest token's KV (identical
+  bytes: the KV is replicated) on its own stream, before any swap of its own that could miss on
+  it. No rank ever reads a host row before its own backup of it has landed, nothing crosses
+  processes, and the step stays capturable; the cost is one device -> host row per layer and
+  request per rank and step, on each rank's own link.
+- ``rank0``: the alternative, measured beside it (``benchmarks/NOTES.md``): rank 0 alone backs
+  up and records an interprocess CUDA event after it; every other rank, before the swaps of the
+  next step, makes its stream wait on that event (:class:`NewestRowFence`). It needs a host
+  handshake per step (an event wait binds to the record queued before it), so it cannot be
+  captured in a CUDA graph.
 
 Each rank runs gpu-only, offload and overlap (eager: the all-reduce runs through torch) and
 checks its own attention outputs against its gpu-only run bit for bit; rank 0 prints every
 rank's table, the host memory pinned (one pool per host instead of one per rank) and each
 rank's swap GB/s.
 
-    torchrun --nproc-per-node 2 examples/tp_decode.py [demo options]
-    python examples/tp_decode.py --nproc 2 [demo options]          (mp.spawn)
+    torchrun --nproc-per-node 2 examples/tp_decode.py [--newest-writer every|rank0] [demo options]
+    python examples/tp_decode.py --nproc 2 [--newest-writer every|rank0] [demo options]  (mp.spawn)
 """
 
 from __future__ import annotations
@@ -32,8 +39,101 @@ import os
 import sys
 import time
 
+WRITERS = ("every", "rank0")
 
-def worker(rank: int, world: int, argv: list[str], pool_name: str) -> int:
+
+class NewestRowFence:
+    """Single writer for the newest rows: rank 0 backs them up, the other ranks wait for it.
+
+    Step ``t`` on rank 0: back up the newest rows, record interprocess event ``t % RING`` on its
+    stream, publish ``t`` in a shared-memory counter. Step ``t`` on rank ``k > 0``: record the
+    newest tokens in slot H without writing their host rows (``write_host=False``); before the
+    step's swaps (which may miss on the token of step ``t - 1``, whose slot H the step's own
+    newest token took) wait until ``t - 1`` is published, make the stream
+    wait on that step's event and acknowledge ``t - 1``. A wait binds to the record queued
+    before it, so rank 0 re-records a ring slot only after every rank acknowledged the step that
+    used it (a wait bound to a later record would hold that rank's stream behind rank 0's
+    all-reduces, which need that rank: a deadlock). The handshake runs on the host every step:
+    this path cannot be captured in a CUDA graph.
+
+    ``wait_s``: host seconds spent waiting for the other process (both directions).
+    """
+
+    RING = 4
+    TIMEOUT_S = 120.0
+
+    def __init__(self, rank: int, world: int, name: str, stream) -> None:
+        import mmap
+
+        import cupy
+        import numpy as np
+        import torch.distributed as dist
+
+        self.rank, self.world, self.s = rank, world, stream
+        self.path = f"/dev/shm/{name}"  # the counters: int64 [world], mode 0600
+        self.rt = cupy.cuda.runtime
+        self.t = 0
+        self.wait_s = 0.0
+        if rank == 0:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, 8 * world)
+            self.mm = mmap.mmap(fd, 8 * world)
+            os.close(fd)
+            self.ctr = np.ndarray((world,), np.int64, buffer=self.mm)
+            self.ctr[:] = -1  # [0]: last step published by rank 0, [k]: last acknowledged
+            self.events = [cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
+                           for _ in range(self.RING)]
+            handles = [[self.rt.ipcGetEventHandle(e.ptr) for e in self.events]]
+        else:
+            handles = [None]
+        dist.broadcast_object_list(handles, src=0)
+        if rank:
+            fd = os.open(self.path, os.O_RDWR)
+            self.mm = mmap.mmap(fd, 8 * world)
+            os.close(fd)
+            self.ctr = np.ndarray((world,), np.int64, buffer=self.mm)
+            self.ptrs = [self.rt.ipcOpenEventHandle(h) for h in handles[0]]
+
+    def _until(self, ready, what: str) -> None:
+        if ready():
+            return
+        t0 = time.perf_counter()
+        while not ready():
+            if time.perf_counter() - t0 > self.TIMEOUT_S:
+                raise RuntimeError(f"rank {self.rank}, step {self.t}: no {what} after "
+                                   f"{self.TIMEOUT_S:.0f} s (did another rank die?)")
+            time.sleep(0)
+        self.wait_s += time.perf_counter() - t0
+
+    def __call__(self, st) -> None:
+        t, ring = self.t, self.RING
+        if self.rank == 0:
+            st.backup_newest()
+            self._until(lambda: self.world == 1 or int(self.ctr[1:].min()) >= t - ring,
+                        f"acknowledgement of step {t - ring}")
+            self.rt.eventRecord(self.events[t % ring].ptr, self.s.ptr)
+            self.ctr[0] = t
+        else:
+            st.backup_newest(write_host=False)  # slot H only: rank 0 writes the host rows
+            if t > 0:
+                self._until(lambda: int(self.ctr[0]) >= t - 1,
+                            f"backup of step {t - 1} from rank 0")
+                self.rt.streamWaitEvent(self.s.ptr, self.ptrs[(t - 1) % ring], 0)
+                self.ctr[self.rank] = t - 1
+        self.t += 1
+
+    def close(self) -> None:
+        """After every rank's last step (a barrier): rank 0 unlinks the counters."""
+        self.ctr = None
+        self.mm.close()
+        if self.rank:
+            for p in self.ptrs:
+                self.rt.eventDestroy(p)
+        else:
+            os.unlink(self.path)
+
+
+def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str = "every") -> int:
     import cupy
     import torch
     import torch.distributed as dist
@@ -75,8 +175,10 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str) -> int:
     if rank:
         pool = HostKVPool.attach(pool_name, cfg.layers, n_rows, ROW_BYTES)
     t_pool = time.perf_counter() - t0
+    fence = NewestRowFence(rank, world, f"{pool_name}-fence", s) if writer == "rank0" else None
     try:
-        rig = Rig(cfg, s, log, pool=pool, write_pool=rank == 0, tp=(rank, world, all_reduce))
+        rig = Rig(cfg, s, log, pool=pool, write_pool=rank == 0, tp=(rank, world, all_reduce),
+                  backup=fence)
         if rank == 0:
             rig.use_cache()  # writes the prompts' KV into the shared pool
         dist.barrier()  # every rank swaps those rows from here on
@@ -96,27 +198,34 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str) -> int:
         with contextlib.redirect_stdout(buf):
             rc = report_results(cfg, results, {"device": name, "rank": rank, "world": world,
                                                "matmul": rig.model.gemm.kind,
-                                               "pool_s": t_pool},
+                                               "pool_s": t_pool, "newest_writer": writer,
+                                               "fence_wait_s": fence and fence.wait_s},
                                 f"rank {rank} of {world}: {name}")
-        dist.all_gather_object(outs, (rc, buf.getvalue(), t_pool))
+        dist.all_gather_object(outs, (rc, buf.getvalue(), t_pool, fence and fence.wait_s))
         if rank == 0:
             gb = pool.n_layers * pool.layer_bytes / 1e9
-            for r, (_, text, tp) in enumerate(outs):
+            for r, (_, text, tp, waited) in enumerate(outs):
+                how = ("backs up its own newest rows" if writer == "every" else
+                       "backs up the newest rows for every rank" if r == 0 else
+                       "waits on rank 0's backup")
+                fw = "" if waited is None else f", {waited:.3f} s waiting for the other ranks"
                 print(f"\n=== rank {r} (pool {'created' if r == 0 else 'attached'} and "
-                      f"registered in {tp:.1f} s)\n{text.strip()}")
+                      f"registered in {tp:.1f} s; newest rows: {how}{fw})\n{text.strip()}")
             print(f"\nhost memory pinned: {gb:.1f} GB per host (one shared pool, registered by "
                   f"each of the {world} ranks), {gb:.1f} GB per rank's view of it; a pool per "
                   f"rank would pin {world * gb:.1f} GB")
         rc = max(o[0] for o in outs)
     finally:
-        dist.barrier()  # nobody reads the pool any more
+        dist.barrier()  # nobody reads the pool (or the fence) any more
+        if fence is not None:
+            fence.close()
         pool.close()  # rank 0, the creator, unlinks the name
         dist.destroy_process_group()
     return rc
 
 
-def _spawned(rank: int, world: int, argv: list[str], pool_name: str) -> None:
-    rc = worker(rank, world, argv, pool_name)
+def _spawned(rank: int, world: int, argv: list[str], pool_name: str, writer: str) -> None:
+    rc = worker(rank, world, argv, pool_name, writer)
     if rc:
         sys.exit(rc)
 
@@ -125,10 +234,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
     ap.add_argument("--nproc", type=int, default=None,
                     help="ranks to start with mp.spawn (default: run under torchrun)")
+    ap.add_argument("--newest-writer", choices=WRITERS, default="every",
+                    help="who backs up the newest token's host rows: every rank its own "
+                         "(default) or rank 0 for all, behind an interprocess event")
     ap.add_argument("-h", "--help", action="store_true")
     args, rest = ap.parse_known_args()
     if args.help:
         print(__doc__)
+        ap.print_help()
         from hisparse_cupy.demo.config import parser
 
         parser().print_help()
@@ -141,7 +254,7 @@ def main() -> int:
                   "one node (torchrun --nnodes 1)")
             return 2
         pool_name = os.environ.get("HS_POOL_NAME", f"hs-tp-{os.environ.get('MASTER_PORT', '0')}")
-        return worker(int(os.environ["LOCAL_RANK"]), world, rest, pool_name)
+        return worker(int(os.environ["LOCAL_RANK"]), world, rest, pool_name, args.newest_writer)
     import torch
     import torch.multiprocessing as mp
 
@@ -152,7 +265,7 @@ def main() -> int:
         return 2
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    mp.spawn(_spawned, args=(n, rest, pool_name), nprocs=n, join=True)
+    mp.spawn(_spawned, args=(n, rest, pool_name, args.newest_writer), nprocs=n, join=True)
     return 0
 
 

@@ -477,9 +477,11 @@ class HotBufferCache:
         return self.begin_step(req_indices, seq_lens, num_real, stream=stream).newest_rows(
             backup=backup)
 
-    def backup_newest(self, req_indices, seq_lens, num_real=None, *, stream=None) -> None:
-        """``begin_step(...).backup_newest()``."""
-        self.newest_rows(req_indices, seq_lens, num_real, backup=True, stream=stream)
+    def backup_newest(self, req_indices, seq_lens, num_real=None, *, write_host: bool = True,
+                      stream=None) -> None:
+        """``begin_step(...).backup_newest(write_host=write_host)``."""
+        self.begin_step(req_indices, seq_lens, num_real, stream=stream).backup_newest(
+            write_host=write_host)
 
     def close(self) -> None:
         """Free the host pool the cache made (after the device finished with it)."""
@@ -700,13 +702,14 @@ class Step:
         return out
 
     # ----------------------------------------------------------------- newest token
-    def newest_rows(self, *, backup: bool = False) -> cupy.ndarray:
+    def newest_rows(self, *, backup: bool = False, write_host: bool = True) -> cupy.ndarray:
         """Device row (in every layer) of each row's newest token ``seq_len - 1``.
 
         The model writes the step's KV there. Returns int32 ``[B]`` (a view valid until the
-        next call), -1 for padding or invalid rows. With ``backup=True`` also copies that row of
-        every layer to its host row (what :meth:`backup_newest` does) and, past H, records the
-        token in slot H of every layer (where the multi-step swap finds it).
+        next call), -1 for padding or invalid rows. With ``backup=True`` also records the token
+        in slot H of every layer (where this step's swaps find it) and, unless
+        ``write_host=False``, copies that row of every layer to its host row (what
+        :meth:`backup_newest` does).
         """
         c, B = self.cache, self.batch
         p = Params(_abi.NEWEST_ROWS).set(
@@ -720,7 +723,7 @@ class Step:
             record=1 if backup else 0)
         launch(_build.kernel(_build.NEWEST[self._key]), -(-B // _abi.NEWEST_BLOCK),
                _abi.NEWEST_BLOCK, p, stream=self.stream)
-        if backup:
+        if backup and write_host:
             cp = copy_params(c._backup_src, c._backup_dst, c._backup_count, B, self.num_real,
                              src_base=c.device.data.ptr, src_layer_bytes=c.device[0].nbytes,
                              n_src_rows=c.device.shape[1], dst_base=c.pool.device_ptr(0),
@@ -730,13 +733,19 @@ class Step:
                         stream=self.stream, pdl=self.pdl)
         return c._newest[:B]
 
-    def backup_newest(self) -> None:
+    def backup_newest(self, *, write_host: bool = True) -> None:
         """Copy each row's newest token from the device to its host row, all layers, one launch.
 
         Call once per decode step after the model wrote the step's KV, before any later swap
-        that may select that token (queue order on the step's stream guarantees it).
+        that may select that token (queue order on the step's stream guarantees it). It also
+        records the token in slot H, where the step's swaps find it on the device.
+
+        ``write_host=False``: record the token but leave its host row to another writer (a
+        tensor-parallel rank over a host pool shared with ranks that hold the same KV). The
+        caller must then order every later swap that may miss on the token after that writer's
+        copy (e.g. an interprocess event, ``examples/tp_decode.py --newest-writer rank0``).
         """
-        self.newest_rows(backup=True)
+        self.newest_rows(backup=True, write_host=write_host)
 
     def finish(self) -> None:
         """End the step: with a prefetcher, join its side stream into the step's stream."""

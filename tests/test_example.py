@@ -105,13 +105,14 @@ def test_example_on_gpu_multistep(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_self_check_catches_a_missing_backup(monkeypatch, capsys):
-    """Negative control: without the newest token's backup, a later step misses on a host row
-    that was never written; the self-check must fail."""
+    """Negative control: without the newest token's host write (its slot-H record kept), a
+    later step misses on a host row that was never written; the self-check must fail."""
     from hisparse_cupy.cache import Step
     from hisparse_cupy.demo import run_gpu
     from hisparse_cupy.demo.config import from_args
 
-    monkeypatch.setattr(Step, "backup_newest", lambda self: None)
+    keep = Step.backup_newest
+    monkeypatch.setattr(Step, "backup_newest", lambda self: keep(self, write_host=False))
     cfg = from_args(SMALL + ["--mode", "offload", "--quiet"])
     assert run_gpu(cfg) == 1
     assert "SELF-CHECK FAILED" in capsys.readouterr().out

@@ -33,22 +33,29 @@ def test_tp_decode_help_without_a_gpu():
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "ONE host pool" in p.stdout and "--new-share" in p.stdout
+    assert "--newest-writer" in p.stdout
 
 
 @pytest.mark.gpu
-def test_tp_decode_two_ranks_one_pool(tmp_path):
+@pytest.mark.parametrize("writer", ["every", "rank0"])
+def test_tp_decode_two_ranks_one_pool(tmp_path, writer):
+    """Either way of writing the newest rows: every rank its own copy, or rank 0 alone with
+    the others waiting on its interprocess event; both ranks bit for bit against gpu-only."""
     _two_gpus()
     pytest.importorskip("torch", reason="the example's all-reduce runs through torch.distributed")
     js = tmp_path / "tp.json"
     p = subprocess.run([sys.executable, str(ROOT / "examples" / "tp_decode.py"), "--nproc", "2",
-                        *SMALL, "--json", str(js)], capture_output=True, text=True, timeout=600)
+                        "--newest-writer", writer, *SMALL, "--json", str(js)],
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "=== rank 0" in p.stdout and "=== rank 1" in p.stdout
     assert p.stdout.count("self-check passed") == 2
+    assert ("waits on rank 0's backup" in p.stdout) == (writer == "rank0")
     assert "a pool per rank would pin" in p.stdout
     for rank in (0, 1):
         doc = json.loads((tmp_path / f"tp.rank{rank}.json").read_text())
         assert doc["self_check"] == "passed" and doc["rank"] == rank
+        assert doc["newest_writer"] == writer
         rows = {(r["mode"], r["exec"]): r for r in doc["summary"]}
         assert rows[("offload", "eager")]["mb_per_step"] > 0
 

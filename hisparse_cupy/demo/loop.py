@@ -49,13 +49,16 @@ class Rig:
     ``pool``: a host pool to put the caches over (e.g. one shared by tensor-parallel ranks,
     ``HostKVPool.attach``); ``write_pool``: whether this process writes its prompt rows (one
     writer per shared pool; the others must wait for it before their first offloaded run).
-    ``tp``: see :class:`Model`.
+    ``tp``: see :class:`Model`. ``backup``: what an offloaded step does with its newest
+    rows once the model wrote them, ``backup(step)``; default ``step.backup_newest()`` (a
+    tensor-parallel rank that leaves the backup to another rank waits for it there instead).
     """
 
     def __init__(self, cfg: Config, stream: cupy.cuda.Stream, log, *, pool=None,
-                 write_pool: bool = True, tp=None):
+                 write_pool: bool = True, tp=None, backup=None):
         self.cfg, self.s, self.log = cfg, stream, log
         self.pool, self.write_pool = pool, write_pool
+        self.backup = backup or (lambda st: st.backup_newest())
         self.pool_ready = False
         self.pattern = cfg.pattern_obj()
         self.full = self.pattern.full
@@ -178,7 +181,7 @@ class Rig:
             k.kv_newest((B, c.layers), (96,),
                         (cache.device, np.int64(cache.device[0].nbytes), self.req, self.lens,
                          rows, np.int32(c.max_len)), stream=s)
-            st.backup_newest()  # before any later swap that may select these tokens
+            self.backup(st)  # before any later swap that may select these tokens
         m.start(self.step_ctr)
         topk = self.topk if S > 1 else self.topk.reshape(B, K)
         locs = self.locs if S > 1 else self.locs.reshape(B, K)
