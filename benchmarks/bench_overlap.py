@@ -281,7 +281,8 @@ class Rig:
                 for sl in group:
                     replay_plan(self.cache.plan, B, device_rows=self.cache.device[sl],
                                 pool=self.cache.pool, layer=sl, grid=self.pf.replay_grid,
-                                stream=side)
+                                rows_per_warp=self.pf.replay_rows_per_warp,
+                                thin=self.pf.replay_thin, stream=side)
                 queued = True
             self.attention(locs, layer)
             self.compute()
@@ -291,11 +292,12 @@ class Rig:
             self.done.record(side)
             s.wait_event(self.done)
 
-    def replays_alone(self, grid: int) -> None:
+    def replays_alone(self, grid: int, rpw: int, thin: bool) -> None:
         """Every shared layer's replay of one step, back to back on the main stream."""
         for sl in self.pattern.shared_layers:
             replay_plan(self.cache.plan, self.B, device_rows=self.cache.device[sl],
-                        pool=self.cache.pool, layer=sl, grid=grid, stream=self.main)
+                        pool=self.cache.pool, layer=sl, grid=grid, rows_per_warp=rpw,
+                        thin=thin, stream=self.main)
 
     def capture(self, fn):
         s = self.main
@@ -419,8 +421,9 @@ def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool) -> dict:
                                      stream=s)
     shared_bytes = bytes_layer * len(rig.pattern.shared_layers)
     alone = {}
-    for name, grid in (("replay_grid", pf.replay_grid), ("full_grid", None)):
-        g = rig.capture(lambda grid=grid: rig.replays_alone(grid))
+    for name, grid, rpw, thin in (("replay_grid", pf.replay_grid, pf.replay_rows_per_warp,
+                                   pf.replay_thin), ("full_grid", None, 1, False)):
+        g = rig.capture(lambda grid=grid, rpw=rpw, thin=thin: rig.replays_alone(grid, rpw, thin))
         t = summary(time_calls(lambda i, g=g: g.launch(s), iters=10, stream=s))
         alone[name] = {"ms": t["median_us"] / 1e3,
                        "GBps": shared_bytes / t["median_us"] / 1e3}
@@ -446,6 +449,7 @@ def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool) -> dict:
            "full_layers": len(rig.pattern.full_layers), "shared_layers": n_shared,
            "attn_us": attn_us, "compute_us": mm_us, "compute_kind": rig.compute.kind,
            "matmul_m": rig.compute.m, "replay_grid": pf.replay_grid,
+           "replay_rows_per_warp": pf.replay_rows_per_warp, "replay_thin": pf.replay_thin,
            "step_io_bytes": step_bytes, "memcpy_step_io_ms": mc_single["median_us"] / 1e3,
            "memcpy_GBps": step_bytes / mc_single["median_us"] / 1e3,
            "memcpy_chain_GBps": step_bytes / mc_chain["median_us"] / 1e3,
@@ -456,29 +460,42 @@ def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool) -> dict:
     return out
 
 
+# (replay grid, rows per warp, thin blocks, side priority) of the sweep; None: the
+# prefetcher's default; the default's row comes first
+SWEEP = [(None, None, None, "high"), (8, 4, False, "high"), (16, 2, False, "high"),
+         (33, 1, False, "high"), (33, 2, False, "high"), (132, 1, False, "high"),
+         (132, 1, True, "high"), (264, 1, True, "high"), (264, 2, True, "high"),
+         (528, 1, True, "high"), (528, 2, True, "high"), (1056, 2, True, "high"),
+         (528, 2, True, "default"), (None, None, None, "default")]
+
+
 def run_sweep(rig: Rig, base: dict, iters: int) -> list[dict]:
-    """Overlap and compute + copies (graph) for other replay grids and the side priority."""
+    """Overlap and compute + copies (graph) for other replay grids, rows per warp and the side
+    stream's priority (``None``: the prefetcher's default)."""
     s, pf = rig.main, rig.pf
-    grid0, side0 = pf.replay_grid, pf.side
+    grid0, rpw0, thin0, side0 = pf.replay_grid, pf.replay_rows_per_warp, pf.replay_thin, pf.side
     low = cupy.cuda.Stream(non_blocking=True)  # default priority
     t0 = base["no_offload"]["median_ms"]
     o_sync = base["no_overlap"]["median_ms"] - t0
     rows = []
-    variants = [(g, "high") for g in (8, 16, grid0, 66, 132, 264)] + [(grid0, "default")]
-    for grid, prio in variants:
-        pf.replay_grid, pf.side = grid, (side0 if prio == "high" else low)
+    for grid, rpw, thin, prio in SWEEP:
+        grid, rpw, thin = grid or grid0, rpw or rpw0, thin0 if thin is None else thin
+        pf.replay_grid, pf.replay_rows_per_warp, pf.replay_thin = grid, rpw, thin
+        pf.side = side0 if prio == "high" else low
         g_ovl = rig.capture(rig.step_offload)
         g_cc = capture_cc(rig)
         t_ovl = _ms(summary(time_calls(lambda i, g=g_ovl: g.launch(s), iters=iters,
                                        warmup=WARMUP, stream=s)))
         t_cc = (_ms(time_main_part(lambda g=g_cc: g.launch(s), rig.cc_end, iters, s))
                 if rig.cc_external else None)
-        rows.append({"replay_grid": grid, "side_priority": prio, "overlap": t_ovl,
+        rows.append({"replay_grid": grid, "rows_per_warp": rpw, "thin": thin,
+                     "side_priority": prio,
+                     "overlap": t_ovl,
                      "hidden": 1.0 - (t_ovl["median_ms"] - t0) / o_sync,
                      "compute_main": t_cc,
                      "compute_slowdown": t_cc["median_ms"] / t0 - 1.0 if t_cc else None})
         del g_ovl, g_cc
-    pf.replay_grid, pf.side = grid0, side0
+    pf.replay_grid, pf.replay_rows_per_warp, pf.replay_thin, pf.side = grid0, rpw0, thin0, side0
     s.synchronize()
     low.synchronize()
     return rows
@@ -489,12 +506,14 @@ def _pct(v) -> str:
 
 
 def sweep_table(results: list[dict]) -> str:
-    lines = ["| layers | batch | miss % | replay grid | side priority | overlap ms | hidden | "
-             "compute slowdown |", "|---" * 8 + "|"]
+    lines = ["| layers | batch | miss % | replay grid | rows/warp | block | side priority | "
+             "overlap ms | hidden | compute slowdown |", "|---" * 10 + "|"]
     for r in results:
         for w in r.get("sweep", ()):
             lines.append(f"| {r['layers']} | {r['batch']} | {r['miss_rate'] * 100:g} | "
-                         f"{w['replay_grid']} | {w['side_priority']} | {_fmt(w['overlap'])} | "
+                         f"{w['replay_grid']} | {w.get('rows_per_warp', 1)} | "
+                         f"{'1 warp' if w.get('thin') else '8 warps'} | "
+                         f"{w['side_priority']} | {_fmt(w['overlap'])} | "
                          f"{w['hidden'] * 100:.1f}% | {_pct(w['compute_slowdown'])} |")
     return "\n".join(lines)
 

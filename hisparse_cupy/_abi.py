@@ -39,6 +39,7 @@ STATUS_NAMES = ("range", "nohost", "badrow")
 MAX_HOT = 32767  # single-step LRU entries are int16
 RESOLVE_BLOCK = 1024  # threads of the single-step resolve (one block per batch row)
 COPY_WARPS = 8  # warps per block of the planned copy
+THIN_COPY_REGS = 32  # register cap of the one-warp ("thin") planned copy
 NEWEST_BLOCK = 128
 
 # multi-step (MTP) swap
@@ -61,6 +62,7 @@ COPY_DRY_RUN = 1  # do all the work, move no bytes (measuring knob)
 CONSTANTS = {
     "ST_RANGE": ST_RANGE, "ST_NOHOST": ST_NOHOST, "ST_BADROW": ST_BADROW, "N_STATUS": N_STATUS,
     "MAX_HOT": MAX_HOT, "RESOLVE_BLOCK": RESOLVE_BLOCK, "COPY_WARPS": COPY_WARPS,
+    "THIN_COPY_REGS": THIN_COPY_REGS,
     "NEWEST_BLOCK": NEWEST_BLOCK, "MS_MAX_TOKENS": MS_MAX_TOKENS, "MS_BUCKET": MS_BUCKET,
     "MS_F_DEGRADED": MS_F_DEGRADED, "MS_META_INIT": MS_META_INIT,
     "MS_N_COUNTERS": MS_N_COUNTERS, "MS_N_STATS": MS_N_STATS, "GATHER_BLOCK": GATHER_BLOCK,

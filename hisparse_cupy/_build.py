@@ -52,8 +52,12 @@ def index_instances(template: str) -> dict[tuple[np.dtype, np.dtype], str]:
 
 # Every instance the package launches (the ops pick theirs from these tables).
 RESOLVE = index_instances("hs::swap_resolve<{req}, {len}>")
-COPY_H2D = "hs::planned_copy<long long, int>"  # host rows (int64) -> device rows
-COPY_D2H = "hs::planned_copy<int, long long>"  # device rows -> host rows (int64)
+COPY_ROWS_PER_WARP = (1, 2, 4, 8)  # rows a warp of the host -> device copy keeps in flight
+# host rows (int64) -> device rows, per (rows per warp, warps per block): COPY_WARPS-warp
+# blocks, and one-warp "thin" blocks (cu/plan.cu)
+COPY_H2D = {(r, w): f"hs::planned_copy{'' if w > 1 else '_thin'}<long long, int, {r}>"
+            for w in (_abi.COPY_WARPS, 1) for r in COPY_ROWS_PER_WARP}
+COPY_D2H = "hs::planned_copy<int, long long, 1>"  # device rows -> host rows (int64)
 NEWEST = index_instances("hs::newest_rows<{req}, {len}>")
 GATHER = index_instances("hs::ms::gather<{req}, {len}>")
 COMMIT = index_instances("hs::ms::commit<{req}, {len}>")
@@ -61,7 +65,7 @@ MS_INIT = "hs::ms::init"
 
 INSTANCES: dict[str, tuple[str, ...]] = {
     "swap.cu": tuple(RESOLVE.values()),
-    "plan.cu": (COPY_H2D, COPY_D2H),
+    "plan.cu": (*COPY_H2D.values(), COPY_D2H),
     "cache.cu": tuple(NEWEST.values()),
     "multistep.cu": (*GATHER.values(), *COMMIT.values(), MS_INIT),
 }

@@ -136,6 +136,14 @@ def integer(name: str, v, lo: int | None = None, hi: int | None = None) -> int:
     return v
 
 
+def one_of(name: str, v, choices: tuple[int, ...]) -> int:
+    """An int among ``choices``."""
+    v = integer(name, v)
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {v}")
+    return v
+
+
 def row_bytes(name: str, v) -> int:
     """A row size: positive multiple of 16 (kernels copy 16-byte vectors)."""
     v = integer(name, v, 16)

@@ -643,7 +643,7 @@ class Step:
             default_copy_grid(B, K)
         plan = (launcher(_build.kernel(_build.RESOLVE[self._key]), _abi.RESOLVE_BLOCK,
                          resolve_smem_bytes(K, c.hot_size)),
-                launcher(_build.kernel(_build.COPY_H2D), _abi.COPY_WARPS * 32,
+                launcher(_build.kernel(_build.COPY_H2D[(1, _abi.COPY_WARPS)]), _abi.COPY_WARPS * 32,
                          _abi.smem_bytes("PLANNED_COPY", B=B), self.pdl),
                 (B, 1, 1), (grid, 1, 1), c.out[:B, :K])
         self._launch[("single", K, copy_grid)] = plan

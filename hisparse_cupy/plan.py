@@ -20,6 +20,7 @@ from ._launch import Params, Ptr, as_stream, launch, ptr, resolve_pdl, sm_count
 from .host_pool import HostKVPool
 
 COPY_WARPS = _abi.COPY_WARPS
+ROWS_PER_WARP = _build.COPY_ROWS_PER_WARP  # the host -> device copy's choices
 _COPY_BLOCKS_PER_SM = 2048 // (COPY_WARPS * 32)
 
 
@@ -100,14 +101,20 @@ def default_copy_grid(batch: int, width: int, n_layers: int = 1) -> int:
 
 
 def launch_copy(params: Params, *, to_host: bool = False, grid: int, stream,
-                pdl: bool = False) -> None:
-    """Queue ``planned_copy`` with a struct from :func:`copy_params` (stream: a CuPy stream)."""
+                pdl: bool = False, rows_per_warp: int = 1, thin: bool = False) -> None:
+    """Queue ``planned_copy`` with a struct from :func:`copy_params` (stream: a CuPy stream).
+
+    Host -> device only (checked by the caller): ``rows_per_warp``, rows each warp keeps in
+    flight (one of :data:`ROWS_PER_WARP`); ``thin``, one-warp blocks of at most
+    ``_abi.THIN_COPY_REGS`` registers a thread, which fit on an SM beside a CTA of a persistent
+    GEMM instead of delaying it (a side-stream replay beside the model's matmuls)."""
     B = int(params["B"])
     if B == 0 or params["n_layers"] == 0:
         return
     smem = _abi.smem_bytes("PLANNED_COPY", B=B)
-    name = _build.COPY_D2H if to_host else _build.COPY_H2D
-    launch(_build.kernel(name), grid, COPY_WARPS * 32, params, shared_mem=smem, stream=stream,
+    warps = 1 if thin else COPY_WARPS
+    name = _build.COPY_D2H if to_host else _build.COPY_H2D[(rows_per_warp, warps)]
+    launch(_build.kernel(name), grid, warps * 32, params, shared_mem=smem, stream=stream,
            pdl=pdl)
 
 
@@ -122,6 +129,8 @@ def replay_plan(
     n_host_rows: int | None = None,
     num_real=None,
     grid: int | None = None,
+    rows_per_warp: int = 1,
+    thin: bool = False,
     dry_run: bool = False,
     spin_cycles: int = 0,
     bad=None,
@@ -155,6 +164,12 @@ def replay_plan(
         Blocks of the copy kernel (``COPY_WARPS`` warps each). Default: enough warps for every
         entry of the plan's rows, at most :func:`full_grid`. A small grid leaves SMs to the
         compute a side-stream replay overlaps.
+    rows_per_warp : int
+        Rows each warp keeps in flight (one of :data:`ROWS_PER_WARP`, default 1): with more,
+        fewer blocks keep the link busy.
+    thin : bool
+        One-warp blocks with capped registers (see :func:`launch_copy`); give a grid of a few
+        blocks per SM.
     dry_run : bool
         Do all the work (plan reads, prefix, indexing) but move no bytes; for measuring.
     spin_cycles : int
@@ -205,8 +220,10 @@ def replay_plan(
     else:
         grid = _checks.integer("grid", grid, 1, 2**31 - 1)
     spin_cycles = _checks.integer("spin_cycles", spin_cycles, 0)
+    rows_per_warp = _checks.one_of("rows_per_warp", rows_per_warp, ROWS_PER_WARP)
     p = copy_params(plan.src, plan.dst, plan.count, batch, nr, src_base=host_rows,
                     src_layer_bytes=0, n_src_rows=n_host_rows, dst_base=dev.data.ptr,
                     dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes,
                     dry_run=bool(dry_run), spin_cycles=spin_cycles, bad=bad)
-    launch_copy(p, grid=grid, stream=s, pdl=resolve_pdl(pdl))
+    launch_copy(p, grid=grid, stream=s, pdl=resolve_pdl(pdl),
+                rows_per_warp=rows_per_warp, thin=bool(thin))

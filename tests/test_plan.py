@@ -120,6 +120,63 @@ def test_replay_shapes_of_work(rng, s):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("thin", [False, True])
+@pytest.mark.parametrize("rpw", [1, 2, 4, 8])
+@pytest.mark.parametrize("row", [656, 1152, 2064])
+def test_replay_rows_per_warp_exact(rpw, row, thin, rng, s):
+    """Every rows-per-warp choice in both block shapes (8 warps, and the register-capped one-warp
+    "thin" blocks), rows of one pass and of several (1152 and 2064 B take more than one pass of
+    two vectors per lane), several grids, bad entries inside a warp's group skipped and
+    counted, padding rows untouched."""
+    import cupy as cp
+
+    from hisparse_cupy import HostKVPool, MissPlan, replay_plan
+
+    n_host, n_dev, B, W = 1500, 900, 7, 60
+    pool = HostKVPool(1, n_host, row)
+    pool.layer(0)[:] = pattern(3, np.arange(n_host), row)
+    plan = MissPlan(B, W)
+    counts = rng.integers(0, W + 1, B)
+    counts[1] = W
+    src = np.full((B, W), -1, np.int64)
+    dst = np.full((B, W), -1, np.int32)
+    free = rng.permutation(n_dev)
+    used = 0
+    for b in range(B):
+        src[b, : counts[b]] = rng.choice(n_host, counts[b], replace=False)
+        dst[b, : counts[b]] = free[used: used + counts[b]]
+        used += counts[b]
+    src[1, 5], dst[1, 6], src[1, 7] = n_host, n_dev, -4  # skipped, counted
+    nreal = 6
+    want = np.full((n_dev, row), POISON, np.uint8)
+    n_bad = 0
+    for b in range(nreal):
+        c = counts[b]
+        ok = (src[b, :c] >= 0) & (src[b, :c] < n_host) & (dst[b, :c] >= 0) & (dst[b, :c] < n_dev)
+        n_bad += int((~ok).sum())
+        want[dst[b, :c][ok]] = pattern(3, src[b, :c][ok], row)
+    with s:
+        plan.src[...] = cp.asarray(src)
+        plan.dst[...] = cp.asarray(dst)
+        plan.count[...] = cp.asarray(counts.astype(np.int32))
+        nr = cp.full(1, nreal, cp.int32)
+        bad = cp.zeros(1, cp.int32)
+        dev = cp.empty((n_dev, row), cp.uint8)
+    for grid in (1, 5, None):
+        with s:
+            dev[...] = POISON
+            bad[...] = 0
+            replay_plan(plan, B, device_rows=dev, pool=pool, layer=0, num_real=nr, grid=grid,
+                        rows_per_warp=rpw, thin=thin, bad=bad, stream=s)
+        s.synchronize()
+        np.testing.assert_array_equal(cp.asnumpy(dev), want, err_msg=f"grid {grid}")
+        assert int(bad.get()[0]) == n_bad == 3
+    with pytest.raises(ValueError, match="rows_per_warp must be one of"):
+        replay_plan(plan, B, device_rows=dev, pool=pool, layer=0, rows_per_warp=3, stream=s)
+    pool.close()
+
+
+@pytest.mark.gpu
 def test_replay_dry_run_spin_and_bad_rows(rng, s):
     import cupy as cp
 

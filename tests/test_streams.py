@@ -228,7 +228,8 @@ def _host_check(cache, layer, locs, topk, req):
 
 
 @pytest.mark.gpu
-def test_shared_layer_bytes_after_wait(main):
+@pytest.mark.parametrize("rpw,thin", [(1, False), (4, False), (2, True)])
+def test_shared_layer_bytes_after_wait(main, rpw, thin):
     cp = _gpu()
     from hisparse_cupy.streams import Prefetcher
 
@@ -236,7 +237,7 @@ def test_shared_layer_bytes_after_wait(main):
     L, R, B = len(pat), 5, 5
     cache, req = _make_cache(L, R, stream=main)
     lens = cp.full(B, MAX_LEN, cp.int32)
-    pf = Prefetcher(cache, pat, replay_grid=2)
+    pf = Prefetcher(cache, pat, replay_grid=2, replay_rows_per_warp=rpw, replay_thin=thin)
     gen = _TopK(B, 6, 1)
     reader = _reader()
     errors = cp.zeros(L, cp.int32)
@@ -443,8 +444,12 @@ def test_pipeline_stage_and_errors(main):
         Prefetcher(cache, model)
     with pytest.raises(ValueError, match="layer 5 is shared but no full layer precedes it"):
         Prefetcher(cache, model, layer_range=(5, 8))
+    with pytest.raises(ValueError, match="replay_rows_per_warp must be one of"):
+        Prefetcher(cache, model, layer_range=(4, 8), replay_rows_per_warp=3)
     pf = Prefetcher(cache, model, layer_range=(4, 8))
     assert str(pf.pattern) == "FSSF" and pf.pattern.first_layer == 4
+    with pytest.raises(TypeError, match="replay_rows_per_warp must be an int"):
+        pf.replay_rows_per_warp = 2.0
     gen = _TopK(B, 5, 5)
     reader = _reader()
     errors = cp.zeros(4, cp.int32)

@@ -66,7 +66,7 @@ struct SwapResolveParams {
   i32 pad;                 // (no tail padding: see the checks below)
 };
 
-// ---- planned copy (plan.cu). Grid: any, block COPY_WARPS * 32.
+// ---- planned copy (plan.cu). Grid: any, block COPY_WARPS * 32 (planned_copy_thin: 32).
 //   For every layer l < n_layers, real row b < min(*num_real, B), entry m < count[b]: row
 //   src_idx[b, m] of layer l of the source -> row dst_idx[b, m] of layer l of the destination.
 struct PlannedCopyParams {

@@ -1,7 +1,8 @@
 // hisparse_cupy: helpers shared by every kernel.
 //
-// - the one row-copy primitive (copy_row_warp): a warp moves one row of 16-byte vectors,
-//   issuing every load of a pass before its first store, so a row costs one host round trip;
+// - the one row-copy primitive (copy_rows_warp; copy_row_warp for one row): a warp moves R
+//   rows of 16-byte vectors, issuing every load of a pass before its first store, so R rows
+//   cost one host round trip;
 // - block-wide exclusive scan (bounded to the block's warps);
 // - Programmatic Dependent Launch helpers as inline PTX (NVRTC has no
 //   cudaGridDependencySynchronize), no-ops below sm_90;
@@ -83,24 +84,41 @@ __device__ __forceinline__ void st_cg_v4(void* p, uint4 v) {
                : "memory");
 }
 
-// THE copy primitive. One warp copies `row_bytes` (a multiple of 16; src and dst 16-byte
-// aligned) from src to dst. All loads of a pass are issued before the pass's stores.
-__device__ __forceinline__ void copy_row_warp(u8* __restrict__ dst, const u8* __restrict__ src,
-                                              int row_bytes, int lane) {
+// THE copy primitive. One warp copies R rows of `row_bytes` each (a multiple of 16; src and dst
+// 16-byte aligned) from src[r] to dst[r]; a null src[r] is no row. Every lane holds VPL vectors
+// of each row per pass, and all loads of a pass (every row's) are issued before the pass's
+// stores: R rows in flight per warp, so a few warps keep the link's latency covered.
+template <int R, int VPL>
+__device__ __forceinline__ void copy_rows_warp(u8* const (&dst)[R], const u8* const (&src)[R],
+                                               int row_bytes, int lane) {
   const int nvec = row_bytes >> 4;
-  for (int base = 0; base < nvec; base += 32 * HS_COPY_VPL) {
-    uint4 v[HS_COPY_VPL];
+  for (int base = 0; base < nvec; base += 32 * VPL) {
+    uint4 v[R][VPL];
 #pragma unroll
-    for (int j = 0; j < HS_COPY_VPL; ++j) {
-      const int k = base + j * 32 + lane;
-      if (k < nvec) v[j] = ld_nc_v4(src + (static_cast<i64>(k) << 4));
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) {
+        const int k = base + j * 32 + lane;
+        if (src[r] != nullptr && k < nvec) v[r][j] = ld_nc_v4(src[r] + (static_cast<i64>(k) << 4));
+      }
     }
 #pragma unroll
-    for (int j = 0; j < HS_COPY_VPL; ++j) {
-      const int k = base + j * 32 + lane;
-      if (k < nvec) st_cg_v4(dst + (static_cast<i64>(k) << 4), v[j]);
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) {
+        const int k = base + j * 32 + lane;
+        if (src[r] != nullptr && k < nvec) st_cg_v4(dst[r] + (static_cast<i64>(k) << 4), v[r][j]);
+      }
     }
   }
+}
+
+// One row per warp (copy_rows_warp with R = 1).
+__device__ __forceinline__ void copy_row_warp(u8* __restrict__ dst, const u8* __restrict__ src,
+                                              int row_bytes, int lane) {
+  u8* const d[1] = {dst};
+  const u8* const s[1] = {src};
+  copy_rows_warp<1, HS_COPY_VPL>(d, s, row_bytes, lane);
 }
 
 // Every lane whose `owner` is set has its row (src -> dst, row indices) copied by the whole warp,

@@ -1,6 +1,7 @@
 // hisparse_cupy: planned copy (miss-plan replay).
 //
-// planned_copy<SrcT, DstT>(PlannedCopyParams)
+// planned_copy<SrcT, DstT, R>(PlannedCopyParams), planned_copy_thin<SrcT, DstT, R> (one warp
+// per block, registers capped: see the end of this file)
 //   For every layer l < n_layers, real request b < min(num_real, B) and plan entry
 //   m < clamp(count[b], 0, plan_stride): copy row src_idx[b, m] of layer l of the source pool to
 //   row dst_idx[b, m] of layer l of the destination pool. The swap kernels write such plans; the
@@ -10,22 +11,28 @@
 //   Phases
 //     1. pdl_wait(): the plan may come from the kernel launched just before (PDL).
 //     2. Every block builds the exclusive prefix of the clamped counts in shared memory.
-//     3. Warps stride over the flattened (layer, request, entry) space, one row per warp: the
-//        request is found by binary search in the prefix. Few misses over many requests and
-//        many misses in one request both spread over the whole grid, whose size the caller picks
-//        (a small grid leaves SMs to the compute a replay overlaps).
+//     3. Warps stride over the flattened (layer, request, entry) space, R consecutive entries
+//        per warp at a time: lane j < R finds entry j's request by binary search in the prefix
+//        and its rows, then the warp copies the R rows with every load in flight before the
+//        stores (R rows per host round trip). Few misses over many requests and many misses in
+//        one request both spread over the whole grid, whose size the caller picks (a small grid
+//        with R > 1 keeps the link busy from few SMs, leaving the rest to the compute a replay
+//        overlaps).
 //   Rows whose source or destination index is outside its pool are skipped and counted in
 //   *bad (when given). flags & COPY_DRY_RUN: all the work but no bytes moved (for measuring).
-//   spin_cycles > 0 delays each row by that many clock cycles (tests' slowed replay).
+//   spin_cycles > 0 delays each row by that many clock cycles (tests' slowed replay; a warp
+//   waits R times that before its R rows).
 //
 //   Shared memory: _abi.SMEM["PLANNED_COPY"].
 #include "abi.cuh"
 
 namespace hs {
 
-template <typename SrcT, typename DstT>
-__global__ void __launch_bounds__(COPY_WARPS * 32) planned_copy(const PlannedCopyParams p) {
-  constexpr int WARPS = COPY_WARPS;
+template <typename SrcT, typename DstT, int R, int WARPS>
+__device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p) {
+  static_assert(R >= 1 && R <= 32, "rows per warp");
+  static_assert(WARPS >= 1 && WARPS <= COPY_WARPS, "warps per block");
+  constexpr int VPL = R == 1 && WARPS > 1 ? HS_COPY_VPL : 2;  // vectors per lane, row and pass
   constexpr int BLOCK = WARPS * 32;
   const int B = p.B, plan_stride = p.plan_stride, row_bytes = p.row_bytes;
   const SrcT* __restrict__ src_idx = static_cast<const SrcT*>(p.src_idx);
@@ -62,32 +69,68 @@ __global__ void __launch_bounds__(COPY_WARPS * 32) planned_copy(const PlannedCop
   const i64 nwarps = static_cast<i64>(gridDim.x) * WARPS;
   const bool dry = p.flags & COPY_DRY_RUN;
 
-  for (i64 g = gw; g < total; g += nwarps) {
-    const int layer = static_cast<int>(g / pairs);
-    const int r = static_cast<int>(g - static_cast<i64>(layer) * pairs);
-    int lo = 0, hi = nr - 1;  // largest b with s_prefix[b] <= r
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (s_prefix[mid] <= r) lo = mid; else hi = mid - 1;
-    }
-    const int b = lo;
-    const i64 e = static_cast<i64>(b) * plan_stride + (r - s_prefix[b]);
-    const i64 s = static_cast<i64>(src_idx[e]);
-    const i64 d = static_cast<i64>(dst_idx[e]);
-    if (s < 0 || s >= p.n_src_rows || d < 0 || d >= p.n_dst_rows) {
-      if (lane == 0 && p.bad) atomicAdd(p.bad, 1);
-      continue;
-    }
-    if (p.spin_cycles > 0) {
-      const long long t0 = clock64();
-      while (clock64() - t0 < p.spin_cycles) {
+  for (i64 g0 = gw * R; g0 < total; g0 += nwarps * R) {
+    // lane j < R: entry g0 + j -> its source and destination row (null: none)
+    const u8* my_src = nullptr;
+    u8* my_dst = nullptr;
+    if (lane < R && g0 + lane < total) {
+      const i64 g = g0 + lane;
+      const int layer = static_cast<int>(g / pairs);
+      const int r = static_cast<int>(g - static_cast<i64>(layer) * pairs);
+      int lo = 0, hi = nr - 1;  // largest b with s_prefix[b] <= r
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (s_prefix[mid] <= r) lo = mid; else hi = mid - 1;
+      }
+      const int b = lo;
+      const i64 e = static_cast<i64>(b) * plan_stride + (r - s_prefix[b]);
+      const i64 s = static_cast<i64>(src_idx[e]);
+      const i64 d = static_cast<i64>(dst_idx[e]);
+      if (s < 0 || s >= p.n_src_rows || d < 0 || d >= p.n_dst_rows) {
+        if (p.bad) atomicAdd(p.bad, 1);
+      } else {
+        my_src = p.src_base + layer * p.src_layer_bytes + s * row_bytes;
+        my_dst = p.dst_base + layer * p.dst_layer_bytes + d * row_bytes;
       }
     }
-    if (!dry) {
-      copy_row_warp(p.dst_base + layer * p.dst_layer_bytes + d * row_bytes,
-                    p.src_base + layer * p.src_layer_bytes + s * row_bytes, row_bytes, lane);
+    const u8* srcs[R];
+    u8* dsts[R];
+    int rows = 0;
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      srcs[j] = reinterpret_cast<const u8*>(
+          __shfl_sync(FULL_MASK, reinterpret_cast<unsigned long long>(my_src), j));
+      dsts[j] = reinterpret_cast<u8*>(
+          __shfl_sync(FULL_MASK, reinterpret_cast<unsigned long long>(my_dst), j));
+      rows += srcs[j] != nullptr;
     }
+    if (p.spin_cycles > 0 && rows > 0) {
+      const long long t0 = clock64();
+      while (clock64() - t0 < p.spin_cycles * rows) {
+      }
+    }
+    if (!dry) copy_rows_warp<R, VPL>(dsts, srcs, row_bytes, lane);
   }
+}
+
+template <typename SrcT, typename DstT, int R>
+__global__ void __launch_bounds__(COPY_WARPS * 32) planned_copy(const PlannedCopyParams p) {
+  planned_copy_body<SrcT, DstT, R, COPY_WARPS>(p);
+}
+
+// The thin copy: one warp per block, at most 32 registers a thread, so that a block fits on an
+// SM beside a CTA of Hopper's persistent cuBLAS GEMMs (384 threads x 168 registers: 1024 of the
+// SM's 65536 registers left) instead of delaying it (benchmarks/NOTES.md, "Copies beside a
+// GEMM"). __maxnreg__ needs NVRTC 12.4; older ones get an uncapped one-warp block.
+#if defined(__CUDACC_VER_MAJOR__) && \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
+#define HS_THIN_BOUNDS __maxnreg__(HS_THIN_COPY_REGS)
+#else
+#define HS_THIN_BOUNDS __launch_bounds__(32)
+#endif
+template <typename SrcT, typename DstT, int R>
+__global__ void HS_THIN_BOUNDS planned_copy_thin(const PlannedCopyParams p) {
+  planned_copy_body<SrcT, DstT, R, 1>(p);
 }
 
 }  // namespace hs

@@ -78,10 +78,12 @@ import cupy
 from .. import _checks
 from .._launch import as_stream
 from ..cache import HotBufferCache, _dense_view
-from ..plan import copy_params, full_grid, launch_copy
+from ..plan import ROWS_PER_WARP, copy_params, full_grid, launch_copy
 from .pattern import LayerPattern, layer_pattern
 
-__all__ = ["Prefetcher", "default_replay_grid"]
+__all__ = ["DEFAULT_REPLAY_ROWS_PER_WARP", "Prefetcher", "default_replay_grid"]
+
+DEFAULT_REPLAY_ROWS_PER_WARP = 1
 
 
 def default_replay_grid() -> int:
@@ -111,6 +113,13 @@ class Prefetcher:
         Prefetch on (default) or off (every layer runs the full swap on the main stream).
     replay_grid : int, optional
         Copy blocks per side-stream replay (default :func:`default_replay_grid`).
+    replay_rows_per_warp : int
+        Rows each warp of a replay keeps in flight (one of ``hisparse_cupy.plan.ROWS_PER_WARP``;
+        default :data:`DEFAULT_REPLAY_ROWS_PER_WARP`).
+    replay_thin : bool
+        Replays in one-warp blocks with capped registers, which fit on an SM beside a CTA of
+        a persistent GEMM (``hisparse_cupy.plan.launch_copy``); give ``replay_grid`` a few
+        blocks per SM.
     copy_grid : int, optional
         Copy blocks of the full layers' own swap (default: enough to fill the GPU).
     side_priority : int or None
@@ -143,7 +152,9 @@ class Prefetcher:
     def __init__(self, cache: HotBufferCache, pattern, *,
                  layer_range: tuple[int, int] | None = None, enabled: bool = True,
                  replay_grid: int | None = None, copy_grid: int | None = None,
-                 side_priority: int | None = -1000):
+                 side_priority: int | None = -1000,
+                 replay_rows_per_warp: int = DEFAULT_REPLAY_ROWS_PER_WARP,
+                 replay_thin: bool = False):
         if not isinstance(cache, HotBufferCache):
             raise TypeError(f"cache must be a HotBufferCache, got {type(cache).__name__}")
         model = layer_pattern(pattern)
@@ -161,6 +172,8 @@ class Prefetcher:
         self.pattern: LayerPattern = stage
         self.replay_grid = (default_replay_grid() if replay_grid is None
                             else _checks.integer("replay_grid", replay_grid, 1, 2**31 - 1))
+        self.replay_rows_per_warp = replay_rows_per_warp
+        self.replay_thin = bool(replay_thin)
         self.copy_grid = (None if copy_grid is None
                           else _checks.integer("copy_grid", copy_grid, 1, 2**31 - 1))
         self.dry_run = False
@@ -191,6 +204,15 @@ class Prefetcher:
         self._anchor_out = None
         self._queued = 0  # replays queued for the current group
         self._joined = 0  # leading positions the main stream has waited on
+
+    @property
+    def replay_rows_per_warp(self) -> int:
+        """Rows each warp of a replay keeps in flight (settable between steps)."""
+        return self._rpw
+
+    @replay_rows_per_warp.setter
+    def replay_rows_per_warp(self, value) -> None:
+        self._rpw = _checks.one_of("replay_rows_per_warp", value, ROWS_PER_WARP)
 
     @property
     def enabled(self) -> bool:
@@ -322,7 +344,8 @@ class Prefetcher:
                 spin_cycles=int(self.spin_cycles))
         for p, sl in enumerate(group):
             prm.set(src_base=self._host[sl], dst_base=self._dev[sl])
-            launch_copy(prm, grid=self.replay_grid, stream=self.side)
+            launch_copy(prm, grid=self.replay_grid, stream=self.side,
+                        rows_per_warp=self.replay_rows_per_warp, thin=self.replay_thin)
             self.events[p].record(self.side)
         self._queued = len(group)
         self._joined = 0
