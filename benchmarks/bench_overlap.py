@@ -8,7 +8,11 @@ the same stream, because CuPy refuses cuBLAS calls during graph capture; see ``C
 K 2048, H 4096 (+64), every request 6656 tokens long; each step an "indexer" kernel slides
 every request's top-k window by M tokens (M = miss rate x K new tokens per request per step,
 all misses; the window runs over a fixed random permutation of the request's tokens, so host
-reads are scattered over its rows). Every configuration starts from cold hot buffers.
+reads are scattered over its rows). Every full layer has its own top-k: a fixed share of the
+window's positions (``common``, 1.0 in the main table: all full layers select alike) selects
+the same token in every full layer, the others a layer's own permutation's, so neighbouring
+full layers' top-k overlap by about ``common``; the prediction sweep (batch 64, 5 %) runs
+``common`` = 0.5, 0.7, 0.9 and 0.95. Every configuration starts from cold hot buffers.
 
 Modes (each timed eager, one Python-driven step per event pair, and as one captured graph):
 - no offload: every row already on the GPU (attention reads a fixed page table, no swap);
@@ -17,6 +21,10 @@ Modes (each timed eager, one Python-driven step per event pair, and as one captu
 - overlap: full layers swap on the main stream, a side stream replays their plan for the shared
   layers, shared layers wait on their event (``Prefetcher``);
 - overlap, skip IO: the same with replays that move no bytes (the overlap's floor);
+- overlap, predict: overlap plus prediction mode (``Prefetcher.set_predict``): while a full
+  layer computes, a second side stream stages the rows the next full layer will probably miss
+  (what the current one just missed and the next one does not hold); the next full layer's
+  swap reads those from the device. Its precision and recall are reported;
 - compute + copies: the no-offload step while the side stream replays the shared layers' plans;
   its main-stream time (to an event recorded before the join) over the no-offload step is the
   compute slowdown the concurrent copies cause.
@@ -56,18 +64,28 @@ TARGET_LAYER_US = 200.0
 MM_N = 4096
 MM_MAX = 16384
 WARMUP = 3
-MODES = ("no_offload", "no_overlap", "overlap", "overlap_skip_io", "compute_copies")
+MODES = ("no_offload", "no_overlap", "overlap", "overlap_skip_io", "overlap_predict",
+         "compute_copies")
+COMMON = (0.5, 0.7, 0.9, 0.95)  # top-k overlap of neighbouring full layers: prediction sweep
 
 _SRC = r"""
-// step t, request b, entry k: token perm(pos) with pos = (t*M + 7919*b + k) mod U,
-// perm(x) = (a*x + 131*b) mod U, gcd(a, U) = 1 (a bijection): the window slides by M a step.
+// step t, full layer j, request b, entry k: window position pos = (t*M + 7919*b + k) mod U
+// (the window slides by M a step). A "common" position (a fixed share `common` of all
+// positions, the same for every layer) selects perm(pos, 0), any other one the layer's own
+// perm(pos, salt_j); perm(x, s) = (a*x + 131*b + s) mod U, gcd(a, U) = 1 (a bijection). So
+// neighbouring full layers' top-k overlap by about `common`, and each layer brings M new
+// tokens a step. common >= 1: every layer selects the same tokens. out: [n_full, B, K].
 extern "C" __global__ void gen_topk(int* out, int K, int M, int U, long long a,
-                                    const int* step) {
-  const int b = blockIdx.y;
+                                    const int* step, float common, int B) {
+  const int b = blockIdx.y, j = blockIdx.z;
   const int k = blockIdx.x * blockDim.x + threadIdx.x;
   if (k >= K) return;
   const long long pos = (static_cast<long long>(*step) * M + 7919LL * b + k) % U;
-  out[static_cast<long long>(b) * K + k] = static_cast<int>((pos * a + 131LL * b) % U);
+  const unsigned h = static_cast<unsigned>(pos) * 2654435761u;
+  const bool shared = common >= 1.0f || (h >> 8) % 100000u < static_cast<unsigned>(common * 1e5f);
+  const long long salt = shared ? 0 : (1000003LL * (j + 1)) % U;
+  out[(static_cast<long long>(j) * B + b) * K + k] =
+      static_cast<int>((pos * a + 131LL * b + salt) % U);
 }
 
 extern "C" __global__ void tick(int* step) { *step += 1; }
@@ -210,7 +228,11 @@ class Rig:
         self.rids = [self.cache.admit(MAX_LEN, stream=main) for _ in range(bmax)]
         self.req = cupy.asarray(np.array(self.rids, np.int32))
         self.lens = cupy.full(bmax, MAX_LEN, cupy.int32)
-        self.topk = cupy.empty((bmax, K), cupy.int32)
+        self.full_index = {f: j for j, f in enumerate(self.pattern.full_layers)}
+        self.layer_topk = [self.full_index[layer if self.pattern.full[layer] else
+                                           self.pattern.anchor(layer)] for layer in range(n_layers)]
+        self.topk = cupy.empty((len(self.full_index), bmax, K), cupy.int32)
+        self.common = 1.0  # share of window positions every full layer selects alike
         self.static = cupy.empty((bmax, K), cupy.int32)
         self.step_ctr = cupy.zeros(1, cupy.int32)
         self.sums = cupy.zeros(bmax, cupy.uint32)
@@ -237,9 +259,10 @@ class Rig:
 
     # -------------------------------------------------------------- pieces
     def gen(self) -> None:
-        self.kern.gen((-(-K // 256), self.B), (256,),
+        self.kern.gen((-(-K // 256), self.B, self.topk.shape[0]), (256,),
                       (self.topk, np.int32(K), np.int32(self.M), np.int32(U), self.a,
-                       self.step_ctr), stream=self.main)
+                       self.step_ctr, np.float32(self.common), np.int32(self.bmax)),
+                      stream=self.main)
 
     def attention(self, locs, layer: int) -> None:
         self.kern.attn((K // 64, self.B), (256,),
@@ -251,10 +274,10 @@ class Rig:
         """no overlap / overlap (whichever the prefetcher is set to)."""
         B, s = self.B, self.main
         self.gen()
-        req, lens, tk = self.req[:B], self.lens[:B], self.topk[:B]
+        req, lens = self.req[:B], self.lens[:B]
         step = self.cache.begin_step(req, lens, stream=s, prefetcher=self.pf)
         for layer in range(self.L):
-            locs = step.swap(layer, tk)
+            locs = step.swap(layer, self.topk[self.layer_topk[layer], :B])
             self.attention(locs, layer)
             self.compute()
         self.pf.finish(s)
@@ -376,6 +399,9 @@ def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool) -> dict:
     graphs["overlap_skip_io"] = rig.capture(rig.step_offload)
     pf.dry_run = False
     graphs["compute_copies"] = capture_cc(rig)
+    pf.set_predict(True, s)
+    graphs["overlap_predict"] = rig.capture(rig.step_offload)
+    pf.set_predict(False, s)
     pf.set_enabled(False, s)
     graphs["no_overlap"] = rig.capture(rig.step_offload)
     pf.set_enabled(True, s)
@@ -383,13 +409,17 @@ def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool) -> dict:
     def prepare(mode):
         pf.set_enabled(mode != "no_overlap", s)
         pf.dry_run = mode == "overlap_skip_io"
+        pf.set_predict(mode == "overlap_predict", s)
+        if pf.predict:
+            pf.predict_stats.fill(0)
 
     eager_fn = {"no_offload": rig.step_no_offload, "no_overlap": rig.step_offload,
                 "overlap": rig.step_offload, "overlap_skip_io": rig.step_offload,
-                "compute_copies": rig.step_compute_copies}
+                "overlap_predict": rig.step_offload, "compute_copies": rig.step_compute_copies}
     res = {"eager": {}, "graph": {}}
     cc_main = {}
     host = {}
+    pred = {}
     for mode in MODES:
         prepare(mode)
         spent = []
@@ -405,6 +435,8 @@ def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool) -> dict:
         g = graphs[mode]
         res["graph"][mode] = _ms(summary(time_calls(lambda i, g=g: g.launch(s), iters=iters,
                                                     warmup=WARMUP, stream=s)))
+        if mode == "overlap_predict":  # eager and graph steps together
+            pred = pf.predict_summary()
     # compute + copies: time of the main stream's compute alone (to its end event)
     cc_main["eager"] = _ms(time_main_part(rig.step_compute_copies, rig.cc_end, iters, s))
     if rig.cc_external:
@@ -435,11 +467,14 @@ def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool) -> dict:
         o_sync = m["no_overlap"] - m["no_offload"]
         o_ovl = m["overlap"] - m["no_offload"]
         o_dry = m["overlap_skip_io"] - m["no_offload"]
+        o_pred = m["overlap_predict"] - m["no_offload"]
         cc = cc_main.get(ex)
         derived[ex] = {
             "overhead_no_overlap_ms": o_sync, "overhead_overlap_ms": o_ovl,
+            "overhead_predict_ms": o_pred,
             "hidden": 1.0 - o_ovl / o_sync if o_sync > 0 else float("nan"),
             "hidden_skip_io": 1.0 - o_dry / o_sync if o_sync > 0 else float("nan"),
+            "hidden_predict": 1.0 - o_pred / o_sync if o_sync > 0 else float("nan"),
             "ceiling": n_shared / rig.L,
             "compute_slowdown": (cc["median_ms"] / m["no_offload"] - 1.0) if cc else None,
             "offload_GBps_no_overlap": step_bytes / (o_sync * 1e6) if o_sync > 0 else None,
@@ -454,10 +489,70 @@ def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool) -> dict:
            "memcpy_GBps": step_bytes / mc_single["median_us"] / 1e3,
            "memcpy_chain_GBps": step_bytes / mc_chain["median_us"] / 1e3,
            "replays_alone": alone, "host_enqueue_ms_eager": host,
-           "modes": res, "compute_copies_main_ms": cc_main, "derived": derived}
+           "modes": res, "compute_copies_main_ms": cc_main, "derived": derived,
+           "common": rig.common, "predict": pred}
     if sweep:
         out["sweep"] = run_sweep(rig, res["graph"], iters)
+        out["predict_sweep"] = run_predict_sweep(rig, res["graph"], iters)
     return out
+
+
+def run_predict_sweep(rig: Rig, base: dict, iters: int) -> list[dict]:
+    """No overlap, overlap and prediction (graph) with neighbouring full layers' top-k
+    overlapping by each of COMMON (cold caches, warmed up, for each)."""
+    s, pf = rig.main, rig.pf
+    t0 = base["no_offload"]["median_ms"]
+    rows = []
+    for common in COMMON:
+        rig.common = common
+        pf.set_predict(False, s)
+        pf.set_enabled(True, s)
+        rig.reset()
+        for _ in range(4):
+            rig.step_offload()
+        t = {}
+        for mode in ("no_overlap", "overlap", "overlap_predict"):
+            pf.set_enabled(mode != "no_overlap", s)
+            pf.set_predict(mode == "overlap_predict", s)
+            if pf.predict:
+                pf.predict_stats.fill(0)
+            g = rig.capture(rig.step_offload)
+            t[mode] = _ms(summary(time_calls(lambda i, g=g: g.launch(s), iters=iters,
+                                             warmup=WARMUP, stream=s)))
+            del g
+        p = pf.predict_summary()
+        o_sync = t["no_overlap"]["median_ms"] - t0
+        rows.append({"common": common, **t, "predict": p,
+                     "hidden": 1.0 - (t["overlap"]["median_ms"] - t0) / o_sync,
+                     "hidden_predict": 1.0 - (t["overlap_predict"]["median_ms"] - t0) / o_sync})
+    rig.common = 1.0
+    pf.set_predict(False, s)
+    pf.set_enabled(True, s)
+    s.synchronize()
+    return rows
+
+
+def predict_table(results: list[dict]) -> str:
+    lines = ["| layers | batch | miss % | top-k overlap | no overlap ms | overlap ms | predict ms "
+             "| hidden overlap | hidden predict | precision | recall |", "|---" * 11 + "|"]
+    for r in results:
+        pts = [{"common": r.get("common", 1.0), "no_overlap": r["modes"]["graph"]["no_overlap"],
+                "overlap": r["modes"]["graph"]["overlap"],
+                "overlap_predict": r["modes"]["graph"].get("overlap_predict"),
+                "hidden": r["derived"]["graph"]["hidden"],
+                "hidden_predict": r["derived"]["graph"].get("hidden_predict"),
+                "predict": r.get("predict") or {}}] + r.get("predict_sweep", [])
+        for w in pts:
+            if w["overlap_predict"] is None:
+                continue
+            p = w["predict"]
+            lines.append(f"| {r['layers']} | {r['batch']} | {r['miss_rate'] * 100:g} | "
+                         f"{w['common'] * 100:g}% | {w['no_overlap']['median_ms']:.2f} | "
+                         f"{w['overlap']['median_ms']:.2f} | "
+                         f"{w['overlap_predict']['median_ms']:.2f} | {w['hidden'] * 100:.1f}% | "
+                         f"{w['hidden_predict'] * 100:.1f}% | {p.get('precision', 0):.3f} | "
+                         f"{p.get('recall', 0):.3f} |")
+    return "\n".join(lines)
 
 
 # (replay grid, rows per warp, thin blocks, side priority) of the sweep; None: the
@@ -603,6 +698,7 @@ def main() -> None:
         plot(payload, Path(a.plot).with_suffix(".png"))
         print(sweep_table(payload["results"]))
         print(table(payload["results"]))
+        print(predict_table(payload["results"]))
         return
     if a.quick:
         plan = [(24, [(8, 0.05), (64, 0.01), (64, 0.05), (64, 0.20), (128, 0.05)]),
@@ -656,6 +752,7 @@ def main() -> None:
               f"eager host enqueue {r['host_enqueue_ms_eager']['overlap']:.2f} ms/step")
     print(sweep_table(results))
     print(table(results))
+    print(predict_table(results))
 
 
 if __name__ == "__main__":

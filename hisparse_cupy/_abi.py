@@ -40,6 +40,7 @@ MAX_HOT = 32767  # single-step LRU entries are int16
 RESOLVE_BLOCK = 1024  # threads of the single-step resolve (one block per batch row)
 COPY_WARPS = 8  # warps per block of the planned copy
 THIN_COPY_REGS = 32  # register cap of the one-warp ("thin") planned copy
+PREDICT_BLOCK = 512  # threads of the prediction stager (one block per request)
 NEWEST_BLOCK = 128
 
 # multi-step (MTP) swap
@@ -62,7 +63,7 @@ COPY_DRY_RUN = 1  # do all the work, move no bytes (measuring knob)
 CONSTANTS = {
     "ST_RANGE": ST_RANGE, "ST_NOHOST": ST_NOHOST, "ST_BADROW": ST_BADROW, "N_STATUS": N_STATUS,
     "MAX_HOT": MAX_HOT, "RESOLVE_BLOCK": RESOLVE_BLOCK, "COPY_WARPS": COPY_WARPS,
-    "THIN_COPY_REGS": THIN_COPY_REGS,
+    "THIN_COPY_REGS": THIN_COPY_REGS, "PREDICT_BLOCK": PREDICT_BLOCK,
     "NEWEST_BLOCK": NEWEST_BLOCK, "MS_MAX_TOKENS": MS_MAX_TOKENS, "MS_BUCKET": MS_BUCKET,
     "MS_F_DEGRADED": MS_F_DEGRADED, "MS_META_INIT": MS_META_INIT,
     "MS_N_COUNTERS": MS_N_COUNTERS, "MS_N_STATS": MS_N_STATS, "GATHER_BLOCK": GATHER_BLOCK,
@@ -109,10 +110,22 @@ SWAP_RESOLVE = _struct([
 PLANNED_COPY = _struct([
     ("src_idx", _P), ("dst_idx", _P), ("count", _P), ("num_real", _P), ("src_base", _P),
     ("dst_base", _P), ("bad", _P),
+    ("stage_map", _P), ("stage_src", _P), ("stage_count", _P), ("stage_base", _P),
+    ("stage_stats", _P),
     ("src_layer_bytes", "i8"), ("n_src_rows", "i8"), ("dst_layer_bytes", "i8"),
     ("n_dst_rows", "i8"), ("spin_cycles", "i8"),
     ("plan_stride", "i4"), ("B", "i4"), ("row_bytes", "i4"), ("n_layers", "i4"),
-    ("flags", "i4"), ("pad", "i4"),
+    ("flags", "i4"), ("stage_width", "i4"),
+])
+
+PREDICT_STAGE = _struct([
+    ("topk", _P), ("plan_src", _P), ("plan_count", _P), ("req", _P), ("lens", _P),
+    ("num_real", _P), ("host_locs", _P), ("slot_tokens", _P), ("stage_map", _P),
+    ("stage_src", _P), ("stage_count", _P), ("stage_stats", _P),
+    ("n_host_rows", "i8"),
+    ("topk_stride", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"), ("host_stride", "i4"),
+    ("slot_stride", "i4"), ("H", "i4"), ("hash_size", "i4"), ("stage_width", "i4"),
+    ("lens_stride", "i4"), ("plan_stride", "i4"), ("miss_hash_size", "i4"),
 ])
 
 NEWEST_ROWS = _struct([
@@ -150,6 +163,7 @@ MULTISTEP_INIT = _struct([
 STRUCTS = {
     "SwapResolveParams": SWAP_RESOLVE,
     "PlannedCopyParams": PLANNED_COPY,
+    "PredictStageParams": PREDICT_STAGE,
     "NewestRowsParams": NEWEST_ROWS,
     "MultiStepParams": MULTISTEP,
     "MultiStepInitParams": MULTISTEP_INIT,
@@ -185,6 +199,14 @@ SMEM = {
         ("i16", "hit", "H"),  # hit slots, old LRU order
         ("u16", "order", "H"),  # slot | hit << 15, by LRU position (between passes)
         ("u8", "kind", "K"),  # entry classification
+    ),
+    # prediction stager; HS = token hash slots (a power of two >= 2 K), MS = miss hash slots
+    # (a power of two >= 2 x the plan's width)
+    "PREDICT_STAGE": (
+        ("i64", "mkey", "MS"),  # F's misses (host rows; -1: empty)
+        ("i32", "hkey", "HS"),  # candidate tokens (-1: empty)
+        ("i32", "hmark", "HS"),  # 1: held by an LRU slot of the next full layer
+        ("i32", "count", "4"),  # [0]: predicted misses
     ),
     # planned copy: the exclusive prefix of the clamped counts, and the block scan's scratch
     "PLANNED_COPY": (

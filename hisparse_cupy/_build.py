@@ -62,12 +62,14 @@ NEWEST = index_instances("hs::newest_rows<{req}, {len}>")
 GATHER = index_instances("hs::ms::gather<{req}, {len}>")
 COMMIT = index_instances("hs::ms::commit<{req}, {len}>")
 MS_INIT = "hs::ms::init"
+PREDICT = index_instances("hs::predict_stage<{req}, {len}>")
 
 INSTANCES: dict[str, tuple[str, ...]] = {
     "swap.cu": tuple(RESOLVE.values()),
     "plan.cu": (*COPY_H2D.values(), COPY_D2H),
     "cache.cu": tuple(NEWEST.values()),
     "multistep.cu": (*GATHER.values(), *COMMIT.values(), MS_INIT),
+    "predict.cu": tuple(PREDICT.values()),
 }
 _FILE_OF = {n: f for f, names in INSTANCES.items() for n in names}
 

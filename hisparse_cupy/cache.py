@@ -562,9 +562,11 @@ class Step:
         return self._swap(layer, top_k_tokens, out=out, copy_grid=copy_grid, check=check)
 
     def _swap(self, layer: int, top_k_tokens, *, out=None, copy_grid: int | None = None,
-              check: bool = False, out_checked: bool = False) -> cupy.ndarray:
+              check: bool = False, out_checked: bool = False, stage=None) -> cupy.ndarray:
         """:meth:`swap` without the prefetcher; ``out_checked``: ``out`` is a CuPy view the
-        caller (the prefetcher, for its own buffer) made with the right shape."""
+        caller (the prefetcher, for its own buffer) made with the right shape; ``stage``:
+        the prefetcher's staged rows for this layer's single-step copy, a dict of the copy
+        struct's ``stage_*`` fields (the caller ordered the staging before this call)."""
         c = self.cache
         if type(layer) is not int or not 0 <= layer < c.n_layers:
             layer = c._layer(layer)  # an int in range, or a TypeError / ValueError naming it
@@ -603,7 +605,14 @@ class Step:
             i32[w4 + _RES4["hash_size"]] = hash_size(K)
         sptr = self.stream.ptr
         la_resolve(grid_resolve, sptr, self._bases[0] + layer * res.itemsize)
-        la_copy(grid_copy, sptr, self._bases[1] + layer * self._copy.itemsize)
+        if stage is None:
+            la_copy(grid_copy, sptr, self._bases[1] + layer * self._copy.itemsize)
+        else:
+            cp = self._copy
+            for k, v in stage.items():
+                cp[k][layer] = v
+            la_copy(grid_copy, sptr, self._bases[1] + layer * cp.itemsize)
+            cp["stage_map"][layer] = 0  # the struct's bytes were taken at the launch
         if check:
             _checks.raise_on_status(c.status[:B], topk, self.seq_lens,
                                     max_len=c.max_len, stream=self.stream)

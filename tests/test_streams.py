@@ -476,3 +476,147 @@ def test_pipeline_stage_and_errors(main):
         pf.finish(main)
         main.synchronize()
     assert cp.asnumpy(errors).tolist() == [0] * 4
+
+
+# ---------------------------------------------------------------------------- prediction mode
+
+
+class _LayerTopK:
+    """Per-full-layer top-k with a tunable overlap: every full layer slides a window over the
+    same positions; a position shared by all layers (a fixed share ``overlap`` of them) selects
+    the common permutation's token, any other position layer j's own permutation's."""
+
+    def __init__(self, B, M, seed, n_full, overlap=0.7):
+        self.base = _TopK(B, M, seed)
+        self.own = [_TopK(B, M, seed + 100 + j) for j in range(n_full)]
+        self.common = ((7 * np.arange(self.base.U) + 3) % 10) < 10 * overlap
+
+    def host(self, t, j):
+        b = np.arange(self.base.B)[:, None]
+        pos = (t * self.base.M + 37 * b + np.arange(K)[None, :]) % self.base.U
+        tk = np.where(self.common[pos], self.base.perm[pos], self.own[j].perm[pos])
+        tk[:, (t * 7) % K] = -1  # one unused entry per row
+        return tk.astype(np.int32)
+
+
+def _run_predict_steps(pf, cache, req, lens, gen, steps, main, *, graph=False):
+    """Steps of every layer through ``pf`` (full layers with their own top-k), eager or one
+    captured step replayed; returns per-step page tables, device rows and slot tables, and
+    the reader's error count per layer."""
+    cp = _gpu()
+    pat = pf.pattern
+    full = pat.full_layers
+    B = req.shape[0]
+    reader = _reader()
+    with main:
+        tks = cp.empty((len(full), B, K), cp.int32)
+        res = cp.empty((cache.n_layers, B, K), cp.int32)
+        errors = cp.zeros(cache.n_layers, cp.int32)
+
+    def feed(t):
+        tks[...] = cp.asarray(np.stack([gen.host(t, j) for j in range(len(full))]))
+
+    def step():
+        for layer in range(cache.n_layers):
+            j = full.index(pat.anchor(layer)) if not pat.full[layer] else full.index(layer)
+            out = pf.swap(layer, req, lens, tks[j] if pat.full[layer] else None, stream=main)
+            res[layer][...] = out
+            _check(reader, cache, layer, out, tks[j], req, errors, main)
+        pf.finish(main)
+
+    snaps = []
+    with main:
+        g = None
+        for t in range(steps):
+            feed(t)
+            if g is not None:
+                g.launch(main)
+            else:
+                step()
+                if graph:
+                    main.synchronize()
+                    main.begin_capture()
+                    step()  # (captured: runs at the next launch)
+                    g = main.end_capture()
+                    continue
+            main.synchronize()
+            snaps.append((cp.asnumpy(res), cp.asnumpy(cache.device), cp.asnumpy(cache.slot_tokens)))
+    return snaps, cp.asnumpy(errors)
+
+
+@pytest.mark.gpu
+def test_prediction_never_changes_a_byte(main):
+    """Prediction on (eager, and captured in a graph) against off: the same page tables, device
+    rows and slot tables at every step, every row's bytes right, and the prediction used."""
+    cp = _gpu()
+    from hisparse_cupy.streams import Prefetcher
+
+    pat = "FSSFSFFS"
+    L, R, B = len(pat), 4, 4
+    lens = cp.full(B, MAX_LEN, cp.int32)
+    runs = {}
+    for name, predict, graph in (("off", False, False), ("on", True, False),
+                                 ("on_graph", True, True)):
+        cache, req = _make_cache(L, R, stream=main)
+        pf = Prefetcher(cache, pat, replay_grid=2, predict=predict, predict_width=12)
+        gen = _LayerTopK(B, 5, 11, len(pf.pattern.full_layers))
+        snaps, errors = _run_predict_steps(pf, cache, req, lens, gen, 24, main, graph=graph)
+        assert errors.tolist() == [0] * L, f"{name}: rows with wrong bytes"
+        runs[name] = (snaps, pf)
+    off = runs["off"][0]
+    for name in ("on", "on_graph"):
+        snaps, pf = runs[name]
+        # the graph run's first captured step ran at the second launch: align by step
+        shift = len(off) - len(snaps)
+        for t, (a, b) in enumerate(zip(off[shift:], snaps, strict=True)):
+            for what, x, y in zip(("page tables", "device rows", "slot tables"), a, b,
+                                  strict=True):
+                np.testing.assert_array_equal(x, y, err_msg=f"{name}: {what} differ, step {t}")
+        s = pf.predict_summary()
+        assert 0 < s["used"] <= min(s["rows"], s["staged"]), (name, s)
+        assert 0.0 < s["precision"] <= 1.0 and 0.0 < s["recall"] <= 1.0
+
+
+@pytest.mark.gpu
+def test_prediction_negative_control_no_wait(main):
+    """With the staging copy slowed and the next full layer's wait on it removed, its swap
+    reads staging rows before they land (wrong bytes); with the wait, none."""
+    cp = _gpu()
+    from hisparse_cupy.streams import Prefetcher
+
+    class NoStageWait(Prefetcher):
+        def _take_stage(self, loc, top_k_tokens, s):
+            nxt, self._pending = self._pending, None
+            return self._stage_fields if nxt is not None and nxt == loc else None
+
+    pat = "FFFF"  # full layers back to back: the next swap follows at once
+    L, R, B = 4, 4, 4
+    lens = cp.full(B, MAX_LEN, cp.int32)
+    errs = {}
+    for name, cls in (("no_wait", NoStageWait), ("wait", Prefetcher)):
+        cache, req = _make_cache(L, R, stream=main)
+        pf = cls(cache, pat, replay_grid=1, predict=True)
+        pf.spin_cycles = 200_000  # ~0.1 ms per staged row
+        gen = _LayerTopK(B, 5, 12, L, overlap=0.9)
+        _, errors = _run_predict_steps(pf, cache, req, lens, gen, 12, main)
+        errs[name] = errors
+        assert pf.predict_summary()["used"] > 0
+    assert errs["no_wait"][0] == 0  # the first full layer is never predicted
+    assert errs["no_wait"][1:].sum() > 0, "no stale staging row seen without the wait"
+    assert errs["wait"].tolist() == [0] * L
+
+
+@pytest.mark.gpu
+def test_prediction_errors(main):
+    cp = _gpu()
+    from hisparse_cupy.streams import Prefetcher
+
+    cache, req = _make_cache(4, 2, stream=main)
+    with pytest.raises(ValueError, match="predict_width must be <= 32"):
+        Prefetcher(cache, "FSFS", predict_width=K + 1)
+    pf = Prefetcher(cache, "FSFS")
+    with pytest.raises(RuntimeError, match="prediction was never turned on"):
+        pf.predict_summary()
+    pf.set_predict(True, stream=main)
+    assert pf.predict and pf.predict_summary()["rows"] == 0
+    cp.cuda.Device().synchronize()

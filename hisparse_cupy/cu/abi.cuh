@@ -40,6 +40,7 @@ constexpr int MS_N_STATS = HS_MS_N_STATS;
 constexpr int GATHER_BLOCK = HS_GATHER_BLOCK;
 constexpr int COMMIT_BLOCK = HS_COMMIT_BLOCK;
 constexpr int INIT_BLOCK = HS_INIT_BLOCK;
+constexpr int PREDICT_BLOCK = HS_PREDICT_BLOCK;
 
 // ---- single-step resolve (swap.cu). Grid: (B), block RESOLVE_BLOCK.
 struct SwapResolveParams {
@@ -77,11 +78,46 @@ struct PlannedCopyParams {
   const u8* src_base;      // row 0 of layer 0 of the source (device or mapped host address)
   u8* dst_base;            // row 0 of layer 0 of the destination
   i32* bad;                // device scalar or null: += entries whose row is outside its array
+  // staged rows (prediction, n_layers == 1 only; stage_map null: none). A source row s of
+  // batch row b is read from stage_base + j * row_bytes instead, where j = stage_map[s], if
+  // b * stage_width <= j < b * stage_width + min(stage_count[b], stage_width) and
+  // stage_src[j] == s (so stale map entries are harmless).
+  const i32* stage_map;    // [n_src_rows] -> flat staged index, any value when not staged
+  const i64* stage_src;    // [B * stage_width] source row of each staged row
+  const i32* stage_count;  // [B]
+  const u8* stage_base;    // staged row 0
+  u64* stage_stats;        // [3] or null: [0] += rows copied, [1] += rows read from the stage
   i64 src_layer_bytes, n_src_rows, dst_layer_bytes, n_dst_rows;
   i64 spin_cycles;         // > 0: delay each row by that many cycles (tests' slowed replay)
   i32 plan_stride, B, row_bytes, n_layers;
   i32 flags;               // COPY_DRY_RUN: all the work, no bytes moved
-  i32 pad;
+  i32 stage_width;
+};
+
+// ---- prediction stager (predict.cu). Grid: (B), block PREDICT_BLOCK.
+//   For batch row b: the tokens of topk[b] (a full layer F's top-k) that F's swap just missed
+//   on (their host rows are in F's plan) and that the NEXT full layer's swap would miss on too,
+//   judged by that layer's slot table now: valid (0 <= tok < seq_len, not the newest token, a
+//   host row in [0, n_host_rows)) and held by none of its LRU slots 0 .. H-1. Requests with
+//   seq_len <= H (positional) and padding rows stage nothing. Up to stage_width of them get
+//   staged indices j = b * stage_width + i: stage_src[j] = host row, stage_map[host row] = j;
+//   stage_count[b] = how many.
+struct PredictStageParams {
+  const i32* topk;         // [>= B, topk_stride] int32
+  const i64* plan_src;     // [>= B, plan_stride]: F's misses (host rows)
+  const i32* plan_count;   // [>= B]
+  const void* req;         // [B] ReqT
+  const void* lens;        // [B] LenT, at b * lens_stride
+  const i32* num_real;     // device scalar or null
+  const i64* host_locs;    // [R, host_stride]
+  const i32* slot_tokens;  // [R, slot_stride] of the next full layer
+  i32* stage_map;          // [n_host_rows]
+  i64* stage_src;          // [B * stage_width]
+  i32* stage_count;        // [B]
+  u64* stage_stats;        // [3] or null: [2] += rows staged
+  i64 n_host_rows;
+  i32 topk_stride, K, B, R, host_stride, slot_stride, H, hash_size, stage_width, lens_stride;
+  i32 plan_stride, miss_hash_size;
 };
 
 // ---- newest rows (cache.cu). Grid: ceil(B / NEWEST_BLOCK), block NEWEST_BLOCK.
@@ -162,6 +198,7 @@ struct MultiStepInitParams {
 
 HS_ABI_CHECK(SwapResolveParams);
 HS_ABI_CHECK(PlannedCopyParams);
+HS_ABI_CHECK(PredictStageParams);
 HS_ABI_CHECK(NewestRowsParams);
 HS_ABI_CHECK(MultiStepParams);
 HS_ABI_CHECK(MultiStepInitParams);

@@ -19,7 +19,10 @@
 //        with R > 1 keeps the link busy from few SMs, leaving the rest to the compute a replay
 //        overlaps).
 //   Rows whose source or destination index is outside its pool are skipped and counted in
-//   *bad (when given). flags & COPY_DRY_RUN: all the work but no bytes moved (for measuring).
+//   *bad (when given). With stage_map set (single layer), a row that the prediction stager
+//   staged is read from its staging row (device memory) instead of the source
+//   (cu/abi.cuh, PlannedCopyParams). flags & COPY_DRY_RUN: all the work but no bytes moved (for
+//   measuring).
 //   spin_cycles > 0 delays each row by that many clock cycles (tests' slowed replay; a warp
 //   waits R times that before its R rows).
 //
@@ -91,6 +94,18 @@ __device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p) {
       } else {
         my_src = p.src_base + layer * p.src_layer_bytes + s * row_bytes;
         my_dst = p.dst_base + layer * p.dst_layer_bytes + d * row_bytes;
+        if (p.stage_map != nullptr) {  // a staged copy of the row: read it there
+          const i64 lo = static_cast<i64>(b) * p.stage_width;
+          const int c = p.stage_count[b];
+          const i64 j = p.stage_map[s];
+          const bool staged = j >= lo && j < lo + (c < p.stage_width ? c : p.stage_width) &&
+                              p.stage_src[j] == s;
+          if (staged) my_src = p.stage_base + j * row_bytes;
+          if (p.stage_stats) {
+            atomicAdd(p.stage_stats, 1ull);
+            if (staged) atomicAdd(p.stage_stats + 1, 1ull);
+          }
+        }
       }
     }
     const u8* srcs[R];

@@ -69,14 +69,35 @@ Hazards and how this design closes them
    which a captured step should end with). Buffers (plan, page table, events, streams) are
    allocated once; nothing here synchronizes or allocates while a step is queued. Run one
    step eagerly before capturing, so every kernel is compiled and loaded.
+
+Prediction mode (:meth:`Prefetcher.set_predict`): after a full layer F's swap, a second side
+stream guesses the next full layer F''s misses and stages those host rows of F' on the device;
+F''s swap reads its staged misses there.
+
+10. **F''s swap reads staging rows (or F''s slot table is read by the stager) out of order
+    (RAW / WAR).** The stager forks from the main stream after F's swap (the same fork event as
+    the replays) and records ``_pdone`` after its staging copy; the main stream waits on
+    ``_pdone`` before F''s swap, so the staging rows are written before F''s copy reads them, and
+    F''s slot table and F's plan (the stager's inputs) are read before F''s resolve rewrites
+    them. A prediction no full layer uses is
+    joined by :meth:`Prefetcher.finish`, :meth:`set_enabled` and :meth:`set_predict`. The next
+    prediction rewrites the staging buffers only after forking from a point after F''s swap.
+11. **The caller's top-k rewritten while the stager reads it (WAR).** The stager reads a copy
+    of F's top-k taken on the main stream before the fork; the copy is rewritten by the next
+    full layer's snapshot, after the main stream waited on ``_pdone``.
+12. **A wrong byte from a wrong guess.** A staged row is used only for the host row it was
+    copied from (``stage_src`` checked against the miss's host row, per batch row, within the
+    rows staged this time), and host rows change only through ``backup_newest`` before the
+    step's swaps (hazard 7); misses and slots are decided by F''s resolve as without
+    prediction. A wrong guess costs link bandwidth, never a byte.
 """
 
 from __future__ import annotations
 
 import cupy
 
-from .. import _checks
-from .._launch import as_stream
+from .. import _abi, _build, _checks
+from .._launch import Params, as_stream, launch, ptr
 from ..cache import HotBufferCache, _dense_view
 from ..plan import ROWS_PER_WARP, copy_params, full_grid, launch_copy
 from .pattern import LayerPattern, layer_pattern
@@ -120,6 +141,11 @@ class Prefetcher:
         Replays in one-warp blocks with capped registers, which fit on an SM beside a CTA of
         a persistent GEMM (``hisparse_cupy.plan.launch_copy``); give ``replay_grid`` a few
         blocks per SM.
+    predict : bool
+        Prediction mode (single-step swaps): while a full layer computes, stage the rows the
+        next full layer will probably miss (see :meth:`set_predict`). Default off.
+    predict_width : int, optional
+        Rows staged per request at most (default ``top_k // 4``).
     copy_grid : int, optional
         Copy blocks of the full layers' own swap (default: enough to fill the GPU).
     side_priority : int or None
@@ -154,7 +180,8 @@ class Prefetcher:
                  replay_grid: int | None = None, copy_grid: int | None = None,
                  side_priority: int | None = -1000,
                  replay_rows_per_warp: int = DEFAULT_REPLAY_ROWS_PER_WARP,
-                 replay_thin: bool = False):
+                 replay_thin: bool = False, predict: bool = False,
+                 predict_width: int | None = None):
         if not isinstance(cache, HotBufferCache):
             raise TypeError(f"cache must be a HotBufferCache, got {type(cache).__name__}")
         model = layer_pattern(pattern)
@@ -194,7 +221,16 @@ class Prefetcher:
         # per layer: the replay's source and destination (validated once, here)
         self._host = [int(cache.pool.device_ptr(i)) for i in range(cache.n_layers)]
         self._dev = [cache.device[i].data.ptr for i in range(cache.n_layers)]
+        fl = stage.full_layers
+        self._next_full = dict(zip(fl[:-1], fl[1:], strict=True))  # full layer -> next one
+        self.predict_width = (max(1, cache.top_k // 4) if predict_width is None else
+                              _checks.integer("predict_width", predict_width, 1,
+                                              cache.top_k))
+        self._predict = False
+        self._pending: int | None = None  # full layer whose rows are being staged
+        self.predict_stats = None
         self._reset_step()
+        self.set_predict(predict)
 
     # ------------------------------------------------------------------ state
     def _reset_step(self) -> None:
@@ -302,7 +338,9 @@ class Prefetcher:
 
         # a swap: full layer, or any layer with prefetch off
         self._join(s)  # hazard 4: the swap below rewrites the plan
+        stage = None
         if full:
+            stage = self._take_stage(loc, top_k_tokens, s)
             self._reset_step()
         B = step.batch
         shape = getattr(top_k_tokens, "shape", ())
@@ -317,21 +355,136 @@ class Prefetcher:
         # the swap checks top_k_tokens against the batch and the cache: a shape it refuses
         # leaves no view used
         out = step._swap(loc, top_k_tokens, out=out, copy_grid=self.copy_grid,
-                         out_checked=out is not None)
+                         out_checked=out is not None, stage=stage)
         if full:
             self._anchor = loc
             self._anchor_batch = B
             self._anchor_topk = top_k_tokens
             self._anchor_out = out
-            group = self.pattern.groups[loc]
-            if self._enabled and group:
-                self._queue_replays(group, B, step.num_real, s)
+            group = self.pattern.groups[loc] if self._enabled else ()
+            nxt = self._next_full.get(loc) if self._predict and len(shape) == 2 else None
+            if nxt is not None:  # the stager reads its own copy of this top-k (hazard 11)
+                with s:
+                    topk = _checks.token_rows("top_k_tokens", top_k_tokens, step._dev)
+                    snap = self._ptopk[:B, : topk.shape[1]]
+                    snap[...] = topk
+            if group or nxt is not None:
+                self._fork.record(s)  # hazards 2, 3 and 10: after the full layer's swap
+            if group:
+                self._queue_replays(group, B, step.num_real)
+            if nxt is not None:
+                self._queue_predict(step, nxt, snap)
         return out
 
-    def _queue_replays(self, group, batch: int, num_real, s: cupy.cuda.Stream) -> None:
+    # ------------------------------------------------------------------ prediction
+    def set_predict(self, on: bool, stream=None) -> None:
+        """Prediction mode on or off (between steps; queued on ``stream``, no host sync).
+
+        On (prefetch on, single-step swaps): after each full layer's swap a side stream
+        guesses the rows the next full layer of the stage will miss (the tokens this layer's
+        swap just missed on that the next layer's LRU slots do not hold either; neighbouring
+        layers select largely the same tokens, so what is new to one is likely new to the
+        next), copies those host rows of the next layer into staging rows, and
+        records an event. The next full layer's swap waits on it and reads every miss that
+        was staged from its staging row (device memory) instead of the host; what the guess
+        missed comes from the host as always. Misses, slots and bytes are exactly those
+        without prediction (the swap's resolve decides them); a wrong guess costs bandwidth.
+        ``predict_stats`` (uint64 ``[3]``, device): rows the predicted layers' swaps copied,
+        rows of them read from staging rows, rows staged; :meth:`predict_summary` reads them.
+        """
+        on = bool(on)
+        if on and self.predict_stats is None:
+            c, W = self.cache, self.predict_width
+            self._stage_rows = cupy.empty((c.max_batch * W, c.row_bytes), cupy.uint8)
+            self._stage_src = cupy.full((c.max_batch, W), -1, cupy.int64)
+            self._stage_dst = cupy.arange(c.max_batch * W, dtype=cupy.int32).reshape(
+                c.max_batch, W)
+            self._stage_count = cupy.zeros(c.max_batch, cupy.int32)
+            self._stage_map = cupy.full(c.pool.n_rows, -1, cupy.int32)
+            self._ptopk = cupy.empty((c.max_batch, c.top_k), cupy.int32)
+            self.predict_stats = cupy.zeros(3, cupy.uint64)
+            self._pstage: dict = {}  # (step key, pointers, next layer) -> stager Params
+            self._pcopy: dict = {}  # (batch, num_real, next layer, knobs) -> copy Params
+            self._stage_fields = {
+                "stage_map": ptr(self._stage_map), "stage_src": ptr(self._stage_src),
+                "stage_count": ptr(self._stage_count), "stage_base": ptr(self._stage_rows),
+                "stage_stats": ptr(self.predict_stats), "stage_width": W}
+            try:
+                prio = self.side.priority
+                self.pside = cupy.cuda.Stream(non_blocking=True, priority=prio)
+            except (AttributeError, cupy.cuda.runtime.CUDARuntimeError):
+                self.pside = cupy.cuda.Stream(non_blocking=True)
+            self._pdone = cupy.cuda.Event(disable_timing=True)
+        if self._pending is not None:
+            self._take_stage(None, None, self._main_stream(stream))
+        self._predict = on
+
+    @property
+    def predict(self) -> bool:
+        """Whether prediction mode is on (:meth:`set_predict`)."""
+        return self._predict
+
+    def predict_summary(self) -> dict:
+        """``predict_stats`` on the host (synchronizes the device): rows copied by predicted
+        swaps, rows read from staging rows, rows staged, and precision (used / staged) and
+        recall (used / copied)."""
+        if self.predict_stats is None:
+            raise RuntimeError("prediction was never turned on (set_predict(True))")
+        rows, used, staged = (int(v) for v in cupy.asnumpy(self.predict_stats))
+        return {"rows": rows, "used": used, "staged": staged,
+                "precision": used / staged if staged else float("nan"),
+                "recall": used / rows if rows else float("nan")}
+
+    def _take_stage(self, loc, top_k_tokens, s: cupy.cuda.Stream):
+        """Join a pending prediction into the main stream (hazard 10); its stage fields if it
+        was made for full layer ``loc`` and this is a single-step call, else None."""
+        nxt, self._pending = self._pending, None
+        if nxt is None:
+            return None
+        s.wait_event(self._pdone)
+        if nxt != loc or len(getattr(top_k_tokens, "shape", ())) != 2:
+            return None
+        return self._stage_fields
+
+    def _queue_predict(self, step, nxt: int, snap: cupy.ndarray) -> None:
+        c, side = self.cache, self.pside
+        B, K = snap.shape
+        side.wait_event(self._fork)
+        nr = step.num_real
+        key = (step._key, ptr(step.req), ptr(step.seq_lens), ptr(nr), step._lens_stride, B, K,
+               nxt)
+        prm = self._pstage.get(key)
+        hs = _predict_hash_size(K)  # a single-step plan row holds at most K misses
+        if prm is None:
+            prm = self._pstage[key] = Params(_abi.PREDICT_STAGE).set(
+                topk=ptr(snap), plan_src=ptr(c.plan.src), plan_count=ptr(c.plan.count),
+                req=ptr(step.req), lens=ptr(step.seq_lens), num_real=ptr(nr),
+                host_locs=ptr(c.host_locs), slot_tokens=ptr(c.slot_tokens[nxt]),
+                stage_map=ptr(self._stage_map), stage_src=ptr(self._stage_src),
+                stage_count=ptr(self._stage_count), stage_stats=ptr(self.predict_stats),
+                n_host_rows=c.pool.n_rows, topk_stride=snap.strides[0] // 4, K=K, B=B,
+                R=c.max_requests, host_stride=c.max_len, slot_stride=c.slots, H=c.hot_size,
+                hash_size=hs, stage_width=self.predict_width, lens_stride=step._lens_stride,
+                plan_stride=c.plan.width, miss_hash_size=hs)
+        launch(_build.kernel(_build.PREDICT[step._key]), B, _abi.PREDICT_BLOCK, prm,
+               shared_mem=_abi.smem_bytes("PREDICT_STAGE", HS=hs, MS=hs), stream=side)
+        ckey = (B, ptr(nr), nxt, self.dry_run, int(self.spin_cycles))
+        cp = self._pcopy.get(ckey)
+        if cp is None:
+            cp = self._pcopy[ckey] = copy_params(
+                self._stage_src, self._stage_dst, self._stage_count, B, nr,
+                src_base=self._host[nxt], src_layer_bytes=0, n_src_rows=c.pool.n_rows,
+                dst_base=self._stage_rows.data.ptr, dst_layer_bytes=0,
+                n_dst_rows=self._stage_rows.shape[0], row_bytes=c.row_bytes,
+                dry_run=self.dry_run, spin_cycles=int(self.spin_cycles))
+        launch_copy(cp, grid=self.replay_grid, stream=side,
+                    rows_per_warp=self.replay_rows_per_warp, thin=self.replay_thin)
+        self._pdone.record(side)
+        self._pending = nxt
+
+    def _queue_replays(self, group, batch: int, num_real) -> None:
         c = self.cache
         plan = c.plan
-        self._fork.record(s)  # hazard 2 and 3: after the full layer's swap
         self.side.wait_event(self._fork)
         key = (batch, 0 if num_real is None else num_real.data.ptr, self.dry_run,
                int(self.spin_cycles))
@@ -356,13 +509,16 @@ class Prefetcher:
         self._joined = max(self._joined, p + 1)
 
     def finish(self, stream=None) -> None:
-        """End a decode step: join any replay no shared layer waited on into the main stream.
+        """End a decode step: join any replay no shared layer waited on (and a prediction no
+        full layer used) into the main stream.
 
         Costs nothing when every layer was called. Call it at the end of a captured step (every
         side branch must rejoin before ``end_capture``) and before changing ``num_real`` or
         the plan's inputs from outside the step.
         """
-        self._join(self._main_stream(stream))
+        s = self._main_stream(stream)
+        self._join(s)
+        self._take_stage(None, None, s)
         self._reset_step()
 
     def set_enabled(self, enabled: bool, stream=None) -> None:
@@ -377,6 +533,7 @@ class Prefetcher:
             return
         s = self._main_stream(stream)
         self._join(s)
+        self._take_stage(None, None, s)
         self._reset_step()
         if not enabled:
             c = self.cache
@@ -391,5 +548,12 @@ class Prefetcher:
         self._enabled = enabled
 
     def synchronize(self) -> None:
-        """Block the host until the side stream is idle (e.g. before freeing the cache)."""
+        """Block the host until the side streams are idle (e.g. before freeing the cache)."""
         self.side.synchronize()
+        if self.predict_stats is not None:
+            self.pside.synchronize()
+
+
+def _predict_hash_size(K: int) -> int:
+    """Hash slots of the prediction stager: a power of two >= 2 K (and >= 64)."""
+    return max(64, 1 << (2 * K - 1).bit_length())
