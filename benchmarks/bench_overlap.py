@@ -370,7 +370,9 @@ def capture_cc(rig: Rig):
         return rig.capture(rig.step_compute_copies)
 
 
-def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool) -> dict:
+def prepare_config(rig: Rig, B: int, rate: float) -> tuple[float, float, float]:
+    """Cold caches warmed up in overlap mode, the layer compute calibrated to
+    TARGET_LAYER_US; returns (misses per request, attention us, matmul us)."""
     s, pf = rig.main, rig.pf
     rig.B, rig.M = B, max(1, int(round(rate * K)))
     pf.set_enabled(True, s)
@@ -388,9 +390,15 @@ def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool) -> dict:
     mm_us = rig.compute.calibrate(TARGET_LAYER_US - attn_us)
     # second pass on the whole layer (launch gaps, the attention next to the compute)
     g = rig.capture(rig.step_no_offload)
-    t_step = statistics.median(time_calls(lambda i: g.launch(s), iters=5, stream=s))
+    t_step = statistics.median(time_calls(lambda i, g=g: g.launch(s), iters=5, stream=s))
     mm_us = rig.compute.calibrate(mm_us + TARGET_LAYER_US - t_step / rig.L)
     del g
+    return misses, attn_us, mm_us
+
+
+def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool) -> dict:
+    s, pf = rig.main, rig.pf
+    misses, attn_us, mm_us = prepare_config(rig, B, rate)
 
     graphs = {}
     graphs["no_offload"] = rig.capture(rig.step_no_offload)

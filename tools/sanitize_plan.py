@@ -1,8 +1,10 @@
 """Small run of the planned copy and the IndexCache prefetcher for compute-sanitizer.
 
-Covers replay_plan (several grids, padding via num_real, clamped and out-of-range entries,
-dry run, spin) and a few decode steps of a Prefetcher over "FSSFS" (full swaps on the main
-stream, replays on the side stream, event waits). Exits non-zero on any wrong byte.
+Covers replay_plan (several grids, rows per warp and block shapes, padding via num_real,
+clamped and out-of-range entries, dry run, spin) and a few decode steps of a Prefetcher over
+"FSSFS" (full swaps on the main stream, replays on the side stream, event waits), with and
+without prediction mode (the stager, staging copies, staged rows read by the next full layer's
+copy). Exits non-zero on any wrong byte.
 """
 
 from __future__ import annotations
@@ -48,10 +50,13 @@ def check_replay(s, rng) -> int:
     plan.count[...] = cupy.asarray(cnt)
     nr = cupy.full(1, 4, cupy.int32)
     bad = cupy.zeros(1, cupy.int32)
-    for grid, dry, spin in ((1, False, 0), (3, False, 500), (None, False, 0), (2, True, 0)):
+    runs = ((1, False, 0, 1, False), (3, False, 500, 1, False), (None, False, 0, 1, False),
+            (2, True, 0, 1, False), (2, False, 0, 4, False), (5, False, 0, 2, True))
+    for grid, dry, spin, rpw, thin in runs:
         dev[...] = POISON
         replay_plan(plan, B, device_rows=dev, pool=pool, layer=1, num_real=nr, grid=grid,
-                    dry_run=dry, spin_cycles=spin, bad=bad, stream=s)
+                    dry_run=dry, spin_cycles=spin, bad=bad, rows_per_warp=rpw, thin=thin,
+                    stream=s)
         got = cupy.asnumpy(dev)
         want = np.full((n_dev, ROW), POISON, np.uint8)
         if not dry:
@@ -61,15 +66,15 @@ def check_replay(s, rng) -> int:
                 if ok.any():
                     want[dst[b, :c][ok]] = pattern(1, src[b, :c][ok], ROW)
         errors += int((got != want).any(axis=1).sum())
-    if int(bad.get()[0]) != 4:
-        print(f"bad counter {int(bad.get()[0])}, expected 4")
+    if int(bad.get()[0]) != len(runs):
+        print(f"bad counter {int(bad.get()[0])}, expected {len(runs)}")
         errors += 1
     s.synchronize()
     pool.close()
     return errors
 
 
-def check_prefetch(s, rng) -> int:
+def check_prefetch(s, rng, predict: bool) -> int:
     pat = "FSSFS"
     L, R, H, K, max_len = len(pat), 2, 64, 32, 200
     cache = HotBufferCache(n_layers=L, max_requests=R, max_len=max_len, row_bytes=ROW,
@@ -82,20 +87,27 @@ def check_prefetch(s, rng) -> int:
     req = cupy.asarray(np.array(rids, np.int32))
     lens = cupy.full(R, max_len, cupy.int32)
     perm = rng.permutation(max_len - 1)
-    pf = Prefetcher(cache, pat, replay_grid=2)
+    pf = Prefetcher(cache, pat, replay_grid=2, predict=predict, predict_width=16)
+    own = rng.permutation(max_len - 1)
     errors = 0
-    for t in range(4):
+    for t in range(5):
         pos = (t * 6 + 53 * np.arange(R)[:, None] + np.arange(K)[None, :]) % (max_len - 1)
-        toks = perm[pos]
-        tk = cupy.asarray(toks.astype(np.int32))
-        outs = [pf.swap(layer, req, lens, tk, stream=s).copy() for layer in range(L)]
+        # full layer 3 selects every other position like layer 0, the rest its own tokens
+        toks = {0: perm[pos], 3: np.where(pos % 2 == 0, perm[pos], own[pos])}
+        tks = {f: cupy.asarray(v.astype(np.int32)) for f, v in toks.items()}
+        anchor = [0, 0, 0, 3, 3]
+        outs = [pf.swap(layer, req, lens, tks[anchor[layer]], stream=s).copy()
+                for layer in range(L)]
         pf.finish(s)
         s.synchronize()
-        host = np.array(rids)[:, None] * max_len + toks
         for layer in range(L):
+            host = np.array(rids)[:, None] * max_len + toks[anchor[layer]]
             locs = cupy.asnumpy(outs[layer]).reshape(-1)
             got = cupy.asnumpy(cache.device_rows(layer))[locs]
             errors += int((got != pattern(layer, host.reshape(-1), ROW)).any(axis=1).sum())
+    if predict and pf.predict_summary()["used"] == 0:
+        print("prediction staged nothing that was used")
+        errors += 1
     pf.synchronize()
     cache.close()
     return errors
@@ -106,7 +118,7 @@ def main() -> int:
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
         e1 = check_replay(s, rng)
-        e2 = check_prefetch(s, rng)
+        e2 = check_prefetch(s, rng, False) + check_prefetch(s, rng, True)
     cupy.cuda.Device().synchronize()
     print(f"sanitize_plan: {e1} wrong rows in replays, {e2} in prefetcher steps")
     return 1 if e1 or e2 else 0
