@@ -166,7 +166,11 @@ class Prefetcher:
         Measuring knob: replays do all their work but move no bytes (page tables of shared
         layers then point at stale rows).
     spin_cycles : int
-        Testing knob: every replayed row is delayed by this many clock cycles.
+        Testing knob: every replayed (and staged) row is delayed by this many clock cycles.
+    predict_stats : cupy.ndarray or None
+        Prediction mode's device counters (see :meth:`set_predict`); None until it is on.
+    pside : cupy.cuda.Stream
+        The prediction's side stream (once prediction mode was turned on).
 
     Notes
     -----
