@@ -366,7 +366,8 @@ class Prefetcher:
             self._anchor_topk = top_k_tokens
             self._anchor_out = out
             group = self.pattern.groups[loc] if self._enabled else ()
-            nxt = self._next_full.get(loc) if self._predict and len(shape) == 2 else None
+            nxt = (self._next_full.get(loc) if self._enabled and self._predict and len(shape) == 2
+                   else None)
             if nxt is not None:  # the stager reads its own copy of this top-k (hazard 11)
                 with s:
                     topk = _checks.token_rows("top_k_tokens", top_k_tokens, step._dev)
@@ -384,7 +385,7 @@ class Prefetcher:
     def set_predict(self, on: bool, stream=None) -> None:
         """Prediction mode on or off (between steps; queued on ``stream``, no host sync).
 
-        On (prefetch on, single-step swaps): after each full layer's swap a side stream
+        On (with prefetch on; single-step swaps): after each full layer's swap a side stream
         guesses the rows the next full layer of the stage will miss (the tokens this layer's
         swap just missed on that the next layer's LRU slots do not hold either; neighbouring
         layers select largely the same tokens, so what is new to one is likely new to the
@@ -407,7 +408,7 @@ class Prefetcher:
             self._stage_map = cupy.full(c.pool.n_rows, -1, cupy.int32)
             self._ptopk = cupy.empty((c.max_batch, c.top_k), cupy.int32)
             self.predict_stats = cupy.zeros(3, cupy.uint64)
-            self._pstage: dict = {}  # (step key, pointers, next layer) -> stager Params
+            self._pstage: dict = {}  # (batch, K, next layer) -> stager Params
             self._pcopy: dict = {}  # (batch, num_real, next layer, knobs) -> copy Params
             self._stage_fields = {
                 "stage_map": ptr(self._stage_map), "stage_src": ptr(self._stage_src),
@@ -455,21 +456,21 @@ class Prefetcher:
         B, K = snap.shape
         side.wait_event(self._fork)
         nr = step.num_real
-        key = (step._key, ptr(step.req), ptr(step.seq_lens), ptr(nr), step._lens_stride, B, K,
-               nxt)
-        prm = self._pstage.get(key)
         hs = _predict_hash_size(K)  # a single-step plan row holds at most K misses
+        key = (B, K, nxt)
+        prm = self._pstage.get(key)
         if prm is None:
             prm = self._pstage[key] = Params(_abi.PREDICT_STAGE).set(
                 topk=ptr(snap), plan_src=ptr(c.plan.src), plan_count=ptr(c.plan.count),
-                req=ptr(step.req), lens=ptr(step.seq_lens), num_real=ptr(nr),
                 host_locs=ptr(c.host_locs), slot_tokens=ptr(c.slot_tokens[nxt]),
                 stage_map=ptr(self._stage_map), stage_src=ptr(self._stage_src),
                 stage_count=ptr(self._stage_count), stage_stats=ptr(self.predict_stats),
                 n_host_rows=c.pool.n_rows, topk_stride=snap.strides[0] // 4, K=K, B=B,
                 R=c.max_requests, host_stride=c.max_len, slot_stride=c.slots, H=c.hot_size,
-                hash_size=hs, stage_width=self.predict_width, lens_stride=step._lens_stride,
-                plan_stride=c.plan.width, miss_hash_size=hs)
+                hash_size=hs, stage_width=self.predict_width, plan_stride=c.plan.width,
+                miss_hash_size=hs)
+        prm.set(req=ptr(step.req), lens=ptr(step.seq_lens), num_real=ptr(nr),
+                lens_stride=step._lens_stride)  # the step's batch (any buffers)
         launch(_build.kernel(_build.PREDICT[step._key]), B, _abi.PREDICT_BLOCK, prm,
                shared_mem=_abi.smem_bytes("PREDICT_STAGE", HS=hs, MS=hs), stream=side)
         ckey = (B, ptr(nr), nxt, self.dry_run, int(self.spin_cycles))
