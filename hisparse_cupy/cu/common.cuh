@@ -1,8 +1,8 @@
 // hisparse_cupy: helpers shared by every kernel.
 //
-// - the one row-copy primitive (copy_rows_warp; copy_row_warp for one row): a warp moves R
-//   rows of 16-byte vectors, issuing every load of a pass before its first store, so R rows
-//   cost one host round trip;
+// - the one row-copy primitive (copy_rows_warp): a warp moves R rows of 16-byte vectors,
+//   issuing every load of a pass before its first store, so R rows cost one host round trip
+//   (copy_owned_rows_warp feeds it the rows a warp's lanes own);
 // - block-wide exclusive scan (bounded to the block's warps);
 // - Programmatic Dependent Launch helpers as inline PTX (NVRTC has no
 //   cudaGridDependencySynchronize), no-ops below sm_90;
@@ -113,26 +113,28 @@ __device__ __forceinline__ void copy_rows_warp(u8* const (&dst)[R], const u8* co
   }
 }
 
-// One row per warp (copy_rows_warp with R = 1).
-__device__ __forceinline__ void copy_row_warp(u8* __restrict__ dst, const u8* __restrict__ src,
-                                              int row_bytes, int lane) {
-  u8* const d[1] = {dst};
-  const u8* const s[1] = {src};
-  copy_rows_warp<1, HS_COPY_VPL>(d, s, row_bytes, lane);
-}
-
 // Every lane whose `owner` is set has its row (src -> dst, row indices) copied by the whole warp,
-// one row after another. Every lane of the warp must call it (warp collectives).
+// OWNED_ROWS rows in flight at a time. Every lane of the warp must call it (warp collectives).
+constexpr int OWNED_ROWS = 4;
 __device__ __forceinline__ void copy_owned_rows_warp(bool owner, i64 src, i64 dst, u8* dst_base,
                                                      const u8* src_base, int row_bytes,
                                                      int lane) {
-  unsigned om = __ballot_sync(FULL_MASK, owner);
+  unsigned om = __ballot_sync(FULL_MASK, owner);  // warp-uniform: the branches below are too
   while (om) {
-    const int l = __ffs(om) - 1;
-    om &= om - 1;
-    const i64 s = __shfl_sync(FULL_MASK, src, l);
-    const i64 d = __shfl_sync(FULL_MASK, dst, l);
-    copy_row_warp(dst_base + d * row_bytes, src_base + s * row_bytes, row_bytes, lane);
+    u8* d[OWNED_ROWS];
+    const u8* s[OWNED_ROWS];
+#pragma unroll
+    for (int r = 0; r < OWNED_ROWS; ++r) {
+      d[r] = nullptr;
+      s[r] = nullptr;
+      if (om) {
+        const int l = __ffs(om) - 1;
+        om &= om - 1;
+        s[r] = src_base + __shfl_sync(FULL_MASK, src, l) * row_bytes;
+        d[r] = dst_base + __shfl_sync(FULL_MASK, dst, l) * row_bytes;
+      }
+    }
+    copy_rows_warp<OWNED_ROWS, 2>(d, s, row_bytes, lane);
   }
 }
 

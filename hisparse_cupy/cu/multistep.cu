@@ -136,8 +136,8 @@ __device__ __forceinline__ bool row_is_bad(const MultiStepParams& p, i64 rid, in
 //        publish u. A claimer with u < C owns the copy into scratch_locs[u]; the others
 //        (claimers with u >= C, duplicates whose claimer has not published a u < C yet) write
 //        the placeholder -2 - position, resolved by the commit.
-//     3. the warp copies its owners' rows, one row at a time, with copy_row_warp; the owner
-//        writes the plan entry u.
+//     3. the warp copies its owners' rows, OWNED_ROWS in flight at a time
+//        (copy_owned_rows_warp); the owner writes the plan entry u.
 //     4. per-block counts -> the row's counters (one atomicAdd each).
 //   Shared memory: 4 static ints (block counts).
 // =====================================================================================
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   }
 
   HS_PHASE(2);
-  // ---- phase 3: copy, one row per owner, the whole warp per row
+  // ---- phase 3: copy, one row per owner, the whole warp per row (OWNED_ROWS in flight)
   copy_owned_rows_warp(owner, hl, o, p.dev_base, p.host_base, row_bytes, lane);
   HS_PHASE(3);
 
