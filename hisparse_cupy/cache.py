@@ -611,8 +611,10 @@ class Step:
             cp = self._copy
             for k, v in stage.items():
                 cp[k][layer] = v
-            la_copy(grid_copy, sptr, self._bases[1] + layer * cp.itemsize)
-            cp["stage_map"][layer] = 0  # the struct's bytes were taken at the launch
+            try:
+                la_copy(grid_copy, sptr, self._bases[1] + layer * cp.itemsize)
+            finally:
+                cp["stage_map"][layer] = 0  # the struct's bytes were taken at the launch
         if check:
             _checks.raise_on_status(c.status[:B], topk, self.seq_lens,
                                     max_len=c.max_len, stream=self.stream)

@@ -14,7 +14,8 @@
 
 #if !defined(HS_ST_RANGE) || !defined(HS_N_STATUS) || !defined(HS_MAX_HOT) ||     \
     !defined(HS_RESOLVE_BLOCK) || !defined(HS_COPY_WARPS) || !defined(HS_MS_BUCKET) || \
-    !defined(HS_COMMIT_BLOCK) || !defined(HS_GATHER_BLOCK) || !defined(HS_INIT_BLOCK)
+    !defined(HS_COMMIT_BLOCK) || !defined(HS_GATHER_BLOCK) || !defined(HS_INIT_BLOCK) || \
+    !defined(HS_PREDICT_BLOCK) || !defined(HS_THIN_COPY_REGS)
 #error "compile with the -D macros of hisparse_cupy._abi.defines()"
 #endif
 

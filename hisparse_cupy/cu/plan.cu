@@ -95,10 +95,10 @@ __device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p) {
         my_src = p.src_base + layer * p.src_layer_bytes + s * row_bytes;
         my_dst = p.dst_base + layer * p.dst_layer_bytes + d * row_bytes;
         if (p.stage_map != nullptr) {  // a staged copy of the row: read it there
-          const i64 lo = static_cast<i64>(b) * p.stage_width;
+          const i64 j0 = static_cast<i64>(b) * p.stage_width;
           const int c = p.stage_count[b];
           const i64 j = p.stage_map[s];
-          const bool staged = j >= lo && j < lo + (c < p.stage_width ? c : p.stage_width) &&
+          const bool staged = j >= j0 && j < j0 + (c < p.stage_width ? c : p.stage_width) &&
                               p.stage_src[j] == s;
           if (staged) my_src = p.stage_base + j * row_bytes;
           if (p.stage_stats) {

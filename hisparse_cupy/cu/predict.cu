@@ -54,8 +54,9 @@ __global__ void __launch_bounds__(PREDICT_BLOCK) predict_stage(const PredictStag
 
   const int mshift = 32 - (__ffs(MS) - 1);  // MS and HS are powers of two >= 64
   const int mmask = MS - 1;
-  int nm = p.plan_count[b];
-  nm = nm < 0 ? 0 : (nm > p.plan_stride ? p.plan_stride : nm);
+  int nm = p.plan_count[b];  // (at most K for a single-step swap; clamped to the hash's half)
+  const int nm_max = p.plan_stride < (MS >> 1) ? p.plan_stride : (MS >> 1);
+  nm = nm < 0 ? 0 : (nm > nm_max ? nm_max : nm);
   const i64* miss = p.plan_src + static_cast<i64>(b) * p.plan_stride;
   for (int i = threadIdx.x; i < nm; i += PREDICT_BLOCK) {
     const i64 hl = miss[i];

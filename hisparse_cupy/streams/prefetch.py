@@ -87,9 +87,13 @@ F''s swap reads its staged misses there.
     full layer's snapshot, after the main stream waited on ``_pdone``.
 12. **A wrong byte from a wrong guess.** A staged row is used only for the host row it was
     copied from (``stage_src`` checked against the miss's host row, per batch row, within the
-    rows staged this time), and host rows change only through ``backup_newest`` before the
+    rows staged this time), only by the full layer it was staged for, right after the full
+    layer that staged it and with the same batch (a step that skips layers ends with
+    :meth:`Prefetcher.finish`, which drops an unused prediction: host rows may change between
+    steps), and within a step host rows change only through ``backup_newest`` before the
     step's swaps (hazard 7); misses and slots are decided by F''s resolve as without
-    prediction. A wrong guess costs link bandwidth, never a byte.
+    prediction. A wrong guess costs link bandwidth, never a byte. No prediction is made while
+    ``dry_run`` is set (its staging copy would move no bytes).
 """
 
 from __future__ import annotations
@@ -231,7 +235,8 @@ class Prefetcher:
                               _checks.integer("predict_width", predict_width, 1,
                                               cache.top_k))
         self._predict = False
-        self._pending: int | None = None  # full layer whose rows are being staged
+        # pending prediction: (full layer it made, the next full layer, batch) or None
+        self._pending: tuple[int, int, int] | None = None
         self.predict_stats = None
         self._reset_step()
         self.set_predict(predict)
@@ -344,7 +349,7 @@ class Prefetcher:
         self._join(s)  # hazard 4: the swap below rewrites the plan
         stage = None
         if full:
-            stage = self._take_stage(loc, top_k_tokens, s)
+            stage = self._take_stage(loc, top_k_tokens, s, step.batch)
             self._reset_step()
         B = step.batch
         shape = getattr(top_k_tokens, "shape", ())
@@ -367,7 +372,7 @@ class Prefetcher:
             self._anchor_out = out
             group = self.pattern.groups[loc] if self._enabled else ()
             nxt = (self._next_full.get(loc) if self._enabled and self._predict and len(shape) == 2
-                   else None)
+                   and not self.dry_run else None)
             if nxt is not None:  # the stager reads its own copy of this top-k (hazard 11)
                 with s:
                     topk = _checks.token_rows("top_k_tokens", top_k_tokens, step._dev)
@@ -378,7 +383,7 @@ class Prefetcher:
             if group:
                 self._queue_replays(group, B, step.num_real)
             if nxt is not None:
-                self._queue_predict(step, nxt, snap)
+                self._queue_predict(step, loc, nxt, snap)
         return out
 
     # ------------------------------------------------------------------ prediction
@@ -440,18 +445,21 @@ class Prefetcher:
                 "precision": used / staged if staged else float("nan"),
                 "recall": used / rows if rows else float("nan")}
 
-    def _take_stage(self, loc, top_k_tokens, s: cupy.cuda.Stream):
+    def _take_stage(self, loc, top_k_tokens, s: cupy.cuda.Stream, batch: int = 0):
         """Join a pending prediction into the main stream (hazard 10); its stage fields if it
-        was made for full layer ``loc`` and this is a single-step call, else None."""
-        nxt, self._pending = self._pending, None
-        if nxt is None:
+        was made for full layer ``loc`` of this step (the last full layer swapped made it, and
+        the batch is the same) and this is a single-step call, else None."""
+        pending, self._pending = self._pending, None
+        if pending is None:
             return None
         s.wait_event(self._pdone)
-        if nxt != loc or len(getattr(top_k_tokens, "shape", ())) != 2:
+        made_by, nxt, B = pending
+        if (nxt != loc or made_by != self._anchor or B != batch
+                or len(getattr(top_k_tokens, "shape", ())) != 2):
             return None
         return self._stage_fields
 
-    def _queue_predict(self, step, nxt: int, snap: cupy.ndarray) -> None:
+    def _queue_predict(self, step, made_by: int, nxt: int, snap: cupy.ndarray) -> None:
         c, side = self.cache, self.pside
         B, K = snap.shape
         side.wait_event(self._fork)
@@ -485,7 +493,7 @@ class Prefetcher:
         launch_copy(cp, grid=self.replay_grid, stream=side,
                     rows_per_warp=self.replay_rows_per_warp, thin=self.replay_thin)
         self._pdone.record(side)
-        self._pending = nxt
+        self._pending = (made_by, nxt, B)
 
     def _queue_replays(self, group, batch: int, num_real) -> None:
         c = self.cache
@@ -517,9 +525,11 @@ class Prefetcher:
         """End a decode step: join any replay no shared layer waited on (and a prediction no
         full layer used) into the main stream.
 
-        Costs nothing when every layer was called. Call it at the end of a captured step (every
-        side branch must rejoin before ``end_capture``) and before changing ``num_real`` or
-        the plan's inputs from outside the step.
+        Costs nothing when every layer was called. With prediction on, a step that does not
+        call every layer of the stage must end with it: rows staged in one step are never
+        used in the next (host rows may change between steps). Call it at the end of a
+        captured step (every side branch must rejoin before ``end_capture``) and before
+        changing ``num_real`` or the plan's inputs from outside the step.
         """
         s = self._main_stream(stream)
         self._join(s)
