@@ -585,9 +585,9 @@ def test_prediction_negative_control_no_wait(main):
     from hisparse_cupy.streams import Prefetcher
 
     class NoStageWait(Prefetcher):
-        def _take_stage(self, loc, top_k_tokens, s):
-            nxt, self._pending = self._pending, None
-            return self._stage_fields if nxt is not None and nxt == loc else None
+        def _take_stage(self, loc, top_k_tokens, s, batch=0):
+            pending, self._pending = self._pending, None
+            return self._stage_fields if pending is not None and pending[1] == loc else None
 
     pat = "FFFF"  # full layers back to back: the next swap follows at once
     L, R, B = 4, 4, 4
