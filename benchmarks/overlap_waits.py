@@ -45,7 +45,7 @@ def instrument(pf, log: list) -> None:
         return r
 
     pf._wait_position = lambda p, s: timed("shared", wait_position, s, p, s)
-    pf._take_stage = lambda loc, tk, s: timed("stage", take_stage, s, loc, tk, s)
+    pf._take_stage = lambda loc, tk, s, batch=0: timed("stage", take_stage, s, loc, tk, s, batch)
 
     def swap(step, layer, tk=None):
         if not pf.pattern.full[pf.pattern.local_index(layer)]:
