@@ -106,8 +106,9 @@ def launch_copy(params: Params, *, to_host: bool = False, grid: int, stream,
 
     Host -> device only (checked by the caller): ``rows_per_warp``, rows each warp keeps in
     flight (one of :data:`ROWS_PER_WARP`); ``thin``, one-warp blocks of at most
-    ``_abi.THIN_COPY_REGS`` registers a thread, which fit on an SM beside a CTA of a persistent
-    GEMM instead of delaying it (a side-stream replay beside the model's matmuls)."""
+    ``_abi.THIN_COPY_REGS`` registers a thread, short-lived and small, for a side-stream replay
+    beside the model's matmuls (measured against the default in ``benchmarks/NOTES.md``,
+    "Copies beside compute": better beside a steady matmul loop, worse in the decode step)."""
     B = int(params["B"])
     if B == 0 or params["n_layers"] == 0:
         return

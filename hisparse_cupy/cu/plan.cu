@@ -133,10 +133,12 @@ __global__ void __launch_bounds__(COPY_WARPS * 32) planned_copy(const PlannedCop
   planned_copy_body<SrcT, DstT, R, COPY_WARPS>(p);
 }
 
-// The thin copy: one warp per block, at most 32 registers a thread, so that a block fits on an
-// SM beside a CTA of Hopper's persistent cuBLAS GEMMs (384 threads x 168 registers: 1024 of the
-// SM's 65536 registers left) instead of delaying it (benchmarks/NOTES.md, "Copies beside a
-// GEMM"). __maxnreg__ needs NVRTC 12.4; older ones get an uncapped one-warp block.
+// The thin copy: one warp per block, at most 32 registers a thread: small, short-lived blocks
+// for a copy beside Hopper's persistent cuBLAS GEMMs, which hold back an SM's CTA while any
+// copy block stays there. (Built to fit beside such a CTA: 384 threads x 168 registers leave
+// 1024 of the SM's 65536, but per register sub-partition only 256, one 8-register warp, so it
+// does not; benchmarks/NOTES.md, "Copies beside compute".) __maxnreg__ needs NVRTC 12.4; older
+// ones get an uncapped one-warp block.
 #if defined(__CUDACC_VER_MAJOR__) && \
     (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
 #define HS_THIN_BOUNDS __maxnreg__(HS_THIN_COPY_REGS)

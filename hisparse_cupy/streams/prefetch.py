@@ -142,9 +142,9 @@ class Prefetcher:
         Rows each warp of a replay keeps in flight (one of ``hisparse_cupy.plan.ROWS_PER_WARP``;
         default :data:`DEFAULT_REPLAY_ROWS_PER_WARP`).
     replay_thin : bool
-        Replays in one-warp blocks with capped registers, which fit on an SM beside a CTA of
-        a persistent GEMM (``hisparse_cupy.plan.launch_copy``); give ``replay_grid`` a few
-        blocks per SM.
+        Replays in one-warp blocks with capped registers (``hisparse_cupy.plan.launch_copy``);
+        give ``replay_grid`` a few blocks per SM. Measured worse than the default in the
+        decode benchmark (``benchmarks/NOTES.md``).
     predict : bool
         Prediction mode (single-step swaps): while a full layer computes, stage the rows the
         next full layer will probably miss (see :meth:`set_predict`). Default off.
