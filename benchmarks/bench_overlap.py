@@ -415,11 +415,7 @@ def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool) -> dict:
     pf.set_enabled(True, s)
 
     def prepare(mode):
-        pf.set_enabled(mode != "no_overlap", s)
-        pf.dry_run = mode == "overlap_skip_io"
-        pf.set_predict(mode == "overlap_predict", s)
-        if pf.predict:
-            pf.predict_stats.fill(0)
+        set_mode(pf, mode, s)
 
     eager_fn = {"no_offload": rig.step_no_offload, "no_overlap": rig.step_offload,
                 "overlap": rig.step_offload, "overlap_skip_io": rig.step_offload,
@@ -505,6 +501,16 @@ def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool) -> dict:
     return out
 
 
+def set_mode(pf: Prefetcher, mode: str, s: cupy.cuda.Stream) -> None:
+    """Set the prefetcher up for one of the offload modes of MODES (prefetch, dry run,
+    prediction; prediction's counters zeroed)."""
+    pf.set_enabled(mode != "no_overlap", s)
+    pf.dry_run = mode == "overlap_skip_io"
+    pf.set_predict(mode == "overlap_predict", s)
+    if pf.predict:
+        pf.predict_stats.fill(0)
+
+
 def run_predict_sweep(rig: Rig, base: dict, iters: int) -> list[dict]:
     """No overlap, overlap and prediction (graph) with neighbouring full layers' top-k
     overlapping by each of COMMON (cold caches, warmed up, for each)."""
@@ -520,10 +526,7 @@ def run_predict_sweep(rig: Rig, base: dict, iters: int) -> list[dict]:
             rig.step_offload()
         t = {}
         for mode in ("no_overlap", "overlap", "overlap_predict"):
-            pf.set_enabled(mode != "no_overlap", s)
-            pf.set_predict(mode == "overlap_predict", s)
-            if pf.predict:
-                pf.predict_stats.fill(0)
+            set_mode(pf, mode, s)
             g = rig.capture(rig.step_offload)
             t[mode] = _ms(summary(time_calls(lambda i, g=g: g.launch(s), iters=iters,
                                              warmup=WARMUP, stream=s)))

@@ -76,10 +76,7 @@ def main() -> int:
     e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
     res = {}
     for mode in ("no_overlap", "overlap", "overlap_predict"):
-        pf.set_enabled(mode != "no_overlap", main_s)
-        pf.set_predict(mode == "overlap_predict", main_s)
-        if pf.predict:
-            pf.predict_stats.fill(0)
+        bo.set_mode(pf, mode, main_s)
         steps = {"step_ms": [], "shared_ms": [], "stage_ms": [], "full_swap_ms": []}
         for i in range(bo.WARMUP + a.steps):
             log.clear()

@@ -256,13 +256,14 @@ def resolve_sizes(top_k: int, hot_size: int) -> dict[str, int]:
     return {"K": top_k, "H": hot_size, "HS": hash_size(top_k), "NW": RESOLVE_BLOCK // 32}
 
 
-def hash_size(top_k: int) -> int:
-    """Shared hash slots for a top-k of ``top_k`` entries (power of two, load <= 1/4).
+def hash_size(top_k: int, spread: int = 4) -> int:
+    """Shared hash slots for a top-k of ``top_k`` entries (power of two, load <= 1/spread).
 
     A warp waits for its longest probe sequence; at load 1/2 that tail made the lookups
-    dominate the resolve, at 1/4 it is a few probes (benchmarks/NOTES.md).
+    dominate the resolve, at 1/4 it is a few probes (benchmarks/NOTES.md). The prediction
+    stager, off the critical path, uses spread 2 (half the shared memory).
     """
-    return max(64, 1 << (4 * top_k - 1).bit_length())
+    return max(64, 1 << (spread * top_k - 1).bit_length())
 
 
 # ------------------------------------------------------------------------------- -D macros

@@ -464,7 +464,7 @@ class Prefetcher:
         B, K = snap.shape
         side.wait_event(self._fork)
         nr = step.num_real
-        hs = _predict_hash_size(K)  # a single-step plan row holds at most K misses
+        hs = _abi.hash_size(K, spread=2)  # a single-step plan row holds at most K misses
         key = (B, K, nxt)
         prm = self._pstage.get(key)
         if prm is None:
@@ -567,8 +567,3 @@ class Prefetcher:
         self.side.synchronize()
         if self.predict_stats is not None:
             self.pside.synchronize()
-
-
-def _predict_hash_size(K: int) -> int:
-    """Hash slots of the prediction stager: a power of two >= 2 K (and >= 64)."""
-    return max(64, 1 << (2 * K - 1).bit_length())
