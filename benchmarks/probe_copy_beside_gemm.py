@@ -14,7 +14,11 @@ block, register cap, rows in flight per warp, grid):
 The copy is the package's row-copy primitive (``copy_rows_warp`` of ``cu/common.cuh``) over a
 flat list of (host row, device row) pairs; ``regs`` is the kernel's register count.
 
-    python benchmarks/probe_copy_beside_gemm.py [--m 2048] [--out DIR]
+    python benchmarks/probe_copy_beside_gemm.py [--m 2048] [--sm-carveout N] [--out DIR]
+
+``--sm-carveout N`` asks cuBLAS, through PyTorch's experimental SM carveout, to leave N SMs
+out of the matmul (a compute that leaves SMs free for the copy), times the matmul alone with it
+(its own cost, against the uncapped matmul) and runs copy grids of N blocks beside it.
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ def main() -> int:
     ap.add_argument("--gemms", type=int, default=60, help="matmuls per timed loop")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--gemm-only", action="store_true", help="only the matmul loop (profiling)")
+    ap.add_argument("--sm-carveout", type=int, default=0, metavar="N",
+                    help="leave N SMs out of the matmul (PyTorch's experimental SM carveout)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import torch
@@ -147,6 +153,22 @@ def main() -> int:
         return statistics.median(tm), statistics.median(ts)
 
     gemm_ms, _ = timed(fn_main=gemm_loop)
+    variants = VARIANTS
+    gemm_full_ms = gemm_ms
+    if a.sm_carveout:
+        setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+        if setter is None or not 0 < a.sm_carveout < info["sms"]:
+            raise SystemExit(f"--sm-carveout needs 0 < N < {info['sms']} and a PyTorch with "
+                             "torch._C._set_sm_carveout_experimental (this is "
+                             f"{torch.__version__})")
+        setter(a.sm_carveout)
+        gemm_ms, _ = timed(fn_main=gemm_loop)
+        n = a.sm_carveout
+        variants = [(256, 0, 1, 4, 33, "high"), (256, 0, 1, 4, n, "high"),
+                    (256, 0, 2, 4, n, "high"), (256, 0, 4, 2, n, "high"),
+                    (512, 0, 2, 4, n, "high"), (256, 0, 2, 4, n, "default")]
+        print(f"SM carveout {n}: matmul loop {gemm_ms:.3f} ms against {gemm_full_ms:.3f} ms on "
+              f"every SM ({100 * (gemm_ms / gemm_full_ms - 1):+.1f} %)")
     if a.gemm_only:  # (for a profiler's launch statistics of the matmul's kernel)
         return 0
     print(f"{info['name']}: matmul [{a.m}, 4096] x [4096, 4096] fp16, {a.gemms} per loop: "
@@ -155,7 +177,7 @@ def main() -> int:
     print(f"{'threads':>7} {'maxreg':>6} {'R':>2} {'VPL':>3} {'grid':>5} {'prio':>7} {'regs':>4} "
           f"{'copy alone GB/s':>15} {'gemm slowdown':>13} {'copy GB/s beside':>16}")
     rows = []
-    for threads, maxreg, r, vpl, g, prio in VARIANTS:
+    for threads, maxreg, r, vpl, g, prio in variants:
         side = sides[prio]
         k = kernel(threads, maxreg, r, vpl)
         grid = g
@@ -170,7 +192,7 @@ def main() -> int:
         # loop's time beyond the GEMM at the alone rate
         rest = max(0.0, t_side - t_main)
         beside = max(0.0, n_launch * nbytes - rest * 1e-3 * alone * 1e9) / (t_main * 1e-3) / 1e9
-        slow = t_main / gemm_ms - 1.0
+        slow = t_main / gemm_full_ms - 1.0  # against the matmul on every SM
         rows.append({"threads": threads, "maxreg": maxreg, "rows_per_warp": r, "vpl": vpl,
                      "grid": grid, "side_priority": prio, "regs": k.num_regs,
                      "copy_alone_GBps": alone,
@@ -181,8 +203,10 @@ def main() -> int:
     ok = bool((cupy.asnumpy(dev) == 7).all())
     print(f"bytes: {'ok' if ok else 'WRONG'}")
     if a.out:
-        write_json(a.out, "probe_copy_beside_gemm.json",
-                   {"device": info, "args": vars(a), "gemm_alone_ms": gemm_ms, "rows": rows,
+        name = f"probe_copy_beside_gemm{f'_carveout{a.sm_carveout}' if a.sm_carveout else ''}"
+        write_json(a.out, f"{name}.json",
+                   {"device": info, "args": vars(a), "gemm_alone_ms": gemm_ms,
+                    "gemm_every_sm_ms": gemm_full_ms, "rows": rows,
                     "bytes_ok": ok})
     pool.close()
     return 0 if ok else 1

@@ -11,21 +11,23 @@
 #   6. the decode loop (python -m hisparse_cupy demo, default sizes, every mode eager and graph,
 #      self-check), JSON + PNG in results; --demo=ARGS replaces its arguments, --no-demo skips it;
 #   7. with --peer DIR (a copy of the peer_sglang probe, e.g. .peer): SGLang's kernels beside
-#      ours (bench_peer.py --quick, bench_peer_spec.py --quick), JSON.
+#      ours (bench_peer.py --quick, bench_peer_spec.py --quick; --peer-full: their full grids),
+#      JSON.
 # Logs and results go under $OUT (default ./gpu_check_out): summary.txt, pytest.log,
 # sanitize.log, bench.log and results.tgz (benchmark JSON/PNG). Exit status: non-zero if any
 # step failed.
 #
 # Usage: bash tools/gpu_check.sh [--no-tests] [--no-sanitize] [--no-bench] [--full-bench]
 #                                [--full=bench_NAME ...]   (that benchmark in full, others quick)
-#                                [--peer=DIR] [--tests=PYTEST_ARGS] [--no-demo] [--demo=ARGS]
+#                                [--peer=DIR] [--peer-full] [--tests=PYTEST_ARGS] [--no-demo]
+#                                [--demo=ARGS]
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT" "$OUT/results"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-tests=1 sanitize=1 bench=1 quick=--quick full_only= peer= test_args=tests demo=1
+tests=1 sanitize=1 bench=1 quick=--quick full_only= peer= peer_mode=--quick test_args=tests demo=1
 demo_args="--steps 100 --warmup 20 --eager-and-graph"
 for a in "$@"; do
   case $a in
@@ -33,6 +35,7 @@ for a in "$@"; do
     --full-bench) quick= ;;
     --full=*) full_only="$full_only ${a#--full=}" ;;
     --peer=*) peer=${a#--peer=} ;;
+    --peer-full) peer_mode= ;;
     --tests=*) test_args=${a#--tests=} ;;
     --no-demo) demo=0 ;; --demo=*) demo_args=${a#--demo=} ;;
     *) echo "unknown option $a"; exit 2 ;;
@@ -112,9 +115,9 @@ summary "host_overhead rc=$rc ($((SECONDS - t0)) s)"
 if [ -n "$peer" ]; then
   for b in bench_peer bench_peer_spec; do
     t0=$SECONDS
-    timeout "${BENCH_TIMEOUT:-900}" $PY "$peer/$b.py" --quick --out "$OUT/peer" >"$OUT/$b.log" 2>&1
+    timeout "${BENCH_TIMEOUT:-900}" $PY "$peer/$b.py" $peer_mode --out "$OUT/peer" >"$OUT/$b.log" 2>&1
     rc=$?
-    summary "peer $b --quick rc=$rc ($((SECONDS - t0)) s)"
+    summary "peer $b ${peer_mode:-full} rc=$rc ($((SECONDS - t0)) s)"
     [ $rc = 0 ] || fail=1
   done
   [ -d "$OUT/peer" ] && tar -czf "$OUT/peer.tgz" -C "$OUT" peer && rm -rf "$OUT/peer"
