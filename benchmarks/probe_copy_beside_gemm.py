@@ -18,7 +18,9 @@ flat list of (host row, device row) pairs; ``regs`` is the kernel's register cou
 
 ``--sm-carveout N`` asks cuBLAS, through PyTorch's experimental SM carveout, to leave N SMs
 out of the matmul (a compute that leaves SMs free for the copy), times the matmul alone with it
-(its own cost, against the uncapped matmul) and runs copy grids of N blocks beside it.
+(its own cost, against the uncapped matmul) and runs copy grids of N blocks beside it, launched
+per copy (``each``) or once for the whole loop (``resident``: the copy kernel repeats the rows,
+so its blocks hold their SMs throughout and the matmul's CTAs never wait for one).
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ _SRC = r"""
 using namespace hs;
 extern "C" __global__ void PB_BOUNDS
 probe_copy(const long long* __restrict__ src, const int* __restrict__ dst, int n,
-           const u8* host, u8* dev, int row_bytes) {
+           const u8* host, u8* dev, int row_bytes, int reps) {
   const int lane = threadIdx.x & 31;
   const long long gw = static_cast<long long>(blockIdx.x) * (PB_THREADS / 32) + threadIdx.x / 32;
   const long long nw = static_cast<long long>(gridDim.x) * (PB_THREADS / 32);
+  for (int rep = 0; rep < reps; ++rep)
   for (long long g0 = gw * PB_R; g0 < n; g0 += nw * PB_R) {
     const u8* s[PB_R];
     u8* d[PB_R];
@@ -72,8 +75,9 @@ VARIANTS = [
 ]
 
 
-def kernel(threads, maxreg, r, vpl):
-    opts = tuple(o for o in _build.options()) + (
+def kernel(threads, maxreg, r, vpl, extra=()):
+    """The probe copy kernel of that shape (``extra``: more NVRTC options, e.g. -D macros)."""
+    opts = tuple(o for o in _build.options()) + tuple(extra) + (
         f"-DPB_THREADS={threads}", f"-DPB_R={r}", f"-DPB_VPL={vpl}",
         # launch bounds override --maxrregcount: a capped variant has none
         *((f"--maxrregcount={maxreg}", "-DPB_BOUNDS=") if maxreg else
@@ -123,10 +127,13 @@ def main() -> int:
             for _ in range(a.gemms):
                 torch.matmul(x, w, out=y)
 
-    def copy_loop(k, threads, grid, n_launch):
-        for _ in range(n_launch):
+    def copy_loop(k, threads, grid, n_launch, resident=False):
+        """n_launch copies of the rows: n_launch launches, or one launch that repeats them
+        (``resident``: its blocks stay on their SMs for the whole loop)."""
+        for _ in range(1 if resident else n_launch):
             k((grid,), (threads,), (src, dst, np.int32(a.rows), host, dev,
-                                    np.int32(a.row_bytes)), stream=side)
+                                    np.int32(a.row_bytes), np.int32(n_launch if resident else 1)),
+              stream=side)
 
     e = [cupy.cuda.Event() for _ in range(4)]
 
@@ -164,9 +171,12 @@ def main() -> int:
         setter(a.sm_carveout)
         gemm_ms, _ = timed(fn_main=gemm_loop)
         n = a.sm_carveout
+        # N blocks: launched per copy, or resident (one launch for the whole loop, so its blocks
+        # hold N SMs and the matmul, told to leave N SMs, never waits for an SM)
         variants = [(256, 0, 1, 4, 33, "high"), (256, 0, 1, 4, n, "high"),
-                    (256, 0, 2, 4, n, "high"), (256, 0, 4, 2, n, "high"),
-                    (512, 0, 2, 4, n, "high"), (256, 0, 2, 4, n, "default")]
+                    (256, 0, 2, 4, n, "high"), (512, 0, 2, 4, n, "high"),
+                    (256, 0, 1, 4, n, "high", True), (256, 0, 2, 4, n, "high", True),
+                    (512, 0, 2, 4, n, "high", True)]
         print(f"SM carveout {n}: matmul loop {gemm_ms:.3f} ms against {gemm_full_ms:.3f} ms on "
               f"every SM ({100 * (gemm_ms / gemm_full_ms - 1):+.1f} %)")
     if a.gemm_only:  # (for a profiler's launch statistics of the matmul's kernel)
@@ -175,9 +185,10 @@ def main() -> int:
           f"{gemm_ms:.3f} ms ({1e3 * gemm_ms / a.gemms:.1f} us each); copy {a.rows} rows of "
           f"{a.row_bytes} B per launch from a 2 GB mapped pool")
     print(f"{'threads':>7} {'maxreg':>6} {'R':>2} {'VPL':>3} {'grid':>5} {'prio':>7} {'regs':>4} "
-          f"{'copy alone GB/s':>15} {'gemm slowdown':>13} {'copy GB/s beside':>16}")
+          f"{'launch':>8} {'copy alone GB/s':>15} {'gemm slowdown':>13} {'copy GB/s beside':>16}")
     rows = []
-    for threads, maxreg, r, vpl, g, prio in variants:
+    for threads, maxreg, r, vpl, g, prio, *res in variants:
+        resident = bool(res and res[0])
         side = sides[prio]
         k = kernel(threads, maxreg, r, vpl)
         grid = g
@@ -186,8 +197,8 @@ def main() -> int:
         # side copies for ~1.5x the GEMM loop's time at the alone rate (it slows beside it)
         n_launch = max(2, int(1.5 * gemm_ms / (t_alone / 10)))
         t_main, t_side = timed(fn_main=gemm_loop,
-                               fn_side=lambda k=k, t=threads, g=grid, n=n_launch:
-                               copy_loop(k, t, g, n))
+                               fn_side=lambda k=k, t=threads, g=grid, n=n_launch,
+                               rs=resident: copy_loop(k, t, g, n, rs))
         # copy rate while the GEMM ran: bytes done by the GEMM's end, estimated from the side
         # loop's time beyond the GEMM at the alone rate
         rest = max(0.0, t_side - t_main)
@@ -195,11 +206,13 @@ def main() -> int:
         slow = t_main / gemm_full_ms - 1.0  # against the matmul on every SM
         rows.append({"threads": threads, "maxreg": maxreg, "rows_per_warp": r, "vpl": vpl,
                      "grid": grid, "side_priority": prio, "regs": k.num_regs,
+                     "resident": resident,
                      "copy_alone_GBps": alone,
                      "gemm_slowdown": slow, "copy_beside_GBps": beside,
                      "gemm_ms": t_main, "side_ms": t_side, "launches": n_launch})
         print(f"{threads:>7} {maxreg:>6} {r:>2} {vpl:>3} {grid:>5} {prio:>7} {k.num_regs:>4} "
-              f"{alone:>15.1f} {slow * 100:>12.1f}% {beside:>16.1f}", flush=True)
+              f"{'resident' if resident else 'each':>8} {alone:>15.1f} {slow * 100:>12.1f}% "
+              f"{beside:>16.1f}", flush=True)
     ok = bool((cupy.asnumpy(dev) == 7).all())
     print(f"bytes: {'ok' if ok else 'WRONG'}")
     if a.out:
