@@ -118,3 +118,17 @@ def test_options_carry_the_abi_and_no_include_outside_cu():
 def test_unknown_instance_is_an_error():
     with pytest.raises(KeyError, match="not an instance"):
         _build.kernel("hs::swap_resolve<short, int>")
+
+
+def test_line_aligned_copy_variant_compiles(tmp_path, monkeypatch):
+    """The measuring knob HS_COPY_ROTATE=1 (line-aligned row reads, benchmarks/
+    probe_copy_align.py) keeps compiling, and it changes the copy kernels' code."""
+    base = _build.compile_check(archs=("sm_90",))
+    d = _copy_sources(tmp_path, monkeypatch)
+    p = d / "common.cuh"
+    text = p.read_text()
+    assert text.count("#define HS_COPY_ROTATE 0") == 1
+    p.write_text(text.replace("#define HS_COPY_ROTATE 0", "#define HS_COPY_ROTATE 1"))
+    rotated = _build.compile_check(archs=("sm_90",))
+    assert rotated[("plan.cu", "sm_90")] != base[("plan.cu", "sm_90")]
+    assert rotated[("predict.cu", "sm_90")] == base[("predict.cu", "sm_90")]  # copies nothing
