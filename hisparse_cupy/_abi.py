@@ -37,7 +37,9 @@ N_STATUS = 3
 STATUS_NAMES = ("range", "nohost", "badrow")
 
 MAX_HOT = 32767  # single-step LRU entries are int16
-RESOLVE_BLOCK = 1024  # threads of the single-step resolve (one block per batch row)
+RESOLVE_BLOCK = 1024  # threads of the single-step resolve with one block per batch row
+RESOLVE_CLUSTER_BLOCK = 512  # threads of each block when a cluster of blocks resolves a row
+RESOLVE_MAX_CLUSTER = 8  # most resolve blocks per batch row (a thread-block cluster, sm_90+)
 COPY_WARPS = 8  # warps per block of the planned copy
 THIN_COPY_REGS = 32  # register cap of the one-warp ("thin") planned copy
 PREDICT_BLOCK = 512  # threads of the prediction stager (one block per request)
@@ -62,7 +64,9 @@ COPY_DRY_RUN = 1  # do all the work, move no bytes (measuring knob)
 
 CONSTANTS = {
     "ST_RANGE": ST_RANGE, "ST_NOHOST": ST_NOHOST, "ST_BADROW": ST_BADROW, "N_STATUS": N_STATUS,
-    "MAX_HOT": MAX_HOT, "RESOLVE_BLOCK": RESOLVE_BLOCK, "COPY_WARPS": COPY_WARPS,
+    "MAX_HOT": MAX_HOT, "RESOLVE_BLOCK": RESOLVE_BLOCK,
+    "RESOLVE_CLUSTER_BLOCK": RESOLVE_CLUSTER_BLOCK, "RESOLVE_MAX_CLUSTER": RESOLVE_MAX_CLUSTER,
+    "COPY_WARPS": COPY_WARPS,
     "THIN_COPY_REGS": THIN_COPY_REGS, "PREDICT_BLOCK": PREDICT_BLOCK,
     "NEWEST_BLOCK": NEWEST_BLOCK, "MS_MAX_TOKENS": MS_MAX_TOKENS, "MS_BUCKET": MS_BUCKET,
     "MS_F_DEGRADED": MS_F_DEGRADED, "MS_META_INIT": MS_META_INIT,
@@ -182,7 +186,7 @@ def new(dtype: np.dtype, n: int = 1) -> np.ndarray:
 _CTYPE_BYTES = {"i64": 8, "i32": 4, "u32": 4, "i16": 2, "u16": 2, "u8": 1}
 
 SMEM = {
-    # single-step resolve; NW = RESOLVE_BLOCK / 32, HS = hash slots (power of two >= 4 K)
+    # single-step resolve; NW = warps per block, HS = hash slots (power of two >= 4 K)
     "SWAP_RESOLVE": (
         ("i64", "host_row", "K"),  # host row of each entry's token (misses use it)
         ("i32", "hkey", "HS"),  # hash of the top-k: token
@@ -195,6 +199,7 @@ SMEM = {
         ("i32", "warp_evict", "NW+1"),
         ("i32", "warp_miss", "NW+1"),
         ("i32", "count", "4"),  # status counters, indexed by ST_*
+        ("i32", "cluster_tot", "3*(RESOLVE_MAX_CLUSTER+1)"),  # the row's counts before each block
         ("i16", "evict", "H"),  # evictable slots, old LRU order
         ("i16", "hit", "H"),  # hit slots, old LRU order
         ("u16", "order", "H"),  # slot | hit << 15, by LRU position (between passes)
@@ -251,9 +256,9 @@ def _smem_bytes(kernel: str, sizes: tuple) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def resolve_sizes(top_k: int, hot_size: int) -> dict[str, int]:
-    """The sizes the resolve kernel's shared memory depends on."""
-    return {"K": top_k, "H": hot_size, "HS": hash_size(top_k), "NW": RESOLVE_BLOCK // 32}
+def resolve_sizes(top_k: int, hot_size: int, block: int = RESOLVE_BLOCK) -> dict[str, int]:
+    """The sizes the resolve kernel's shared memory depends on (``block`` threads a block)."""
+    return {"K": top_k, "H": hot_size, "HS": hash_size(top_k), "NW": block // 32}
 
 
 def hash_size(top_k: int, spread: int = 4) -> int:

@@ -51,7 +51,10 @@ def index_instances(template: str) -> dict[tuple[np.dtype, np.dtype], str]:
 
 
 # Every instance the package launches (the ops pick theirs from these tables).
-RESOLVE = index_instances("hs::swap_resolve<{req}, {len}>")
+# the resolve per block size: one block of RESOLVE_BLOCK threads per row, or a cluster of
+# RESOLVE_CLUSTER_BLOCK-thread blocks
+RESOLVE = {blk: index_instances(f"hs::swap_resolve<{{req}}, {{len}}, {blk}>")
+           for blk in (_abi.RESOLVE_BLOCK, _abi.RESOLVE_CLUSTER_BLOCK)}
 COPY_ROWS_PER_WARP = (1, 2, 4, 8)  # rows a warp of the host -> device copy keeps in flight
 # host rows (int64) -> device rows, per (rows per warp, warps per block): COPY_WARPS-warp
 # blocks, and one-warp "thin" blocks (cu/plan.cu)
@@ -65,7 +68,7 @@ MS_INIT = "hs::ms::init"
 PREDICT = index_instances("hs::predict_stage<{req}, {len}>")
 
 INSTANCES: dict[str, tuple[str, ...]] = {
-    "swap.cu": tuple(RESOLVE.values()),
+    "swap.cu": tuple(n for per in RESOLVE.values() for n in per.values()),
     "plan.cu": (*COPY_H2D.values(), COPY_D2H),
     "cache.cu": tuple(NEWEST.values()),
     "multistep.cu": (*GATHER.values(), *COMMIT.values(), MS_INIT),

@@ -102,6 +102,11 @@ def _compute_capability(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).compute_capability)
 
 
+def compute_capability() -> int:
+    """Compute capability of the current device as major * 10 + minor (90: Hopper)."""
+    return _compute_capability(cupy.cuda.runtime.getDevice())
+
+
 def pdl_supported(device_id: int | None = None) -> bool:
     """Whether PDL launches will be used on this device by default (sm_90+ and enabled)."""
     if device_id is None:
@@ -118,7 +123,7 @@ def resolve_pdl(pdl: bool | None) -> bool:
     if pdl is None:
         return pdl_supported()
     if pdl:
-        return _compute_capability(cupy.cuda.runtime.getDevice()) >= 90
+        return compute_capability() >= 90
     return False
 
 
@@ -212,6 +217,7 @@ def _opt_in_smem(kernel, shared_mem: int, dev: int) -> None:
 
 # The driver's launch structures (cuda.h, CUDA 12.0+; stable ABI): called through ctypes, whose
 # per-call cost is a fraction of a generated binding's (tools/host_overhead.py measures it).
+_ATTR_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
@@ -230,10 +236,11 @@ class _CUlaunchConfig(ctypes.Structure):
 
 @functools.cache
 def _driver():
-    """``(cuLaunchKernelEx, cuGetErrorName)`` of the CUDA driver library."""
+    """``(cuLaunchKernelEx, cuGetErrorName, cuOccupancyMaxActiveClusters)`` of the driver."""
     lib = ctypes.CDLL("libcuda.so.1" if os.name != "nt" else "nvcuda.dll")
     try:
         fn = lib.cuLaunchKernelEx
+        occ = lib.cuOccupancyMaxActiveClusters
     except AttributeError as e:
         raise RuntimeError("the CUDA driver has no cuLaunchKernelEx: hisparse_cupy needs a "
                            "CUDA 12.0 or newer driver") from e
@@ -242,24 +249,44 @@ def _driver():
     name = lib.cuGetErrorName
     name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     name.restype = ctypes.c_int
-    return fn, name
+    occ.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_void_p]
+    occ.restype = ctypes.c_int
+    return fn, name, occ
+
+
+def _check(err: int, what: str) -> None:
+    if err:
+        msg = ctypes.c_char_p()
+        _driver()[1](err, ctypes.byref(msg))
+        raise RuntimeError(f"{what} failed: {err} ({(msg.value or b'?').decode()})")
 
 
 class _LaunchConfig:
-    """A cached CUlaunchConfig (with the PDL attribute or without) and its one-pointer argument
-    block. A lock keeps two threads from interleaving the fill of the shared config and the
-    launch."""
+    """A cached CUlaunchConfig (with the PDL attribute or without, with a cluster dimension or
+    without) and its one-pointer argument block. A lock keeps two threads from interleaving the
+    fill of the shared config and the launch."""
 
-    def __init__(self, block: tuple[int, int, int], shared_mem: int, pdl: bool = True):
+    def __init__(self, block: tuple[int, int, int], shared_mem: int, pdl: bool = True,
+                 cluster: int = 1):
         cfg = self.cfg = _CUlaunchConfig()
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
         cfg.sharedMemBytes = shared_mem
-        self.attr = _CUlaunchAttribute()
-        if pdl:
-            self.attr.id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
-            self.attr.value = (1).to_bytes(4, "little") + bytes(60)  # ...Allowed = 1
-            cfg.attrs = ctypes.pointer(self.attr)
-            cfg.numAttrs = 1
+        self.attrs = (_CUlaunchAttribute * 2)()  # zeroed
+        n = 0
+        for on, attr_id, words in (
+            (pdl, _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, (1,)),  # ...Allowed = 1
+            (cluster > 1, _ATTR_CLUSTER_DIMENSION, (cluster, 1, 1)),  # clusterDim {x, y, z}
+        ):
+            if on:
+                self.attrs[n].id = attr_id
+                raw = b"".join(w.to_bytes(4, "little") for w in words)
+                # the value union's bytes (a c_char array's setter would stop at a zero byte)
+                ctypes.memmove(ctypes.addressof(self.attrs[n]) + _CUlaunchAttribute.value.offset,
+                               raw, len(raw))
+                n += 1
+        if n:
+            cfg.attrs = ctypes.cast(self.attrs, ctypes.POINTER(_CUlaunchAttribute))
+            cfg.numAttrs = n
         self.cfg_addr = ctypes.addressof(cfg)
         self.grid = (0, 0, 0)
         self.stream = -1
@@ -279,11 +306,7 @@ class _LaunchConfig:
                 cfg.hStream = self.stream = stream_ptr
             self.args[0] = params_addr
             err = self.call(self.cfg_addr, func, self.args_addr, None)
-        if err:
-            msg = ctypes.c_char_p()
-            _driver()[1](err, ctypes.byref(msg))
-            raise RuntimeError(f"cuLaunchKernelEx failed: {err} "
-                               f"({(msg.value or b'?').decode()})")
+        _check(err, "cuLaunchKernelEx")
 
 
 _configs: dict[tuple, _LaunchConfig] = {}
@@ -291,21 +314,23 @@ _launchers: dict[tuple, Launcher] = {}
 
 
 class Launcher:
-    """One kernel bound to a block size, dynamic shared memory and PDL choice on the current
-    device: ``launcher(grid3, stream_ptr, params_addr)`` is the whole per-launch cost."""
+    """One kernel bound to a block size, dynamic shared memory, PDL choice and cluster size on
+    the current device: ``launcher(grid3, stream_ptr, params_addr)`` is the whole per-launch
+    cost. With ``cluster`` C > 1 the grid's x extent must be a multiple of C."""
 
     __slots__ = ("cfg", "func")
 
-    def __init__(self, kernel, block: tuple[int, int, int], shared_mem: int, pdl: bool):
+    def __init__(self, kernel, block: tuple[int, int, int], shared_mem: int, pdl: bool,
+                 cluster: int = 1):
         dev = cupy.cuda.runtime.getDevice()
         if shared_mem > _SMEM_DEFAULT_LIMIT:
             _opt_in_smem(kernel, shared_mem, dev)
-        key = (block, shared_mem, pdl)
+        key = (block, shared_mem, pdl, cluster)
         cfg = _configs.get(key)
         if cfg is None:
-            cfg = _configs[key] = _LaunchConfig(block, shared_mem, pdl)
-            log.debug("launch config: block %s, %d B shared memory, PDL %s", block, shared_mem,
-                      pdl)
+            cfg = _configs[key] = _LaunchConfig(block, shared_mem, pdl, cluster)
+            log.debug("launch config: block %s, %d B shared memory, PDL %s, cluster %d", block,
+                      shared_mem, pdl, cluster)
         self.cfg = cfg
         # RawKernel.kernel loads the module on this device (CuPy compiles it on first use)
         self.func = kernel.kernel.ptr
@@ -315,14 +340,35 @@ class Launcher:
             self.cfg.launch(self.func, grid, stream_ptr, params_addr)
 
 
-def launcher(kernel, block, shared_mem: int = 0, pdl: bool = False) -> Launcher:
+def launcher(kernel, block, shared_mem: int = 0, pdl: bool = False,
+             cluster: int = 1) -> Launcher:
     """The cached :class:`Launcher` of ``kernel`` on the current device."""
     block = _dim3(block)
-    key = (id(kernel), cupy.cuda.runtime.getDevice(), block, shared_mem, bool(pdl))
+    key = (id(kernel), cupy.cuda.runtime.getDevice(), block, shared_mem, bool(pdl), cluster)
     la = _launchers.get(key)
     if la is None:
-        la = _launchers[key] = Launcher(kernel, block, shared_mem, bool(pdl))
+        la = _launchers[key] = Launcher(kernel, block, shared_mem, bool(pdl), cluster)
     return la
+
+
+@functools.cache
+def _max_active_clusters(kernel, device_id: int, block: tuple[int, int, int], shared_mem: int,
+                         cluster: int) -> int:
+    if shared_mem > _SMEM_DEFAULT_LIMIT:
+        _opt_in_smem(kernel, shared_mem, device_id)
+    cfg = _LaunchConfig(block, shared_mem, False, cluster)
+    cfg.cfg.gridDimX, cfg.cfg.gridDimY, cfg.cfg.gridDimZ = cluster, 1, 1
+    n = ctypes.c_int()
+    _check(_driver()[2](ctypes.byref(n), kernel.kernel.ptr, cfg.cfg_addr),
+           "cuOccupancyMaxActiveClusters")
+    return n.value
+
+
+def max_active_clusters(kernel, block, shared_mem: int, cluster: int) -> int:
+    """How many clusters of ``cluster`` blocks of ``kernel`` (``block`` threads, ``shared_mem``
+    bytes of dynamic shared memory each) the current device runs at once (0: none fits)."""
+    return _max_active_clusters(kernel, cupy.cuda.runtime.getDevice(), _dim3(block), shared_mem,
+                                cluster)
 
 
 def _dim3(x) -> tuple[int, int, int]:
@@ -333,16 +379,17 @@ def _dim3(x) -> tuple[int, int, int]:
 
 
 def launch(kernel, grid, block, params: Params, *, shared_mem: int = 0, stream=None,
-           pdl: bool = False) -> None:
+           pdl: bool = False, cluster: int = 1) -> None:
     """Queue ``kernel`` with its parameter struct on ``stream`` (a CuPy stream object; None:
     the current stream), through ``cuLaunchKernelEx``.
 
     ``grid`` / ``block``: int or tuple of up to 3 ints (an empty grid queues nothing).
     ``shared_mem``: dynamic shared memory in bytes; above 48 KB the kernel is opted in once.
     ``pdl``: already resolved (:func:`resolve_pdl`); True launches with the PDL attribute.
+    ``cluster``: blocks per thread-block cluster along x (sm_90+; 1: no cluster attribute).
     CuPy's own ``RawKernel.__call__`` is not used: with one struct argument this path costs a
     fraction of its host time (``tools/host_overhead.py``).
     """
     if stream is None:
         stream = cupy.cuda.get_current_stream()
-    launcher(kernel, block, shared_mem, pdl)(_dim3(grid), stream.ptr, params.addr)
+    launcher(kernel, block, shared_mem, pdl, cluster)(_dim3(grid), stream.ptr, params.addr)

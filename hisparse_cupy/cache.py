@@ -42,7 +42,7 @@ from .multistep import (
     init_states,
 )
 from .plan import MissPlan, copy_params, default_copy_grid, launch_copy
-from .swap import MAX_HOT, SwapState, check_sizes, hash_size, resolve_smem_bytes
+from .swap import MAX_HOT, SwapState, check_sizes, hash_size, resolve_launch
 
 
 def _words(dt: np.dtype, size: int) -> dict[str, int]:
@@ -652,11 +652,11 @@ class Step:
                              f"top_k), got {K}")
         grid = _checks.integer("copy_grid", copy_grid, 1, 2**31 - 1) if copy_grid else \
             default_copy_grid(B, K)
-        plan = (launcher(_build.kernel(_build.RESOLVE[self._key]), _abi.RESOLVE_BLOCK,
-                         resolve_smem_bytes(K, c.hot_size)),
+        la_resolve, grid_resolve = resolve_launch(self._key, B, K, c.hot_size)
+        plan = (la_resolve,
                 launcher(_build.kernel(_build.COPY_H2D[(1, _abi.COPY_WARPS)]), _abi.COPY_WARPS * 32,
                          _abi.smem_bytes("PLANNED_COPY", B=B), self.pdl),
-                (B, 1, 1), (grid, 1, 1), c.out[:B, :K])
+                grid_resolve, (grid, 1, 1), c.out[:B, :K])
         self._launch[("single", K, copy_grid)] = plan
         return plan
 

@@ -1,29 +1,103 @@
-"""Single-step swap-in: resolve (hash + LRU, one block per request) then the planned copy.
+"""Single-step swap-in: resolve (hash + LRU, a cluster of blocks per request) then the
+planned copy.
 
 See ``cu/swap.cu`` for the exact semantics; :func:`hisparse_cupy.reference.swap_in` is the
 same algorithm in NumPy.
+
+The resolve runs C blocks per batch row, a thread-block cluster sharing the row's hash through
+distributed shared memory (sm_90+): :func:`resolve_cluster` picks the largest C of 1, 2, 4, 8
+for which every row's cluster runs at once on the device, so a small batch is not resolved on
+one SM per request. ``HISPARSE_CUPY_RESOLVE_CLUSTER=N`` (or :func:`set_resolve_cluster`) fixes
+C instead (measuring); the result does not depend on C.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import cupy
 import numpy as np
 
 from . import _abi, _build, _checks
-from ._launch import Params, Ptr, as_stream, launch, max_shared_memory, ptr, resolve_pdl
+from ._launch import (
+    Launcher,
+    Params,
+    Ptr,
+    as_stream,
+    compute_capability,
+    launcher,
+    max_active_clusters,
+    max_shared_memory,
+    ptr,
+    resolve_pdl,
+)
 from .plan import MissPlan, copy_params, default_copy_grid, launch_copy
 
 MAX_HOT = _abi.MAX_HOT
 RESOLVE_BLOCK = _abi.RESOLVE_BLOCK
+CLUSTER_BLOCK = _abi.RESOLVE_CLUSTER_BLOCK
 hash_size = _abi.hash_size
 
 
-def resolve_smem_bytes(top_k: int, hot_size: int) -> int:
-    """Dynamic shared memory of the resolve kernel (``_abi.SMEM["SWAP_RESOLVE"]``)."""
-    return _abi.smem_bytes("SWAP_RESOLVE", **_abi.resolve_sizes(top_k, hot_size))
+def resolve_smem_bytes(top_k: int, hot_size: int, block: int = RESOLVE_BLOCK) -> int:
+    """Dynamic shared memory of a resolve block of ``block`` threads (``_abi.SMEM``)."""
+    return _abi.smem_bytes("SWAP_RESOLVE", **_abi.resolve_sizes(top_k, hot_size, block))
+
+
+def _cluster_arg(n) -> int | None:
+    if n is None or n == "" or n == "auto":
+        return None
+    try:
+        c = int(n)
+    except (TypeError, ValueError):
+        c = 0
+    if c not in (1, 2, 4, 8):
+        raise ValueError(f"resolve cluster must be 1, 2, 4 or 8 blocks (or None: automatic), "
+                         f"got {n!r}")
+    return c
+
+
+_cluster_fixed = _cluster_arg(os.environ.get("HISPARSE_CUPY_RESOLVE_CLUSTER"))
+
+
+def set_resolve_cluster(blocks: int | None) -> None:
+    """Fix the resolve's blocks per batch row (1, 2, 4 or 8; sm_90+ for more than 1) for
+    later calls, or None to let :func:`resolve_cluster` choose. A measuring knob: results do
+    not depend on it. Steps already planned keep their choice."""
+    global _cluster_fixed
+    _cluster_fixed = _cluster_arg(blocks)
+
+
+def resolve_cluster(key, batch: int, top_k: int, hot_size: int) -> int:
+    """Blocks per batch row of the resolve for ``batch`` rows on this device: 8 or 4 when that
+    many clusters of them run at once, else 1 (``key``: the (req, len) dtypes of the call).
+
+    Measured on the H200 (benchmarks/NOTES.md, "The resolve over a cluster of blocks"): a
+    cluster of 2 never beat one block, and a cluster that does not fit in one wave loses to
+    one block per row.
+    """
+    if compute_capability() < 90:
+        return 1
+    if _cluster_fixed is not None:
+        return _cluster_fixed
+    kernel = _build.kernel(_build.RESOLVE[CLUSTER_BLOCK][key])
+    smem = resolve_smem_bytes(top_k, hot_size, CLUSTER_BLOCK)
+    for c in (8, 4):
+        if max_active_clusters(kernel, CLUSTER_BLOCK, smem, c) >= batch:
+            return c
+    return 1
+
+
+def resolve_launch(key, B: int, K: int, H: int) -> tuple[Launcher, tuple[int, int, int]]:
+    """The resolve's launcher and grid for B rows of K entries, H hot slots (``key``: the
+    (req, len) dtypes of the call)."""
+    c = resolve_cluster(key, B, K, H)
+    block = RESOLVE_BLOCK if c == 1 else CLUSTER_BLOCK
+    la = launcher(_build.kernel(_build.RESOLVE[block][key]), block,
+                  resolve_smem_bytes(K, H, block), False, c)
+    return la, (B * c, 1, 1)
 
 
 def check_sizes(top_k: int, hot_size: int) -> None:
@@ -152,11 +226,12 @@ def set_outputs(p: Params, status: cupy.ndarray, plan: MissPlan, n_host_rows: in
           n_host_rows=n_host_rows)
 
 
-def run(resolve: Params, copy: Params, names, key, *, B: int, K: int, H: int, stream,
-        pdl: bool, copy_grid: int | None) -> None:
-    """Queue the resolve (one block per row) and the planned copy (PDL) on ``stream``."""
-    launch(_build.kernel(names[key]), B, RESOLVE_BLOCK, resolve,
-           shared_mem=resolve_smem_bytes(K, H), stream=stream)
+def run(resolve: Params, copy: Params, key, *, B: int, K: int, H: int, stream, pdl: bool,
+        copy_grid: int | None) -> None:
+    """Queue the resolve (one block or a cluster of blocks per row) and the planned copy (PDL)
+    on ``stream``."""
+    la, grid = resolve_launch(key, B, K, H)
+    la(grid, stream.ptr, resolve.addr)
     launch_copy(copy, grid=copy_grid or default_copy_grid(B, K), stream=stream, pdl=pdl)
 
 
@@ -263,7 +338,7 @@ def swap_in(
                        src_layer_bytes=0, n_src_rows=n_host_rows, dst_base=dev.data.ptr,
                        dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes,
                        dry_run=dry_run)
-    run(resolve, copy, _build.RESOLVE, (req.dtype, lens.dtype), B=B, K=K, H=H, stream=s,
+    run(resolve, copy, (req.dtype, lens.dtype), B=B, K=K, H=H, stream=s,
         pdl=resolve_pdl(pdl), copy_grid=copy_grid)
     if check:
         _checks.raise_on_status(status, topk, lens, max_len=state.host_locs.shape[1], stream=s)

@@ -90,8 +90,11 @@ def test_smem_tables_size_the_launch():
     n = _abi.smem_bytes("SWAP_RESOLVE", **sizes)
     by_hand = sum(-(-b // 16) * 16 for b in (
         8 * 2048, 4 * 8192, 4 * 8192, 4 * 2048, 4 * 2048, 4 * 2048, 4 * 4097, 4 * 33, 4 * 33,
-        4 * 33, 16, 2 * 4096, 2 * 4096, 2 * 4096, 2048))
+        4 * 33, 16, 4 * 27, 2 * 4096, 2 * 4096, 2 * 4096, 2048))
     assert n == by_hand
+    # a cluster's 512-thread blocks: 17 per-warp counts instead of 33
+    assert _abi.smem_bytes("SWAP_RESOLVE", **_abi.resolve_sizes(2048, 4096, 512)) == \
+        by_hand - 3 * (-(-4 * 33 // 16) * 16 - -(-4 * 17 // 16) * 16)
     assert _abi.smem_bytes("PLANNED_COPY", B=7) == 32 + 48
 
 

@@ -56,6 +56,49 @@ def test_launch_structures_match_the_driver_abi():
     assert plain.cfg.numAttrs == 0
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_cluster_dimension_attribute(pdl):
+    # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION (4): CUlaunchAttributeValue.clusterDim = {x, y, z}
+    cfg = _launch._LaunchConfig((1024, 1, 1), 0, pdl=pdl, cluster=4)
+    a = cfg.cfg.attrs
+    attrs = {a[i].id: ctypes.string_at(ctypes.addressof(a[i]) + 8, 64)  # the value union
+             for i in range(cfg.cfg.numAttrs)}
+    assert cfg.cfg.numAttrs == 1 + pdl
+    assert np.frombuffer(attrs[4][:12], np.uint32).tolist() == [4, 1, 1]
+    assert (6 in attrs) == pdl
+    assert _launch._LaunchConfig((1024, 1, 1), 0, pdl=False, cluster=1).cfg.numAttrs == 0
+
+
+def test_resolve_cluster_knob(monkeypatch):
+    from hisparse_cupy import swap
+
+    for bad in (3, 16, 0, -1, "two"):
+        with pytest.raises(ValueError, match="resolve cluster must be 1, 2, 4 or 8"):
+            swap.set_resolve_cluster(bad)
+    monkeypatch.setattr(swap, "compute_capability", lambda: 90)
+    monkeypatch.setattr(swap, "_cluster_fixed", None)
+    monkeypatch.setattr(swap._build, "kernel", lambda name: name)
+    fits = {8: 15, 4: 31}  # clusters the device runs at once, per size
+    seen = set()
+
+    def fake_fits(kernel, block, smem, c):
+        seen.add((kernel, block, smem))
+        return fits[c]
+
+    monkeypatch.setattr(swap, "max_active_clusters", fake_fits)
+    key = (np.dtype(np.int32), np.dtype(np.int64))
+    got = [swap.resolve_cluster(key, b, 2048, 4096) for b in (1, 8, 15, 16, 31, 32, 64, 128)]
+    assert got == [8, 8, 8, 4, 4, 1, 1, 1]
+    # the cluster instance (512-thread blocks) and its shared memory were asked about
+    assert seen == {("hs::swap_resolve<int, long long, 512>", 512,
+                     swap.resolve_smem_bytes(2048, 4096, 512))}
+    swap.set_resolve_cluster(2)
+    assert swap.resolve_cluster(key, 1, 2048, 4096) == 2
+    swap.set_resolve_cluster(None)
+    monkeypatch.setattr(swap, "compute_capability", lambda: 80)  # no clusters before Hopper
+    assert swap.resolve_cluster(key, 1, 2048, 4096) == 1
+
+
 class _FakeStream:
     """Stands in for cupy's from_external wrapper (no GPU here)."""
 

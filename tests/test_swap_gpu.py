@@ -168,6 +168,30 @@ def test_random_steps_equal_oracle(rng, K, H, row_bytes, R, max_b, steps):
         h.run(req, seq, topk, min(nr, R))
 
 
+@pytest.mark.parametrize("cluster", [1, 2, 4, 8])
+@pytest.mark.parametrize("K,H,R", [(2048, 4096, 12), (45, 70, 20), (3, 5, 10)])
+def test_every_cluster_size_equals_oracle(rng, cluster, K, H, R):
+    """The resolve split over 1-8 blocks per row (a thread-block cluster on sm_90+; uneven
+    shares, blocks without entries or LRU positions) gives the oracle's result."""
+    import cupy
+
+    from hisparse_cupy import swap
+
+    if cluster > 1 and int(cupy.cuda.Device().compute_capability) < 90:
+        pytest.skip("thread-block clusters need compute capability >= 9.0")
+    h = Harness(rng, R=R, K=K, H=H, P=4, row_bytes=576, max_len=3 * H + 17)
+    swap.set_resolve_cluster(cluster)
+    try:
+        for _ in range(40):
+            B = int(rng.integers(1, R + 1))
+            nr = B if rng.random() < 0.8 else int(rng.integers(0, B + 1))
+            rate = float(rng.choice([0.0, 0.005, 0.05, 0.2, 1.0]))
+            req, seq, topk = h.random_step(B, nr, rate)
+            h.run(req, seq, topk, nr)
+    finally:
+        swap.set_resolve_cluster(None)
+
+
 def test_all_miss_batch_one_2048_rows(rng):
     h = Harness(rng, R=2, K=2048, H=4096, P=4, row_bytes=656, max_len=40000,
                 adversarial=False)

@@ -36,8 +36,9 @@ from hisparse_cupy import HostKVPool, MissPlan, _build, swap_in  # noqa: E402
 ROW = 656
 # mark -> phase, per kernel (the HS_PHASE(i) marks in cu/swap.cu and cu/multistep.cu)
 MARKS = {
-    "resolve": ("swap.cu", {0: "clear+stage", 1: "classify+insert", 2: "duplicates",
-                            3: "LRU scan+compact", 4: "victims+plan", 5: "write-back"}),
+    "resolve": ("swap.cu", {0: "clear+stage", 1: "classify+insert",
+                            3: "duplicates+LRU scan+compact", 4: "victims+plan",
+                            5: "write-back"}),
     "gather": ("multistep.cu", {0: "row checks", 1: "classify", 2: "claim+publish",
                                 3: "copy", 4: "counts"}),
     "commit": ("multistep.cu", {16: "keys+E", 17: "miss bitmap", 18: "radix select",

@@ -2,7 +2,8 @@
 
 Covers swap_resolve (fast path and LRU path, misses, duplicates, -1, out-of-range tokens),
 planned_copy in both directions (swap misses, admission loads, the newest-token backup) and
-newest_rows, through HotBufferCache.
+newest_rows, through HotBufferCache; the resolve with the device's choice of blocks per row
+(a thread-block cluster on sm_90+) and with one block per row.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from hisparse_cupy import HotBufferCache  # noqa: E402
+from hisparse_cupy import HotBufferCache, swap  # noqa: E402
 
 from _util import pattern  # noqa: E402
 
 L, R, H, K, MAXLEN, ROW = 2, 3, 128, 64, 600, 656
 
 
-def main() -> int:
+def run(cluster) -> int:
+    swap.set_resolve_cluster(cluster)
     rng = np.random.default_rng(7)
     cache = HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN, row_bytes=ROW,
                            hot_size=H, top_k=K, extra_page=4)
@@ -58,8 +60,13 @@ def main() -> int:
         lens = [n + 1 for n in lens]
     cupy.cuda.Device().synchronize()
     cache.close()
-    print(f"sanitize_swap: {errors} wrong entries")
-    return 1 if errors else 0
+    swap.set_resolve_cluster(None)
+    print(f"sanitize_swap (resolve cluster {cluster or 'auto'}): {errors} wrong entries")
+    return errors
+
+
+def main() -> int:
+    return 1 if sum(run(c) for c in (None, 1)) else 0
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@
 #if !defined(HS_ST_RANGE) || !defined(HS_N_STATUS) || !defined(HS_MAX_HOT) ||     \
     !defined(HS_RESOLVE_BLOCK) || !defined(HS_COPY_WARPS) || !defined(HS_MS_BUCKET) || \
     !defined(HS_COMMIT_BLOCK) || !defined(HS_GATHER_BLOCK) || !defined(HS_INIT_BLOCK) || \
-    !defined(HS_PREDICT_BLOCK) || !defined(HS_THIN_COPY_REGS)
+    !defined(HS_PREDICT_BLOCK) || !defined(HS_THIN_COPY_REGS) || !defined(HS_RESOLVE_MAX_CLUSTER) || \
+    !defined(HS_RESOLVE_CLUSTER_BLOCK)
 #error "compile with the -D macros of hisparse_cupy._abi.defines()"
 #endif
 
@@ -28,6 +29,8 @@ constexpr int ST_BADROW = HS_ST_BADROW;
 constexpr int N_STATUS = HS_N_STATUS;
 constexpr int MAX_HOT = HS_MAX_HOT;
 constexpr int RESOLVE_BLOCK = HS_RESOLVE_BLOCK;
+constexpr int RESOLVE_CLUSTER_BLOCK = HS_RESOLVE_CLUSTER_BLOCK;
+constexpr int RESOLVE_MAX_CLUSTER = HS_RESOLVE_MAX_CLUSTER;
 constexpr int COPY_WARPS = HS_COPY_WARPS;
 constexpr int NEWEST_BLOCK = HS_NEWEST_BLOCK;
 constexpr int COPY_DRY_RUN = HS_COPY_DRY_RUN;
@@ -43,7 +46,8 @@ constexpr int COMMIT_BLOCK = HS_COMMIT_BLOCK;
 constexpr int INIT_BLOCK = HS_INIT_BLOCK;
 constexpr int PREDICT_BLOCK = HS_PREDICT_BLOCK;
 
-// ---- single-step resolve (swap.cu). Grid: (B), block RESOLVE_BLOCK.
+// ---- single-step resolve (swap.cu). Grid: (B x C), cluster (C): C blocks per batch row (C = 1:
+// RESOLVE_BLOCK threads; 1 < C <= RESOLVE_MAX_CLUSTER, sm_90+: RESOLVE_CLUSTER_BLOCK threads).
 struct SwapResolveParams {
   const i32* topk;         // [B, K], row stride topk_stride: token positions, -1 = unused
   const void* req;         // [B] ReqT (int32/int64): batch row -> request slot

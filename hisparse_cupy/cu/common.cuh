@@ -7,6 +7,7 @@
 // - Programmatic Dependent Launch helpers as inline PTX (NVRTC has no
 //   cudaGridDependencySynchronize), no-ops below sm_90;
 // - a 32-bit multiplicative hash;
+// - thread-block cluster helpers (rank, size, barrier, distributed shared memory);
 // - the graph-padding clamp of num_real.
 #pragma once
 
@@ -211,6 +212,54 @@ __device__ __forceinline__ int block_exclusive_sum(int v, int* s_warp, int& tota
 }
 
 __device__ __forceinline__ u32 hash_u32(u32 x) { return x * 2654435761u; }
+
+// ---- thread-block clusters (sm_90+; below that, and in a launch without a cluster dimension,
+// every block is a cluster of one). cluster_blocks() / cluster_rank(): the size of the block's
+// cluster (cuLaunchKernelEx's cluster attribute) and the block's rank in it. cluster_sync(): a
+// barrier of every thread of every block of the cluster, ordering their shared- and global-
+// memory accesses (release / acquire at cluster scope); every thread of each block must call it.
+// cluster_map(p, r): the address of what `p` points to in this block's shared memory, in block
+// r's shared memory (distributed shared memory: plain loads, stores and atomics work on it).
+// A block must not exit while another may still access its shared memory: end with a sync.
+__device__ __forceinline__ int cluster_blocks() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  u32 n;
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  return static_cast<int>(n);
+#else
+  return 1;
+#endif
+}
+
+__device__ __forceinline__ int cluster_rank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  u32 r;
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return static_cast<int>(r);
+#else
+  return 0;
+#endif
+}
+
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+#else
+  __syncthreads();
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ T* cluster_map(T* p, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  u64 r;
+  asm("mapa.u64 %0, %1, %2;" : "=l"(r) : "l"(p), "r"(rank));
+  return reinterpret_cast<T*>(r);
+#else
+  return p;
+#endif
+}
 
 // Real rows of a call: *num_real clamped to [0, B] (B when num_real is null). Rows at or beyond
 // it are CUDA-graph padding.

@@ -1,11 +1,20 @@
 // hisparse_cupy: single-step swap-in, resolve half.
 //
-// swap_resolve<ReqT, LenT>(SwapResolveParams): one block of RESOLVE_BLOCK threads per batch row. Resolves the row's top-k against
-// the request's hot buffer (hash of the top-k in shared memory, LRU scan), assigns victims to
-// the misses, updates the slot table and the LRU order, writes the device row of every entry
-// and the row's miss plan (host row -> device row). The bytes are moved afterwards by
-// planned_copy over the flattened (request, miss) pairs of every row, so the copy is not
-// limited to one block per request.
+// swap_resolve<ReqT, LenT, BLOCK>(SwapResolveParams): C blocks of BLOCK threads per batch row (a
+// thread-block cluster, C = 1, 2, 4 or 8: hisparse_cupy.swap.resolve_cluster picks it; BLOCK is
+// RESOLVE_BLOCK for C = 1, RESOLVE_CLUSTER_BLOCK otherwise).
+// Resolves the row's top-k against the request's hot buffer (hash of the top-k in shared memory,
+// LRU scan), assigns victims to the misses, updates the slot table and the LRU order, writes the
+// device row of every entry and the row's miss plan (host row -> device row). The bytes are
+// moved afterwards by planned_copy over the flattened (request, miss) pairs of every row, so the
+// copy is not limited to one block per request.
+//
+// The cluster: block `rank` owns a contiguous 1/C of the row's entries and of its LRU positions
+// (in rank order, so every order below is the same for any C) and the hash buckets of the tokens
+// whose hash bits pick it (each block's hash has every bucket: an uneven split never runs out of
+// room). Blocks insert into, probe and claim in each other's hash through distributed shared
+// memory; the row-wide scans add the blocks' totals in rank order. The result does not depend on
+// C (tests/test_swap_gpu.py runs every C against the oracle).
 //
 // Semantics (docs/design.md, section 6):
 //   - rows b >= num_real (graph padding): output -1, plan count 0, status 0, no state touched;
@@ -29,19 +38,19 @@
 // inserted (an insert that finds both buckets full marks the request MS_F_DEGRADED), so a
 // multi-step call that follows sees exactly the slots this call left.
 //
-// Phases (LRU path), with __syncthreads() between them:
-//   0. clear the shared hash, stage slot_locs[0..H] in shared memory;
+// Phases (LRU path), with a barrier of the row's blocks (sync_row) between them:
+//   0. clear the hash, stage slot_locs[0..H] in shared memory;
 //   1. classify each entry, insert valid non-newest tokens into the hash (first index wins);
-//   2. mark duplicates;
-//   3. scan the LRU order: a slot whose token is in the hash is a hit (output written), others
-//      are evictable; hits and evictables are compacted in LRU order;
+//   2. mark duplicates, and (same interval) 3. scan the LRU order: a slot whose token is in the
+//      hash claims the token's first entry, a hit (output written); others are evictable;
+//   3b. compact hits and evictables in LRU order; classify the rest as misses;
 //   4. compact misses in top-k order, assign victims, write outputs, slot tokens and the plan;
-//   5. duplicates copy their canonical entry's output; LRU write-back; outputs, counts, status.
-// Phases 3 and 4 need one block-level scan each: warp w owns a contiguous chunk of positions,
-// counts its flags with ballots, the per-warp counts are scanned by one warp, then each warp
-// places its entries at its offset.
+//   5. duplicates copy their first entry's output; LRU write-back; outputs, counts, status.
+// The compactions need one scan each: warp w owns a contiguous chunk of positions, counts its
+// flags with ballots, the per-warp counts are scanned by one warp, the blocks' totals by one
+// warp of each block, then each warp places its entries at its offset.
 //
-// Shared memory: _abi.SMEM["SWAP_RESOLVE"] (named regions; NW = RESOLVE_BLOCK / 32, HS = hash
+// Shared memory: _abi.SMEM["SWAP_RESOLVE"] (named regions; NW = BLOCK / 32, HS = hash
 // slots, a power of two >= 4 K: load <= 1/4 keeps the longest probe of a warp short).
 #include "index.cuh"
 
@@ -51,26 +60,36 @@ enum : u8 { K_UNUSED = 0, K_INVALID, K_NEWEST, K_CANON, K_DUP, K_HIT, K_MISS, K_
 
 constexpr int PREFETCH = 4;  // groups of global loads a thread issues together
 
-// Home slot of a token: the high bits of the multiplicative hash (its low bits would only
-// permute the token's low bits).
-__device__ __forceinline__ u32 hash_home(int tok, int shift) {
-  return hash_u32(static_cast<u32>(tok)) >> shift;
+// Hash values: the first entry that selected the token (low bits) and, once an LRU slot holding
+// the token claimed that entry (phase 3), VAL_CLAIMED. An empty bucket's value is VAL_EMPTY.
+constexpr int VAL_ENTRY = 0x3fffffff;
+constexpr int VAL_CLAIMED = 0x40000000;
+constexpr int VAL_EMPTY = 0x3fffffff;
+// s_pos: the token's bucket in its owner block's hash | owner << POS_OWNER_SHIFT
+constexpr int POS_OWNER_SHIFT = 24;
+constexpr int POS_SLOT_MASK = (1 << POS_OWNER_SHIFT) - 1;
+
+// The block of a row's cluster whose hash holds a token: the hash bits just below the bucket's
+// (each block's hash has every bucket, so an uneven split costs load, never room).
+__device__ __forceinline__ int hash_owner(u32 hv, int shift, int C) {
+  return static_cast<int>((((hv << (32 - shift)) >> 24) * static_cast<u32>(C)) >> 8);
 }
 
-__device__ __forceinline__ int hash_find(const int* s_key, const int* s_val, int mask, int shift,
-                                         int tok) {
-  u32 h = hash_home(tok, shift);
-  while (true) {
-    const int k = s_key[h];
-    if (k == tok) return s_val[h];
-    if (k == -1) return -1;
-    h = (h + 1) & mask;
-  }
+// `p` (this block's shared memory) in the shared memory of the row's block `q`.
+template <typename T>
+__device__ __forceinline__ T* row_smem(T* p, int q, int C) {
+  return C > 1 ? cluster_map(p, q) : p;
 }
 
-template <typename ReqT, typename LenT>
-__global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResolveParams p) {
-  constexpr int BLOCK = RESOLVE_BLOCK;
+// A barrier of the row's blocks (the block itself when the row has one).
+__device__ __forceinline__ void sync_row(int C) {
+  if (C > 1) cluster_sync();
+  else __syncthreads();
+}
+
+template <typename ReqT, typename LenT, int BLOCK>
+__global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams p) {
+  static_assert(BLOCK == RESOLVE_BLOCK || BLOCK == RESOLVE_CLUSTER_BLOCK, "a resolve block size");
   constexpr int NW = BLOCK / 32;
   const int K = p.K, B = p.B, R = p.R, H = p.H, HS = p.hash_size;
   const int hash_size = HS;
@@ -89,6 +108,7 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
   int* s_we = sm.warp_evict;
   int* s_wm = sm.warp_miss;
   int* s_cnt = sm.count;
+  int* s_ct = sm.cluster_tot;
   i16* s_evict = sm.evict;
   i16* s_hit = sm.hit;
   u16* s_tmp = sm.order;
@@ -98,7 +118,11 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
   // Let the copy kernel that follows get scheduled; it waits for this grid to finish.
   pdl_launch_dependents();
 
-  const int b = blockIdx.x;
+  // C blocks (a cluster) per batch row: block `rank` owns a 1/C share of the row's entries and
+  // LRU positions (contiguous, in rank order) and of its tokens' hash (by token).
+  const int C = cluster_blocks();
+  const int rank = C > 1 ? cluster_rank() : 0;
+  const int b = blockIdx.x / C;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
@@ -107,15 +131,21 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
   i32* o = p.out + static_cast<i64>(b) * p.out_stride;
   i32* st = p.status + static_cast<i64>(b) * N_STATUS;
   i32* plan_count = p.plan_count;
+  // rank 0's status counters (every block of the row adds to them)
+  int* cnt0 = C > 1 ? cluster_map(s_cnt, 0) : s_cnt;
 
-  // Phases 1, 3 and 4 give warp w a contiguous chunk: top-k entries [i0, i1), LRU positions
-  // [p0, p1); a lane handles entries i0 + 32 u + lane.
-  const int c4 = ((K + BLOCK - 1) / BLOCK) * 32;
-  const int i0 = warp * c4;
-  const int i1 = min(K, i0 + c4);
-  const int c3 = ((H + BLOCK - 1) / BLOCK) * 32;
-  const int p0 = warp * c3;
-  const int p1 = min(H, p0 + c3);
+  // The block's entries [kb, ke) and LRU positions [pb, pe). Phases 1, 3 and 4 give warp w a
+  // contiguous chunk of them: entries [i0, i1), positions [p0, p1); a lane handles entries
+  // i0 + 32 u + lane.
+  const int kc = (K + C - 1) / C, hc = (H + C - 1) / C;
+  const int kb = min(K, rank * kc), ke = min(K, kb + kc);
+  const int pb = min(H, rank * hc), pe = min(H, pb + hc);
+  const int c4 = ((kc + BLOCK - 1) / BLOCK) * 32;
+  const int i0 = kb + warp * c4;
+  const int i1 = min(ke, i0 + c4);
+  const int c3 = ((hc + BLOCK - 1) / BLOCK) * 32;
+  const int p0 = pb + warp * c3;
+  const int p1 = min(pe, p0 + c3);
 
   // ---- wave 1 of global loads (independent of each other): the row's request, length and the
   // first PREFETCH groups of its top-k. The latency chain of the LRU path is three waves.
@@ -131,9 +161,9 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
   }
   const i64 rid = b < nr ? rid_raw : -1;
   const i64 seq = b < nr ? seq_raw : -1;
-  if (b >= nr || rid < 0 || rid >= R || seq < 0) {
-    for (int i = tid; i < K; i += BLOCK) o[i] = -1;
-    if (tid == 0) {
+  if (b >= nr || rid < 0 || rid >= R || seq < 0) {  // uniform over the cluster: no sync needed
+    for (int i = kb + tid; i < ke; i += BLOCK) o[i] = -1;
+    if (rank == 0 && tid == 0) {
       plan_count[b] = 0;
       st[ST_RANGE] = 0;
       st[ST_NOHOST] = 0;
@@ -151,18 +181,18 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
   if (tid < 4) s_cnt[tid] = 0;
 
   if (seq <= H) {  // positional fast path: token p lives in slot p
-    __syncthreads();
-    for (int i = tid; i < K; i += BLOCK) {
+    sync_row(C);   // rank 0's counters are zero before anyone adds
+    for (int i = kb + tid; i < ke; i += BLOCK) {
       const int tok = tk[i];
       int r = -1;
       if (i < seq && tok != -1) {
         if (tok >= 0 && tok < seq) r = sloc[tok];
-        else atomicAdd(&s_cnt[ST_RANGE], 1);
+        else atomicAdd(&cnt0[ST_RANGE], 1);
       }
       o[i] = r;
     }
-    __syncthreads();
-    if (tid == 0) {
+    sync_row(C);
+    if (rank == 0 && tid == 0) {
       plan_count[b] = 0;
       st[ST_RANGE] = s_cnt[ST_RANGE];
       st[ST_NOHOST] = 0;
@@ -189,19 +219,25 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
     held[u] = p < p1 ? stok[slots[u]] : -1;
   }
 
-  // ---- phase 0: clear the hash, stage the slots' device rows
+  // ---- phase 0: clear this block's hash (16-byte stores), stage the slots' device rows
   const int mask = hash_size - 1;
   const int shift = 32 - (__ffs(hash_size) - 1);  // hash_size is a power of two >= 64
-  for (int h = tid; h < hash_size; h += BLOCK) {
-    s_key[h] = -1;
-    s_val[h] = 0x7fffffff;
+  {
+    const int4 empty_key = make_int4(-1, -1, -1, -1);
+    const int4 empty_val = make_int4(VAL_EMPTY, VAL_EMPTY, VAL_EMPTY, VAL_EMPTY);
+    int4* k4 = reinterpret_cast<int4*>(s_key);
+    int4* v4 = reinterpret_cast<int4*>(s_val);
+    for (int h = tid; h < (hash_size >> 2); h += BLOCK) {
+      k4[h] = empty_key;
+      v4[h] = empty_val;
+    }
   }
 #pragma unroll 8
   for (int j = tid; j <= H; j += BLOCK) s_loc[j] = sloc[j];
-  __syncthreads();
+  sync_row(C);  // every block's hash is clear before any block inserts into it
   HS_PHASE(0);
 
-  // ---- phase 1: classify, insert
+  // ---- phase 1: classify, insert each token into its owner block's hash
   for (int g = i0; g < i0 + c4; g += 32 * PREFETCH) {
     const bool first = g == i0;  // uniform; later groups (K > PREFETCH * BLOCK) load here
 #pragma unroll
@@ -217,18 +253,22 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
         kind = K_UNUSED;
       } else if (tok < 0 || tok >= lim) {
         kind = K_INVALID;
-        atomicAdd(&s_cnt[ST_RANGE], 1);
+        atomicAdd(&cnt0[ST_RANGE], 1);
       } else if (tok == seq - 1) {
         kind = K_NEWEST;
         r = s_loc[H];
       } else {
         hl = first ? hls[u] : hloc[tok];
-        u32 h = hash_home(tok, shift);
+        const u32 hv = hash_u32(static_cast<u32>(tok));
+        const int ow = hash_owner(hv, shift, C);
+        int* key = row_smem(s_key, ow, C);
+        int* val = row_smem(s_val, ow, C);
+        u32 h = hv >> shift;
         while (true) {
-          const int prev = atomicCAS(&s_key[h], -1, tok);
+          const int prev = atomicCAS(&key[h], -1, tok);
           if (prev == -1 || prev == tok) {
-            atomicMin(&s_val[h], i);
-            s_pos[i] = static_cast<int>(h);
+            atomicMin(&val[h], i);
+            s_pos[i] = static_cast<int>(h) | (ow << POS_OWNER_SHIFT);
             break;
           }
           h = (h + 1) & mask;
@@ -240,24 +280,23 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
       s_hl[i] = hl;
     }
   }
-  __syncthreads();
+  sync_row(C);  // every hash complete
 
   HS_PHASE(1);
-  // ---- phase 2: duplicates
-  for (int i = tid; i < K; i += BLOCK) {
-    if (s_kind[i] == K_CANON && s_val[s_pos[i]] != i) {
-      s_kind[i] = K_DUP;
+  // ---- phase 2: duplicates (an entry whose token's first entry is another)
+  for (int i = kb + tid; i < ke; i += BLOCK) {
+    if (s_kind[i] == K_CANON) {
+      const int pos = s_pos[i];
+      const int* val = row_smem(s_val, pos >> POS_OWNER_SHIFT, C);
+      if ((val[pos & POS_SLOT_MASK] & VAL_ENTRY) != i) s_kind[i] = K_DUP;
     }
   }
-  __syncthreads();
-
-  HS_PHASE(2);
-  // Phases 3 and 4 compact in order with one block-level scan each: each warp counts its
-  // chunk's flags with ballots (pass 1), one warp scans the per-warp counts, then each warp
-  // places its entries at its offset (pass 2).
 
   // ---- phase 3: LRU scan (hits / evictables in old LRU order). A warp loads the LRU entries
-  // and slot tokens of PREFETCH groups before using the first.
+  // and slot tokens of PREFETCH groups before using the first. A slot whose token was selected
+  // claims the token's first entry (the claim bit of its hash value: one slot per entry even if
+  // a state held a token twice) and gives it the slot's device row, which makes it a hit;
+  // phase 2 writes only the kinds of other entries, so the two phases share an interval.
   {
     int nh = 0, ne = 0;
     for (int g = p0; g < p0 + c3; g += 32 * PREFETCH) {
@@ -281,11 +320,20 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
         int hit = 0;
         if (valid) {
           const int bt = held[u];
-          const int j = bt >= 0 ? hash_find(s_key, s_val, mask, shift, bt) : -1;
-          if (j >= 0 && s_kind[j] == K_CANON) {
-            hit = 1;
-            s_kind[j] = K_HIT;
-            s_out[j] = s_loc[slots[u]];
+          if (bt >= 0) {
+            const u32 hv = hash_u32(static_cast<u32>(bt));
+            const int ow = hash_owner(hv, shift, C);
+            const int* key = row_smem(s_key, ow, C);
+            int* val = row_smem(s_val, ow, C);
+            u32 h = hv >> shift;
+            int k;
+            while ((k = key[h]) != bt && k != -1) h = (h + 1) & mask;
+            const int v = k == bt ? atomicOr(&val[h], VAL_CLAIMED) : VAL_CLAIMED;
+            if (!(v & VAL_CLAIMED)) {
+              const int j = v & VAL_ENTRY;
+              hit = 1;  // entry j's output (a device row, >= 0) marks it a hit for phase 4
+              row_smem(s_out, j / kc, C)[j] = s_loc[slots[u]];
+            }
           }
           s_tmp[p] = static_cast<u16>(slots[u] | (hit << 15));
         }
@@ -300,11 +348,10 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
       s_we[warp] = ne;
     }
   }
-  __syncthreads();
+  sync_row(C);  // every claim made (phase 4 reads the outputs), per-warp counts published
   if (warp == 0) scan_warp_totals<NW>(s_wh, lane);
   if (warp == 1 % NW) scan_warp_totals<NW>(s_we, lane);  // NW == 1: the same warp, in turn
   __syncthreads();
-  const int E = s_we[NW];
   {
     int ho = s_wh[warp], eo = s_we[warp];
     for (int g = p0; g < p0 + c3; g += 32) {
@@ -332,12 +379,14 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
       int miss = 0;
       if (i < i1 && s_kind[i] == K_CANON) {
         const i64 hl = s_hl[i];
-        if (hl >= 0 && hl < n_host_rows) {
+        if (s_out[i] >= 0) {
+          s_kind[i] = K_HIT;
+        } else if (hl >= 0 && hl < n_host_rows) {
           miss = 1;
           s_kind[i] = K_MISS;
         } else {
           s_kind[i] = K_NOHOST;
-          atomicAdd(&s_cnt[ST_NOHOST], 1);
+          atomicAdd(&cnt0[ST_NOHOST], 1);
         }
       }
       nm += __popc(__ballot_sync(FULL_MASK, miss));
@@ -346,23 +395,50 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
   }
   __syncthreads();  // also publishes s_hit / s_evict
   if (warp == 0) scan_warp_totals<NW>(s_wm, lane);
-  __syncthreads();
-  const int M = s_wm[NW];
+  sync_row(C);  // every block's totals (s_wh / s_we / s_wm [NW]) and evictables published
+  // The row's totals by block: s_ct[3 q + 0 / 1 / 2] = hits / evictables / misses of blocks
+  // before q (q = 0..C; q = C: the row's totals).
+  if (warp == 0 && C > 1) {
+    int t[3] = {0, 0, 0};
+    if (lane < C) {
+      t[0] = row_smem(s_wh, lane, C)[NW];
+      t[1] = row_smem(s_we, lane, C)[NW];
+      t[2] = row_smem(s_wm, lane, C)[NW];
+    }
+#pragma unroll
+    for (int f = 0; f < 3; ++f) {
+      int x = t[f];
+#pragma unroll
+      for (int d = 1; d < RESOLVE_MAX_CLUSTER; d <<= 1) {
+        const int y = __shfl_up_sync(FULL_MASK, x, d);
+        if (lane >= d) x += y;
+      }
+      if (lane < C) s_ct[3 * (lane + 1) + f] = x;
+      if (lane == 0) s_ct[f] = 0;
+    }
+  }
+  if (C > 1) __syncthreads();
+  // the row's evictables and misses; this block's first hit, evictable and miss in row order
+  const int E = C > 1 ? s_ct[3 * C + 1] : s_we[NW], M = C > 1 ? s_ct[3 * C + 2] : s_wm[NW];
+  const int hb = C > 1 ? s_ct[3 * rank] : 0, eb = C > 1 ? s_ct[3 * rank + 1] : 0;
+  const int mb = C > 1 ? s_ct[3 * rank + 2] : 0;
   {
-    int mo = s_wm[warp];
+    int mo = mb + s_wm[warp];
     for (int g = i0; g < i0 + c4; g += 32) {
       const int i = g + lane;
       const bool miss = i < i1 && s_kind[i] == K_MISS;
       const unsigned mm = __ballot_sync(FULL_MASK, miss);
       if (miss) {
         const int m = mo + __popc(mm & below);
-        const int victim = s_evict[m];
+        int q = 0;  // the block holding the row's m-th evictable slot
+        while (q + 1 < C && s_ct[3 * (q + 1) + 1] <= m) ++q;
+        const int victim = row_smem(s_evict, q, C)[C > 1 ? m - s_ct[3 * q + 1] : m];
         const int loc = s_loc[victim];
         s_out[i] = loc;
         if (idx) {
           const int old = stok[victim];
           if (old >= 0) hot_erase(idx, nb, old, victim);
-          s_pos[i] = victim;  // the hash slot is not needed any more: phase 5 inserts
+          s_pos[i] = victim;  // the hash position is not needed any more: phase 5 inserts
         }
         stok[victim] = s_tok[i];
         p.plan_src[static_cast<i64>(b) * p.plan_stride + m] = s_hl[i];
@@ -371,29 +447,36 @@ __global__ void __launch_bounds__(RESOLVE_BLOCK, 1) swap_resolve(const SwapResol
       mo += __popc(mm);
     }
   }
-  __syncthreads();  // misses' outputs are visible
+  sync_row(C);  // misses' outputs and slot tokens visible to every block
   HS_PHASE(4);
 
-  // ---- phase 5: duplicates take their canonical entry's output; write-back; index inserts
-  for (int i = tid; i < K; i += BLOCK) {
+  // ---- phase 5: duplicates take their first entry's output; write-back; index inserts
+  for (int i = kb + tid; i < ke; i += BLOCK) {
     if (s_kind[i] == K_DUP) {
-      const int c = s_val[s_pos[i]];
-      s_out[i] = s_out[c];
-      if (s_kind[c] == K_NOHOST) atomicAdd(&s_cnt[ST_NOHOST], 1);
+      const int pos = s_pos[i];
+      const int c = row_smem(s_val, pos >> POS_OWNER_SHIFT, C)[pos & POS_SLOT_MASK] & VAL_ENTRY;
+      const int oc = c / kc;
+      s_out[i] = row_smem(s_out, oc, C)[c];
+      if (row_smem(s_kind, oc, C)[c] == K_NOHOST) atomicAdd(&cnt0[ST_NOHOST], 1);
     } else if (idx && s_kind[i] == K_MISS) {
       if (!hot_insert(idx, nb, stok, H, s_tok[i], s_pos[i])) atomicOr(p.flags + rid, MS_F_DEGRADED);
     }
   }
-  for (int p = tid; p < H; p += BLOCK) {
-    i16 v;
-    if (p < E - M) v = s_evict[M + p];
-    else if (p < E) v = s_evict[p - (E - M)];
-    else v = s_hit[p - E];  // the H - E hits
-    rlru[p] = v;
+  // New order: [evictables M.. (untouched)][evictables 0..M (the misses' slots)][hits].
+  {
+    const int ne = s_we[NW], nh = s_wh[NW];
+    for (int j = tid; j < ne; j += BLOCK) {
+      const int e = eb + j;
+      rlru[e >= M ? e - M : E - M + e] = s_evict[j];
+    }
+    for (int j = tid; j < nh; j += BLOCK) rlru[E + hb + j] = s_hit[j];
   }
   __syncthreads();
-  for (int i = tid; i < K; i += BLOCK) o[i] = s_out[i];
-  if (tid == 0) {
+  for (int i = kb + tid; i < ke; i += BLOCK) o[i] = s_out[i];
+  // every access to another block's shared memory done, rank 0's counters final (one block:
+  // the barrier above did it)
+  if (C > 1) cluster_sync();
+  if (rank == 0 && tid == 0) {
     plan_count[b] = M;
     st[ST_RANGE] = s_cnt[ST_RANGE];
     st[ST_NOHOST] = s_cnt[ST_NOHOST];
