@@ -35,7 +35,8 @@ share of the IO: every layer moves the same rows), the compute slowdown, and the
 measured in the same run: a cudaMemcpyAsync H2D of the step's missed bytes and the replays
 alone on an idle GPU. Everything is queued on explicit non-blocking streams.
 
-    python benchmarks/bench_overlap.py [--quick] [--out DIR]
+    python benchmarks/bench_overlap.py [--quick] [--out DIR] [--only L:B:RATE ...]
+        [--gemm-sms N] [--matmul-m M] [--replay-grid G] [--replay-rows-per-warp R]
     python benchmarks/bench_overlap.py --plot DIR/bench_overlap.json   # PNG from a JSON
 """
 
@@ -135,16 +136,33 @@ class Compute:
     CuPy refuses cuBLAS calls while a stream is captured, so the matmul runs through PyTorch
     (which owns its cuBLAS handle and workspace and can be captured) on the same main stream.
     Without PyTorch, or if its matmul cannot be captured and replayed exactly, an FMA kernel on
-    every SM stands in (``kind`` says which ran).
+    every SM stands in (``kind`` says which ran). ``gemm_sms`` (not None): a bf16 matmul through
+    the package's own cuBLAS binding (``hisparse_cupy.demo.model.Gemm``) limited to that many
+    SMs (``cublasSetSmCountTarget``; 0: every SM), so copies on other SMs need not delay it.
     """
 
-    def __init__(self, kern: Kernels, main: cupy.cuda.Stream):
+    def __init__(self, kern: Kernels, main: cupy.cuda.Stream, gemm_sms: int | None = None):
         self.kern, self.main = kern, main
         self.burn = cupy.zeros(1024, cupy.float32)
         self.sms = device_info()["sms"]
         self.m = 2048
         self.iters = 1000
         self.kind = "fma"
+        self.gemm = None
+        self.fixed_m = False  # True: calibrate() keeps m (the same work in every run)
+        if gemm_sms is not None:
+            from hisparse_cupy.demo.model import Gemm
+
+            self.gemm = Gemm(None)
+            self.gemm.set_sm_target(gemm_sms)  # raises without cuBLAS
+            rnd = cupy.random.default_rng(0)
+            self.w = (rnd.standard_normal((MM_N, MM_N), dtype=cupy.float32) * 0.01).astype(
+                cupy.float16).view(cupy.uint16)  # bf16 needs no conversion for timing
+            self.x = rnd.standard_normal((MM_MAX, MM_N), dtype=cupy.float32).astype(
+                cupy.float16).view(cupy.uint16)
+            self.y = cupy.empty((MM_MAX, MM_N), cupy.uint16)
+            self.kind = f"cublas bf16 (own binding, SM target {gemm_sms or 'all'})"
+            return
         try:
             import torch
 
@@ -187,12 +205,15 @@ class Compute:
         if self.kind == "fma":
             self.kern.fma((self.sms * 4,), (256,), (self.burn, np.int32(self.iters)),
                    stream=self.main)
+        elif self.gemm is not None:
+            self.gemm(self.x[: self.m], self.w, self.y[: self.m], self.main)
         else:
             self.torch.matmul(self.x[: self.m], self.w, out=self.y[: self.m])
 
     def calibrate(self, target_us: float) -> float:
-        """Size the compute to take ``target_us``; returns its measured time (us)."""
-        for _ in range(2):
+        """Size the compute to take ``target_us`` (unless its size is pinned: ``fixed_m``);
+        returns its measured time (us)."""
+        for _ in range(0 if self.fixed_m else 2):
             t = statistics.median(time_calls(lambda i: self(), iters=9, stream=self.main))
             scale = max(target_us, 1.0) / t
             if self.kind == "fma":
@@ -703,6 +724,16 @@ def main() -> None:
                     help="24-layer pattern (plus the 78-layer target point), fewer configs")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--plot", metavar="JSON", help="only render the PNG of an existing JSON")
+    ap.add_argument("--only", nargs="*", metavar="L:B:RATE",
+                    help="run only these configurations (e.g. 78:64:0.05), without the sweeps")
+    ap.add_argument("--gemm-sms", type=int, default=None,
+                    help="the layer matmul through the package's cuBLAS binding on at most this "
+                         "many SMs (0: all); default: PyTorch's matmul")
+    ap.add_argument("--matmul-m", type=int, default=None,
+                    help="the layer matmul's rows, fixed (default: calibrated per run)")
+    ap.add_argument("--replay-grid", type=int, default=None, help="the prefetcher's replay grid")
+    ap.add_argument("--replay-rows-per-warp", type=int, default=None,
+                    help="rows each replay warp keeps in flight")
     a = ap.parse_args()
     if a.plot:
         payload = json.loads(Path(a.plot).read_text())
@@ -719,25 +750,40 @@ def main() -> None:
         grid = [(b, r) for b in (8, 32, 64, 128) for r in (0.01, 0.05, 0.20)]
         plan = [(24, grid), (78, grid)]
         iters = 30
+    sweeps = not a.only
+    if a.only:
+        picked = [tuple(float(v) for v in o.split(":")) for o in a.only]
+        plan = [(n, [(int(b), r) for ln, b, r in picked if int(ln) == n])
+                for n in sorted({int(p[0]) for p in picked})]
     main_s = cupy.cuda.Stream(non_blocking=True)
     main_s.use()  # every CuPy op of this script runs on it, never on the legacy stream
     t0 = time.perf_counter()
     out = Path(a.out)
     kern = Kernels()
-    compute = Compute(kern, main_s)
+    compute = Compute(kern, main_s, a.gemm_sms)
+    if a.matmul_m:
+        if compute.kind == "fma":
+            raise SystemExit("--matmul-m needs a cuBLAS matmul")
+        compute.m, compute.fixed_m = a.matmul_m, True
     results = []
     payload = {"device": device_info(), "K": K, "H": H, "P": P, "row_bytes": ROW,
                "max_len": MAX_LEN, "iters": iters, "warmup": WARMUP,
-               "target_layer_us": TARGET_LAYER_US, "setup_s": {}, "results": results}
+               "target_layer_us": TARGET_LAYER_US, "setup_s": {}, "results": results,
+               "gemm_sms": a.gemm_sms, "matmul_m": a.matmul_m, "replay_grid": a.replay_grid,
+               "replay_rows_per_warp": a.replay_rows_per_warp}
     for n_layers, configs in plan:
         bmax = max(b for b, _ in configs)
         rig = Rig(n_layers, bmax, kern, compute, main_s)
+        if a.replay_grid:
+            rig.pf.replay_grid = a.replay_grid
+        if a.replay_rows_per_warp:
+            rig.pf.replay_rows_per_warp = a.replay_rows_per_warp
         payload["setup_s"][n_layers] = rig.setup_s
         print(f"{n_layers} layers, {bmax} requests: cache built in {rig.setup_s:.1f} s "
               f"(pattern {rig.pattern})", flush=True)
         for B, rate in configs:
             t1 = time.perf_counter()
-            r = run_config(rig, B, rate, iters, sweep=(B, rate) == (64, 0.05))
+            r = run_config(rig, B, rate, iters, sweep=sweeps and (B, rate) == (64, 0.05))
             results.append(r)
             payload["wall_s"] = time.perf_counter() - t0
             write_json(str(out), "bench_overlap.json", payload)  # partial results survive

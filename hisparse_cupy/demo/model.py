@@ -80,6 +80,15 @@ class Gemm:
         if status != 0:
             raise RuntimeError(f"{what} failed with cuBLAS status {status}")
 
+    def set_sm_target(self, sms: int) -> None:
+        """Run later matmuls on at most ``sms`` SMs (``cublasSetSmCountTarget``; 0: every SM),
+        leaving the others to kernels on other streams (the side stream's copies)."""
+        if self._lib is None:
+            raise RuntimeError(f"no SM target without cuBLAS ({self.kind})")
+        if sms < 0:
+            raise ValueError(f"sms must be >= 0, got {sms}")
+        self._ok(self._lib.cublasSetSmCountTarget(self._h, int(sms)), "cublasSetSmCountTarget")
+
     def __call__(self, a: cupy.ndarray, b: cupy.ndarray, c: cupy.ndarray,
                  stream: cupy.cuda.Stream) -> None:
         """``c = a @ b``; ``a`` may be a column slice (rows ``a.strides[0]`` bytes apart),

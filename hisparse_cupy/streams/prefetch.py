@@ -137,7 +137,11 @@ class Prefetcher:
     enabled : bool
         Prefetch on (default) or off (every layer runs the full swap on the main stream).
     replay_grid : int, optional
-        Copy blocks per side-stream replay (default :func:`default_replay_grid`).
+        Copy blocks per side-stream replay (default :func:`default_replay_grid`). When the
+        model's matmuls leave N SMs idle (e.g. cuBLAS's SM-count target), a grid of N with 8
+        rows per warp keeps the replays on those SMs: measured at N = 8 on an H200, 69-71 %
+        of the overhead hidden instead of 60 % (``benchmarks/NOTES.md``, "A matmul on fewer
+        SMs").
     replay_rows_per_warp : int
         Rows each warp of a replay keeps in flight (one of ``hisparse_cupy.plan.ROWS_PER_WARP``;
         default :data:`DEFAULT_REPLAY_ROWS_PER_WARP`).
