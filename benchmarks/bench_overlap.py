@@ -752,7 +752,13 @@ def main() -> None:
         iters = 30
     sweeps = not a.only
     if a.only:
-        picked = [tuple(float(v) for v in o.split(":")) for o in a.only]
+        try:
+            picked = [tuple(float(v) for v in o.split(":")) for o in a.only]
+            if any(len(p) != 3 or p[0] < 4 or p[1] < 1 for p in picked):
+                raise ValueError
+        except ValueError:
+            raise SystemExit(f"--only takes LAYERS:BATCH:RATE, layers >= 4, batch >= 1 (e.g. "
+                             f"78:64:0.05), got {a.only}") from None
         plan = [(n, [(int(b), r) for ln, b, r in picked if int(ln) == n])
                 for n in sorted({int(p[0]) for p in picked})]
     main_s = cupy.cuda.Stream(non_blocking=True)
