@@ -92,6 +92,14 @@ def test_resolve_cluster_knob(monkeypatch):
     # the cluster instance (512-thread blocks) and its shared memory were asked about
     assert seen == {("hs::swap_resolve<int, long long, 512>", 512,
                      swap.resolve_smem_bytes(2048, 4096, 512))}
+    # the launch: C blocks of 512 threads per row in a cluster, or one block of 1024
+    monkeypatch.setattr(swap, "launcher", lambda k, blk, smem, pdl, c: (k, blk, smem, pdl, c))
+    assert swap.resolve_launch(key, 4, 2048, 4096) == (
+        ("hs::swap_resolve<int, long long, 512>", 512, swap.resolve_smem_bytes(2048, 4096, 512),
+         False, 8), (32, 1, 1))
+    assert swap.resolve_launch(key, 64, 2048, 4096) == (
+        ("hs::swap_resolve<int, long long, 1024>", 1024, swap.resolve_smem_bytes(2048, 4096),
+         False, 1), (64, 1, 1))
     swap.set_resolve_cluster(2)
     assert swap.resolve_cluster(key, 1, 2048, 4096) == 2
     swap.set_resolve_cluster(None)
