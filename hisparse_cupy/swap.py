@@ -90,14 +90,22 @@ def resolve_cluster(key, batch: int, top_k: int, hot_size: int) -> int:
     return 1
 
 
+_launches: dict[tuple, tuple[Launcher, tuple[int, int, int]]] = {}
+
+
 def resolve_launch(key, B: int, K: int, H: int) -> tuple[Launcher, tuple[int, int, int]]:
     """The resolve's launcher and grid for B rows of K entries, H hot slots (``key``: the
-    (req, len) dtypes of the call)."""
-    c = resolve_cluster(key, B, K, H)
-    block = RESOLVE_BLOCK if c == 1 else CLUSTER_BLOCK
-    la = launcher(_build.kernel(_build.RESOLVE[block][key]), block,
-                  resolve_smem_bytes(K, H, block), False, c)
-    return la, (B * c, 1, 1)
+    (req, len) dtypes of the call); chosen once per shape, device and fixed cluster size, so
+    an eager call pays one dictionary lookup."""
+    ck = (key, B, K, H, cupy.cuda.runtime.getDevice(), _cluster_fixed)
+    got = _launches.get(ck)
+    if got is None:
+        c = resolve_cluster(key, B, K, H)
+        block = RESOLVE_BLOCK if c == 1 else CLUSTER_BLOCK
+        la = launcher(_build.kernel(_build.RESOLVE[block][key]), block,
+                      resolve_smem_bytes(K, H, block), False, c)
+        got = _launches[ck] = (la, (B * c, 1, 1))
+    return got
 
 
 def check_sizes(top_k: int, hot_size: int) -> None:

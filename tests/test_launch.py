@@ -94,6 +94,8 @@ def test_resolve_cluster_knob(monkeypatch):
                      swap.resolve_smem_bytes(2048, 4096, 512))}
     # the launch: C blocks of 512 threads per row in a cluster, or one block of 1024
     monkeypatch.setattr(swap, "launcher", lambda k, blk, smem, pdl, c: (k, blk, smem, pdl, c))
+    monkeypatch.setattr(swap, "_launches", {})
+    monkeypatch.setattr(swap.cupy.cuda.runtime, "getDevice", lambda: 0)
     assert swap.resolve_launch(key, 4, 2048, 4096) == (
         ("hs::swap_resolve<int, long long, 512>", 512, swap.resolve_smem_bytes(2048, 4096, 512),
          False, 8), (32, 1, 1))
