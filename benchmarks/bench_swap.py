@@ -42,7 +42,7 @@ NSETS = 4
 CHAIN = 8
 
 
-def build(rng, B, row_bytes, pool):
+def build(rng, B, row_bytes, pool, rates=RATES):
     """State for B requests with a full hot buffer, and NSETS top-k sets per miss rate."""
     resident = np.stack([rng.choice(MAX_LEN - 1, size=H, replace=False) for _ in range(B)])
     slot_tokens = np.full((B, H + P), -1, np.int32)
@@ -54,7 +54,7 @@ def build(rng, B, row_bytes, pool):
                              cupy.asarray(lru))
     snap = (st.slot_tokens.copy(), st.lru.copy())
     sets = {}
-    for rate in RATES:
+    for rate in rates:
         n_miss = int(round(K * rate))
         per = []
         for _ in range(NSETS):
