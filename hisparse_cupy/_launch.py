@@ -379,17 +379,16 @@ def _dim3(x) -> tuple[int, int, int]:
 
 
 def launch(kernel, grid, block, params: Params, *, shared_mem: int = 0, stream=None,
-           pdl: bool = False, cluster: int = 1) -> None:
+           pdl: bool = False) -> None:
     """Queue ``kernel`` with its parameter struct on ``stream`` (a CuPy stream object; None:
     the current stream), through ``cuLaunchKernelEx``.
 
     ``grid`` / ``block``: int or tuple of up to 3 ints (an empty grid queues nothing).
     ``shared_mem``: dynamic shared memory in bytes; above 48 KB the kernel is opted in once.
     ``pdl``: already resolved (:func:`resolve_pdl`); True launches with the PDL attribute.
-    ``cluster``: blocks per thread-block cluster along x (sm_90+; 1: no cluster attribute).
     CuPy's own ``RawKernel.__call__`` is not used: with one struct argument this path costs a
     fraction of its host time (``tools/host_overhead.py``).
     """
     if stream is None:
         stream = cupy.cuda.get_current_stream()
-    launcher(kernel, block, shared_mem, pdl, cluster)(_dim3(grid), stream.ptr, params.addr)
+    launcher(kernel, block, shared_mem, pdl)(_dim3(grid), stream.ptr, params.addr)
