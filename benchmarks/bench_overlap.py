@@ -35,7 +35,8 @@ share of the IO: every layer moves the same rows), the compute slowdown, and the
 measured in the same run: a cudaMemcpyAsync H2D of the step's missed bytes and the replays
 alone on an idle GPU. Everything is queued on explicit non-blocking streams.
 
-    python benchmarks/bench_overlap.py [--quick] [--out DIR] [--only L:B:RATE ...]
+    python benchmarks/bench_overlap.py [--quick] [--out DIR] [--only L:B:RATE ... [--predict-sweep]]
+        [--node-priority]
         [--gemm-sms N] [--matmul-m M] [--replay-grid G] [--replay-rows-per-warp R]
     python benchmarks/bench_overlap.py --plot DIR/bench_overlap.json   # PNG from a JSON
 """
@@ -343,6 +344,8 @@ class Rig:
                         pool=self.cache.pool, layer=sl, grid=grid, rows_per_warp=rpw,
                         thin=thin, stream=self.main)
 
+    node_priority = False  # instantiate captured graphs with their nodes' stream priorities
+
     def capture(self, fn):
         s = self.main
         s.begin_capture()
@@ -350,12 +353,36 @@ class Rig:
             fn()
         finally:
             g = s.end_capture()
-        return g
+        return PriorityGraph(g) if self.node_priority else g
+
 
     def close(self) -> None:
         self.main.synchronize()
         self.pf.synchronize()
         self.cache.close()
+
+
+class PriorityGraph:
+    """A captured graph instantiated with ``CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY``:
+    each kernel node keeps the priority of the stream it was captured on (the side streams'
+    high priority); a graph instantiated without it runs every node at the launch stream's."""
+
+    def __init__(self, g):
+        from cuda.bindings import driver as cu
+
+        self.cu, self.g = cu, g  # g owns the graph
+        flag = cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
+        err, self.exec = cu.cuGraphInstantiate(cu.CUgraph(g.graph), int(flag))
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuGraphInstantiate: {err}")
+
+    def launch(self, s: cupy.cuda.Stream) -> None:
+        (err,) = self.cu.cuGraphLaunch(self.exec, self.cu.CUstream(s.ptr))
+        if err != self.cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuGraphLaunch: {err}")
+
+    def __del__(self):
+        self.cu.cuGraphExecDestroy(self.exec)
 
 
 def _ms(d: dict) -> dict:
@@ -417,7 +444,8 @@ def prepare_config(rig: Rig, B: int, rate: float) -> tuple[float, float, float]:
     return misses, attn_us, mm_us
 
 
-def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool) -> dict:
+def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool,
+               predict_sweep: bool) -> dict:
     s, pf = rig.main, rig.pf
     misses, attn_us, mm_us = prepare_config(rig, B, rate)
 
@@ -518,6 +546,7 @@ def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool) -> dict:
            "common": rig.common, "predict": pred}
     if sweep:
         out["sweep"] = run_sweep(rig, res["graph"], iters)
+    if predict_sweep:
         out["predict_sweep"] = run_predict_sweep(rig, res["graph"], iters)
     return out
 
@@ -718,14 +747,8 @@ def plot(payload: dict, path: Path) -> bool:
     return True
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="24-layer pattern (plus the 78-layer target point), fewer configs")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    ap.add_argument("--plot", metavar="JSON", help="only render the PNG of an existing JSON")
-    ap.add_argument("--only", nargs="*", metavar="L:B:RATE",
-                    help="run only these configurations (e.g. 78:64:0.05), without the sweeps")
+def add_rig_args(ap: argparse.ArgumentParser) -> None:
+    """The layer compute's and the replays' options (this script and ``overlap_waits``)."""
     ap.add_argument("--gemm-sms", type=int, default=None,
                     help="the layer matmul through the package's cuBLAS binding on at most this "
                          "many SMs (0: all); default: PyTorch's matmul")
@@ -734,6 +757,39 @@ def main() -> None:
     ap.add_argument("--replay-grid", type=int, default=None, help="the prefetcher's replay grid")
     ap.add_argument("--replay-rows-per-warp", type=int, default=None,
                     help="rows each replay warp keeps in flight")
+
+
+def make_compute(kern: Kernels, main_s: cupy.cuda.Stream, a: argparse.Namespace) -> Compute:
+    compute = Compute(kern, main_s, a.gemm_sms)
+    if a.matmul_m:
+        if compute.kind == "fma":
+            raise SystemExit("--matmul-m needs a cuBLAS matmul")
+        compute.m, compute.fixed_m = a.matmul_m, True
+    return compute
+
+
+def shape_replays(pf: Prefetcher, a: argparse.Namespace) -> None:
+    if a.replay_grid:
+        pf.replay_grid = a.replay_grid
+    if a.replay_rows_per_warp:
+        pf.replay_rows_per_warp = a.replay_rows_per_warp
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="24-layer pattern (plus the 78-layer target point), fewer configs")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--plot", metavar="JSON", help="only render the PNG of an existing JSON")
+    ap.add_argument("--only", nargs="*", metavar="L:B:RATE",
+                    help="run only these configurations (e.g. 78:64:0.05), without the sweeps")
+    ap.add_argument("--predict-sweep", action="store_true",
+                    help="with --only: also the prediction sweep over top-k overlaps (batch 64, "
+                         "5 %% rows only, as in the full run)")
+    ap.add_argument("--node-priority", action="store_true",
+                    help="instantiate the captured steps with each kernel's stream priority "
+                         "(CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)")
+    add_rig_args(ap)
     a = ap.parse_args()
     if a.plot:
         payload = json.loads(Path(a.plot).read_text())
@@ -766,30 +822,26 @@ def main() -> None:
     t0 = time.perf_counter()
     out = Path(a.out)
     kern = Kernels()
-    compute = Compute(kern, main_s, a.gemm_sms)
-    if a.matmul_m:
-        if compute.kind == "fma":
-            raise SystemExit("--matmul-m needs a cuBLAS matmul")
-        compute.m, compute.fixed_m = a.matmul_m, True
+    compute = make_compute(kern, main_s, a)
     results = []
     payload = {"device": device_info(), "K": K, "H": H, "P": P, "row_bytes": ROW,
                "max_len": MAX_LEN, "iters": iters, "warmup": WARMUP,
                "target_layer_us": TARGET_LAYER_US, "setup_s": {}, "results": results,
                "gemm_sms": a.gemm_sms, "matmul_m": a.matmul_m, "replay_grid": a.replay_grid,
-               "replay_rows_per_warp": a.replay_rows_per_warp}
+               "replay_rows_per_warp": a.replay_rows_per_warp, "node_priority": a.node_priority}
     for n_layers, configs in plan:
         bmax = max(b for b, _ in configs)
         rig = Rig(n_layers, bmax, kern, compute, main_s)
-        if a.replay_grid:
-            rig.pf.replay_grid = a.replay_grid
-        if a.replay_rows_per_warp:
-            rig.pf.replay_rows_per_warp = a.replay_rows_per_warp
+        rig.node_priority = a.node_priority
+        shape_replays(rig.pf, a)
         payload["setup_s"][n_layers] = rig.setup_s
         print(f"{n_layers} layers, {bmax} requests: cache built in {rig.setup_s:.1f} s "
               f"(pattern {rig.pattern})", flush=True)
         for B, rate in configs:
             t1 = time.perf_counter()
-            r = run_config(rig, B, rate, iters, sweep=sweeps and (B, rate) == (64, 0.05))
+            at = (B, rate) == (64, 0.05)
+            r = run_config(rig, B, rate, iters, sweep=sweeps and at,
+                           predict_sweep=(sweeps or a.predict_sweep) and at)
             results.append(r)
             payload["wall_s"] = time.perf_counter() - t0
             write_json(str(out), "bench_overlap.json", payload)  # partial results survive

@@ -6,9 +6,11 @@ layer's wait on its replay, and (prediction mode) a full layer's wait on its sta
 time between the two events of a pair is how long the main stream stood still there. Reported
 per mode: step time, the stall per step at shared layers and at predicted full layers, and
 the full layers' swaps (their own time on the main stream, waits included; medians over the
-timed steps). Also the no-overlap mode's full-layer swaps, for scale.
+timed steps). Also the no-overlap mode's full-layer swaps, for scale, and the step without
+offload (every row on the GPU already).
 
     python benchmarks/overlap_waits.py [--layers 78] [--batch 64] [--rate 0.05] [--common 1.0]
+        [--gemm-sms N] [--matmul-m M] [--replay-grid G] [--replay-rows-per-warp R]
 """
 
 from __future__ import annotations
@@ -63,11 +65,13 @@ def main() -> int:
     ap.add_argument("--common", type=float, default=1.0)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
+    bo.add_rig_args(ap)
     a = ap.parse_args()
     main_s = cupy.cuda.Stream(non_blocking=True)
     main_s.use()
     kern = bo.Kernels()
-    rig = bo.Rig(a.layers, a.batch, kern, bo.Compute(kern, main_s), main_s)
+    rig = bo.Rig(a.layers, a.batch, kern, bo.make_compute(kern, main_s, a), main_s)
+    bo.shape_replays(rig.pf, a)
     rig.common = a.common
     bo.prepare_config(rig, a.batch, a.rate)
     pf = rig.pf
@@ -75,13 +79,14 @@ def main() -> int:
     instrument(pf, log)
     e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
     res = {}
-    for mode in ("no_overlap", "overlap", "overlap_predict"):
-        bo.set_mode(pf, mode, main_s)
+    for mode in ("no_offload", "no_overlap", "overlap", "overlap_predict"):
+        bo.set_mode(pf, "overlap" if mode == "no_offload" else mode, main_s)
+        step = rig.step_no_offload if mode == "no_offload" else rig.step_offload
         steps = {"step_ms": [], "shared_ms": [], "stage_ms": [], "full_swap_ms": []}
         for i in range(bo.WARMUP + a.steps):
             log.clear()
             e0.record(main_s)
-            rig.step_offload()
+            step()
             e1.record(main_s)
             e1.synchronize()
             if i < bo.WARMUP:

@@ -42,7 +42,7 @@ RESOLVE_CLUSTER_BLOCK = 512  # threads of each block when a cluster of blocks re
 RESOLVE_MAX_CLUSTER = 8  # most resolve blocks per batch row (a thread-block cluster, sm_90+)
 COPY_WARPS = 8  # warps per block of the planned copy
 THIN_COPY_REGS = 32  # register cap of the one-warp ("thin") planned copy
-PREDICT_BLOCK = 512  # threads of the prediction stager (one block per request)
+PREDICT_BLOCK = 512  # threads of a prediction stager block (it takes requests in turn)
 NEWEST_BLOCK = 128
 
 # multi-step (MTP) swap

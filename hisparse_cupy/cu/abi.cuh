@@ -99,7 +99,7 @@ struct PlannedCopyParams {
   i32 stage_width;
 };
 
-// ---- prediction stager (predict.cu). Grid: (B), block PREDICT_BLOCK.
+// ---- prediction stager (predict.cu). Grid: (<= B), block PREDICT_BLOCK.
 //   For batch row b: the tokens of topk[b] (a full layer F's top-k) that F's swap just missed
 //   on (their host rows are in F's plan) and that the NEXT full layer's swap would miss on too,
 //   judged by that layer's slot table now: valid (0 <= tok < seq_len, not the newest token, a

@@ -1,7 +1,8 @@
 // hisparse_cupy: prediction stager for the IndexCache overlap's prediction mode.
 //
-// predict_stage<ReqT, LenT>(PredictStageParams): one block of PREDICT_BLOCK threads per batch
-// row. While full layer F computes, the Prefetcher guesses which rows the next full layer F'
+// predict_stage<ReqT, LenT>(PredictStageParams): blocks of PREDICT_BLOCK threads, each taking
+// batch rows blockIdx.x, blockIdx.x + gridDim.x, ... one after another (the Prefetcher gives it
+// the replay's grid, so it holds no more SMs than the replays do). While full layer F computes, the Prefetcher guesses which rows the next full layer F'
 // will miss: the tokens that just entered F's selection (F's swap missed on them:
 // neighbouring layers select largely the same tokens, so what is new to F is likely new to F')
 // and that F' would miss on if it selected them now, i.e. that no LRU slot of F' holds. (Every
@@ -28,13 +29,10 @@
 
 namespace hs {
 
-template <typename ReqT, typename LenT>
-__global__ void __launch_bounds__(PREDICT_BLOCK) predict_stage(const PredictStageParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+template <typename ReqT, typename LenT, typename Smem>
+__device__ __forceinline__ void stage_row(const PredictStageParams& p, const Smem& sm, int b,
+                                          int nr) {
   const int HS = p.hash_size, MS = p.miss_hash_size, K = p.K, H = p.H;
-  HS_SMEM_CARVE(PREDICT_STAGE, sm, smem_raw);
-  const int b = blockIdx.x;
-  const int nr = clamp_real(p.num_real, p.B);
   const i64 rid = b < nr ? static_cast<i64>(static_cast<const ReqT*>(p.req)[b]) : -1;
   const i64 len = b < nr ? static_cast<i64>(
                                static_cast<const LenT*>(p.lens)[static_cast<i64>(b) *
@@ -42,7 +40,7 @@ __global__ void __launch_bounds__(PREDICT_BLOCK) predict_stage(const PredictStag
                          : 0;
   if (rid < 0 || rid >= p.R || len <= H) {  // padding, bad slot, positional: nothing to stage
     if (threadIdx.x == 0) p.stage_count[b] = 0;
-    return;
+    return;  // (uniform over the block)
   }
   for (int i = threadIdx.x; i < HS; i += PREDICT_BLOCK) {
     sm.hkey[i] = -1;
@@ -133,6 +131,18 @@ __global__ void __launch_bounds__(PREDICT_BLOCK) predict_stage(const PredictStag
     const int n = sm.count[0] < p.stage_width ? sm.count[0] : p.stage_width;
     p.stage_count[b] = n;
     if (p.stage_stats) atomicAdd(p.stage_stats + 2, static_cast<u64>(n));
+  }
+}
+
+template <typename ReqT, typename LenT>
+__global__ void __launch_bounds__(PREDICT_BLOCK) predict_stage(const PredictStageParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int HS = p.hash_size, MS = p.miss_hash_size;
+  HS_SMEM_CARVE(PREDICT_STAGE, sm, smem_raw);
+  const int nr = clamp_real(p.num_real, p.B);
+  for (int b = blockIdx.x; b < p.B; b += gridDim.x) {
+    stage_row<ReqT, LenT>(p, sm, b, nr);
+    __syncthreads();  // the next row clears the tables this one read
   }
 }
 

@@ -483,7 +483,10 @@ class Prefetcher:
                 miss_hash_size=hs)
         prm.set(req=ptr(step.req), lens=ptr(step.seq_lens), num_real=ptr(nr),
                 lens_stride=step._lens_stride)  # the step's batch (any buffers)
-        launch(_build.kernel(_build.PREDICT[step._key]), B, _abi.PREDICT_BLOCK, prm,
+        # as many blocks as the replays (no more SMs held beside the compute), each taking
+        # requests in turn
+        grid = min(B, self.replay_grid)
+        launch(_build.kernel(_build.PREDICT[step._key]), grid, _abi.PREDICT_BLOCK, prm,
                shared_mem=_abi.smem_bytes("PREDICT_STAGE", HS=hs, MS=hs), stream=side)
         ckey = (B, ptr(nr), nxt, self.dry_run, int(self.spin_cycles))
         cp = self._pcopy.get(ckey)
