@@ -56,13 +56,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import device_info, memcpy_h2d, summary, time_calls, write_json  # noqa: E402
 
-from hisparse_cupy import (  # noqa: E402
-    HotBufferCache,
-    LayerPattern,
-    Prefetcher,
-    PriorityGraph,
-    replay_plan,
-)
+from hisparse_cupy import HotBufferCache, LayerPattern, Prefetcher, replay_plan  # noqa: E402
 from hisparse_cupy.demo.loop import coprime  # noqa: E402
 
 K, H, P, ROW = 2048, 4096, 64, 656
@@ -366,6 +360,31 @@ class Rig:
         self.main.synchronize()
         self.pf.synchronize()
         self.cache.close()
+
+
+class PriorityGraph:
+    """A captured graph instantiated with ``CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY``:
+    each kernel node keeps the priority of the stream it was captured on (the side streams'
+    high priority); a graph instantiated without it runs every node at the launch stream's."""
+
+    def __init__(self, g):
+        from cuda.bindings import driver as cu
+
+        self.cu, self.g = cu, g  # g owns the graph
+        flag = cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
+        err, self.exec = cu.cuGraphInstantiate(cu.CUgraph(g.graph), int(flag))
+        if err != cu.CUresult.CUDA_SUCCESS:  # NOT_SUPPORTED: seen with the own binding's
+            # bf16 matmul [3840, 4096] x [4096, 4096] (--gemm-sms); PyTorch's instantiates
+            raise RuntimeError(f"cuGraphInstantiate(USE_NODE_PRIORITY): {err}")
+
+    def launch(self, s: cupy.cuda.Stream) -> None:
+        (err,) = self.cu.cuGraphLaunch(self.exec, self.cu.CUstream(s.ptr))
+        if err != self.cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuGraphLaunch: {err}")
+
+    def __del__(self):
+        if getattr(self, "exec", None) is not None:
+            self.cu.cuGraphExecDestroy(self.exec)
 
 
 def _ms(d: dict) -> dict:

@@ -31,7 +31,6 @@ _LAZY = {
     "spec_swap_in": "multistep",
     "LayerPattern": "streams",
     "Prefetcher": "streams",
-    "PriorityGraph": "streams",
     "layer_pattern": "streams",
     "SwapState": "swap",
     "swap_in": "swap",

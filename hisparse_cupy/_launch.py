@@ -235,22 +235,9 @@ class _CUlaunchConfig(ctypes.Structure):
 
 
 @functools.cache
-def _libcuda() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1" if os.name != "nt" else "nvcuda.dll")
-
-
-def driver_fn(name: str, n_args: int):
-    """The driver entry point ``name`` (every argument pointer-sized, result CUresult)."""
-    fn = getattr(_libcuda(), name)
-    fn.argtypes = [ctypes.c_void_p] * n_args
-    fn.restype = ctypes.c_int
-    return fn
-
-
-@functools.cache
 def _driver():
     """``(cuLaunchKernelEx, cuGetErrorName, cuOccupancyMaxActiveClusters)`` of the driver."""
-    lib = _libcuda()
+    lib = ctypes.CDLL("libcuda.so.1" if os.name != "nt" else "nvcuda.dll")
     try:
         fn = lib.cuLaunchKernelEx
         occ = lib.cuOccupancyMaxActiveClusters
@@ -267,8 +254,7 @@ def _driver():
     return fn, name, occ
 
 
-def check(err: int, what: str) -> None:
-    """Raise RuntimeError naming ``what`` and the driver's error name if ``err`` is not 0."""
+def _check(err: int, what: str) -> None:
     if err:
         msg = ctypes.c_char_p()
         _driver()[1](err, ctypes.byref(msg))
@@ -320,7 +306,7 @@ class _LaunchConfig:
                 cfg.hStream = self.stream = stream_ptr
             self.args[0] = params_addr
             err = self.call(self.cfg_addr, func, self.args_addr, None)
-        check(err, "cuLaunchKernelEx")
+        _check(err, "cuLaunchKernelEx")
 
 
 _configs: dict[tuple, _LaunchConfig] = {}
@@ -373,7 +359,7 @@ def _max_active_clusters(kernel, device_id: int, block: tuple[int, int, int], sh
     cfg = _LaunchConfig(block, shared_mem, False, cluster)
     cfg.cfg.gridDimX, cfg.cfg.gridDimY, cfg.cfg.gridDimZ = cluster, 1, 1
     n = ctypes.c_int()
-    check(_driver()[2](ctypes.byref(n), kernel.kernel.ptr, cfg.cfg_addr),
+    _check(_driver()[2](ctypes.byref(n), kernel.kernel.ptr, cfg.cfg_addr),
            "cuOccupancyMaxActiveClusters")
     return n.value
 

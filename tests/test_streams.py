@@ -329,34 +329,10 @@ def test_replay_equals_full_swap_rows(main):
         _host_check(on, layer, cp.asarray(a[23][layer]), tk, req)
 
 
-def _kernel_node_priorities(graph) -> set[int]:
-    """The priority attribute of every kernel node of a CuPy graph (cuda-bindings)."""
-    from cuda.bindings import driver as cu
-
-    g = cu.CUgraph(graph.graph)
-    err, _, n = cu.cuGraphGetNodes(g, 0)
-    assert err == cu.CUresult.CUDA_SUCCESS, err
-    err, nodes, n = cu.cuGraphGetNodes(g, n)
-    assert err == cu.CUresult.CUDA_SUCCESS, err
-    out = set()
-    for node in nodes[:n]:
-        err, kind = cu.cuGraphNodeGetType(node)
-        if kind != cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
-            continue
-        err, v = cu.cuGraphKernelNodeGetAttribute(
-            node, cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PRIORITY)
-        assert err == cu.CUresult.CUDA_SUCCESS, err
-        out.add(int(v.priority))
-    return out
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("instantiate", ["cupy", "node_priority"])
-def test_graph_replay_equals_eager_with_padding(main, instantiate):
-    """A captured step (CuPy's instantiation, or PriorityGraph's, which keeps the side
-    stream's priority) replays exactly what the eager step does, with padding rows."""
+def test_graph_replay_equals_eager_with_padding(main):
     cp = _gpu()
-    from hisparse_cupy.streams import Prefetcher, PriorityGraph
+    from hisparse_cupy.streams import Prefetcher
 
     pat = "FSSFSSSF"
     L, R, B = len(pat), 6, 6
@@ -395,12 +371,6 @@ def test_graph_replay_equals_eager_with_padding(main, instantiate):
         main.begin_capture()
         step(1)
         graph = main.end_capture()
-        if instantiate == "node_priority":
-            # the premise: capture recorded the side stream's priority in its replays' nodes
-            side = pfs[1].side.priority
-            assert side < main.priority  # (numerically lower = higher priority)
-            assert {side, main.priority} <= _kernel_node_priorities(graph)
-            graph = PriorityGraph(graph)
         for t in range(1, steps):
             feed(0, t)
             step(0)
@@ -634,34 +604,6 @@ def test_prediction_negative_control_no_wait(main):
     assert errs["no_wait"][0] == 0  # the first full layer is never predicted
     assert errs["no_wait"][1:].sum() > 0, "no stale staging row seen without the wait"
     assert errs["wait"].tolist() == [0] * L
-
-
-def test_priority_graph_rejects_what_is_not_a_graph():
-    pytest.importorskip("cupy")
-    from hisparse_cupy import PriorityGraph
-
-    for bad in (None, 0, -3, True, 1.5, "graph"):
-        with pytest.raises(TypeError, match="graph must be a cupy.cuda.Graph"):
-            PriorityGraph(bad)
-
-
-@pytest.mark.gpu
-def test_priority_graph_launches_and_closes(main):
-    cp = _gpu()
-    from hisparse_cupy import PriorityGraph
-
-    x = cp.arange(1000, dtype=cp.float32)
-    main.begin_capture()
-    x *= 2
-    g = PriorityGraph(main.end_capture())
-    g.launch(main)
-    g.launch(main)
-    main.synchronize()
-    np.testing.assert_array_equal(cp.asnumpy(x), np.arange(1000, dtype=np.float32) * 4)
-    g.close()
-    g.close()  # twice is fine
-    with pytest.raises(RuntimeError, match="closed"):
-        g.launch(main)
 
 
 @pytest.mark.gpu
