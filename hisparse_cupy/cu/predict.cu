@@ -2,12 +2,13 @@
 //
 // predict_stage<ReqT, LenT>(PredictStageParams): blocks of PREDICT_BLOCK threads, each taking
 // batch rows blockIdx.x, blockIdx.x + gridDim.x, ... one after another (the Prefetcher gives it
-// the replay's grid, so it holds no more SMs than the replays do). While full layer F computes, the Prefetcher guesses which rows the next full layer F'
-// will miss: the tokens that just entered F's selection (F's swap missed on them:
-// neighbouring layers select largely the same tokens, so what is new to F is likely new to F')
-// and that F' would miss on if it selected them now, i.e. that no LRU slot of F' holds. (Every
-// token of F's top-k that F' does not hold would also include the ones F selects and F' never
-// does: staged again every step, for nothing.)
+// the replay's grid, so it holds no more SMs than the replays do). While full layer F
+// computes, the Prefetcher guesses which rows the next full layer F' will miss: the tokens
+// that just entered F's selection (F's swap missed on them: neighbouring layers select largely
+// the same tokens, so what is new to F is likely new to F') and that F' would miss on if it
+// selected them now, i.e. that no LRU slot of F' holds. (Every token of F's top-k that F' does
+// not hold would also include the ones F selects and F' never does: staged again every step,
+// for nothing.)
 // Their host rows of F' are then copied (planned_copy, side stream) into staging rows, and
 // F''s own swap reads a miss from its staging row when the token was staged (PlannedCopyParams'
 // stage_* fields) instead of from the host. A wrong guess costs bandwidth, never a byte: the
