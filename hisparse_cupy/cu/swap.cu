@@ -120,7 +120,9 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
 
   // C blocks (a cluster) per batch row: block `rank` owns a 1/C share of the row's entries and
   // LRU positions (contiguous, in rank order) and of its tokens' hash (by token).
-  const int C = cluster_blocks();
+  // (resolve_launch gives one block per row exactly the RESOLVE_BLOCK instance: there C is a
+  // constant and every cluster step below compiles away)
+  const int C = BLOCK == RESOLVE_BLOCK ? 1 : cluster_blocks();
   const int rank = C > 1 ? cluster_rank() : 0;
   const int b = blockIdx.x / C;
   const int tid = threadIdx.x;
