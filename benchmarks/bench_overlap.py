@@ -784,7 +784,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--plot", metavar="JSON", help="only render the PNG of an existing JSON")
     ap.add_argument("--only", nargs="*", metavar="L:B:RATE",
-                    help="run only these configurations (e.g. 78:64:0.05), without the sweeps")
+                    help="run only these configurations (e.g. 78:64:0.05), without the sweeps "
+                         "(--predict-sweep adds the prediction sweep)")
     ap.add_argument("--predict-sweep", action="store_true",
                     help="with --only: also the prediction sweep over top-k overlaps (batch 64, "
                          "5 %% rows only, as in the full run)")
@@ -793,6 +794,12 @@ def main() -> None:
                          "(CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)")
     add_rig_args(ap)
     a = ap.parse_args()
+    if a.node_priority and a.gemm_sms is not None:
+        raise SystemExit("--node-priority with --gemm-sms: the driver refuses to keep node "
+                         "priorities in a graph with the package's own cuBLAS matmul of this size "
+                         "(CUDA_ERROR_NOT_SUPPORTED on the H200); use PyTorch's matmul")
+    if a.predict_sweep and not a.only:
+        raise SystemExit("--predict-sweep goes with --only (a full or --quick run has the sweep)")
     if a.plot:
         payload = json.loads(Path(a.plot).read_text())
         plot(payload, Path(a.plot).with_suffix(".png"))

@@ -101,10 +101,10 @@ def main() -> int:
         if pf.predict:
             res[mode]["predict"] = pf.predict_summary()
         r = res[mode]
+        stage = f"{r['stage_ms']:.2f} ms" if pf.predict else "-"
         print(f"{mode:16s} step {r['step_ms']:.2f} ms; main stream stalled {r['shared_ms']:.2f} "
-              f"ms at shared layers, {r['stage_ms']:.2f} ms at predicted full layers; full "
-              f"layers' swaps {r['full_swap_ms']:.2f} ms (medians of {a.steps} eager steps)",
-              flush=True)
+              f"ms at shared layers, {stage} at predicted full layers; full layers' swaps "
+              f"{r['full_swap_ms']:.2f} ms (medians of {a.steps} eager steps)", flush=True)
     pf.set_predict(False, main_s)
     rig.close()
     if a.out:

@@ -90,6 +90,8 @@ __device__ __forceinline__ void sync_row(int C) {
 template <typename ReqT, typename LenT, int BLOCK>
 __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams p) {
   static_assert(BLOCK == RESOLVE_BLOCK || BLOCK == RESOLVE_CLUSTER_BLOCK, "a resolve block size");
+  static_assert(RESOLVE_BLOCK != RESOLVE_CLUSTER_BLOCK,
+                "the block size tells one block per row from a cluster (C below)");
   constexpr int NW = BLOCK / 32;
   const int K = p.K, B = p.B, R = p.R, H = p.H, HS = p.hash_size;
   const int hash_size = HS;

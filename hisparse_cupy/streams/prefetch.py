@@ -160,7 +160,9 @@ class Prefetcher:
         Priority of the side stream (lower is higher); the default -1000 is clamped by CUDA to
         the device's highest priority, so pending replay blocks are scheduled before pending
         compute blocks (measured on the H200: within a few points of the default priority).
-        None: the default priority.
+        A captured step keeps it only in a graph instantiated with
+        ``CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY`` (a default instantiation runs every
+        node at the launch stream's priority). None: the default priority.
 
     Attributes
     ----------
