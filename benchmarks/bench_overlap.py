@@ -268,6 +268,7 @@ class Rig:
         self.setup_s = time.perf_counter() - t0
         self.B, self.M = bmax, 1
         self.last = None
+        self.node_priority = False  # capture(): keep the nodes' stream priorities (--node-priority)
 
     def reset(self) -> None:
         """Release and re-admit every request: cold hot buffers, so that from the second step
@@ -344,8 +345,6 @@ class Rig:
                         pool=self.cache.pool, layer=sl, grid=grid, rows_per_warp=rpw,
                         thin=thin, stream=self.main)
 
-    node_priority = False  # instantiate captured graphs with their nodes' stream priorities
-
     def capture(self, fn):
         s = self.main
         s.begin_capture()
@@ -354,7 +353,6 @@ class Rig:
         finally:
             g = s.end_capture()
         return PriorityGraph(g) if self.node_priority else g
-
 
     def close(self) -> None:
         self.main.synchronize()
