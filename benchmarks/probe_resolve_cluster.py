@@ -7,7 +7,10 @@ device, else 1. This probe times every C at every batch so the rule can be check
 workload (K 2048, H 4096, a full hot buffer, 656 B rows, each call from the same state), the
 marginal time of one swap in a CUDA graph of 8 (median of 20), at 0, 0.5 and 5 % misses; it
 also prints the device's cluster occupancy (clusters of each size that run at once) and what
-``resolve_cluster`` chooses. Every call's miss count is checked.
+``resolve_cluster`` chooses. Every call's miss count is checked. The last column is the
+one-block resolve that looks tokens up in a token -> slot table (``SwapState.token_slot``,
+started empty: the warm-up fills it; restoring slot_tokens and lru between calls leaves it
+valid).
 
     python benchmarks/probe_resolve_cluster.py [--batches 1 8 16 32 64 128] [--out DIR]
 """
@@ -15,6 +18,7 @@ also prints the device's cluster occupancy (clusters of each size that run at on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -38,6 +42,7 @@ def time_batch(rng, B, pool, dev, plan, key, stream, iters) -> list[dict]:
     """Every C at every rate for a batch of B rows; prints and returns one row per rate."""
     K, H, P, max_len = bench_swap.K, bench_swap.H, bench_swap.P, bench_swap.MAX_LEN
     st, snap, sets = bench_swap.build(rng, B, ROW, pool, RATES)
+    st_table = dataclasses.replace(st, token_slot=cupy.full(st.host_locs.shape, -1, cupy.int16))
     req = cupy.arange(B, dtype=cupy.int32)
     seq = cupy.full(B, max_len, dtype=cupy.int32)
     out = cupy.empty((B, K), cupy.int32)
@@ -54,14 +59,16 @@ def time_batch(rng, B, pool, dev, plan, key, stream, iters) -> list[dict]:
     for rate in RATES:
         n_miss, per = sets[rate]
 
-        def call(i, per=per):
-            swap_in(per[i % len(per)], req, seq, st, host_rows=pool.device_ptr(0),
-                    n_host_rows=pool.n_rows, device_rows=rows, plan=plan, out=out,
-                    status=status, stream=stream)
-
         row = {"batch": B, "miss_rate": rate, "chosen": chosen, "us": {}}
-        for c in CLUSTERS:
-            swap.set_resolve_cluster(c)
+        for c in (*CLUSTERS, "table"):
+            state = st_table if c == "table" else st
+
+            def call(i, per=per, state=state):
+                swap_in(per[i % len(per)], req, seq, state, host_rows=pool.device_ptr(0),
+                        n_host_rows=pool.n_rows, device_rows=rows, plan=plan, out=out,
+                        status=status, stream=stream)
+
+            swap.set_resolve_cluster(None if c == "table" else c)
             try:
                 t = time_graph_chain(call, restore, n=bench_swap.CHAIN, iters=iters,
                                      stream=stream)
@@ -73,7 +80,7 @@ def time_batch(rng, B, pool, dev, plan, key, stream, iters) -> list[dict]:
             row["us"][c] = t["median_us"]
         results.append(row)
         print(f"| {B} | {rate * 100:g} | " + " | ".join(f"{row['us'][c]:.1f}" for c in CLUSTERS)
-              + f" | {chosen} |", flush=True)
+              + f" | {chosen} | {row['us']['table']:.1f} |", flush=True)
     return results
 
 
@@ -96,8 +103,9 @@ def main() -> int:
     fits = {c: max_active_clusters(_build.kernel(_build.RESOLVE[cb][key]), cb,
                                    swap.resolve_smem_bytes(K, H, cb), c) for c in CLUSTERS[1:]}
     print(f"clusters of {cb}-thread resolve blocks that run at once: {fits}", flush=True)
-    print("| batch | miss % | " + " | ".join(f"C {c} us" for c in CLUSTERS) + " | chosen C |")
-    print("|---" * (3 + len(CLUSTERS)) + "|")
+    print("| batch | miss % | " + " | ".join(f"C {c} us" for c in CLUSTERS)
+          + " | chosen C | table us |")
+    print("|---" * (4 + len(CLUSTERS)) + "|")
     results = []
     for B in a.batches:
         results += time_batch(rng, B, pool, dev, plan, key, stream, a.iters)

@@ -104,7 +104,7 @@ SWAP_RESOLVE = _struct([
     ("topk", _P), ("req", _P), ("lens", _P), ("num_real", _P), ("host_locs", _P),
     ("slot_tokens", _P), ("slot_locs", _P), ("lru", _P), ("out", _P), ("plan_src", _P),
     ("plan_dst", _P), ("plan_count", _P), ("status", _P), ("index", _P), ("flags", _P),
-    ("n_host_rows", "i8"),
+    ("token_slot", _P), ("n_host_rows", "i8"),
     ("topk_stride", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"), ("host_stride", "i4"),
     ("slot_stride", "i4"), ("lru_stride", "i4"), ("H", "i4"), ("hash_size", "i4"),
     ("out_stride", "i4"), ("plan_stride", "i4"), ("lens_stride", "i4"), ("n_buckets", "i4"),
@@ -194,7 +194,7 @@ SMEM = {
         ("i32", "tok", "K"),  # entry -> token
         ("i32", "res", "K"),  # entry -> output (written to global once, coalesced)
         ("i32", "hpos", "K"),  # entry -> its token's hash slot (duplicates: O(1))
-        ("i32", "loc", "H+1"),  # device rows of slots 0..H
+        ("i32", "loc", "H+1"),  # device rows of slots 0..H (token-table instance: hit flags)
         ("i32", "warp_hits", "NW+1"),  # per-warp counts, then offsets
         ("i32", "warp_evict", "NW+1"),
         ("i32", "warp_miss", "NW+1"),

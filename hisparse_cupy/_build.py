@@ -55,6 +55,8 @@ def index_instances(template: str) -> dict[tuple[np.dtype, np.dtype], str]:
 # RESOLVE_CLUSTER_BLOCK-thread blocks
 RESOLVE = {blk: index_instances(f"hs::swap_resolve<{{req}}, {{len}}, {blk}>")
            for blk in (_abi.RESOLVE_BLOCK, _abi.RESOLVE_CLUSTER_BLOCK)}
+# the resolve that looks tokens up in a token -> slot table (SwapState.token_slot), one block a row
+RESOLVE_TABLE = index_instances(f"hs::swap_resolve<{{req}}, {{len}}, {_abi.RESOLVE_BLOCK}, true>")
 COPY_ROWS_PER_WARP = (1, 2, 4, 8)  # rows a warp of the host -> device copy keeps in flight
 # host rows (int64) -> device rows, per (rows per warp, warps per block): COPY_WARPS-warp
 # blocks, and one-warp "thin" blocks (cu/plan.cu)
@@ -68,7 +70,7 @@ MS_INIT = "hs::ms::init"
 PREDICT = index_instances("hs::predict_stage<{req}, {len}>")
 
 INSTANCES: dict[str, tuple[str, ...]] = {
-    "swap.cu": tuple(n for per in RESOLVE.values() for n in per.values()),
+    "swap.cu": (*(n for per in RESOLVE.values() for n in per.values()), *RESOLVE_TABLE.values()),
     "plan.cu": (*COPY_H2D.values(), COPY_D2H),
     "cache.cu": tuple(NEWEST.values()),
     "multistep.cu": (*GATHER.values(), *COMMIT.values(), MS_INIT),

@@ -37,14 +37,15 @@ class Twin:
     status, every state array, both policies' invariants and the bytes every output points to.
     """
 
-    def __init__(self, rng, stream=None):
+    def __init__(self, rng, stream=None, token_table=False):
         import cupy
 
         from .cache import HotBufferCache
 
         self.rng = rng
         self.c = c = HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,
-                                    hot_size=H, top_k=K, extra_page=P, max_steps=S_MAX)
+                                    hot_size=H, top_k=K, extra_page=P, max_steps=S_MAX,
+                                    token_table=token_table)
         for layer in range(L):
             c.pool.layer(layer)[:] = pattern(layer, np.arange(c.pool.n_rows), ROW)
         self.lens = rng.integers(H + 40, MAX_LEN - 1, size=R)

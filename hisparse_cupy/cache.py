@@ -92,12 +92,17 @@ class HotBufferCache:
         cache uses the first ``max_requests * rows_per_request`` rows of each layer; see
         :meth:`rows_needed`). Its contents are overwritten as requests are admitted. Default:
         the cache allocates them.
+    token_table : bool
+        Keep a token -> hot slot table per layer and request (``SwapState.token_slot``,
+        int16 ``[n_layers, max_requests, max_len]``: 2 bytes per token of every layer), so
+        the single-step resolve looks each selected token up instead of hashing the top-k and
+        probing it with every hot slot (one block per batch row). Default False.
     """
 
     def __init__(self, *, n_layers: int, max_requests: int, max_len: int, row_bytes: int,
                  hot_size: int = 4096, top_k: int = 2048, extra_page: int = 64,
                  max_batch: int | None = None, max_steps: int = 1, scratch: int | None = None,
-                 pool: HostKVPool | None = None, device_rows=None):
+                 pool: HostKVPool | None = None, device_rows=None, token_table: bool = False):
         self.n_layers = L = _checks.integer("n_layers", n_layers, 1)
         self.max_requests = R = _checks.integer("max_requests", max_requests, 1)
         self.max_len = _checks.integer("max_len", max_len, 1)
@@ -153,6 +158,9 @@ class HotBufferCache:
         self.lru = cupy.empty((L, R, H), cupy.int16)
         self.lru[...] = cupy.arange(H, dtype=cupy.int16)
         self.host_locs = cupy.full((R, self.max_len), -1, cupy.int64)
+        self.token_table = bool(token_table)
+        self.token_slot = (cupy.full((L, R, self.max_len), -1, cupy.int16) if self.token_table
+                           else None)
         self.plan = MissPlan(self.max_batch, K * max(1, S))
         self.out = cupy.empty((self.max_batch, K), cupy.int32)
         self.status = cupy.empty((self.max_batch, _abi.N_STATUS), cupy.int32)
@@ -233,7 +241,8 @@ class HotBufferCache:
     def _swap_state(self, layer: int) -> SwapState:
         ms = {} if not self._ms else self._ms[layer].swap_state_fields()
         return SwapState(self.host_locs, self.slot_tokens[layer], self.slot_locs[layer],
-                         self.lru[layer], **ms)
+                         self.lru[layer], **ms,
+                         token_slot=None if self.token_slot is None else self.token_slot[layer])
 
     # ----------------------------------------------------------------- requests
     @property
@@ -652,7 +661,7 @@ class Step:
                              f"top_k), got {K}")
         grid = _checks.integer("copy_grid", copy_grid, 1, 2**31 - 1) if copy_grid else \
             default_copy_grid(B, K)
-        la_resolve, grid_resolve = resolve_launch(self._key, B, K, c.hot_size)
+        la_resolve, grid_resolve = resolve_launch(self._key, B, K, c.hot_size, c.token_table)
         plan = (la_resolve,
                 launcher(_build.kernel(_build.COPY_H2D[(1, _abi.COPY_WARPS)]), _abi.COPY_WARPS * 32,
                          _abi.smem_bytes("PLANNED_COPY", B=B), self.pdl),

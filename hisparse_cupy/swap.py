@@ -93,17 +93,19 @@ def resolve_cluster(key, batch: int, top_k: int, hot_size: int) -> int:
 _launches: dict[tuple, tuple[Launcher, tuple[int, int, int]]] = {}
 
 
-def resolve_launch(key, B: int, K: int, H: int) -> tuple[Launcher, tuple[int, int, int]]:
+def resolve_launch(key, B: int, K: int, H: int,
+                   table: bool = False) -> tuple[Launcher, tuple[int, int, int]]:
     """The resolve's launcher and grid for B rows of K entries, H hot slots (``key``: the
-    (req, len) dtypes of the call); chosen once per shape, device and fixed cluster size, so
-    an eager call pays one dictionary lookup."""
-    ck = (key, B, K, H, cupy.cuda.runtime.getDevice(), _cluster_fixed)
+    (req, len) dtypes of the call; ``table``: the state has a token -> slot table, read by one
+    block per row); chosen once per shape, device and fixed cluster size, so an eager call pays
+    one dictionary lookup."""
+    ck = (key, B, K, H, table, cupy.cuda.runtime.getDevice(), _cluster_fixed)
     got = _launches.get(ck)
     if got is None:
-        c = resolve_cluster(key, B, K, H)
+        c = 1 if table else resolve_cluster(key, B, K, H)
         block = RESOLVE_BLOCK if c == 1 else CLUSTER_BLOCK
-        la = launcher(_build.kernel(_build.RESOLVE[block][key]), block,
-                      resolve_smem_bytes(K, H, block), False, c)
+        name = _build.RESOLVE_TABLE[key] if table else _build.RESOLVE[block][key]
+        la = launcher(_build.kernel(name), block, resolve_smem_bytes(K, H, block), False, c)
         got = _launches[ck] = (la, (B * c, 1, 1))
     return got
 
@@ -133,6 +135,15 @@ class SwapState:
     stride); lru : int16 ``[R, H]``. ``index`` / ``flags`` (optional): the layer's multi-step
     token -> slot index and flags (:class:`hisparse_cupy.MultiStepState`), which the resolve
     then keeps current, so single- and multi-step calls can share the hot buffer.
+
+    ``token_slot`` (optional): int16 ``[R, max_len]``, contiguous, any initial contents: the hot
+    slot each token was last admitted to. With it the resolve looks each selected token up
+    there instead of hashing the top-k and probing it with every hot slot (one block per batch
+    row). An entry counts only while its slot still holds its token, so stale entries are
+    harmless. A held token the table does not name (slot_tokens written by something else, or
+    restored) is still found: when some selected token is not in the table, the call scans the
+    slots for it, as the hash resolve does, and repairs the entry. It costs 2 bytes per token
+    of ``host_locs``.
     """
 
     host_locs: cupy.ndarray
@@ -141,6 +152,7 @@ class SwapState:
     lru: cupy.ndarray
     index: cupy.ndarray | None = None
     flags: cupy.ndarray | None = None
+    token_slot: cupy.ndarray | None = None
 
     @property
     def hot_size(self) -> int:
@@ -148,7 +160,7 @@ class SwapState:
 
     @classmethod
     def validated(cls, host_locs, slot_tokens, slot_locs, lru, *, index=None,
-                  flags=None) -> SwapState:
+                  flags=None, token_slot=None) -> SwapState:
         host_locs = _checks.array("host_locs", host_locs, np.int64, ndim=2)
         lru = _checks.array("lru", lru, np.int16, ndim=2, contiguous=False, inner_contiguous=True)
         R, H = lru.shape
@@ -176,7 +188,10 @@ class SwapState:
             if index.shape[0] != R or index.shape[1] % _abi.MS_BUCKET:
                 raise ValueError(f"index must have shape ({R}, n_buckets * {_abi.MS_BUCKET}), "
                                  f"got {tuple(index.shape)}")
-        return cls(host_locs, slot_tokens, slot_locs, lru, index, flags)
+        if token_slot is not None:
+            token_slot = _checks.array("token_slot", token_slot, np.int16,
+                                       shape=host_locs.shape)
+        return cls(host_locs, slot_tokens, slot_locs, lru, index, flags, token_slot)
 
     def params(self, p: Params | None = None) -> Params:
         """The layer's fields of the resolve struct (the batch's and the call's come later)."""
@@ -186,7 +201,7 @@ class SwapState:
             slot_tokens=ptr(self.slot_tokens), slot_locs=ptr(self.slot_locs),
             slot_stride=_checks.row_stride(self.slot_locs), lru=ptr(self.lru),
             lru_stride=_checks.row_stride(self.lru), R=self.lru.shape[0], H=self.hot_size,
-            index=ptr(self.index), flags=ptr(self.flags),
+            index=ptr(self.index), flags=ptr(self.flags), token_slot=ptr(self.token_slot),
             n_buckets=0 if self.index is None else self.index.shape[1] // _abi.MS_BUCKET)
 
     def check_on_host(self, n_device_rows: int) -> None:
@@ -234,11 +249,11 @@ def set_outputs(p: Params, status: cupy.ndarray, plan: MissPlan, n_host_rows: in
           n_host_rows=n_host_rows)
 
 
-def run(resolve: Params, copy: Params, key, *, B: int, K: int, H: int, stream, pdl: bool,
-        copy_grid: int | None) -> None:
+def run(resolve: Params, copy: Params, key, *, B: int, K: int, H: int, table: bool, stream,
+        pdl: bool, copy_grid: int | None) -> None:
     """Queue the resolve (one block or a cluster of blocks per row) and the planned copy (PDL)
     on ``stream``."""
-    la, grid = resolve_launch(key, B, K, H)
+    la, grid = resolve_launch(key, B, K, H, table)
     la(grid, stream.ptr, resolve.addr)
     launch_copy(copy, grid=copy_grid or default_copy_grid(B, K), stream=stream, pdl=pdl)
 
@@ -346,7 +361,8 @@ def swap_in(
                        src_layer_bytes=0, n_src_rows=n_host_rows, dst_base=dev.data.ptr,
                        dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes,
                        dry_run=dry_run)
-    run(resolve, copy, (req.dtype, lens.dtype), B=B, K=K, H=H, stream=s,
+    run(resolve, copy, (req.dtype, lens.dtype), B=B, K=K, H=H,
+        table=state.token_slot is not None, stream=s,
         pdl=resolve_pdl(pdl), copy_grid=copy_grid)
     if check:
         _checks.raise_on_status(status, topk, lens, max_len=state.host_locs.shape[1], stream=s)

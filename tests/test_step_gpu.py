@@ -22,10 +22,13 @@ from hisparse_cupy._selfcheck import MAX_LEN, ROW, H, K, L, P, R, Twin, alternat
 pytestmark = pytest.mark.gpu
 
 
-def test_single_and_multi_step_alternate_on_one_cache(rng, stream):
+@pytest.mark.parametrize("token_table", [False, True], ids=["hash", "table"])
+def test_single_and_multi_step_alternate_on_one_cache(rng, stream, token_table):
+    """With the token table, every multi-step admission (which does not write the table) is
+    repaired by the next single-step resolve."""
     import cupy
 
-    t = Twin(rng)
+    t = Twin(rng, token_table=token_table)
     assert alternate(t, rng, stream, 40) == 40 * L
     # release resets every table of the request, multi-step state and rotated rows included
     t.c.release(2, stream=stream)

@@ -20,7 +20,7 @@ class Harness:
 
     LAYER = 3
 
-    def __init__(self, rng, *, R, K, H, P, row_bytes, max_len, adversarial=True):
+    def __init__(self, rng, *, R, K, H, P, row_bytes, max_len, adversarial=True, table=False):
         import cupy
 
         from hisparse_cupy import HostKVPool, MissPlan, SwapState
@@ -46,8 +46,12 @@ class Harness:
         slot_locs[:] = rows
         self.np_state = dict(host_locs=host_locs, slot_tokens=slot_tokens, slot_locs=slot_locs,
                              lru=lru)
+        # a token -> slot table starts as garbage: the first call must repair it
+        token_slot = (cupy.asarray(rng.integers(-2**15, 2**15, size=host_locs.shape,
+                                                dtype=np.int16)) if table else None)
         self.dev_state = SwapState.validated(*(cupy.asarray(self.np_state[k]) for k in
-                                               ("host_locs", "slot_tokens", "slot_locs", "lru")))
+                                               ("host_locs", "slot_tokens", "slot_locs", "lru")),
+                                             token_slot=token_slot)
         dev = np.full((R * (H + P), row_bytes), 0xEE, np.uint8)
         ids = (np.arange(R)[:, None] * max_len + slot_tokens[:, :H])
         held = slot_tokens[:, :H] >= 0
@@ -157,9 +161,10 @@ CONFIGS = [  # K, H, row_bytes, R, max batch, steps
 ]
 
 
+@pytest.mark.parametrize("table", [False, True], ids=["hash", "table"])
 @pytest.mark.parametrize("K,H,row_bytes,R,max_b,steps", CONFIGS)
-def test_random_steps_equal_oracle(rng, K, H, row_bytes, R, max_b, steps):
-    h = Harness(rng, R=R, K=K, H=H, P=4, row_bytes=row_bytes, max_len=3 * H + 17)
+def test_random_steps_equal_oracle(rng, K, H, row_bytes, R, max_b, steps, table):
+    h = Harness(rng, R=R, K=K, H=H, P=4, row_bytes=row_bytes, max_len=3 * H + 17, table=table)
     for _ in range(steps):
         B = int(rng.integers(1, max_b + 1))
         nr = B if rng.random() < 0.7 else int(rng.integers(0, B + 1))
@@ -190,6 +195,42 @@ def test_every_cluster_size_equals_oracle(rng, cluster, K, H, R):
             h.run(req, seq, topk, nr)
     finally:
         swap.set_resolve_cluster(None)
+
+
+@pytest.mark.parametrize("K,H,R", [(2048, 4096, 6), (64, 128, 24)])
+def test_token_table_survives_restores_and_foreign_writes(rng, K, H, R):
+    """The token -> slot table is never trusted: after the tables are restored to an earlier
+    state (as a benchmark does between calls), or slot_tokens is rewritten by someone else
+    (here: the held tokens moved to other slots, their rows with them), the table-driven
+    resolve still equals the oracle, bytes included."""
+    import cupy
+
+    from _util import pattern
+
+    h = Harness(rng, R=R, K=K, H=H, P=4, row_bytes=656, max_len=3 * H + 17, table=True)
+    snap_np = {k: v.copy() for k, v in h.np_state.items()}
+    names = ("slot_tokens", "slot_locs", "lru")
+    snap_dev = {k: getattr(h.dev_state, k).copy() for k in names}
+    for step in range(30):
+        if step % 3 == 0:  # restore the tables (the device rows keep any token's bytes)
+            h.np_state = {k: v.copy() for k, v in snap_np.items()}
+            for k in names:
+                getattr(h.dev_state, k)[...] = snap_dev[k]
+            dev = cupy.asnumpy(h.device_rows)
+            ids = np.arange(R)[:, None] * h.max_len + snap_np["slot_tokens"][:, :H]
+            held = snap_np["slot_tokens"][:, :H] >= 0
+            dev[snap_np["slot_locs"][:, :H][held]] = pattern(h.LAYER, ids[held], h.row_bytes)
+            h.device_rows[...] = cupy.asarray(dev)
+        elif step % 3 == 1:  # a foreign writer swaps which slot holds which token (and row)
+            r = int(rng.integers(0, R))
+            perm = rng.permutation(H)
+            for k in ("slot_tokens", "slot_locs"):
+                h.np_state[k][r, :H] = h.np_state[k][r, perm]
+            h.dev_state.slot_tokens[r, :H] = cupy.asarray(h.np_state["slot_tokens"][r, :H])
+            h.dev_state.slot_locs[r, :H] = cupy.asarray(h.np_state["slot_locs"][r, :H])
+        B = int(rng.integers(1, R + 1))
+        req, seq, topk = h.random_step(B, B, float(rng.choice([0.0, 0.005, 0.05, 0.5])))
+        h.run(req, seq, topk, B)
 
 
 def test_all_miss_batch_one_2048_rows(rng):

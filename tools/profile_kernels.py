@@ -3,7 +3,7 @@
     HISPARSE_CUPY_LINEINFO=1 ncu --clock-control none \\
         -k regex:"swap_resolve|planned_copy|gather|commit" \\
         python tools/profile_kernels.py [--single B:RATE ...] [--multi B:S ...]
-    python tools/profile_kernels.py --phases [--single ...] [--multi ...]
+    python tools/profile_kernels.py --phases [--single ...] [--multi ...] [--table]
 
 Every point is called twice from the same cache state (the first call compiles and warms); the
 points print in launch order, so the profiler's kernels map onto them in turn (per single-step
@@ -15,11 +15,14 @@ as ``benchmarks/bench_swap.py`` (full hot buffer, RATE of the top-k missing), mu
 call of every point, the SM time from each kernel's start to the end of each of its phases (the
 most any block took; a barrier is added at every mark, so the total runs a little over the
 uninstrumented kernel's). Single-step: resolve marks; multi-step: gather and commit marks.
+``--table``: the single-step state has a token -> slot table (``SwapState.token_slot``; the
+first call of each point fills it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -81,7 +84,7 @@ def _pair(text: str, kinds) -> tuple:
     return kinds[0](a), kinds[1](b)
 
 
-def single(points, stream) -> None:
+def single(points, stream, table: bool = False) -> None:
     rng = np.random.default_rng(1)
     bmax = max(b for b, _ in points)
     pool = HostKVPool(1, bmax * bench_swap.MAX_LEN, ROW)
@@ -90,6 +93,8 @@ def single(points, stream) -> None:
     plan = MissPlan(bmax, bench_swap.K)
     for B, rate in points:
         st, snap, sets = bench_swap.build(rng, B, ROW, pool)
+        if table:
+            st = dataclasses.replace(st, token_slot=cupy.full(st.host_locs.shape, -1, cupy.int16))
         if rate not in sets:
             raise SystemExit(f"--single rate {rate} is not one of {sorted(sets)}")
         n_miss, per = sets[rate]
@@ -139,6 +144,8 @@ def main() -> None:
     ap.add_argument("--single", nargs="*", default=["1:0.0", "1:0.05", "64:0.0", "64:0.005",
                                                     "64:0.05"], metavar="B:RATE")
     ap.add_argument("--multi", nargs="*", default=["1:2", "1:4", "64:4"], metavar="B:S")
+    ap.add_argument("--table", action="store_true",
+                    help="single-step calls with a token -> slot table")
     ap.add_argument("--phases", action="store_true",
                     help="build with the phase clock and print each kernel's phases")
     a = ap.parse_args()
@@ -148,7 +155,7 @@ def main() -> None:
         os.environ["HISPARSE_CUPY_PHASE_CLOCK"] = "1"
     stream = cupy.cuda.Stream(non_blocking=True)
     if a.single:
-        single([_pair(p, (int, float)) for p in a.single], stream)
+        single([_pair(p, (int, float)) for p in a.single], stream, a.table)
     if a.multi:
         multi([_pair(p, (int, int)) for p in a.multi], stream)
 

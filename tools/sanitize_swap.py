@@ -3,7 +3,8 @@
 Covers swap_resolve (fast path and LRU path, misses, duplicates, -1, out-of-range tokens),
 planned_copy in both directions (swap misses, admission loads, the newest-token backup) and
 newest_rows, through HotBufferCache; the resolve with the device's choice of blocks per row
-(a thread-block cluster on sm_90+) and with one block per row.
+(a thread-block cluster on sm_90+), with one block per row, and with the token -> slot table
+(which the first LRU call of each request repairs, as the positional layout wrote no entries).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from _util import pattern  # noqa: E402
 L, R, H, K, MAXLEN, ROW = 2, 3, 128, 64, 600, 656
 
 
-def run(cluster) -> int:
+def run(cluster, table=False) -> int:
     swap.set_resolve_cluster(cluster)
     rng = np.random.default_rng(7)
     cache = HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN, row_bytes=ROW,
-                           hot_size=H, top_k=K, extra_page=4)
+                           hot_size=H, top_k=K, extra_page=4, token_table=table)
 
     def kv(rid, start, n):
         ids = rid * MAXLEN + np.arange(start, start + n)
@@ -61,12 +62,13 @@ def run(cluster) -> int:
     cupy.cuda.Device().synchronize()
     cache.close()
     swap.set_resolve_cluster(None)
-    print(f"sanitize_swap (resolve cluster {cluster or 'auto'}): {errors} wrong entries")
+    what = "token table" if table else f"resolve cluster {cluster or 'auto'}"
+    print(f"sanitize_swap ({what}): {errors} wrong entries")
     return errors
 
 
 def main() -> int:
-    return 1 if sum(run(c) for c in (None, 1)) else 0
+    return 1 if run(None) + run(1) + run(None, table=True) else 0
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ struct SwapResolveParams {
   i32* status;             // [B, N_STATUS]
   u64* index;              // [R, n_buckets * MS_BUCKET] multi-step token -> slot index, or null
   i32* flags;              // [R] multi-step flags (MS_F_DEGRADED), or null with index
+  i16* token_slot;         // [R, host_stride] token -> hot slot (swap_resolve<.., true>), or null
   i64 n_host_rows;         // host rows of the layer: rows outside [0, n_host_rows) are missing
   i32 topk_stride, K, B, R, host_stride, slot_stride, lru_stride, H;
   i32 hash_size;           // shared hash slots (power of two >= 64)

@@ -87,11 +87,12 @@ __device__ __forceinline__ void sync_row(int C) {
   else __syncthreads();
 }
 
-template <typename ReqT, typename LenT, int BLOCK>
+template <typename ReqT, typename LenT, int BLOCK, bool TABLE = false>
 __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams p) {
   static_assert(BLOCK == RESOLVE_BLOCK || BLOCK == RESOLVE_CLUSTER_BLOCK, "a resolve block size");
   static_assert(RESOLVE_BLOCK != RESOLVE_CLUSTER_BLOCK,
                 "the block size tells one block per row from a cluster (C below)");
+  static_assert(!TABLE || BLOCK == RESOLVE_BLOCK, "the token table is read by one block per row");
   constexpr int NW = BLOCK / 32;
   const int K = p.K, B = p.B, R = p.R, H = p.H, HS = p.hash_size;
   const int hash_size = HS;
@@ -181,6 +182,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   i16* rlru = p.lru + rid * p.lru_stride;
   const int nb = p.n_buckets;
   u64* idx = p.index ? p.index + rid * static_cast<i64>(nb) * MS_BUCKET : nullptr;
+  i16* tsl = TABLE ? p.token_slot + rid * host_stride : nullptr;
 
   if (tid < 4) s_cnt[tid] = 0;
 
@@ -207,23 +209,42 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
 
   // ---- wave 2: host rows of the prefetched tokens (speculatively: hits do not need them),
   // the first LRU entries, the slots' device rows; wave 3: the tokens those slots hold.
+  // Token-table instance: wave 2 reads the table's slot for each prefetched token instead of
+  // its host row, wave 3 checks it (an entry counts only while its slot holds its token, so
+  // stale or garbage entries are harmless): ent[u] becomes the hit slot or -1, and hls[u] a
+  // hit's device row. The tokens the LRU slots hold are not loaded (phase 2b).
   const i64 lim = seq < host_stride ? seq : host_stride;
   i64 hls[PREFETCH];
-  int slots[PREFETCH], held[PREFETCH];
+  int slots[PREFETCH], held[PREFETCH], ent[PREFETCH];
 #pragma unroll
   for (int u = 0; u < PREFETCH; ++u) {
     const int t = toks[u];
-    hls[u] = (t >= 0 && t < lim && t != seq - 1) ? hloc[t] : -1;
+    const bool look = t >= 0 && t < lim && t != seq - 1;
+    if constexpr (TABLE) ent[u] = look ? tsl[t] : -1;
+    else hls[u] = look ? hloc[t] : -1;
     const int p = p0 + u * 32 + lane;
     slots[u] = p < p1 ? rlru[p] : 0;
   }
 #pragma unroll
   for (int u = 0; u < PREFETCH; ++u) {
     const int p = p0 + u * 32 + lane;
-    held[u] = p < p1 ? stok[slots[u]] : -1;
+    if constexpr (!TABLE) {
+      held[u] = p < p1 ? stok[slots[u]] : -1;
+    } else {
+      const int e = ent[u];
+      int at = -1, loc = -1;
+      if (e >= 0 && e < H) {
+        at = stok[e];
+        loc = sloc[e];
+      }
+      ent[u] = e >= 0 && at == toks[u] ? e : -1;
+      if (ent[u] >= 0) hls[u] = loc;
+    }
   }
+  const int newest_loc = TABLE ? sloc[H] : 0;
 
-  // ---- phase 0: clear this block's hash (16-byte stores), stage the slots' device rows
+  // ---- phase 0: clear this block's hash (16-byte stores), stage the slots' device rows (the
+  // token-table instance: clear the slots' hit flags instead)
   const int mask = hash_size - 1;
   const int shift = 32 - (__ffs(hash_size) - 1);  // hash_size is a power of two >= 64
   {
@@ -236,10 +257,24 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
       v4[h] = empty_val;
     }
   }
+  if constexpr (TABLE) {
+    for (int j = tid; j < H; j += BLOCK) s_loc[j] = 0;
+  } else {
 #pragma unroll 8
-  for (int j = tid; j <= H; j += BLOCK) s_loc[j] = sloc[j];
+    for (int j = tid; j <= H; j += BLOCK) s_loc[j] = sloc[j];
+  }
   sync_row(C);  // every block's hash is clear before any block inserts into it
   HS_PHASE(0);
+  // token-table instance: the slot the table names for `tok` if it holds `tok` (its device row
+  // in `loc`), else -1
+  auto table_find = [&](int tok, int& loc) -> int {
+    const int e = tsl[tok];
+    if (e < 0 || e >= H) return -1;
+    const int at = stok[e];
+    loc = sloc[e];
+    return at == tok ? e : -1;
+  };
+  int cand = 0;  // token-table instance: this thread inserted a token into the hash
 
   // ---- phase 1: classify, insert each token into its owner block's hash
   for (int g = i0; g < i0 + c4; g += 32 * PREFETCH) {
@@ -260,9 +295,14 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
         atomicAdd(&cnt0[ST_RANGE], 1);
       } else if (tok == seq - 1) {
         kind = K_NEWEST;
-        r = s_loc[H];
+        r = TABLE ? newest_loc : s_loc[H];
+      } else if (int e = -1, loc = -1; TABLE && (e = first ? ent[u] : table_find(tok, loc)) >= 0) {
+        kind = K_HIT;  // the slot's hit flag for the LRU scan; no hash entry needed
+        r = first ? static_cast<int>(hls[u]) : loc;
+        s_loc[e] = 1;
       } else {
-        hl = first ? hls[u] : hloc[tok];
+        cand = 1;
+        hl = first && !TABLE ? hls[u] : hloc[tok];
         const u32 hv = hash_u32(static_cast<u32>(tok));
         const int ow = hash_owner(hv, shift, C);
         int* key = row_smem(s_key, ow, C);
@@ -284,7 +324,10 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
       s_hl[i] = hl;
     }
   }
-  sync_row(C);  // every hash complete
+  // every hash complete (token-table instance: and whether it holds any token)
+  bool any_cand = true;
+  if constexpr (TABLE) any_cand = __syncthreads_or(cand);
+  else sync_row(C);
 
   HS_PHASE(1);
   // ---- phase 2: duplicates (an entry whose token's first entry is another)
@@ -295,12 +338,54 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
       if ((val[pos & POS_SLOT_MASK] & VAL_ENTRY) != i) s_kind[i] = K_DUP;
     }
   }
+  // A slot holding token `bt` claims the token's first entry if the hash holds `bt` and no
+  // other slot claimed it (the claim bit of its hash value: one slot per entry even if a state
+  // held a token twice): that entry, else -1.
+  auto claim = [&](int bt) -> int {
+    const u32 hv = hash_u32(static_cast<u32>(bt));
+    const int ow = hash_owner(hv, shift, C);
+    const int* key = row_smem(s_key, ow, C);
+    int* val = row_smem(s_val, ow, C);
+    u32 h = hv >> shift;
+    int k;
+    while ((k = key[h]) != bt && k != -1) h = (h + 1) & mask;
+    const int v = k == bt ? atomicOr(&val[h], VAL_CLAIMED) : VAL_CLAIMED;
+    return v & VAL_CLAIMED ? -1 : v & VAL_ENTRY;
+  };
+  // ---- phase 2b (token-table instance, only when the hash holds tokens): the hash holds the
+  // tokens the table did not find. A slot holding one (the table missed it: slot_tokens was
+  // written by something else, restored, or left by the positional layout) claims it, which
+  // makes the slot a hit, and repairs the table's entry. Slots in slot order (coalesced).
+  if constexpr (TABLE) {
+    if (any_cand) {
+      for (int s0 = 0; s0 < H; s0 += BLOCK * PREFETCH) {
+        int t[PREFETCH];
+#pragma unroll
+        for (int u = 0; u < PREFETCH; ++u) {
+          const int sl = s0 + u * BLOCK + tid;
+          t[u] = sl < H ? stok[sl] : -1;
+        }
+#pragma unroll
+        for (int u = 0; u < PREFETCH; ++u) {
+          const int sl = s0 + u * BLOCK + tid;
+          const int j = t[u] >= 0 ? claim(t[u]) : -1;
+          if (j >= 0) {
+            s_out[j] = sloc[sl];  // a device row (>= 0): phase 4 makes entry j a hit
+            s_loc[sl] = 1;
+            tsl[t[u]] = static_cast<i16>(sl);
+          }
+        }
+      }
+      __syncthreads();  // the claims' hit flags
+    }
+  }
 
   // ---- phase 3: LRU scan (hits / evictables in old LRU order). A warp loads the LRU entries
   // and slot tokens of PREFETCH groups before using the first. A slot whose token was selected
   // claims the token's first entry (the claim bit of its hash value: one slot per entry even if
   // a state held a token twice) and gives it the slot's device row, which makes it a hit;
   // phase 2 writes only the kinds of other entries, so the two phases share an interval.
+  // Token-table instance: a slot that phase 1 or 2b flagged is a hit; no slot tokens, no probe.
   {
     int nh = 0, ne = 0;
     for (int g = p0; g < p0 + c3; g += 32 * PREFETCH) {
@@ -310,10 +395,12 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
           const int p = g + u * 32 + lane;
           slots[u] = p < p1 ? rlru[p] : 0;
         }
+        if constexpr (!TABLE) {
 #pragma unroll
-        for (int u = 0; u < PREFETCH; ++u) {
-          const int p = g + u * 32 + lane;
-          held[u] = p < p1 ? stok[slots[u]] : -1;
+          for (int u = 0; u < PREFETCH; ++u) {
+            const int p = g + u * 32 + lane;
+            held[u] = p < p1 ? stok[slots[u]] : -1;
+          }
         }
       }
 #pragma unroll
@@ -323,18 +410,11 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
         const bool valid = p < p1;
         int hit = 0;
         if (valid) {
-          const int bt = held[u];
-          if (bt >= 0) {
-            const u32 hv = hash_u32(static_cast<u32>(bt));
-            const int ow = hash_owner(hv, shift, C);
-            const int* key = row_smem(s_key, ow, C);
-            int* val = row_smem(s_val, ow, C);
-            u32 h = hv >> shift;
-            int k;
-            while ((k = key[h]) != bt && k != -1) h = (h + 1) & mask;
-            const int v = k == bt ? atomicOr(&val[h], VAL_CLAIMED) : VAL_CLAIMED;
-            if (!(v & VAL_CLAIMED)) {
-              const int j = v & VAL_ENTRY;
+          if constexpr (TABLE) {
+            hit = s_loc[slots[u]];
+          } else if (held[u] >= 0) {
+            const int j = claim(held[u]);
+            if (j >= 0) {
               hit = 1;  // entry j's output (a device row, >= 0) marks it a hit for phase 4
               row_smem(s_out, j / kc, C)[j] = s_loc[slots[u]];
             }
@@ -437,8 +517,9 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
         int q = 0;  // the block holding the row's m-th evictable slot
         while (q + 1 < C && s_ct[3 * (q + 1) + 1] <= m) ++q;
         const int victim = row_smem(s_evict, q, C)[C > 1 ? m - s_ct[3 * q + 1] : m];
-        const int loc = s_loc[victim];
+        const int loc = TABLE ? sloc[victim] : s_loc[victim];
         s_out[i] = loc;
+        if constexpr (TABLE) tsl[s_tok[i]] = static_cast<i16>(victim);
         if (idx) {
           const int old = stok[victim];
           if (old >= 0) hot_erase(idx, nb, old, victim);
