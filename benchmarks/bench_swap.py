@@ -42,8 +42,12 @@ NSETS = 4
 CHAIN = 8
 
 
-def build(rng, B, row_bytes, pool, rates=RATES):
-    """State for B requests with a full hot buffer, and NSETS top-k sets per miss rate."""
+def build(rng, B, row_bytes, pool, rates=RATES, table=True):
+    """State for B requests with a full hot buffer, and NSETS top-k sets per miss rate.
+
+    ``table``: the state has a token -> slot table (``SwapState.token_slot``), started empty
+    (the first call fills it); restoring ``slot_tokens`` and ``lru`` between calls leaves it
+    valid, as it only ever names the slot a token was admitted to."""
     resident = np.stack([rng.choice(MAX_LEN - 1, size=H, replace=False) for _ in range(B)])
     slot_tokens = np.full((B, H + P), -1, np.int32)
     slot_tokens[:, :H] = resident
@@ -51,7 +55,9 @@ def build(rng, B, row_bytes, pool, rates=RATES):
     host_locs = (np.arange(B)[:, None] * MAX_LEN + np.arange(MAX_LEN)).astype(np.int64)
     st = SwapState.validated(cupy.asarray(host_locs), cupy.asarray(slot_tokens),
                              cupy.arange(B * (H + P), dtype=cupy.int32).reshape(B, H + P),
-                             cupy.asarray(lru))
+                             cupy.asarray(lru),
+                             token_slot=cupy.full(host_locs.shape, -1, cupy.int16) if table
+                             else None)
     snap = (st.slot_tokens.copy(), st.lru.copy())
     sets = {}
     for rate in rates:

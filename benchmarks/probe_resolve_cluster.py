@@ -41,8 +41,8 @@ ROW = 656
 def time_batch(rng, B, pool, dev, plan, key, stream, iters) -> list[dict]:
     """Every C at every rate for a batch of B rows; prints and returns one row per rate."""
     K, H, P, max_len = bench_swap.K, bench_swap.H, bench_swap.P, bench_swap.MAX_LEN
-    st, snap, sets = bench_swap.build(rng, B, ROW, pool, RATES)
-    st_table = dataclasses.replace(st, token_slot=cupy.full(st.host_locs.shape, -1, cupy.int16))
+    st_table, snap, sets = bench_swap.build(rng, B, ROW, pool, RATES)
+    st = dataclasses.replace(st_table, token_slot=None)
     req = cupy.arange(B, dtype=cupy.int32)
     seq = cupy.full(B, max_len, dtype=cupy.int32)
     out = cupy.empty((B, K), cupy.int32)

@@ -37,7 +37,7 @@ class Twin:
     status, every state array, both policies' invariants and the bytes every output points to.
     """
 
-    def __init__(self, rng, stream=None, token_table=False):
+    def __init__(self, rng, stream=None, token_table=True):
         import cupy
 
         from .cache import HotBufferCache

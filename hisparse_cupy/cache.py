@@ -96,13 +96,15 @@ class HotBufferCache:
         Keep a token -> hot slot table per layer and request (``SwapState.token_slot``,
         int16 ``[n_layers, max_requests, max_len]``: 2 bytes per token of every layer), so
         the single-step resolve looks each selected token up instead of hashing the top-k and
-        probing it with every hot slot (one block per batch row). Default False.
+        probing it with every hot slot (one block per batch row; measured faster at every
+        batch size when no or few tokens miss: benchmarks/NOTES.md). Default True; False gives
+        the hash resolve (a cluster of blocks per row at small batch).
     """
 
     def __init__(self, *, n_layers: int, max_requests: int, max_len: int, row_bytes: int,
                  hot_size: int = 4096, top_k: int = 2048, extra_page: int = 64,
                  max_batch: int | None = None, max_steps: int = 1, scratch: int | None = None,
-                 pool: HostKVPool | None = None, device_rows=None, token_table: bool = False):
+                 pool: HostKVPool | None = None, device_rows=None, token_table: bool = True):
         self.n_layers = L = _checks.integer("n_layers", n_layers, 1)
         self.max_requests = R = _checks.integer("max_requests", max_requests, 1)
         self.max_len = _checks.integer("max_len", max_len, 1)

@@ -22,7 +22,6 @@ first call of each point fills it).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -92,9 +91,7 @@ def single(points, stream, table: bool = False) -> None:
     device_rows = cupy.empty((bmax * (bench_swap.H + bench_swap.P), ROW), cupy.uint8)
     plan = MissPlan(bmax, bench_swap.K)
     for B, rate in points:
-        st, snap, sets = bench_swap.build(rng, B, ROW, pool)
-        if table:
-            st = dataclasses.replace(st, token_slot=cupy.full(st.host_locs.shape, -1, cupy.int16))
+        st, snap, sets = bench_swap.build(rng, B, ROW, pool, table=table)
         if rate not in sets:
             raise SystemExit(f"--single rate {rate} is not one of {sorted(sets)}")
         n_miss, per = sets[rate]

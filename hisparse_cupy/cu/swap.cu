@@ -436,8 +436,13 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   if (warp == 0) scan_warp_totals<NW>(s_wh, lane);
   if (warp == 1 % NW) scan_warp_totals<NW>(s_we, lane);  // NW == 1: the same warp, in turn
   __syncthreads();
+  // Token-table instance with every selected token found by the table (no token in the hash):
+  // no misses, so the new order is [evictables][hits], written here straight to global memory
+  // (every LRU entry was read before the barriers above), and the call ends.
+  const bool all_found = TABLE && !any_cand;
   {
     int ho = s_wh[warp], eo = s_we[warp];
+    const int E0 = s_we[NW];
     for (int g = p0; g < p0 + c3; g += 32) {
       const int p = g + lane;
       const bool valid = p < p1;
@@ -446,11 +451,24 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
       const bool ev = valid && !hit;
       const unsigned hm = __ballot_sync(FULL_MASK, hit);
       const unsigned em = __ballot_sync(FULL_MASK, ev);
-      if (hit) s_hit[ho + __popc(hm & below)] = static_cast<i16>(v & 0x7fff);
-      if (ev) s_evict[eo + __popc(em & below)] = static_cast<i16>(v & 0x7fff);
+      i16* hdst = all_found ? rlru + E0 : s_hit;
+      i16* edst = all_found ? rlru : s_evict;
+      if (hit) hdst[ho + __popc(hm & below)] = static_cast<i16>(v & 0x7fff);
+      if (ev) edst[eo + __popc(em & below)] = static_cast<i16>(v & 0x7fff);
       ho += __popc(hm);
       eo += __popc(em);
     }
+  }
+  if (all_found) {  // uniform; outputs and counts were final at phase 1's barrier
+    for (int i = kb + tid; i < ke; i += BLOCK) o[i] = s_out[i];
+    if (tid == 0) {
+      plan_count[b] = 0;
+      st[ST_RANGE] = s_cnt[ST_RANGE];
+      st[ST_NOHOST] = 0;
+      st[ST_BADROW] = 0;
+    }
+    HS_PHASE(5);
+    return;
   }
 
   HS_PHASE(3);
