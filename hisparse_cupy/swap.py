@@ -9,6 +9,10 @@ distributed shared memory (sm_90+): :func:`resolve_cluster` picks the largest C 
 for which every row's cluster runs at once on the device, so a small batch is not resolved on
 one SM per request. ``HISPARSE_CUPY_RESOLVE_CLUSTER=N`` (or :func:`set_resolve_cluster`) fixes
 C instead (measuring); the result does not depend on C.
+
+A state with a token -> slot table (``SwapState.token_slot``, the cache's default) runs the
+table instance instead, one block per row: K lookups replace the hash of the top-k and its probe
+by every hot slot (benchmarks/NOTES.md, "A token -> slot table").
 """
 
 from __future__ import annotations

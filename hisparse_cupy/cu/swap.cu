@@ -3,6 +3,11 @@
 // swap_resolve<ReqT, LenT, BLOCK>(SwapResolveParams): C blocks of BLOCK threads per batch row (a
 // thread-block cluster, C = 1, 2, 4 or 8: hisparse_cupy.swap.resolve_cluster picks it; BLOCK is
 // RESOLVE_BLOCK for C = 1, RESOLVE_CLUSTER_BLOCK otherwise).
+// swap_resolve<ReqT, LenT, RESOLVE_BLOCK, true> (the token-table instance, one block per row):
+// each entry's token is looked up in the request's token -> slot table (p.token_slot) and
+// checked against slot_tokens; only tokens the table does not find go into the hash, and the
+// slots are probed against it only when there are any (phase 2b, which repairs the table). A row
+// whose tokens the table all finds has no misses and ends after the LRU pass. Same results.
 // Resolves the row's top-k against the request's hot buffer (hash of the top-k in shared memory,
 // LRU scan), assigns victims to the misses, updates the slot table and the LRU order, writes the
 // device row of every entry and the row's miss plan (host row -> device row). The bytes are
