@@ -102,7 +102,14 @@ def test_resolve_cluster_knob(monkeypatch):
     assert swap.resolve_launch(key, 64, 2048, 4096) == (
         ("hs::swap_resolve<int, long long, 1024>", 1024, swap.resolve_smem_bytes(2048, 4096),
          False, 1), (64, 1, 1))
+    # a state with a token -> slot table: the table instance, one 1024-thread block per row,
+    # whatever the batch (a fixed cluster size does not apply to it)
+    for batch in (1, 64):
+        assert swap.resolve_launch(key, batch, 2048, 4096, table=True) == (
+            ("hs::swap_resolve<int, long long, 1024, true>", 1024,
+             swap.resolve_smem_bytes(2048, 4096), False, 1), (batch, 1, 1))
     swap.set_resolve_cluster(2)
+    assert swap.resolve_launch(key, 1, 2048, 4096, table=True)[1] == (1, 1, 1)
     assert swap.resolve_cluster(key, 1, 2048, 4096) == 2
     swap.set_resolve_cluster(None)
     monkeypatch.setattr(swap, "compute_capability", lambda: 80)  # no clusters before Hopper
