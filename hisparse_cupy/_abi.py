@@ -48,10 +48,8 @@ NEWEST_BLOCK = 128
 # multi-step (MTP) swap
 MS_MIN_STEPS, MS_MAX_STEPS = 2, 4
 MS_MAX_TOKENS = 8192  # S * K per row
-MS_BUCKET = 8  # index entries per bucket (64 bytes)
-MS_F_DEGRADED = 1  # flags bit: an index insert failed; lookups also scan slot_tokens
 MS_META_INIT = 0x7FFFFFFF
-MS_EMPTY = 0xFFFFFFFFFFFFFFFF  # empty index / dedup-table entry
+MS_EMPTY = 0xFFFFFFFFFFFFFFFF  # empty dedup-table entry
 MS_N_COUNTERS = 8  # per batch row: misses, out of range, no host row, placeholders
 MS_N_STATS = 4  # per batch row: unique misses, admitted, evictable slots, partial (0/1)
 MS_STATS = ("misses", "admitted", "evictable", "partial")
@@ -68,8 +66,7 @@ CONSTANTS = {
     "RESOLVE_CLUSTER_BLOCK": RESOLVE_CLUSTER_BLOCK, "RESOLVE_MAX_CLUSTER": RESOLVE_MAX_CLUSTER,
     "COPY_WARPS": COPY_WARPS,
     "THIN_COPY_REGS": THIN_COPY_REGS, "PREDICT_BLOCK": PREDICT_BLOCK,
-    "NEWEST_BLOCK": NEWEST_BLOCK, "MS_MAX_TOKENS": MS_MAX_TOKENS, "MS_BUCKET": MS_BUCKET,
-    "MS_F_DEGRADED": MS_F_DEGRADED, "MS_META_INIT": MS_META_INIT,
+    "NEWEST_BLOCK": NEWEST_BLOCK, "MS_MAX_TOKENS": MS_MAX_TOKENS, "MS_META_INIT": MS_META_INIT,
     "MS_N_COUNTERS": MS_N_COUNTERS, "MS_N_STATS": MS_N_STATS, "GATHER_BLOCK": GATHER_BLOCK,
     "COMMIT_BLOCK": COMMIT_BLOCK, "INIT_BLOCK": INIT_BLOCK, "COPY_DRY_RUN": COPY_DRY_RUN,
     "MS_MAX_STEPS": MS_MAX_STEPS,
@@ -103,12 +100,11 @@ def _struct(fields: list[tuple[str, str]]) -> np.dtype:
 SWAP_RESOLVE = _struct([
     ("topk", _P), ("req", _P), ("lens", _P), ("num_real", _P), ("host_locs", _P),
     ("slot_tokens", _P), ("slot_locs", _P), ("lru", _P), ("out", _P), ("plan_src", _P),
-    ("plan_dst", _P), ("plan_count", _P), ("status", _P), ("index", _P), ("flags", _P),
-    ("token_slot", _P), ("n_host_rows", "i8"),
+    ("plan_dst", _P), ("plan_count", _P), ("status", _P), ("token_slot", _P),
+    ("n_host_rows", "i8"),
     ("topk_stride", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"), ("host_stride", "i4"),
     ("slot_stride", "i4"), ("lru_stride", "i4"), ("H", "i4"), ("hash_size", "i4"),
-    ("out_stride", "i4"), ("plan_stride", "i4"), ("lens_stride", "i4"), ("n_buckets", "i4"),
-    ("pad", "i4"),
+    ("out_stride", "i4"), ("plan_stride", "i4"), ("lens_stride", "i4"),
 ])
 
 PLANNED_COPY = _struct([
@@ -144,23 +140,23 @@ NEWEST_ROWS = _struct([
 
 MULTISTEP = _struct([  # gather and commit take the same struct
     ("topk", _P), ("req", _P), ("lens", _P), ("num_real", _P), ("host_locs", _P),
-    ("slot_tokens", _P), ("slot_locs", _P), ("scratch_locs", _P), ("index", _P),
-    ("ref", _P), ("clock", _P), ("flags", _P), ("table", _P), ("meta", _P), ("compact", _P),
-    ("counters", _P), ("out", _P), ("host_base", _P), ("dev_base", _P), ("plan_src", _P),
-    ("plan_dst", _P), ("plan_count", _P), ("status", _P), ("stats", _P),
+    ("slot_tokens", _P), ("slot_locs", _P), ("scratch_locs", _P), ("token_slot", _P),
+    ("ref", _P), ("clock", _P), ("table", _P), ("meta", _P), ("compact", _P),
+    ("pending", _P), ("counters", _P), ("out", _P), ("host_base", _P), ("dev_base", _P),
+    ("plan_src", _P), ("plan_dst", _P), ("plan_count", _P), ("status", _P), ("stats", _P),
     ("n_host_rows", "i8"),
     ("topk_stride", "i4"), ("S", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"),
     ("host_stride", "i4"), ("slot_stride", "i4"), ("H", "i4"), ("P", "i4"),
-    ("scratch_stride", "i4"), ("C", "i4"), ("n_buckets", "i4"), ("ref_stride", "i4"),
+    ("scratch_stride", "i4"), ("C", "i4"), ("ref_stride", "i4"),
     ("table_size", "i4"), ("compact_stride", "i4"), ("out_stride", "i4"), ("row_bytes", "i4"),
-    ("plan_stride", "i4"), ("lens_stride", "i4"), ("lens_step", "i4"),
+    ("plan_stride", "i4"), ("lens_stride", "i4"), ("lens_step", "i4"), ("pad", "i4"),
 ])
 
 MULTISTEP_INIT = _struct([
-    ("rows", _P), ("num_real", _P), ("slot_tokens", _P), ("index", _P), ("ref", _P),
-    ("clock", _P), ("flags", _P),
-    ("slot_layer_stride", "i8"), ("index_layer_stride", "i8"), ("ref_layer_stride", "i8"),
-    ("R", "i4"), ("B", "i4"), ("slot_stride", "i4"), ("H", "i4"), ("n_buckets", "i4"),
+    ("rows", _P), ("num_real", _P), ("slot_tokens", _P), ("token_slot", _P), ("ref", _P),
+    ("clock", _P),
+    ("slot_layer_stride", "i8"), ("table_layer_stride", "i8"), ("ref_layer_stride", "i8"),
+    ("R", "i4"), ("B", "i4"), ("slot_stride", "i4"), ("H", "i4"), ("table_stride", "i4"),
     ("ref_stride", "i4"),
 ])
 
@@ -229,7 +225,6 @@ SMEM = {
         ("i32", "radix_digit", "1"),  # radix select: the digit of this pass
         ("i32", "radix_rest", "1"),  # radix select: keys still wanted at that digit
         ("i32", "last_victim", "1"),  # largest ring position taken (the new cursor)
-        ("i32", "degraded", "1"),  # an index insert failed
         ("i32", "no_room", "1"),  # a miss without a scratch row found no victim
         ("i16", "victim", "H"),  # victims in ring order
     ),

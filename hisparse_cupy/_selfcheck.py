@@ -37,15 +37,14 @@ class Twin:
     status, every state array, both policies' invariants and the bytes every output points to.
     """
 
-    def __init__(self, rng, stream=None, token_table=True):
+    def __init__(self, rng, stream=None):
         import cupy
 
         from .cache import HotBufferCache
 
         self.rng = rng
         self.c = c = HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,
-                                    hot_size=H, top_k=K, extra_page=P, max_steps=S_MAX,
-                                    token_table=token_table)
+                                    hot_size=H, top_k=K, extra_page=P, max_steps=S_MAX)
         for layer in range(L):
             c.pool.layer(layer)[:] = pattern(layer, np.arange(c.pool.n_rows), ROW)
         self.lens = rng.integers(H + 40, MAX_LEN - 1, size=R)
@@ -118,7 +117,7 @@ class Twin:
         ref.check_invariants(now["slot_tokens"], now["slot_locs"], now["lru"], H)
         ms = c.multistep_state(layer).to_numpy()
         ref.check_multistep_invariants(ms["slot_tokens"], ms["slot_locs"], ms["scratch_locs"],
-                                       ms["index"], ms["ref"], ms["clock"], ms["flags"], H,
+                                       ms["token_slot"], ms["ref"], ms["clock"], H,
                                        n_device_rows=c.device.shape[1])
         flat_t = topk.reshape(len(req), -1)
         flat_o = got.reshape(len(req), -1)

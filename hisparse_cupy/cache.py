@@ -8,14 +8,15 @@ It owns, for ``n_layers`` layers and ``max_requests`` request slots:
   rows ``r * (H + P + C) + [0, H + P + C)`` of every layer: its H + P slots, then C scratch
   rows (C = 0 without multi-step state);
 - per layer: ``slot_tokens`` and ``slot_locs`` int32 ``[R, H + P]`` and ``lru`` int16
-  ``[R, H]``; with ``max_steps >= 2`` also the multi-step state (``scratch_locs``, the
-  token -> slot index, reference epochs, clock, flags: :class:`MultiStepState` views);
+  ``[R, H]``; the token -> hot slot table ``token_slot`` int16 ``[R, max_len]`` (both swaps
+  read and write it); with ``max_steps >= 2`` also the multi-step state (``scratch_locs``,
+  reference epochs, clock: :class:`MultiStepState` views);
 - ``host_locs`` int64 ``[R, max_len]``: -1 until a token's host row has been written.
 
 One plan per decode step (FlashInfer's plan/run): :meth:`HotBufferCache.begin_step` validates the
 batch once and returns a :class:`Step`; ``step.swap(layer, top_k)`` then only checks the top-k
 and launches. A ``[B, K]`` top-k runs the single-step swap, a ``[B, S, K]`` one the multi-step
-swap, over the same hot buffers: single-step admissions keep the multi-step index current, so
+swap, over the same hot buffers: both record their admissions in the one token -> slot table, so
 the two alternate freely (each policy keeps its own recency record: the LRU order for the
 single-step swap, reference epochs for the multi-step CLOCK; an admission by one is seen by the
 other as a resident token with no recent use). Request lifecycle: :meth:`admit`, then per step
@@ -98,7 +99,8 @@ class HotBufferCache:
         the single-step resolve looks each selected token up instead of hashing the top-k and
         probing it with every hot slot (one block per batch row; measured faster at every
         batch size when no or few tokens miss: benchmarks/NOTES.md). Default True; False gives
-        the hash resolve (a cluster of blocks per row at small batch).
+        the hash resolve (a cluster of blocks per row at small batch); multi-step state
+        (``max_steps >= 2``) needs the table (its lookups use it).
     """
 
     def __init__(self, *, n_layers: int, max_requests: int, max_len: int, row_bytes: int,
@@ -114,6 +116,9 @@ class HotBufferCache:
         self.max_batch = _checks.integer("max_batch", R if max_batch is None else max_batch, 1)
         self.max_steps = S = _checks.integer("max_steps", max_steps, 1, _abi.MS_MAX_STEPS)
         check_sizes(K, H)
+        if S >= 2 and not token_table:
+            raise ValueError("max_steps >= 2 needs token_table=True: the multi-step swap looks "
+                             "tokens up in the token -> slot table")
         self.ms_config = None
         C = 0
         if S >= 2:
@@ -177,22 +182,18 @@ class HotBufferCache:
             self._scratch_layout = cupy.asarray((base + W + np.arange(C)).astype(np.int32))
             self.scratch_locs = cupy.empty((L, R, C), cupy.int32)
             self.scratch_locs[...] = self._scratch_layout
-            self.ms_index = cupy.full((L, R, cfg.buckets * _abi.MS_BUCKET),
-                                      np.uint64(_abi.MS_EMPTY), cupy.uint64)
             self.ms_ref = cupy.zeros((L, R, H), cupy.uint32)
             self.ms_clock = cupy.zeros((L, R, 2), cupy.uint32)
             self.ms_clock[..., 0] = 1
-            self.ms_flags = cupy.zeros((L, R), cupy.int32)
             self.workspace = MultiStepWorkspace(self.max_batch, cfg.max_tokens)
             self.ms_out = cupy.empty((self.max_batch, S, K), cupy.int32)
             for layer in range(L):
                 self._ms.append(MultiStepState(
                     cfg, self.host_locs, self.slot_tokens[layer], self.slot_locs[layer],
                     self.scratch_locs[layer], n_device_rows=D, workspace=self.workspace,
-                    validate=False, storage={"index": self.ms_index[layer],
+                    validate=False, storage={"token_slot": self.token_slot[layer],
                                              "ref": self.ms_ref[layer],
-                                             "clock": self.ms_clock[layer],
-                                             "flags": self.ms_flags[layer]}))
+                                             "clock": self.ms_clock[layer]}))
         self._states = [self._swap_state(layer) for layer in range(L)]
         self._templates()
         self._free = list(range(R - 1, -1, -1))
@@ -241,9 +242,8 @@ class HotBufferCache:
                        row_bytes=self.row_bytes)
 
     def _swap_state(self, layer: int) -> SwapState:
-        ms = {} if not self._ms else self._ms[layer].swap_state_fields()
         return SwapState(self.host_locs, self.slot_tokens[layer], self.slot_locs[layer],
-                         self.lru[layer], **ms,
+                         self.lru[layer],
                          token_slot=None if self.token_slot is None else self.token_slot[layer])
 
     # ----------------------------------------------------------------- requests
@@ -336,9 +336,8 @@ class HotBufferCache:
     def _init_multistep(self, rid: int, stream) -> None:
         if self._ms:
             rows = cupy.full(1, rid, cupy.int32)
-            init_states(rows, None, self.slot_tokens, self.ms_index, self.ms_ref, self.ms_clock,
-                        self.ms_flags, hot_size=self.hot_size, n_buckets=self.ms_config.buckets,
-                        stream=stream)
+            init_states(rows, None, self.slot_tokens, self.token_slot, self.ms_ref,
+                        self.ms_clock, hot_size=self.hot_size, stream=stream)
 
     def _load(self, rid: int, slots: np.ndarray, tokens: np.ndarray, stream) -> None:
         """Copy host rows of ``tokens`` into ``slots`` of request ``rid`` for every layer."""
@@ -418,7 +417,8 @@ class HotBufferCache:
 
     def release(self, rid: int, *, stream=None) -> None:
         """Free request slot ``rid``: every table of it (slot tables, LRU order, multi-step
-        index, epochs, clock, rotated rows) and its host rows are reset."""
+        epochs, clock, rotated rows) and its host rows are reset (token -> slot entries are
+        never trusted without the slot table, so they stay)."""
         rid = _checks.integer("rid", rid, 0, self.max_requests - 1)
         if rid not in self._len:
             raise ValueError(f"request slot {rid} is not admitted")

@@ -8,13 +8,16 @@ several times. :func:`multistep_swap_in` treats the union of the steps as one wo
   page and the hot cache, and copies each unique miss once into one of the request's scratch rows;
 - ``spec_commit`` (one block per row, launched with Programmatic Dependent Launch on sm_90+)
   chooses victims with a CLOCK-style policy, admits misses by swapping the scratch row with the
-  victim's row (no second copy) and updates the token -> slot index.
+  victim's row (no second copy) and records the admitted tokens in the token -> slot table.
 
 The exact semantics, the state layout and the admission policy are in ``cu/multistep.cu``;
 :func:`hisparse_cupy.reference.multistep_swap_in` is the same algorithm in NumPy.
 
 State. :class:`MultiStepState` is per layer: admission rotates device rows between hot slots and
 scratch rows, so ``slot_locs`` and ``scratch_locs`` are mutated and must not be shared by layers.
+Its token -> hot slot table (``token_slot``, int16 ``[R, max_len]``) is the one the single-step
+resolve's table instance reads and writes (:class:`hisparse_cupy.SwapState`), so both swaps can
+run on the same hot buffers.
 :class:`MultiStepWorkspace` (the per-call dedup tables, per batch row) may be shared by layers
 whose calls run one after another on one stream. :class:`MultiStepConfig` checks the sizes
 (without a GPU).
@@ -40,16 +43,10 @@ COMMIT_BLOCK = _abi.COMMIT_BLOCK
 INIT_BLOCK = _abi.INIT_BLOCK
 MIN_STEPS, MAX_STEPS = _abi.MS_MIN_STEPS, _abi.MS_MAX_STEPS
 MAX_TOKENS = _abi.MS_MAX_TOKENS  # S * K per row
-BUCKET = _abi.MS_BUCKET
 STATS = _abi.MS_STATS
 
 
 default_scratch = _abi.default_scratch
-
-
-def index_buckets(hot_size: int) -> int:
-    """Buckets of the token -> slot index per request (8 entries each; load <= 1/4)."""
-    return max(2, (hot_size + 1) // 2)
 
 
 def table_size(max_tokens: int) -> int:
@@ -110,10 +107,6 @@ class MultiStepConfig:
         return self.slots + self.scratch
 
     @property
-    def buckets(self) -> int:
-        return index_buckets(self.hot_size)
-
-    @property
     def table_size(self) -> int:
         return table_size(self.max_tokens)
 
@@ -121,13 +114,15 @@ class MultiStepConfig:
     def commit_smem(self) -> int:
         return commit_smem_bytes(self.hot_size, self.max_tokens)
 
-    def state_bytes(self) -> int:
-        """Device bytes of one layer's state besides the caller's slot tables and host_locs."""
+    def state_bytes(self, max_len: int) -> int:
+        """Device bytes of one layer's state besides the caller's slot tables and host_locs,
+        for tokens below ``max_len`` (the token -> slot table: 2 bytes per token)."""
         R, H = self.n_requests, self.hot_size
-        return R * (self.buckets * BUCKET * 8 + 4 * H + 8 + 4 + 4 * self.scratch)
+        max_len = _checks.integer("max_len", max_len, 1)
+        return R * (2 * max_len + 4 * H + 8 + 4 * self.scratch)
 
     def workspace_bytes(self) -> int:
-        return self.max_batch * (12 * self.table_size + 4 * self.max_tokens
+        return self.max_batch * (12 * self.table_size + 8 * self.max_tokens
                                  + 4 * (_abi.MS_N_COUNTERS + _abi.MS_N_STATS))
 
     def layout(self, base: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
@@ -199,6 +194,7 @@ class MultiStepWorkspace:
         self.table = cupy.empty((B, TS), cupy.uint64)
         self.meta = cupy.empty((B, TS), cupy.int32)
         self.compact = cupy.zeros((B, self.max_tokens), cupy.int32)
+        self.pending = cupy.zeros((B, self.max_tokens), cupy.int32)
         self.counters = cupy.empty((B, _abi.MS_N_COUNTERS), cupy.int32)
         self.stats = cupy.zeros((B, _abi.MS_N_STATS), cupy.int32)
         self.reset()
@@ -217,13 +213,14 @@ class MultiStepState:
 
     The slot tables are used in place and mutated by every call: ``slot_tokens`` and
     ``slot_locs`` (int32 ``[R, H + P]``, one row stride) and ``scratch_locs`` (int32 ``[R, C]``).
-    The state allocates the token -> slot index (uint64 ``[R, NB * 8]``), the reference epochs
-    ``ref`` (uint32 ``[R, H]``), ``clock`` (uint32 ``[R, 2]``: epoch, cursor) and ``flags`` (int32
-    ``[R]``, bit 0: the index overflowed and lookups also scan the slot table), and initialises
-    them from the slot tables (:meth:`reset`).
+    The state allocates the token -> hot slot table ``token_slot`` (int16 ``[R, max_len]``,
+    ``max_len`` = ``host_locs``' width; every hot token's entry names its slot, other entries
+    are never trusted), the reference epochs ``ref`` (uint32 ``[R, H]``) and ``clock`` (uint32
+    ``[R, 2]``: epoch, cursor), and initialises them from the slot tables (:meth:`reset`).
 
     Use :meth:`create` to build one; call :meth:`reset` for the request slots whose slot tables
-    the caller rewrote (admission, release).
+    the caller rewrote (admission, release, a restored snapshot): a hot token the table does not
+    name would be taken for a miss and admitted twice.
     """
 
     def __init__(self, config: MultiStepConfig, host_locs, slot_tokens, slot_locs, scratch_locs,
@@ -258,13 +255,12 @@ class MultiStepState:
             cfg.check_tables(cupy.asnumpy(self.slot_tokens), cupy.asnumpy(self.slot_locs),
                              cupy.asnumpy(self.scratch_locs), self.n_device_rows)
         if storage is not None:  # views of a HotBufferCache's arrays, initialised by it
-            self.index, self.ref = storage["index"], storage["ref"]
-            self.clock, self.flags = storage["clock"], storage["flags"]
+            self.token_slot, self.ref = storage["token_slot"], storage["ref"]
+            self.clock = storage["clock"]
             return
-        self.index = cupy.empty((R, cfg.buckets * BUCKET), cupy.uint64)
+        self.token_slot = cupy.full(self.host_locs.shape, -1, cupy.int16)
         self.ref = cupy.zeros((R, H), cupy.uint32)
         self.clock = cupy.zeros((R, 2), cupy.uint32)
-        self.flags = cupy.zeros(R, cupy.int32)
         self.reset()
 
     @classmethod
@@ -276,7 +272,8 @@ class MultiStepState:
 
         Parameters
         ----------
-        host_locs : int64 ``[R, max_len]``, token -> host row (-1 = none); read only.
+        host_locs : int64 ``[R, max_len]``, token -> host row (-1 = none); read only. Its width
+            sizes the token -> slot table (2 bytes per token and request).
         slot_tokens, slot_locs : int32 ``[R, H + P]`` (mutated in place).
         scratch_locs : int32 ``[R, C]`` spare device rows, disjoint from ``slot_locs`` (mutated).
         hot_size : H.  top_k : the largest K a call will use.
@@ -297,8 +294,8 @@ class MultiStepState:
         return self.config.hot_size
 
     def reset(self, requests=None, *, stream=None) -> None:
-        """(Re)initialise the index, epochs and cursor of ``requests`` (default: all) from
-        their current slot tables. Queued on ``stream``; no host synchronisation."""
+        """(Re)initialise the token -> slot table, epochs and cursor of ``requests`` (default:
+        all) from their current slot tables. Queued on ``stream``; no host synchronisation."""
         R = self.config.n_requests
         if requests is None:
             rows = np.arange(R, dtype=np.int32)
@@ -312,9 +309,8 @@ class MultiStepState:
         s = as_stream(stream)
         with s:
             d_rows = cupy.asarray(rows)
-        init_states(d_rows, None, self.slot_tokens[None], self.index[None], self.ref[None],
-                    self.clock[None], self.flags[None], hot_size=self.hot_size,
-                    n_buckets=self.config.buckets, stream=s)
+        init_states(d_rows, None, self.slot_tokens[None], self.token_slot[None], self.ref[None],
+                    self.clock[None], hot_size=self.hot_size, stream=s)
 
     def params(self, p: Params | None = None) -> Params:
         """The layer's fields of the multi-step struct (the call's come later)."""
@@ -324,43 +320,43 @@ class MultiStepState:
             host_locs=ptr(self.host_locs), host_stride=_checks.row_stride(self.host_locs),
             slot_tokens=ptr(self.slot_tokens), slot_locs=ptr(self.slot_locs),
             slot_stride=_checks.row_stride(self.slot_locs), scratch_locs=ptr(self.scratch_locs),
-            scratch_stride=_checks.row_stride(self.scratch_locs), index=ptr(self.index),
-            ref=ptr(self.ref), ref_stride=_checks.row_stride(self.ref), clock=ptr(self.clock),
-            flags=ptr(self.flags), table=ptr(ws.table), meta=ptr(ws.meta),
-            table_size=ws.table_size, compact=ptr(ws.compact),
-            compact_stride=_checks.row_stride(ws.compact), counters=ptr(ws.counters),
-            stats=ptr(ws.stats), R=cfg.n_requests, H=cfg.hot_size, P=cfg.extra_page,
-            C=cfg.scratch, n_buckets=cfg.buckets)
+            scratch_stride=_checks.row_stride(self.scratch_locs),
+            token_slot=ptr(self.token_slot), ref=ptr(self.ref),
+            ref_stride=_checks.row_stride(self.ref), clock=ptr(self.clock), table=ptr(ws.table),
+            meta=ptr(ws.meta), table_size=ws.table_size, compact=ptr(ws.compact),
+            pending=ptr(ws.pending), compact_stride=_checks.row_stride(ws.compact),
+            counters=ptr(ws.counters), stats=ptr(ws.stats), R=cfg.n_requests, H=cfg.hot_size,
+            P=cfg.extra_page, C=cfg.scratch)
 
     def swap_state_fields(self) -> dict:
-        """``index`` and ``flags`` for :meth:`hisparse_cupy.SwapState.validated`: single-step
-        calls on the same slot tables then keep this state's index current."""
-        return {"index": self.index, "flags": self.flags}
+        """``token_slot`` for :meth:`hisparse_cupy.SwapState.validated`: single-step calls on
+        the same slot tables then run the table resolve, which keeps this table current."""
+        return {"token_slot": self.token_slot}
 
     def to_numpy(self) -> dict[str, np.ndarray]:
         """Host copies of every state array (for tests and debugging; synchronises)."""
-        names = ("slot_tokens", "slot_locs", "scratch_locs", "index", "ref", "clock", "flags")
+        names = ("slot_tokens", "slot_locs", "scratch_locs", "token_slot", "ref", "clock")
         return {n: cupy.asnumpy(getattr(self, n)) for n in names}
 
 
 def init_states(rows: cupy.ndarray, num_real: cupy.ndarray | None, slot_tokens: cupy.ndarray,
-                index: cupy.ndarray, ref: cupy.ndarray, clock: cupy.ndarray,
-                flags: cupy.ndarray, *, hot_size: int, n_buckets: int, stream) -> None:
+                token_slot: cupy.ndarray, ref: cupy.ndarray, clock: cupy.ndarray, *,
+                hot_size: int, stream) -> None:
     """(Re)initialise request slots ``rows`` (int32 ``[B]``) of every layer from their slot tables.
 
-    Arrays are per layer: slot_tokens int32 ``[L, R, W]``, index uint64 ``[L, R, NB * 8]``, ref
-    uint32 ``[L, R, H]``, clock uint32 ``[L, R, 2]`` and flags int32 ``[L, R]`` (the last three
-    contiguous). Rows outside ``[0, R)`` or at or beyond ``num_real`` are skipped.
+    Arrays are per layer: slot_tokens int32 ``[L, R, W]``, token_slot int16 ``[L, R, max_len]``
+    (rows contiguous), ref uint32 ``[L, R, H]`` and clock uint32 ``[L, R, 2]`` (contiguous).
+    Rows outside ``[0, R)`` or at or beyond ``num_real`` are skipped.
     """
     L, R = slot_tokens.shape[:2]
     B = rows.shape[0]
     p = Params(_abi.MULTISTEP_INIT).set(
         rows=ptr(rows), num_real=ptr(num_real), slot_tokens=ptr(slot_tokens),
-        index=ptr(index), ref=ptr(ref), clock=ptr(clock), flags=ptr(flags),
-        slot_layer_stride=slot_tokens.strides[0] // 4, index_layer_stride=index.strides[0] // 8,
-        ref_layer_stride=ref.strides[0] // 4, R=R, B=B,
-        slot_stride=slot_tokens.strides[1] // 4, H=hot_size, n_buckets=n_buckets,
-        ref_stride=ref.strides[1] // 4)
+        token_slot=ptr(token_slot), ref=ptr(ref), clock=ptr(clock),
+        slot_layer_stride=slot_tokens.strides[0] // 4,
+        table_layer_stride=token_slot.strides[0] // 2, ref_layer_stride=ref.strides[0] // 4,
+        R=R, B=B, slot_stride=slot_tokens.strides[1] // 4, H=hot_size,
+        table_stride=token_slot.strides[1] // 2, ref_stride=ref.strides[1] // 4)
     launch(_build.kernel(_build.MS_INIT), (B, L), INIT_BLOCK, p, stream=stream)
 
 

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._abi import MS_BUCKET, MS_EMPTY, MS_F_DEGRADED, N_STATUS, ST_BADROW, ST_NOHOST, ST_RANGE
+from ._abi import N_STATUS, ST_BADROW, ST_NOHOST, ST_RANGE
 
 __all__ = [
     "InvariantError", "MULTISTEP_KINDS", "MultiStepResult", "N_STATUS", "ST_BADROW",
     "ST_NOHOST", "ST_RANGE", "SwapResult", "check_invariants", "check_multistep_invariants",
-    "multistep_hash_buckets", "multistep_swap_in", "swap_in",
+    "multistep_swap_in", "swap_in",
 ]
 
 
@@ -190,30 +190,15 @@ def check_invariants(
 # The oracle below follows the kernels' semantics (the header of cu/multistep.cu states them). The
 # kernels number unique misses in the order their claims land (not deterministic); pass that
 # order (``miss_order``, e.g. read back from a recorded miss plan) and the oracle reproduces the
-# call exactly: outputs, status, plan, statistics and every state array but the index, whose
-# layout depends on the order of concurrent inserts (check_multistep_invariants checks it instead).
+# call exactly: outputs, status, plan, statistics and every state array but the token -> slot
+# table, whose entries for tokens no slot holds are never read (check_multistep_invariants checks
+# the entries that count).
 # =============================================================================================
 
-_EMPTY = np.uint64(MS_EMPTY)
 _KEY_EMPTY = 0xFFFFFFFF
 _KEY_NEVER = 0xFFFFFFFE
 _KEY_AGE_MAX = 0xFFFFFFFD
 _M32 = 0xFFFFFFFF
-
-
-def multistep_hash_buckets(tokens, n_buckets: int) -> tuple[np.ndarray, np.ndarray]:
-    """The two index buckets of each token (as the multi-step kernels compute them)."""
-    t = np.asarray(tokens, dtype=np.int64).astype(np.uint64) & np.uint64(_M32)
-    nb = np.uint64(n_buckets)
-    ha = (t * np.uint64(2654435761)) & np.uint64(_M32)
-    x = t
-    x = x ^ (x >> np.uint64(16))
-    x = (x * np.uint64(0x85EBCA6B)) & np.uint64(_M32)
-    x = x ^ (x >> np.uint64(13))
-    x = (x * np.uint64(0xC2B2AE35)) & np.uint64(_M32)
-    x = x ^ (x >> np.uint64(16))
-    return ((ha * nb) >> np.uint64(32)).astype(np.int64), ((x * nb) >> np.uint64(32)).astype(
-        np.int64)
 
 
 @dataclass
@@ -433,10 +418,9 @@ def check_multistep_invariants(
     slot_tokens: np.ndarray,
     slot_locs: np.ndarray,
     scratch_locs: np.ndarray,
-    index: np.ndarray,
+    token_slot: np.ndarray,
     ref: np.ndarray,
     clock: np.ndarray,
-    flags: np.ndarray,
     hot_size: int,
     *,
     n_device_rows: int | None = None,
@@ -447,16 +431,15 @@ def check_multistep_invariants(
     For each request slot (default: all):
     - hot tokens are -1 or >= 0, each held once;
     - ``clock`` epoch != 0, cursor in ``[0, H)``; every ref epoch is 0 or older than the epoch;
-    - unless the request is degraded: every hot token is in one of its two buckets with its
-      slot, no live index entry points to a slot that does not hold its token, no token has two
-      live entries.
+    - the token -> slot table names the slot of every hot token below its width
+      (``token_slot[r, t] == s`` where ``slot_tokens[r, s] == t``, ``s < H``).
     Over all requests: hot slots own a row; every row in ``slot_locs`` and ``scratch_locs`` is
     owned once (and below ``n_device_rows`` when given).
     """
     H = int(hot_size)
     R = slot_tokens.shape[0]
+    width = token_slot.shape[1]
     rows = range(R) if requests is None else requests
-    nb = index.shape[1] // MS_BUCKET
     for r in rows:
         toks = slot_tokens[r, :H]
         if (toks < -1).any():
@@ -471,27 +454,14 @@ def check_multistep_invariants(
         refs = ref[r].astype(np.int64)
         if ((refs != 0) & (refs >= epoch)).any():
             raise InvariantError(f"ref[{r}] holds an epoch >= the current epoch {epoch}")
-        if int(flags[r]) & MS_F_DEGRADED:
-            continue
-        ent = index[r].astype(np.uint64)
-        live = ent != _EMPTY
-        e_tok = (ent[live] & np.uint64(_M32)).astype(np.int64)
-        e_slot = (ent[live] >> np.uint64(32)).astype(np.int64)
-        pos = np.nonzero(live)[0]
-        if (e_slot >= H).any() or (toks[np.minimum(e_slot, H - 1)] != e_tok).any():
-            bad = pos[(e_slot >= H) | (toks[np.minimum(e_slot, H - 1)] != e_tok)][:4]
-            raise InvariantError(f"index[{r}] has stale entries at {bad.tolist()}")
-        if np.unique(e_tok).size != e_tok.size:
-            raise InvariantError(f"index[{r}] holds a token twice")
-        slots = np.nonzero(toks >= 0)[0]
-        ba, bb = multistep_hash_buckets(toks[slots], nb)
-        found = {(int(t), int(s)): int(p) // MS_BUCKET
-                 for t, s, p in zip(e_tok, e_slot, pos, strict=True)}
-        for s, t, a, c in zip(slots, toks[slots], ba, bb, strict=True):
-            bk = found.get((int(t), int(s)))
-            if bk is None or bk not in (a, c):
-                raise InvariantError(f"index[{r}] does not map token {int(t)} to slot {int(s)} "
-                                     f"in bucket {int(a)} or {int(c)}")
+        slots = np.nonzero((toks >= 0) & (toks < width))[0]
+        named = token_slot[r, toks[slots]].astype(np.int64)
+        bad = slots[named != slots]
+        if bad.size:
+            s0 = int(bad[0])
+            raise InvariantError(f"token_slot[{r}] maps hot token {int(toks[s0])} to "
+                                 f"{int(token_slot[r, toks[s0]])}, not to its slot {s0} "
+                                 f"({bad.size} such)")
     if (slot_locs[:, :H] < 0).any():
         raise InvariantError("a hot slot owns no device row")
     locs = np.concatenate([slot_locs.reshape(-1), scratch_locs.reshape(-1)])

@@ -136,9 +136,7 @@ class SwapState:
     """The device tables of one layer's hot buffers (validated views, see docs/design.md §3).
 
     host_locs : int64 ``[R, max_len]``; slot_tokens, slot_locs : int32 ``[R, H + P]`` (one row
-    stride); lru : int16 ``[R, H]``. ``index`` / ``flags`` (optional): the layer's multi-step
-    token -> slot index and flags (:class:`hisparse_cupy.MultiStepState`), which the resolve
-    then keeps current, so single- and multi-step calls can share the hot buffer.
+    stride); lru : int16 ``[R, H]``.
 
     ``token_slot`` (optional): int16 ``[R, max_len]``, contiguous, any initial contents: the hot
     slot each token was last admitted to. With it the resolve looks each selected token up
@@ -147,15 +145,15 @@ class SwapState:
     harmless. A held token the table does not name (slot_tokens written by something else, or
     restored) is still found: when some selected token is not in the table, the call scans the
     slots for it, as the hash resolve does, and repairs the entry. It costs 2 bytes per token
-    of ``host_locs``.
+    of ``host_locs``. A :class:`hisparse_cupy.MultiStepState` over the same slot tables has such
+    a table (``swap_state_fields()``); give the single-step state that one, so single- and
+    multi-step calls share the hot buffer (every admission of either is recorded in it).
     """
 
     host_locs: cupy.ndarray
     slot_tokens: cupy.ndarray
     slot_locs: cupy.ndarray
     lru: cupy.ndarray
-    index: cupy.ndarray | None = None
-    flags: cupy.ndarray | None = None
     token_slot: cupy.ndarray | None = None
 
     @property
@@ -163,8 +161,8 @@ class SwapState:
         return self.lru.shape[1]
 
     @classmethod
-    def validated(cls, host_locs, slot_tokens, slot_locs, lru, *, index=None,
-                  flags=None, token_slot=None) -> SwapState:
+    def validated(cls, host_locs, slot_tokens, slot_locs, lru, *,
+                  token_slot=None) -> SwapState:
         host_locs = _checks.array("host_locs", host_locs, np.int64, ndim=2)
         lru = _checks.array("lru", lru, np.int16, ndim=2, contiguous=False, inner_contiguous=True)
         R, H = lru.shape
@@ -184,18 +182,10 @@ class SwapState:
         if slot_tokens.strides != slot_locs.strides:
             raise ValueError("slot_tokens and slot_locs must share one row stride, got "
                              f"{slot_tokens.strides} and {slot_locs.strides}")
-        if (index is None) != (flags is None):
-            raise ValueError("give both index and flags (a MultiStepState's), or neither")
-        if index is not None:
-            index = _checks.array("index", index, np.uint64, ndim=2)
-            flags = _checks.array("flags", flags, np.int32, shape=(R,))
-            if index.shape[0] != R or index.shape[1] % _abi.MS_BUCKET:
-                raise ValueError(f"index must have shape ({R}, n_buckets * {_abi.MS_BUCKET}), "
-                                 f"got {tuple(index.shape)}")
         if token_slot is not None:
             token_slot = _checks.array("token_slot", token_slot, np.int16,
                                        shape=host_locs.shape)
-        return cls(host_locs, slot_tokens, slot_locs, lru, index, flags, token_slot)
+        return cls(host_locs, slot_tokens, slot_locs, lru, token_slot)
 
     def params(self, p: Params | None = None) -> Params:
         """The layer's fields of the resolve struct (the batch's and the call's come later)."""
@@ -205,8 +195,7 @@ class SwapState:
             slot_tokens=ptr(self.slot_tokens), slot_locs=ptr(self.slot_locs),
             slot_stride=_checks.row_stride(self.slot_locs), lru=ptr(self.lru),
             lru_stride=_checks.row_stride(self.lru), R=self.lru.shape[0], H=self.hot_size,
-            index=ptr(self.index), flags=ptr(self.flags), token_slot=ptr(self.token_slot),
-            n_buckets=0 if self.index is None else self.index.shape[1] // _abi.MS_BUCKET)
+            token_slot=ptr(self.token_slot))
 
     def check_on_host(self, n_device_rows: int) -> None:
         """Raise ``ValueError`` if the tables are not a valid state (synchronizes).

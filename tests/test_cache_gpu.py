@@ -108,6 +108,9 @@ def test_cache_errors():
     with pytest.raises(ValueError, match="needs .* bytes of shared memory per block"):
         HotBufferCache(n_layers=1, max_requests=1, max_len=100, row_bytes=656, hot_size=16384,
                        top_k=8192)
+    with pytest.raises(ValueError, match="max_steps >= 2 needs token_table=True"):
+        HotBufferCache(n_layers=1, max_requests=1, max_len=100, row_bytes=656, hot_size=64,
+                       top_k=32, max_steps=2, token_table=False)
     cache = HotBufferCache(n_layers=1, max_requests=1, max_len=100, row_bytes=656, hot_size=64,
                            top_k=32, extra_page=4)
     with pytest.raises(ValueError, match="n_tokens must be <= 100"):

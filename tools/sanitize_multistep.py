@@ -91,8 +91,8 @@ def main() -> int:
             errors += int((gs[k] != np_state[k]).sum())
         try:
             reference.check_multistep_invariants(gs["slot_tokens"], gs["slot_locs"],
-                                            gs["scratch_locs"], gs["index"], gs["ref"],
-                                            gs["clock"], gs["flags"], H, n_device_rows=D)
+                                            gs["scratch_locs"], gs["token_slot"], gs["ref"],
+                                            gs["clock"], H, n_device_rows=D)
         except reference.InvariantError as e:
             print("invariant:", e)
             errors += 1

@@ -13,7 +13,7 @@
 #include "common.cuh"
 
 #if !defined(HS_ST_RANGE) || !defined(HS_N_STATUS) || !defined(HS_MAX_HOT) ||     \
-    !defined(HS_RESOLVE_BLOCK) || !defined(HS_COPY_WARPS) || !defined(HS_MS_BUCKET) || \
+    !defined(HS_RESOLVE_BLOCK) || !defined(HS_COPY_WARPS) || \
     !defined(HS_COMMIT_BLOCK) || !defined(HS_GATHER_BLOCK) || !defined(HS_INIT_BLOCK) || \
     !defined(HS_PREDICT_BLOCK) || !defined(HS_THIN_COPY_REGS) || !defined(HS_RESOLVE_MAX_CLUSTER) || \
     !defined(HS_RESOLVE_CLUSTER_BLOCK)
@@ -36,8 +36,6 @@ constexpr int NEWEST_BLOCK = HS_NEWEST_BLOCK;
 constexpr int COPY_DRY_RUN = HS_COPY_DRY_RUN;
 constexpr int MS_MAX_TOKENS = HS_MS_MAX_TOKENS;
 constexpr int MS_MAX_STEPS = HS_MS_MAX_STEPS;
-constexpr int MS_BUCKET = HS_MS_BUCKET;
-constexpr int MS_F_DEGRADED = HS_MS_F_DEGRADED;
 constexpr int MS_META_INIT = HS_MS_META_INIT;
 constexpr int MS_N_COUNTERS = HS_MS_N_COUNTERS;
 constexpr int MS_N_STATS = HS_MS_N_STATS;
@@ -62,15 +60,11 @@ struct SwapResolveParams {
   i32* plan_dst;           // [>= B, plan_stride]: device row it goes to
   i32* plan_count;         // [>= B]: misses of each row
   i32* status;             // [B, N_STATUS]
-  u64* index;              // [R, n_buckets * MS_BUCKET] multi-step token -> slot index, or null
-  i32* flags;              // [R] multi-step flags (MS_F_DEGRADED), or null with index
   i16* token_slot;         // [R, host_stride] token -> hot slot (swap_resolve<.., true>), or null
   i64 n_host_rows;         // host rows of the layer: rows outside [0, n_host_rows) are missing
   i32 topk_stride, K, B, R, host_stride, slot_stride, lru_stride, H;
   i32 hash_size;           // shared hash slots (power of two >= 64)
   i32 out_stride, plan_stride, lens_stride;
-  i32 n_buckets;           // buckets of `index` per request
-  i32 pad;                 // (no tail padding: see the checks below)
 };
 
 // ---- planned copy (plan.cu). Grid: any, block COPY_WARPS * 32 (planned_copy_thin: 32).
@@ -156,13 +150,13 @@ struct MultiStepParams {
   i32* slot_tokens;        // [R, W], row stride slot_stride
   i32* slot_locs;          // [R, W], row stride slot_stride (rotated by admissions)
   i32* scratch_locs;       // [R, C], row stride scratch_stride (rotated by admissions)
-  u64* index;              // [R, n_buckets * MS_BUCKET]: (slot << 32 | token), ~0 = empty
+  i16* token_slot;         // [R, host_stride]: token -> hot slot (the single-step resolve's)
   u32* ref;                // [R, H], row stride ref_stride: epoch of each slot's last use
   u32* clock;              // [R, 2]: (epoch, cursor)
-  i32* flags;              // [R]: MS_F_DEGRADED
   u64* table;              // [B, table_size]: per-call dedup table (workspace)
   i32* meta;               // [B, table_size]: smallest reverse rank of each claimed token
   i32* compact;            // [B, compact_stride]: table position of miss u
+  i32* pending;            // [B, compact_stride]: occurrences holding a placeholder
   i32* counters;           // [B, MS_N_COUNTERS]
   i32* out;                // [B, S, K], row stride out_stride
   const u8* host_base;     // row 0 of the layer's host rows (mapped)
@@ -174,8 +168,9 @@ struct MultiStepParams {
   i32* stats;              // [B, MS_N_STATS]
   i64 n_host_rows;
   i32 topk_stride, S, K, B, R, host_stride, slot_stride, H, P, scratch_stride, C;
-  i32 n_buckets, ref_stride, table_size, compact_stride, out_stride, row_bytes, plan_stride;
+  i32 ref_stride, table_size, compact_stride, out_stride, row_bytes, plan_stride;
   i32 lens_stride, lens_step;
+  i32 pad;                 // (no tail padding: see the checks below)
 };
 
 // ---- multi-step state (re)initialisation (multistep.cu). Grid: (B, L), block INIT_BLOCK.
@@ -183,12 +178,11 @@ struct MultiStepInitParams {
   const i32* rows;         // [B] request slots to initialise (outside [0, R): skipped)
   const i32* num_real;     // device scalar or null: rows >= *num_real are skipped
   const i32* slot_tokens;  // [L, R, W], layer stride slot_layer_stride
-  u64* index;              // [L, R, n_buckets * MS_BUCKET], layer stride index_layer_stride
+  i16* token_slot;         // [L, R, table_stride], layer stride table_layer_stride
   u32* ref;                // [L, R, H], layer stride ref_layer_stride
   u32* clock;              // [L, R, 2], layer stride 2 R
-  i32* flags;              // [L, R], layer stride R
-  i64 slot_layer_stride, index_layer_stride, ref_layer_stride;
-  i32 R, B, slot_stride, H, n_buckets, ref_stride;
+  i64 slot_layer_stride, table_layer_stride, ref_layer_stride;
+  i32 R, B, slot_stride, H, table_stride, ref_stride;
 };
 
 // ---- the checks against _abi.py. NVRTC has no offsetof, so the layout is pinned by what it

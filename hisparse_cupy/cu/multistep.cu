@@ -7,21 +7,21 @@
 // runs after the whole gather grid (the kernel boundary is the grid-wide barrier; on sm_90+ it
 // is launched with Programmatic Dependent Launch and waits with griddepcontrol.wait). It picks
 // victims with a CLOCK-style policy over epoch-tagged references, admits misses by swapping the
-// scratch row with the victim's row (no second copy), and keeps the token -> slot index current.
+// scratch row with the victim's row (no second copy), and records each admitted token in the
+// token -> slot table.
 //
 // Per-layer state (request slot r, see multistep.py):
 //   slot_tokens[r, H + P], slot_locs[r, H + P]  token / device row of each slot; slots [0, H) are
 //                                              the hot cache, [H, H + P) the extra page
 //   scratch_locs[r, C]                         spare device rows (misses land there first)
-//   index[r, NB, 8]                            token -> hot slot: NB buckets of 8 entries, each
-//                                              entry (slot << 32 | token), EMPTY = ~0; a token
-//                                              lives in bucket_a(token) or bucket_b(token).
-//                                              A hit is always checked against slot_tokens.
+//   token_slot[r, max_len]                     token -> hot slot (int16), the same table the
+//                                              single-step resolve reads and writes. Invariant:
+//                                              every hot token t (slot_tokens[s] = t, s < H)
+//                                              has token_slot[t] = s; other entries are
+//                                              anything (a lookup checks slot_tokens), so
+//                                              nothing is ever erased.
 //   ref[r, H]                                  epoch of each slot's last reference (0 = never)
 //   clock[r] = (epoch, cursor)                 this call's epoch (never 0), ring cursor
-//   flags[r]                                   MS_F_DEGRADED: an insert found both buckets full
-//                                              once; lookups then also scan slot_tokens (sticky
-//                                              until the request is re-initialised)
 // Per-batch-row workspace (shareable by layers that run one after another on one stream; each
 // commit leaves its row clean: table EMPTY, meta META_INIT, counters 0):
 //   table[b, TS]    open-addressing dedup table of the call's misses, entry (value << 32 | token):
@@ -30,6 +30,7 @@
 //   meta[b, TS]     smallest "reverse rank" (S - 1 - step) * K + entry over the token's
 //                   occurrences: orders misses (latest step first, then entry), deterministically
 //   compact[b, T]   table position of miss u
+//   pending[b, T]   occurrences whose output is a placeholder (-2 - table position)
 //   counters[b, 8]  misses, entries out of range, host-less misses, placeholders written
 //
 // Semantics of an occurrence (b, s, i) with token t, seq = seq_lens[b, s]:
@@ -57,14 +58,36 @@
 //     of claims, so partial admission is not deterministic when M > C.
 //   Outputs are exact in every case: C >= S*K - H (checked in Python) guarantees a victim for
 //   every miss without a scratch row.
-#include "index.cuh"
+#include "abi.cuh"
 
 namespace hs {
 namespace ms {
 
 using ull = u64;
 
+constexpr ull EMPTY = ~0ull;            // free dedup-table entry
 constexpr u32 NONE = 0xffffffffu;       // table value: not yet published / no row
+
+__device__ __forceinline__ u32 mix32(u32 x) {
+  x ^= x >> 16;
+  x *= 0x85ebca6bu;
+  x ^= x >> 13;
+  x *= 0xc2b2ae35u;
+  x ^= x >> 16;
+  return x;
+}
+// h -> [0, n) by the high half of a 32x32 product
+__device__ __forceinline__ int reduce(u32 h, int n) {
+  return static_cast<int>((static_cast<u64>(h) * static_cast<u32>(n)) >> 32);
+}
+__device__ __forceinline__ ull pack(u32 hi, int lo) {
+  return (static_cast<ull>(hi) << 32) | static_cast<u32>(lo);
+}
+__device__ __forceinline__ int lo32(ull e) { return static_cast<int>(static_cast<u32>(e)); }
+__device__ __forceinline__ u32 hi32(ull e) { return static_cast<u32>(e >> 32); }
+__device__ __forceinline__ ull load_volatile(const ull* p) {
+  return *reinterpret_cast<const volatile ull*>(p);
+}
 
 // workspace counters (per batch row, MS_N_COUNTERS of them)
 constexpr int C_MISS = 0, C_RANGE = 1, C_NOHOST = 2, C_PENDING = 3;
@@ -130,12 +153,14 @@ __device__ __forceinline__ bool row_is_bad(const MultiStepParams& p, i64 rid, in
 //   grid (ceil(S*K / GATHER_BLOCK), B), one thread per occurrence (coalesced top-k reads).
 //   Phases
 //     0. padding / bad rows write -1 and leave.
-//     1. classify the occurrence (see the semantics above); hot hits mark ref = epoch.
+//     1. classify the occurrence (see the semantics above): the extra page, then the token ->
+//        slot table (entry checked against slot_tokens); hot hits mark ref = epoch.
 //     2. misses: find-or-claim the token in the dedup table; record its reverse rank (atomicMin).
 //        Claimers of a warp take consecutive miss ordinals u (one atomicAdd per warp) and
 //        publish u. A claimer with u < C owns the copy into scratch_locs[u]; the others
 //        (claimers with u >= C, duplicates whose claimer has not published a u < C yet) write
-//        the placeholder -2 - position, resolved by the commit.
+//        the placeholder -2 - position and list the occurrence in `pending` (one atomicAdd per
+//        warp); the commit resolves the listed ones.
 //     3. the warp copies its owners' rows, OWNED_ROWS in flight at a time
 //        (copy_owned_rows_warp); the owner writes the plan entry u.
 //     4. per-block counts -> the row's counters (one atomicAdd each).
@@ -145,7 +170,7 @@ template <typename ReqT, typename LenT>
 __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) {
   constexpr int BLOCK = GATHER_BLOCK;
   const int S = p.S, K = p.K, B = p.B, R = p.R, H = p.H, P = p.P, C = p.C;
-  const int nb = p.n_buckets, ts = p.table_size;
+  const int ts = p.table_size;
   const i64 n_host_rows = p.n_host_rows;
   const int host_stride = p.host_stride;
   const int row_bytes = p.row_bytes, plan_stride = p.plan_stride;
@@ -154,7 +179,7 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   i32* __restrict__ out = p.out;
   i64* __restrict__ plan_src = p.plan_src;
   i32* __restrict__ plan_dst = p.plan_dst;
-  __shared__ int s_cnt[4];  // C_RANGE, C_NOHOST, C_PENDING (index 0 unused)
+  __shared__ int s_cnt[4];  // C_RANGE, C_NOHOST (indices 0 and 3 unused)
 
   HS_PHASE_START
   // No early trigger (pdl_launch_dependents): measured, letting the commit blocks become
@@ -170,7 +195,8 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   i32* orow = out + static_cast<i64>(b) * p.out_stride;
 
   // First wave of loads, independent of each other: the occurrence's token, the row's request
-  // slot and lengths. The second wave (request state, index buckets, host row) needs both.
+  // slot and lengths. The second wave (table entry, host row) needs both, the third (the
+  // entry's slot token and row) the entry.
   int tok = -1;
   int step = 0, pos = 0;
   if (active) {
@@ -198,10 +224,9 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   const i32* sloc = p.slot_locs + rid * p.slot_stride;
   const i32* scr = p.scratch_locs + rid * p.scratch_stride;
   const i64* hloc = p.host_locs + rid * host_stride;
-  const ull* idx = p.index + rid * static_cast<i64>(nb) * MS_BUCKET;
+  const i16* tsl = p.token_slot + rid * host_stride;
   u32* ref = p.ref + rid * p.ref_stride;
   const u32 epoch = p.clock[rid * 2];
-  const bool degraded = p.flags[rid] & MS_F_DEGRADED;
   ull* tbl = p.table + static_cast<i64>(b) * ts;
   i32* mt = p.meta + static_cast<i64>(b) * ts;
   i32* cmp = p.compact + static_cast<i64>(b) * p.compact_stride;
@@ -225,6 +250,10 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
     } else if (tok < 0 || tok >= seq || tok >= host_stride) {
       atomicAdd(&s_cnt[C_RANGE], 1);
     } else {
+      // the table entry and the host row are loaded before the extra page is looked at (a hit
+      // does not need the host row; a miss does not wait a round trip more for it)
+      const int e = tsl[tok];
+      const i64 hl_spec = hloc[tok];
       bool found = false;
       if (tok >= seq - P) {  // newest / draft tokens live in the extra page
         constexpr int G = 8;  // extra-page slots whose tokens are loaded together
@@ -244,22 +273,21 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
           }
         }
       }
+      if (!found && e >= 0 && e < H) {
+        const int held = stok[e];
+        const int l = sloc[e];
+        if (held == tok) {
+          o = l;
+          ref[e] = epoch;
+          found = true;
+        }
+      }
       if (!found) {
-        // the host row is loaded with the index buckets (a hit does not need it; a miss does
-        // not wait a round trip more for it)
-        const i64 hl_spec = hloc[tok];
-        int loc = -1;
-        const int s = hot_find(idx, nb, stok, sloc, H, tok, degraded, loc);
-        if (s >= 0) {
-          o = loc;
-          ref[s] = epoch;
+        hl = hl_spec;
+        if (hl >= 0 && hl < n_host_rows) {
+          miss = true;
         } else {
-          hl = hl_spec;
-          if (hl >= 0 && hl < n_host_rows) {
-            miss = true;
-          } else {
-            atomicAdd(&s_cnt[C_NOHOST], 1);
-          }
+          atomicAdd(&s_cnt[C_NOHOST], 1);
         }
       }
     }
@@ -295,9 +323,16 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   } else if (miss && val != NONE && val < static_cast<u32>(C)) {
     o = scr[val];
   }
-  if (miss && o == -1) {
-    o = -2 - h;
-    atomicAdd(&s_cnt[C_PENDING], 1);
+  const bool pend = miss && o == -1;
+  if (pend) o = -2 - h;
+  const unsigned pm = __ballot_sync(FULL_MASK, pend);
+  if (pm) {  // list the placeholders: (table position << 16 | occurrence), both < 2^15
+    const int leader = __ffs(pm) - 1;
+    int base = 0;
+    if (lane == leader) base = atomicAdd(cnt + C_PENDING, __popc(pm));
+    base = __shfl_sync(FULL_MASK, base, leader);
+    if (pend) p.pending[static_cast<i64>(b) * p.compact_stride + base +
+                        __popc(pm & ((1u << lane) - 1u))] = (h << 16) | occ;
   }
   if (active) orow[occ] = o;
   if (owner && plan_src) {
@@ -312,7 +347,7 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
 
   // ---- phase 4: counts
   __syncthreads();
-  if (tid >= C_RANGE && tid <= C_PENDING && s_cnt[tid]) atomicAdd(cnt + tid, s_cnt[tid]);
+  if (tid >= C_RANGE && tid <= C_NOHOST && s_cnt[tid]) atomicAdd(cnt + tid, s_cnt[tid]);
   HS_PHASE(4);
 }
 
@@ -420,18 +455,18 @@ __device__ u32 radix_select(const u32* keys, int n, int& want, u32 kor, u32 kand
 //     4. per miss u: its device row (scratch_locs[u] before rotation, or its victim's row when
 //        u >= C) is written into its table entry; admitted misses take their victim: slot
 //        token, ref, rotation of slot_locs[v] <-> scratch_locs[u] (u < C) or a direct copy
-//        into the victim's row (u >= C, one warp per row), index entry of the old token erased.
-//     5. placeholders (-2 - position) in the outputs -> the row in the table entry.
-//     6. index inserts of the admitted tokens; table entries and meta cleared.
+//        into the victim's row (u >= C, one warp per row), token_slot[token] = victim.
+//     5. the listed placeholders (pending) -> the row in their table entry.
+//     6. table entries and meta cleared.
 //     7. status, plan count, stats, clock (epoch + 1, never 0: on wrap every ref is cleared;
-//        cursor past the last victim), counters cleared, degraded flag.
+//        cursor past the last victim), counters cleared.
 //   Shared memory: _abi.SMEM["MULTISTEP_COMMIT"] (named regions; NW = ceil(S*K / 32)).
 // =====================================================================================
 template <typename ReqT, typename LenT>
 __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) {
   constexpr int BLOCK = COMMIT_BLOCK;
   const int S = p.S, K = p.K, B = p.B, H = p.H, C = p.C;
-  const int nb = p.n_buckets, ts = p.table_size;
+  const int ts = p.table_size;
   const int row_bytes = p.row_bytes, plan_stride = p.plan_stride;
   const ReqT* __restrict__ req_idx = static_cast<const ReqT*>(p.req);
   i64* __restrict__ plan_src = p.plan_src;
@@ -483,7 +518,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
   i32* sloc = p.slot_locs + rid * p.slot_stride;
   i32* scr = p.scratch_locs + rid * p.scratch_stride;
   const i64* hloc = p.host_locs + rid * p.host_stride;
-  ull* idx = p.index + rid * static_cast<i64>(nb) * MS_BUCKET;
+  i16* tsl = p.token_slot + rid * p.host_stride;
   u32* ref = p.ref + rid * p.ref_stride;
   u32* clock = p.clock;
   ull* tbl = p.table + static_cast<i64>(b) * ts;
@@ -501,7 +536,6 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
 
   if (tid == 0) {
     *sm.last_victim = -1;
-    *sm.degraded = 0;
     *sm.no_room = 0;
   }
 
@@ -660,10 +694,10 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
       else if (v >= 0) loc = sloc[v];
       tbl[q] = pack(static_cast<u32>(loc), tok);
       if (v >= 0) {
-        const int old_tok = stok[v];
         const int old_loc = sloc[v];
         stok[v] = tok;
         ref[v] = epoch;
+        tsl[tok] = static_cast<i16>(v);
         if (u < C) {
           sloc[v] = loc;
           scr[u] = old_loc;
@@ -672,7 +706,6 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
           src = hloc[tok];
           dst = old_loc;
         }
-        if (old_tok >= 0) hot_erase(idx, nb, old_tok, v);
       } else if (u >= C) {
         atomicExch(sm.no_room, 1);  // unreachable while C >= S*K - H
       }
@@ -687,29 +720,17 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
 
   HS_PHASE(21);
   // ---- phase 5: placeholders
-  if (n_pending > 0) {
-    constexpr int UNR = 8;  // loads in flight per thread
-    for (int base = tid; base < T; base += BLOCK * UNR) {
-      int o[UNR];
-#pragma unroll
-      for (int q = 0; q < UNR; ++q) o[q] = base + q * BLOCK < T ? orow[base + q * BLOCK] : 0;
-#pragma unroll
-      for (int q = 0; q < UNR; ++q)
-        if (o[q] <= -2) orow[base + q * BLOCK] = static_cast<int>(hi32(tbl[-2 - o[q]]));
-    }
+  const i32* pnd = p.pending + static_cast<i64>(b) * p.compact_stride;
+  for (int i = tid; i < n_pending; i += BLOCK) {
+    const int e = pnd[i];
+    orow[e & 0xffff] = static_cast<int>(hi32(tbl[e >> 16]));
   }
   __syncthreads();
 
   HS_PHASE(22);
-  // ---- phase 6: index inserts, workspace cleanup
+  // ---- phase 6: workspace cleanup
   for (int u = tid; u < M; u += BLOCK) {
     const int q = cmp[u];
-    const int tok = lo32(tbl[q]);
-    const bool adm = !partial || ((s_adm[u >> 5] >> (u & 31)) & 1u);
-    if (adm) {
-      const int a = bitmap_rank(s_bits, s_pre, mt[q]);
-      if (a < V && !hot_insert(idx, nb, stok, H, tok, s_vic[a])) atomicExch(sm.degraded, 1);
-    }
     tbl[q] = EMPTY;
     mt[q] = MS_META_INIT;
   }
@@ -735,7 +756,6 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
     const int last = *sm.last_victim;
     clock[rid * 2 + 1] = static_cast<u32>(last >= 0 ? (cursor + last + 1) % H : cursor);
     for (int i = 0; i < MS_N_COUNTERS; ++i) cnt[i] = 0;
-    if (*sm.degraded) atomicOr(p.flags + rid, MS_F_DEGRADED);
   }
   HS_PHASE(23);
 }
@@ -743,37 +763,30 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
 // =====================================================================================
 // init: (re)initialise the listed request slots of every layer from their slot tables.
 //   grid (B, L): block (b, l) handles request slot rows[b] of layer l (rows outside [0, R) and
-//   rows b >= *num_real are skipped). Clears the index and the ref epochs, sets clock = (1, 0),
-//   then inserts every hot slot's token (>= 0); degraded if an insert fails.
+//   rows b >= *num_real are skipped). Clears the ref epochs, sets clock = (1, 0) and records
+//   every hot slot's token (0 <= token < the table's width) in the token -> slot table.
 // =====================================================================================
 __global__ void __launch_bounds__(INIT_BLOCK) init(const MultiStepInitParams p) {
   constexpr int BLOCK = INIT_BLOCK;
-  __shared__ int s_deg;
   const int tid = threadIdx.x;
   const int b = blockIdx.x;
   const i64 layer = blockIdx.y;
   if (b >= clamp_real(p.num_real, p.B)) return;
   const i64 rid = p.rows[b];
   if (rid < 0 || rid >= p.R) return;
-  const int H = p.H, nb = p.n_buckets;
+  const int H = p.H, width = p.table_stride;
   const i32* stok = p.slot_tokens + layer * p.slot_layer_stride + rid * p.slot_stride;
-  u64* idx = p.index + layer * p.index_layer_stride + rid * static_cast<i64>(nb) * MS_BUCKET;
+  i16* tsl = p.token_slot + layer * p.table_layer_stride + rid * width;
   u32* ref = p.ref + layer * p.ref_layer_stride + rid * p.ref_stride;
   u32* clock = p.clock + layer * 2 * p.R + rid * 2;
-  i32* flags = p.flags + layer * p.R + rid;
-  if (tid == 0) s_deg = 0;
-  for (int i = tid; i < nb * MS_BUCKET; i += BLOCK) idx[i] = EMPTY;
-  for (int j = tid; j < H; j += BLOCK) ref[j] = 0;
-  __syncthreads();
   for (int s = tid; s < H; s += BLOCK) {
     const int tok = stok[s];
-    if (tok >= 0 && !hot_insert(idx, nb, stok, H, tok, s)) atomicExch(&s_deg, 1);
+    if (tok >= 0 && tok < width) tsl[tok] = static_cast<i16>(s);
+    ref[s] = 0;
   }
-  __syncthreads();
   if (tid == 0) {
     clock[0] = 1u;
     clock[1] = 0u;
-    *flags = s_deg ? MS_F_DEGRADED : 0;
   }
 }
 

@@ -38,10 +38,9 @@
 //       miss without a valid host row -> -1, status[1]++, never touches the cache.
 //     New recency order: [untouched evictable slots][misses, in miss order][hits, old order].
 //
-// When the cache also holds multi-step state (p.index not null), every admission keeps the
-// multi-step token -> slot index current: the victim's old token is erased, the new one
-// inserted (an insert that finds both buckets full marks the request MS_F_DEGRADED), so a
-// multi-step call that follows sees exactly the slots this call left.
+// The token-table instance keeps the table current for every token it admits or finds by the
+// slot scan: the multi-step swap reads the same table (cu/multistep.cu states the invariant),
+// so a cache with multi-step state runs the single-step swap with the table.
 //
 // Phases (LRU path), with a barrier of the row's blocks (sync_row) between them:
 //   0. clear the hash, stage slot_locs[0..H] in shared memory;
@@ -57,7 +56,7 @@
 //
 // Shared memory: _abi.SMEM["SWAP_RESOLVE"] (named regions; NW = BLOCK / 32, HS = hash
 // slots, a power of two >= 4 K: load <= 1/4 keeps the longest probe of a warp short).
-#include "index.cuh"
+#include "abi.cuh"
 
 namespace hs {
 
@@ -185,8 +184,6 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   const i32* sloc = p.slot_locs + rid * p.slot_stride;
   const i64* hloc = p.host_locs + rid * host_stride;
   i16* rlru = p.lru + rid * p.lru_stride;
-  const int nb = p.n_buckets;
-  u64* idx = p.index ? p.index + rid * static_cast<i64>(nb) * MS_BUCKET : nullptr;
   i16* tsl = TABLE ? p.token_slot + rid * host_stride : nullptr;
 
   if (tid < 4) s_cnt[tid] = 0;
@@ -543,11 +540,6 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
         const int loc = TABLE ? sloc[victim] : s_loc[victim];
         s_out[i] = loc;
         if constexpr (TABLE) tsl[s_tok[i]] = static_cast<i16>(victim);
-        if (idx) {
-          const int old = stok[victim];
-          if (old >= 0) hot_erase(idx, nb, old, victim);
-          s_pos[i] = victim;  // the hash position is not needed any more: phase 5 inserts
-        }
         stok[victim] = s_tok[i];
         p.plan_src[static_cast<i64>(b) * p.plan_stride + m] = s_hl[i];
         p.plan_dst[static_cast<i64>(b) * p.plan_stride + m] = loc;
@@ -558,7 +550,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   sync_row(C);  // misses' outputs and slot tokens visible to every block
   HS_PHASE(4);
 
-  // ---- phase 5: duplicates take their first entry's output; write-back; index inserts
+  // ---- phase 5: duplicates take their first entry's output; write-back
   for (int i = kb + tid; i < ke; i += BLOCK) {
     if (s_kind[i] == K_DUP) {
       const int pos = s_pos[i];
@@ -566,8 +558,6 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
       const int oc = c / kc;
       s_out[i] = row_smem(s_out, oc, C)[c];
       if (row_smem(s_kind, oc, C)[c] == K_NOHOST) atomicAdd(&cnt0[ST_NOHOST], 1);
-    } else if (idx && s_kind[i] == K_MISS) {
-      if (!hot_insert(idx, nb, stok, H, s_tok[i], s_pos[i])) atomicOr(p.flags + rid, MS_F_DEGRADED);
     }
   }
   // New order: [evictables M.. (untouched)][evictables 0..M (the misses' slots)][hits].

@@ -553,8 +553,8 @@ class Prefetcher:
         """Turn prefetch on or off between steps (queued on ``stream``, no host sync).
 
         Turning it off copies every full layer's tables (``slot_tokens``, ``slot_locs``,
-        ``lru`` and any multi-step state) into its shared layers (their own tables went stale
-        while prefetch was on; hazard 8).
+        ``lru``, ``token_slot`` and any multi-step state) into its shared layers (their own
+        tables went stale while prefetch was on; hazard 8).
         """
         enabled = bool(enabled)
         if enabled == self._enabled:
@@ -567,8 +567,10 @@ class Prefetcher:
             c = self.cache
             with s:
                 tables = [c.slot_tokens, c.slot_locs, c.lru]
+                if c.token_slot is not None:
+                    tables.append(c.token_slot)
                 if c.max_steps >= 2:
-                    tables += [c.scratch_locs, c.ms_index, c.ms_ref, c.ms_clock, c.ms_flags]
+                    tables += [c.scratch_locs, c.ms_ref, c.ms_clock]
                 for a, group in self.pattern.groups.items():
                     for sl in group:
                         for t in tables:
