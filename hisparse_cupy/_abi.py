@@ -50,7 +50,8 @@ MS_MIN_STEPS, MS_MAX_STEPS = 2, 4
 MS_MAX_TOKENS = 8192  # S * K per row
 MS_META_INIT = 0x7FFFFFFF
 MS_EMPTY = 0xFFFFFFFFFFFFFFFF  # empty dedup-table entry
-MS_N_COUNTERS = 8  # per batch row: misses, out of range, no host row, placeholders
+MS_N_COUNTERS = 8  # per batch row: misses, out of range, no host row, placeholders, gather
+#                    blocks done, rows for the commit grid's copy blocks
 MS_N_STATS = 4  # per batch row: unique misses, admitted, evictable slots, partial (0/1)
 MS_STATS = ("misses", "admitted", "evictable", "partial")
 GATHER_BLOCK = 128
@@ -142,14 +143,15 @@ MULTISTEP = _struct([  # gather and commit take the same struct
     ("topk", _P), ("req", _P), ("lens", _P), ("num_real", _P), ("host_locs", _P),
     ("slot_tokens", _P), ("slot_locs", _P), ("scratch_locs", _P), ("token_slot", _P),
     ("ref", _P), ("clock", _P), ("table", _P), ("meta", _P), ("compact", _P),
-    ("pending", _P), ("counters", _P), ("out", _P), ("host_base", _P), ("dev_base", _P),
+    ("pending", _P), ("miss_src", _P), ("miss_dst", _P), ("counters", _P), ("out", _P),
+    ("host_base", _P), ("dev_base", _P),
     ("plan_src", _P), ("plan_dst", _P), ("plan_count", _P), ("status", _P), ("stats", _P),
     ("n_host_rows", "i8"),
     ("topk_stride", "i4"), ("S", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"),
     ("host_stride", "i4"), ("slot_stride", "i4"), ("H", "i4"), ("P", "i4"),
     ("scratch_stride", "i4"), ("C", "i4"), ("ref_stride", "i4"),
     ("table_size", "i4"), ("compact_stride", "i4"), ("out_stride", "i4"), ("row_bytes", "i4"),
-    ("plan_stride", "i4"), ("lens_stride", "i4"), ("lens_step", "i4"), ("pad", "i4"),
+    ("plan_stride", "i4"), ("lens_stride", "i4"), ("lens_step", "i4"), ("copy_blocks", "i4"),
 ])
 
 MULTISTEP_INIT = _struct([

@@ -40,6 +40,7 @@ from .multistep import (
     MultiStepState,
     MultiStepWorkspace,
     commit_smem_bytes,
+    copy_blocks,
     init_states,
 )
 from .plan import MissPlan, copy_params, default_copy_grid, launch_copy
@@ -552,6 +553,7 @@ class Step:
         self._ms = ms = None if c._tmpl_ms is None else _copy_structs(c._tmpl_ms)
         if ms is not None:
             ms["req"], ms["lens"], ms["num_real"], ms["B"] = req, lens, nr, B
+            ms["copy_blocks"] = copy_blocks(B)
             ms["lens_stride"], ms["lens_step"] = self._lens_stride, self._lens_step
         self._dev = cupy.cuda.runtime.getDevice()
         self._launch: dict[tuple, tuple] = {}  # per top-k shape: launchers, grids, outputs
@@ -696,7 +698,7 @@ class Step:
                 launcher(_build.kernel(_build.GATHER[self._key]), _abi.GATHER_BLOCK),
                 launcher(_build.kernel(_build.COMMIT[self._key]), _abi.COMMIT_BLOCK,
                          commit_smem_bytes(c.hot_size, T), self.pdl),
-                (-(-T // _abi.GATHER_BLOCK), B, 1), (B, 1, 1),
+                (-(-T // _abi.GATHER_BLOCK), B, 1), (B * (1 + copy_blocks(B)), 1, 1),
                 _dense_view(c.ms_out, (B, S, K)))
         la_gather, la_commit, grid_gather, grid_commit, default_out = plan
         if out is None:

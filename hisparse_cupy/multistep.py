@@ -4,11 +4,14 @@ With speculative decoding each request needs the top-k of S draft steps at once.
 steps one after another repeats lookups and launches, and copies a miss that several steps share
 several times. :func:`multistep_swap_in` treats the union of the steps as one working set:
 
-- ``spec_gather`` (grid ``(ceil(S*K / 128), B)``) resolves every (step, entry) against the extra
-  page and the hot cache, and copies each unique miss once into one of the request's scratch rows;
-- ``spec_commit`` (one block per row, launched with Programmatic Dependent Launch on sm_90+)
-  chooses victims with a CLOCK-style policy, admits misses by swapping the scratch row with the
-  victim's row (no second copy) and records the admitted tokens in the token -> slot table.
+- ``gather`` (grid ``(ceil(S*K / 128), B)``) resolves every (step, entry) against the extra
+  page and the hot cache, and gives each unique miss one of the request's scratch rows;
+- ``commit`` (launched with Programmatic Dependent Launch on sm_90+): one block per row chooses
+  victims with a CLOCK-style policy, admits misses by swapping the scratch row with the
+  victim's row and records the admitted tokens in the token -> slot table. Each unique miss is
+  copied once from the host into its scratch row: at small batch by :func:`copy_blocks` more
+  blocks per row of the commit grid, beside the admission (which moves pointers only), else by
+  the gather's warps.
 
 The exact semantics, the state layout and the admission policy are in ``cu/multistep.cu``;
 :func:`hisparse_cupy.reference.multistep_swap_in` is the same algorithm in NumPy.
@@ -52,6 +55,17 @@ default_scratch = _abi.default_scratch
 def table_size(max_tokens: int) -> int:
     """Entries of the per-row dedup table (a power of two >= 2 S*K)."""
     return max(64, 1 << (2 * max_tokens - 1).bit_length())
+
+
+COPY_IN_COMMIT_MAX_BATCH = 16
+
+
+def copy_blocks(batch: int) -> int:
+    """Copy blocks per batch row in the commit grid: 8 up to batch 16 (128 warps for one row's
+    misses), so the copy runs beside the admission; 0 above it: the gather's warps copy, beside
+    the other gather blocks' lookups (measured on the H200, benchmarks/NOTES.md: at batch 32-64
+    the commit blocks slowed by the copy blocks beside them cost more than the overlap gained)."""
+    return 8 if batch <= COPY_IN_COMMIT_MAX_BATCH else 0
 
 
 def commit_smem_bytes(hot_size: int, tokens: int) -> int:
@@ -122,7 +136,7 @@ class MultiStepConfig:
         return R * (2 * max_len + 4 * H + 8 + 4 * self.scratch)
 
     def workspace_bytes(self) -> int:
-        return self.max_batch * (12 * self.table_size + 8 * self.max_tokens
+        return self.max_batch * (12 * self.table_size + 20 * self.max_tokens
                                  + 4 * (_abi.MS_N_COUNTERS + _abi.MS_N_STATS))
 
     def layout(self, base: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
@@ -195,6 +209,8 @@ class MultiStepWorkspace:
         self.meta = cupy.empty((B, TS), cupy.int32)
         self.compact = cupy.zeros((B, self.max_tokens), cupy.int32)
         self.pending = cupy.zeros((B, self.max_tokens), cupy.int32)
+        self.miss_src = cupy.zeros((B, self.max_tokens), cupy.int64)
+        self.miss_dst = cupy.zeros((B, self.max_tokens), cupy.int32)
         self.counters = cupy.empty((B, _abi.MS_N_COUNTERS), cupy.int32)
         self.stats = cupy.zeros((B, _abi.MS_N_STATS), cupy.int32)
         self.reset()
@@ -324,7 +340,8 @@ class MultiStepState:
             token_slot=ptr(self.token_slot), ref=ptr(self.ref),
             ref_stride=_checks.row_stride(self.ref), clock=ptr(self.clock), table=ptr(ws.table),
             meta=ptr(ws.meta), table_size=ws.table_size, compact=ptr(ws.compact),
-            pending=ptr(ws.pending), compact_stride=_checks.row_stride(ws.compact),
+            pending=ptr(ws.pending), miss_src=ptr(ws.miss_src), miss_dst=ptr(ws.miss_dst),
+            compact_stride=_checks.row_stride(ws.compact),
             counters=ptr(ws.counters), stats=ptr(ws.stats), R=cfg.n_requests, H=cfg.hot_size,
             P=cfg.extra_page, C=cfg.scratch)
 
@@ -480,7 +497,8 @@ def set_call(p: Params, topk, req, lens, lens_stride: int, lens_step: int, num_r
              row_bytes: int) -> None:
     """The batch's and the call's fields of a multi-step struct (the stateless op)."""
     set_topk(p, topk, out)
-    p.set(B=topk.shape[0], req=ptr(req), lens=ptr(lens), lens_stride=lens_stride,
+    p.set(B=topk.shape[0], copy_blocks=copy_blocks(topk.shape[0]), req=ptr(req), lens=ptr(lens),
+          lens_stride=lens_stride,
           lens_step=lens_step, num_real=ptr(num_real), status=ptr(status),
           host_base=host_rows, n_host_rows=n_host_rows, dev_base=device_rows.data.ptr,
           row_bytes=row_bytes)
@@ -495,7 +513,7 @@ def run(p: Params, key, *, B: int, T: int, H: int, stream, pdl: bool) -> None:
     """Queue the gather and the commit (PDL) on ``stream``."""
     launch(_build.kernel(_build.GATHER[key]), (math.ceil(T / GATHER_BLOCK), B), GATHER_BLOCK, p,
            stream=stream)
-    launch(_build.kernel(_build.COMMIT[key]), B, COMMIT_BLOCK, p,
+    launch(_build.kernel(_build.COMMIT[key]), B * (1 + copy_blocks(B)), COMMIT_BLOCK, p,
            shared_mem=commit_smem_bytes(H, T), stream=stream, pdl=pdl)
 
 

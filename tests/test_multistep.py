@@ -565,6 +565,22 @@ def test_random_calls_against_oracle(rng, pdl_mode, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B", [16, 17, 24])
+def test_batches_either_side_of_the_copy_switch(rng, B):
+    """Up to COPY_IN_COMMIT_MAX_BATCH rows the commit grid's copy blocks move the bytes, above
+    it the gather's warps: both checked exactly (outputs, state, plan, bytes), partial admission
+    and misses beyond the scratch rows included."""
+    from hisparse_cupy.multistep import COPY_IN_COMMIT_MAX_BATCH, copy_blocks
+
+    assert (copy_blocks(B) > 0) == (B <= COPY_IN_COMMIT_MAX_BATCH)
+    R, H, K, S_max = 24, 64, 32, 4
+    lens = rng.integers(H + 10, 8 * H, size=R)
+    env = Env(rng, R=R, H=H, P=8, K=K, S_max=S_max, C=S_max * K - H, lens=lens, nohost=6)
+    partial, overflow, misses = random_calls(env, rng, 30, B)
+    assert misses > 1000 and partial >= 1 and overflow >= 1
+
+
+@pytest.mark.gpu
 def test_cross_step_duplicate_misses_copied_once(rng):
     H, K, S = 4096, 2048, 4
     env = Env(rng, R=2, H=H, P=64, K=K, S_max=S, row_bytes=576, fill=1.0,

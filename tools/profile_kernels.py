@@ -42,10 +42,11 @@ MARKS = {
                             3: "duplicates+LRU scan+compact", 4: "victims+plan",
                             5: "write-back"}),
     "gather": ("multistep.cu", {0: "row checks", 1: "classify", 2: "claim+publish",
-                                3: "copy", 4: "counts"}),
+                                3: "copy or its list", 4: "counts"}),
+    # the commit blocks only (the grid's copy blocks have no marks)
     "commit": ("multistep.cu", {16: "keys+E", 17: "miss bitmap", 18: "radix select",
                                 19: "victim scan", 20: "miss ranks", 21: "admit+copy",
-                                22: "placeholders", 23: "inserts+state"}),
+                                22: "placeholders", 23: "cleanup+state"}),
 }
 PHASES = False
 

@@ -1,9 +1,10 @@
 """Small run of the multi-step kernels for compute-sanitizer (exits non-zero on wrong results).
 
-Covers spec_init, spec_gather and spec_commit (PDL launch where the device has it): hits,
-cross-step duplicate misses, the extra page, -1 / out-of-range / host-less entries, a padding
-row, partial admission and misses beyond the scratch rows. Every call is compared with the
-NumPy oracle (outputs, status, state) and every output row's bytes are checked.
+Covers init, gather and commit (PDL launch where the device has it): hits, cross-step
+duplicate misses, the extra page, -1 / out-of-range / host-less entries, a padding row, partial
+admission and misses beyond the scratch rows; odd calls copy the misses in the gather (as
+above batch COPY_IN_COMMIT_MAX_BATCH), even ones in the commit grid's copy blocks. Every call is
+compared with the NumPy oracle (outputs, status, state) and every output row's bytes are checked.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hisparse_cupy import (  # noqa: E402
     reference,
     set_pdl,
 )
+from hisparse_cupy import multistep as ms  # noqa: E402
 
 from _util import pattern  # noqa: E402
 
@@ -58,7 +60,9 @@ def main() -> int:
                     clock=np.tile(np.uint32([1, 0]), (R, 1)))
     plan = MissPlan(R, S_MAX * K)
     errors = 0
+    blocks = ms.copy_blocks
     for call in range(6):
+        ms.copy_blocks = blocks if call % 2 == 0 else (lambda batch: 0)
         S = 2 + call % 3
         req = np.array([(call + i) % R for i in range(R)])
         seqs = LENS[req][:, None] + np.arange(S)

@@ -140,7 +140,7 @@ struct NewestRowsParams {
 
 // ---- multi-step gather + commit (multistep.cu); both kernels take this struct.
 //   gather: grid (ceil(S K / GATHER_BLOCK), B), block GATHER_BLOCK.
-//   commit: grid (B), block COMMIT_BLOCK, launched with PDL after the gather.
+//   commit: grid (B (1 + copy_blocks)), block COMMIT_BLOCK, launched with PDL after the gather.
 struct MultiStepParams {
   const i32* topk;         // [B, S, K], row stride topk_stride, each row's [S, K] contiguous
   const void* req;         // [B] ReqT
@@ -157,6 +157,8 @@ struct MultiStepParams {
   i32* meta;               // [B, table_size]: smallest reverse rank of each claimed token
   i32* compact;            // [B, compact_stride]: table position of miss u
   i32* pending;            // [B, compact_stride]: occurrences holding a placeholder
+  i64* miss_src;           // [B, compact_stride]: host row of scratch-resident miss u (< C)
+  i32* miss_dst;           // [B, compact_stride]: its scratch row (before the commit's rotation)
   i32* counters;           // [B, MS_N_COUNTERS]
   i32* out;                // [B, S, K], row stride out_stride
   const u8* host_base;     // row 0 of the layer's host rows (mapped)
@@ -170,7 +172,7 @@ struct MultiStepParams {
   i32 topk_stride, S, K, B, R, host_stride, slot_stride, H, P, scratch_stride, C;
   i32 ref_stride, table_size, compact_stride, out_stride, row_bytes, plan_stride;
   i32 lens_stride, lens_step;
-  i32 pad;                 // (no tail padding: see the checks below)
+  i32 copy_blocks;         // commit grid: B commit blocks, then copy_blocks copy blocks per row
 };
 
 // ---- multi-step state (re)initialisation (multistep.cu). Grid: (B, L), block INIT_BLOCK.

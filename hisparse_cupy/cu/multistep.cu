@@ -2,13 +2,16 @@
 // Both kernels take one MultiStepParams (cu/abi.cuh), which holds every pointer and size below.
 //
 // A call resolves the top-k of S draft steps ([B, S, K] tokens) of every batch row as one
-// working set. The gather kernel resolves every occurrence (step, entry) and copies each unique
-// miss once, from the host into one of the request's scratch device rows. The commit kernel
-// runs after the whole gather grid (the kernel boundary is the grid-wide barrier; on sm_90+ it
-// is launched with Programmatic Dependent Launch and waits with griddepcontrol.wait). It picks
-// victims with a CLOCK-style policy over epoch-tagged references, admits misses by swapping the
-// scratch row with the victim's row (no second copy), and records each admitted token in the
-// token -> slot table.
+// working set. The gather kernel resolves every occurrence (step, entry) and gives each unique
+// miss one of the request's scratch device rows. The commit kernel runs after the whole gather
+// grid (the kernel boundary is the grid-wide barrier; on sm_90+ it is launched with
+// Programmatic Dependent Launch and waits with griddepcontrol.wait). Its first B blocks pick
+// victims with a CLOCK-style policy over epoch-tagged references, admit misses by swapping the
+// scratch row with the victim's row (no second copy) and record each admitted token in the
+// token -> slot table. The misses' bytes are copied from the host into their scratch rows by
+// the gather's warps (copy_blocks = 0) or, at small batch, by copy_blocks more blocks per row
+// of the commit grid, beside the admission (which moves pointers only, so it need not wait for
+// the bytes).
 //
 // Per-layer state (request slot r, see multistep.py):
 //   slot_tokens[r, H + P], slot_locs[r, H + P]  token / device row of each slot; slots [0, H) are
@@ -31,7 +34,10 @@
 //                   occurrences: orders misses (latest step first, then entry), deterministically
 //   compact[b, T]   table position of miss u
 //   pending[b, T]   occurrences whose output is a placeholder (-2 - table position)
-//   counters[b, 8]  misses, entries out of range, host-less misses, placeholders written
+//   miss_src[b, T], miss_dst[b, T]  host row and scratch row of miss u < C (the copy's list)
+//   counters[b, 8]  misses, entries out of range, host-less misses, placeholders written,
+//                   gather blocks done, rows to copy (min(misses, C): set by the row's last
+//                   gather block, read by the copy blocks; the commit clears the first five)
 //
 // Semantics of an occurrence (b, s, i) with token t, seq = seq_lens[b, s]:
 //   - padding row (b >= num_real), request slot outside [0, R), or a negative seq_len in any
@@ -90,7 +96,7 @@ __device__ __forceinline__ ull load_volatile(const ull* p) {
 }
 
 // workspace counters (per batch row, MS_N_COUNTERS of them)
-constexpr int C_MISS = 0, C_RANGE = 1, C_NOHOST = 2, C_PENDING = 3;
+constexpr int C_MISS = 0, C_RANGE = 1, C_NOHOST = 2, C_PENDING = 3, C_DONE = 4, C_COPY = 5;
 // per-row statistics of the last call (MS_N_STATS of them, named in _abi.MS_STATS)
 constexpr int X_MISS = 0, X_ADMIT = 1, X_EVICTABLE = 2, X_PARTIAL = 3;
 
@@ -160,10 +166,13 @@ __device__ __forceinline__ bool row_is_bad(const MultiStepParams& p, i64 rid, in
 //        publish u. A claimer with u < C owns the copy into scratch_locs[u]; the others
 //        (claimers with u >= C, duplicates whose claimer has not published a u < C yet) write
 //        the placeholder -2 - position and list the occurrence in `pending` (one atomicAdd per
-//        warp); the commit resolves the listed ones.
-//     3. the warp copies its owners' rows, OWNED_ROWS in flight at a time
-//        (copy_owned_rows_warp); the owner writes the plan entry u.
-//     4. per-block counts -> the row's counters (one atomicAdd each).
+//        warp); the commit resolves the listed ones. An owner writes the plan entry u.
+//     3. copy_blocks = 0: the warp copies its owners' rows, OWNED_ROWS in flight at a time
+//        (copy_owned_rows_warp). Else an owner lists its copy (miss_src / miss_dst u) for the
+//        commit grid's copy blocks.
+//     4. per-block counts -> the row's counters (one atomicAdd each); with copy blocks, the
+//        row's last block to finish (C_DONE) publishes the rows to copy, min(misses, C), in
+//        C_COPY.
 //   Shared memory: 4 static ints (block counts).
 // =====================================================================================
 template <typename ReqT, typename LenT>
@@ -213,6 +222,7 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   }
   if (skip) {  // uniform over the block
     if (active) orow[occ] = -1;
+    if (blockIdx.x == 0 && tid == 0) p.counters[static_cast<i64>(b) * MS_N_COUNTERS + C_COPY] = 0;
     return;
   }
 
@@ -341,14 +351,58 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   }
 
   HS_PHASE(2);
-  // ---- phase 3: copy, one row per owner, the whole warp per row (OWNED_ROWS in flight)
-  copy_owned_rows_warp(owner, hl, o, p.dev_base, p.host_base, row_bytes, lane);
+  // ---- phase 3: the copy, or its list
+  const bool listed = p.copy_blocks > 0;  // uniform
+  if (!listed) {
+    copy_owned_rows_warp(owner, hl, o, p.dev_base, p.host_base, row_bytes, lane);
+  } else if (owner) {
+    p.miss_src[static_cast<i64>(b) * p.compact_stride + u] = hl;
+    p.miss_dst[static_cast<i64>(b) * p.compact_stride + u] = o;
+  }
   HS_PHASE(3);
 
-  // ---- phase 4: counts
+  // ---- phase 4: counts; with copy blocks, the row's last block publishes the rows to copy
+  if (listed) __threadfence();  // this block's claims (C_MISS) land before its arrival below
   __syncthreads();
   if (tid >= C_RANGE && tid <= C_NOHOST && s_cnt[tid]) atomicAdd(cnt + tid, s_cnt[tid]);
+  if (listed && tid == 0 && atomicAdd(cnt + C_DONE, 1) == static_cast<int>(gridDim.x) - 1) {
+    __threadfence();
+    const int m = atomicAdd(cnt + C_MISS, 0);  // every block's claims are in
+    cnt[C_COPY] = m < C ? m : C;
+    cnt[C_DONE] = 0;
+  }
   HS_PHASE(4);
+}
+
+// The commit grid's copy blocks (blockIdx.x >= B): copy_blocks of them per batch row move the
+// row's scratch-resident misses (miss_src / miss_dst [0, C_COPY)) while the row's commit block
+// admits them. Each warp takes a run of up to OWNED_ROWS rows (spread over every warp of the
+// row's blocks), all in flight together.
+__device__ __forceinline__ void copy_misses(const MultiStepParams& p) {
+  constexpr int NWARP = COMMIT_BLOCK / 32;
+  const int G = p.copy_blocks;
+  const int j = static_cast<int>(blockIdx.x) - p.B;
+  const int b = j / G;
+  const int n = p.counters[static_cast<i64>(b) * MS_N_COUNTERS + C_COPY];
+  const int lane = threadIdx.x & 31;
+  const int warps = G * NWARP;
+  const int w = (j - b * G) * NWARP + (threadIdx.x >> 5);
+  int per = (n + warps - 1) / warps;
+  per = per < 1 ? 1 : (per > OWNED_ROWS ? OWNED_ROWS : per);
+  const i64* src = p.miss_src + static_cast<i64>(b) * p.compact_stride;
+  const i32* dst = p.miss_dst + static_cast<i64>(b) * p.compact_stride;
+  for (int u0 = w * per; u0 < n; u0 += warps * per) {
+    u8* d[OWNED_ROWS];
+    const u8* s[OWNED_ROWS];
+#pragma unroll
+    for (int r = 0; r < OWNED_ROWS; ++r) {
+      const int u = u0 + r;
+      const bool has = r < per && u < n;
+      s[r] = has ? p.host_base + src[u] * p.row_bytes : nullptr;
+      d[r] = has ? p.dev_base + static_cast<i64>(dst[u]) * p.row_bytes : nullptr;
+    }
+    copy_rows_warp<OWNED_ROWS, 2>(d, s, p.row_bytes, lane);
+  }
 }
 
 // ------------------------------------------------------------------ commit helpers
@@ -442,7 +496,8 @@ __device__ u32 radix_select(const u32* keys, int n, int& want, u32 kor, u32 kand
 
 // =====================================================================================
 // commit<ReqT, LenT>
-//   grid B, one block per batch row; launched with PDL after the gather.
+//   grid B (1 + copy_blocks): block b < B commits batch row b; the others are copy blocks
+//   (copy_misses). Launched with PDL after the gather.
 //   Phases
 //     0. griddepcontrol.wait; padding / bad rows: status, plan count, stats; leave.
 //     1. eviction keys of the H slots in ring order from the cursor (s_key); E = evictable;
@@ -472,8 +527,12 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
   i64* __restrict__ plan_src = p.plan_src;
   i32* __restrict__ plan_dst = p.plan_dst;
   i32* __restrict__ plan_count = p.plan_count;
-  // Wait for the gather grid: its outputs, table, counters and copied rows.
+  // Wait for the gather grid: its outputs, table, counters and copy list.
   pdl_wait();
+  if (static_cast<int>(blockIdx.x) >= p.B) {
+    copy_misses(p);
+    return;
+  }
   HS_PHASE_START
 
   const int b = blockIdx.x;
@@ -755,7 +814,8 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
     clock[rid * 2] = next;
     const int last = *sm.last_victim;
     clock[rid * 2 + 1] = static_cast<u32>(last >= 0 ? (cursor + last + 1) % H : cursor);
-    for (int i = 0; i < MS_N_COUNTERS; ++i) cnt[i] = 0;
+    for (int i = 0; i < C_DONE; ++i) cnt[i] = 0;  // C_DONE is reset by the gather, C_COPY read
+                                                 // by the copy blocks
   }
   HS_PHASE(23);
 }
