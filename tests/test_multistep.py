@@ -569,7 +569,8 @@ def test_random_calls_against_oracle(rng, pdl_mode, shape):
 def test_batches_either_side_of_the_copy_switch(rng, B):
     """Up to COPY_IN_COMMIT_MAX_BATCH rows the commit grid's copy blocks move the bytes, above
     it the gather's warps: both checked exactly (outputs, state, plan, bytes), partial admission
-    and misses beyond the scratch rows included."""
+    included (misses beyond the scratch rows are copied by the commit blocks in either case:
+    test_random_calls_against_oracle covers them)."""
     from hisparse_cupy.multistep import COPY_IN_COMMIT_MAX_BATCH, copy_blocks
 
     assert (copy_blocks(B) > 0) == (B <= COPY_IN_COMMIT_MAX_BATCH)
@@ -577,7 +578,7 @@ def test_batches_either_side_of_the_copy_switch(rng, B):
     lens = rng.integers(H + 10, 8 * H, size=R)
     env = Env(rng, R=R, H=H, P=8, K=K, S_max=S_max, C=S_max * K - H, lens=lens, nohost=6)
     partial, overflow, misses = random_calls(env, rng, 30, B)
-    assert misses > 1000 and partial >= 1 and overflow >= 1
+    assert misses > 1000 and partial >= 1
 
 
 @pytest.mark.gpu
