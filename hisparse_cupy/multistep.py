@@ -39,6 +39,7 @@ import numpy as np
 from . import _abi, _build, _checks
 from ._launch import Params, Ptr, as_stream, launch, ptr, resolve_pdl
 from .plan import MissPlan
+from .swap import SwapState
 
 MAX_HOT = _abi.MAX_HOT
 GATHER_BLOCK = _abi.GATHER_BLOCK
@@ -191,8 +192,9 @@ class MultiStepConfig:
 class MultiStepWorkspace:
     """Per-call scratch metadata for up to ``max_batch`` rows of up to ``max_tokens`` occurrences.
 
-    Every commit leaves its rows clean, so layers whose calls run one after another on one
-    stream may share a workspace (never two calls in flight at once).
+    Every call leaves its rows ready for the next (the commit clears the dedup table and the
+    counters the gather adds to; the gather rewrites the rest), so layers whose calls run one
+    after another on one stream may share a workspace (never two calls in flight at once).
 
     Attributes
     ----------
@@ -345,10 +347,14 @@ class MultiStepState:
             counters=ptr(ws.counters), stats=ptr(ws.stats), R=cfg.n_requests, H=cfg.hot_size,
             P=cfg.extra_page, C=cfg.scratch)
 
-    def swap_state_fields(self) -> dict:
-        """``token_slot`` for :meth:`hisparse_cupy.SwapState.validated`: single-step calls on
-        the same slot tables then run the table resolve, which keeps this table current."""
-        return {"token_slot": self.token_slot}
+    def swap_state(self, lru) -> SwapState:
+        """The single-step state over this state's slot tables and token -> slot table (``lru``:
+        int16 ``[R, H]``, the single-step recency order): its calls run the table resolve,
+        which records every admission in the table, so single- and multi-step calls can
+        alternate. (A single-step state over these slot tables without this table would admit
+        tokens the multi-step lookups do not see.)"""
+        return SwapState.validated(self.host_locs, self.slot_tokens, self.slot_locs, lru,
+                                   token_slot=self.token_slot)
 
     def to_numpy(self) -> dict[str, np.ndarray]:
         """Host copies of every state array (for tests and debugging; synchronises)."""

@@ -145,9 +145,10 @@ class SwapState:
     harmless. A held token the table does not name (slot_tokens written by something else, or
     restored) is still found: when some selected token is not in the table, the call scans the
     slots for it, as the hash resolve does, and repairs the entry. It costs 2 bytes per token
-    of ``host_locs``. A :class:`hisparse_cupy.MultiStepState` over the same slot tables has such
-    a table (``swap_state_fields()``); give the single-step state that one, so single- and
-    multi-step calls share the hot buffer (every admission of either is recorded in it).
+    of ``host_locs``. Any initial contents do for single-step calls alone. A
+    :class:`hisparse_cupy.MultiStepState` over the same slot tables has its own table, which
+    must be this one (build the state with ``MultiStepState.swap_state(lru)``): the multi-step
+    lookups rely on every admission being recorded in it.
     """
 
     host_locs: cupy.ndarray

@@ -821,6 +821,45 @@ def test_token_table_entries_of_tokens_not_held_are_never_trusted(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shared", [True, False], ids=["swap_state", "own_table"])
+def test_single_step_admissions_reach_the_multistep_table(rng, shared):
+    """A single-step state from MultiStepState.swap_state records its admissions in the
+    multi-step table (the invariant holds after it); negative control: a single-step state over
+    the same slot tables with a table of its own leaves the multi-step table without them."""
+    import cupy
+
+    from hisparse_cupy import swap_in
+
+    env = Env(rng, R=2, H=64, P=8, K=32, S_max=4, max_batch=2)
+    lru = cupy.asarray(np.stack([rng.permutation(64) for _ in range(2)]).astype(np.int16))
+    st = env.state
+    if shared:
+        single = st.swap_state(lru)
+        assert single.token_slot is st.token_slot and single.slot_tokens is st.slot_tokens
+    else:
+        from hisparse_cupy import SwapState
+
+        single = SwapState.validated(st.host_locs, st.slot_tokens, st.slot_locs, lru,
+                                     token_slot=cupy.full_like(st.token_slot, -1))
+    held = set(env.np["slot_tokens"][0, :64].tolist())
+    fresh = [t for t in range(int(env.lens[0]) - 1) if t not in held and
+             t not in set(env.nohost[0].tolist())][:32]
+    topk = cupy.asarray(np.array([fresh, fresh], np.int32))
+    swap_in(topk, cupy.asarray([0, 1], cupy.int32), cupy.asarray(env.lens[:2], cupy.int64),
+            single, host_rows=env.pool.device_ptr(0), n_host_rows=env.pool.n_rows,
+            device_rows=env.dev)
+    gs = st.to_numpy()
+    assert set(fresh) <= set(gs["slot_tokens"][0, :64].tolist())  # admitted
+    args = (gs["slot_tokens"], gs["slot_locs"], gs["scratch_locs"], gs["token_slot"], gs["ref"],
+            gs["clock"], 64)
+    if shared:
+        ref.check_multistep_invariants(*args)
+    else:
+        with pytest.raises(ref.InvariantError, match="maps hot token"):
+            ref.check_multistep_invariants(*args)
+
+
+@pytest.mark.gpu
 def test_shared_workspace_and_plan_replay(rng):
     """Two layers share one workspace; a recorded plan replays through planned_copy."""
     import cupy

@@ -26,7 +26,8 @@
 //   ref[r, H]                                  epoch of each slot's last reference (0 = never)
 //   clock[r] = (epoch, cursor)                 this call's epoch (never 0), ring cursor
 // Per-batch-row workspace (shareable by layers that run one after another on one stream; each
-// commit leaves its row clean: table EMPTY, meta META_INIT, counters 0):
+// call leaves its row ready for the next: table EMPTY, meta META_INIT, counters 0 but C_COPY,
+// which the next gather rewrites before anyone reads it):
 //   table[b, TS]    open-addressing dedup table of the call's misses, entry (value << 32 | token):
 //                   value = NONE while the claimer publishes, then the miss ordinal u; the commit
 //                   turns it into the device row of the token
@@ -37,7 +38,8 @@
 //   miss_src[b, T], miss_dst[b, T]  host row and scratch row of miss u < C (the copy's list)
 //   counters[b, 8]  misses, entries out of range, host-less misses, placeholders written,
 //                   gather blocks done, rows to copy (min(misses, C): set by the row's last
-//                   gather block, read by the copy blocks; the commit clears the first five)
+//                   gather block, read by the copy blocks). The commit clears the first four,
+//                   the row's last gather block C_DONE.
 //
 // Semantics of an occurrence (b, s, i) with token t, seq = seq_lens[b, s]:
 //   - padding row (b >= num_real), request slot outside [0, R), or a negative seq_len in any
