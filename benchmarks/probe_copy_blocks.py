@@ -1,12 +1,13 @@
 """Where the multi-step swap copies its misses: the gather's warps or the commit grid's blocks.
 
-``hisparse_cupy.multistep.copy_blocks(B)`` picks, per batch size, how many copy blocks per row
-the commit grid gets (0: the gather's warps copy). This probe times each policy at each batch so
-the switch can be checked: bench_spec's workload (``Case``: K 2048, H 4096, a full hot buffer,
-step 0 with 2 % misses and 3 % new tokens per later step, every call from the same state), 656 B
-rows, the marginal time of one call in a CUDA graph of 8 (median of 20). Each point first checks
-its miss counts and status (``Case.check``) under the policy being timed. The policy is set by
-replacing ``multistep.copy_blocks`` for the probe's run (measuring only).
+``hisparse_cupy.multistep.copy_blocks(B, S)`` picks, per batch size and step count, how many
+copy blocks per row the commit grid gets (0: the gather's warps copy). This probe times each
+policy at each point so the switch can be checked: bench_spec's workload (``Case``: K 2048,
+H 4096, a full hot buffer, step 0 with 2 % misses and 3 % new tokens per later step, every call
+from the same state), 656 B rows, the marginal time of one call in a CUDA graph of 8 (median of
+20). Each point first checks its miss counts and status (``Case.check``) under the policy being
+timed. The policy is set by replacing ``multistep.copy_blocks`` for the probe's run (measuring
+only).
 
     python benchmarks/probe_copy_blocks.py [--batches 1 8 16 24 32 64] [--blocks 0 4 8 16]
                                            [--steps 2 4] [--out DIR]
@@ -56,9 +57,9 @@ def main() -> None:
             for B in args.batches:
                 case = bench_spec.Case(rng, B, S, ROW, pool, stream)
                 rec = {"steps": S, "batch": B, "unique_misses": B * bench_spec.unique_misses(S),
-                       "chosen_blocks": chosen(B), "us": {}}
+                       "chosen_blocks": chosen(B, S), "us": {}}
                 for g in args.blocks:
-                    multistep.copy_blocks = lambda batch, g=g: g
+                    multistep.copy_blocks = lambda batch, steps, g=g: g
                     case.check()
                     t = time_graph_chain(case.spec_call, case.restore_spec, n=bench_spec.CHAIN,
                                          iters=args.iters, stream=stream)
@@ -66,7 +67,7 @@ def main() -> None:
                 multistep.copy_blocks = chosen
                 rows.append(rec)
                 cells = " | ".join(f"{rec['us'][g]['median_us']:.1f}" for g in args.blocks)
-                print(f"| {S} | {B} | {rec['unique_misses']} | {cells} | {chosen(B)} |",
+                print(f"| {S} | {B} | {rec['unique_misses']} | {cells} | {chosen(B, S)} |",
                       flush=True)
                 del case
     finally:

@@ -553,7 +553,6 @@ class Step:
         self._ms = ms = None if c._tmpl_ms is None else _copy_structs(c._tmpl_ms)
         if ms is not None:
             ms["req"], ms["lens"], ms["num_real"], ms["B"] = req, lens, nr, B
-            ms["copy_blocks"] = copy_blocks(B)
             ms["lens_stride"], ms["lens_step"] = self._lens_stride, self._lens_step
         self._dev = cupy.cuda.runtime.getDevice()
         self._launch: dict[tuple, tuple] = {}  # per top-k shape: launchers, grids, outputs
@@ -694,13 +693,14 @@ class Step:
                 raise ValueError(f"seq_lens has {self.seq_lens.shape[1]} step column(s), the "
                                  f"call has {S} steps")
             T = S * K
-            plan = self._launch[("multi", S, K)] = (
+            G = copy_blocks(B, S)
+            plan = self._launch[("multi", S, K)] = (G,
                 launcher(_build.kernel(_build.GATHER[self._key]), _abi.GATHER_BLOCK),
                 launcher(_build.kernel(_build.COMMIT[self._key]), _abi.COMMIT_BLOCK,
                          commit_smem_bytes(c.hot_size, T), self.pdl),
-                (-(-T // _abi.GATHER_BLOCK), B, 1), (B * (1 + copy_blocks(B)), 1, 1),
+                (-(-T // _abi.GATHER_BLOCK), B, 1), (B * (1 + G), 1, 1),
                 _dense_view(c.ms_out, (B, S, K)))
-        la_gather, la_commit, grid_gather, grid_commit, default_out = plan
+        G, la_gather, la_commit, grid_gather, grid_commit, default_out = plan
         if out is None:
             out = default_out
         elif not out_checked:
@@ -716,6 +716,7 @@ class Step:
         i32[w4 + _MS4["out_stride"]] = out.strides[0] // 4
         i32[w4 + _MS4["S"]] = S
         i32[w4 + _MS4["K"]] = K
+        i32[w4 + _MS4["copy_blocks"]] = G
         sptr = self.stream.ptr
         addr = self._bases[2] + layer * ms.itemsize
         la_gather(grid_gather, sptr, addr)

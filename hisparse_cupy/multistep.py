@@ -58,15 +58,17 @@ def table_size(max_tokens: int) -> int:
     return max(64, 1 << (2 * max_tokens - 1).bit_length())
 
 
-COPY_IN_COMMIT_MAX_BATCH = 16
+COPY_IN_COMMIT_MAX_ROWS = 64  # batch rows x steps
 
 
-def copy_blocks(batch: int) -> int:
-    """Copy blocks per batch row in the commit grid: 8 up to batch 16 (128 warps for one row's
-    misses), so the copy runs beside the admission; 0 above it: the gather's warps copy, beside
-    the other gather blocks' lookups (measured on the H200, benchmarks/NOTES.md: at batch 32-64
-    the commit blocks slowed by the copy blocks beside them cost more than the overlap gained)."""
-    return 8 if batch <= COPY_IN_COMMIT_MAX_BATCH else 0
+def copy_blocks(batch: int, steps: int) -> int:
+    """Copy blocks per batch row in the commit grid: 8 while ``batch * steps <= 64`` (128 warps
+    for one row's misses), so the copy runs beside the admission; 0 above it: the gather's warps
+    copy, beside the other gather blocks' lookups. Measured on the H200
+    (``benchmarks/probe_copy_blocks.py``, benchmarks/NOTES.md): the copy blocks win up to
+    batch x steps 64 and lose 1-8 % above it, where the commit blocks slowed by the copy blocks
+    beside them cost more than the overlap gains."""
+    return 8 if batch * steps <= COPY_IN_COMMIT_MAX_ROWS else 0
 
 
 def commit_smem_bytes(hot_size: int, tokens: int) -> int:
@@ -503,11 +505,10 @@ def set_call(p: Params, topk, req, lens, lens_stride: int, lens_step: int, num_r
              row_bytes: int) -> None:
     """The batch's and the call's fields of a multi-step struct (the stateless op)."""
     set_topk(p, topk, out)
-    p.set(B=topk.shape[0], copy_blocks=copy_blocks(topk.shape[0]), req=ptr(req), lens=ptr(lens),
-          lens_stride=lens_stride,
-          lens_step=lens_step, num_real=ptr(num_real), status=ptr(status),
-          host_base=host_rows, n_host_rows=n_host_rows, dev_base=device_rows.data.ptr,
-          row_bytes=row_bytes)
+    p.set(B=topk.shape[0], copy_blocks=copy_blocks(topk.shape[0], topk.shape[1]), req=ptr(req),
+          lens=ptr(lens), lens_stride=lens_stride, lens_step=lens_step, num_real=ptr(num_real),
+          status=ptr(status), host_base=host_rows, n_host_rows=n_host_rows,
+          dev_base=device_rows.data.ptr, row_bytes=row_bytes)
     if plan is None:
         p.set(plan_src=0, plan_dst=0, plan_count=0, plan_stride=0)
     else:
@@ -519,7 +520,7 @@ def run(p: Params, key, *, B: int, T: int, H: int, stream, pdl: bool) -> None:
     """Queue the gather and the commit (PDL) on ``stream``."""
     launch(_build.kernel(_build.GATHER[key]), (math.ceil(T / GATHER_BLOCK), B), GATHER_BLOCK, p,
            stream=stream)
-    launch(_build.kernel(_build.COMMIT[key]), B * (1 + copy_blocks(B)), COMMIT_BLOCK, p,
+    launch(_build.kernel(_build.COMMIT[key]), B * (1 + int(p["copy_blocks"])), COMMIT_BLOCK, p,
            shared_mem=commit_smem_bytes(H, T), stream=stream, pdl=pdl)
 
 

@@ -567,13 +567,15 @@ def test_random_calls_against_oracle(rng, pdl_mode, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [16, 17, 24])
 def test_batches_either_side_of_the_copy_switch(rng, B):
-    """Up to COPY_IN_COMMIT_MAX_BATCH rows the commit grid's copy blocks move the bytes, above
-    it the gather's warps: both checked exactly (outputs, state, plan, bytes), partial admission
+    """Up to COPY_IN_COMMIT_MAX_ROWS batch rows x steps the commit grid's copy blocks move the
+    bytes, above it the gather's warps (these batches with 2-4 steps give both): both checked
+    exactly (outputs, state, plan, bytes), partial admission
     included (misses beyond the scratch rows are copied by the commit blocks in either case:
     test_random_calls_against_oracle covers them)."""
-    from hisparse_cupy.multistep import COPY_IN_COMMIT_MAX_BATCH, copy_blocks
+    from hisparse_cupy.multistep import COPY_IN_COMMIT_MAX_ROWS, copy_blocks
 
-    assert (copy_blocks(B) > 0) == (B <= COPY_IN_COMMIT_MAX_BATCH)
+    for S in (2, 3, 4):
+        assert (copy_blocks(B, S) > 0) == (B * S <= COPY_IN_COMMIT_MAX_ROWS)
     R, H, K, S_max = 24, 64, 32, 4
     lens = rng.integers(H + 10, 8 * H, size=R)
     env = Env(rng, R=R, H=H, P=8, K=K, S_max=S_max, C=S_max * K - H, lens=lens, nohost=6)
@@ -828,7 +830,7 @@ def test_single_step_admissions_reach_the_multistep_table(rng, shared):
     the same slot tables with a table of its own leaves the multi-step table without them."""
     import cupy
 
-    from hisparse_cupy import swap_in
+    from hisparse_cupy import MissPlan, swap_in
 
     env = Env(rng, R=2, H=64, P=8, K=32, S_max=4, max_batch=2)
     lru = cupy.asarray(np.stack([rng.permutation(64) for _ in range(2)]).astype(np.int16))
@@ -847,7 +849,7 @@ def test_single_step_admissions_reach_the_multistep_table(rng, shared):
     topk = cupy.asarray(np.array([fresh, fresh], np.int32))
     swap_in(topk, cupy.asarray([0, 1], cupy.int32), cupy.asarray(env.lens[:2], cupy.int64),
             single, host_rows=env.pool.device_ptr(0), n_host_rows=env.pool.n_rows,
-            device_rows=env.dev)
+            device_rows=env.dev, plan=MissPlan(2, 32))
     gs = st.to_numpy()
     assert set(fresh) <= set(gs["slot_tokens"][0, :64].tolist())  # admitted
     args = (gs["slot_tokens"], gs["slot_locs"], gs["scratch_locs"], gs["token_slot"], gs["ref"],

@@ -3,8 +3,9 @@
 Covers init, gather and commit (PDL launch where the device has it): hits, cross-step
 duplicate misses, the extra page, -1 / out-of-range / host-less entries, a padding row, partial
 admission and misses beyond the scratch rows; odd calls copy the misses in the gather (as
-above batch COPY_IN_COMMIT_MAX_BATCH), even ones in the commit grid's copy blocks. Every call is
-compared with the NumPy oracle (outputs, status, state) and every output row's bytes are checked.
+above batch x steps COPY_IN_COMMIT_MAX_ROWS), even ones in the commit grid's copy blocks. Every
+call is compared with the NumPy oracle (outputs, status, state) and every output row's bytes are
+checked.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def main() -> int:
     errors = 0
     blocks = ms.copy_blocks
     for call in range(6):
-        ms.copy_blocks = blocks if call % 2 == 0 else (lambda batch: 0)
+        ms.copy_blocks = blocks if call % 2 == 0 else (lambda batch, steps: 0)
         S = 2 + call % 3
         req = np.array([(call + i) % R for i in range(R)])
         seqs = LENS[req][:, None] + np.arange(S)
