@@ -65,6 +65,9 @@ def report_phases(kernels) -> None:
         cyc = _build.phase_cycles(file, reset=False)
         prev, parts = 0.0, []
         for i, name in marks.items():
+            if cyc[i] == 0:  # no block reached the mark (e.g. rows that end early)
+                parts.append(f"{name} -")
+                continue
             t = cyc[i] / mhz
             parts.append(f"{name} {t - prev:.1f}")
             prev = max(prev, t)
