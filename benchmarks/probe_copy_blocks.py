@@ -7,7 +7,8 @@ H 4096, a full hot buffer, step 0 with 2 % misses and 3 % new tokens per later s
 from the same state), 656 B rows, the marginal time of one call in a CUDA graph of 8 (median of
 20). Each point first checks its miss counts and status (``Case.check``) under the policy being
 timed. The policy is set by replacing ``multistep.copy_blocks`` for the probe's run (measuring
-only).
+only). Ceiling, same run: a ``cudaMemcpyAsync`` of the point's unique missed bytes from the
+same pinned pool, chained in a graph of 8 the same way (``memcpy us``).
 
     python benchmarks/probe_copy_blocks.py [--batches 1 8 16 24 32 64] [--blocks 0 4 8 16]
                                            [--steps 2 4] [--out DIR]
@@ -25,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_spec  # noqa: E402
-from _timing import device_info, time_graph_chain, write_json  # noqa: E402
+from _timing import device_info, memcpy_h2d, time_graph_chain, write_json  # noqa: E402
 
 from hisparse_cupy import HostKVPool, multistep, set_pdl  # noqa: E402
 
@@ -50,8 +51,8 @@ def main() -> None:
     rows = []
     print("| S | batch | unique misses | " + " | ".join(
         "gather copies us" if g == 0 else f"{g} copy blocks us" for g in args.blocks)
-        + " | library's choice |", flush=True)
-    print("|---" * (len(args.blocks) + 4) + "|", flush=True)
+        + " | memcpy us | library's choice |", flush=True)
+    print("|---" * (len(args.blocks) + 5) + "|", flush=True)
     try:
         for S in args.steps:
             for B in args.batches:
@@ -65,10 +66,13 @@ def main() -> None:
                                          iters=args.iters, stream=stream)
                     rec["us"][g] = t
                 multistep.copy_blocks = chosen
+                _, rec["memcpy"] = memcpy_h2d(pool.numpy, rec["unique_misses"] * ROW,
+                                              iters=args.iters, chain=bench_spec.CHAIN,
+                                              stream=stream)
                 rows.append(rec)
                 cells = " | ".join(f"{rec['us'][g]['median_us']:.1f}" for g in args.blocks)
-                print(f"| {S} | {B} | {rec['unique_misses']} | {cells} | {chosen(B, S)} |",
-                      flush=True)
+                print(f"| {S} | {B} | {rec['unique_misses']} | {cells} | "
+                      f"{rec['memcpy']['median_us']:.1f} | {chosen(B, S)} |", flush=True)
                 del case
     finally:
         multistep.copy_blocks = chosen

@@ -166,8 +166,7 @@ class HotBufferCache:
         self.lru = cupy.empty((L, R, H), cupy.int16)
         self.lru[...] = cupy.arange(H, dtype=cupy.int16)
         self.host_locs = cupy.full((R, self.max_len), -1, cupy.int64)
-        self.token_table = bool(token_table)
-        self.token_slot = (cupy.full((L, R, self.max_len), -1, cupy.int16) if self.token_table
+        self.token_slot = (cupy.full((L, R, self.max_len), -1, cupy.int16) if token_table
                            else None)
         self.plan = MissPlan(self.max_batch, K * max(1, S))
         self.out = cupy.empty((self.max_batch, K), cupy.int32)
@@ -246,6 +245,11 @@ class HotBufferCache:
         return SwapState(self.host_locs, self.slot_tokens[layer], self.slot_locs[layer],
                          self.lru[layer],
                          token_slot=None if self.token_slot is None else self.token_slot[layer])
+
+    @property
+    def token_table(self) -> bool:
+        """Whether the cache keeps a token -> hot slot table (``token_slot`` is not None)."""
+        return self.token_slot is not None
 
     # ----------------------------------------------------------------- requests
     @property

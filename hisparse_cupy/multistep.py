@@ -223,7 +223,7 @@ class MultiStepWorkspace:
         """Clear every row (only needed if a call was abandoned half-way); queued on ``stream``
         (any kind :func:`hisparse_cupy._launch.as_stream` accepts)."""
         with as_stream(stream):
-            self.table.fill(np.uint64(0xFFFFFFFFFFFFFFFF))
+            self.table.fill(np.uint64(_abi.MS_EMPTY))
             self.meta.fill(_abi.MS_META_INIT)
             self.counters.fill(0)
 

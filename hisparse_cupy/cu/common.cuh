@@ -213,6 +213,22 @@ __device__ __forceinline__ int block_exclusive_sum(int v, int* s_warp, int& tota
 
 __device__ __forceinline__ u32 hash_u32(u32 x) { return x * 2654435761u; }
 
+// The token -> slot table (both swaps, the prediction stager): entry e of token tok counts only
+// while it names a hot slot (0 <= e < H) that holds tok, so stale or garbage entries are
+// harmless. table_holds: whether it does. table_slot: e, and that slot's device row in loc (its
+// load issued beside the token's); else -1 (loc untouched).
+__device__ __forceinline__ bool table_holds(int e, int tok, int H, const i32* stok) {
+  return e >= 0 && e < H && stok[e] == tok;
+}
+__device__ __forceinline__ int table_slot(int e, int tok, int H, const i32* stok, const i32* sloc,
+                                          int& loc) {
+  if (e < 0 || e >= H) return -1;
+  const int l = sloc[e];
+  if (!table_holds(e, tok, H, stok)) return -1;
+  loc = l;
+  return e;
+}
+
 // ---- thread-block clusters (sm_90+; below that, and in a launch without a cluster dimension,
 // every block is a cluster of one). cluster_blocks() / cluster_rank(): the size of the block's
 // cluster (cuLaunchKernelEx's cluster attribute) and the block's rank in it. cluster_sync(): a

@@ -285,14 +285,9 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
           }
         }
       }
-      if (!found && e >= 0 && e < H) {
-        const int held = stok[e];
-        const int l = sloc[e];
-        if (held == tok) {
-          o = l;
-          ref[e] = epoch;
-          found = true;
-        }
+      if (!found && table_slot(e, tok, H, stok, sloc, o) >= 0) {
+        ref[e] = epoch;
+        found = true;
       }
       if (!found) {
         hl = hl_spec;

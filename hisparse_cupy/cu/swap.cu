@@ -233,13 +233,8 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
     if constexpr (!TABLE) {
       held[u] = p < p1 ? stok[slots[u]] : -1;
     } else {
-      const int e = ent[u];
-      int at = -1, loc = -1;
-      if (e >= 0 && e < H) {
-        at = stok[e];
-        loc = sloc[e];
-      }
-      ent[u] = e >= 0 && at == toks[u] ? e : -1;
+      int loc = -1;
+      ent[u] = table_slot(ent[u], toks[u], H, stok, sloc, loc);
       if (ent[u] >= 0) hls[u] = loc;
     }
   }
@@ -269,12 +264,8 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   HS_PHASE(0);
   // token-table instance: the slot the table names for `tok` if it holds `tok` (its device row
   // in `loc`), else -1
-  auto table_find = [&](int tok, int& loc) -> int {
-    const int e = tsl[tok];
-    if (e < 0 || e >= H) return -1;
-    const int at = stok[e];
-    loc = sloc[e];
-    return at == tok ? e : -1;
+  auto table_find = [&](int tok, int& loc) {
+    return table_slot(tsl[tok], tok, H, stok, sloc, loc);
   };
   int cand = 0;  // token-table instance: this thread inserted a token into the hash
 
