@@ -31,6 +31,7 @@ _LAZY = {
     "spec_swap_in": "multistep",
     "LayerPattern": "streams",
     "Prefetcher": "streams",
+    "SMPartition": "streams",
     "layer_pattern": "streams",
     "SwapState": "swap",
     "swap_in": "swap",

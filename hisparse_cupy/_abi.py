@@ -121,12 +121,12 @@ PLANNED_COPY = _struct([
 
 PREDICT_STAGE = _struct([
     ("topk", _P), ("plan_src", _P), ("plan_count", _P), ("req", _P), ("lens", _P),
-    ("num_real", _P), ("host_locs", _P), ("slot_tokens", _P), ("stage_map", _P),
-    ("stage_src", _P), ("stage_count", _P), ("stage_stats", _P),
+    ("num_real", _P), ("host_locs", _P), ("slot_tokens", _P), ("token_slot", _P),
+    ("stage_map", _P), ("stage_src", _P), ("stage_count", _P), ("stage_stats", _P),
     ("n_host_rows", "i8"),
     ("topk_stride", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"), ("host_stride", "i4"),
-    ("slot_stride", "i4"), ("H", "i4"), ("hash_size", "i4"), ("stage_width", "i4"),
-    ("lens_stride", "i4"), ("plan_stride", "i4"), ("miss_hash_size", "i4"),
+    ("slot_stride", "i4"), ("H", "i4"), ("stage_width", "i4"),
+    ("lens_stride", "i4"), ("plan_stride", "i4"), ("miss_hash_size", "i4"), ("pad", "i4"),
 ])
 
 NEWEST_ROWS = _struct([
@@ -203,18 +203,18 @@ SMEM = {
         ("u16", "order", "H"),  # slot | hit << 15, by LRU position (between passes)
         ("u8", "kind", "K"),  # entry classification
     ),
-    # prediction stager; HS = token hash slots (a power of two >= 2 K), MS = miss hash slots
-    # (a power of two >= 2 x the plan's width)
+    # prediction stager; MS = miss hash slots (a power of two >= 2 x the plan's width)
     "PREDICT_STAGE": (
         ("i64", "mkey", "MS"),  # F's misses (host rows; -1: empty)
-        ("i32", "hkey", "HS"),  # candidate tokens (-1: empty)
-        ("i32", "hmark", "HS"),  # 1: held by an LRU slot of the next full layer
+        ("i32", "mclaim", "MS"),  # 1: a top-k entry took this miss (repeats stage once)
         ("i32", "count", "4"),  # [0]: predicted misses
     ),
-    # planned copy: the exclusive prefix of the clamped counts, and the block scan's scratch
+    # planned copy: the exclusive prefix of the clamped counts, the block scan's scratch, and
+    # the block's prediction counters
     "PLANNED_COPY": (
         ("i32", "prefix", "B+1"),
         ("i32", "scan", "COPY_WARPS+1"),
+        ("u32", "stats", "2"),  # prediction's counters of the block's rows (stage_stats set)
     ),
     # multi-step commit; NW = ceil(S K / 32)
     "MULTISTEP_COMMIT": (

@@ -95,7 +95,7 @@ def test_smem_tables_size_the_launch():
     # a cluster's 512-thread blocks: 17 per-warp counts instead of 33
     assert _abi.smem_bytes("SWAP_RESOLVE", **_abi.resolve_sizes(2048, 4096, 512)) == \
         by_hand - 3 * (-(-4 * 33 // 16) * 16 - -(-4 * 17 // 16) * 16)
-    assert _abi.smem_bytes("PLANNED_COPY", B=7) == 32 + 48
+    assert _abi.smem_bytes("PLANNED_COPY", B=7) == 32 + 48 + 16  # prefix, scan, stats
 
 
 def test_digest_covers_headers(sources):

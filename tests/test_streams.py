@@ -546,7 +546,8 @@ def _run_predict_steps(pf, cache, req, lens, gen, steps, main, *, graph=False):
 
 @pytest.mark.gpu
 def test_prediction_never_changes_a_byte(main):
-    """Prediction on (eager, and captured in a graph) against off: the same page tables, device
+    """Prediction on (eager, captured in a graph, and in a graph with the side streams on SMs of
+    their own and the step on the rest: SMPartition) against off: the same page tables, device
     rows and slot tables at every step, every row's bytes right, and the prediction used."""
     cp = _gpu()
     from hisparse_cupy.streams import Prefetcher
@@ -555,16 +556,28 @@ def test_prediction_never_changes_a_byte(main):
     L, R, B = len(pat), 4, 4
     lens = cp.full(B, MAX_LEN, cp.int32)
     runs = {}
-    for name, predict, graph in (("off", False, False), ("on", True, False),
-                                 ("on_graph", True, True)):
-        cache, req = _make_cache(L, R, stream=main)
-        pf = Prefetcher(cache, pat, replay_grid=2, predict=predict, predict_width=12)
-        gen = _LayerTopK(B, 5, 11, len(pf.pattern.full_layers))
-        snaps, errors = _run_predict_steps(pf, cache, req, lens, gen, 24, main, graph=graph)
-        assert errors.tolist() == [0] * L, f"{name}: rows with wrong bytes"
-        runs[name] = (snaps, pf)
+    from hisparse_cupy.streams import SMPartition
+
+    part = SMPartition(8)
+    try:
+        for name, predict, graph, partition in (
+                ("off", False, False, None), ("on", True, False, None),
+                ("on_graph", True, True, None), ("on_partition_graph", True, True, part)):
+            s = main if partition is None else partition.stream("main")
+            cache, req = _make_cache(L, R, stream=s)
+            pf = Prefetcher(cache, pat, replay_grid=2, predict=predict, predict_width=12,
+                            partition=partition)
+            gen = _LayerTopK(B, 5, 11, len(pf.pattern.full_layers))
+            with s:
+                snaps, errors = _run_predict_steps(pf, cache, req, lens, gen, 24, s, graph=graph)
+            assert errors.tolist() == [0] * L, f"{name}: rows with wrong bytes"
+            runs[name] = (snaps, pf)
+            pf.synchronize()
+    finally:
+        cp.cuda.Device().synchronize()
+        part.close()
     off = runs["off"][0]
-    for name in ("on", "on_graph"):
+    for name in ("on", "on_graph", "on_partition_graph"):
         snaps, pf = runs[name]
         # the graph run's first captured step ran at the second launch: align by step
         shift = len(off) - len(snaps)
@@ -620,3 +633,126 @@ def test_prediction_errors(main):
     pf.set_predict(True, stream=main)
     assert pf.predict and pf.predict_summary()["rows"] == 0
     cp.cuda.Device().synchronize()
+
+    from hisparse_cupy import HotBufferCache
+
+    with main:
+        plain = HotBufferCache(n_layers=2, max_requests=2, max_len=MAX_LEN, row_bytes=ROW,
+                               hot_size=H, top_k=K, extra_page=P, token_table=False)
+    with pytest.raises(ValueError, match="token_table=True"):
+        Prefetcher(plain, "FF", predict=True)
+    pf = Prefetcher(plain, "FF")  # without prediction it needs no table
+    with pytest.raises(ValueError, match="token_table=True"):
+        pf.set_predict(True, stream=main)
+    assert not pf.predict
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [K, 2])
+def test_stager_stages_what_the_next_layer_misses(main, width):
+    """The stager's rows for one full layer against a model on the host: the host rows of the
+    top-k tokens that layer's swap missed on and the next full layer's slots do not hold, each
+    once (the top-k repeats some), at most ``width`` per row. The next layer's token-table
+    entries of tokens it does not hold are garbage (random slots) and must not matter."""
+    cp = _gpu()
+    from hisparse_cupy.streams import Prefetcher
+
+    L, R, B = 2, 4, 4
+    cache, req = _make_cache(L, R, stream=main)
+    lens = cp.full(B, MAX_LEN, cp.int32)
+    pf = Prefetcher(cache, "FF", replay_grid=2, predict=True, predict_width=width)
+    gen = _LayerTopK(B, 5, 21, L, overlap=0.6)
+    rng = np.random.default_rng(3)
+    with main:
+        for t in range(6):  # the two layers' hot buffers drift apart
+            for layer in range(L):
+                pf.swap(layer, req, lens, cp.asarray(gen.host(t, layer)), stream=main)
+            pf.finish(main)
+        tk = gen.host(6, 0)
+        tk[:, 1] = tk[:, 2]  # repeated tokens
+        tk[:, 5] = tk[:, 9]
+        held = cp.asnumpy(cache.slot_tokens[1])[:, :H]
+        table = cp.asnumpy(cache.token_slot[1])
+        for r in range(R):
+            loose = np.setdiff1d(np.arange(MAX_LEN), held[r])
+            table[r, loose] = rng.integers(0, H, loose.size)
+        cache.token_slot[1][...] = cp.asarray(table)
+        pf.swap(0, req, lens, cp.asarray(tk), stream=main)
+        main.synchronize()
+        pf.pside.synchronize()
+        plan_src, plan_count = cp.asnumpy(cache.plan.src), cp.asnumpy(cache.plan.count)
+        src, count = cp.asnumpy(pf._stage_src), cp.asnumpy(pf._stage_count)
+        smap, hloc, rq = (cp.asnumpy(a) for a in (pf._stage_map, cache.host_locs, req))
+        pf.finish(main)
+    total = 0
+    for b in range(B):
+        r = int(rq[b])
+        missed = set(plan_src[b, : plan_count[b]].tolist())
+        want = {int(hloc[r, t]) for t in tk[b] if 0 <= t < MAX_LEN - 1
+                and int(hloc[r, t]) in missed and t not in held[r]}
+        got = src[b, : count[b]].tolist()
+        assert count[b] == min(len(want), width), (b, count[b], len(want))
+        assert len(set(got)) == len(got), f"row {b}: a row staged twice"
+        assert set(got) <= want, f"row {b}: staged {set(got) - want} not predicted misses"
+        if len(want) <= width:
+            assert set(got) == want
+        assert [int(smap[h]) for h in got] == [b * width + j for j in range(len(got))]
+        total += len(want)
+    assert total > 0, "the step brought no new tokens to predict"
+
+
+def test_sm_partition_argument_errors():
+    from hisparse_cupy.streams import SMPartition
+
+    for bad in (0, -8, 2.5, "8"):
+        with pytest.raises((ValueError, TypeError), match="side_sms"):
+            SMPartition(bad)
+
+
+@pytest.mark.gpu
+def test_sm_partition_streams_keep_to_their_sms(main):
+    """Kernels on a side stream run on side_sms SMs, on a main stream on the others, the two
+    sets disjoint; an event fork / join across the groups captures and replays in a graph."""
+    cp = _gpu()
+    from hisparse_cupy.streams import Prefetcher, SMPartition
+
+    smid = cp.RawKernel(r"""extern "C" __global__ void smid(int* out, long long spin) {
+      unsigned s; asm("mov.u32 %0, %%smid;" : "=r"(s));
+      const long long t0 = clock64(); while (clock64() - t0 < spin) {}
+      if (threadIdx.x == 0) out[blockIdx.x] = s; }""", "smid")
+    n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+    with SMPartition(8) as part:
+        assert part.side_sms >= 8 and part.side_sms + part.main_sms == n_sm
+        side, other = part.stream("side"), part.stream("main", priority=-1)
+        seen = {}
+        for name, s in (("side", side), ("main", other)):
+            out = cp.full(4 * n_sm, -1, cp.int32)
+            smid((out.size,), (128,), (out, np.int64(20000)), stream=s)
+            s.synchronize()
+            seen[name] = set(cp.asnumpy(out).tolist())
+        assert -1 not in seen["side"] and -1 not in seen["main"]
+        assert len(seen["side"]) <= part.side_sms
+        assert len(seen["main"]) <= part.main_sms
+        assert seen["side"].isdisjoint(seen["main"])
+        # fork / join across the groups in a captured graph
+        x = cp.full(4, -1, cp.int32)
+        fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+        other.begin_capture()
+        fork.record(other)
+        side.wait_event(fork)
+        smid((4,), (32,), (x, np.int64(0)), stream=side)
+        join.record(side)
+        other.wait_event(join)
+        g = other.end_capture()
+        g.launch(other)
+        other.synchronize()
+        assert set(cp.asnumpy(x).tolist()) <= seen["side"]
+        with pytest.raises(ValueError, match="group must be"):
+            part.stream("left")
+        with pytest.raises(TypeError, match="partition must be an SMPartition"):
+            cache, _ = _make_cache(4, 2, stream=main)
+            Prefetcher(cache, "FSFS", partition=8)
+    with pytest.raises(RuntimeError, match="closed"):
+        part.stream("side")
+    with pytest.raises(ValueError, match="side_sms must be <"):
+        SMPartition(n_sm)

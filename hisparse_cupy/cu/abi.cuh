@@ -97,8 +97,9 @@ struct PlannedCopyParams {
 // ---- prediction stager (predict.cu). Grid: (<= B), block PREDICT_BLOCK.
 //   For batch row b: the tokens of topk[b] (a full layer F's top-k) that F's swap just missed
 //   on (their host rows are in F's plan) and that the NEXT full layer's swap would miss on too,
-//   judged by that layer's slot table now: valid (0 <= tok < seq_len, not the newest token, a
-//   host row in [0, n_host_rows)) and held by none of its LRU slots 0 .. H-1. Requests with
+//   judged by that layer's token -> slot table now: valid (0 <= tok < seq_len, not the newest
+//   token, a host row in [0, n_host_rows)) and held by none of its LRU slots 0 .. H-1 (each
+//   once, however often the top-k repeats it). Requests with
 //   seq_len <= H (positional) and padding rows stage nothing. Up to stage_width of them get
 //   staged indices j = b * stage_width + i: stage_src[j] = host row, stage_map[host row] = j;
 //   stage_count[b] = how many.
@@ -111,13 +112,14 @@ struct PredictStageParams {
   const i32* num_real;     // device scalar or null
   const i64* host_locs;    // [R, host_stride]
   const i32* slot_tokens;  // [R, slot_stride] of the next full layer
+  const i16* token_slot;   // [R, host_stride] of the next full layer
   i32* stage_map;          // [n_host_rows]
   i64* stage_src;          // [B * stage_width]
   i32* stage_count;        // [B]
   u64* stage_stats;        // [3] or null: [2] += rows staged
   i64 n_host_rows;
-  i32 topk_stride, K, B, R, host_stride, slot_stride, H, hash_size, stage_width, lens_stride;
-  i32 plan_stride, miss_hash_size;
+  i32 topk_stride, K, B, R, host_stride, slot_stride, H, stage_width, lens_stride;
+  i32 plan_stride, miss_hash_size, pad;
 };
 
 // ---- newest rows (cache.cu). Grid: ceil(B / NEWEST_BLOCK), block NEWEST_BLOCK.

@@ -62,7 +62,10 @@ __device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p) {
     if (b < nr) s_prefix[b] = carry + ex;
     carry += chunk_total;
   }
-  if (threadIdx.x == 0) s_prefix[nr] = carry;
+  if (threadIdx.x == 0) {
+    s_prefix[nr] = carry;
+    sm.stats[0] = sm.stats[1] = 0;
+  }
   __syncthreads();
 
   const i64 pairs = carry;
@@ -71,6 +74,7 @@ __device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p) {
   const i64 gw = static_cast<i64>(blockIdx.x) * WARPS + (threadIdx.x >> 5);
   const i64 nwarps = static_cast<i64>(gridDim.x) * WARPS;
   const bool dry = p.flags & COPY_DRY_RUN;
+  u32 n_rows = 0, n_staged = 0;  // prediction's counters (lanes < R), summed per block at the end
 
   for (i64 g0 = gw * R; g0 < total; g0 += nwarps * R) {
     // lane j < R: entry g0 + j -> its source and destination row (null: none)
@@ -101,10 +105,8 @@ __device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p) {
           const bool staged = j >= j0 && j < j0 + (c < p.stage_width ? c : p.stage_width) &&
                               p.stage_src[j] == s;
           if (staged) my_src = p.stage_base + j * row_bytes;
-          if (p.stage_stats) {
-            atomicAdd(p.stage_stats, 1ull);
-            if (staged) atomicAdd(p.stage_stats + 1, 1ull);
-          }
+          ++n_rows;
+          n_staged += staged;
         }
       }
     }
@@ -125,6 +127,23 @@ __device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p) {
       }
     }
     if (!dry) copy_rows_warp<R, VPL>(dsts, srcs, row_bytes, lane);
+  }
+  if (p.stage_stats != nullptr) {  // (uniform) one atomic pair per block: per row, thousands of
+    // atomics on two addresses serialized in L2 and slowed the copy
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+      n_rows += __shfl_xor_sync(FULL_MASK, n_rows, o);
+      n_staged += __shfl_xor_sync(FULL_MASK, n_staged, o);
+    }
+    if (lane == 0 && n_rows > 0) {
+      atomicAdd(&sm.stats[0], n_rows);
+      atomicAdd(&sm.stats[1], n_staged);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && sm.stats[0] > 0) {
+      atomicAdd(p.stage_stats, static_cast<u64>(sm.stats[0]));
+      atomicAdd(p.stage_stats + 1, static_cast<u64>(sm.stats[1]));
+    }
   }
 }
 

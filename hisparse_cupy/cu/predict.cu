@@ -6,9 +6,10 @@
 // computes, the Prefetcher guesses which rows the next full layer F' will miss: the tokens
 // that just entered F's selection (F's swap missed on them: neighbouring layers select largely
 // the same tokens, so what is new to F is likely new to F') and that F' would miss on if it
-// selected them now, i.e. that no LRU slot of F' holds. (Every token of F's top-k that F' does
-// not hold would also include the ones F selects and F' never does: staged again every step,
-// for nothing.)
+// selected them now, i.e. that F''s token -> slot table does not place in one of its LRU slots
+// (the same check its swap makes: an entry counts only while its slot holds the token). Every
+// token of F's top-k that F' does not hold would also include the ones F selects and F' never
+// does: staged again every step, for nothing.
 // Their host rows of F' are then copied (planned_copy, side stream) into staging rows, and
 // F''s own swap reads a miss from its staging row when the token was staged (PlannedCopyParams'
 // stage_* fields) instead of from the host. A wrong guess costs bandwidth, never a byte: the
@@ -16,14 +17,14 @@
 // was copied from (the staged row is only used when stage_src says so).
 //
 //   Phases (LRU path, seq_len > H), with __syncthreads() between them:
-//     0. clear the hashes, the miss counter; insert F's misses (host rows of its plan) into the
-//        miss hash;
-//     1. insert every valid top-k token (0 <= tok < seq_len, not the newest, host row in
-//        [0, n_host_rows)) whose host row is one of F's misses into the token hash (atomicCAS,
-//        linear probing; duplicates once);
-//     2. every LRU slot 0 .. H-1 of F' whose token is in the hash marks it held;
-//     3. every unmarked token gets the next staged index (< stage_width) and writes stage_src
-//        and stage_map; 4. stage_count[b] (and the stats).
+//     0. clear the miss hash and the counter;
+//     1. insert F's misses (host rows of its plan; unique per row) into the miss hash;
+//     2. every valid top-k token (0 <= tok < seq_len, not the newest, host row in
+//        [0, n_host_rows)) whose host row is one of F's misses claims that miss-hash entry
+//        (atomicExch: a token repeated in the top-k is staged once); the claimant looks the
+//        token up in F''s table, and a token F' does not hold gets the next staged index
+//        (< stage_width), writing stage_src and stage_map;
+//     3. stage_count[b] (and the stats).
 //
 //   Shared memory: _abi.SMEM["PREDICT_STAGE"].
 #include "abi.cuh"
@@ -33,7 +34,7 @@ namespace hs {
 template <typename ReqT, typename LenT, typename Smem>
 __device__ __forceinline__ void stage_row(const PredictStageParams& p, const Smem& sm, int b,
                                           int nr) {
-  const int HS = p.hash_size, MS = p.miss_hash_size, K = p.K, H = p.H;
+  const int MS = p.miss_hash_size, K = p.K, H = p.H;
   const i64 rid = b < nr ? static_cast<i64>(static_cast<const ReqT*>(p.req)[b]) : -1;
   const i64 len = b < nr ? static_cast<i64>(
                                static_cast<const LenT*>(p.lens)[static_cast<i64>(b) *
@@ -43,15 +44,14 @@ __device__ __forceinline__ void stage_row(const PredictStageParams& p, const Sme
     if (threadIdx.x == 0) p.stage_count[b] = 0;
     return;  // (uniform over the block)
   }
-  for (int i = threadIdx.x; i < HS; i += PREDICT_BLOCK) {
-    sm.hkey[i] = -1;
-    sm.hmark[i] = 0;
+  for (int i = threadIdx.x; i < MS; i += PREDICT_BLOCK) {
+    sm.mkey[i] = -1;
+    sm.mclaim[i] = 0;
   }
-  for (int i = threadIdx.x; i < MS; i += PREDICT_BLOCK) sm.mkey[i] = -1;
   if (threadIdx.x == 0) sm.count[0] = 0;
   __syncthreads();
 
-  const int mshift = 32 - (__ffs(MS) - 1);  // MS and HS are powers of two >= 64
+  const int mshift = 32 - (__ffs(MS) - 1);  // MS is a power of two >= 64
   const int mmask = MS - 1;
   int nm = p.plan_count[b];  // (at most K for a single-step swap; clamped to the hash's half)
   const int nm_max = p.plan_stride < (MS >> 1) ? p.plan_stride : (MS >> 1);
@@ -70,59 +70,30 @@ __device__ __forceinline__ void stage_row(const PredictStageParams& p, const Sme
   }
   __syncthreads();
 
-  const int shift = 32 - (__ffs(HS) - 1);
-  const int mask = HS - 1;
   const i32* topk = p.topk + static_cast<i64>(b) * p.topk_stride;
   const i64* hloc = p.host_locs + rid * p.host_stride;
+  const i16* tsl = p.token_slot + rid * p.host_stride;
+  const i32* stok = p.slot_tokens + rid * p.slot_stride;
   const i64 lim = len < p.host_stride ? len : p.host_stride;
+  const i64 base = static_cast<i64>(b) * p.stage_width;
   for (int i = threadIdx.x; i < K; i += PREDICT_BLOCK) {
     const int tok = topk[i];
     if (tok < 0 || tok >= lim || tok == len - 1) continue;
     const i64 hl = hloc[tok];
     if (hl < 0 || hl >= p.n_host_rows) continue;
-    bool new_to_f = false;  // a miss of F's swap?
-    for (u32 m = hash_u32(static_cast<u32>(hl)) >> mshift;; m = (m + 1) & mmask) {
-      const i64 k = sm.mkey[m];
+    int m = -1;  // F's miss-hash entry of this host row
+    for (u32 h = hash_u32(static_cast<u32>(hl)) >> mshift;; h = (h + 1) & mmask) {
+      const i64 k = sm.mkey[h];
       if (k == -1) break;
       if (k == hl) {
-        new_to_f = true;
+        m = static_cast<int>(h);
         break;
       }
     }
-    if (!new_to_f) continue;
-    u32 h = hash_u32(static_cast<u32>(tok)) >> shift;
-    while (true) {
-      const int old = atomicCAS(&sm.hkey[h], -1, tok);
-      if (old == -1 || old == tok) break;
-      h = (h + 1) & mask;
-    }
-  }
-  __syncthreads();
-
-  const i32* st = p.slot_tokens + rid * p.slot_stride;
-  for (int s = threadIdx.x; s < H; s += PREDICT_BLOCK) {
-    const int tok = st[s];
-    if (tok < 0) continue;
-    u32 h = hash_u32(static_cast<u32>(tok)) >> shift;
-    while (true) {
-      const int k = sm.hkey[h];
-      if (k == -1) break;
-      if (k == tok) {
-        sm.hmark[h] = 1;
-        break;
-      }
-      h = (h + 1) & mask;
-    }
-  }
-  __syncthreads();
-
-  const i64 base = static_cast<i64>(b) * p.stage_width;
-  for (int i = threadIdx.x; i < HS; i += PREDICT_BLOCK) {
-    const int tok = sm.hkey[i];
-    if (tok < 0 || sm.hmark[i]) continue;
+    if (m < 0 || atomicExch(&sm.mclaim[m], 1)) continue;  // not new to F, or claimed already
+    if (table_holds(tsl[tok], tok, H, stok)) continue;    // F' holds it: no miss there
     const int j = atomicAdd(&sm.count[0], 1);
     if (j < p.stage_width) {
-      const i64 hl = hloc[tok];
       p.stage_src[base + j] = hl;
       p.stage_map[hl] = static_cast<i32>(base + j);
     }
@@ -138,7 +109,7 @@ __device__ __forceinline__ void stage_row(const PredictStageParams& p, const Sme
 template <typename ReqT, typename LenT>
 __global__ void __launch_bounds__(PREDICT_BLOCK) predict_stage(const PredictStageParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int HS = p.hash_size, MS = p.miss_hash_size;
+  const int MS = p.miss_hash_size;
   HS_SMEM_CARVE(PREDICT_STAGE, sm, smem_raw);
   const int nr = clamp_real(p.num_real, p.B);
   for (int b = blockIdx.x; b < p.B; b += gridDim.x) {

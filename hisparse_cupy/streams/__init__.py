@@ -1,6 +1,8 @@
-"""IndexCache shared-layer IO overlap: layer patterns and the side-stream prefetcher."""
+"""IndexCache shared-layer IO overlap: layer patterns, the side-stream prefetcher, and SM
+partitions that keep its copies off the compute's SMs."""
 
+from .partition import SMPartition
 from .pattern import LayerPattern, layer_pattern
 from .prefetch import Prefetcher, default_replay_grid
 
-__all__ = ["LayerPattern", "Prefetcher", "default_replay_grid", "layer_pattern"]
+__all__ = ["LayerPattern", "Prefetcher", "SMPartition", "default_replay_grid", "layer_pattern"]

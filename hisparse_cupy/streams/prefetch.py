@@ -74,17 +74,20 @@ Prediction mode (:meth:`Prefetcher.set_predict`): after a full layer F's swap, a
 stream guesses the next full layer F''s misses and stages those host rows of F' on the device;
 F''s swap reads its staged misses there.
 
-10. **F''s swap reads staging rows (or F''s slot table is read by the stager) out of order
-    (RAW / WAR).** The stager forks from the main stream after F's swap (the same fork event as
-    the replays) and records ``_pdone`` after its staging copy; the main stream waits on
-    ``_pdone`` before F''s swap, so the staging rows are written before F''s copy reads them, and
-    F''s slot table and F's plan (the stager's inputs) are read before F''s resolve rewrites
-    them. A prediction no full layer uses is
-    joined by :meth:`Prefetcher.finish`, :meth:`set_enabled` and :meth:`set_predict`. The next
+10. **F''s swap reads staging rows (or the stager reads F''s slot and token tables) out of
+    order (RAW / WAR).** The stager forks from the main stream after F's swap (the same fork
+    event as the replays) and records ``_pdone`` after its staging copy; the main stream waits
+    on ``_pdone`` before F''s swap, so the staging rows are written before F''s copy reads
+    them, and F''s slot and token tables and F's plan (the stager's inputs) are read before
+    F''s resolve rewrites them. A prediction no full layer uses is joined by
+    :meth:`Prefetcher.finish`, :meth:`set_enabled` and :meth:`set_predict`. The next
     prediction rewrites the staging buffers only after forking from a point after F''s swap.
 11. **The caller's top-k rewritten while the stager reads it (WAR).** The stager reads a copy
-    of F's top-k taken on the main stream before the fork; the copy is rewritten by the next
-    full layer's snapshot, after the main stream waited on ``_pdone``.
+    of F's top-k that its side stream takes right after the fork (so the main stream does not
+    wait for it); the copy is rewritten by the next full layer's prediction, after the main
+    stream waited on ``_pdone``. A caller that rewrites F's top-k buffer on the main stream
+    before that copy ran changes the guess only: the guess decides which rows are staged, never
+    which bytes a swap writes (hazard 12).
 12. **A wrong byte from a wrong guess.** A staged row is used only for the host row it was
     copied from (``stage_src`` checked against the miss's host row, per batch row, within the
     rows staged this time), only by the full layer it was staged for, right after the full
@@ -104,11 +107,14 @@ from .. import _abi, _build, _checks
 from .._launch import Params, as_stream, launch, ptr
 from ..cache import HotBufferCache, _dense_view
 from ..plan import ROWS_PER_WARP, copy_params, full_grid, launch_copy
+from .partition import SMPartition
 from .pattern import LayerPattern, layer_pattern
 
-__all__ = ["DEFAULT_REPLAY_ROWS_PER_WARP", "Prefetcher", "default_replay_grid"]
+__all__ = ["DEFAULT_REPLAY_ROWS_PER_WARP", "PARTITION_REPLAY_ROWS_PER_WARP", "Prefetcher",
+           "default_replay_grid"]
 
 DEFAULT_REPLAY_ROWS_PER_WARP = 1
+PARTITION_REPLAY_ROWS_PER_WARP = 8  # on a few SMs of their own, replays keep more rows in flight
 
 
 def default_replay_grid() -> int:
@@ -137,14 +143,15 @@ class Prefetcher:
     enabled : bool
         Prefetch on (default) or off (every layer runs the full swap on the main stream).
     replay_grid : int, optional
-        Copy blocks per side-stream replay (default :func:`default_replay_grid`). When the
-        model's matmuls leave N SMs idle (e.g. cuBLAS's SM-count target), a grid of N with 8
-        rows per warp keeps the replays on those SMs: measured at N = 8 on an H200, 69-71 %
-        of the overhead hidden instead of 60 % (``benchmarks/NOTES.md``, "A matmul on fewer
-        SMs").
-    replay_rows_per_warp : int
+        Copy blocks per side-stream replay (default :func:`default_replay_grid`; with a
+        ``partition``, its ``side_sms``). When the model's matmuls leave N SMs idle (e.g.
+        cuBLAS's SM-count target), a grid of N with 8 rows per warp keeps the replays on those
+        SMs: measured at N = 8 on an H200, 69-71 % of the overhead hidden instead of 60 %
+        (``benchmarks/NOTES.md``, "A matmul on fewer SMs").
+    replay_rows_per_warp : int, optional
         Rows each warp of a replay keeps in flight (one of ``hisparse_cupy.plan.ROWS_PER_WARP``;
-        default :data:`DEFAULT_REPLAY_ROWS_PER_WARP`).
+        default :data:`DEFAULT_REPLAY_ROWS_PER_WARP`, with a ``partition``
+        :data:`PARTITION_REPLAY_ROWS_PER_WARP`).
     replay_thin : bool
         Replays in one-warp blocks with capped registers (``hisparse_cupy.plan.launch_copy``);
         give ``replay_grid`` a few blocks per SM. Measured worse than the default in the
@@ -155,7 +162,8 @@ class Prefetcher:
         runs on ``min(batch, replay_grid)`` blocks; beside matmuls on 124 of an H200's SMs with
         ``replay_grid=8, replay_rows_per_warp=8`` it measured 83-88 % of the overhead hidden at
         78 layers, batch 32-64, 5 % misses, but cost at batch 128 or 20 % misses, where those SMs
-        are full (``benchmarks/NOTES.md``, "Prediction beside a matmul on 124 SMs").
+        are full (``benchmarks/NOTES.md``, "Prediction beside a matmul on 124 SMs"). Needs the
+        cache's token table (``token_table=True``, the default).
     predict_width : int, optional
         Rows staged per request at most (default ``top_k // 4``).
     copy_grid : int, optional
@@ -167,6 +175,12 @@ class Prefetcher:
         A captured step keeps it only in a graph instantiated with
         ``CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY`` (a default instantiation runs every
         node at the launch stream's priority). None: the default priority.
+    partition : SMPartition, optional
+        Put the side streams (replays, prediction) on the partition's side SMs only
+        (:class:`hisparse_cupy.streams.SMPartition`, CUDA green contexts): they then never hold
+        an SM the compute wants, if the caller queues the step on ``partition.stream("main")``
+        and sizes its GEMMs to ``partition.main_sms`` (``benchmarks/NOTES.md``, "Side streams
+        on SMs of their own"). Default: side streams on any SM.
 
     Attributes
     ----------
@@ -174,6 +188,7 @@ class Prefetcher:
         The stage's pattern (local indices; ``pattern.first_layer`` = ``start``).
     side : cupy.cuda.Stream
         The non-blocking side stream.
+    partition : SMPartition or None
     events : list of cupy.cuda.Event
         One per position in a group (``pattern.max_group_size``).
     dry_run : bool
@@ -197,9 +212,9 @@ class Prefetcher:
                  layer_range: tuple[int, int] | None = None, enabled: bool = True,
                  replay_grid: int | None = None, copy_grid: int | None = None,
                  side_priority: int | None = -1000,
-                 replay_rows_per_warp: int = DEFAULT_REPLAY_ROWS_PER_WARP,
+                 replay_rows_per_warp: int | None = None,
                  replay_thin: bool = False, predict: bool = False,
-                 predict_width: int | None = None):
+                 predict_width: int | None = None, partition: SMPartition | None = None):
         if not isinstance(cache, HotBufferCache):
             raise TypeError(f"cache must be a HotBufferCache, got {type(cache).__name__}")
         model = layer_pattern(pattern)
@@ -213,10 +228,17 @@ class Prefetcher:
             f"the cache (stage layers {stage.first_layer} .. "
             f"{stage.first_layer + stage.n_layers - 1} of the pattern's {model.n_layers})")
         stage.check_length(cache.n_layers, what)
+        if partition is not None and not isinstance(partition, SMPartition):
+            raise TypeError(f"partition must be an SMPartition, got {type(partition).__name__}")
         self.cache = cache
         self.pattern: LayerPattern = stage
-        self.replay_grid = (default_replay_grid() if replay_grid is None
-                            else _checks.integer("replay_grid", replay_grid, 1, 2**31 - 1))
+        self.partition = partition
+        if replay_grid is None:  # one block per SM of the side group, if there is one
+            replay_grid = default_replay_grid() if partition is None else partition.side_sms
+        self.replay_grid = _checks.integer("replay_grid", replay_grid, 1, 2**31 - 1)
+        if replay_rows_per_warp is None:
+            replay_rows_per_warp = (DEFAULT_REPLAY_ROWS_PER_WARP if partition is None
+                                    else PARTITION_REPLAY_ROWS_PER_WARP)
         self.replay_rows_per_warp = replay_rows_per_warp
         self.replay_thin = bool(replay_thin)
         self.copy_grid = (None if copy_grid is None
@@ -224,10 +246,7 @@ class Prefetcher:
         self.dry_run = False
         self.spin_cycles = 0
         self._enabled = bool(enabled)
-        try:
-            self.side = cupy.cuda.Stream(non_blocking=True, priority=side_priority)
-        except cupy.cuda.runtime.CUDARuntimeError:  # a priority the device refuses
-            self.side = cupy.cuda.Stream(non_blocking=True)
+        self.side = self._side_stream(side_priority)
         self._fork = cupy.cuda.Event(disable_timing=True)
         self.events = [cupy.cuda.Event(disable_timing=True)
                        for _ in range(stage.max_group_size)]
@@ -252,6 +271,16 @@ class Prefetcher:
         self.set_predict(predict)
 
     # ------------------------------------------------------------------ state
+    def _side_stream(self, priority: int | None) -> cupy.cuda.Stream:
+        """A non-blocking side stream (on the partition's side SMs, if one was given)."""
+        self._side_priority = priority
+        if self.partition is not None:
+            return self.partition.stream("side", priority=priority or 0)
+        try:
+            return cupy.cuda.Stream(non_blocking=True, priority=priority)
+        except cupy.cuda.runtime.CUDARuntimeError:  # a priority the device refuses
+            return cupy.cuda.Stream(non_blocking=True)
+
     def _reset_step(self) -> None:
         self._anchor: int | None = None  # local full layer last swapped in this step
         self._anchor_batch = 0
@@ -383,17 +412,15 @@ class Prefetcher:
             group = self.pattern.groups[loc] if self._enabled else ()
             nxt = (self._next_full.get(loc) if self._enabled and self._predict and len(shape) == 2
                    and not self.dry_run else None)
-            if nxt is not None:  # the stager reads its own copy of this top-k (hazard 11)
+            if nxt is not None:  # (checked by the swap; a foreign array imported on s)
                 with s:
                     topk = _checks.token_rows("top_k_tokens", top_k_tokens, step._dev)
-                    snap = self._ptopk[:B, : topk.shape[1]]
-                    snap[...] = topk
             if group or nxt is not None:
                 self._fork.record(s)  # hazards 2, 3 and 10: after the full layer's swap
             if group:
                 self._queue_replays(group, B, step.num_real)
             if nxt is not None:
-                self._queue_predict(step, loc, nxt, snap)
+                self._queue_predict(step, loc, nxt, topk)
         return out
 
     # ------------------------------------------------------------------ prediction
@@ -411,8 +438,13 @@ class Prefetcher:
         without prediction (the swap's resolve decides them); a wrong guess costs bandwidth.
         ``predict_stats`` (uint64 ``[3]``, device): rows the predicted layers' swaps copied,
         rows of them read from staging rows, rows staged; :meth:`predict_summary` reads them.
+        The guess reads the next layer's token -> slot table: the cache needs one
+        (``HotBufferCache(token_table=True)``, the default).
         """
         on = bool(on)
+        if on and self.cache.token_slot is None:
+            raise ValueError("prediction needs the cache's token -> slot table: build the "
+                             "HotBufferCache with token_table=True (the default)")
         if on and self.predict_stats is None:
             c, W = self.cache, self.predict_width
             self._stage_rows = cupy.empty((c.max_batch * W, c.row_bytes), cupy.uint8)
@@ -429,11 +461,7 @@ class Prefetcher:
                 "stage_map": ptr(self._stage_map), "stage_src": ptr(self._stage_src),
                 "stage_count": ptr(self._stage_count), "stage_base": ptr(self._stage_rows),
                 "stage_stats": ptr(self.predict_stats), "stage_width": W}
-            try:
-                prio = self.side.priority
-                self.pside = cupy.cuda.Stream(non_blocking=True, priority=prio)
-            except (AttributeError, cupy.cuda.runtime.CUDARuntimeError):
-                self.pside = cupy.cuda.Stream(non_blocking=True)
+            self.pside = self._side_stream(self._side_priority)
             self._pdone = cupy.cuda.Event(disable_timing=True)
         if self._pending is not None:
             self._take_stage(None, None, self._main_stream(stream))
@@ -469,31 +497,34 @@ class Prefetcher:
             return None
         return self._stage_fields
 
-    def _queue_predict(self, step, made_by: int, nxt: int, snap: cupy.ndarray) -> None:
+    def _queue_predict(self, step, made_by: int, nxt: int, topk: cupy.ndarray) -> None:
         c, side = self.cache, self.pside
-        B, K = snap.shape
         side.wait_event(self._fork)
+        B, K = topk.shape
+        snap = self._ptopk[:B, :K]
+        with side:  # the stager's own copy of the top-k, off the main stream (hazard 11)
+            snap[...] = topk
         nr = step.num_real
-        hs = _abi.hash_size(K, spread=2)  # a single-step plan row holds at most K misses
+        ms = _abi.hash_size(K, spread=2)  # a single-step plan row holds at most K misses
         key = (B, K, nxt)
         prm = self._pstage.get(key)
         if prm is None:
             prm = self._pstage[key] = Params(_abi.PREDICT_STAGE).set(
                 topk=ptr(snap), plan_src=ptr(c.plan.src), plan_count=ptr(c.plan.count),
                 host_locs=ptr(c.host_locs), slot_tokens=ptr(c.slot_tokens[nxt]),
+                token_slot=ptr(c.token_slot[nxt]),
                 stage_map=ptr(self._stage_map), stage_src=ptr(self._stage_src),
                 stage_count=ptr(self._stage_count), stage_stats=ptr(self.predict_stats),
                 n_host_rows=c.pool.n_rows, topk_stride=snap.strides[0] // 4, K=K, B=B,
                 R=c.max_requests, host_stride=c.max_len, slot_stride=c.slots, H=c.hot_size,
-                hash_size=hs, stage_width=self.predict_width, plan_stride=c.plan.width,
-                miss_hash_size=hs)
+                stage_width=self.predict_width, plan_stride=c.plan.width, miss_hash_size=ms)
         prm.set(req=ptr(step.req), lens=ptr(step.seq_lens), num_real=ptr(nr),
                 lens_stride=step._lens_stride)  # the step's batch (any buffers)
         # as many blocks as the replays (no more SMs held beside the compute), each taking
         # requests in turn
         grid = min(B, self.replay_grid)
         launch(_build.kernel(_build.PREDICT[step._key]), grid, _abi.PREDICT_BLOCK, prm,
-               shared_mem=_abi.smem_bytes("PREDICT_STAGE", HS=hs, MS=hs), stream=side)
+               shared_mem=_abi.smem_bytes("PREDICT_STAGE", MS=ms), stream=side)
         ckey = (B, ptr(nr), nxt, self.dry_run, int(self.spin_cycles))
         cp = self._pcopy.get(ckey)
         if cp is None:
