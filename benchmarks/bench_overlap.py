@@ -38,6 +38,7 @@ alone on an idle GPU. Everything is queued on explicit non-blocking streams.
     python benchmarks/bench_overlap.py [--quick] [--out DIR] [--only L:B:RATE ... [--predict-sweep]]
         [--node-priority]
         [--gemm-sms N] [--matmul-m M] [--replay-grid G] [--replay-rows-per-warp R]
+        [--green-side N]
     python benchmarks/bench_overlap.py --plot DIR/bench_overlap.json   # PNG from a JSON
 """
 
@@ -56,7 +57,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import device_info, memcpy_h2d, summary, time_calls, write_json  # noqa: E402
 
-from hisparse_cupy import HotBufferCache, LayerPattern, Prefetcher, replay_plan  # noqa: E402
+from hisparse_cupy import (  # noqa: E402
+    HotBufferCache,
+    LayerPattern,
+    Prefetcher,
+    SMPartition,
+    replay_plan,
+)
 from hisparse_cupy.demo.loop import coprime  # noqa: E402
 
 K, H, P, ROW = 2048, 4096, 64, 656
@@ -241,7 +248,7 @@ class Rig:
     """One cache of ``n_layers`` layers for up to ``bmax`` requests, and the step functions."""
 
     def __init__(self, n_layers: int, bmax: int, kern: Kernels, compute: Compute,
-                 main: cupy.cuda.Stream):
+                 main: cupy.cuda.Stream, partition: SMPartition | None = None):
         self.L, self.bmax, self.kern, self.compute, self.main = n_layers, bmax, kern, compute, main
         self.pattern = LayerPattern.from_freq(n_layers, 4, 3)
         t0 = time.perf_counter()
@@ -258,7 +265,7 @@ class Rig:
         self.static = cupy.empty((bmax, K), cupy.int32)
         self.step_ctr = cupy.zeros(1, cupy.int32)
         self.sums = cupy.zeros(bmax, cupy.uint32)
-        self.pf = Prefetcher(self.cache, self.pattern)
+        self.pf = Prefetcher(self.cache, self.pattern, partition=partition)
         self.fork = cupy.cuda.Event(disable_timing=True)
         self.done = cupy.cuda.Event(disable_timing=True)
         self.cc_end = cupy.cuda.Event()  # main stream's compute done (compute + copies mode)
@@ -757,6 +764,22 @@ def add_rig_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--replay-grid", type=int, default=None, help="the prefetcher's replay grid")
     ap.add_argument("--replay-rows-per-warp", type=int, default=None,
                     help="rows each replay warp keeps in flight")
+    ap.add_argument("--green-side", type=int, default=None, metavar="N",
+                    help="side streams on N SMs of their own and the step on the rest "
+                         "(SMPartition, CUDA green contexts); the matmul's SM target defaults "
+                         "to the rest")
+
+
+def make_main_stream(a: argparse.Namespace):
+    """The step's main stream, and the SM partition (--green-side) or None."""
+    if not a.green_side:
+        return cupy.cuda.Stream(non_blocking=True), None
+    part = SMPartition(a.green_side)
+    if a.gemm_sms is None:
+        a.gemm_sms = part.main_sms
+    print(f"SM partition: side streams on {part.side_sms} SMs, the step on {part.main_sms} "
+          f"(matmul SM target {a.gemm_sms})", flush=True)
+    return part.stream("main"), part
 
 
 def make_compute(kern: Kernels, main_s: cupy.cuda.Stream, a: argparse.Namespace) -> Compute:
@@ -824,7 +847,7 @@ def main() -> None:
                              f"78:64:0.05), got {a.only}") from None
         plan = [(n, [(int(b), r) for ln, b, r in picked if int(ln) == n])
                 for n in sorted({int(p[0]) for p in picked})]
-    main_s = cupy.cuda.Stream(non_blocking=True)
+    main_s, part = make_main_stream(a)
     main_s.use()  # every CuPy op of this script runs on it, never on the legacy stream
     t0 = time.perf_counter()
     out = Path(a.out)
@@ -835,10 +858,12 @@ def main() -> None:
                "max_len": MAX_LEN, "iters": iters, "warmup": WARMUP,
                "target_layer_us": TARGET_LAYER_US, "setup_s": {}, "results": results,
                "gemm_sms": a.gemm_sms, "matmul_m": a.matmul_m, "replay_grid": a.replay_grid,
-               "replay_rows_per_warp": a.replay_rows_per_warp, "node_priority": a.node_priority}
+               "replay_rows_per_warp": a.replay_rows_per_warp, "node_priority": a.node_priority,
+               "sm_partition": None if part is None else {"side": part.side_sms,
+                                                          "main": part.main_sms}}
     for n_layers, configs in plan:
         bmax = max(b for b, _ in configs)
-        rig = Rig(n_layers, bmax, kern, compute, main_s)
+        rig = Rig(n_layers, bmax, kern, compute, main_s, part)
         rig.node_priority = a.node_priority
         shape_replays(rig.pf, a)
         payload["setup_s"][n_layers] = rig.setup_s
@@ -862,6 +887,8 @@ def main() -> None:
         rig.close()
         del rig
         cupy.get_default_memory_pool().free_all_blocks()
+    if part is not None:
+        part.close()
     plot(payload, out / "bench_overlap.png")
     for r in results:
         c = r["replays_alone"]

@@ -4,7 +4,8 @@ Covers replay_plan (several grids, rows per warp and block shapes, padding via n
 clamped and out-of-range entries, dry run, spin) and a few decode steps of a Prefetcher over
 "FSSFS" (full swaps on the main stream, replays on the side stream, event waits), with and
 without prediction mode (the stager, staging copies, staged rows read by the next full layer's
-copy). Exits non-zero on any wrong byte.
+copy), and with prediction on an SMPartition (side streams on SMs of their own, the step on
+the rest). Exits non-zero on any wrong byte.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from hisparse_cupy import HostKVPool, HotBufferCache, MissPlan, Prefetcher, replay_plan  # noqa: E402
+from hisparse_cupy import (  # noqa: E402
+    HostKVPool,
+    HotBufferCache,
+    MissPlan,
+    Prefetcher,
+    SMPartition,
+    replay_plan,
+)
 
 from _util import pattern  # noqa: E402
 
@@ -74,7 +82,7 @@ def check_replay(s, rng) -> int:
     return errors
 
 
-def check_prefetch(s, rng, predict: bool) -> int:
+def check_prefetch(s, rng, predict: bool, partition=None) -> int:
     pat = "FSSFS"
     L, R, H, K, max_len = len(pat), 2, 64, 32, 200
     cache = HotBufferCache(n_layers=L, max_requests=R, max_len=max_len, row_bytes=ROW,
@@ -87,7 +95,8 @@ def check_prefetch(s, rng, predict: bool) -> int:
     req = cupy.asarray(np.array(rids, np.int32))
     lens = cupy.full(R, max_len, cupy.int32)
     perm = rng.permutation(max_len - 1)
-    pf = Prefetcher(cache, pat, replay_grid=2, predict=predict, predict_width=16)
+    pf = Prefetcher(cache, pat, replay_grid=2, predict=predict, predict_width=16,
+                    partition=partition)
     own = rng.permutation(max_len - 1)
     errors = 0
     for t in range(5):
@@ -119,6 +128,11 @@ def main() -> int:
     with s:
         e1 = check_replay(s, rng)
         e2 = check_prefetch(s, rng, False) + check_prefetch(s, rng, True)
+    with SMPartition(8) as part:  # side streams on SMs of their own, the step on the rest
+        ps = part.stream("main")
+        with ps:
+            e2 += check_prefetch(ps, rng, True, part)
+        cupy.cuda.Device().synchronize()
     cupy.cuda.Device().synchronize()
     print(f"sanitize_plan: {e1} wrong rows in replays, {e2} in prefetcher steps")
     return 1 if e1 or e2 else 0
