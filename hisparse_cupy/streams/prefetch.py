@@ -160,10 +160,12 @@ class Prefetcher:
         Prediction mode (single-step swaps): while a full layer computes, stage the rows the
         next full layer will probably miss (see :meth:`set_predict`). Default off. Its stager
         runs on ``min(batch, replay_grid)`` blocks; beside matmuls on 124 of an H200's SMs with
-        ``replay_grid=8, replay_rows_per_warp=8`` it measured 83-88 % of the overhead hidden at
-        78 layers, batch 32-64, 5 % misses, but cost at batch 128 or 20 % misses, where those SMs
-        are full (``benchmarks/NOTES.md``, "Prediction beside a matmul on 124 SMs"). Needs the
-        cache's token table (``token_table=True``, the default).
+        ``replay_grid=8, replay_rows_per_warp=8`` it measured 82-88 % of the overhead hidden at
+        78 layers, batch 32-64, 5 % misses, and 89-95 % with the side streams on those 8 SMs
+        only (``partition``), but cost at 20 % misses and gained little at batch 128, where
+        those SMs are full (``benchmarks/NOTES.md``, "Prediction beside a matmul on 124 SMs",
+        "Side streams on SMs of their own"). Needs the cache's token table
+        (``token_table=True``, the default).
     predict_width : int, optional
         Rows staged per request at most (default ``top_k // 4``).
     copy_grid : int, optional
