@@ -203,7 +203,8 @@ SMEM = {
         ("u16", "order", "H"),  # slot | hit << 15, by LRU position (between passes)
         ("u8", "kind", "K"),  # entry classification
     ),
-    # prediction stager; MS = miss hash slots (a power of two >= 2 x the plan's width)
+    # prediction stager; MS = miss hash slots (a power of two >= 2 K; a row's misses beyond
+    # MS / 2 are not staged)
     "PREDICT_STAGE": (
         ("i64", "mkey", "MS"),  # F's misses (host rows; -1: empty)
         ("i32", "mclaim", "MS"),  # 1: a top-k entry took this miss (repeats stage once)

@@ -570,6 +570,8 @@ def test_prediction_never_changes_a_byte(main):
             gen = _LayerTopK(B, 5, 11, len(pf.pattern.full_layers))
             with s:
                 snaps, errors = _run_predict_steps(pf, cache, req, lens, gen, 24, s, graph=graph)
+            if partition is not None:  # both side streams are the partition's
+                assert {pf.side.ptr, pf.pside.ptr} <= set(partition._streams)
             assert errors.tolist() == [0] * L, f"{name}: rows with wrong bytes"
             runs[name] = (snaps, pf)
             pf.synchronize()
@@ -746,11 +748,13 @@ def test_sm_partition_streams_keep_to_their_sms(main):
         g = other.end_capture()
         g.launch(other)
         other.synchronize()
+        del g
         assert set(cp.asnumpy(x).tolist()) <= seen["side"]
-        with pytest.raises(ValueError, match="group must be"):
-            part.stream("left")
+        for bad in ("left", None, ["side"]):
+            with pytest.raises(ValueError, match="group must be"):
+                part.stream(bad)
+        cache, _ = _make_cache(4, 2, stream=main)
         with pytest.raises(TypeError, match="partition must be an SMPartition"):
-            cache, _ = _make_cache(4, 2, stream=main)
             Prefetcher(cache, "FSFS", partition=8)
     with pytest.raises(RuntimeError, match="closed"):
         part.stream("side")

@@ -24,18 +24,9 @@ from __future__ import annotations
 import cupy
 
 from .. import _checks
+from .._launch import _Handle
 
 __all__ = ["SMPartition"]
-
-
-class _Handle:
-    """A raw stream handle in the CUDA stream protocol (``cupy.cuda.Stream.from_external``)."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
 
 
 class SMPartition:
@@ -96,11 +87,15 @@ class SMPartition:
                                  f"(device has {total}, granted {int(groups[0].sm.smCount)})")
             self.side_sms = int(groups[0].sm.smCount)
             self.main_sms = int(rest.sm.smCount)
-            for name, res in (("side", groups[0]), ("main", rest)):
-                desc = self._call("cuDevResourceGenerateDesc", [res], 1)
-                self._ctx[name] = self._call(
-                    "cuGreenCtxCreate", desc, dev,
-                    cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM)
+            try:
+                for name, res in (("side", groups[0]), ("main", rest)):
+                    desc = self._call("cuDevResourceGenerateDesc", [res], 1)
+                    self._ctx[name] = self._call(
+                        "cuGreenCtxCreate", desc, dev,
+                        cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM)
+            except BaseException:
+                self.close()  # the first context, if the second failed
+                raise
 
     def _call(self, fn: str, *args):
         out = getattr(self._cu, fn)(*args)
@@ -117,7 +112,7 @@ class SMPartition:
         """
         if self._ctx is None:
             raise RuntimeError("the SMPartition is closed")
-        if group not in self._ctx:
+        if not isinstance(group, str) or group not in self._ctx:
             raise ValueError(f"group must be 'side' or 'main', got {group!r}")
         priority = _checks.integer("priority", priority, -(2**31), 2**31 - 1)
         h = self._call("cuGreenCtxStreamCreate", self._ctx[group],
@@ -128,15 +123,18 @@ class SMPartition:
             return cupy.cuda.Stream.from_external(_Handle(ptr))
 
     def close(self) -> None:
-        """Destroy every stream made by :meth:`stream` and both green contexts."""
+        """Wait for every stream made by :meth:`stream`, then destroy them and both green
+        contexts. The streams' CuPy objects (and a Prefetcher built on this partition) must not
+        be used after it."""
         if self._ctx is None:
             return
-        cu = self._cu
-        for ptr in self._streams:
-            cu.cuStreamDestroy(cu.CUstream(ptr))
-        for g in self._ctx.values():
-            cu.cuGreenCtxDestroy(g)
-        self._streams, self._ctx = [], None
+        ctx, self._ctx = self._ctx, None
+        streams, self._streams = self._streams, []
+        for ptr in streams:
+            self._call("cuStreamSynchronize", self._cu.CUstream(ptr))
+            self._call("cuStreamDestroy", self._cu.CUstream(ptr))
+        for g in ctx.values():
+            self._call("cuGreenCtxDestroy", g)
 
     def __enter__(self) -> SMPartition:
         return self

@@ -87,7 +87,9 @@ F''s swap reads its staged misses there.
     wait for it); the copy is rewritten by the next full layer's prediction, after the main
     stream waited on ``_pdone``. A caller that rewrites F's top-k buffer on the main stream
     before that copy ran changes the guess only: the guess decides which rows are staged, never
-    which bytes a swap writes (hazard 12).
+    which bytes a swap writes (hazard 12). The buffer must stay allocated until the next full
+    layer's swap or :meth:`Prefetcher.finish`: a stream-ordered allocator (``cudaFreeAsync``,
+    CuPy's ``MemoryAsyncPool``) could unmap it on the main stream before the copy ran.
 12. **A wrong byte from a wrong guess.** A staged row is used only for the host row it was
     copied from (``stage_src`` checked against the miss's host row, per batch row, within the
     rows staged this time), only by the full layer it was staged for, right after the full
@@ -182,7 +184,8 @@ class Prefetcher:
         (:class:`hisparse_cupy.streams.SMPartition`, CUDA green contexts): they then never hold
         an SM the compute wants, if the caller queues the step on ``partition.stream("main")``
         and sizes its GEMMs to ``partition.main_sms`` (``benchmarks/NOTES.md``, "Side streams
-        on SMs of their own"). Default: side streams on any SM.
+        on SMs of their own"). The partition must outlive the Prefetcher (its
+        :meth:`~SMPartition.close` destroys the side streams). Default: side streams on any SM.
 
     Attributes
     ----------
