@@ -103,6 +103,8 @@ def main() -> int:
 
         if a.graph:
             step()  # eagerly once: everything compiled, the mode's first step done
+            main_s.synchronize()
+            pool.extend(e for *_, x, y in log for e in (x, y))
             log.clear()
             g = rig.capture(step)
             pairs = list(log)

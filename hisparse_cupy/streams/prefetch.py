@@ -251,6 +251,7 @@ class Prefetcher:
         self.dry_run = False
         self.spin_cycles = 0
         self._enabled = bool(enabled)
+        self._side_priority = side_priority
         self.side = self._side_stream(side_priority)
         self._fork = cupy.cuda.Event(disable_timing=True)
         self.events = [cupy.cuda.Event(disable_timing=True)
@@ -278,7 +279,6 @@ class Prefetcher:
     # ------------------------------------------------------------------ state
     def _side_stream(self, priority: int | None) -> cupy.cuda.Stream:
         """A non-blocking side stream (on the partition's side SMs, if one was given)."""
-        self._side_priority = priority
         if self.partition is not None:
             return self.partition.stream("side", priority=priority or 0)
         try:
