@@ -87,9 +87,11 @@ class MultiStepConfig:
     extra_page : P >= 1, slots after the hot slots (slot H and on: newest and draft tokens).
     top_k : K, entries per step, 1 .. H.
     max_steps : the most draft steps a call may have, 2 .. 4; ``max_steps * top_k <= 8192``.
-    scratch : C, scratch rows per request, ``>= max(1, max_steps * top_k - H)`` (default
-        :func:`default_scratch`). Every miss beyond the scratch rows is copied straight into an
-        unreferenced victim; the lower bound guarantees one exists.
+    scratch : C, scratch rows per request, ``>= max(1, max_steps - 1, max_steps * top_k - H)``
+        (default :func:`default_scratch`). Every miss beyond the scratch rows is copied straight
+        into an unreferenced victim; ``S*K - H`` guarantees one exists. A row still in
+        positional layout admits nothing, and ``S - 1`` rows hold the draft tokens past H of
+        its steps ``L, L + 1, ...``.
     max_batch : rows of the workspace (default ``n_requests``).
     """
 
@@ -105,7 +107,7 @@ class MultiStepConfig:
             raise ValueError(f"max_steps * top_k must be <= {MAX_TOKENS}, got {S} * {K} = {S * K}")
         if scratch is None:
             scratch = default_scratch(H, K, S)
-        self.scratch = _checks.integer("scratch", scratch, max(1, S * K - H))
+        self.scratch = _checks.integer("scratch", scratch, max(1, S - 1, S * K - H))
         self.max_batch = _checks.integer(
             "max_batch", self.n_requests if max_batch is None else max_batch, 1)
 

@@ -15,7 +15,7 @@ from ._abi import N_STATUS, ST_BADROW, ST_NOHOST, ST_RANGE
 __all__ = [
     "InvariantError", "MULTISTEP_KINDS", "MultiStepResult", "N_STATUS", "ST_BADROW",
     "ST_NOHOST", "ST_RANGE", "SwapResult", "check_invariants", "check_multistep_invariants",
-    "multistep_swap_in", "swap_in",
+    "mirror_layer", "multistep_swap_in", "swap_in",
 ]
 
 
@@ -314,7 +314,7 @@ def multistep_swap_in(
                     status[b, ST_RANGE] += 1
                     kind[b, s, i] = k_of["range"]
                     continue
-                if tok >= seq - P:
+                if tok >= min(seqs) - P:  # the row's shortest step: one row per token
                     js = [j for j in range(P) if extra[j] == tok and slot_locs[rid, H + j] >= 0]
                     if js:
                         out[b, s, i] = slot_locs[rid, H + js[0]]
@@ -350,9 +350,10 @@ def multistep_swap_in(
         # eviction keys in ring order from the cursor
         ring = (cursor + np.arange(H)) % H
         keys = np.empty(H, np.int64)
+        positional = min(seqs) <= H  # later calls read its slots in place: admit nothing
         for j, slot in enumerate(ring):
             r = int(ref[rid, slot])
-            if r == epoch:
+            if positional or r == epoch:
                 keys[j] = 0
             elif slot_tokens[rid, slot] < 0:
                 keys[j] = _KEY_EMPTY
@@ -386,7 +387,7 @@ def multistep_swap_in(
                 loc_of[t] = int(slot_locs[rid, victim_of[t]])
             else:
                 loc_of[t] = -1
-                status[b, ST_BADROW] = 1  # unreachable while C >= S*K - H
+                status[b, ST_BADROW] = 1  # unreachable while C >= S*K - H (and S - 1)
             psrc[b, u] = misses[t][0] if loc_of[t] >= 0 else -1
             pdst[b, u] = loc_of[t]
         for u, t in enumerate(order):
@@ -470,3 +471,31 @@ def check_multistep_invariants(
         raise InvariantError("a device row is owned twice (slot_locs / scratch_locs)")
     if n_device_rows is not None and locs.size and locs.max() >= n_device_rows:
         raise InvariantError(f"device row {locs.max()} >= n_device_rows {n_device_rows}")
+
+
+def mirror_layer(src: dict, dst: dict, *, host_locs: np.ndarray, dst_device: np.ndarray,
+                 dst_host: np.ndarray) -> None:
+    """Layer ``dst`` takes layer ``src``'s state (``HotBufferCache.mirror_layer(rows=True)``).
+
+    ``src``, ``dst``: each layer's tables by name (``slot_tokens`` and ``slot_locs`` ``[R, W]``
+    and any others), ``dst`` updated in place. The row where ``src`` holds token t (any slot)
+    receives ``dst``'s bytes of t: from the row where ``dst`` held it, else from ``dst``'s host
+    row of t (``dst_host[host_locs[r, t]]``); ``dst_device`` ``[D, row_bytes]`` is updated. Then
+    every table of ``src`` is copied into ``dst``.
+    """
+    R, W = src["slot_tokens"].shape
+    max_len = host_locs.shape[1]
+    before = dst_device.copy()
+    for r in range(R):
+        where = {int(t): int(loc) for t, loc in zip(dst["slot_tokens"][r], dst["slot_locs"][r],
+                                                   strict=True) if t >= 0}
+        for t, to in zip(src["slot_tokens"][r], src["slot_locs"][r], strict=True):
+            t = int(t)
+            if t < 0:
+                continue
+            if t in where:
+                dst_device[to] = before[where[t]]
+            elif t < max_len and host_locs[r, t] >= 0:
+                dst_device[to] = dst_host[host_locs[r, t]]
+    for name, table in src.items():
+        dst[name][...] = table

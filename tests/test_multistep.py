@@ -50,6 +50,7 @@ def test_config_defaults_and_sizes():
         (dict(hot_size=8192, top_k=4096, max_steps=3), "max_steps \\* top_k must be <= 8192"),
         (dict(scratch=4095), "scratch must be >= 4096"),
         (dict(scratch=0, hot_size=8000, top_k=1000, max_steps=2), "scratch must be >= 1"),
+        (dict(scratch=2, hot_size=64, top_k=1, max_steps=4), "scratch must be >= 3"),
         (dict(n_requests=0), "n_requests must be >= 1"),
         (dict(extra_page=0), "extra_page must be >= 1"),
         (dict(max_batch=0), "max_batch must be >= 1"),
@@ -185,6 +186,65 @@ def test_oracle_positional_path():
     assert res.device_locs[0, 1, :2].tolist() == [-1, -1] and res.status[0].tolist() == [3, 0, 0]
     assert (st["ref"][0, [0, 1, 2]] == 1).all() and (st["ref"][0, 3:] == 0).all()
     assert res.device_locs[0, 1, 2] == res.device_locs[0, 1, 3] == st["slot_locs"][0, 1]
+
+
+def test_oracle_token_in_every_step_gets_one_row():
+    """Steps L, L + 1, ... with an extra page shorter than the steps: the newest token (in
+    slot H) selected in every step is found there in every step (the row's shortest length
+    decides, not the occurrence's), never loaded a second time."""
+    H, P, C = 8, 1, 8
+    for S in (2, 3, 4):
+        st, _ = _np_state(1, H, P, C, [[3, 4]], extra={(0, 0): 20})
+        res = _run([[[20]] * S], [0], [[21 + s for s in range(S)]], st, H=H)
+        assert res.device_locs[0, :, 0].tolist() == [st["slot_locs"][0, H]] * S
+        assert res.plan_count[0] == 0 and (st["slot_tokens"][0, :H] != 20).all()
+
+
+def test_oracle_positional_row_admits_nothing():
+    """A row whose shortest step is positional (seq <= H) keeps every slot: its misses (the
+    draft tokens >= H of its longer steps) come from scratch rows for this call only."""
+    H, P, C = 8, 2, 3
+    st, _ = _np_state(1, H, P, C, [list(range(8))])
+    locs, scr = st["slot_locs"].copy(), st["scratch_locs"].copy()
+    topk = [[[0, 5, -1], [7, 8, 0], [8, 9, 6]]]
+    res = _run(topk, [0], [[8, 9, 10]], st, H=H)
+    out = res.device_locs[0]
+    assert out[0].tolist() == [locs[0, 0], locs[0, 5], -1]
+    assert out[1, 0] == locs[0, 7] and out[1, 2] == locs[0, 0] and out[2, 2] == locs[0, 6]
+    assert out[1, 1] == out[2, 0] and {out[1, 1], out[2, 1]} <= set(scr[0].tolist())
+    assert res.stats[0].tolist() == [2, 0, 0, 1] and res.status.sum() == 0
+    np.testing.assert_array_equal(st["slot_tokens"][0, :H], np.arange(H))
+    np.testing.assert_array_equal(st["slot_locs"], locs)
+    np.testing.assert_array_equal(st["scratch_locs"], scr)
+
+
+def test_oracle_mirror_layer():
+    """Layer dst takes src's layout: each of src's rows gets dst's own bytes of its token,
+    from where dst held it, else from dst's host row."""
+    rng = np.random.default_rng(5)
+    R, W, max_len, row = 2, 6, 40, 4
+    host_locs = (np.arange(R)[:, None] * max_len + np.arange(max_len)).astype(np.int64)
+    host = rng.integers(0, 255, (R * max_len, row), dtype=np.uint8)  # dst's host rows
+    src = dict(slot_tokens=np.array([[3, 5, -1, 7, 9, 30], [1, 2, 4, -1, -1, 6]], np.int32),
+               slot_locs=np.array([[5, 4, 3, 2, 1, 0], [6, 7, 8, 9, 10, 11]], np.int32),
+               lru=np.arange(12, dtype=np.int16).reshape(R, W))
+    dst = dict(slot_tokens=np.array([[5, 3, 9, 8, -1, 30], [6, 2, 1, 4, -1, -1]], np.int32),
+               slot_locs=np.arange(12, dtype=np.int32).reshape(R, W),
+               lru=np.zeros((R, W), np.int16))
+    dev = rng.integers(0, 255, (12, row), dtype=np.uint8)
+    want = {}  # row -> bytes
+    for r in range(R):
+        where = dict(zip(dst["slot_tokens"][r].tolist(), dst["slot_locs"][r].tolist(),
+                         strict=True))
+        for t, to in zip(src["slot_tokens"][r], src["slot_locs"][r], strict=True):
+            if t >= 0:
+                want[int(to)] = (dev[where[t]] if t in where else host[host_locs[r, t]]).copy()
+    ref.mirror_layer(src, dst, host_locs=host_locs, dst_device=dev, dst_host=host)
+    for to, b in want.items():
+        np.testing.assert_array_equal(dev[to], b, err_msg=f"row {to}")
+    for k in src:
+        np.testing.assert_array_equal(dst[k], src[k])
+    np.testing.assert_array_equal(dev[2], host[7])  # token 7, which dst did not hold
 
 
 def test_oracle_victim_order_and_partial_admission():
@@ -708,6 +768,42 @@ def test_extra_page_hits_never_read_host(rng):
         for k in range(s + 1):
             j = [j for j, t in drafts.items() if t == L - 1 + k][0]
             assert got[0, s, K - s - 1 + k] == env.np["slot_locs"][0, H + j]
+
+
+@pytest.mark.gpu
+def test_token_in_every_step_gets_one_row(rng):
+    """Per-step lengths L, L + 1, ... and an extra page shorter than the steps: the newest
+    token (slot H) selected in every step gets slot H's row in every step (equal to the
+    oracle)."""
+    H, K, S = 64, 8, 4
+    env = Env(rng, R=2, H=H, P=1, K=K, S_max=S, lens=[200, 300])
+    for _ in range(4):
+        seqs = env.lens[:, None] + np.arange(S)
+        topk = np.stack([np.stack([np.concatenate([[int(env.lens[r]) - 1],
+                                                   rng.integers(0, env.lens[r], K - 1)])
+                                   for _ in range(S)]) for r in range(2)]).astype(np.int32)
+        got, res = env.call(topk, [0, 1], seqs)
+        got = got.get() if hasattr(got, "get") else got
+        for r in range(2):
+            assert (got[r, :, 0] == env.np["slot_locs"][r, H]).all()
+
+
+@pytest.mark.gpu
+def test_positional_rows_straddling_h_admit_nothing(rng):
+    """A row whose shortest step is positional keeps its slots, whatever its longer steps
+    select (equal to the oracle; nothing admitted, slot tables unchanged)."""
+    H, K, S = 64, 16, 4
+    env = Env(rng, R=3, H=H, P=2, K=K, S_max=S, lens=[H - 1, H - 3, H], positional=(0, 1, 2))
+    locs = env.np["slot_locs"].copy()
+    for _ in range(6):
+        seqs = env.lens[:, None] + np.arange(S)
+        topk = np.stack([np.stack([rng.integers(-1, seqs[r, s], K) for s in range(S)])
+                         for r in range(3)]).astype(np.int32)
+        got, res = env.call(topk, [0, 1, 2], seqs)
+        assert (res.stats[:, 1] == 0).all() and res.status.sum() == 0
+        np.testing.assert_array_equal(env.np["slot_tokens"][:, :H],
+                                      np.tile(np.arange(H), (3, 1)))
+        np.testing.assert_array_equal(env.np["slot_locs"], locs)
 
 
 @pytest.mark.gpu

@@ -47,7 +47,8 @@
 //   - seq <= H (positional layout): i >= seq or t == -1 -> -1; t outside [0, seq) -> -1 and
 //     RANGE; else slot_locs[t] (slot t is marked referenced);
 //   - seq > H: t == -1 -> -1; t outside [0, seq) or beyond host_locs' width -> -1, RANGE;
-//     t >= seq - P and held by an extra-page slot j (first such j, slot_locs >= 0) -> that row,
+//     t >= min_s(seq_s) - P (the row's shortest step) and held by an extra-page slot j (first
+//     such j, slot_locs >= 0) -> that row,
 //     never read from the host; held by a hot slot -> its row (slot marked referenced);
 //     otherwise a miss: no valid host row -> -1, NOHOST (per occurrence); else every occurrence
 //     of t gets the same row holding t's bytes, copied once per call.
@@ -64,8 +65,13 @@
 //     misses in miss order (latest step first) until the slots run out; the others are served
 //     from scratch rows for this call only. Which misses lack a scratch row depends on the order
 //     of claims, so partial admission is not deterministic when M > C.
+//   - a row whose shortest step has seq <= H (positional layout, which later calls of the
+//     request still read) admits nothing (E = 0): its misses, tokens >= H of its longer steps,
+//     are served from scratch rows for this call.
 //   Outputs are exact in every case: C >= S*K - H (checked in Python) guarantees a victim for
-//   every miss without a scratch row.
+//   every miss without a scratch row, and C >= S - 1 a scratch row for each of the at most
+//   S - 1 misses of a positional row whose steps are L, L + 1, ... (longer steps leave the
+//   misses past C at -1 with status BADROW).
 #include "abi.cuh"
 
 namespace hs {
@@ -144,15 +150,21 @@ __device__ __forceinline__ i64 step_len(const MultiStepParams& p, int b, int s) 
 }
 
 // A request slot outside [0, R) or a negative length in any step makes the whole row bad. The
-// S lengths are loaded together (no load waits for the previous one's test).
+// S lengths are loaded together (no load waits for the previous one's test); `shortest` gets
+// the row's smallest length.
 template <typename LenT>
-__device__ __forceinline__ bool row_is_bad(const MultiStepParams& p, i64 rid, int b) {
+__device__ __forceinline__ bool row_is_bad(const MultiStepParams& p, i64 rid, int b,
+                                           i64& shortest) {
   i64 len[MS_MAX_STEPS];
 #pragma unroll
   for (int s = 0; s < MS_MAX_STEPS; ++s) len[s] = s < p.S ? step_len<LenT>(p, b, s) : 0;
   bool bad = rid < 0 || rid >= p.R;
+  shortest = len[0];
 #pragma unroll
-  for (int s = 0; s < MS_MAX_STEPS; ++s) bad |= len[s] < 0;
+  for (int s = 0; s < MS_MAX_STEPS; ++s) {
+    bad |= len[s] < 0;
+    if (s < p.S && len[s] < shortest) shortest = len[s];
+  }
   return bad;
 }
 
@@ -216,11 +228,11 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
     pos = occ - step * K;
   }
   const int nr = clamp_real(p.num_real, B);
-  i64 rid = -1;
+  i64 rid = -1, shortest = 0;
   bool skip = b >= nr;
   if (!skip) {
     rid = static_cast<i64>(req_idx[b]);
-    skip = row_is_bad<LenT>(p, rid, b);
+    skip = row_is_bad<LenT>(p, rid, b, shortest);
   }
   if (skip) {  // uniform over the block
     if (active) orow[occ] = -1;
@@ -267,7 +279,9 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
       const int e = tsl[tok];
       const i64 hl_spec = hloc[tok];
       bool found = false;
-      if (tok >= seq - P) {  // newest / draft tokens live in the extra page
+      // newest / draft tokens live in the extra page; the row's shortest length decides, so
+      // every occurrence of a token in the row is looked up alike (one row per token)
+      if (tok >= shortest - P) {
         constexpr int G = 8;  // extra-page slots whose tokens are loaded together
         for (int j0 = 0; j0 < P && !found; j0 += G) {
           int t[G];
@@ -552,12 +566,12 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
   i32* st = p.status + static_cast<i64>(b) * N_STATUS;
   i32* xs = p.stats + static_cast<i64>(b) * MS_N_STATS;
   const int nr = clamp_real(p.num_real, B);
-  i64 rid = -1;
+  i64 rid = -1, shortest = 0;
   const bool pad = b >= nr;
   bool bad = false;
   if (!pad) {
     rid = static_cast<i64>(req_idx[b]);
-    bad = row_is_bad<LenT>(p, rid, b);
+    bad = row_is_bad<LenT>(p, rid, b, shortest);
   }
   if (pad || bad) {
     if (tid == 0) {
@@ -596,6 +610,11 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
   }
 
   // ---- phase 1: keys in ring order; miss bitmap
+  // A row whose shortest step is in positional layout (seq <= H) admits nothing: later calls
+  // of the request read token t from slot t (and the newest token's KV is written there), so
+  // its slots and their rows must stay put; its misses (tokens >= H of its longer steps) are
+  // served from scratch rows for this call.
+  const bool positional = shortest <= H;
   int ev = 0;
   u32 kor = 0u, kand = ~0u;  // OR / AND of the non-zero keys (radix_select's first digit)
   constexpr int UNR = 8;  // loads of UNR ring positions in flight per thread (H 4096: one round)
@@ -615,7 +634,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
       const int j = base + q * BLOCK;
       if (j >= H) break;
       u32 key;
-      if (r[q] == epoch) key = 0;
+      if (positional || r[q] == epoch) key = 0;
       else if (t[q] < 0) key = KEY_EMPTY;
       else if (r[q] == 0) key = KEY_NEVER;
       else {
