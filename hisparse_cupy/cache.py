@@ -199,6 +199,10 @@ class HotBufferCache:
         self._free = list(range(R - 1, -1, -1))
         self._len: dict[int, int] = {}
         self._released: dict[int, cupy.cuda.Event] = {}
+        # The tables above were filled on CuPy's current stream; every later call takes any
+        # stream (admit's is often a non-blocking one, which nothing orders after these fills),
+        # so construction ends when they have landed.
+        cupy.cuda.get_current_stream().synchronize()
 
     @staticmethod
     def rows_needed(*, max_requests: int, hot_size: int = 4096, top_k: int = 2048,
@@ -266,16 +270,21 @@ class HotBufferCache:
         n_tokens : int
             Current length, 1 .. max_len.
         kv : uint8 ``[n_layers, n_tokens, row_bytes]``, optional
-            Prefill KV to write into the host pool first (else write it with
-            :meth:`write_host` before admitting, or host rows stay unwritten). A GPU array
-            (CuPy, or any DLPack exporter: PyTorch, JAX) is copied device -> host on ``stream``
-            without any host synchronization; a host array is written by the CPU (see
-            :meth:`write_host`).
+            Prefill KV to write into the host pool first. A GPU array (CuPy, or any DLPack
+            exporter: PyTorch, JAX) is copied device -> host on ``stream`` without any host
+            synchronization; a host array is written by the CPU (see :meth:`write_host`).
+            Without it, the request's host rows (slot ``r``'s rows ``r * max_len + [0,
+            n_tokens)`` of :attr:`pool`) must already hold the KV, written into the pool
+            directly (an engine-owned or shared pool): admission loads the rows it places
+            on the device (the positional layout's, the warm tokens', the newest) from them.
+            :meth:`write_host` writes rows of an admitted request only.
         warm_tokens : sequence of int, optional
             For ``n_tokens > H``: up to H distinct tokens in ``[0, n_tokens - 1)`` to load into
-            the hot buffer now (default: start cold). Ignored for short requests, which are
-            loaded whole in positional layout.
-        stream : any stream kind (default: CuPy's current stream).
+            the hot buffer now (default: start cold). A request of ``n_tokens <= H`` is loaded
+            whole in positional layout and refuses ``warm_tokens`` (``ValueError``).
+        stream : any stream kind (default: CuPy's current stream). The admission is queued
+            there and ordered after the slot's previous release; calls on other streams (a step
+            on another stream) must be ordered after it by the caller.
 
         Returns
         -------
@@ -304,6 +313,9 @@ class HotBufferCache:
         rid = self._free.pop()
         try:
             s = as_stream(stream)
+            released = self._released.get(rid)  # the slot's previous request's reset
+            if released is not None:
+                s.wait_event(released)  # ordered after it on the device, no host sync
             if kv is not None:
                 self.write_host(rid, 0, kv, stream=s, _admitting=n)
             with s:
@@ -440,6 +452,67 @@ class HotBufferCache:
     # ----------------------------------------------------------------- per layer
     def _layer(self, layer) -> int:
         return _checks.integer("layer", layer, 0, self.n_layers - 1)
+
+    def layer_tables(self) -> dict[str, cupy.ndarray]:
+        """Every per-layer table, ``name -> [n_layers, ...]`` array: a layer's whole state
+        beside its device rows (``host_locs`` is shared by all layers)."""
+        t = {"slot_tokens": self.slot_tokens, "slot_locs": self.slot_locs, "lru": self.lru}
+        if self.token_slot is not None:
+            t["token_slot"] = self.token_slot
+        if self._ms:
+            t.update(scratch_locs=self.scratch_locs, ms_ref=self.ms_ref, ms_clock=self.ms_clock)
+        return t
+
+    def mirror_layer(self, src: int, dst: int, *, rows: bool = True, stream=None) -> None:
+        """Give layer ``dst`` the state of layer ``src``: every table, and the slot layout.
+
+        With ``rows=True`` (default) ``dst``'s device rows are first rearranged into ``src``'s
+        layout: the row where ``src`` holds token t (any slot) receives ``dst``'s own bytes of
+        t, from the row where ``dst`` held it or, if ``dst`` did not hold it, from ``dst``'s
+        host row of t. Then every table of :meth:`layer_tables` is copied from ``src``. After
+        it, a page table of ``src`` is valid for ``dst``'s rows. ``rows=False`` copies the
+        tables only, for layers whose device layouts are equal (a Prefetcher's group while
+        prefetch is on). Layouts diverge when two layers run the same multi-step calls: misses
+        take scratch rows in the order the gather's threads claim them.
+
+        Every token a layer holds has a host row or is held by every layer at the same row
+        (slot H, the positional layout), so nothing is missing from ``dst``. Queued on
+        ``stream`` (no host synchronization; one layer's rows of scratch memory).
+        """
+        src, dst = self._layer(src), self._layer(dst)
+        s = as_stream(stream)
+        with s:
+            if rows and src != dst:
+                self._mirror_rows(src, dst, s)
+            for t in self.layer_tables().values():
+                t[dst][...] = t[src]
+
+    def _mirror_rows(self, src: int, dst: int, s) -> None:
+        R, W, n = self.max_requests, self.slots, self.max_len
+        span = max(n, W) + 1  # above every token a slot can name (positional ones < H)
+        base = cupy.arange(R, dtype=cupy.int64).reshape(R, 1) * span
+        tok_s, loc_s = self.slot_tokens[src], self.slot_locs[src]
+        tok_d, loc_d = self.slot_tokens[dst], self.slot_locs[dst]
+        # where dst holds each (request, token): its keys sorted, src's keys searched
+        key_d = cupy.where(tok_d >= 0, base + tok_d, -1).reshape(-1)
+        order = cupy.argsort(key_d)
+        key_s = (base + tok_s).reshape(-1)
+        at = cupy.minimum(cupy.searchsorted(key_d[order], key_s), key_s.size - 1)
+        wanted = tok_s.reshape(-1) >= 0
+        held = wanted & (key_d[order[at]] == key_s)
+        to = loc_s.reshape(-1)
+        dev = self.device[dst]
+        dev[to] = dev[cupy.where(held, loc_d.reshape(-1)[order[at]], to)]  # gathered first
+        # the tokens dst did not hold: its host rows (the copy skips -1 sources)
+        tok = cupy.clip(tok_s, 0, n - 1)
+        hl = self.host_locs[cupy.arange(R).reshape(R, 1), tok]
+        hl = cupy.where((wanted & ~held).reshape(R, W) & (tok_s < n), hl, -1)
+        cnt = cupy.full(R, W, cupy.int32)
+        p = copy_params(hl, loc_s, cnt, R, None, src_base=self.pool.device_ptr(dst),
+                        src_layer_bytes=0, n_src_rows=self.pool.n_rows,
+                        dst_base=dev.data.ptr, dst_layer_bytes=0,
+                        n_dst_rows=self.device.shape[1], row_bytes=self.row_bytes)
+        launch_copy(p, grid=default_copy_grid(R, W), stream=s)
 
     def state(self, layer: int) -> SwapState:
         """The single-step swap tables of ``layer`` (views)."""

@@ -19,3 +19,55 @@ def lru_state(R: int, H: int, P: int, rng, *, fill: float = 0.7, max_token: int 
         lru[r] = rng.permutation(H).astype(np.int16)
     slot_locs = np.arange(R * (H + P), dtype=np.int32).reshape(R, H + P)
     return slot_tokens, slot_locs, lru
+
+
+def stream_kinds(cupy, *, every: bool = False):
+    """(name, what a call is given, the CuPy stream it is) for each stream kind a call takes:
+    a CuPy stream, an ExternalStream, an int handle, a ``__cuda_stream__`` object; with
+    ``every``, also a blocking CuPy stream, a torch stream (if torch sees the GPU) and the
+    legacy default stream (``None``: CuPy's current stream)."""
+    import warnings
+
+    def ext(ptr):
+        with warnings.catch_warnings():  # deprecated in CuPy 14, still what engines pass
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return cupy.cuda.ExternalStream(ptr)
+
+    class Proto:
+        def __init__(self, st):
+            self.st = st
+
+        def __cuda_stream__(self):
+            return (0, self.st.ptr)
+
+    new = [cupy.cuda.Stream(non_blocking=True) for _ in range(4)]
+    kinds = [("cupy.Stream", new[0], new[0]), ("cupy.ExternalStream", ext(new[1].ptr), new[1]),
+             ("int handle", new[2].ptr, new[2]), ("__cuda_stream__", Proto(new[3]), new[3])]
+    if every:
+        s = cupy.cuda.Stream()
+        kinds.append(("cupy blocking", s, s))
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is not None and torch.cuda.is_available():
+            ts = torch.cuda.Stream()
+            kinds.append(("torch", ts, ext(ts.cuda_stream)))
+        kinds.append(("legacy default", None, cupy.cuda.Stream.null))
+    return kinds
+
+
+_SPIN = {}
+
+
+def spin(cupy, cycles: int) -> None:
+    """Queue one thread spinning ``cycles`` clock cycles on CuPy's current stream (a stream
+    held busy, so that work queued after it visibly waits)."""
+    k = _SPIN.get("k")
+    if k is None:
+        k = _SPIN["k"] = cupy.RawKernel(r'''
+extern "C" __global__ void spin(long long cycles) {
+  long long t0 = clock64();
+  while (clock64() - t0 < cycles) { }
+}''', "spin")
+    k((1,), (1,), (np.int64(cycles),))

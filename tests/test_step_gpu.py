@@ -18,6 +18,8 @@ import pytest
 
 from hisparse_cupy._selfcheck import MAX_LEN, ROW, H, K, L, P, R, Twin, alternate, pattern
 
+from _util import stream_kinds
+
 pytestmark = pytest.mark.gpu
 
 
@@ -104,35 +106,11 @@ def test_step_in_a_graph_equals_eager(rng, stream):
     graph.c.close()
 
 
-def _stream_kinds(cupy):
-    kinds = []
-    s = cupy.cuda.Stream(non_blocking=True)
-    kinds.append(("cupy.Stream", s, s))
-    s2 = cupy.cuda.Stream(non_blocking=True)
-    with warnings.catch_warnings():  # deprecated in CuPy 14, still what engines pass
-        warnings.simplefilter("ignore", DeprecationWarning)
-        ext = cupy.cuda.ExternalStream(s2.ptr)
-    kinds.append(("cupy.ExternalStream", ext, s2))
-    s3 = cupy.cuda.Stream(non_blocking=True)
-    kinds.append(("int handle", s3.ptr, s3))
-
-    class Proto:
-        def __init__(self, st):
-            self.st = st
-
-        def __cuda_stream__(self):
-            return (0, self.st.ptr)
-
-    s4 = cupy.cuda.Stream(non_blocking=True)
-    kinds.append(("__cuda_stream__", Proto(s4), s4))
-    return kinds
-
-
 def test_every_stream_kind(rng):
     import cupy
 
     t = Twin(rng)
-    for name, given, owner in _stream_kinds(cupy):
+    for name, given, owner in stream_kinds(cupy):
         req = rng.permutation(R)[:4]
         topk = t.topk(req)
         step = t.c.begin_step(cupy.asarray(req.astype(np.int32)), cupy.asarray(t.lens[req]),
@@ -305,4 +283,98 @@ def test_admit_from_prefill_kv_on_the_gpu(rng, stream):
     # a released slot's host rows are rewritten by the CPU only after the release's work
     c.release(1, stream=stream)
     assert c.admit(n, kv=host(1), stream=stream) == 1
+    c.close()
+
+
+# ---------------------------------------------------------------- issue 23's defects
+def _repro():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import repro_step_api
+
+    return repro_step_api
+
+
+@pytest.mark.parametrize("P, S", [(1, 2), (2, 3), (3, 4), (4, 4)])
+def test_newest_token_in_every_draft_step_gets_one_row(P, S, stream):
+    assert _repro().case_a(P, S, stream)
+
+
+def test_prefetch_reenabled_after_multistep_steps_mirrors_shared_rows(stream):
+    assert _repro().case_b(stream, np.random.default_rng(23))
+
+
+def test_construction_is_ordered_before_a_busy_streams_admission():
+    assert _repro().case_c(np.random.default_rng(0))
+
+
+def test_mirror_layer_equals_the_oracle(rng, stream):
+    """HotBufferCache.mirror_layer against reference.mirror_layer, after multi-step calls left
+    two layers in different layouts (every byte of every slot row compared)."""
+    import cupy
+
+    from hisparse_cupy import HotBufferCache
+    from hisparse_cupy import reference as refm
+
+    c = HotBufferCache(n_layers=2, max_requests=3, max_len=400, row_bytes=32, hot_size=64,
+                       top_k=16, extra_page=4, max_steps=4)
+    for layer in range(2):
+        c.pool.layer(layer)[:] = pattern(layer, np.arange(c.pool.n_rows), 32)
+    req = [c.admit(int(n), stream=stream) for n in (300, 40, 250)]
+    d_req = cupy.asarray(np.asarray(req, np.int32))
+    lens = np.array([300, 40, 250])
+    for _ in range(5):
+        for layer in range(2):
+            tk = np.stack([np.stack([rng.integers(0, n - 1, 16) for _ in range(4)])
+                           for n in lens]).astype(np.int32)
+            c.begin_step(d_req, cupy.asarray(lens), stream=stream).swap(layer, cupy.asarray(tk))
+    stream.synchronize()
+    tabs = {k: cupy.asnumpy(v) for k, v in c.layer_tables().items()}
+    src = {k: v[0] for k, v in tabs.items()}
+    dst = {k: v[1].copy() for k, v in tabs.items()}
+    assert (src["slot_locs"] != dst["slot_locs"]).any()  # the layouts did diverge
+    dev = cupy.asnumpy(c.device[1])
+    refm.mirror_layer(src, dst, host_locs=cupy.asnumpy(c.host_locs), dst_device=dev,
+                      dst_host=c.pool.numpy[1])
+    c.mirror_layer(0, 1, stream=stream)
+    stream.synchronize()
+    for k, v in c.layer_tables().items():
+        np.testing.assert_array_equal(cupy.asnumpy(v[1]), dst[k], err_msg=k)
+    held = src["slot_tokens"] >= 0
+    rows = src["slot_locs"][held]
+    np.testing.assert_array_equal(cupy.asnumpy(c.device[1])[rows], dev[rows])
+    ids = (np.nonzero(held)[0] * 400 + src["slot_tokens"][held]).astype(np.int64)
+    np.testing.assert_array_equal(dev[rows], pattern(1, ids, 32))
+    c.close()
+
+
+def test_a_prefetched_step_refuses_out_and_copy_grid_and_checks(stream):
+    import cupy
+
+    from hisparse_cupy import HotBufferCache
+    from hisparse_cupy.streams import Prefetcher
+
+    c = HotBufferCache(n_layers=2, max_requests=2, max_len=300, row_bytes=16, hot_size=32,
+                       top_k=8, extra_page=4)
+    pf = Prefetcher(c, "FS")
+    rid = c.admit(200, stream=stream)
+    step = c.begin_step(cupy.asarray([rid], cupy.int32), cupy.asarray([200]), stream=stream,
+                        prefetcher=pf)
+    tk = cupy.full((1, 8), 250, cupy.int32)  # every entry out of range
+    for kw in (dict(out=cupy.empty((1, 8), cupy.int32)), dict(copy_grid=4)):
+        with pytest.raises(ValueError, match="do not apply to a step driven by a prefetcher"):
+            step.swap(0, tk, **kw)
+    with pytest.raises(ValueError, match="8 token\\(s\\) outside"):
+        step.swap(0, tk, check=True)
+    with pytest.raises(ValueError, match="8 token\\(s\\) outside"):
+        step.swap(1, None, check=True)  # the shared layer reports its full layer's status
+    step.finish()
+    with pytest.raises(ValueError, match="layer 2 is outside"):
+        pf.swap_step(c.begin_step(cupy.asarray([rid], cupy.int32), cupy.asarray([200]),
+                                  stream=stream, prefetcher=pf), 2, tk)
+    with pytest.raises(ValueError, match="layer must be"):
+        c.begin_step(cupy.asarray([rid], cupy.int32), cupy.asarray([200]),
+                     stream=stream).swap(2, tk)
     c.close()

@@ -81,9 +81,9 @@ def test_pattern_errors():
         layer_pattern(3.5)
     p = LayerPattern.from_string("FSSF")
     for bad in (4, -1, 100):
-        with pytest.raises(IndexError, match="outside the pattern's 4 layers"):
+        with pytest.raises(ValueError, match="outside the pattern's 4 layers"):
             p.anchor(bad)
-    with pytest.raises(IndexError):
+    with pytest.raises(ValueError):
         p.is_full(4)
 
 
@@ -95,11 +95,11 @@ def test_stage_local_layers():
     assert st.is_full(0) and st.groups[0] == (1, 2, 3)  # model layers 38 -> 39, 40, 41
     assert tuple(a + 38 for a in st.full_layers) == tuple(x for x in GLM52_FULL if x >= 38)
     for bad in (37, 78, 0):
-        with pytest.raises(IndexError, match="outside this pattern's layers 38 .. 77"):
+        with pytest.raises(ValueError, match="outside this pattern's layers 38 .. 77"):
             st.local_index(bad)
     first = model.stage(0, 38)
     assert first.local_index(37) == 37
-    with pytest.raises(IndexError):
+    with pytest.raises(ValueError):
         first.local_index(38)
     # a stage starting at a shared layer has no full layer to reuse
     with pytest.raises(ValueError, match="layer 39 is shared but no full layer precedes it"):
@@ -458,7 +458,7 @@ def test_pipeline_stage_and_errors(main):
         with pytest.raises(RuntimeError, match="shared layer 5 reuses full layer 4"):
             pf.swap(5, req, lens, tk, stream=main)
         for bad in (3, 8):
-            with pytest.raises(IndexError, match="outside this pattern's layers 4 .. 7"):
+            with pytest.raises(ValueError, match="outside this pattern's layers 4 .. 7"):
                 pf.swap(bad, req, lens, tk, stream=main)
         with pytest.raises(ValueError, match="needs top_k_tokens"):
             pf.swap(4, req, lens, None, stream=main)

@@ -168,7 +168,7 @@ class LayerPattern:
             raise TypeError(f"layer must be an int, got {type(layer).__name__}")
         layer = int(layer)
         if not 0 <= layer < self.n_layers:
-            raise IndexError(f"local layer {layer} is outside the pattern's {self.n_layers} "
+            raise ValueError(f"local layer {layer} is outside the pattern's {self.n_layers} "
                              f"layers (0 .. {self.n_layers - 1})")
         return layer
 
@@ -204,7 +204,7 @@ class LayerPattern:
 
         Raises
         ------
-        IndexError
+        ValueError
             The layer is not one of this pattern's (stage's) layers.
         """
         if isinstance(layer, bool) or not hasattr(layer, "__index__"):
@@ -212,7 +212,7 @@ class LayerPattern:
         layer = int(layer)
         local = layer - self.first_layer
         if not 0 <= local < self.n_layers:
-            raise IndexError(f"layer {layer} is outside this pattern's layers "
+            raise ValueError(f"layer {layer} is outside this pattern's layers "
                              f"{self.first_layer} .. {self.first_layer + self.n_layers - 1}")
         return local
 

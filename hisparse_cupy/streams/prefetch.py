@@ -62,6 +62,10 @@ Hazards and how this design closes them
    and go stale: never run a swap on a shared layer of a cache a Prefetcher drives, except
    through this object. :meth:`Prefetcher.set_enabled` (``False``) copies the full layers'
    tables into their shared layers first, so the prefetch-off mode starts from correct tables.
+   With prefetch off, single-step swaps keep the layers of a group in lock step (the same
+   calls on the same state choose the same slots) but multi-step swaps do not (misses take
+   scratch rows in claim order), so ``set_enabled(True)`` rearranges each shared layer's
+   rows into its full layer's layout (``HotBufferCache.mirror_layer``) before any replay.
    The pattern (group membership) is fixed for the object's lifetime.
 9. **CUDA-graph capture.** The fork and every join happen on the capturing main stream, so
    the side stream joins the capture at the fork and every side branch rejoins before the
@@ -360,12 +364,15 @@ class Prefetcher:
         step = self.cache.begin_step(req_indices, seq_lens, num_real, stream=stream)
         return self.swap_step(step, layer, top_k_tokens)
 
-    def swap_step(self, step, layer: int, top_k_tokens=None) -> cupy.ndarray:
+    def swap_step(self, step, layer: int, top_k_tokens=None, *,
+                  check: bool = False) -> cupy.ndarray:
         """:meth:`swap` for a :class:`hisparse_cupy.cache.Step` (its batch already validated).
 
         A multi-step (``[B, S, K]``) full layer records the plan of its unique misses, which
         its shared layers replay the same way: the shared layers mirror the full layer's device
-        rows byte for byte and use its page table.
+        rows byte for byte and use its page table. ``check`` (synchronizes): as for
+        :meth:`Step.swap`, for the swap this call runs; a shared layer with prefetch on runs
+        none, and raises on its full layer's status.
         """
         loc = self.pattern.local_index(layer)
         s = self._main_stream(step.stream)
@@ -386,10 +393,14 @@ class Prefetcher:
             if self._enabled:
                 p = self.pattern.position(loc)
                 self._wait_position(p, s)
+                if check:  # no swap ran since the full layer's: the status is still its
+                    self._raise_on_status(step, self._anchor_topk, s)
                 return self._anchor_out
             top_k_tokens = self._anchor_topk
 
         # a swap: full layer, or any layer with prefetch off
+        if check:
+            _checks.unique_requests(step.req, step.num_real, self.cache.max_requests)
         self._join(s)  # hazard 4: the swap below rewrites the plan
         stage = None
         if full:
@@ -426,7 +437,16 @@ class Prefetcher:
                 self._queue_replays(group, B, step.num_real)
             if nxt is not None:
                 self._queue_predict(step, loc, nxt, topk)
+        if check:  # after the bookkeeping: the step goes on after a caught error
+            self._raise_on_status(step, top_k_tokens, s)
         return out
+
+    def _raise_on_status(self, step, top_k_tokens, s) -> None:
+        c = self.cache
+        with s:  # a foreign array imports on the main stream
+            topk = _checks.token_rows("top_k_tokens", top_k_tokens, step._dev)
+        _checks.raise_on_status(c.status[:step.batch], topk, step.seq_lens, max_len=c.max_len,
+                                what="multi-step swap" if topk.ndim == 3 else "swap", stream=s)
 
     # ------------------------------------------------------------------ prediction
     def set_predict(self, on: bool, stream=None) -> None:
@@ -590,7 +610,10 @@ class Prefetcher:
 
         Turning it off copies every full layer's tables (``slot_tokens``, ``slot_locs``,
         ``lru``, ``token_slot`` and any multi-step state) into its shared layers (their own
-        tables went stale while prefetch was on; hazard 8).
+        tables went stale while prefetch was on; hazard 8). Turning it on makes every shared
+        layer mirror its full layer, device rows included
+        (:meth:`HotBufferCache.mirror_layer`): while prefetch was off each layer ran its own
+        swaps, and multi-step swaps leave layers in different slot -> row layouts.
         """
         enabled = bool(enabled)
         if enabled == self._enabled:
@@ -599,18 +622,12 @@ class Prefetcher:
         self._join(s)
         self._take_stage(None, None, s)
         self._reset_step()
-        if not enabled:
-            c = self.cache
-            with s:
-                tables = [c.slot_tokens, c.slot_locs, c.lru]
-                if c.token_slot is not None:
-                    tables.append(c.token_slot)
-                if c.max_steps >= 2:
-                    tables += [c.scratch_locs, c.ms_ref, c.ms_clock]
-                for a, group in self.pattern.groups.items():
-                    for sl in group:
-                        for t in tables:
-                            t[sl][...] = t[a]
+        # off: the shared layers' tables went stale while prefetch was on, their rows did not;
+        # on: each layer ran its own swaps, and multi-step swaps leave layers in different
+        # layouts (the page table a shared layer gets must be valid for its rows)
+        for a, group in self.pattern.groups.items():
+            for sl in group:
+                self.cache.mirror_layer(a, sl, rows=enabled, stream=s)
         self._enabled = enabled
 
     def synchronize(self) -> None:
