@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything a CUDA box should run, in one command:
 #   1. install the project without network (no deps: CuPy, cuda-bindings, pytest are there);
-#   2. the whole test suite (CPU and GPU tests);
+#   2. the whole test suite (CPU and GPU tests), then the randomized step test
+#      (tests/_stepfuzz.py: --fuzz-steps decode steps through the step API, default 100000,
+#      over --fuzz-procs processes sharing the GPU, every output byte checked), JSON;
 #   3. compute-sanitizer memcheck, racecheck and synccheck over tools/sanitize_*.py (small runs
 #      of every kernel, built with HISPARSE_CUPY_DEBUG=1 so every shared-memory carve is checked
 #      against the launch; zero errors required);
@@ -20,7 +22,7 @@
 # Usage: bash tools/gpu_check.sh [--no-tests] [--no-sanitize] [--no-bench] [--full-bench]
 #                                [--full=bench_NAME ...]   (that benchmark in full, others quick)
 #                                [--peer=DIR] [--peer-full] [--tests=PYTEST_ARGS] [--no-demo]
-#                                [--demo=ARGS]
+#                                [--demo=ARGS] [--fuzz-steps=N] [--fuzz-procs=N]
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
@@ -28,7 +30,7 @@ mkdir -p "$OUT" "$OUT/results"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 tests=1 sanitize=1 bench=1 quick=--quick full_only= peer= peer_mode=--quick test_args=tests demo=1
-demo_args="--steps 100 --warmup 20 --eager-and-graph"
+demo_args="--steps 100 --warmup 20 --eager-and-graph" fuzz_steps=100000 fuzz_procs=8
 for a in "$@"; do
   case $a in
     --no-tests) tests=0 ;; --no-sanitize) sanitize=0 ;; --no-bench) bench=0 ;;
@@ -38,6 +40,7 @@ for a in "$@"; do
     --peer-full) peer_mode= ;;
     --tests=*) test_args=${a#--tests=} ;;
     --no-demo) demo=0 ;; --demo=*) demo_args=${a#--demo=} ;;
+    --fuzz-steps=*) fuzz_steps=${a#--fuzz-steps=} ;; --fuzz-procs=*) fuzz_procs=${a#--fuzz-procs=} ;;
     *) echo "unknown option $a"; exit 2 ;;
   esac
 done
@@ -55,6 +58,15 @@ if [ $tests = 1 ]; then
   $PY -m pytest -q -rs $test_args >"$OUT/pytest.log" 2>&1
   rc=$?
   summary "pytest rc=$rc ($((SECONDS - t0)) s): $(tail -n 1 "$OUT/pytest.log")"
+  [ $rc = 0 ] || fail=1
+fi
+
+if [ "$fuzz_steps" -gt 0 ]; then
+  t0=$SECONDS
+  $PY tests/_stepfuzz.py --steps "$fuzz_steps" --procs "$fuzz_procs" --json "$OUT/fuzz.json" \
+    >"$OUT/fuzz.log" 2>&1
+  rc=$?
+  summary "step fuzz rc=$rc ($((SECONDS - t0)) s): $(grep -m1 '^step fuzz' "$OUT/fuzz.log")"
   [ $rc = 0 ] || fail=1
 fi
 

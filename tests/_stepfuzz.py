@@ -1,0 +1,582 @@
+"""Randomized step-level test: drive the step API as an engine would, check every byte.
+
+One run (a seed) draws a cache configuration (layers, a full/shared pattern and often a
+Prefetcher, request slots, H, K, P, max_steps, row bytes) and then decode steps:
+
+- lifecycle churn: requests admitted (short ones in positional layout, long ones cold or warm,
+  prefill KV from the host or the device) and released at random, slots reused;
+- per step a random batch (real rows then graph-style padding rows with garbage slots and
+  lengths past ``num_real``), lengths ``[B]`` or per draft step ``[B, S]`` (equal, or
+  ``L, L+1, ...`` with the draft tokens' host rows written first), the newest token's KV
+  written where ``step.newest_rows()`` says and backed up;
+- per full layer a single-step ``[B, K]`` or multi-step ``[B, S, K]`` top-k (tokens it held,
+  new ones, the newest and draft tokens in every step, duplicates, -1, out-of-range entries);
+  shared layers through the Prefetcher;
+- prefetch and prediction toggled between steps, any stream kind per step (ordered after the
+  previous step's stream with an event, as an engine orders its streams), and on the GPU
+  captured steps replayed with new batches and ``num_real``.
+
+After every step every output entry is checked: -1 exactly where the semantics say (padding
+rows and columns, -1, out of range), a row elsewhere, one row per token within a call, and the
+row's bytes equal to the pattern of (layer, request instance, token), so a stale row of a
+slot's previous request is caught too. Counters stay on the device; the host reads them every
+``sync_every`` steps. The CPU part runs the same driver on ``_stepmodel`` (NumPy).
+
+    python tests/_stepfuzz.py --steps 100000 --procs 8 --json out.json   # the GPU run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+CHECKS = ("missing row", "two rows for one token", "wrong bytes", "row for an invalid entry",
+          "newest row")
+
+
+def pattern(xp, layers, ids, row_bytes: int):
+    """uint8 ``[n, row_bytes]``: ``_selfcheck.pattern`` of (layer, id) for arrays of both."""
+    rows = (xp.asarray(ids, dtype=xp.uint64).reshape(-1, 1))
+    lay = xp.asarray(layers, dtype=xp.uint64).reshape(-1, 1)
+    words = xp.arange(row_bytes // 4, dtype=xp.uint64).reshape(1, -1)
+    key = (lay * xp.uint64(1_000_003) + rows) * xp.uint64(2_654_435_761)
+    w = (key + words * xp.uint64(0x9E3779B97F4A7C15)) >> xp.uint64(17)
+    w = (w & xp.uint64(0xFFFFFFFF)).astype(xp.uint32)
+    return w.view(xp.uint8).reshape(rows.shape[0], row_bytes)
+
+
+def draw_config(rng) -> dict:
+    H = int(rng.choice([16, 32]))
+    K = int(rng.choice([4, 8, H // 2]))
+    L = int(rng.integers(2, 5))
+    pats = {2: ["FS", "FF"], 3: ["FSS", "FFS", "FSF"], 4: ["FSSS", "FSFS", "FFSS", "FSSF"]}[L]
+    return dict(n_layers=L, max_requests=int(rng.integers(2, 5)), hot_size=H, top_k=K,
+                extra_page=int(rng.choice([1, 2, 4])), max_steps=int(rng.choice([1, 2, 3, 4])),
+                row_bytes=int(rng.choice([16, 32, 64])), max_len=int(H * rng.choice([4, 8])),
+                pattern=str(rng.choice(pats)), prefetch=bool(rng.random() < 0.75))
+
+
+class Backend:
+    """What differs between the GPU and the model: arrays, objects, streams, graphs."""
+
+    def __init__(self, gpu: bool):
+        self.gpu = gpu
+        if gpu:
+            import cupy
+
+            self.xp = cupy
+        else:
+            self.xp = np
+        if gpu:
+            import cupy
+
+            from _util import stream_kinds
+
+            self.streams = stream_kinds(cupy, every=True)
+        else:
+            self.streams = [("none", None, None)]
+
+    def cache(self, cfg: dict, seed: int, busy_stream: bool):
+        keys = ("n_layers", "max_requests", "max_len", "row_bytes", "hot_size", "top_k",
+                "extra_page", "max_steps")
+        kw = {k: cfg[k] for k in keys}
+        if not self.gpu:
+            from _stepmodel import ModelCache
+
+            return ModelCache(**kw, seed=seed)
+        import cupy
+
+        from hisparse_cupy import HotBufferCache
+
+        from _util import spin
+
+        if not busy_stream:
+            return HotBufferCache(**kw)
+        # construction queued behind a long kernel on a non-blocking stream (defect C)
+        busy = cupy.cuda.Stream(non_blocking=True)
+        with busy:
+            spin(cupy, 200_000_000)
+            return HotBufferCache(**kw)
+
+    def prefetcher(self, cache, pattern: str):
+        if not self.gpu:
+            from _stepmodel import ModelPrefetcher
+
+            return ModelPrefetcher(cache, pattern)
+        from hisparse_cupy.streams import Prefetcher
+
+        return Prefetcher(cache, pattern)
+
+
+class Fuzz:
+    """One seeded run over one cache (see the module docstring)."""
+
+    def __init__(self, gpu: bool, seed: int, cfg: dict | None = None, *, graphs: bool = True,
+                 sync_every: int = 200):
+        self.seed = seed
+        self.rng = rng = np.random.default_rng(seed)
+        self.cfg = cfg = dict(cfg or draw_config(rng))
+        self.be = be = Backend(gpu)
+        self.xp = be.xp
+        self.c = be.cache(cfg, seed, busy_stream=gpu and rng.random() < 0.5)
+        c = self.c
+        self.L, self.R, self.H = cfg["n_layers"], cfg["max_requests"], cfg["hot_size"]
+        self.K, self.P, self.S = cfg["top_k"], cfg["extra_page"], cfg["max_steps"]
+        self.max_len, self.row = cfg["max_len"], cfg["row_bytes"]
+        self.rows_per_request = c.rows_per_request
+        self.pf = be.prefetcher(c, cfg["pattern"]) if cfg["prefetch"] else None
+        from hisparse_cupy.streams.pattern import layer_pattern
+
+        self.full = layer_pattern(cfg["pattern"]).full if self.pf else (True,) * self.L
+        self.graphs = graphs and gpu
+        self.sync_every = sync_every
+        self.active: dict[int, list] = {}  # rid -> [uid, n (tokens held, newest n - 1)]
+        self.uid = 0
+        self.hist: dict[int, np.ndarray] = {}  # rid -> tokens selected last
+        xp = self.xp
+        self.errors = xp.zeros(len(CHECKS), xp.int64)
+        self.first_bad = xp.full(1, 2**62, xp.int64)
+        self.steps = self.calls = self.graph_steps = self.toggles = 0
+        self.kinds_used: set = set()
+        self.stream_obj, self.stream = None, None  # the last step's (argument, CuPy view)
+        self._graph = None
+
+    # ------------------------------------------------------------------ streams
+    def _pick_stream(self):
+        kinds = self.be.streams
+        if self.pf is not None and self.pf.enabled:
+            kinds = [k for k in kinds if k[0] != "legacy default"]
+        name, obj, view = kinds[int(self.rng.integers(len(kinds)))]
+        self._order(view)
+        self.kinds_used.add(name)
+        self.stream_obj, self.stream = obj, view
+        return obj, view
+
+    def _order(self, view) -> None:
+        """The engine's rule: work on a new stream waits for the last stream's work."""
+        if not self.be.gpu:
+            return
+        import cupy
+
+        if self.stream is not None and view is not self.stream:
+            ev = cupy.cuda.Event(disable_timing=True)
+            ev.record(self.stream)
+            view.wait_event(ev)
+
+    def _with(self, view):
+        import contextlib
+
+        return view if view is not None else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ lifecycle
+    def _kv(self, uid: int, start: int, n: int, view):
+        xp = self.xp
+        ids = uid * self.max_len + np.arange(start, start + n)
+        on_device = self.be.gpu and self.rng.random() < 0.5
+        mod = xp if on_device else np
+        with self._with(view if on_device else None):
+            rows = [pattern(mod, np.full(n, layer), ids, self.row) for layer in range(self.L)]
+            return mod.stack(rows)
+
+    def _churn(self) -> None:
+        rng, c = self.rng, self.c
+        for rid in list(self.active):
+            uid, n = self.active[rid]
+            if rng.random() < 0.03 or n + self.S + 2 > self.max_len:
+                obj, view = self._pick_stream()
+                c.release(rid, stream=obj)
+                del self.active[rid]
+        while len(self.active) < self.R and (not self.active or rng.random() < 0.4):
+            obj, view = self._pick_stream()
+            H = self.H
+            if rng.random() < 0.35:
+                n = int(rng.integers(1, H + 1))
+            else:
+                n = int(rng.integers(H + 1, self.max_len - 2 * self.S - 4))
+            warm = None
+            if n > H and rng.random() < 0.5:
+                warm = rng.choice(n - 1, size=int(rng.integers(0, min(H, n - 1) + 1)),
+                                  replace=False)
+            self.uid += 1
+            kv = self._kv(self.uid, 0, n, view)
+            rid = c.admit(n, kv=kv, warm_tokens=warm, stream=obj)
+            self.active[rid] = [self.uid, n]
+            self.hist[rid] = np.arange(max(0, n - H), n)
+
+    # ------------------------------------------------------------------ top-k
+    def _row(self, rid: int, seq: int, k: int, newest: list) -> np.ndarray:
+        rng = self.rng
+        pool = self.hist.get(rid, np.zeros(0, np.int64))
+        pool = pool[pool < seq]
+        out = np.empty(k, np.int64)
+        r = rng.random(k)
+        out[:] = rng.integers(0, seq, k)  # new tokens
+        if pool.size:
+            m = r < 0.6
+            out[m] = rng.choice(pool, int(m.sum()))
+        m = r > 0.93
+        out[m] = rng.choice(newest, int(m.sum()))
+        out[rng.random(k) < 0.05] = -1
+        bad = rng.random(k) < 0.02
+        out[bad] = rng.choice([-7, seq, seq + 3, self.max_len + 5], int(bad.sum()))
+        return out
+
+    def _topk(self, S: int, lens: np.ndarray, B: int, nr: int, req: np.ndarray):
+        rng = self.rng
+        K = int(rng.integers(1, self.K + 1)) if rng.random() < 0.2 else self.K
+        tk = rng.integers(-3, 3 * self.max_len, size=(B, S, K))  # padding rows: garbage
+        for b in range(nr):
+            rid = int(req[b])
+            newest = [int(lens[b, s]) - 1 for s in range(lens.shape[1])]
+            base = self._row(rid, int(lens[b, 0]), K, newest)
+            for s in range(S):
+                row = base.copy() if rng.random() < 0.5 else \
+                    self._row(rid, int(lens[b, s]), K, newest)
+                keep = rng.random(K) < 0.3
+                row[keep] = base[keep]
+                tk[b, s] = row
+        tk = tk.astype(np.int32)
+        return tk[:, 0] if S == 1 else tk
+
+    # ------------------------------------------------------------------ expected
+    def _expect(self, layer: int, tk: np.ndarray, req, lens, nr: int):
+        """(flat indices that must be -1, flat indices with a row, their ids, the index of
+        the first entry of their token in the row)."""
+        B = tk.shape[0]
+        t3 = tk.reshape(B, -1, tk.shape[-1])
+        S, K = t3.shape[1], t3.shape[2]
+        seqs = lens[:, :S] if S > 1 else lens[:, :1]
+        col = np.arange(K).reshape(1, 1, K)
+        seq = seqs[:, :, None]
+        ok = (t3 >= 0) & (t3 < seq) & (t3 < self.max_len) & ~((seq <= self.H) & (col >= seq))
+        ok[nr:] = False
+        uid = np.array([self.active[int(r)][0] if b < nr else 0 for b, r in enumerate(req)],
+                       np.int64)
+        flat_ok = ok.reshape(-1)
+        idx = np.nonzero(flat_ok)[0]
+        bb = idx // (S * K)
+        tok = t3.reshape(-1)[idx].astype(np.int64)
+        ids = uid[bb] * self.max_len + tok
+        key = bb * (4 * self.max_len) + tok
+        order = np.argsort(key, kind="stable")
+        ks = key[order]
+        first = np.searchsorted(ks, ks)  # first position of each key in sorted order
+        canon = np.empty_like(idx)
+        canon[order] = idx[order[first]]
+        return np.nonzero(~flat_ok)[0], idx, ids, canon
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> None:
+        rng = self.rng
+        self._churn()
+        if self.pf is not None and rng.random() < 0.08:
+            self._toggle()
+        rids = list(self.active)
+        rng.shuffle(rids)
+        B = int(rng.integers(1, len(rids) + 1))
+        req = np.array(rids[:B], np.int64)
+        S = int(rng.integers(2, self.S + 1)) if self.S >= 2 and rng.random() < 0.6 else 1
+        n = np.array([self.active[int(r)][1] for r in req], np.int64)
+        if S > 1 and rng.random() < 0.5:
+            lens = n[:, None] + 1 + np.arange(S)[None]  # L, L+1, ...: draft tokens
+        else:
+            lens = np.repeat(n[:, None] + 1, S, axis=1)
+        use_graph = self.graphs and rng.random() < 0.3
+        if use_graph:
+            self._graph_step(req, lens, S)
+        else:
+            pad = int(rng.integers(0, self.R - B + 1)) if rng.random() < 0.3 else 0
+            self._eager_step(req, lens, S, pad)
+        for r in req:
+            self.active[int(r)][1] += 1
+        self.steps += 1
+        if self.steps % self.sync_every == 0:
+            self.raise_if_bad()
+
+    def _toggle(self) -> None:
+        """Prefetch and/or prediction flipped between steps, on any stream it accepts."""
+        rng, pf = self.rng, self.pf
+        obj, view = self._pick_stream()
+        legacy = view is not None and view.ptr == 0
+        if not legacy or pf.enabled:  # turning prefetch on needs an explicit main stream
+            pf.set_enabled(not pf.enabled, stream=obj)
+            self.toggles += 1
+        if rng.random() < 0.5 and not legacy:
+            pf.set_predict(not pf.predict, stream=obj)
+        self._graph = None  # a captured step belongs to the modes it was captured in
+
+    def _drafts(self, req, lens, obj, view) -> None:
+        """The draft tokens a ``[B, S]`` step may select, written first: their host rows, and
+        for those below H (a request in positional layout reads token t from slot t) the row
+        of slot t in every layer."""
+        xp = self.xp
+        for b, r in enumerate(req):
+            hi = int(lens[b].max()) - 1
+            lo = int(lens[b, 0])
+            if hi < lo:
+                continue
+            uid = self.active[int(r)][0]
+            self.c.write_host(int(r), lo, self._kv(uid, lo, hi - lo + 1, view), stream=obj)
+            t = np.arange(lo, min(hi + 1, self.H))
+            if t.size:
+                with self._with(view):
+                    for layer in range(self.L):
+                        rows = self.c.slot_locs[layer, int(r), xp.asarray(t)]
+                        self.c.device_rows(layer)[rows] = pattern(
+                            xp, np.full(t.size, layer), uid * self.max_len + t, self.row)
+
+    def _lens_arg(self, lens, S):
+        rng = self.rng
+        if S == 1 and rng.random() < 0.5:
+            return lens[:, 0]
+        return lens
+
+    def _eager_step(self, req, lens, S, pad) -> None:
+        rng, c, xp = self.rng, self.c, self.xp
+        obj, view = self._pick_stream()
+        self._drafts(req, lens, obj, view)
+        B, nr = len(req) + pad, len(req)
+        greq = np.concatenate([req, rng.integers(-2, self.R + 3, pad)]).astype(
+            rng.choice([np.int32, np.int64]))
+        glens = np.concatenate([lens, rng.integers(-3, 3 * self.max_len, (pad, S))])
+        glens = self._lens_arg(glens, S).astype(rng.choice([np.int32, np.int64]))
+        with self._with(view):
+            d_req, d_lens = xp.asarray(greq), xp.asarray(glens)
+            d_nr = xp.asarray(np.array([nr], np.int32)) if pad or rng.random() < 0.2 else None
+        step = c.begin_step(d_req, d_lens, d_nr, stream=obj, prefetcher=self.pf)
+        with self._with(view):
+            rows = step.newest_rows()
+            self._write_newest(req, lens, rows, nr)
+        step.backup_newest()
+        outs, tks = self._layers(step, B, nr, req, lens, S, glens)
+        step.finish()
+        with self._with(view):
+            self._check(outs, tks, greq, np.asarray(glens).reshape(B, -1), nr, rows)
+
+    def _write_newest(self, req, lens, rows, nr) -> None:
+        xp = self.xp
+        uid = np.array([self.active[int(r)][0] for r in req], np.int64)
+        ids = uid * self.max_len + lens[:, 0] - 1
+        r = rows[:nr]
+        for layer in range(self.L):
+            self.c.device_rows(layer)[r] = pattern(xp, np.full(nr, layer), ids, self.row)
+
+    def _expected_newest(self, req, lens) -> np.ndarray:
+        t = lens[:, 0] - 1
+        return (req * self.rows_per_request + np.minimum(t, self.H)).astype(np.int32)
+
+    def _layers(self, step, B, nr, req, lens, S, glens):
+        xp, rng = self.xp, self.rng
+        outs, tks, anchor = [], [], None
+        for layer in range(self.L):
+            if self.full[layer]:
+                s_here = S if S == 1 or rng.random() < 0.8 else 1
+                tk = self._topk(s_here, lens, B, nr, req)
+                anchor = tk
+                self._remember(tk, req, nr)
+                with self._with(self.stream):
+                    d_tk = xp.asarray(tk)
+                got = step.swap(layer, d_tk)
+            else:
+                tk = anchor
+                got = step.swap(layer, None)
+            with self._with(self.stream):
+                outs.append(got.copy())  # the next swap may rewrite the buffer
+            tks.append(tk)
+            self.calls += 1
+        return outs, tks
+
+    def _remember(self, tk, req, nr) -> None:
+        """The tokens a full layer selected: the next steps select many of them again."""
+        for b in range(nr):
+            row = tk[b].reshape(-1)
+            self.hist[int(req[b])] = np.unique(row[row >= 0])[: self.H]
+
+    def _check(self, outs, tks, req, lens, nr, rows) -> None:
+        """Queue every check of one step on the current stream; counters stay on the device."""
+        xp = self.xp
+        exp_rows = self._expected_newest(req[:nr].astype(np.int64), lens[:nr])
+        bad_newest = (rows[:nr] != xp.asarray(exp_rows)).sum()
+        errs = [0, 0, 0, 0, bad_newest]
+        for layer, (out, tk) in enumerate(zip(outs, tks, strict=True)):
+            neg, idx, ids, canon = self._expect(layer, tk, req, lens, nr)
+            flat = out.reshape(-1)
+            o = flat[xp.asarray(idx)]
+            errs[0] = errs[0] + (o < 0).sum()
+            errs[1] = errs[1] + (o != flat[xp.asarray(canon)]).sum()
+            oc = xp.maximum(o, 0)
+            got = self.c.device_rows(layer)[oc] if idx.size else None
+            if idx.size:
+                want = pattern(xp, np.full(idx.size, layer), ids, self.row)
+                errs[2] = errs[2] + ((got != want).any(axis=1) & (o >= 0)).sum()
+            errs[3] = errs[3] + (flat[xp.asarray(neg)] != -1).sum()
+        e = xp.stack([xp.asarray(v, dtype=xp.int64) for v in errs])
+        self.errors += e
+        here = xp.where(e.sum() > 0, self.steps, 2**62)
+        self.first_bad[...] = xp.minimum(self.first_bad, here)
+
+    # ------------------------------------------------------------------ graphs
+    def _graph_step(self, req, lens, S) -> None:
+        """A captured step (shapes fixed per graph) replayed with this batch."""
+        import cupy
+
+        rng = self.rng
+        obj, view = self._pick_stream()
+        if view.ptr == 0:  # no capture on the legacy stream: take a non-blocking one
+            obj, view = self.be.streams[0][1], self.be.streams[0][2]
+            self._order(view)
+            self.stream_obj, self.stream = obj, view
+        self._drafts(req, lens, obj, view)
+        B = self.R
+        g = self._graph
+        if g is None or g["S"] != S or g["view"] is not view:
+            g = self._capture(S, obj, view)
+        nr = len(req)
+        greq = np.concatenate([req, rng.integers(-2, self.R + 3, B - nr)]).astype(np.int32)
+        glens = np.concatenate([lens, rng.integers(-3, 3 * self.max_len, (B - nr, S))])
+        tks = []
+        for layer in range(self.L):
+            if self.full[layer]:
+                tk = self._topk(S, lens, B, nr, req)
+                shape = g["tk"][layer].shape
+                if tk.shape[-1] != shape[-1]:  # the graph's K: pad the row with -1
+                    pad = np.full(shape, -1, np.int32)
+                    pad[..., : tk.shape[-1]] = tk
+                    tk = pad
+                anchor = tk
+                self._remember(tk, req, nr)
+            else:
+                tk = anchor
+            tks.append(tk)
+        with view:
+            g["req"].set(greq, stream=view)
+            g["lens"].set(glens.astype(np.int64), stream=view)
+            g["nr"].set(np.array([nr], np.int32), stream=view)
+            for layer in range(self.L):
+                if self.full[layer]:
+                    g["tk"][layer].set(tks[layer], stream=view)
+            # the newest token's row, where the captured newest_rows will find it
+            rows = cupy.asarray(self._expected_newest(req, lens))
+            self._write_newest(req, lens, rows, nr)
+            g["graph"].launch(view)
+            self._check(g["outs"], tks, greq, glens, nr, g["rows"])
+        self.graph_steps += 1
+        self.calls += self.L
+
+    def _capture(self, S, obj, view):
+        """Capture one step of shapes (R rows, S steps, K) on ``view`` (warmed up eagerly
+        first, a step with every row padding: no state changes)."""
+        import cupy
+
+        c, B = self.c, self.R
+        with view:
+            g = dict(S=S, view=view, req=cupy.zeros(B, cupy.int32),
+                     lens=cupy.ones((B, S), cupy.int64), nr=cupy.zeros(1, cupy.int32))
+            g["tk"] = [cupy.full((B, S, self.K) if S > 1 else (B, self.K), -1, cupy.int32)
+                       if self.full[layer] else None for layer in range(self.L)]
+            shape = (B, S, self.K) if S > 1 else (B, self.K)
+            g["rows"] = cupy.empty(B, cupy.int32)
+            g["outs"] = [cupy.empty(shape, cupy.int32) for _ in range(self.L)]
+        step = c.begin_step(g["req"], g["lens"], g["nr"], stream=obj, prefetcher=self.pf)
+
+        def body():
+            rows = step.newest_rows()
+            step.backup_newest()
+            anchor = None
+            for layer in range(self.L):
+                if self.full[layer]:
+                    anchor = g["tk"][layer]
+                    got = step.swap(layer, anchor)
+                else:
+                    got = step.swap(layer, None)
+                with view:  # before the next swap rewrites the buffer
+                    g["outs"][layer][...] = got
+            step.finish()
+            with view:
+                g["rows"][...] = rows
+
+        body()  # warm-up: num_real 0, nothing selected
+        view.synchronize()
+        view.begin_capture()
+        body()
+        g["graph"] = view.end_capture()
+        self._graph = g
+        return g
+
+    # ------------------------------------------------------------------ results
+    def summary(self) -> dict:
+        xp = self.xp
+        errs = [int(v) for v in (xp.asnumpy(self.errors) if self.be.gpu else self.errors)]
+        first = int((xp.asnumpy if self.be.gpu else np.asarray)(self.first_bad)[0])
+        return dict(seed=self.seed, config=self.cfg, steps=self.steps, calls=self.calls,
+                    graph_steps=self.graph_steps, toggles=self.toggles,
+                    streams=sorted(self.kinds_used),
+                    errors=dict(zip(CHECKS, errs, strict=True)),
+                    first_bad_step=None if first >= 2**62 else first)
+
+    def raise_if_bad(self) -> None:
+        s = self.summary()
+        if any(s["errors"].values()):
+            raise AssertionError(f"seed {self.seed}: {s['errors']} (first at step "
+                                 f"{s['first_bad_step']}); config {s['config']}")
+
+    def run(self, steps: int) -> dict:
+        for _ in range(steps):
+            self.step()
+        self.raise_if_bad()
+        return self.summary()
+
+
+def _one(args) -> dict:
+    gpu, seed, steps = args
+    f = Fuzz(gpu, seed)
+    try:
+        return f.run(steps)
+    except AssertionError as e:
+        s = f.summary()
+        s["failure"] = str(e)
+        return s
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20000, help="steps in all (default 20000)")
+    ap.add_argument("--per-seed", type=int, default=400, help="steps per seed (one cache)")
+    ap.add_argument("--seed", type=int, default=0, help="first seed")
+    ap.add_argument("--procs", type=int, default=1, help="processes sharing the GPU")
+    ap.add_argument("--cpu", action="store_true", help="the NumPy model instead of the GPU")
+    ap.add_argument("--json", help="write the summaries here")
+    a = ap.parse_args(argv)
+    n_seeds = -(-a.steps // a.per_seed)
+    jobs = [(not a.cpu, a.seed + i, a.per_seed) for i in range(n_seeds)]
+    t0 = time.perf_counter()
+    if a.procs > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(a.procs) as pool:
+            res = pool.map(_one, jobs, chunksize=1)
+    else:
+        res = [_one(j) for j in jobs]
+    wall = time.perf_counter() - t0
+    bad = [r for r in res if "failure" in r]
+    tot = {k: sum(r[k] for r in res) for k in ("steps", "calls", "graph_steps", "toggles")}
+    kinds = sorted(set().union(*(r["streams"] for r in res)))
+    print(f"step fuzz ({'CPU model' if a.cpu else 'GPU'}): {len(res)} seeds, {tot['steps']} "
+          f"steps, {tot['calls']} swap calls, {tot['graph_steps']} graph replays, "
+          f"{tot['toggles']} prefetch toggles, streams {kinds}, {wall:.0f} s: "
+          f"{len(bad)} seed(s) failed")
+    for r in bad[:10]:
+        print("  FAIL", r["failure"])
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(dict(wall_s=wall, totals=tot, streams=kinds, runs=res), fh, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, __import__("os").path.dirname(__file__))
+    sys.exit(main())
