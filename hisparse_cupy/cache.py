@@ -644,10 +644,18 @@ class Step:
         Without ``out`` the result is a view of a buffer the next swap overwrites; the cache's
         :attr:`~HotBufferCache.plan` and :attr:`~HotBufferCache.status` hold this call's miss plan
         and per-row status until then. ``check``: see :func:`hisparse_cupy.swap_in` (it
-        synchronizes). With a prefetcher, shared layers return their full layer's rows.
+        synchronizes). With a prefetcher, shared layers return their full layer's rows (the
+        prefetcher's buffer: ``out`` and ``copy_grid`` are refused, set
+        ``Prefetcher(copy_grid=)``); ``check`` checks every swap that runs (a full layer's, or
+        any layer's with prefetch off) and a shared layer's status is its full layer's.
         """
         if self.prefetcher is not None:
-            return self.prefetcher.swap_step(self, layer, top_k_tokens)
+            if out is not None or copy_grid is not None:
+                raise ValueError("out= and copy_grid= do not apply to a step driven by a "
+                                 "prefetcher: its layers return the prefetcher's page tables "
+                                 "(copy them to keep them) and its swaps use "
+                                 "Prefetcher(copy_grid=)")
+            return self.prefetcher.swap_step(self, layer, top_k_tokens, check=check)
         return self._swap(layer, top_k_tokens, out=out, copy_grid=copy_grid, check=check)
 
     def _swap(self, layer: int, top_k_tokens, *, out=None, copy_grid: int | None = None,
