@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Installing .[cuda12] beside torch must leave torch's exact CUDA pins alone. Resolves metadata
-# only (pip --dry-run: no large wheel is downloaded) and fails, saying which pin moved, when
-#   A. resolving .[cuda12] together with torch's pins picks any other version of those wheels
+# Installing the CUDA extra that matches torch's CUDA (torch.version.cuda: 12.x -> .[cuda12],
+# 13.x -> .[cuda13]) must leave torch's CUDA pins alone. Resolves metadata only (pip --dry-run:
+# no large wheel is downloaded) and fails, saying which pin moved, when for either pair
+#   A. resolving the extra together with torch's pins picks any other version of those wheels
 #      or pulls in the cuda-toolkit meta-package, or
-#   B. installing .[cuda12] into an environment that already holds torch and its pinned wheels
+#   B. installing the extra into an environment that already holds torch and its pinned wheels
 #      would replace one of them (pip does not re-resolve what is installed, so an exact pin
 #      of ours, e.g. through cuda-toolkit[nvrtc,cudart]==12.*, silently breaks torch's).
 # Run with the Python whose pip should resolve (CI: the .venv of .ci/run); PYTHON overrides.
@@ -11,11 +12,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 
-# From the Requires-Dist of torch 2.10.0 on PyPI (torch-2.10.0-3-cp311-cp311-manylinux_2_28_x86_64,
-# CUDA 12.8), the newest torch release whose default Linux wheel pins the -cu12 wheels by name;
-# 2.11 and later depend on cuda-toolkit[...]==13.0.x instead.
-TORCH=torch==2.10.0
-PINS=(nvidia-cuda-nvrtc-cu12==12.8.93 nvidia-cuda-runtime-cu12==12.8.90)
+# CUDA 12: from the Requires-Dist of torch 2.10.0 on PyPI (torch-2.10.0-3-cp311-cp311-manylinux_2_28_x86_64,
+# CUDA 12.8), the newest torch release whose default Linux wheel pins the -cu12 wheels by name.
+TORCH12=torch==2.10.0
+PINS12=(nvidia-cuda-nvrtc-cu12==12.8.93 nvidia-cuda-runtime-cu12==12.8.90)
+# CUDA 13: torch 2.14.1 (CUDA 13.0) depends on cuda-toolkit[...,nvrtc,cudart]==13.0.3, which pins
+# nvidia-cuda-nvrtc==13.0.88.* and nvidia-cuda-runtime==13.0.96.*, and on cuda-bindings<14,>=13.0.3
+# (13.5.0 was what pip installed beside it on 2026-12-01).
+TORCH13=torch==2.14.1
+PINS13=(nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96 cuda-bindings==13.5.0)
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -53,17 +58,27 @@ print(f"check_torch_pins ok ({label}):", ", ".join(f"{n}=={got.get(n, want[n])}"
 EOF
 }
 
-# A. One resolve of .[cuda12] with torch's pins as requirements.
-"$PY" -m pip install -q --dry-run --ignore-installed --report "$tmp/a.json" \
-  -e '.[cuda12]' "${PINS[@]}" \
-  || { echo "check_torch_pins FAILED: .[cuda12] cannot resolve with ${PINS[*]}" >&2; exit 1; }
-verify exact "$tmp/a.json" "resolve with $TORCH's pins" "${PINS[@]}"
-
-# B. Install into an environment holding torch and its pinned wheels. Only their metadata is
-# needed for pip to see them installed, so the environment holds bare .dist-info folders.
-"$PY" -m venv --without-pip "$tmp/env"
-site=$("$tmp/env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-dist() {  # name version [Requires-Dist ...]
+check() {  # extra torch-spec pins...
+  local extra=$1 torch=$2 env="$tmp/env-$1"
+  shift 2
+  local pins=("$@")
+  # A. One resolve of the extra with torch's pins as requirements.
+  "$PY" -m pip install -q --dry-run --ignore-installed --report "$tmp/a-$extra.json" \
+    -e ".[$extra]" "${pins[@]}" \
+    || { echo "check_torch_pins FAILED: .[$extra] cannot resolve with ${pins[*]}" >&2; exit 1; }
+  verify exact "$tmp/a-$extra.json" ".[$extra] resolved with $torch's pins" "${pins[@]}"
+  # B. Install into an environment holding torch and its pinned wheels. Only their metadata is
+  # needed for pip to see them installed, so the environment holds bare .dist-info folders.
+  "$PY" -m venv --without-pip "$env"
+  site=$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  dist torch "${torch#torch==}" "${pins[@]}"
+  for p in "${pins[@]}"; do dist "${p%%==*}" "${p#*==}"; done
+  "$PY" -m pip --python "$env/bin/python" install -q --dry-run --report "$tmp/b-$extra.json" \
+    -e ".[$extra]" \
+    || { echo "check_torch_pins FAILED: .[$extra] does not resolve beside $torch" >&2; exit 1; }
+  verify kept "$tmp/b-$extra.json" ".[$extra] installed beside $torch" "${pins[@]}"
+}
+dist() {  # name version [Requires-Dist ...], into $site
   local d
   d="$site/$(echo "$1" | tr - _)-$2.dist-info"
   mkdir -p "$d"
@@ -73,9 +88,5 @@ dist() {  # name version [Requires-Dist ...]
   echo pip >"$d/INSTALLER"
   : >"$d/RECORD"
 }
-dist torch "${TORCH#torch==}" "${PINS[@]}"
-for p in "${PINS[@]}"; do dist "${p%%==*}" "${p#*==}"; done
-"$PY" -m pip --python "$tmp/env/bin/python" install -q --dry-run --report "$tmp/b.json" \
-  -e '.[cuda12]' \
-  || { echo "check_torch_pins FAILED: .[cuda12] does not resolve beside $TORCH" >&2; exit 1; }
-verify kept "$tmp/b.json" "install beside $TORCH" "${PINS[@]}"
+check cuda12 "$TORCH12" "${PINS12[@]}"
+check cuda13 "$TORCH13" "${PINS13[@]}"
