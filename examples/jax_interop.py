@@ -24,9 +24,14 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with CuPy
 
 import cupy  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+try:
+    import jax
+    import jax.numpy as jnp
+except ImportError:
+    raise SystemExit("examples/jax_interop.py needs JAX: pip install 'hisparse_cupy[interop]' "
+                     "(or jax[cuda12])") from None
 
 from hisparse_cupy import HotBufferCache  # noqa: E402
 from hisparse_cupy.interop import as_cupy, to_jax  # noqa: E402

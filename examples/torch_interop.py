@@ -19,7 +19,11 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
+try:
+    import torch
+except ImportError:
+    raise SystemExit("examples/torch_interop.py needs PyTorch: pip install "
+                     "'hisparse_cupy[interop]' (or torch)") from None
 
 from hisparse_cupy import HotBufferCache
 from hisparse_cupy.interop import as_cupy, to_torch

@@ -246,6 +246,12 @@ def main() -> int:
 
         parser().print_help()
         return 0
+    try:
+        import torch
+    except ImportError:
+        print("tp_decode: needs PyTorch (torch.distributed): pip install "
+              "'hisparse_cupy[interop]' (or torch)")
+        return 2
     pool_name = f"hs-tp-{os.getpid()}"
     if "RANK" in os.environ and args.nproc is None:  # torchrun
         world = int(os.environ["WORLD_SIZE"])
@@ -255,7 +261,6 @@ def main() -> int:
             return 2
         pool_name = os.environ.get("HS_POOL_NAME", f"hs-tp-{os.environ.get('MASTER_PORT', '0')}")
         return worker(int(os.environ["LOCAL_RANK"]), world, rest, pool_name, args.newest_writer)
-    import torch
     import torch.multiprocessing as mp
 
     n = args.nproc or torch.cuda.device_count()

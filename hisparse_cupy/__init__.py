@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it (imported on first access: PEP 562)
 _LAZY = {
+    "GPUUnavailableError": "_device",
     "HostKVPool": "host_pool",
     "HotBufferCache": "cache",
     "Step": "cache",

@@ -10,8 +10,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-import cupy
 import numpy as np
+
+try:
+    import cupy
+except ImportError:  # the integer checks serve NumPy-only code too (layer patterns, the demo)
+    cupy = None
 
 from . import _abi
 

@@ -29,21 +29,14 @@ def _version(dist: str) -> str:
 
 def _gpu():
     """``cupy`` if a CUDA device can be used, else the reason why not (a string)."""
-    import ctypes
+    from ._device import why_no_gpu
 
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return "no NVIDIA driver found (libcuda.so.1 cannot be loaded)"
-    try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed: pip install 'hisparse_cupy[cuda12]' (or [cuda13])"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # a driver too old for this CuPy, no device
-        return f"no usable CUDA device: {str(e).splitlines()[0]}"
-    return cupy if n else "no CUDA device"
+    why = why_no_gpu()
+    if why is not None:
+        return why
+    import cupy
+
+    return cupy
 
 
 def _ceilings(cupy, row_bytes: int, rows: int = 65536, iters: int = 10) -> tuple[float, float]:
@@ -161,6 +154,10 @@ def cmd_bench(args) -> int:
             print(f"no benchmark named {args.names}; have: "
                   f"{[p.stem for p in sorted((root / 'benchmarks').glob('bench_*.py'))]}")
             return 2
+    g = _gpu()
+    if isinstance(g, str):  # before any script runs or any folder is made
+        print(f"bench needs a CUDA device: {g}")
+        return 1
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     rc = 0

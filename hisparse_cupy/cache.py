@@ -33,6 +33,7 @@ import cupy
 import numpy as np
 
 from . import _abi, _build, _checks
+from ._device import require_gpu
 from ._launch import Params, as_stream, launch, launcher, ptr, resolve_pdl
 from .host_pool import HostKVPool
 from .multistep import (
@@ -116,6 +117,7 @@ class HotBufferCache:
         self.extra_page = P = _checks.integer("extra_page", extra_page, 1)
         self.max_batch = _checks.integer("max_batch", R if max_batch is None else max_batch, 1)
         self.max_steps = S = _checks.integer("max_steps", max_steps, 1, _abi.MS_MAX_STEPS)
+        require_gpu()  # the sizes are checked against the device; everything below is CUDA
         check_sizes(K, H)
         if S >= 2 and not token_table:
             raise ValueError("max_steps >= 2 needs token_table=True: the multi-step swap looks "

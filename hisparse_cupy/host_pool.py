@@ -24,6 +24,7 @@ import cupy
 import numpy as np
 
 from . import _checks
+from ._device import require_gpu
 from ._launch import Ptr
 
 _REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2  # cudaHostRegisterPortable, cudaHostRegisterMapped
@@ -189,6 +190,7 @@ class HostKVPool:
         self.n_rows = _checks.integer("n_rows", n_rows, 1)
         self.row_bytes = _checks.row_bytes("row_bytes", row_bytes)
         self.layer_bytes = self.n_rows * self.row_bytes
+        require_gpu()  # before any CUDA call (or a shared-memory file)
 
     def _map(self, fd: int, mm: mmap.mmap, nbytes: int, unlink) -> None:
         """Register the rows of a shared mapping and set up its release."""

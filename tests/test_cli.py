@@ -29,11 +29,88 @@ def test_info_reports_versions_and_the_device_or_why_not():
         assert "no NVIDIA driver found" in p.stdout or "CUDA device" in p.stdout
 
 
-def test_check_needs_a_gpu_and_says_so():
+def test_check_and_bench_need_a_gpu_and_say_so(tmp_path):
     if _have_gpu():
         pytest.skip("a GPU is present: test_check_on_gpu runs the check")
     p = cli("check")
     assert p.returncode == 1 and "check needs a CUDA device" in p.stdout
+    out = tmp_path / "bench_out"
+    p = cli("bench", "--out", str(out))
+    assert p.returncode == 1 and p.stderr == "", p.stderr
+    assert p.stdout.splitlines() == [f"bench needs a CUDA device: {_why()}"]
+    assert not out.exists()  # nothing written
+
+
+def _why() -> str:
+    from hisparse_cupy._device import why_no_gpu
+
+    return why_no_gpu()
+
+
+def test_the_library_names_the_missing_device():
+    """Without a usable device the first CUDA object says why (no driver, no device, a driver
+    too old), not the CUDA runtime's error."""
+    if _have_gpu():
+        pytest.skip("a GPU is present")
+    from hisparse_cupy import GPUUnavailableError, HostKVPool, HotBufferCache
+
+    with pytest.raises(GPUUnavailableError, match="needs a CUDA device: " + _why()[:20]):
+        HotBufferCache(n_layers=2, max_requests=1, max_len=64, row_bytes=16, hot_size=16,
+                       top_k=8)
+    with pytest.raises(GPUUnavailableError):
+        HostKVPool(1, 8, 16)
+    with pytest.raises(ValueError, match="top_k must be <= 16"):  # arguments checked first
+        HotBufferCache(n_layers=2, max_requests=1, max_len=64, row_bytes=16, hot_size=16,
+                       top_k=32)
+
+
+class _FakeCuda:
+    """libcuda's three entry points the device check calls."""
+
+    def __init__(self, init_rc=0, count=1, version=12040):
+        self.init_rc, self.count, self.version = init_rc, count, version
+
+    def cuInit(self, flags):
+        return self.init_rc
+
+    def cuDeviceGetCount(self, ref):
+        ref._obj.value = self.count
+        return 0
+
+    def cuDriverGetVersion(self, ref):
+        ref._obj.value = self.version
+        return 0
+
+
+@pytest.mark.parametrize("fake, runtime, why", [
+    (None, 12090, "no NVIDIA driver found"),
+    (_FakeCuda(init_rc=100), 12090, "no CUDA device: the NVIDIA driver is loaded but sees no"),
+    (_FakeCuda(count=0), 12090, "no CUDA device"),
+    (_FakeCuda(init_rc=3), 12090, "failed to initialise \\(cuInit error 3\\)"),
+    (_FakeCuda(version=12020), 13000, "supports CUDA 12.2, older than CuPy's CUDA runtime 13.0: "
+                                      "install the extra of the driver's CUDA "
+                                      "\\(hisparse_cupy\\[cuda12\\]\\)"),
+    (_FakeCuda(version=12020), 12090, None),  # minor versions: compatible
+])
+def test_device_check_names_each_case(monkeypatch, fake, runtime, why):
+    import re
+
+    pytest.importorskip("cupy")
+    import cupy
+
+    from hisparse_cupy import _device
+
+    monkeypatch.setattr(_device, "_libcuda", lambda: fake)
+    monkeypatch.setattr(cupy.cuda.runtime, "runtimeGetVersion", lambda: runtime)
+    _device.why_no_gpu.cache_clear()
+    try:
+        got = _device.why_no_gpu()
+    finally:
+        _device.why_no_gpu.cache_clear()
+    if why is None:
+        assert got is None
+    else:
+        assert got is not None and re.search(why, got), got
 
 
 @pytest.mark.gpu

@@ -55,8 +55,64 @@ def test_reference_backend_self_check_catches_a_dropped_copy(monkeypatch):
         return res
 
     monkeypatch.setattr(cpu.ref, "swap_in", lossy)
+    from hisparse_cupy.demo.config import cpu_config
+
     with pytest.raises(SystemExit, match="SELF-CHECK FAILED"):
-        cpu.run(steps=4)
+        cpu.run(cpu_config(["--steps", "4"]))
+
+
+def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
+    """On the NumPy backend every flag given is used or refused with a message; flags not
+    given take its small values."""
+    from hisparse_cupy.demo import cpu
+    from hisparse_cupy.demo.config import CPU_DEFAULTS, CPU_REFUSED, cpu_config
+
+    cfg = cpu_config(["--batch", "3", "--context", "2048", "--warmup", "0", "--steps", "2",
+                      "--json", str(tmp_path / "r.json"), "--quiet", "--pattern", "FSFFSSFS"])
+    assert (cfg.batch, cfg.context, cfg.warmup, cfg.steps) == (3, 2048, 0, 2)
+    assert (cfg.layers, cfg.hot, cfg.top_k) == (8, CPU_DEFAULTS["hot"], CPU_DEFAULTS["top_k"])
+    res = cpu.run(cfg)
+    got = json.loads((tmp_path / "r.json").read_text())
+    assert got["config"]["batch"] == 3 and got["self_check"] == "passed"
+    assert len(got["steps"]) == 2 == len(res["steps"])
+    assert got["steps"][0]["seq_len"] == 2049
+    for flag in CPU_REFUSED:
+        arg = [flag] + ({"--mtp": ["2"], "--mode": ["offload"], "--png": ["x.png"],
+                         "--hidden": ["512"]}.get(flag, []))
+        with pytest.raises(SystemExit, match=f"{flag} needs the GPU decode loop"):
+            cpu_config(arg)
+    assert cpu_config(["--mtp", "1"]).mtp == 1  # off: nothing to refuse
+    with pytest.raises(SystemExit, match="--pattern"):
+        cpu_config(["--pattern", "FS"])  # 2 layers given by the pattern, 8 by default
+
+
+def test_demo_without_cupy_and_its_help():
+    """The NumPy backend imports NumPy only (CuPy blocked in the child); --help shows every
+    default."""
+    code = ("import sys; sys.modules['cupy'] = None; from hisparse_cupy.demo import main; "
+            "sys.exit(main(['--steps', '1', '--layers', '4']))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "self-check passed" in p.stdout and "4 layers" in p.stdout
+    p = subprocess.run([sys.executable, str(EXAMPLE), "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0
+    for want in ("(default: 78)", "(default: 2048)", "entries of each layer's top-k",
+                 "flags not given take small values", "--batch 2"):
+        assert want in " ".join(p.stdout.split()), want
+
+
+@pytest.mark.parametrize("example, needs", [("torch_interop.py", "torch"),
+                                            ("jax_interop.py", "jax"),
+                                            ("tp_decode.py", "torch")])
+def test_examples_name_the_missing_extra(example, needs):
+    import importlib.util
+
+    if importlib.util.find_spec(needs) is not None:
+        pytest.skip(f"{needs} is installed")
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / example)], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode != 0 and "hisparse_cupy[interop]" in p.stdout + p.stderr
 
 
 def test_config_memory_and_errors():

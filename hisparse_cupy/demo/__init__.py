@@ -31,7 +31,7 @@ from __future__ import annotations
 import sys
 import time
 
-from .config import Config, from_args, host_memory_bytes
+from .config import Config, cpu_config, from_args, host_memory_bytes
 
 __all__ = ["Config", "describe", "main", "report_results", "run_gpu", "run_modes"]
 
@@ -139,15 +139,21 @@ def run_gpu(cfg: Config) -> int:
 
 def main(argv=None) -> int:
     """``python -m hisparse_cupy demo``: the GPU decode loop, or the NumPy backend without one."""
-    cfg = from_args(argv)
     g = _gpu_or_reason()
     if isinstance(g, str):
-        print(f"{g}: running the NumPy reference backend (hisparse_cupy.reference) on a small "
-              f"configuration (8 layers, 2 requests, context 1536, K 128, H 512)", flush=True)
+        cfg = cpu_config(argv)
+        print(f"{g}: running the NumPy reference backend (hisparse_cupy.reference): "
+              f"{cfg.layers} layers, {cfg.batch} requests, context {cfg.context}, K "
+              f"{cfg.top_k}, H {cfg.hot}, {cfg.warmup} + {cfg.steps} steps (flags not given "
+              f"take the small values `demo --help` lists)", flush=True)
         from .cpu import run
 
-        run(steps=min(cfg.steps, 12), batch=min(cfg.batch, 2))
+        run(cfg)
         return 0
+    cfg = from_args(argv)
+    if cfg.warmup < 1:
+        raise SystemExit("demo: the GPU decode loop needs --warmup >= 1 (kernels compile, and "
+                         "graphs are captured, after an eager step)")
     return run_gpu(cfg)
 
 

@@ -61,8 +61,8 @@ class Config:
 
         need(self.layers >= 1, f"--layers must be >= 1, got {self.layers}")
         need(self.batch >= 1, f"--batch must be >= 1, got {self.batch}")
-        need(self.steps >= 1 and self.warmup >= 1,
-             f"--steps and --warmup must be >= 1, got {self.steps} and {self.warmup}")
+        need(self.steps >= 1 and self.warmup >= 0,
+             f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
         need(1 <= self.top_k <= self.hot, f"--top-k must be in [1, --hot={self.hot}]")
         need(self.top_k % 16 == 0, f"--top-k must be a multiple of 16, got {self.top_k}")
         need(0 <= self.recent < self.top_k and self.recent >= 1,
@@ -75,6 +75,11 @@ class Config:
         need(1 <= self.mtp <= 4, f"--mtp must be 1 (off) or 2..4, got {self.mtp}")
         need(self.mtp * self.top_k <= 8192, "--mtp x --top-k must be <= 8192")
         need(self.extra_page >= self.recent, "--extra-page must be >= --recent")
+        if self.pattern is not None:
+            try:
+                self.pattern_obj()
+            except ValueError as e:
+                need(False, f"--pattern {self.pattern!r}: {e}")
         bad = set(self.modes) - {"gpu-only", "offload", "overlap"}
         need(not bad, f"unknown --mode {sorted(bad)}")
 
@@ -115,12 +120,17 @@ def parser() -> argparse.ArgumentParser:
     d = Config()
     ap = argparse.ArgumentParser(
         prog="python -m hisparse_cupy demo",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="A decode loop over a hierarchical sparse KV cache: a synthetic sparse-"
                     "attention model (MLA rows of 576 bf16 values, 16 heads) run GPU-only, "
                     "offloaded, and offloaded with IndexCache overlap; the offloaded modes "
-                    "must reproduce the GPU-only attention outputs bit for bit.")
+                    "must reproduce the GPU-only attention outputs bit for bit.",
+        epilog="Without a GPU the same algorithm runs on the NumPy reference backend: flags not "
+               "given take small values there (" + ", ".join(
+                   f"--{k.replace('_', '-')} {v}" for k, v in CPU_DEFAULTS.items()) + "); "
+               f"{', '.join(CPU_REFUSED)} need the GPU loop and are refused.")
     a = ap.add_argument
-    a("--layers", type=int, default=d.layers, help="layers (default 78, GLM-5.2)")
+    a("--layers", type=int, default=d.layers, help="layers (GLM-5.2 has 78)")
     a("--pattern", default=None, help="full/shared layers as F/S characters (default: GLM-5.2's "
                                       "IndexCache rule, every 4th layer full from layer 2)")
     a("--batch", type=int, default=d.batch, help="requests decoded together")
@@ -130,7 +140,7 @@ def parser() -> argparse.ArgumentParser:
     a("--new-share", type=float, default=d.new_share,
       help="share of each top-k replaced by new tokens per step (0.01 = 1%%)")
     a("--recent", type=int, default=d.recent, help="newest tokens every top-k holds")
-    a("--top-k", type=int, default=d.top_k)
+    a("--top-k", type=int, default=d.top_k, help="entries of each layer's top-k (K)")
     a("--hot", type=int, default=d.hot, help="hot slots per request (H)")
     a("--extra-page", type=int, default=d.extra_page, help="slots after the hot slots (P)")
     a("--hidden", type=int, default=d.hidden, help="hidden size of the MLP stand-in")
@@ -145,7 +155,39 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def from_args(argv=None) -> Config:
+# the NumPy backend's values for flags not given, and the flags it cannot honour
+CPU_DEFAULTS = {"layers": 8, "batch": 2, "context": 1536, "steps": 12, "warmup": 0,
+                "top_k": 128, "hot": 512, "extra_page": 8, "recent": 4}
+CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hidden")
+
+
+def given(argv=None) -> set[str]:
+    """The destinations of the flags ``argv`` sets (whatever their values)."""
+    ap = parser()
+    for act in ap._actions:
+        act.default = argparse.SUPPRESS
+    return set(vars(ap.parse_args(argv)))
+
+
+def cpu_config(argv=None) -> Config:
+    """The NumPy backend's configuration: the flags given, small values for the others;
+    ``SystemExit`` naming a flag it cannot honour."""
+    cfg = from_args(argv, check=False)  # first: --help and bad values as for the GPU loop
+    ns = given(argv)
+    refused = [f for f in CPU_REFUSED if f[2:].replace("-", "_") in ns
+               and (f != "--mtp" or cfg.mtp > 1)]
+    if refused:
+        raise SystemExit(f"demo: {' and '.join(refused)} need{'s' if len(refused) == 1 else ''} "
+                         f"the GPU decode loop; the NumPy reference backend runs single-step "
+                         f"offload against gpu-only, eager, without a GPU")
+    for k, v in CPU_DEFAULTS.items():
+        if k not in ns:
+            setattr(cfg, k, v)
+    cfg.check()
+    return cfg
+
+
+def from_args(argv=None, *, check: bool = True) -> Config:
     ns = parser().parse_args(argv)
     modes = tuple(dict.fromkeys(["gpu-only"] + (ns.mode or ["offload", "overlap"])))
     execs = ("eager", "graph") if ns.eager_and_graph else (("graph",) if ns.graph else ("eager",))
@@ -154,5 +196,6 @@ def from_args(argv=None) -> Config:
                  top_k=ns.top_k, hot=ns.hot, extra_page=ns.extra_page, hidden=ns.hidden,
                  mtp=ns.mtp, modes=modes,
                  execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)
-    cfg.check()
+    if check:
+        cfg.check()
     return cfg

@@ -9,12 +9,13 @@ the output of the same attention reading the full KV directly (the GPU-only mode
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 
 import numpy as np
 
 from .. import reference as ref
-from ..streams.pattern import LayerPattern
 from .config import HEADS
 from .config import ROW_VALUES as ROW
 from .config import V_VALUES as ROW_V
@@ -44,13 +45,19 @@ def attention(q: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return (s / s.sum(axis=1, keepdims=True)) @ rows[:, :ROW_V]
 
 
-def run(steps: int = 12, batch: int = 2, layers: int = 8, context: int = 1536, hot: int = 512,
-        top_k: int = 128, page: int = 8, share: float = 0.05, recent: int = 4) -> None:
+def run(cfg) -> dict:
+    """The decode loop of ``cfg`` (a :class:`hisparse_cupy.demo.config.Config`, see
+    :func:`hisparse_cupy.demo.config.cpu_config`) on the NumPy backend: ``warmup + steps`` steps,
+    every layer's attention checked bit for bit against gpu-only; returns the per-step record
+    (also written to ``cfg.json`` when set). A failed check raises ``SystemExit``."""
     t_start = time.perf_counter()
-    pattern = LayerPattern.from_freq(layers, 4, 3)
+    layers, batch, context = cfg.layers, cfg.batch, cfg.context
+    hot, top_k, page, recent = cfg.hot, cfg.top_k, cfg.extra_page, cfg.recent
+    steps = cfg.warmup + cfg.steps
+    pattern = cfg.pattern_obj()
     full = pattern.full
     max_len = context + steps
-    R, W, M = batch, hot + page, max(1, round(share * top_k))
+    R, W, M = batch, hot + page, max(1, round(cfg.new_share * top_k))
     rng = np.random.default_rng(0)
     host = np.zeros((layers, R * max_len, ROW), np.float32)  # the pinned pool
     for layer in range(layers):
@@ -67,6 +74,7 @@ def run(steps: int = 12, batch: int = 2, layers: int = 8, context: int = 1536, h
     lru = np.tile(np.arange(hot, dtype=np.int16), (layers, R, 1))
     perm = np.stack([rng.permutation(context) for _ in range(len(pattern.full_layers))])
     req = np.arange(R)
+    record = []
     for t in range(steps):
         lens = np.full(R, context + t + 1)
         newest = lens - 1
@@ -101,8 +109,19 @@ def run(steps: int = 12, batch: int = 2, layers: int = 8, context: int = 1536, h
                 if not np.array_equal(direct.view(np.uint32), offload.view(np.uint32)):
                     raise SystemExit(f"SELF-CHECK FAILED: step {t}, layer {layer}, request {b}: "
                                      f"the offloaded attention output differs from gpu-only")
-        print(f"step {t:3d}  seq_len {lens[0]}  misses per layer and request "
-              f"{misses / (layers * R):6.1f} of {top_k}  invariants hold, attention outputs "
-              f"bit-identical to gpu-only")
+        record.append({"step": t, "seq_len": int(lens[0]),
+                       "misses_per_layer_and_request": misses / (layers * R)})
+        if not cfg.quiet:
+            print(f"step {t:3d}  seq_len {lens[0]}  misses per layer and request "
+                  f"{misses / (layers * R):6.1f} of {top_k}  invariants hold, attention outputs "
+                  f"bit-identical to gpu-only")
+    wall = time.perf_counter() - t_start
     print(f"{steps} steps x {layers} layers x {R} requests on the NumPy reference backend in "
-          f"{time.perf_counter() - t_start:.1f} s: self-check passed")
+          f"{wall:.1f} s: self-check passed")
+    result = {"backend": "numpy", "config": dataclasses.asdict(cfg), "wall_s": wall,
+              "self_check": "passed", "steps": record}
+    if cfg.json:
+        with open(cfg.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+        print(f"wrote {cfg.json}")
+    return result

@@ -1,0 +1,70 @@
+"""Whether this process can use a CUDA device, and if not, why: asked before any CUDA call.
+
+One check for the library (:class:`HotBufferCache` and :class:`HostKVPool` call
+:func:`require_gpu` first), the command line and its ``bench``, and the test suite. It asks the
+driver itself (``libcuda`` through ctypes), so a machine without one hears "no NVIDIA driver"
+rather than the CUDA runtime's "driver version is insufficient", and names a driver older
+than CuPy's CUDA runtime as such.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+__all__ = ["GPUUnavailableError", "require_gpu", "why_no_gpu"]
+
+_NO_DEVICE = 100  # CUDA_ERROR_NO_DEVICE
+_LIBCUDA = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")
+
+
+class GPUUnavailableError(RuntimeError):
+    """No usable CUDA device; the message says why (no driver, no device, a driver too old)."""
+
+
+def _libcuda():
+    for name in _LIBCUDA:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+@functools.cache
+def why_no_gpu() -> str | None:
+    """None if a CUDA device can be used, else the reason, in one line (cached)."""
+    lib = _libcuda()
+    if lib is None:
+        return "no NVIDIA driver found (libcuda.so.1 cannot be loaded)"
+    rc = lib.cuInit(0)
+    if rc == _NO_DEVICE:
+        return "no CUDA device: the NVIDIA driver is loaded but sees no GPU"
+    if rc != 0:
+        return f"the NVIDIA driver failed to initialise (cuInit error {rc})"
+    n, drv = ctypes.c_int(0), ctypes.c_int(0)
+    if lib.cuDeviceGetCount(ctypes.byref(n)) != 0 or n.value == 0:
+        return "no CUDA device: the NVIDIA driver is loaded but sees no GPU"
+    lib.cuDriverGetVersion(ctypes.byref(drv))
+    try:
+        import cupy
+    except ImportError:
+        return ("CuPy is not installed: pip install 'hisparse_cupy[cuda12]' (CUDA 12 driver) or "
+                "'hisparse_cupy[cuda13]' (driver >= 580)")
+    rt = cupy.cuda.runtime.runtimeGetVersion()  # the linked runtime's version; no driver call
+    if drv.value // 1000 < rt // 1000:
+        return (f"the NVIDIA driver supports CUDA {_cuda_version(drv.value)}, older than CuPy's "
+                f"CUDA runtime {_cuda_version(rt)}: install the extra of the driver's CUDA "
+                f"(hisparse_cupy[cuda{drv.value // 1000}]) or upgrade the driver")
+    return None
+
+
+def require_gpu() -> None:
+    """Raise :class:`GPUUnavailableError` naming the reason unless a CUDA device is usable."""
+    why = why_no_gpu()
+    if why is not None:
+        raise GPUUnavailableError(f"hisparse_cupy needs a CUDA device: {why}")
