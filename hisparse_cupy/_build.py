@@ -226,5 +226,25 @@ def compile_check(archs: tuple[str, ...] = ("sm_80", "sm_90")) -> dict[tuple[str
         ``(file, arch) -> cubin size in bytes``. Raises :class:`CompileError` with NVRTC's log
         on the first source that does not compile.
     """
-    return {(file, arch): _nvrtc_compile(file, names, arch)
-            for file, names in INSTANCES.items() for arch in archs}
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(file, names, arch) for file, names in INSTANCES.items() for arch in archs]
+    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as ex:
+        sizes = list(ex.map(lambda job: _compiled(*job), jobs))  # in order: the first error
+    return {(file, arch): n for (file, _, arch), n in zip(jobs, sizes, strict=True)}
+
+
+_COMPILED: dict[tuple, int] = {}  # (file, names, arch, sources' bytes digest, options) -> size
+
+
+def _compiled(file: str, names: tuple[str, ...], arch: str) -> int:
+    """:func:`_nvrtc_compile`, once per process for the same sources and options (the sources
+    are read again for the key, so an edited file compiles anew)."""
+    h = hashlib.sha256()
+    for p in sorted(CU_DIR.glob("*.cu*")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    key = (file, names, arch, h.hexdigest(), options())
+    n = _COMPILED.get(key)
+    if n is None:
+        n = _COMPILED[key] = _nvrtc_compile(file, names, arch)
+    return n

@@ -16,7 +16,9 @@ from hisparse_cupy import host_pool as hp
 
 @pytest.fixture
 def no_cuda(monkeypatch):
-    """Registration and device sync stubbed: device address = host address (UVA)."""
+    """Registration, device sync and the device check stubbed: device address = host address
+    (UVA)."""
+    monkeypatch.setattr(hp, "require_gpu", lambda: None)
     monkeypatch.setattr(hp, "_register", lambda ptr, nbytes: ptr)
     monkeypatch.setattr(hp, "_unregister", lambda ptr: None)
     monkeypatch.setattr(hp, "_synchronize", lambda: None)
@@ -72,7 +74,7 @@ def test_an_attacher_that_crashes_leaks_nothing_and_its_writes_stay(no_cuda, nam
     pool = hp.HostKVPool(1, 4, 16, shared_name=name)
     before = set(os.listdir("/dev/shm"))
     code = ("import os, numpy as np; from hisparse_cupy import host_pool as hp; "
-            "hp._register = lambda p, n: p; "
+            "hp._register = lambda p, n: p; hp.require_gpu = lambda: None; "
             f"p = hp.HostKVPool.attach({name!r}); p.numpy[0, 2] = 7; os._exit(3)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 3, r.stderr
@@ -83,6 +85,7 @@ def test_an_attacher_that_crashes_leaks_nothing_and_its_writes_stay(no_cuda, nam
 
 def test_a_creator_that_exits_without_close_unlinks(name):
     code = ("from hisparse_cupy import host_pool as hp; hp._register = lambda p, n: p; "
+            "hp.require_gpu = lambda: None; "
             "hp._unregister = lambda p: None; "
             f"p = hp.HostKVPool(1, 4, 16, shared_name={name!r})")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
