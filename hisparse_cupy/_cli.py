@@ -19,24 +19,14 @@ import sys
 import time
 from pathlib import Path
 
+from ._device import cupy_or_why
+
 
 def _version(dist: str) -> str:
     try:
         return md.version(dist)
     except md.PackageNotFoundError:
         return "not installed"
-
-
-def _gpu():
-    """``cupy`` if a CUDA device can be used, else the reason why not (a string)."""
-    from ._device import why_no_gpu
-
-    why = why_no_gpu()
-    if why is not None:
-        return why
-    import cupy
-
-    return cupy
 
 
 def _ceilings(cupy, row_bytes: int, rows: int = 65536, iters: int = 10) -> tuple[float, float]:
@@ -90,7 +80,7 @@ def cmd_info(args) -> int:
         v = _version(dist)
         if v != "not installed":
             print(f"{dist} {v}")
-    g = _gpu()
+    g = cupy_or_why()
     if isinstance(g, str):
         print(g)
         return 0
@@ -123,7 +113,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_check(args) -> int:
-    g = _gpu()
+    g = cupy_or_why()
     if isinstance(g, str):
         print(f"check needs a CUDA device: {g}")
         return 1
@@ -154,7 +144,7 @@ def cmd_bench(args) -> int:
             print(f"no benchmark named {args.names}; have: "
                   f"{[p.stem for p in sorted((root / 'benchmarks').glob('bench_*.py'))]}")
             return 2
-    g = _gpu()
+    g = cupy_or_why()
     if isinstance(g, str):  # before any script runs or any folder is made
         print(f"bench needs a CUDA device: {g}")
         return 1

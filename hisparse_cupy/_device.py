@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-__all__ = ["GPUUnavailableError", "require_gpu", "why_no_gpu"]
+__all__ = ["GPUUnavailableError", "cupy_or_why", "require_gpu", "why_no_gpu"]
 
 _NO_DEVICE = 100  # CUDA_ERROR_NO_DEVICE
 _LIBCUDA = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")
@@ -68,3 +68,13 @@ def require_gpu() -> None:
     why = why_no_gpu()
     if why is not None:
         raise GPUUnavailableError(f"hisparse_cupy needs a CUDA device: {why}")
+
+
+def cupy_or_why():
+    """The ``cupy`` module if a CUDA device is usable, else the reason why not (a string)."""
+    why = why_no_gpu()
+    if why is not None:
+        return why
+    import cupy
+
+    return cupy

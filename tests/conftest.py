@@ -6,10 +6,10 @@ import pytest
 
 
 def _device_count() -> tuple[int, str]:
-    """(devices, why none): the command line's detection (driver, CuPy, device), one copy."""
-    from hisparse_cupy._cli import _gpu
+    """(devices, why none): the library's device check (hisparse_cupy._device), one copy."""
+    from hisparse_cupy._device import cupy_or_why
 
-    g = _gpu()
+    g = cupy_or_why()
     return (0, g) if isinstance(g, str) else (g.cuda.runtime.getDeviceCount(), "")
 
 

@@ -31,15 +31,10 @@ from __future__ import annotations
 import sys
 import time
 
+from .._device import cupy_or_why
 from .config import Config, cpu_config, from_args, host_memory_bytes
 
 __all__ = ["Config", "describe", "main", "report_results", "run_gpu", "run_modes"]
-
-
-def _gpu_or_reason():
-    from .._cli import _gpu
-
-    return _gpu()
 
 
 def describe(cfg: Config) -> str | None:
@@ -139,7 +134,7 @@ def run_gpu(cfg: Config) -> int:
 
 def main(argv=None) -> int:
     """``python -m hisparse_cupy demo``: the GPU decode loop, or the NumPy backend without one."""
-    g = _gpu_or_reason()
+    g = cupy_or_why()
     if isinstance(g, str):
         cfg = cpu_config(argv)
         print(f"{g}: running the NumPy reference backend (hisparse_cupy.reference): "
