@@ -15,6 +15,8 @@ import functools
 __all__ = ["GPUUnavailableError", "cupy_or_why", "require_gpu", "why_no_gpu"]
 
 _NO_DEVICE = 100  # CUDA_ERROR_NO_DEVICE
+_STUB_LIBRARY = 34  # CUDA_ERROR_STUB_LIBRARY: the toolkit's stub libcuda, no driver behind it
+_INSUFFICIENT_DRIVER = 35  # CUDA_ERROR_INSUFFICIENT_DRIVER
 _LIBCUDA = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")
 
 
@@ -44,6 +46,10 @@ def why_no_gpu() -> str | None:
     rc = lib.cuInit(0)
     if rc == _NO_DEVICE:
         return "no CUDA device: the NVIDIA driver is loaded but sees no GPU"
+    if rc == _STUB_LIBRARY:
+        return "no NVIDIA driver found (only the CUDA toolkit's stub libcuda.so)"
+    if rc == _INSUFFICIENT_DRIVER:
+        return "the NVIDIA driver is too old for its own CUDA library (cuInit error 35)"
     if rc != 0:
         return f"the NVIDIA driver failed to initialise (cuInit error {rc})"
     n, drv = ctypes.c_int(0), ctypes.c_int(0)
@@ -55,11 +61,15 @@ def why_no_gpu() -> str | None:
     except ImportError:
         return ("CuPy is not installed: pip install 'hisparse_cupy[cuda12]' (CUDA 12 driver) or "
                 "'hisparse_cupy[cuda13]' (driver >= 580)")
+    except Exception as e:  # a broken CuPy install
+        return f"CuPy failed to import: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     rt = cupy.cuda.runtime.runtimeGetVersion()  # the linked runtime's version; no driver call
-    if drv.value // 1000 < rt // 1000:
+    major = drv.value // 1000
+    if major < rt // 1000:
+        fix = (f"install the extra of the driver's CUDA (hisparse_cupy[cuda{major}]) or upgrade "
+               f"the driver" if major >= 12 else "upgrade the driver (CUDA 12 or newer)")
         return (f"the NVIDIA driver supports CUDA {_cuda_version(drv.value)}, older than CuPy's "
-                f"CUDA runtime {_cuda_version(rt)}: install the extra of the driver's CUDA "
-                f"(hisparse_cupy[cuda{drv.value // 1000}]) or upgrade the driver")
+                f"CUDA runtime {_cuda_version(rt)}: {fix}")
     return None
 
 

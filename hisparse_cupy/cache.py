@@ -470,12 +470,13 @@ class HotBufferCache:
 
         With ``rows=True`` (default) ``dst``'s device rows are first rearranged into ``src``'s
         layout: the row where ``src`` holds token t (any slot) receives ``dst``'s own bytes of
-        t, from the row where ``dst`` held it or, if ``dst`` did not hold it, from ``dst``'s
-        host row of t. Then every table of :meth:`layer_tables` is copied from ``src``. After
-        it, a page table of ``src`` is valid for ``dst``'s rows. ``rows=False`` copies the
-        tables only, for layers whose device layouts are equal (a Prefetcher's group while
-        prefetch is on). Layouts diverge when two layers run the same multi-step calls: misses
-        take scratch rows in the order the gather's threads claim them.
+        t, from the row where ``dst`` held it (the first such slot) or, if ``dst`` did not hold
+        it, from ``dst``'s host row of t. Then every table of :meth:`layer_tables` is copied
+        from ``src``. After it, a page table of ``src`` is valid for ``dst``'s rows.
+        ``rows=False`` copies the tables only, for layers whose device layouts are equal (a
+        Prefetcher's group while prefetch is on). Layouts diverge when two layers run the same
+        multi-step calls: misses take scratch rows in the order the gather's threads claim
+        them.
 
         Every token a layer holds has a host row or is held by every layer at the same row
         (slot H, the positional layout), so nothing is missing from ``dst``. Queued on
@@ -497,7 +498,7 @@ class HotBufferCache:
         tok_d, loc_d = self.slot_tokens[dst], self.slot_locs[dst]
         # where dst holds each (request, token): its keys sorted, src's keys searched
         key_d = cupy.where(tok_d >= 0, base + tok_d, -1).reshape(-1)
-        order = cupy.argsort(key_d)
+        order = cupy.argsort(key_d)  # stable: a token held twice matches its first slot
         key_s = (base + tok_s).reshape(-1)
         at = cupy.minimum(cupy.searchsorted(key_d[order], key_s), key_s.size - 1)
         wanted = tok_s.reshape(-1) >= 0

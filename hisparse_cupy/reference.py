@@ -251,7 +251,8 @@ def multistep_swap_in(
     Parameters
     ----------
     top_k_tokens : int ``[B, S, K]``
-    req_indices : int ``[B]``;  seq_lens : int ``[B, S]``
+    req_indices : int ``[B]``;  seq_lens : int ``[B, S]`` (its first S columns) or ``[B]``
+    (every step the same length)
     host_locs : int64 ``[R, max_len]``
     slot_tokens, slot_locs : int32 ``[R, H + P]`` (updated)
     scratch_locs : int32 ``[R, C]`` (updated)
@@ -282,7 +283,8 @@ def multistep_swap_in(
     all_misses: list = [[] for _ in range(B)]
     for b in range(nr):
         rid = int(req_indices[b])
-        seqs = [int(v) for v in np.asarray(seq_lens[b]).reshape(-1)]
+        row = np.asarray(seq_lens[b]).reshape(-1)  # [S'] per step, or one length for all
+        seqs = [int(v) for v in (np.repeat(row, S) if row.size == 1 else row[:S])]
         if rid < 0 or rid >= R or min(seqs) < 0:
             status[b, ST_BADROW] = 1
             kind[b] = k_of["badrow"]
@@ -479,16 +481,19 @@ def mirror_layer(src: dict, dst: dict, *, host_locs: np.ndarray, dst_device: np.
 
     ``src``, ``dst``: each layer's tables by name (``slot_tokens`` and ``slot_locs`` ``[R, W]``
     and any others), ``dst`` updated in place. The row where ``src`` holds token t (any slot)
-    receives ``dst``'s bytes of t: from the row where ``dst`` held it, else from ``dst``'s host
-    row of t (``dst_host[host_locs[r, t]]``); ``dst_device`` ``[D, row_bytes]`` is updated. Then
-    every table of ``src`` is copied into ``dst``.
+    receives ``dst``'s bytes of t: from the row where ``dst`` held it (its first slot holding
+    t, if several do), else from ``dst``'s host row of t (``dst_host[host_locs[r, t]]``);
+    ``dst_device`` ``[D, row_bytes]`` is updated. Then every table of ``src`` is copied into
+    ``dst``.
     """
     R, W = src["slot_tokens"].shape
     max_len = host_locs.shape[1]
     before = dst_device.copy()
     for r in range(R):
-        where = {int(t): int(loc) for t, loc in zip(dst["slot_tokens"][r], dst["slot_locs"][r],
-                                                   strict=True) if t >= 0}
+        where: dict[int, int] = {}  # a token held twice: its first slot's row
+        for t, loc in zip(dst["slot_tokens"][r], dst["slot_locs"][r], strict=True):
+            if t >= 0:
+                where.setdefault(int(t), int(loc))
         for t, to in zip(src["slot_tokens"][r], src["slot_locs"][r], strict=True):
             t = int(t)
             if t < 0:

@@ -302,7 +302,7 @@ class Fuzz:
         rng, pf = self.rng, self.pf
         obj, view = self._pick_stream()
         legacy = view is not None and view.ptr == 0
-        if not legacy or pf.enabled:  # turning prefetch on needs an explicit main stream
+        if not legacy:  # set_enabled needs an explicit main stream
             pf.set_enabled(not pf.enabled, stream=obj)
             self.toggles += 1
         if rng.random() < 0.5 and not legacy:
@@ -329,9 +329,9 @@ class Fuzz:
                         self.c.device_rows(layer)[rows] = pattern(
                             xp, np.full(t.size, layer), uid * self.max_len + t, self.row)
 
-    def _lens_arg(self, lens, S):
-        rng = self.rng
-        if S == 1 and rng.random() < 0.5:
+    def _lens_arg(self, lens, S, nr):
+        """``[B, S]`` lengths, or ``[B]`` (half the time) when the real rows' steps are equal."""
+        if (lens[:nr] == lens[:nr, :1]).all() and self.rng.random() < 0.5:
             return lens[:, 0]
         return lens
 
@@ -343,7 +343,7 @@ class Fuzz:
         greq = np.concatenate([req, rng.integers(-2, self.R + 3, pad)]).astype(
             rng.choice([np.int32, np.int64]))
         glens = np.concatenate([lens, rng.integers(-3, 3 * self.max_len, (pad, S))])
-        glens = self._lens_arg(glens, S).astype(rng.choice([np.int32, np.int64]))
+        glens = self._lens_arg(glens, S, nr).astype(rng.choice([np.int32, np.int64]))
         with self._with(view):
             d_req, d_lens = xp.asarray(greq), xp.asarray(glens)
             d_nr = xp.asarray(np.array([nr], np.int32)) if pad or rng.random() < 0.2 else None

@@ -192,7 +192,12 @@ class ModelStep:
         self.newest_rows(backup=True, write_host=write_host)
 
     def swap(self, layer, top_k_tokens, *, out=None, copy_grid=None, check=False):
+        if check:
+            raise NotImplementedError("the model does not implement check=")
         if self.prefetcher is not None:
+            if out is not None or copy_grid is not None:
+                raise ValueError("out= and copy_grid= do not apply to a step driven by a "
+                                 "prefetcher")
             return self.prefetcher.swap_step(self, layer, top_k_tokens)
         return self.cache._swap(layer, np.asarray(top_k_tokens), self.req, self.lens,
                                 self.nr)[0]

@@ -90,6 +90,8 @@ class _FakeCuda:
     (_FakeCuda(version=12020), 13000, "supports CUDA 12.2, older than CuPy's CUDA runtime 13.0: "
                                       "install the extra of the driver's CUDA "
                                       "\\(hisparse_cupy\\[cuda12\\]\\)"),
+    (_FakeCuda(init_rc=34), 12090, "only the CUDA toolkit's stub"),
+    (_FakeCuda(version=11080), 12090, "supports CUDA 11.8.*upgrade the driver \\(CUDA 12 or"),
     (_FakeCuda(version=12020), 12090, None),  # minor versions: compatible
 ])
 def test_device_check_names_each_case(monkeypatch, fake, runtime, why):

@@ -77,13 +77,22 @@ def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
     assert len(got["steps"]) == 2 == len(res["steps"])
     assert got["steps"][0]["seq_len"] == 2049
     for flag in CPU_REFUSED:
-        arg = [flag] + ({"--mtp": ["2"], "--mode": ["offload"], "--png": ["x.png"],
+        arg = [flag] + ({"--mtp": ["2"], "--mode": ["overlap"], "--png": ["x.png"],
                          "--hidden": ["512"]}.get(flag, []))
         with pytest.raises(SystemExit, match=f"{flag} needs the GPU decode loop"):
             cpu_config(arg)
     assert cpu_config(["--mtp", "1"]).mtp == 1  # off: nothing to refuse
-    with pytest.raises(SystemExit, match="--pattern"):
-        cpu_config(["--pattern", "FS"])  # 2 layers given by the pattern, 8 by default
+    assert cpu_config(["--mode", "offload"]).modes == ("gpu-only", "offload")
+    # one flag given: the small values of the others follow it
+    assert cpu_config(["--pattern", "FSSSFSSSFS"]).layers == 10
+    assert cpu_config(["--recent", "10"]).extra_page == 10
+    c = cpu_config(["--top-k", "1024"])
+    assert c.hot == 1024 and c.context > c.hot + c.top_k
+    assert cpu_config(["--hot", "2048"]).context > 2048 + 128
+    with pytest.raises(SystemExit, match="--pattern 'FS'"):
+        cpu_config(["--pattern", "FS", "--layers", "8"])
+    with pytest.raises(SystemExit, match="--pattern must not be empty"):
+        cpu_config(["--pattern", ""])
 
 
 def test_demo_without_cupy_and_its_help():

@@ -75,6 +75,7 @@ class Config:
         need(1 <= self.mtp <= 4, f"--mtp must be 1 (off) or 2..4, got {self.mtp}")
         need(self.mtp * self.top_k <= 8192, "--mtp x --top-k must be <= 8192")
         need(self.extra_page >= self.recent, "--extra-page must be >= --recent")
+        need(self.pattern != "", "--pattern must not be empty")
         if self.pattern is not None:
             try:
                 self.pattern_obj()
@@ -159,6 +160,7 @@ def parser() -> argparse.ArgumentParser:
 CPU_DEFAULTS = {"layers": 8, "batch": 2, "context": 1536, "steps": 12, "warmup": 0,
                 "top_k": 128, "hot": 512, "extra_page": 8, "recent": 4}
 CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hidden")
+# (--mtp 1 and --mode gpu-only / offload are what the NumPy backend runs: accepted)
 
 
 def given(argv=None) -> set[str]:
@@ -175,7 +177,7 @@ def cpu_config(argv=None) -> Config:
     cfg = from_args(argv, check=False)  # first: --help and bad values as for the GPU loop
     ns = given(argv)
     refused = [f for f in CPU_REFUSED if f[2:].replace("-", "_") in ns
-               and (f != "--mtp" or cfg.mtp > 1)]
+               and (f != "--mtp" or cfg.mtp > 1) and (f != "--mode" or "overlap" in cfg.modes)]
     if refused:
         raise SystemExit(f"demo: {' and '.join(refused)} need{'s' if len(refused) == 1 else ''} "
                          f"the GPU decode loop; the NumPy reference backend runs single-step "
@@ -183,6 +185,15 @@ def cpu_config(argv=None) -> Config:
     for k, v in CPU_DEFAULTS.items():
         if k not in ns:
             setattr(cfg, k, v)
+    # the small values give way to the flags given
+    if "layers" not in ns and cfg.pattern:
+        cfg.layers = len(cfg.pattern)
+    if "extra_page" not in ns:
+        cfg.extra_page = max(cfg.extra_page, cfg.recent)
+    if "hot" not in ns:
+        cfg.hot = max(cfg.hot, cfg.top_k)
+    if "context" not in ns:
+        cfg.context = max(cfg.context, cfg.hot + cfg.top_k + 256)
     cfg.check()
     return cfg
 

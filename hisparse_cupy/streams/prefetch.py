@@ -312,9 +312,10 @@ class Prefetcher:
         """Whether shared layers are prefetched (False: full swap on every layer)."""
         return self._enabled
 
-    def _main_stream(self, stream):
+    def _main_stream(self, stream, explicit: bool | None = None):
+        """The step's stream; while prefetch is on (or ``explicit``), never the legacy one."""
         s = as_stream(stream)
-        if self._enabled and s.ptr == 0:
+        if (self._enabled if explicit is None else explicit) and s.ptr == 0:
             raise ValueError(
                 "the prefetcher needs an explicit main stream: the legacy default stream is not "
                 "ordered with the non-blocking side stream and cannot be captured. Queue the "
@@ -606,7 +607,8 @@ class Prefetcher:
         self._reset_step()
 
     def set_enabled(self, enabled: bool, stream=None) -> None:
-        """Turn prefetch on or off between steps (queued on ``stream``, no host sync).
+        """Turn prefetch on or off between steps (queued on ``stream``, which must not be the
+        legacy default stream; no host sync).
 
         Turning it off copies every full layer's tables (``slot_tokens``, ``slot_locs``,
         ``lru``, ``token_slot`` and any multi-step state) into its shared layers (their own
@@ -618,7 +620,7 @@ class Prefetcher:
         enabled = bool(enabled)
         if enabled == self._enabled:
             return
-        s = self._main_stream(stream)
+        s = self._main_stream(stream, explicit=True)  # either way, the mode on is involved
         self._join(s)
         self._take_stage(None, None, s)
         self._reset_step()
