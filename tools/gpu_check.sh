@@ -15,6 +15,9 @@
 #   7. with --peer DIR (a copy of the peer_sglang probe, e.g. .peer): SGLang's kernels beside
 #      ours (bench_peer.py --quick, bench_peer_spec.py --quick; --peer-full: their full grids),
 #      JSON.
+# On a machine lent for 10 minutes a call, run it in two calls: --no-bench --no-demo
+# --fuzz-steps=0 (tests, sanitizers: ~7 min on an H200), then --no-tests --no-sanitize
+# (the step fuzz, benchmarks, peer: ~4 min).
 # Logs and results go under $OUT (default ./gpu_check_out): summary.txt, pytest.log,
 # sanitize.log, bench.log and results.tgz (benchmark JSON/PNG). Exit status: non-zero if any
 # step failed.
@@ -30,7 +33,7 @@ mkdir -p "$OUT" "$OUT/results"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 tests=1 sanitize=1 bench=1 quick=--quick full_only= peer= peer_mode=--quick test_args=tests demo=1
-demo_args="--steps 100 --warmup 20 --eager-and-graph" fuzz_steps=100000 fuzz_procs=8
+demo_args="--steps 100 --warmup 20 --eager-and-graph" fuzz_steps=100000 fuzz_procs=12
 for a in "$@"; do
   case $a in
     --no-tests) tests=0 ;; --no-sanitize) sanitize=0 ;; --no-bench) bench=0 ;;
