@@ -18,91 +18,9 @@ full layer's page table, still hold the same bytes at the same rows. Per decode 
 With prefetch off (:meth:`Prefetcher.set_enabled`), every layer, shared ones included, runs
 the full swap-in on the main stream with its full layer's top-k: the "no overlap" mode.
 
-Hazards and how this design closes them
----------------------------------------
-1. **Shared layer reads its rows before they land (RAW).** Event ``e[p]`` is recorded on the
-   side stream after the replay for position ``p``; the shared layer's call makes the main
-   stream wait on it before returning the page table, so anything queued on the main stream
-   after the call (its attention) sees the bytes.
-2. **Replay reads the plan before the full layer wrote it (RAW).** The fork event is recorded
-   on the main stream after the full layer's swap (resolve, which writes the plan, and its own
-   copy) and the side stream waits on it before the first replay.
-3. **A slot overwritten while the previous step may still read it (WAR).** A replay at step
-   ``t`` evicts slots that the shared layer's attention read at step ``t - 1``. The fork point
-   is on the main stream after everything the main stream queued before this full layer, which
-   includes all of step ``t - 1``'s attention; the side stream inherits that order, so no
-   replay overtakes an earlier read. Reads queued on other streams must be joined into the main
-   stream by the caller before the step. The newest-token slot ``H`` is never a plan target, so
-   the model's write of the step's KV there never races a replay.
-4. **The single plan buffer reused by the next swap (WAR).** Every swap (the next full layer's,
-   or any swap in prefetch-off mode) rewrites ``cache.plan`` while replays of the current group
-   may still read it. Before any swap, the main stream joins every replay that no shared layer
-   has waited on yet (it waits on the last recorded event; the side stream is in order), so the
-   rewrite is ordered after the last replay. When every shared layer is called, this costs
-   nothing: the last shared layer's wait has already joined the group.
-5. **Event reuse.** The ``max_group_size`` events are re-recorded by every group and every
-   step. A wait binds to the record most recently queued when the wait is queued; this object
-   queues all waits of a group (or the join of hazard 4) before the next group records again,
-   and refuses a shared layer whose full layer is not the last one swapped in this step, so a
-   wait never binds to another group's or step's record. The same holds inside graph capture,
-   where each record/wait becomes a dependency edge of the graph.
-6. **The page table and ``num_real`` (WAR).** The full layer's page table lives in this
-   object's buffer and is rewritten by the next swap on the main stream (stream order after
-   every earlier reader on the main stream). ``num_real`` (read by the replays) must be changed
-   only on the main stream between steps: all side work of a step has joined the main stream
-   by the step's last shared layer or :meth:`Prefetcher.finish`.
-7. **Host rows read before the backup of a token landed (RAW).** A replay reads the same host
-   rows as its full layer's swap and is queued after it (fork, hazard 2), so it inherits
-   whatever the main stream waited on before the swap (e.g. ``backup_newest`` on the main
-   stream, or a backup stream's event).
-8. **Lock step of the group's hot buffers.** A replay is only valid if the shared layer's slot
-   layout equals its full layer's. ``HotBufferCache.admit`` and ``release`` set every layer
-   identically and replays apply exactly the full layer's copies, so device rows stay in lock
-   step. The shared layers' own ``slot_tokens``/``lru`` are not updated while prefetch is on
-   and go stale: never run a swap on a shared layer of a cache a Prefetcher drives, except
-   through this object. :meth:`Prefetcher.set_enabled` (``False``) copies the full layers'
-   tables into their shared layers first, so the prefetch-off mode starts from correct tables.
-   With prefetch off, single-step swaps keep the layers of a group in lock step (the same
-   calls on the same state choose the same slots) but multi-step swaps do not (misses take
-   scratch rows in claim order), so ``set_enabled(True)`` rearranges each shared layer's
-   rows into its full layer's layout (``HotBufferCache.mirror_layer``) before any replay.
-   The pattern (group membership) is fixed for the object's lifetime.
-9. **CUDA-graph capture.** The fork and every join happen on the capturing main stream, so
-   the side stream joins the capture at the fork and every side branch rejoins before the
-   step ends (the last shared layer's wait, hazard 4's join, or :meth:`Prefetcher.finish`,
-   which a captured step should end with). Buffers (plan, page table, events, streams) are
-   allocated once; nothing here synchronizes or allocates while a step is queued. Run one
-   step eagerly before capturing, so every kernel is compiled and loaded.
-
-Prediction mode (:meth:`Prefetcher.set_predict`): after a full layer F's swap, a second side
-stream guesses the next full layer F''s misses and stages those host rows of F' on the device;
-F''s swap reads its staged misses there.
-
-10. **F''s swap reads staging rows (or the stager reads F''s slot and token tables) out of
-    order (RAW / WAR).** The stager forks from the main stream after F's swap (the same fork
-    event as the replays) and records ``_pdone`` after its staging copy; the main stream waits
-    on ``_pdone`` before F''s swap, so the staging rows are written before F''s copy reads
-    them, and F''s slot and token tables and F's plan (the stager's inputs) are read before
-    F''s resolve rewrites them. A prediction no full layer uses is joined by
-    :meth:`Prefetcher.finish`, :meth:`set_enabled` and :meth:`set_predict`. The next
-    prediction rewrites the staging buffers only after forking from a point after F''s swap.
-11. **The caller's top-k rewritten while the stager reads it (WAR).** The stager reads a copy
-    of F's top-k that its side stream takes right after the fork (so the main stream does not
-    wait for it); the copy is rewritten by the next full layer's prediction, after the main
-    stream waited on ``_pdone``. A caller that rewrites F's top-k buffer on the main stream
-    before that copy ran changes the guess only: the guess decides which rows are staged, never
-    which bytes a swap writes (hazard 12). The buffer must stay allocated until the next full
-    layer's swap or :meth:`Prefetcher.finish`: a stream-ordered allocator (``cudaFreeAsync``,
-    CuPy's ``MemoryAsyncPool``) could unmap it on the main stream before the copy ran.
-12. **A wrong byte from a wrong guess.** A staged row is used only for the host row it was
-    copied from (``stage_src`` checked against the miss's host row, per batch row, within the
-    rows staged this time), only by the full layer it was staged for, right after the full
-    layer that staged it and with the same batch (a step that skips layers ends with
-    :meth:`Prefetcher.finish`, which drops an unused prediction: host rows may change between
-    steps), and within a step host rows change only through ``backup_newest`` before the
-    step's swaps (hazard 7); misses and slots are decided by F''s resolve as without
-    prediction. A wrong guess costs link bandwidth, never a byte. No prediction is made while
-    ``dry_run`` is set (its staging copy would move no bytes).
+The hazards of the overlap and of prediction mode, and how each is closed, are numbered in
+``docs/overlap_hazards.md`` in the source repository; the comments below cite them by number
+("hazard 4").
 """
 
 from __future__ import annotations
@@ -214,7 +132,7 @@ class Prefetcher:
     -----
     The page table returned by :meth:`swap` is a view of a buffer the next full layer's swap
     (or, with prefetch off, the next swap) rewrites on the main stream: consume it on the main
-    stream before that. See the module docstring for the hazards and how they are closed.
+    stream before that. The hazards and how they are closed: ``docs/overlap_hazards.md``.
     """
 
     def __init__(self, cache: HotBufferCache, pattern, *,
