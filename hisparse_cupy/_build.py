@@ -228,23 +228,24 @@ def compile_check(archs: tuple[str, ...] = ("sm_80", "sm_90")) -> dict[tuple[str
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    jobs = [(file, names, arch) for file, names in INSTANCES.items() for arch in archs]
-    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as ex:
-        sizes = list(ex.map(lambda job: _compiled(*job), jobs))  # in order: the first error
-    return {(file, arch): n for (file, _, arch), n in zip(jobs, sizes, strict=True)}
-
-
-_COMPILED: dict[tuple, int] = {}  # (file, names, arch, sources' bytes digest, options) -> size
-
-
-def _compiled(file: str, names: tuple[str, ...], arch: str) -> int:
-    """:func:`_nvrtc_compile`, once per process for the same sources and options (the sources
-    are read again for the key, so an edited file compiles anew)."""
+    # the key reads the sources now (source_digest() is cached), so an edited file compiles anew
     h = hashlib.sha256()
     for p in sorted(CU_DIR.glob("*.cu*")):
         h.update(p.name.encode() + b"\0" + p.read_bytes())
-    key = (file, names, arch, h.hexdigest(), options())
-    n = _COMPILED.get(key)
+    key = (h.hexdigest(), options())
+    jobs = [(file, names, arch) for file, names in INSTANCES.items() for arch in archs]
+    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as ex:
+        sizes = list(ex.map(lambda job: _compiled(key, *job), jobs))  # in order: first error
+    return {(file, arch): n for (file, _, arch), n in zip(jobs, sizes, strict=True)}
+
+
+_COMPILED: dict[tuple, int] = {}  # (sources' digest, options, file, names, arch) -> cubin size
+
+
+def _compiled(key: tuple, file: str, names: tuple[str, ...], arch: str) -> int:
+    """:func:`_nvrtc_compile`, once per process for the same sources and options."""
+    full = (*key, file, names, arch)
+    n = _COMPILED.get(full)
     if n is None:
-        n = _COMPILED[key] = _nvrtc_compile(file, names, arch)
+        n = _COMPILED[full] = _nvrtc_compile(file, names, arch)
     return n

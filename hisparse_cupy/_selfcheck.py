@@ -19,14 +19,17 @@ L, R, H, P, K, S_MAX, ROW = 3, 6, 64, 8, 24, 4, 64
 MAX_LEN = 600
 
 
-def pattern(layer: int, rows: np.ndarray, row_bytes: int) -> np.ndarray:
-    """uint8 ``[len(rows), row_bytes]``: a pattern unique to (layer, row) in every 4-byte word."""
-    rows = np.asarray(rows, dtype=np.uint64).reshape(-1, 1)
-    words = np.arange(row_bytes // 4, dtype=np.uint64).reshape(1, -1)
-    key = (np.uint64(layer) * np.uint64(1_000_003) + rows) * np.uint64(2_654_435_761)
-    w = (key + words * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(17)
-    w = (w & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    return w.view(np.uint8).reshape(len(rows), row_bytes)
+def pattern(layer, rows, row_bytes: int, *, xp=np):
+    """uint8 ``[len(rows), row_bytes]``: a pattern unique to (layer, row) in every 4-byte word.
+
+    ``layer`` is one layer or one per row; ``xp``: NumPy, or CuPy for the pattern on the GPU."""
+    rows = xp.asarray(rows, dtype=xp.uint64).reshape(-1, 1)
+    lay = xp.asarray(layer, dtype=xp.uint64).reshape(-1, 1)
+    words = xp.arange(row_bytes // 4, dtype=xp.uint64).reshape(1, -1)
+    key = (lay * xp.uint64(1_000_003) + rows) * xp.uint64(2_654_435_761)
+    w = (key + words * xp.uint64(0x9E3779B97F4A7C15)) >> xp.uint64(17)
+    w = (w & xp.uint64(0xFFFFFFFF)).astype(xp.uint32)
+    return w.view(xp.uint8).reshape(rows.shape[0], row_bytes)
 
 
 class Twin:

@@ -692,7 +692,7 @@ class Step:
         elif not out_checked:
             out = self._out_arg(out, (B, K))
         if check:
-            _checks.unique_requests(self.req, self.num_real, c.max_requests)
+            self.check_requests()
         res = self._resolve
         w8, w4 = layer * (res.itemsize // 8), layer * (res.itemsize // 4)
         u64, i32 = self._res_words
@@ -716,8 +716,7 @@ class Step:
             finally:
                 cp["stage_map"][layer] = 0  # the struct's bytes were taken at the launch
         if check:
-            _checks.raise_on_status(c.status[:B], topk, self.seq_lens,
-                                    max_len=c.max_len, stream=self.stream)
+            self.raise_on_status(topk)
         return out
 
     @property
@@ -794,7 +793,7 @@ class Step:
         elif not out_checked:
             out = self._out_arg(out, (B, S, K))
         if check:
-            _checks.unique_requests(self.req, self.num_real, c.max_requests)
+            self.check_requests()
         ms = self._ms
         u64, i32 = self._ms_words
         w8, w4 = layer * (ms.itemsize // 8), layer * (ms.itemsize // 4)
@@ -810,9 +809,24 @@ class Step:
         la_gather(grid_gather, sptr, addr)
         la_commit(grid_commit, sptr, addr)
         if check:
-            _checks.raise_on_status(c.status[:B], topk, self.seq_lens, max_len=c.max_len,
-                                    what="multi-step swap", stream=self.stream)
+            self.raise_on_status(topk)
         return out
+
+    # ----------------------------------------------------------------- check=True
+    def check_requests(self) -> None:
+        """``check=True``'s first half: raise ``ValueError`` if a valid request slot repeats
+        among the real rows (synchronizes)."""
+        _checks.unique_requests(self.req, self.num_real, self.cache.max_requests)
+
+    def raise_on_status(self, top_k_tokens) -> None:
+        """``check=True``'s second half: synchronize the step's stream and raise ``ValueError``
+        naming every row and entry the last swap flagged (``top_k_tokens``: that swap's)."""
+        with self.stream:  # a foreign array imports on the step's stream
+            topk = _checks.token_rows("top_k_tokens", top_k_tokens, self._dev)
+        _checks.raise_on_status(self.cache.status[:self.batch], topk, self.seq_lens,
+                                max_len=self.cache.max_len,
+                                what="multi-step swap" if topk.ndim == 3 else "swap",
+                                stream=self.stream)
 
     # ----------------------------------------------------------------- newest token
     def newest_rows(self, *, backup: bool = False, write_host: bool = True) -> cupy.ndarray:

@@ -34,19 +34,10 @@ import time
 
 import numpy as np
 
+from hisparse_cupy._selfcheck import pattern
+
 CHECKS = ("missing row", "two rows for one token", "wrong bytes", "row for an invalid entry",
           "newest row")
-
-
-def pattern(xp, layers, ids, row_bytes: int):
-    """uint8 ``[n, row_bytes]``: ``_selfcheck.pattern`` of (layer, id) for arrays of both."""
-    rows = (xp.asarray(ids, dtype=xp.uint64).reshape(-1, 1))
-    lay = xp.asarray(layers, dtype=xp.uint64).reshape(-1, 1)
-    words = xp.arange(row_bytes // 4, dtype=xp.uint64).reshape(1, -1)
-    key = (lay * xp.uint64(1_000_003) + rows) * xp.uint64(2_654_435_761)
-    w = (key + words * xp.uint64(0x9E3779B97F4A7C15)) >> xp.uint64(17)
-    w = (w & xp.uint64(0xFFFFFFFF)).astype(xp.uint32)
-    return w.view(xp.uint8).reshape(rows.shape[0], row_bytes)
 
 
 def draw_config(rng) -> dict:
@@ -179,7 +170,7 @@ class Fuzz:
         on_device = self.be.gpu and self.rng.random() < 0.5
         mod = xp if on_device else np
         with self._with(view if on_device else None):
-            rows = [pattern(mod, np.full(n, layer), ids, self.row) for layer in range(self.L)]
+            rows = [pattern(layer, ids, self.row, xp=mod) for layer in range(self.L)]
             return mod.stack(rows)
 
     def _churn(self) -> None:
@@ -327,7 +318,7 @@ class Fuzz:
                     for layer in range(self.L):
                         rows = self.c.slot_locs[layer, int(r), xp.asarray(t)]
                         self.c.device_rows(layer)[rows] = pattern(
-                            xp, np.full(t.size, layer), uid * self.max_len + t, self.row)
+                            layer, uid * self.max_len + t, self.row, xp=xp)
 
     def _lens_arg(self, lens, S, nr):
         """``[B, S]`` lengths, or ``[B]`` (half the time) when the real rows' steps are equal."""
@@ -363,7 +354,7 @@ class Fuzz:
         ids = uid * self.max_len + lens[:, 0] - 1
         r = rows[:nr]
         for layer in range(self.L):
-            self.c.device_rows(layer)[r] = pattern(xp, np.full(nr, layer), ids, self.row)
+            self.c.device_rows(layer)[r] = pattern(layer, ids, self.row, xp=xp)
 
     def _expected_newest(self, req, lens) -> np.ndarray:
         t = lens[:, 0] - 1
@@ -411,7 +402,7 @@ class Fuzz:
             oc = xp.maximum(o, 0)
             got = self.c.device_rows(layer)[oc] if idx.size else None
             if idx.size:
-                want = pattern(xp, np.full(idx.size, layer), ids, self.row)
+                want = pattern(layer, ids, self.row, xp=xp)
                 errs[2] = errs[2] + ((got != want).any(axis=1) & (o >= 0)).sum()
             errs[3] = errs[3] + (flat[xp.asarray(neg)] != -1).sum()
         e = xp.stack([xp.asarray(v, dtype=xp.int64) for v in errs])

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _stepfuzz import CHECKS, Fuzz, pattern
+from _stepfuzz import CHECKS, Fuzz
+
+from hisparse_cupy._selfcheck import pattern
 
 
-def test_pattern_is_the_selfcheck_pattern():
-    from hisparse_cupy._selfcheck import pattern as ref_pattern
-
+def test_pattern_takes_one_layer_per_row():
+    """The byte pattern the checks use: a layer per row equals the same layer given once."""
     ids = np.arange(0, 5000, 37)
-    for layer in (0, 3):
-        got = pattern(np, np.full(ids.size, layer), ids, 64)
-        np.testing.assert_array_equal(got, ref_pattern(layer, ids, 64))
+    layers = np.arange(ids.size) % 3
+    got = pattern(layers, ids, 64)
+    for layer in range(3):
+        np.testing.assert_array_equal(got[layers == layer], pattern(layer, ids[layers == layer],
+                                                                    64))
+    assert len({bytes(r) for r in got}) == ids.size  # every (layer, id) distinct
 
 
 @pytest.mark.parametrize("seed", range(30))

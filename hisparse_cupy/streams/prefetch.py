@@ -313,13 +313,13 @@ class Prefetcher:
                 p = self.pattern.position(loc)
                 self._wait_position(p, s)
                 if check:  # no swap ran since the full layer's: the status is still its
-                    self._raise_on_status(step, self._anchor_topk, s)
+                    step.raise_on_status(self._anchor_topk)
                 return self._anchor_out
             top_k_tokens = self._anchor_topk
 
         # a swap: full layer, or any layer with prefetch off
         if check:
-            _checks.unique_requests(step.req, step.num_real, self.cache.max_requests)
+            step.check_requests()
         self._join(s)  # hazard 4: the swap below rewrites the plan
         stage = None
         if full:
@@ -357,15 +357,8 @@ class Prefetcher:
             if nxt is not None:
                 self._queue_predict(step, loc, nxt, topk)
         if check:  # after the bookkeeping: the step goes on after a caught error
-            self._raise_on_status(step, top_k_tokens, s)
+            step.raise_on_status(top_k_tokens)
         return out
-
-    def _raise_on_status(self, step, top_k_tokens, s) -> None:
-        c = self.cache
-        with s:  # a foreign array imports on the main stream
-            topk = _checks.token_rows("top_k_tokens", top_k_tokens, step._dev)
-        _checks.raise_on_status(c.status[:step.batch], topk, step.seq_lens, max_len=c.max_len,
-                                what="multi-step swap" if topk.ndim == 3 else "swap", stream=s)
 
     # ------------------------------------------------------------------ prediction
     def set_predict(self, on: bool, stream=None) -> None:
