@@ -1,7 +1,8 @@
 """Each kernel's own time in one captured decode step of ``bench_overlap`` (Nsight Compute).
 
-Builds ``bench_overlap``'s workload (one configuration), warms the chosen mode up, captures one
-step and replays it once inside a profiler range (``cudaProfilerStart`` / ``Stop``), so that
+Builds ``bench_overlap``'s workload (``_overlap_rig.py``, one configuration), warms the chosen
+mode up, captures one step and replays it once inside a profiler range (``cudaProfilerStart`` /
+``Stop``), so that
 
     ncu --profile-from-start off --clock-control none \\
         --metrics gpu__time_duration.sum,launch__grid_size --csv --page raw \\
@@ -53,22 +54,19 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=78)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rate", type=float, default=0.05)
-    import bench_overlap as bo
+    import _overlap_rig as ov
 
-    bo.add_rig_args(ap)
+    ov.add_rig_args(ap)
     a = ap.parse_args()
     if a.summarize:
         summarize(a.summarize)
         return
     import cupy
 
-    s, part = bo.make_main_stream(a)
-    s.use()
-    kern = bo.Kernels()
-    rig = bo.Rig(a.layers, a.batch, kern, bo.make_compute(kern, s, a), s, part)
-    bo.shape_replays(rig.pf, a)
-    bo.prepare_config(rig, a.batch, a.rate)
-    bo.set_mode(rig.pf, a.mode, s)
+    rig, part = ov.build(a, a.layers, a.batch)
+    s = rig.main
+    ov.prepare_config(rig, a.batch, a.rate)
+    ov.set_mode(rig.pf, a.mode, s)
     rig.step_offload()
     g = rig.capture(rig.step_offload)
     for _ in range(3):

@@ -1,13 +1,15 @@
 """Where the overlap's step time goes: how long the main stream stalls at each wait.
 
-Runs ``bench_overlap``'s workload (one configuration) and records an event pair around every
-wait the :class:`~hisparse_cupy.Prefetcher` queues on the main stream: a shared layer's wait on
-its replay, and (prediction mode) a full layer's wait on its staged rows; and around every full
-layer's swap. The time between the two events of a pair is how long the main stream stood
-still there (a wait) or spent on the swap (waits included). Reported per mode: step time, the
-stall per step at shared layers and at predicted full layers, and the full layers' swaps
-(medians over the timed steps), the first full layer of the step apart (never predicted), and
-each full layer's in the JSON. Also the step without offload (every row on the GPU already).
+Runs ``bench_overlap``'s workload (``_overlap_rig.py``, one configuration) and records an event
+pair around every wait the :class:`~hisparse_cupy.Prefetcher` queues on the main stream (its
+public hook ``before_layer``, which the step calls for every layer): a shared layer's wait on
+its replay (a call it served), and (prediction mode) a full layer's wait on its staged rows (a
+call with a stage); and around every full layer's ``step.swap``. The time between the two
+events of a pair is how long the main stream stood still there (a wait) or spent on the swap
+(waits included). Reported per mode: step time, the stall per step at shared layers and at
+predicted full layers, and the full layers' swaps (medians over the timed steps), the first
+full layer of the step apart (never predicted), and each full layer's in the JSON. Also the
+step without offload (every row on the GPU already).
 
 Eager steps (default) include the host's enqueue wherever the GPU waited for it. ``--graph``
 captures each mode's step once, with the event pairs as event-record nodes
@@ -30,39 +32,55 @@ from pathlib import Path
 import cupy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_overlap as bo  # noqa: E402
+import _overlap_rig as ov  # noqa: E402
 from _timing import device_info, write_json  # noqa: E402
 
 KINDS = ("shared", "stage", "full_swap")
 
 
-def instrument(pf, log: list) -> list:
-    """Wrap the prefetcher's two main-stream waits, and every full layer's swap, with event
-    pairs appended to ``log`` as (kind, model layer or -1, start, end). Returns the pool the
+def instrument(rig: ov.Rig, log: list) -> list:
+    """Wrap the prefetcher's public hook ``before_layer`` (where it queues a shared layer's wait
+    on its replay, or a predicted full layer's wait on its staged rows) and every full layer's
+    swap (``rig.swap``, the whole ``step.swap``) with event pairs on the main stream, appended to
+    ``log`` as (kind, model layer or -1, start, end): kind "shared" for a call the prefetcher
+    served (``LayerCall.served``), "stage" for one with staged rows (``LayerCall.stage``),
+    "full_swap", or None (no wait there: the pair is only given back). Returns the pool the
     events come from: give a pair back once nothing will record or read it again."""
-    wait_position, take_stage, swap_step = pf._wait_position, pf._take_stage, pf.swap_step
+    pf, s = rig.pf, rig.main
+    before_layer, swap = pf.before_layer, rig.swap
     pool: list = []
 
-    def timed(kind, layer, fn, s, *args):
+    def pair():
         if len(pool) < 2:
             pool.extend(cupy.cuda.Event() for _ in range(64))
-        a, b = pool.pop(), pool.pop()
-        bo.record_external(a, s)  # an event-record node when captured
-        r = fn(*args)
-        bo.record_external(b, s)
-        log.append((kind, layer, a, b))
-        return r
+        return pool.pop(), pool.pop()
 
-    pf._wait_position = lambda p, s: timed("shared", -1, wait_position, s, p, s)
-    pf._take_stage = lambda loc, tk, s, batch=0: timed("stage", -1, take_stage, s, loc, tk, s,
-                                                       batch)
+    def is_full(layer) -> bool:
+        return bool(pf.pattern.full[pf.pattern.local_index(layer)])
 
-    def swap(step, layer, tk=None):
-        if not pf.pattern.full[pf.pattern.local_index(layer)]:
-            return swap_step(step, layer, tk)
-        return timed("full_swap", layer, swap_step, step.stream, step, layer, tk)
+    def timed_before(step, layer, *args, **kw):
+        if not pf.enabled or (is_full(layer) and not pf.predict):  # it queues no wait there
+            return before_layer(step, layer, *args, **kw)
+        a, b = pair()
+        ov.record_external(a, s)  # an event-record node when captured
+        call = before_layer(step, layer, *args, **kw)
+        ov.record_external(b, s)
+        kind = "shared" if call.served else "stage" if call.stage is not None else None
+        log.append((kind, -1, a, b))
+        return call
 
-    pf.swap_step = swap
+    def timed_swap(step, layer, top_k):
+        if not is_full(layer):
+            return swap(step, layer, top_k)
+        a, b = pair()
+        ov.record_external(a, s)
+        out = swap(step, layer, top_k)
+        ov.record_external(b, s)
+        log.append(("full_swap", layer, a, b))
+        return out
+
+    pf.before_layer = timed_before
+    rig.swap = timed_swap
     return pool
 
 
@@ -76,30 +94,27 @@ def main() -> int:
     ap.add_argument("--graph", action="store_true",
                     help="time replays of each mode's captured step instead of eager steps")
     ap.add_argument("--out", default=None)
-    bo.add_rig_args(ap)
+    ov.add_rig_args(ap)
     a = ap.parse_args()
-    main_s, part = bo.make_main_stream(a)
-    main_s.use()
-    kern = bo.Kernels()
-    rig = bo.Rig(a.layers, a.batch, kern, bo.make_compute(kern, main_s, a), main_s, part)
-    bo.shape_replays(rig.pf, a)
+    rig, part = ov.build(a, a.layers, a.batch)
+    main_s = rig.main
     rig.common = a.common
-    bo.prepare_config(rig, a.batch, a.rate)
+    ov.prepare_config(rig, a.batch, a.rate)
     pf = rig.pf
     first_full = pf.pattern.full_layers[0] + pf.pattern.first_layer
     log: list = []
-    pool = instrument(pf, log)
+    pool = instrument(rig, log)
     e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
     how = "graph replays" if a.graph else "eager steps"
     res = {}
     for mode in ("no_offload", "no_overlap", "overlap", "overlap_predict"):
-        bo.set_mode(pf, "overlap" if mode == "no_offload" else mode, main_s)
+        ov.set_mode(pf, "overlap" if mode == "no_offload" else mode, main_s)
         fn = rig.step_no_offload if mode == "no_offload" else rig.step_offload
 
         def step(fn=fn):
-            bo.record_external(e0, main_s)
+            ov.record_external(e0, main_s)
             fn()
-            bo.record_external(e1, main_s)
+            ov.record_external(e1, main_s)
 
         if a.graph:
             step()  # eagerly once: everything compiled, the mode's first step done
@@ -114,18 +129,20 @@ def main() -> int:
         steps = {"step_ms": [], "shared_ms": [], "stage_ms": [], "full_swap_ms": [],
                  "first_full_swap_ms": []}
         per_layer: dict[int, list] = {}
-        for i in range(bo.WARMUP + a.steps):
+        for i in range(ov.WARMUP + a.steps):
             if not a.graph:
                 log.clear()
             run()
             e1.synchronize()
             if not a.graph:
                 pairs = list(log)
-            if i >= bo.WARMUP:
+            if i >= ov.WARMUP:
                 steps["step_ms"].append(cupy.cuda.get_elapsed_time(e0, e1))
                 t = {k: 0.0 for k in KINDS}
                 first = 0.0
                 for kind, layer, x, y in pairs:
+                    if kind is None:
+                        continue
                     ms = cupy.cuda.get_elapsed_time(x, y)
                     t[kind] += ms
                     if kind == "full_swap":

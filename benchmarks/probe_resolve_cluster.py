@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_swap  # noqa: E402
 from _timing import device_info, time_graph_chain, write_json  # noqa: E402
 
-from hisparse_cupy import HostKVPool, MissPlan, _build, swap, swap_in  # noqa: E402
+from hisparse_cupy import HostKVPool, MissPlan, _abi, _build, swap, swap_in  # noqa: E402
 from hisparse_cupy._launch import max_active_clusters  # noqa: E402
 
 RATES = (0.0, 0.005, 0.05)
@@ -99,7 +99,7 @@ def main() -> int:
     dev = cupy.empty((bmax * (H + P), ROW), cupy.uint8)
     plan = MissPlan(bmax, K)
     key = (np.dtype(np.int32), np.dtype(np.int32))
-    cb = swap.CLUSTER_BLOCK
+    cb = _abi.RESOLVE_CLUSTER_BLOCK
     fits = {c: max_active_clusters(_build.kernel(_build.RESOLVE[cb][key]), cb,
                                    swap.resolve_smem_bytes(K, H, cb), c) for c in CLUSTERS[1:]}
     print(f"clusters of {cb}-thread resolve blocks that run at once: {fits}", flush=True)

@@ -41,36 +41,61 @@ RESOLVE_BLOCK = 1024  # threads of the single-step resolve with one block per ba
 RESOLVE_CLUSTER_BLOCK = 512  # threads of each block when a cluster of blocks resolves a row
 RESOLVE_MAX_CLUSTER = 8  # most resolve blocks per batch row (a thread-block cluster, sm_90+)
 COPY_WARPS = 8  # warps per block of the planned copy
-THIN_COPY_REGS = 32  # register cap of the one-warp ("thin") planned copy
 PREDICT_BLOCK = 512  # threads of a prediction stager block (it takes requests in turn)
 NEWEST_BLOCK = 128
 
 # multi-step (MTP) swap
 MS_MIN_STEPS, MS_MAX_STEPS = 2, 4
 MS_MAX_TOKENS = 8192  # S * K per row
-MS_META_INIT = 0x7FFFFFFF
+MS_META_INIT = 0x7FFFFFFF  # meta entry of no occurrence (above every reverse rank)
 MS_EMPTY = 0xFFFFFFFFFFFFFFFF  # empty dedup-table entry
-MS_N_COUNTERS = 8  # per batch row: misses, out of range, no host row, placeholders, gather
-#                    blocks done, rows for the commit grid's copy blocks
-MS_N_STATS = 4  # per batch row: unique misses, admitted, evictable slots, partial (0/1)
+MS_NONE = 0xFFFFFFFF  # dedup-table value: not yet published / no row
+# per batch row counters (int32 [B, MS_N_COUNTERS], the gather -> commit workspace)
+MS_C_MISS = 0  # unique misses claimed
+MS_C_RANGE = 1  # entries out of range
+MS_C_NOHOST = 2  # misses without a valid host row (per occurrence)
+MS_C_PENDING = 3  # placeholders listed for the commit
+MS_C_DONE = 4  # gather blocks of the row done (copy blocks only)
+MS_C_COPY = 5  # rows for the commit grid's copy blocks: min(misses, C)
+MS_N_COUNTERS = 8
+# per batch row statistics of the last call (int32 [B, MS_N_STATS]), named by MS_STATS
+MS_X_MISS, MS_X_ADMIT, MS_X_EVICTABLE, MS_X_PARTIAL = range(4)
+MS_N_STATS = 4
 MS_STATS = ("misses", "admitted", "evictable", "partial")
+# the commit's eviction key of an unreferenced slot (0: referenced this call, not evictable)
+MS_KEY_EMPTY = 0xFFFFFFFF  # the slot holds no token
+MS_KEY_NEVER = 0xFFFFFFFE  # never referenced
+MS_KEY_AGE_MAX = 0xFFFFFFFD  # ages (epoch - ref) are clamped to it
 GATHER_BLOCK = 128
 COMMIT_BLOCK = 512
 INIT_BLOCK = 256
 
-# planned-copy flags
-COPY_DRY_RUN = 1  # do all the work, move no bytes (measuring knob)
+# single-step resolve: values of its shared hash of the top-k (the first entry that selected
+# the token | RESOLVE_VAL_CLAIMED once an LRU slot holding it claimed that entry)
+RESOLVE_VAL_ENTRY = 0x3FFFFFFF  # mask of the entry
+RESOLVE_VAL_CLAIMED = 0x40000000
+RESOLVE_VAL_EMPTY = 0x3FFFFFFF  # an empty bucket's value (above every entry)
+RESOLVE_KEY_EMPTY = -1  # an empty bucket's key (tokens are >= 0)
+# prediction stager: an empty bucket of its shared hash of a row's misses (host rows are >= 0)
+PREDICT_KEY_EMPTY = -1
 
 CONSTANTS = {
     "ST_RANGE": ST_RANGE, "ST_NOHOST": ST_NOHOST, "ST_BADROW": ST_BADROW, "N_STATUS": N_STATUS,
     "MAX_HOT": MAX_HOT, "RESOLVE_BLOCK": RESOLVE_BLOCK,
     "RESOLVE_CLUSTER_BLOCK": RESOLVE_CLUSTER_BLOCK, "RESOLVE_MAX_CLUSTER": RESOLVE_MAX_CLUSTER,
-    "COPY_WARPS": COPY_WARPS,
-    "THIN_COPY_REGS": THIN_COPY_REGS, "PREDICT_BLOCK": PREDICT_BLOCK,
-    "NEWEST_BLOCK": NEWEST_BLOCK, "MS_MAX_TOKENS": MS_MAX_TOKENS, "MS_META_INIT": MS_META_INIT,
-    "MS_N_COUNTERS": MS_N_COUNTERS, "MS_N_STATS": MS_N_STATS, "GATHER_BLOCK": GATHER_BLOCK,
-    "COMMIT_BLOCK": COMMIT_BLOCK, "INIT_BLOCK": INIT_BLOCK, "COPY_DRY_RUN": COPY_DRY_RUN,
-    "MS_MAX_STEPS": MS_MAX_STEPS,
+    "RESOLVE_VAL_ENTRY": RESOLVE_VAL_ENTRY, "RESOLVE_VAL_CLAIMED": RESOLVE_VAL_CLAIMED,
+    "RESOLVE_VAL_EMPTY": RESOLVE_VAL_EMPTY, "RESOLVE_KEY_EMPTY": RESOLVE_KEY_EMPTY,
+    "PREDICT_KEY_EMPTY": PREDICT_KEY_EMPTY,
+    "COPY_WARPS": COPY_WARPS, "PREDICT_BLOCK": PREDICT_BLOCK, "NEWEST_BLOCK": NEWEST_BLOCK,
+    "MS_MAX_TOKENS": MS_MAX_TOKENS, "MS_MAX_STEPS": MS_MAX_STEPS,
+    "MS_META_INIT": MS_META_INIT, "MS_EMPTY": MS_EMPTY, "MS_NONE": MS_NONE,
+    "MS_C_MISS": MS_C_MISS, "MS_C_RANGE": MS_C_RANGE, "MS_C_NOHOST": MS_C_NOHOST,
+    "MS_C_PENDING": MS_C_PENDING, "MS_C_DONE": MS_C_DONE, "MS_C_COPY": MS_C_COPY,
+    "MS_N_COUNTERS": MS_N_COUNTERS,
+    "MS_X_MISS": MS_X_MISS, "MS_X_ADMIT": MS_X_ADMIT, "MS_X_EVICTABLE": MS_X_EVICTABLE,
+    "MS_X_PARTIAL": MS_X_PARTIAL, "MS_N_STATS": MS_N_STATS,
+    "MS_KEY_EMPTY": MS_KEY_EMPTY, "MS_KEY_NEVER": MS_KEY_NEVER, "MS_KEY_AGE_MAX": MS_KEY_AGE_MAX,
+    "GATHER_BLOCK": GATHER_BLOCK, "COMMIT_BLOCK": COMMIT_BLOCK, "INIT_BLOCK": INIT_BLOCK,
 }
 
 # ------------------------------------------------------------------------------- structs
@@ -110,13 +135,22 @@ SWAP_RESOLVE = _struct([
 
 PLANNED_COPY = _struct([
     ("src_idx", _P), ("dst_idx", _P), ("count", _P), ("num_real", _P), ("src_base", _P),
-    ("dst_base", _P), ("bad", _P),
+    ("dst_base", _P),
     ("stage_map", _P), ("stage_src", _P), ("stage_count", _P), ("stage_base", _P),
     ("stage_stats", _P),
     ("src_layer_bytes", "i8"), ("n_src_rows", "i8"), ("dst_layer_bytes", "i8"),
-    ("n_dst_rows", "i8"), ("spin_cycles", "i8"),
+    ("n_dst_rows", "i8"),
     ("plan_stride", "i4"), ("B", "i4"), ("row_bytes", "i4"), ("n_layers", "i4"),
-    ("flags", "i4"), ("stage_width", "i4"),
+    ("stage_width", "i4"), ("pad", "i4"),
+])
+
+# the measuring instance of the planned copy (hisparse_cupy.probe): the copy's struct, then the
+# probe's settings
+PLANNED_COPY_PROBE = _struct([
+    ("copy", PLANNED_COPY),
+    ("bad", _P),
+    ("spin_cycles", "i8"),
+    ("dry_run", "i4"), ("pad", "i4"),
 ])
 
 PREDICT_STAGE = _struct([
@@ -165,6 +199,7 @@ MULTISTEP_INIT = _struct([
 STRUCTS = {
     "SwapResolveParams": SWAP_RESOLVE,
     "PlannedCopyParams": PLANNED_COPY,
+    "PlannedCopyProbeParams": PLANNED_COPY_PROBE,
     "PredictStageParams": PREDICT_STAGE,
     "NewestRowsParams": NEWEST_ROWS,
     "MultiStepParams": MULTISTEP,
@@ -206,7 +241,7 @@ SMEM = {
     # prediction stager; MS = miss hash slots (a power of two >= 2 K; a row's misses beyond
     # MS / 2 are not staged)
     "PREDICT_STAGE": (
-        ("i64", "mkey", "MS"),  # F's misses (host rows; -1: empty)
+        ("i64", "mkey", "MS"),  # F's misses (host rows; PREDICT_KEY_EMPTY: empty)
         ("i32", "mclaim", "MS"),  # 1: a top-k entry took this miss (repeats stage once)
         ("i32", "count", "4"),  # [0]: predicted misses
     ),
@@ -270,6 +305,12 @@ def hash_size(top_k: int, spread: int = 4) -> int:
 
 
 # ------------------------------------------------------------------------------- -D macros
+def _literal(value: int) -> str:
+    """A C++ integer literal of ``value``: decimal, or hex (an unsigned type where the value
+    needs one) from 2**31 on, where a decimal literal would be a wider signed type or none."""
+    return str(value) if value < 2**31 else hex(value)
+
+
 def defines() -> list[tuple[str, str]]:
     """``(name, value)`` pairs every compile defines (see the module docstring)."""
     out: list[tuple[str, str]] = []
@@ -278,7 +319,7 @@ def defines() -> list[tuple[str, str]]:
         fields = "".join(f"X({struct},{f},{dt[f].itemsize})" for f in dt.names)
         out.append((f"HS_ABI_{struct}_FIELDS(X)", fields))
     for name, value in CONSTANTS.items():
-        out.append((f"HS_{name}", str(value)))
+        out.append((f"HS_{name}", _literal(value)))
     for kernel, regions in SMEM.items():
         body = "".join(f"X({t},{n},({c}))" for t, n, c in regions)
         out.append((f"HS_SMEM_{kernel}(X)", body))

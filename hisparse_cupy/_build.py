@@ -58,10 +58,10 @@ RESOLVE = {blk: index_instances(f"hs::swap_resolve<{{req}}, {{len}}, {blk}>")
 # the resolve that looks tokens up in a token -> slot table (SwapState.token_slot), one block a row
 RESOLVE_TABLE = index_instances(f"hs::swap_resolve<{{req}}, {{len}}, {_abi.RESOLVE_BLOCK}, true>")
 COPY_ROWS_PER_WARP = (1, 2, 4, 8)  # rows a warp of the host -> device copy keeps in flight
-# host rows (int64) -> device rows, per (rows per warp, warps per block): COPY_WARPS-warp
-# blocks, and one-warp "thin" blocks (cu/plan.cu)
-COPY_H2D = {(r, w): f"hs::planned_copy{'' if w > 1 else '_thin'}<long long, int, {r}>"
-            for w in (_abi.COPY_WARPS, 1) for r in COPY_ROWS_PER_WARP}
+# host rows (int64) -> device rows, per rows per warp (cu/plan.cu; hisparse_cupy.plan launches
+# them), and the measuring instance of each (hisparse_cupy.probe)
+COPY_H2D = {r: f"hs::planned_copy<long long, int, {r}>" for r in COPY_ROWS_PER_WARP}
+COPY_H2D_PROBE = {r: f"hs::planned_copy_probe<long long, int, {r}>" for r in COPY_ROWS_PER_WARP}
 COPY_D2H = "hs::planned_copy<int, long long, 1>"  # device rows -> host rows (int64)
 NEWEST = index_instances("hs::newest_rows<{req}, {len}>")
 GATHER = index_instances("hs::ms::gather<{req}, {len}>")
@@ -71,7 +71,7 @@ PREDICT = index_instances("hs::predict_stage<{req}, {len}>")
 
 INSTANCES: dict[str, tuple[str, ...]] = {
     "swap.cu": (*(n for per in RESOLVE.values() for n in per.values()), *RESOLVE_TABLE.values()),
-    "plan.cu": (*COPY_H2D.values(), COPY_D2H),
+    "plan.cu": (*COPY_H2D.values(), COPY_D2H, *COPY_H2D_PROBE.values()),
     "cache.cu": tuple(NEWEST.values()),
     "multistep.cu": (*GATHER.values(), *COMMIT.values(), MS_INIT),
     "predict.cu": tuple(PREDICT.values()),

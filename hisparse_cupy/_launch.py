@@ -43,41 +43,133 @@ class Ptr(int):
     """A raw device (or device-mapped host) address."""
 
 
-class Params:
-    """One kernel parameter struct: ``arr`` (a ``(1,)`` structured array) and its address.
+def _address(raw: np.ndarray) -> int:
+    """Address of a writable C-contiguous byte array (a third of ``ndarray.ctypes.data``'s cost)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(raw))
 
-    ``Params(dtype)`` owns a fresh zeroed struct; :meth:`rows` gives one Params per element of
-    a structured array (views: setting a field writes the array), for per-layer templates.
+
+@functools.cache
+def field_words(dtype: np.dtype) -> dict[str, tuple[int, int]]:
+    """Field -> (width, index in a ``width``-byte-word view of one struct); every field of the
+    package's structs is a 64-bit or a 32-bit word (pointers, sizes, counts)."""
+    out = {}
+    for name in dtype.names:
+        width, off = dtype[name].itemsize, dtype.fields[name][1]
+        if width not in (4, 8) or off % width:
+            raise TypeError(f"field {name} of {dtype} is not an aligned 4- or 8-byte word")
+        out[name] = (width, off // width)
+    return out
+
+
+class Structs:
+    """``n`` kernel parameter structs of one dtype in one array (one per layer, or one).
+
+    Every field is written through the array's 64-bit and 32-bit word views, the one way the
+    package writes a field: :meth:`put` (one struct), :meth:`put_all` (every struct), or, on
+    a per-call path, the ``(view, index)`` pairs of :meth:`word` kept by the kernel family's
+    module. ``addr(i)`` is the address a launch passes.
     """
 
-    __slots__ = ("arr", "addr")
+    __slots__ = ("raw", "dtype", "base", "itemsize", "w8", "w4", "index")
 
-    def __init__(self, dtype: np.dtype | None = None, *, _view: np.ndarray | None = None,
-                 _addr: int | None = None):
-        self.arr = np.zeros(1, dtype) if _view is None else _view
-        self.addr = self.arr.ctypes.data if _addr is None else _addr
-
-    @classmethod
-    def rows(cls, arr: np.ndarray) -> list[Params]:
-        """A Params view of each element of the 1-D structured array ``arr``."""
-        return [cls.row(arr, i) for i in range(arr.shape[0])]
+    def __init__(self, arr: np.ndarray, *, _raw: np.ndarray | None = None):
+        self.raw = arr.view(np.uint8) if _raw is None else _raw  # C-contiguous bytes
+        self.dtype = arr.dtype
+        self.itemsize = arr.dtype.itemsize
+        self.base = _address(self.raw)
+        self.w8, self.w4 = self.raw.view(np.int64), self.raw.view(np.int32)
+        self.index = field_words(arr.dtype)
 
     @classmethod
-    def row(cls, arr: np.ndarray, i: int, base: int | None = None) -> Params:
-        """A Params view of element ``i`` of ``arr`` (``base``: ``arr``'s address, if known)."""
-        base = arr.ctypes.data if base is None else base
-        return cls(_view=arr[i:i + 1], _addr=base + i * arr.itemsize)
+    def zeros(cls, dtype: np.dtype, n: int = 1) -> Structs:
+        return cls(np.zeros(n, dtype))
 
-    def __getitem__(self, field: str):
-        return self.arr[field][0]
+    @property
+    def arr(self) -> np.ndarray:
+        """The structs as a structured array view (for reading; write with :meth:`put`)."""
+        return self.raw.view(self.dtype)
 
-    def __setitem__(self, field: str, value) -> None:
-        self.arr[field] = value
+    def copy(self) -> Structs:
+        """A copy of every struct (as bytes: a structured copy is ten times slower; the copy's
+        views are made without a structured view, a microsecond each on a per-step path)."""
+        new = Structs.__new__(Structs)
+        raw = new.raw = self.raw.copy()
+        new.dtype, new.itemsize, new.index = self.dtype, self.itemsize, self.index
+        new.base = _address(raw)
+        new.w8, new.w4 = raw.view(np.int64), raw.view(np.int32)
+        return new
+
+    def word(self, i: int, name: str) -> tuple[np.ndarray, int]:
+        """The word view and index of field ``name`` of struct ``i``."""
+        width, w = self.index[name]
+        per = self.itemsize // width
+        return (self.w8 if width == 8 else self.w4), i * per + w
+
+    def put(self, i: int, **fields) -> None:
+        for k, v in fields.items():
+            view, w = self.word(i, k)
+            view[w] = v
+
+    def put_all(self, **fields) -> None:
+        """The same value of each field in every struct."""
+        for k, v in fields.items():
+            width, w = self.index[k]
+            (self.w8 if width == 8 else self.w4)[w::self.itemsize // width] = v
+
+    def get(self, i: int, name: str) -> int:
+        view, w = self.word(i, name)
+        return int(view[w])
+
+    def addr(self, i: int) -> int:
+        return self.base + i * self.itemsize
+
+    def row(self, i: int) -> Params:
+        """A :class:`Params` view of struct ``i`` (writing it writes this array)."""
+        return Params(_structs=self, _i=i)
+
+    def __len__(self) -> int:
+        return self.raw.shape[0] // self.itemsize
+
+    def rows(self) -> list[Params]:
+        return [self.row(i) for i in range(len(self))]
+
+
+class CallWriter:
+    """Base of a kernel family's per-call writer (``CallFields`` in swap.py, multistep.py): the
+    word views of a :class:`Structs` and the words per struct, so that a call's fields of struct
+    ``i`` are ``view[i * n + index]`` (field indexes from :func:`field_words`)."""
+
+    __slots__ = ("i8", "i4", "n8", "n4")
+
+    def __init__(self, st: Structs):
+        self.i8, self.i4 = st.w8, st.w4
+        self.n8, self.n4 = st.itemsize // 8, st.itemsize // 4
+
+
+class Params:
+    """One kernel parameter struct (a struct of a :class:`Structs`) and its address.
+
+    ``Params(dtype)`` owns a fresh zeroed struct; ``Structs.row(i)`` is a view of one of many.
+    """
+
+    __slots__ = ("structs", "i", "addr")
+
+    def __init__(self, dtype: np.dtype | None = None, *, _structs: Structs | None = None,
+                 _i: int = 0):
+        self.structs = Structs.zeros(dtype) if _structs is None else _structs
+        self.i = _i
+        self.addr = self.structs.addr(_i)
+
+    @property
+    def arr(self) -> np.ndarray:
+        """The struct as a ``(1,)`` structured array view (reading; write with :meth:`set`)."""
+        return self.structs.arr[self.i:self.i + 1]
+
+    def __getitem__(self, field: str) -> int:
+        return self.structs.get(self.i, field)
 
     def set(self, **fields) -> Params:
-        a = self.arr
-        for k, v in fields.items():
-            a[k] = v
+        self.structs.put(self.i, **fields)
         return self
 
 
@@ -128,7 +220,7 @@ def resolve_pdl(pdl: bool | None) -> bool:
 
 
 # ----------------------------------------------------------------------------- streams
-class _Handle:
+class StreamHandle:
     """A raw stream handle speaking the ``__cuda_stream__`` protocol."""
 
     __slots__ = ("handle",)
@@ -147,7 +239,7 @@ def _wrap(handle: int):
     dev = cupy.cuda.runtime.getDevice()
     s = _foreign.get((dev, handle))
     if s is None:
-        s = _foreign[(dev, handle)] = cupy.cuda.Stream.from_external(_Handle(handle))
+        s = _foreign[(dev, handle)] = cupy.cuda.Stream.from_external(StreamHandle(handle))
         log.debug("wrapped foreign stream 0x%x on device %d", handle, dev)
     return s
 
@@ -156,7 +248,7 @@ def as_stream(stream=None):
     """The CuPy stream object for a call's ``stream=`` argument (see the module docstring)."""
     if stream is None:
         return cupy.cuda.get_current_stream()
-    if isinstance(stream, cupy.cuda.stream._BaseStream):
+    if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
         return stream
     if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
         return _wrap(int(stream))

@@ -1,5 +1,5 @@
 """A self-check of every kernel against the NumPy oracle on this GPU (``python -m hisparse_cupy
-check``), and the twin state it uses, which the GPU tests share.
+check``), over the cache twin of the GPU test harness (:class:`hisparse_cupy._twin.Twin`).
 
 The check drives one :class:`HotBufferCache` with single- and multi-step swaps on random top-k
 (hits, misses, duplicates, -1 entries), the newest-token write and backup, and a plan replay,
@@ -13,122 +13,9 @@ import time
 
 import numpy as np
 
-from . import reference as ref
+from ._twin import MAX_LEN, ROW, S_MAX, L, R, Twin, pattern
 
-L, R, H, P, K, S_MAX, ROW = 3, 6, 64, 8, 24, 4, 64
-MAX_LEN = 600
-
-
-def pattern(layer, rows, row_bytes: int, *, xp=np):
-    """uint8 ``[len(rows), row_bytes]``: a pattern unique to (layer, row) in every 4-byte word.
-
-    ``layer`` is one layer or one per row; ``xp``: NumPy, or CuPy for the pattern on the GPU."""
-    rows = xp.asarray(rows, dtype=xp.uint64).reshape(-1, 1)
-    lay = xp.asarray(layer, dtype=xp.uint64).reshape(-1, 1)
-    words = xp.arange(row_bytes // 4, dtype=xp.uint64).reshape(1, -1)
-    key = (lay * xp.uint64(1_000_003) + rows) * xp.uint64(2_654_435_761)
-    w = (key + words * xp.uint64(0x9E3779B97F4A7C15)) >> xp.uint64(17)
-    w = (w & xp.uint64(0xFFFFFFFF)).astype(xp.uint32)
-    return w.view(xp.uint8).reshape(rows.shape[0], row_bytes)
-
-
-class Twin:
-    """A HotBufferCache (max_steps 4) and the NumPy state of each of its layers.
-
-    Every host row holds :func:`pattern` of (layer, row); each request is admitted warm. The
-    ``expect_*`` methods drive the oracle on the twin state; :meth:`verify` compares outputs,
-    status, every state array, both policies' invariants and the bytes every output points to.
-    """
-
-    def __init__(self, rng, stream=None):
-        import cupy
-
-        from .cache import HotBufferCache
-
-        self.rng = rng
-        self.c = c = HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,
-                                    hot_size=H, top_k=K, extra_page=P, max_steps=S_MAX)
-        for layer in range(L):
-            c.pool.layer(layer)[:] = pattern(layer, np.arange(c.pool.n_rows), ROW)
-        self.lens = rng.integers(H + 40, MAX_LEN - 1, size=R)
-        for r in range(R):
-            warm = rng.choice(int(self.lens[r]) - 1, size=int(H * 0.8), replace=False)
-            got = c.admit(int(self.lens[r]), warm_tokens=warm, stream=stream)
-            assert got == r
-        cupy.cuda.Device().synchronize()
-        self.np = [self.snapshot(layer) for layer in range(L)]
-        self.host_locs = cupy.asnumpy(c.host_locs)
-
-    def snapshot(self, layer):
-        import cupy
-
-        c = self.c
-        return dict(slot_tokens=cupy.asnumpy(c.slot_tokens[layer]),
-                    slot_locs=cupy.asnumpy(c.slot_locs[layer]),
-                    scratch_locs=cupy.asnumpy(c.scratch_locs[layer]),
-                    lru=cupy.asnumpy(c.lru[layer]), ref=cupy.asnumpy(c.ms_ref[layer]),
-                    clock=cupy.asnumpy(c.ms_clock[layer]))
-
-    def topk(self, req, S=None, miss=0.2):
-        rows = []
-        for r in req:
-            n = int(self.lens[r]) - 1  # the newest token is not selected here
-            held = self.np[0]["slot_tokens"][r, :H]
-            held = held[(held >= 0) & (held < n)]
-            one = []
-            for _ in range(S or 1):
-                k_miss = int(K * miss)
-                row = np.concatenate([self.rng.choice(held, K - k_miss, replace=False),
-                                      self.rng.integers(0, n, k_miss)])
-                self.rng.shuffle(row)
-                row[self.rng.random(K) < 0.05] = -1
-                one.append(row)
-            rows.append(one if S else one[0])
-        return np.asarray(rows, np.int32)
-
-    def expect_single(self, layer, topk, req, nr=None):
-        st = self.np[layer]
-        return ref.swap_in(topk, req, self.lens[req], host_locs=self.host_locs,
-                           slot_tokens=st["slot_tokens"], slot_locs=st["slot_locs"],
-                           lru=st["lru"], hot_size=H, n_host_rows=self.c.pool.n_rows,
-                           num_real=nr)
-
-    def expect_multi(self, layer, topk, req, nr=None):
-        import cupy
-
-        st, c = self.np[layer], self.c
-        B = topk.shape[0]
-        cnt, src = cupy.asnumpy(c.plan.count[:B]), cupy.asnumpy(c.plan.src[:B])
-        order = [src[b, : cnt[b]] - int(req[b]) * MAX_LEN for b in range(B)]
-        lens = np.repeat(self.lens[req][:, None], topk.shape[1], axis=1)
-        return ref.multistep_swap_in(
-            topk, req, lens, host_locs=self.host_locs,
-            slot_tokens=st["slot_tokens"], slot_locs=st["slot_locs"],
-            scratch_locs=st["scratch_locs"], ref=st["ref"], clock=st["clock"], hot_size=H,
-            n_host_rows=c.pool.n_rows, num_real=nr, miss_order=order)
-
-    def verify(self, layer, topk, req, got, exp):
-        import cupy
-
-        c = self.c
-        got = cupy.asnumpy(got)
-        np.testing.assert_array_equal(got, exp.device_locs, err_msg=f"layer {layer} outputs")
-        np.testing.assert_array_equal(cupy.asnumpy(c.status[: len(req)]), exp.status)
-        now = self.snapshot(layer)
-        for k, v in self.np[layer].items():
-            np.testing.assert_array_equal(now[k], v, err_msg=f"layer {layer} {k}")
-        ref.check_invariants(now["slot_tokens"], now["slot_locs"], now["lru"], H)
-        ms = c.multistep_state(layer).to_numpy()
-        ref.check_multistep_invariants(ms["slot_tokens"], ms["slot_locs"], ms["scratch_locs"],
-                                       ms["token_slot"], ms["ref"], ms["clock"], H,
-                                       n_device_rows=c.device.shape[1])
-        flat_t = topk.reshape(len(req), -1)
-        flat_o = got.reshape(len(req), -1)
-        bb, ii = np.nonzero(flat_o >= 0)
-        ids = np.asarray(req)[bb].astype(np.int64) * MAX_LEN + flat_t[bb, ii]
-        rows = cupy.asnumpy(c.device_rows(layer)[cupy.asarray(flat_o[bb, ii])])
-        bad = np.nonzero((rows != pattern(layer, ids, ROW)).any(axis=1))[0]
-        assert bad.size == 0, f"layer {layer}: {bad.size} rows hold wrong bytes"
+__all__ = ["alternate", "pattern", "run"]  # pattern: the byte pattern the tests and tools use
 
 
 def alternate(t: Twin, rng, stream, steps: int) -> int:

@@ -13,49 +13,27 @@ It owns, for ``n_layers`` layers and ``max_requests`` request slots:
   reference epochs, clock: :class:`MultiStepState` views);
 - ``host_locs`` int64 ``[R, max_len]``: -1 until a token's host row has been written.
 
-One plan per decode step (FlashInfer's plan/run): :meth:`HotBufferCache.begin_step` validates the
-batch once and returns a :class:`Step`; ``step.swap(layer, top_k)`` then only checks the top-k
-and launches. A ``[B, K]`` top-k runs the single-step swap, a ``[B, S, K]`` one the multi-step
-swap, over the same hot buffers: both record their admissions in the one token -> slot table, so
-the two alternate freely (each policy keeps its own recency record: the LRU order for the
-single-step swap, reference epochs for the multi-step CLOCK; an admission by one is seen by the
-other as a resident token with no recent use). Request lifecycle: :meth:`admit`, then per step
-``step.newest_rows()`` (the model writes the new token's KV there), ``step.backup_newest()``
-once, ``step.swap(layer, ...)`` per layer; :meth:`release` at the end. Every call is queued on
-the step's stream without host synchronization, so a decode step can be captured in a graph.
+Per decode step :meth:`HotBufferCache.begin_step` returns a :class:`~hisparse_cupy.Step`
+(``hisparse_cupy/step.py``), which runs every layer's swap. Request lifecycle: :meth:`admit`,
+the steps, :meth:`release`. Every call is queued on a stream without host synchronization.
+:meth:`layer_tables` is the one list of the per-layer tables (reset, mirroring, snapshots).
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import cupy
 import numpy as np
 
-from . import _abi, _build, _checks
+from . import _abi, _checks, multistep, swap
 from ._device import require_gpu
-from ._launch import Params, as_stream, launch, launcher, ptr, resolve_pdl
+from ._launch import Structs, as_stream
 from .host_pool import HostKVPool
-from .multistep import (
-    MultiStepConfig,
-    MultiStepState,
-    MultiStepWorkspace,
-    commit_smem_bytes,
-    copy_blocks,
-    init_states,
-)
+from .mirror import mirror_rows
+from .multistep import MultiStepConfig, MultiStepState, MultiStepWorkspace, init_states
+from .newest import NewestBuffers
 from .plan import MissPlan, copy_params, default_copy_grid, launch_copy
-from .swap import MAX_HOT, SwapState, check_sizes, hash_size, resolve_launch
-
-
-def _words(dt: np.dtype, size: int) -> dict[str, int]:
-    """Field -> index in a ``size``-byte-word view of one struct (fields of that width)."""
-    return {n: dt.fields[n][1] // size for n in dt.names if dt[n].itemsize == size}
-
-
-# per-call fields are written through integer views of a step's struct arrays
-_RES8, _RES4 = _words(_abi.SWAP_RESOLVE, 8), _words(_abi.SWAP_RESOLVE, 4)
-_MS8, _MS4 = _words(_abi.MULTISTEP, 8), _words(_abi.MULTISTEP, 4)
+from .step import Step
+from .swap import SwapState, check_sizes
 
 
 class HotBufferCache:
@@ -112,7 +90,7 @@ class HotBufferCache:
         self.n_layers = L = _checks.integer("n_layers", n_layers, 1)
         self.max_requests = R = _checks.integer("max_requests", max_requests, 1)
         self.max_len = _checks.integer("max_len", max_len, 1)
-        self.hot_size = H = _checks.integer("hot_size", hot_size, 1, MAX_HOT)
+        self.hot_size = H = _checks.integer("hot_size", hot_size, 1, _abi.MAX_HOT)
         self.top_k = K = _checks.integer("top_k", top_k, 1, H)
         self.extra_page = P = _checks.integer("extra_page", extra_page, 1)
         self.max_batch = _checks.integer("max_batch", R if max_batch is None else max_batch, 1)
@@ -173,11 +151,7 @@ class HotBufferCache:
         self.plan = MissPlan(self.max_batch, K * max(1, S))
         self.out = cupy.empty((self.max_batch, K), cupy.int32)
         self.status = cupy.empty((self.max_batch, _abi.N_STATUS), cupy.int32)
-        self._newest = cupy.empty(self.max_batch, cupy.int32)
-        # one-entry D2H plan per batch row: newest token's device row -> its host row
-        self._backup_src = cupy.empty((self.max_batch, 1), cupy.int32)
-        self._backup_dst = cupy.empty((self.max_batch, 1), cupy.int64)
-        self._backup_count = cupy.zeros(self.max_batch, cupy.int32)
+        self.newest = NewestBuffers(self.max_batch)
         self._ms: list[MultiStepState] = []
         if S >= 2:
             cfg = self.ms_config
@@ -193,9 +167,8 @@ class HotBufferCache:
                 self._ms.append(MultiStepState(
                     cfg, self.host_locs, self.slot_tokens[layer], self.slot_locs[layer],
                     self.scratch_locs[layer], n_device_rows=D, workspace=self.workspace,
-                    validate=False, storage={"token_slot": self.token_slot[layer],
-                                             "ref": self.ms_ref[layer],
-                                             "clock": self.ms_clock[layer]}))
+                    validate=False, token_slot=self.token_slot[layer], ref=self.ms_ref[layer],
+                    clock=self.ms_clock[layer]))
         self._states = [self._swap_state(layer) for layer in range(L)]
         self._templates()
         self._free = list(range(R - 1, -1, -1))
@@ -218,34 +191,23 @@ class HotBufferCache:
         return max_requests * (hot_size + extra_page + C)
 
     def _templates(self) -> None:
-        """Per-layer parameter structs with every field that does not depend on the step.
-
-        A :class:`Step` copies them and fills the batch's fields for all layers at once, so a
-        swap only writes its top-k's fields (FlashInfer's plan/run split)."""
-        L = self.n_layers
-        self._tmpl_resolve = np.zeros(L, _abi.SWAP_RESOLVE)
-        self._tmpl_copy = np.zeros(L, _abi.PLANNED_COPY)
-        self._tmpl_ms = np.zeros(L, _abi.MULTISTEP) if self._ms else None
-        n_host = self.pool.n_rows
-        for layer, (res, cp) in enumerate(zip(Params.rows(self._tmpl_resolve),
-                                              Params.rows(self._tmpl_copy), strict=True)):
-            self._states[layer].params(res)
-            res.set(status=ptr(self.status), plan_src=ptr(self.plan.src),
-                    plan_dst=ptr(self.plan.dst), plan_count=ptr(self.plan.count),
-                    plan_stride=self.plan.width, n_host_rows=n_host)
+        """Every layer's kernel structs with the fields that do not depend on the step: each
+        kernel family's per-layer stage. A :class:`Step` copies them and fills the batch's
+        fields for all layers at once, so a swap only writes its top-k's (plan/run)."""
+        L, n_host = self.n_layers, self.pool.n_rows
+        self.resolve_structs = swap.layer_structs(self._states, status=self.status,
+                                                  plan=self.plan, n_host_rows=n_host)
+        self.copy_structs = Structs.zeros(_abi.PLANNED_COPY, L)
+        for layer in range(L):
             copy_params(self.plan.src, self.plan.dst, self.plan.count, 0, None,
                         src_base=int(self.pool.device_ptr(layer)), src_layer_bytes=0,
                         n_src_rows=n_host, dst_base=self.device[layer].data.ptr,
                         dst_layer_bytes=0, n_dst_rows=self.device.shape[1],
-                        row_bytes=self.row_bytes, params=cp)
-        if self._ms:
-            for layer, ms in enumerate(Params.rows(self._tmpl_ms)):
-                self._ms[layer].params(ms)
-                ms.set(status=ptr(self.status), plan_src=ptr(self.plan.src),
-                       plan_dst=ptr(self.plan.dst), plan_count=ptr(self.plan.count),
-                       plan_stride=self.plan.width, host_base=int(self.pool.device_ptr(layer)),
-                       n_host_rows=n_host, dev_base=self.device[layer].data.ptr,
-                       row_bytes=self.row_bytes)
+                        row_bytes=self.row_bytes, params=self.copy_structs.row(layer))
+        self.multistep_structs = None if not self._ms else multistep.layer_structs(
+            self._ms, status=self.status, plan=self.plan,
+            host_rows=[self.pool.device_ptr(i) for i in range(L)], n_host_rows=n_host,
+            device_rows=[self.device[i].data.ptr for i in range(L)], row_bytes=self.row_bytes)
 
     def _swap_state(self, layer: int) -> SwapState:
         return SwapState(self.host_locs, self.slot_tokens[layer], self.slot_locs[layer],
@@ -452,7 +414,11 @@ class HotBufferCache:
         self._free.append(rid)
 
     # ----------------------------------------------------------------- per layer
-    def _layer(self, layer) -> int:
+    def layer_index(self, layer) -> int:
+        """``layer`` checked: an int in ``[0, n_layers)``, else a ``TypeError`` / ``ValueError``
+        naming it."""
+        if type(layer) is int and 0 <= layer < self.n_layers:
+            return layer
         return _checks.integer("layer", layer, 0, self.n_layers - 1)
 
     def layer_tables(self) -> dict[str, cupy.ndarray]:
@@ -482,55 +448,28 @@ class HotBufferCache:
         (slot H, the positional layout), so nothing is missing from ``dst``. Queued on
         ``stream`` (no host synchronization; one layer's rows of scratch memory).
         """
-        src, dst = self._layer(src), self._layer(dst)
+        src, dst = self.layer_index(src), self.layer_index(dst)
         s = as_stream(stream)
         with s:
             if rows and src != dst:
-                self._mirror_rows(src, dst, s)
+                mirror_rows(self, src, dst, s)
             for t in self.layer_tables().values():
                 t[dst][...] = t[src]
 
-    def _mirror_rows(self, src: int, dst: int, s) -> None:
-        R, W, n = self.max_requests, self.slots, self.max_len
-        span = max(n, W) + 1  # above every token a slot can name (positional ones < H)
-        base = cupy.arange(R, dtype=cupy.int64).reshape(R, 1) * span
-        tok_s, loc_s = self.slot_tokens[src], self.slot_locs[src]
-        tok_d, loc_d = self.slot_tokens[dst], self.slot_locs[dst]
-        # where dst holds each (request, token): its keys sorted, src's keys searched
-        key_d = cupy.where(tok_d >= 0, base + tok_d, -1).reshape(-1)
-        order = cupy.argsort(key_d)  # stable: a token held twice matches its first slot
-        key_s = (base + tok_s).reshape(-1)
-        at = cupy.minimum(cupy.searchsorted(key_d[order], key_s), key_s.size - 1)
-        wanted = tok_s.reshape(-1) >= 0
-        held = wanted & (key_d[order[at]] == key_s)
-        to = loc_s.reshape(-1)
-        dev = self.device[dst]
-        dev[to] = dev[cupy.where(held, loc_d.reshape(-1)[order[at]], to)]  # gathered first
-        # the tokens dst did not hold: its host rows (the copy skips -1 sources)
-        tok = cupy.clip(tok_s, 0, n - 1)
-        hl = self.host_locs[cupy.arange(R).reshape(R, 1), tok]
-        hl = cupy.where((wanted & ~held).reshape(R, W) & (tok_s < n), hl, -1)
-        cnt = cupy.full(R, W, cupy.int32)
-        p = copy_params(hl, loc_s, cnt, R, None, src_base=self.pool.device_ptr(dst),
-                        src_layer_bytes=0, n_src_rows=self.pool.n_rows,
-                        dst_base=dev.data.ptr, dst_layer_bytes=0,
-                        n_dst_rows=self.device.shape[1], row_bytes=self.row_bytes)
-        launch_copy(p, grid=default_copy_grid(R, W), stream=s)
-
     def state(self, layer: int) -> SwapState:
         """The single-step swap tables of ``layer`` (views)."""
-        return self._states[self._layer(layer)]
+        return self._states[self.layer_index(layer)]
 
     def multistep_state(self, layer: int) -> MultiStepState:
         """The multi-step state of ``layer`` (views; needs ``max_steps >= 2``)."""
-        layer = self._layer(layer)
+        layer = self.layer_index(layer)
         if not self._ms:
             raise ValueError("this cache was built with max_steps=1: no multi-step state")
         return self._ms[layer]
 
     def device_rows(self, layer: int) -> cupy.ndarray:
         """uint8 ``[D, row_bytes]``: the rows that swap outputs index, for ``layer``."""
-        return self.device[self._layer(layer)]
+        return self.device[self.layer_index(layer)]
 
     # ----------------------------------------------------------------- per step
     def begin_step(self, req_indices, seq_lens, num_real=None, *, stream=None,
@@ -556,25 +495,6 @@ class HotBufferCache:
         return Step(self, req_indices, seq_lens, num_real, stream=stream, pdl=pdl,
                     prefetcher=prefetcher)
 
-    def swap(self, layer: int, req_indices, seq_lens, top_k_tokens, *, num_real=None,
-             out=None, copy_grid: int | None = None, check: bool = False,
-             stream=None, pdl: bool | None = None) -> cupy.ndarray:
-        """One swap outside a step: ``begin_step(...).swap(layer, top_k_tokens, ...)``."""
-        return self.begin_step(req_indices, seq_lens, num_real, stream=stream, pdl=pdl).swap(
-            layer, top_k_tokens, out=out, copy_grid=copy_grid, check=check)
-
-    def newest_rows(self, req_indices, seq_lens, num_real=None, *, backup: bool = False,
-                    stream=None) -> cupy.ndarray:
-        """``begin_step(...).newest_rows(backup=backup)``."""
-        return self.begin_step(req_indices, seq_lens, num_real, stream=stream).newest_rows(
-            backup=backup)
-
-    def backup_newest(self, req_indices, seq_lens, num_real=None, *, write_host: bool = True,
-                      stream=None) -> None:
-        """``begin_step(...).backup_newest(write_host=write_host)``."""
-        self.begin_step(req_indices, seq_lens, num_real, stream=stream).backup_newest(
-            write_host=write_host)
-
     def close(self) -> None:
         """Free the host pool the cache made (after the device finished with it)."""
         if self._own_pool:
@@ -585,296 +505,3 @@ class HotBufferCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _dense_view(buf: cupy.ndarray, shape: tuple[int, ...]) -> cupy.ndarray:
-    """A C-contiguous ``shape`` view of the first elements of ``buf`` (the multi-step kernels
-    write each row's ``[S, K]`` block densely: a ``[:B, :S, :K]`` slice of a larger buffer
-    would not be)."""
-    return buf.reshape(-1)[: int(np.prod(shape))].reshape(shape)
-
-
-def _copy_structs(tmpl: np.ndarray) -> np.ndarray:
-    return tmpl.view(np.uint8).copy().view(tmpl.dtype)
-
-
-class Step:
-    """One decode step of a :class:`HotBufferCache`: the batch, validated once.
-
-    Made by :meth:`HotBufferCache.begin_step`. Every method queues work on the step's stream
-    without host synchronization (``check=True`` excepted).
-    """
-
-    def __init__(self, cache: HotBufferCache, req_indices, seq_lens, num_real=None, *,
-                 stream=None, pdl: bool | None = None, prefetcher=None):
-        self.cache = c = cache
-        self.stream = as_stream(stream)
-        with self.stream:  # DLPack imports order on the step's stream (and stay capturable)
-            self.req = _checks.index_vector("req_indices", req_indices)
-            self.batch = B = self.req.shape[0]
-            if B > c.max_batch:
-                raise ValueError(f"batch must be in [1, max_batch={c.max_batch}], got {B}")
-            self.seq_lens, self._lens_stride, self._lens_step = _checks.lengths(seq_lens, B)
-            self.num_real = None if num_real is None else _checks.device_scalar("num_real",
-                                                                                num_real)
-        self.pdl = resolve_pdl(pdl)
-        self.prefetcher = prefetcher
-        if prefetcher is not None and prefetcher.cache is not c:
-            raise ValueError("prefetcher drives another cache")
-        self._key = (self.req.dtype, self.seq_lens.dtype)
-        req, lens, nr = ptr(self.req), ptr(self.seq_lens), ptr(self.num_real)
-        # every layer's structs, copied from the cache's templates (as bytes: a structured
-        # copy is ten times slower) and the batch's fields filled in for all layers at once
-        self._resolve = res = _copy_structs(c._tmpl_resolve)
-        res["req"], res["lens"], res["lens_stride"] = req, lens, self._lens_stride
-        res["B"], res["num_real"] = B, nr
-        self._copy = cp = _copy_structs(c._tmpl_copy)
-        cp["B"], cp["num_real"] = B, nr
-        self._ms = ms = None if c._tmpl_ms is None else _copy_structs(c._tmpl_ms)
-        if ms is not None:
-            ms["req"], ms["lens"], ms["num_real"], ms["B"] = req, lens, nr, B
-            ms["lens_stride"], ms["lens_step"] = self._lens_stride, self._lens_step
-        self._dev = cupy.cuda.runtime.getDevice()
-        self._launch: dict[tuple, tuple] = {}  # per top-k shape: launchers, grids, outputs
-
-    # ----------------------------------------------------------------- swaps
-    def swap(self, layer: int, top_k_tokens, *, out=None, copy_grid: int | None = None,
-             check: bool = False) -> cupy.ndarray:
-        """Swap in ``layer``'s top-k: int32 ``[B, K]`` (single-step) or ``[B, S, K]``
-        (multi-step, ``2 <= S <= max_steps``); returns the device rows (same shape) of
-        ``cache.device_rows(layer)``, -1 for unused or invalid entries.
-
-        Without ``out`` the result is a view of a buffer the next swap overwrites; the cache's
-        :attr:`~HotBufferCache.plan` and :attr:`~HotBufferCache.status` hold this call's miss plan
-        and per-row status until then. ``check``: see :func:`hisparse_cupy.swap_in` (it
-        synchronizes). With a prefetcher, shared layers return their full layer's rows (the
-        prefetcher's buffer: ``out`` and ``copy_grid`` are refused, set
-        ``Prefetcher(copy_grid=)``); ``check`` checks every swap that runs (a full layer's, or
-        any layer's with prefetch off) and a shared layer's status is its full layer's.
-        """
-        if self.prefetcher is not None:
-            if out is not None or copy_grid is not None:
-                raise ValueError("out= and copy_grid= do not apply to a step driven by a "
-                                 "prefetcher: its layers return the prefetcher's page tables "
-                                 "(copy them to keep them) and its swaps use "
-                                 "Prefetcher(copy_grid=)")
-            return self.prefetcher.swap_step(self, layer, top_k_tokens, check=check)
-        return self._swap(layer, top_k_tokens, out=out, copy_grid=copy_grid, check=check)
-
-    def _swap(self, layer: int, top_k_tokens, *, out=None, copy_grid: int | None = None,
-              check: bool = False, out_checked: bool = False, stage=None) -> cupy.ndarray:
-        """:meth:`swap` without the prefetcher; ``out_checked``: ``out`` is a CuPy view the
-        caller (the prefetcher, for its own buffer) made with the right shape; ``stage``:
-        the prefetcher's staged rows for this layer's single-step copy, a dict of the copy
-        struct's ``stage_*`` fields (the caller ordered the staging before this call)."""
-        c = self.cache
-        if type(layer) is not int or not 0 <= layer < c.n_layers:
-            layer = c._layer(layer)  # an int in range, or a TypeError / ValueError naming it
-        if type(top_k_tokens) is cupy.ndarray:
-            topk = _checks.token_rows("top_k_tokens", top_k_tokens, self._dev)
-        else:
-            with self.stream:  # a DLPack import orders on the step's stream
-                topk = _checks.token_rows("top_k_tokens", top_k_tokens, self._dev)
-        B = self.batch
-        if topk.ndim == 3:
-            return self._swap_multistep(layer, topk, out=out, check=check,
-                                        out_checked=out_checked)
-        if topk.ndim != 2 or topk.shape[0] != B:
-            raise ValueError(f"top_k_tokens must have shape ({B}, K) or ({B}, S, K), got "
-                             f"{tuple(topk.shape)}")
-        K = topk.shape[1]
-        plan = self._launch.get(("single", K, copy_grid))
-        if plan is None:
-            plan = self._plan_single(K, copy_grid)
-        la_resolve, la_copy, grid_resolve, grid_copy, default_out = plan
-        if out is None:
-            out = default_out
-        elif not out_checked:
-            out = self._out_arg(out, (B, K))
-        if check:
-            self.check_requests()
-        res = self._resolve
-        w8, w4 = layer * (res.itemsize // 8), layer * (res.itemsize // 4)
-        u64, i32 = self._res_words
-        u64[w8 + _RES8["topk"]] = topk.data.ptr
-        u64[w8 + _RES8["out"]] = out.data.ptr
-        i32[w4 + _RES4["topk_stride"]] = topk.strides[0] // 4
-        i32[w4 + _RES4["out_stride"]] = out.strides[0] // 4
-        if i32[w4 + _RES4["K"]] != K:
-            i32[w4 + _RES4["K"]] = K
-            i32[w4 + _RES4["hash_size"]] = hash_size(K)
-        sptr = self.stream.ptr
-        la_resolve(grid_resolve, sptr, self._bases[0] + layer * res.itemsize)
-        if stage is None:
-            la_copy(grid_copy, sptr, self._bases[1] + layer * self._copy.itemsize)
-        else:
-            cp = self._copy
-            for k, v in stage.items():
-                cp[k][layer] = v
-            try:
-                la_copy(grid_copy, sptr, self._bases[1] + layer * cp.itemsize)
-            finally:
-                cp["stage_map"][layer] = 0  # the struct's bytes were taken at the launch
-        if check:
-            self.raise_on_status(topk)
-        return out
-
-    @property
-    def _bases(self) -> tuple[int, int, int]:
-        b = self.__dict__.get("_bases_")
-        if b is None:
-            ms = self._ms
-            b = self.__dict__["_bases_"] = (self._resolve.ctypes.data, self._copy.ctypes.data,
-                                            0 if ms is None else ms.ctypes.data)
-        return b
-
-    @property
-    def _res_words(self):
-        w = self.__dict__.get("_res_words_")
-        if w is None:
-            w = self.__dict__["_res_words_"] = (self._resolve.view(np.uint64),
-                                                self._resolve.view(np.int32))
-        return w
-
-    @property
-    def _ms_words(self):
-        w = self.__dict__.get("_ms_words_")
-        if w is None:
-            w = self.__dict__["_ms_words_"] = (self._ms.view(np.uint64), self._ms.view(np.int32))
-        return w
-
-    def _plan_single(self, K: int, copy_grid: int | None):
-        """Launchers, grids and default output of single-step swaps with K entries."""
-        c, B = self.cache, self.batch
-        if not 1 <= K <= c.top_k:
-            raise ValueError(f"top_k_tokens must have 1..{c.top_k} entries per row (the cache's "
-                             f"top_k), got {K}")
-        grid = _checks.integer("copy_grid", copy_grid, 1, 2**31 - 1) if copy_grid else \
-            default_copy_grid(B, K)
-        la_resolve, grid_resolve = resolve_launch(self._key, B, K, c.hot_size, c.token_table)
-        plan = (la_resolve,
-                launcher(_build.kernel(_build.COPY_H2D[(1, _abi.COPY_WARPS)]), _abi.COPY_WARPS * 32,
-                         _abi.smem_bytes("PLANNED_COPY", B=B), self.pdl),
-                grid_resolve, (grid, 1, 1), c.out[:B, :K])
-        self._launch[("single", K, copy_grid)] = plan
-        return plan
-
-    def _out_arg(self, out, shape) -> cupy.ndarray:
-        """``out`` checked; a foreign array is imported on the step's stream."""
-        with self.stream if type(out) is not cupy.ndarray else contextlib.nullcontext():
-            return _checks.array("out", out, np.int32, shape=shape, contiguous=False,
-                                 inner_contiguous=True)
-
-    def _swap_multistep(self, layer: int, topk, *, out=None, check: bool = False,
-                        out_checked: bool = False):
-        c = self.cache
-        B, S, K = topk.shape
-        if c.max_steps < 2:
-            raise ValueError("a [B, S, K] top-k needs a cache built with max_steps >= 2")
-        if B != self.batch or not 2 <= S <= c.max_steps or not 1 <= K <= c.top_k:
-            raise ValueError(f"top_k_tokens must have shape ({self.batch}, 2..{c.max_steps}, "
-                             f"1..{c.top_k}), got {tuple(topk.shape)}")
-        plan = self._launch.get(("multi", S, K))
-        if plan is None:
-            if self._lens_step and self.seq_lens.shape[1] < S:
-                raise ValueError(f"seq_lens has {self.seq_lens.shape[1]} step column(s), the "
-                                 f"call has {S} steps")
-            T = S * K
-            G = copy_blocks(B, S)
-            plan = self._launch[("multi", S, K)] = (G,
-                launcher(_build.kernel(_build.GATHER[self._key]), _abi.GATHER_BLOCK),
-                launcher(_build.kernel(_build.COMMIT[self._key]), _abi.COMMIT_BLOCK,
-                         commit_smem_bytes(c.hot_size, T), self.pdl),
-                (-(-T // _abi.GATHER_BLOCK), B, 1), (B * (1 + G), 1, 1),
-                _dense_view(c.ms_out, (B, S, K)))
-        G, la_gather, la_commit, grid_gather, grid_commit, default_out = plan
-        if out is None:
-            out = default_out
-        elif not out_checked:
-            out = self._out_arg(out, (B, S, K))
-        if check:
-            self.check_requests()
-        ms = self._ms
-        u64, i32 = self._ms_words
-        w8, w4 = layer * (ms.itemsize // 8), layer * (ms.itemsize // 4)
-        u64[w8 + _MS8["topk"]] = topk.data.ptr
-        u64[w8 + _MS8["out"]] = out.data.ptr
-        i32[w4 + _MS4["topk_stride"]] = topk.strides[0] // 4
-        i32[w4 + _MS4["out_stride"]] = out.strides[0] // 4
-        i32[w4 + _MS4["S"]] = S
-        i32[w4 + _MS4["K"]] = K
-        i32[w4 + _MS4["copy_blocks"]] = G
-        sptr = self.stream.ptr
-        addr = self._bases[2] + layer * ms.itemsize
-        la_gather(grid_gather, sptr, addr)
-        la_commit(grid_commit, sptr, addr)
-        if check:
-            self.raise_on_status(topk)
-        return out
-
-    # ----------------------------------------------------------------- check=True
-    def check_requests(self) -> None:
-        """``check=True``'s first half: raise ``ValueError`` if a valid request slot repeats
-        among the real rows (synchronizes)."""
-        _checks.unique_requests(self.req, self.num_real, self.cache.max_requests)
-
-    def raise_on_status(self, top_k_tokens) -> None:
-        """``check=True``'s second half: synchronize the step's stream and raise ``ValueError``
-        naming every row and entry the last swap flagged (``top_k_tokens``: that swap's)."""
-        with self.stream:  # a foreign array imports on the step's stream
-            topk = _checks.token_rows("top_k_tokens", top_k_tokens, self._dev)
-        _checks.raise_on_status(self.cache.status[:self.batch], topk, self.seq_lens,
-                                max_len=self.cache.max_len,
-                                what="multi-step swap" if topk.ndim == 3 else "swap",
-                                stream=self.stream)
-
-    # ----------------------------------------------------------------- newest token
-    def newest_rows(self, *, backup: bool = False, write_host: bool = True) -> cupy.ndarray:
-        """Device row (in every layer) of each row's newest token ``seq_len - 1``.
-
-        The model writes the step's KV there. Returns int32 ``[B]`` (a view valid until the
-        next call), -1 for padding or invalid rows. With ``backup=True`` also records the token
-        in slot H of every layer (where this step's swaps find it) and, unless
-        ``write_host=False``, copies that row of every layer to its host row (what
-        :meth:`backup_newest` does).
-        """
-        c, B = self.cache, self.batch
-        p = Params(_abi.NEWEST_ROWS).set(
-            req=ptr(self.req), lens=ptr(self.seq_lens), num_real=ptr(self.num_real),
-            slot_locs=ptr(c.slot_locs[0]), slot_tokens=ptr(c.slot_tokens),
-            host_locs=ptr(c.host_locs), rows_out=ptr(c._newest),
-            plan_src=ptr(c._backup_src), plan_dst=ptr(c._backup_dst),
-            plan_count=ptr(c._backup_count), slot_layer_stride=c.slot_tokens.strides[0] // 4,
-            B=B, R=c.max_requests, max_len=c.max_len, slot_stride=c.slots, H=c.hot_size,
-            host_stride=c.max_len, lens_stride=self._lens_stride, n_layers=c.n_layers,
-            record=1 if backup else 0)
-        launch(_build.kernel(_build.NEWEST[self._key]), -(-B // _abi.NEWEST_BLOCK),
-               _abi.NEWEST_BLOCK, p, stream=self.stream)
-        if backup and write_host:
-            cp = copy_params(c._backup_src, c._backup_dst, c._backup_count, B, self.num_real,
-                             src_base=c.device.data.ptr, src_layer_bytes=c.device[0].nbytes,
-                             n_src_rows=c.device.shape[1], dst_base=c.pool.device_ptr(0),
-                             dst_layer_bytes=c.pool.layer_bytes, n_dst_rows=c.pool.n_rows,
-                             row_bytes=c.row_bytes, n_layers=c.n_layers)
-            launch_copy(cp, to_host=True, grid=default_copy_grid(B, 1, c.n_layers),
-                        stream=self.stream, pdl=self.pdl)
-        return c._newest[:B]
-
-    def backup_newest(self, *, write_host: bool = True) -> None:
-        """Copy each row's newest token from the device to its host row, all layers, one launch.
-
-        Call once per decode step after the model wrote the step's KV, before any later swap
-        that may select that token (queue order on the step's stream guarantees it). It also
-        records the token in slot H, where the step's swaps find it on the device.
-
-        ``write_host=False``: record the token but leave its host row to another writer (a
-        tensor-parallel rank over a host pool shared with ranks that hold the same KV). The
-        caller must then order every later swap that may miss on the token after that writer's
-        copy (e.g. an interprocess event, ``examples/tp_decode.py --newest-writer rank0``).
-        """
-        self.newest_rows(backup=True, write_host=write_host)
-
-    def finish(self) -> None:
-        """End the step: with a prefetcher, join its side stream into the step's stream."""
-        if self.prefetcher is not None:
-            self.prefetcher.finish(self.stream)

@@ -37,25 +37,23 @@ import cupy
 import numpy as np
 
 from . import _abi, _build, _checks
-from ._launch import Params, Ptr, as_stream, launch, ptr, resolve_pdl
+from ._launch import (
+    CallWriter,
+    Params,
+    Ptr,
+    Structs,
+    as_stream,
+    field_words,
+    launch,
+    launcher,
+    ptr,
+    resolve_pdl,
+)
+from .multistep_config import MultiStepConfig, commit_smem_bytes, table_size
 from .plan import MissPlan
 from .swap import SwapState
 
-MAX_HOT = _abi.MAX_HOT
-GATHER_BLOCK = _abi.GATHER_BLOCK
-COMMIT_BLOCK = _abi.COMMIT_BLOCK
-INIT_BLOCK = _abi.INIT_BLOCK
-MIN_STEPS, MAX_STEPS = _abi.MS_MIN_STEPS, _abi.MS_MAX_STEPS
-MAX_TOKENS = _abi.MS_MAX_TOKENS  # S * K per row
-STATS = _abi.MS_STATS
-
-
-default_scratch = _abi.default_scratch
-
-
-def table_size(max_tokens: int) -> int:
-    """Entries of the per-row dedup table (a power of two >= 2 S*K)."""
-    return max(64, 1 << (2 * max_tokens - 1).bit_length())
+default_scratch = _abi.default_scratch  # the sizing rule is shared with the struct checks
 
 
 COPY_IN_COMMIT_MAX_ROWS = 64  # batch rows x steps
@@ -69,128 +67,6 @@ def copy_blocks(batch: int, steps: int) -> int:
     batch x steps 64 and lose 1-8 % above it, where the commit blocks slowed by the copy blocks
     beside them cost more than the overlap gains."""
     return 8 if batch * steps <= COPY_IN_COMMIT_MAX_ROWS else 0
-
-
-def commit_smem_bytes(hot_size: int, tokens: int) -> int:
-    """Dynamic shared memory of the commit for H hot slots and S*K occurrences per row."""
-    return _abi.smem_bytes("MULTISTEP_COMMIT", H=hot_size, NW=-(-tokens // 32),
-                           NS=COMMIT_BLOCK // 32 + 1)
-
-
-class MultiStepConfig:
-    """Sizes of the multi-step state, checked without a GPU.
-
-    Parameters
-    ----------
-    n_requests : R, request slots.
-    hot_size : H, hot slots per request, 2 .. 32767.
-    extra_page : P >= 1, slots after the hot slots (slot H and on: newest and draft tokens).
-    top_k : K, entries per step, 1 .. H.
-    max_steps : the most draft steps a call may have, 2 .. 4; ``max_steps * top_k <= 8192``.
-    scratch : C, scratch rows per request, ``>= max(1, max_steps - 1, max_steps * top_k - H)``
-        (default :func:`default_scratch`). Every miss beyond the scratch rows is copied straight
-        into an unreferenced victim; ``S*K - H`` guarantees one exists. A row still in
-        positional layout admits nothing, and ``S - 1`` rows hold the draft tokens past H of
-        its steps ``L, L + 1, ...``.
-    max_batch : rows of the workspace (default ``n_requests``).
-    """
-
-    def __init__(self, n_requests: int, hot_size: int, extra_page: int, top_k: int, *,
-                 max_steps: int = MAX_STEPS, scratch: int | None = None,
-                 max_batch: int | None = None):
-        self.n_requests = _checks.integer("n_requests", n_requests, 1)
-        self.hot_size = H = _checks.integer("hot_size", hot_size, 2, MAX_HOT)
-        self.extra_page = _checks.integer("extra_page", extra_page, 1)
-        self.top_k = K = _checks.integer("top_k", top_k, 1, H)
-        self.max_steps = S = _checks.integer("max_steps", max_steps, MIN_STEPS, MAX_STEPS)
-        if S * K > MAX_TOKENS:
-            raise ValueError(f"max_steps * top_k must be <= {MAX_TOKENS}, got {S} * {K} = {S * K}")
-        if scratch is None:
-            scratch = default_scratch(H, K, S)
-        self.scratch = _checks.integer("scratch", scratch, max(1, S - 1, S * K - H))
-        self.max_batch = _checks.integer(
-            "max_batch", self.n_requests if max_batch is None else max_batch, 1)
-
-    @property
-    def max_tokens(self) -> int:
-        return self.max_steps * self.top_k
-
-    @property
-    def slots(self) -> int:
-        """H + P: width of the slot tables."""
-        return self.hot_size + self.extra_page
-
-    @property
-    def rows_per_request(self) -> int:
-        """Device rows a request owns: H + P slots plus C scratch rows."""
-        return self.slots + self.scratch
-
-    @property
-    def table_size(self) -> int:
-        return table_size(self.max_tokens)
-
-    @property
-    def commit_smem(self) -> int:
-        return commit_smem_bytes(self.hot_size, self.max_tokens)
-
-    def state_bytes(self, max_len: int) -> int:
-        """Device bytes of one layer's state besides the caller's slot tables and host_locs,
-        for tokens below ``max_len`` (the token -> slot table: 2 bytes per token)."""
-        R, H = self.n_requests, self.hot_size
-        max_len = _checks.integer("max_len", max_len, 1)
-        return R * (2 * max_len + 4 * H + 8 + 4 * self.scratch)
-
-    def workspace_bytes(self) -> int:
-        return self.max_batch * (12 * self.table_size + 20 * self.max_tokens
-                                 + 4 * (_abi.MS_N_COUNTERS + _abi.MS_N_STATS))
-
-    def layout(self, base: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
-        """A fresh row layout: request r owns device rows ``base + r * (H + P + C) + [0, H+P+C)``.
-
-        Returns ``(slot_locs int32 [R, H+P], scratch_locs int32 [R, C], n_device_rows)``.
-        """
-        R, W, C = self.n_requests, self.slots, self.scratch
-        per = self.rows_per_request
-        start = base + per * np.arange(R, dtype=np.int64).reshape(R, 1)
-        slot_locs = (start + np.arange(W)).astype(np.int32)
-        scratch_locs = (start + W + np.arange(C)).astype(np.int32)
-        return slot_locs, scratch_locs, base + per * R
-
-    def check_tables(self, slot_tokens: np.ndarray, slot_locs: np.ndarray,
-                     scratch_locs: np.ndarray, n_device_rows: int) -> None:
-        """Validate host copies of the slot tables (raises ValueError naming the problem).
-
-        Hot tokens are -1 or >= 0 and distinct per request; hot slots' rows are >= 0; every row
-        >= 0 in ``slot_locs`` and ``scratch_locs`` is below ``n_device_rows`` and owned once.
-        """
-        R, H, W, C = self.n_requests, self.hot_size, self.slots, self.scratch
-        for name, a, shape in (("slot_tokens", slot_tokens, (R, W)),
-                               ("slot_locs", slot_locs, (R, W)),
-                               ("scratch_locs", scratch_locs, (R, C))):
-            if tuple(a.shape) != shape:
-                raise ValueError(f"{name} must have shape {shape}, got {tuple(a.shape)}")
-        hot = slot_tokens[:, :H]
-        if (slot_tokens < -1).any():
-            raise ValueError("slot_tokens holds a value below -1")
-        for r in range(R):
-            held = hot[r][hot[r] >= 0]
-            if np.unique(held).size != held.size:
-                raise ValueError(f"slot_tokens[{r}, :H] holds a token twice")
-        if (slot_locs[:, :H] < 0).any():
-            raise ValueError("slot_locs[:, :hot_size] must be >= 0 (every hot slot owns a row)")
-        if (scratch_locs < 0).any():
-            raise ValueError("scratch_locs must be >= 0")
-        rows = np.concatenate([slot_locs.reshape(-1), scratch_locs.reshape(-1)]).astype(np.int64)
-        rows = rows[rows >= 0]
-        if rows.size and rows.max() >= n_device_rows:
-            raise ValueError(f"a device row ({rows.max()}) is >= n_device_rows ({n_device_rows})")
-        if np.unique(rows).size != rows.size:
-            raise ValueError("slot_locs and scratch_locs must not share device rows")
-
-    def __repr__(self) -> str:
-        return (f"MultiStepConfig(R={self.n_requests}, H={self.hot_size}, P={self.extra_page}, "
-                f"K={self.top_k}, S<={self.max_steps}, C={self.scratch}, "
-                f"max_batch={self.max_batch})")
 
 
 class MultiStepWorkspace:
@@ -208,7 +84,7 @@ class MultiStepWorkspace:
 
     def __init__(self, max_batch: int, max_tokens: int):
         self.max_batch = _checks.integer("max_batch", max_batch, 1)
-        self.max_tokens = _checks.integer("max_tokens", max_tokens, 1, MAX_TOKENS)
+        self.max_tokens = _checks.integer("max_tokens", max_tokens, 1, _abi.MS_MAX_TOKENS)
         self.table_size = table_size(self.max_tokens)
         B, TS = self.max_batch, self.table_size
         self.table = cupy.empty((B, TS), cupy.uint64)
@@ -248,7 +124,7 @@ class MultiStepState:
     def __init__(self, config: MultiStepConfig, host_locs, slot_tokens, slot_locs, scratch_locs,
                  *,
                  n_device_rows: int, workspace: MultiStepWorkspace | None = None,
-                 validate: bool = True, storage: dict | None = None):
+                 validate: bool = True, token_slot=None, ref=None, clock=None):
         cfg = self.config = config
         R, H, W, C = cfg.n_requests, cfg.hot_size, cfg.slots, cfg.scratch
         self.host_locs = _checks.array("host_locs", host_locs, np.int64, ndim=2)
@@ -276,9 +152,14 @@ class MultiStepState:
         if validate:
             cfg.check_tables(cupy.asnumpy(self.slot_tokens), cupy.asnumpy(self.slot_locs),
                              cupy.asnumpy(self.scratch_locs), self.n_device_rows)
-        if storage is not None:  # views of a HotBufferCache's arrays, initialised by it
-            self.token_slot, self.ref = storage["token_slot"], storage["ref"]
-            self.clock = storage["clock"]
+        given = [a is not None for a in (token_slot, ref, clock)]
+        if any(given):  # the caller's arrays (a HotBufferCache's views), initialised by it
+            if not all(given):
+                raise ValueError("give token_slot, ref and clock together, or none of them")
+            self.token_slot = _checks.array("token_slot", token_slot, np.int16,
+                                            shape=self.host_locs.shape)
+            self.ref = _checks.array("ref", ref, np.uint32, shape=(R, H))
+            self.clock = _checks.array("clock", clock, np.uint32, shape=(R, 2))
             return
         self.token_slot = cupy.full(self.host_locs.shape, -1, cupy.int16)
         self.ref = cupy.zeros((R, H), cupy.uint32)
@@ -287,7 +168,7 @@ class MultiStepState:
 
     @classmethod
     def create(cls, host_locs, slot_tokens, slot_locs, scratch_locs, *, hot_size: int,
-               top_k: int, n_device_rows: int, max_steps: int = MAX_STEPS,
+               top_k: int, n_device_rows: int, max_steps: int = _abi.MS_MAX_STEPS,
                max_batch: int | None = None, workspace: MultiStepWorkspace | None = None,
                validate: bool = True) -> MultiStepState:
         """Build the state of one layer from its slot tables (sizes taken from the arrays).
@@ -384,7 +265,7 @@ def init_states(rows: cupy.ndarray, num_real: cupy.ndarray | None, slot_tokens: 
         table_layer_stride=token_slot.strides[0] // 2, ref_layer_stride=ref.strides[0] // 4,
         R=R, B=B, slot_stride=slot_tokens.strides[1] // 4, H=hot_size,
         table_stride=token_slot.strides[1] // 2, ref_stride=ref.strides[1] // 4)
-    launch(_build.kernel(_build.MS_INIT), (B, L), INIT_BLOCK, p, stream=stream)
+    launch(_build.kernel(_build.MS_INIT), (B, L), _abi.INIT_BLOCK, p, stream=stream)
 
 
 def multistep_swap_in(
@@ -447,9 +328,9 @@ def multistep_swap_in(
                              inner_contiguous=True)
         _checks.sizes("top_k_tokens", topk, "BSK")
         B, S, K = topk.shape
-        if not MIN_STEPS <= S <= cfg.max_steps:
-            raise ValueError(f"top_k_tokens must have {MIN_STEPS}-{cfg.max_steps} steps (dim 1), "
-                             f"got {S}")
+        if not _abi.MS_MIN_STEPS <= S <= cfg.max_steps:
+            raise ValueError(f"top_k_tokens must have {_abi.MS_MIN_STEPS}-{cfg.max_steps} steps "
+                             f"(dim 1), got {S}")
         if K > cfg.top_k:
             raise ValueError(f"top_k_tokens must have 1..{cfg.top_k} entries per step (dim 2), "
                              f"got {K}")
@@ -482,49 +363,99 @@ def multistep_swap_in(
             plan.check_batch(B, S * K)
     if check:
         _checks.unique_requests(req, nr, cfg.n_requests)
-    p = state.params()
-    set_call(p, topk, req, lens, lens_stride, lens_step, nr, out, status, plan,
-             host_rows=int(host_rows), n_host_rows=n_host_rows, device_rows=dev,
-             row_bytes=row_bytes)
-    run(p, (req.dtype, lens.dtype), B=B, T=S * K, H=cfg.hot_size, stream=s,
-        pdl=resolve_pdl(pdl))
+    st = for_batch(layer_structs([state], status=status, plan=plan, host_rows=[int(host_rows)],
+                                 n_host_rows=n_host_rows, device_rows=[dev.data.ptr],
+                                 row_bytes=row_bytes),
+                   req, lens, lens_stride, lens_step, B, nr)
+    go = launches((req.dtype, lens.dtype), B, S, K, cfg.hot_size, resolve_pdl(pdl))
+    CallFields(st).write(0, topk, out, go[0])
+    run(st, 0, go, s.ptr)
     if check:
         _checks.raise_on_status(status, topk, lens, max_len=state.host_locs.shape[1],
                                 what="multi-step swap", stream=s)
     return out
 
 
-def set_topk(p: Params, topk, out) -> None:
-    """The call's top-k and output fields of a multi-step struct."""
-    a = p.arr
-    a["topk"], a["topk_stride"], a["S"], a["K"] = (
-        topk.data.ptr, _checks.row_stride(topk), topk.shape[1], topk.shape[2])
-    a["out"], a["out_stride"] = out.data.ptr, _checks.row_stride(out)
+# ------------------------------------------------------------------ the struct, in stages
+# As the resolve's (swap.py): per layer (tables, workspace, host and device rows, outputs: when
+# a cache is built), per batch (all layers at once, at begin_step), per call (the top-k, the
+# output, S, K and the copy blocks: a few word writes).
+
+def layer_structs(states, *, status: cupy.ndarray, plan: MissPlan | None, host_rows,
+                  n_host_rows: int, device_rows, row_bytes: int) -> Structs:
+    """One multi-step struct per layer (``states``: each layer's :class:`MultiStepState`,
+    ``host_rows`` / ``device_rows``: each layer's base address), every field that does not
+    depend on the batch or the call; ``plan`` None: no plan recorded."""
+    st = Structs.zeros(_abi.MULTISTEP, len(states))
+    for i, (state, h, d) in enumerate(zip(states, host_rows, device_rows, strict=True)):
+        state.params(st.row(i)).set(host_base=int(h), dev_base=int(d))
+    st.put_all(status=ptr(status), n_host_rows=n_host_rows, row_bytes=row_bytes)
+    if plan is not None:
+        st.put_all(plan_src=ptr(plan.src), plan_dst=ptr(plan.dst), plan_count=ptr(plan.count),
+                   plan_stride=_checks.row_stride(plan.src))
+    return st
 
 
-def set_call(p: Params, topk, req, lens, lens_stride: int, lens_step: int, num_real, out, status,
-             plan: MissPlan | None, *, host_rows: int, n_host_rows: int, device_rows,
-             row_bytes: int) -> None:
-    """The batch's and the call's fields of a multi-step struct (the stateless op)."""
-    set_topk(p, topk, out)
-    p.set(B=topk.shape[0], copy_blocks=copy_blocks(topk.shape[0], topk.shape[1]), req=ptr(req),
-          lens=ptr(lens), lens_stride=lens_stride, lens_step=lens_step, num_real=ptr(num_real),
-          status=ptr(status), host_base=host_rows, n_host_rows=n_host_rows,
-          dev_base=device_rows.data.ptr, row_bytes=row_bytes)
-    if plan is None:
-        p.set(plan_src=0, plan_dst=0, plan_count=0, plan_stride=0)
-    else:
-        p.set(plan_src=ptr(plan.src), plan_dst=ptr(plan.dst), plan_count=ptr(plan.count),
-              plan_stride=_checks.row_stride(plan.src))
+def for_batch(layers: Structs, req, lens, lens_stride: int, lens_step: int, B: int,
+              num_real) -> Structs:
+    """A copy of the per-layer structs with the batch's fields in every layer."""
+    st = layers.copy()
+    st.put_all(req=ptr(req), lens=ptr(lens), lens_stride=lens_stride, lens_step=lens_step, B=B,
+               num_real=ptr(num_real))
+    return st
 
 
-def run(p: Params, key, *, B: int, T: int, H: int, stream, pdl: bool) -> None:
-    """Queue the gather and the commit (PDL) on ``stream``."""
-    launch(_build.kernel(_build.GATHER[key]), (math.ceil(T / GATHER_BLOCK), B), GATHER_BLOCK, p,
-           stream=stream)
-    launch(_build.kernel(_build.COMMIT[key]), B * (1 + int(p["copy_blocks"])), COMMIT_BLOCK, p,
-           shared_mem=commit_smem_bytes(H, T), stream=stream, pdl=pdl)
+_MW = field_words(_abi.MULTISTEP)
 
 
-# The name the first releases used; the peer benchmark and older callers import it.
-spec_swap_in = multistep_swap_in
+class CallFields(CallWriter):
+    """Writes a call's fields into struct ``layer`` of a :class:`Structs` of multi-step structs."""
+
+    __slots__ = ()
+    TOPK, OUT, TOPK_STRIDE = _MW["topk"][1], _MW["out"][1], _MW["topk_stride"][1]
+    OUT_STRIDE, S, K, G = (_MW["out_stride"][1], _MW["S"][1], _MW["K"][1],
+                           _MW["copy_blocks"][1])
+
+    def write(self, layer: int, topk, out, blocks: int) -> None:
+        i8, i4 = self.i8, self.i4
+        b8, b4 = layer * self.n8, layer * self.n4
+        i8[b8 + self.TOPK] = topk.data.ptr
+        i8[b8 + self.OUT] = out.data.ptr
+        i4[b4 + self.TOPK_STRIDE] = topk.strides[0] // 4
+        i4[b4 + self.OUT_STRIDE] = out.strides[0] // 4
+        i4[b4 + self.S] = topk.shape[1]
+        i4[b4 + self.K] = topk.shape[2]
+        i4[b4 + self.G] = blocks
+
+
+_calls: dict[tuple, tuple] = {}
+
+
+def launches(key, B: int, S: int, K: int, H: int, pdl: bool) -> tuple:
+    """``(copy blocks per row, gather launcher, its grid, commit launcher, its grid)`` of a call
+    of B rows of S steps of K entries (cached per shape and device)."""
+    ck = (key, B, S, K, H, pdl, cupy.cuda.runtime.getDevice(), copy_blocks)
+    got = _calls.get(ck)
+    if got is None:
+        T, G = S * K, copy_blocks(B, S)
+        got = _calls[ck] = (
+            G, launcher(_build.kernel(_build.GATHER[key]), _abi.GATHER_BLOCK),
+            (math.ceil(T / _abi.GATHER_BLOCK), B, 1),
+            launcher(_build.kernel(_build.COMMIT[key]), _abi.COMMIT_BLOCK,
+                     commit_smem_bytes(H, T), pdl),
+            (B * (1 + G), 1, 1))
+    return got
+
+
+def run(st: Structs, layer: int, launch: tuple, stream_ptr: int) -> None:
+    """Queue the gather and the commit (PDL) of struct ``layer`` on a stream."""
+    _, la_gather, grid_gather, la_commit, grid_commit = launch
+    addr = st.addr(layer)
+    la_gather(grid_gather, stream_ptr, addr)
+    la_commit(grid_commit, stream_ptr, addr)
+
+
+def dense_view(buf: cupy.ndarray, shape: tuple[int, ...]) -> cupy.ndarray:
+    """A C-contiguous ``shape`` view of the first elements of ``buf`` (the kernels write each
+    row's ``[S, K]`` block densely: a ``[:B, :S, :K]`` slice of a larger buffer would not be)."""
+    return buf.reshape(-1)[: int(np.prod(shape))].reshape(shape)

@@ -7,26 +7,40 @@ layers (IndexCache shared layers) with :func:`replay_plan`.
 
 :func:`copy_params` + :func:`launch_copy` are the one launcher of the ``planned_copy`` kernel,
 which every bulk row move of the package goes through (swap misses, replays, admission loads,
-backups).
+backups). This module alone knows the copy's launch: its instances, block, shared memory and
+grid rule (:func:`copy_launcher`, :func:`default_copy_grid`, :func:`full_grid`).
+
+While a :func:`hisparse_cupy.probe.copy_probe` is active, the host -> device copies that
+:func:`launch_copy` queues on its streams run the copy's measuring instance instead (dry runs,
+slowed rows, counted bad rows); with none active, that costs :func:`launch_copy` the test of an
+empty list. Copies queued straight through a :func:`copy_launcher` are never probed.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import cupy
 import numpy as np
 
 from . import _abi, _build, _checks
-from ._launch import Params, Ptr, as_stream, launch, ptr, resolve_pdl, sm_count
+from ._launch import Launcher, Params, Ptr, as_stream, launcher, ptr, resolve_pdl, sm_count
 from .host_pool import HostKVPool
+from .probe import CopyProbe, active_copy_probes
 
-COPY_WARPS = _abi.COPY_WARPS
 ROWS_PER_WARP = _build.COPY_ROWS_PER_WARP  # the host -> device copy's choices
-_COPY_BLOCKS_PER_SM = 2048 // (COPY_WARPS * 32)
+_COPY_BLOCK = _abi.COPY_WARPS * 32  # threads of a copy block
+_COPY_BLOCKS_PER_SM = 2048 // _COPY_BLOCK
 
 
 def full_grid() -> int:
     """Blocks of the copy kernel that fill every SM of the current device."""
     return sm_count() * _COPY_BLOCKS_PER_SM
+
+
+def default_copy_grid(batch: int, width: int, n_layers: int = 1) -> int:
+    """Enough copy blocks for every entry of ``batch`` rows of ``width``, at most a full GPU."""
+    return max(1, min(full_grid(), -(-batch * width * n_layers // _abi.COPY_WARPS)))
 
 
 class MissPlan:
@@ -76,47 +90,99 @@ def copy_params(
     n_dst_rows: int,
     row_bytes: int,
     n_layers: int = 1,
-    dry_run: bool = False,
-    spin_cycles: int = 0,
-    bad: cupy.ndarray | None = None,
     params: Params | None = None,
 ) -> Params:
     """The ``planned_copy`` struct for a plan (arguments already validated by the caller).
 
-    ``src_idx``/``dst_idx`` are ``[>= batch, stride]`` with one shared row stride.
+    ``src_idx``/``dst_idx`` are ``[>= batch, stride]`` with one shared row stride; ``params``:
+    a struct to fill instead of a new one.
     """
     p = params or Params(_abi.PLANNED_COPY)
     return p.set(src_idx=ptr(src_idx), dst_idx=ptr(dst_idx), count=ptr(count),
                  num_real=ptr(num_real), src_base=int(src_base), dst_base=int(dst_base),
-                 bad=ptr(bad), src_layer_bytes=src_layer_bytes, n_src_rows=n_src_rows,
+                 src_layer_bytes=src_layer_bytes, n_src_rows=n_src_rows,
                  dst_layer_bytes=dst_layer_bytes, n_dst_rows=n_dst_rows,
-                 spin_cycles=spin_cycles, plan_stride=_checks.row_stride(src_idx), B=batch,
-                 row_bytes=row_bytes, n_layers=n_layers,
-                 flags=_abi.COPY_DRY_RUN if dry_run else 0)
+                 plan_stride=_checks.row_stride(src_idx), B=batch, row_bytes=row_bytes,
+                 n_layers=n_layers)
 
 
-def default_copy_grid(batch: int, width: int, n_layers: int = 1) -> int:
-    """Enough copy blocks for every entry of ``batch`` rows of ``width``, at most a full GPU."""
-    return max(1, min(full_grid(), -(-batch * width * n_layers // COPY_WARPS)))
+_launchers: dict[tuple, Launcher] = {}
+
+
+def copy_launcher(batch: int, *, to_host: bool = False, rows_per_warp: int = 1,
+                  pdl: bool = False) -> Launcher:
+    """The cached :class:`~hisparse_cupy._launch.Launcher` of the planned copy of up to
+    ``batch`` rows on the current device: ``la((grid, 1, 1), stream_ptr, params.addr)`` queues
+    it with a struct from :func:`copy_params` whose ``B`` is at most ``batch``.
+
+    ``to_host``: device rows (int32) -> host rows (int64), else host -> device; ``rows_per_warp``:
+    rows each warp of a host -> device copy keeps in flight (one of :data:`ROWS_PER_WARP`; more
+    let fewer blocks keep the link busy); ``pdl``: already resolved
+    (:func:`hisparse_cupy._launch.resolve_pdl`).
+    """
+    key = (batch, to_host, rows_per_warp, pdl, cupy.cuda.runtime.getDevice())
+    la = _launchers.get(key)
+    if la is None:
+        la = _launchers[key] = _new_launcher(_instance(to_host, rows_per_warp, False), batch, pdl)
+    return la
+
+
+def _instance(to_host: bool, rows_per_warp: int, probe: bool) -> str:
+    if to_host:
+        if rows_per_warp != 1:
+            raise ValueError("the device -> host copy moves one row per warp")
+        return _build.COPY_D2H
+    table = _build.COPY_H2D_PROBE if probe else _build.COPY_H2D
+    if rows_per_warp not in table:
+        raise ValueError(f"rows_per_warp must be one of {ROWS_PER_WARP}, got {rows_per_warp}")
+    return table[rows_per_warp]
+
+
+def _new_launcher(name: str, batch: int, pdl: bool) -> Launcher:
+    # one block of COPY_WARPS warps; shared memory: the prefix of the batch's counts
+    return launcher(_build.kernel(name), _COPY_BLOCK, _abi.smem_bytes("PLANNED_COPY", B=batch),
+                    pdl)
 
 
 def launch_copy(params: Params, *, to_host: bool = False, grid: int, stream,
-                pdl: bool = False, rows_per_warp: int = 1, thin: bool = False) -> None:
-    """Queue ``planned_copy`` with a struct from :func:`copy_params` (stream: a CuPy stream).
-
-    Host -> device only (checked by the caller): ``rows_per_warp``, rows each warp keeps in
-    flight (one of :data:`ROWS_PER_WARP`); ``thin``, one-warp blocks of at most
-    ``_abi.THIN_COPY_REGS`` registers a thread, short-lived and small, for a side-stream replay
-    beside the model's matmuls (measured against the default in ``benchmarks/NOTES.md``,
-    "Copies beside compute": better beside a steady matmul loop, worse in the decode step)."""
+                pdl: bool = False, rows_per_warp: int = 1) -> None:
+    """Queue the planned copy of a struct from :func:`copy_params` (``grid`` blocks, ``stream``
+    a CuPy stream; the other arguments as in :func:`copy_launcher`). Nothing is queued for a
+    struct with no rows or no layers."""
     B = int(params["B"])
     if B == 0 or params["n_layers"] == 0:
         return
-    smem = _abi.smem_bytes("PLANNED_COPY", B=B)
-    warps = 1 if thin else COPY_WARPS
-    name = _build.COPY_D2H if to_host else _build.COPY_H2D[(rows_per_warp, warps)]
-    launch(_build.kernel(name), grid, warps * 32, params, shared_mem=smem, stream=stream,
-           pdl=pdl)
+    if active_copy_probes and not to_host:  # measuring only (hisparse_cupy.probe)
+        probe = _probe_of(stream.ptr)
+        if probe is not None:
+            _launch_probe(probe, params, B, grid, stream.ptr, pdl, rows_per_warp)
+            return
+    copy_launcher(B, to_host=to_host, rows_per_warp=rows_per_warp, pdl=pdl)(
+        (grid, 1, 1), stream.ptr, params.addr)
+
+
+def _probe_of(stream_ptr: int) -> CopyProbe | None:
+    """The innermost active probe whose streams hold ``stream_ptr``, if any."""
+    for probe in reversed(active_copy_probes):
+        if probe.covers(stream_ptr):
+            return probe
+    return None
+
+
+def _launch_probe(probe: CopyProbe, params: Params, B: int, grid: int, stream_ptr: int,
+                  pdl: bool, rows_per_warp: int) -> None:
+    """The copy of ``params`` through the measuring instance with the probe's settings (the
+    driver copies the struct at the launch, so a temporary one does)."""
+    st = np.zeros(1, _abi.PLANNED_COPY_PROBE)
+    ctypes.memmove(st.ctypes.data, params.addr, _abi.PLANNED_COPY.itemsize)
+    st["bad"] = probe.bad_ptr
+    st["spin_cycles"] = probe.spin_cycles
+    st["dry_run"] = int(probe.dry_run)
+    key = ("probe", B, rows_per_warp, pdl, cupy.cuda.runtime.getDevice())
+    la = _launchers.get(key)
+    if la is None:
+        la = _launchers[key] = _new_launcher(_instance(False, rows_per_warp, True), B, pdl)
+    la((grid, 1, 1), stream_ptr, st.ctypes.data)
 
 
 def replay_plan(
@@ -131,10 +197,6 @@ def replay_plan(
     num_real=None,
     grid: int | None = None,
     rows_per_warp: int = 1,
-    thin: bool = False,
-    dry_run: bool = False,
-    spin_cycles: int = 0,
-    bad=None,
     stream=None,
     pdl: bool | None = None,
 ) -> None:
@@ -142,9 +204,11 @@ def replay_plan(
 
     For every real batch row ``b < min(num_real, batch)`` and entry ``m < count[b]`` (counts are
     clamped to ``[0, plan.width]``), copies that row of the layer's host rows into the layer's
-    device rows. The work is spread over the flattened (request, miss) pairs, so any ``grid``
-    is balanced whatever the distribution of misses over requests. Queued on ``stream``
-    without host synchronization and without allocating: safe inside CUDA-graph capture.
+    device rows; an entry whose host or device row is outside its array is skipped. The work is
+    spread over the flattened (request, miss) pairs, so any ``grid`` is balanced whatever the
+    distribution of misses over requests. Queued on ``stream`` without host synchronization
+    and without allocating: safe inside CUDA-graph capture. (Measuring a replay: dry runs,
+    slowed rows and counted bad entries are :func:`hisparse_cupy.probe.copy_probe`'s.)
 
     Parameters
     ----------
@@ -162,21 +226,12 @@ def replay_plan(
     num_real : int32 device scalar, optional
         Rows ``>= num_real`` are CUDA-graph padding and copy nothing.
     grid : int, optional
-        Blocks of the copy kernel (``COPY_WARPS`` warps each). Default: enough warps for every
-        entry of the plan's rows, at most :func:`full_grid`. A small grid leaves SMs to the
-        compute a side-stream replay overlaps.
+        Blocks of the copy kernel (``_abi.COPY_WARPS`` warps each). Default: enough warps for
+        every entry of the plan's rows, at most :func:`full_grid`. A small grid leaves SMs to
+        the compute a side-stream replay overlaps.
     rows_per_warp : int
         Rows each warp keeps in flight (one of :data:`ROWS_PER_WARP`, default 1): with more,
         fewer blocks keep the link busy.
-    thin : bool
-        One-warp blocks with capped registers (see :func:`launch_copy`); give a grid of a few
-        blocks per SM.
-    dry_run : bool
-        Do all the work (plan reads, prefix, indexing) but move no bytes; for measuring.
-    spin_cycles : int
-        Delay each row by this many clock cycles (tests' artificially slowed replay).
-    bad : int32 device scalar, optional
-        Incremented once per entry whose host or device row is outside its array.
     stream : optional
         Any stream kind :func:`hisparse_cupy._launch.as_stream` accepts (CuPy, PyTorch,
         ``__cuda_stream__``, int handle). Default: CuPy's current stream.
@@ -192,8 +247,6 @@ def replay_plan(
     with s:  # DLPack imports order on the stream the kernels run on
         dev = _checks.array("device_rows", device_rows, np.uint8, ndim=2)
         nr = None if num_real is None else _checks.device_scalar("num_real", num_real)
-        if bad is not None:
-            bad = _checks.device_scalar("bad", bad)
     row_bytes = _checks.row_bytes("device_rows row size", dev.shape[1])
     if pool is not None:
         if host_rows is not None or n_host_rows is not None:
@@ -220,11 +273,8 @@ def replay_plan(
         grid = default_copy_grid(batch, plan.width)
     else:
         grid = _checks.integer("grid", grid, 1, 2**31 - 1)
-    spin_cycles = _checks.integer("spin_cycles", spin_cycles, 0)
     rows_per_warp = _checks.one_of("rows_per_warp", rows_per_warp, ROWS_PER_WARP)
     p = copy_params(plan.src, plan.dst, plan.count, batch, nr, src_base=host_rows,
                     src_layer_bytes=0, n_src_rows=n_host_rows, dst_base=dev.data.ptr,
-                    dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes,
-                    dry_run=bool(dry_run), spin_cycles=spin_cycles, bad=bad)
-    launch_copy(p, grid=grid, stream=s, pdl=resolve_pdl(pdl),
-                rows_per_warp=rows_per_warp, thin=bool(thin))
+                    dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes)
+    launch_copy(p, grid=grid, stream=s, pdl=resolve_pdl(pdl), rows_per_warp=rows_per_warp)

@@ -26,26 +26,25 @@ import numpy as np
 
 from . import _abi, _build, _checks
 from ._launch import (
+    CallWriter,
     Launcher,
     Params,
     Ptr,
+    Structs,
     as_stream,
     compute_capability,
+    field_words,
     launcher,
     max_active_clusters,
     max_shared_memory,
     ptr,
     resolve_pdl,
 )
-from .plan import MissPlan, copy_params, default_copy_grid, launch_copy
-
-MAX_HOT = _abi.MAX_HOT
-RESOLVE_BLOCK = _abi.RESOLVE_BLOCK
-CLUSTER_BLOCK = _abi.RESOLVE_CLUSTER_BLOCK
-hash_size = _abi.hash_size
+from .plan import MissPlan, copy_launcher, copy_params, default_copy_grid, launch_copy
+from .probe import copy_probe
 
 
-def resolve_smem_bytes(top_k: int, hot_size: int, block: int = RESOLVE_BLOCK) -> int:
+def resolve_smem_bytes(top_k: int, hot_size: int, block: int = _abi.RESOLVE_BLOCK) -> int:
     """Dynamic shared memory of a resolve block of ``block`` threads (``_abi.SMEM``)."""
     return _abi.smem_bytes("SWAP_RESOLVE", **_abi.resolve_sizes(top_k, hot_size, block))
 
@@ -86,10 +85,10 @@ def resolve_cluster(key, batch: int, top_k: int, hot_size: int) -> int:
         return 1
     if _cluster_fixed is not None:
         return _cluster_fixed
-    kernel = _build.kernel(_build.RESOLVE[CLUSTER_BLOCK][key])
-    smem = resolve_smem_bytes(top_k, hot_size, CLUSTER_BLOCK)
+    kernel = _build.kernel(_build.RESOLVE[_abi.RESOLVE_CLUSTER_BLOCK][key])
+    smem = resolve_smem_bytes(top_k, hot_size, _abi.RESOLVE_CLUSTER_BLOCK)
     for c in (8, 4):
-        if max_active_clusters(kernel, CLUSTER_BLOCK, smem, c) >= batch:
+        if max_active_clusters(kernel, _abi.RESOLVE_CLUSTER_BLOCK, smem, c) >= batch:
             return c
     return 1
 
@@ -107,7 +106,7 @@ def resolve_launch(key, B: int, K: int, H: int,
     got = _launches.get(ck)
     if got is None:
         c = 1 if table else resolve_cluster(key, B, K, H)
-        block = RESOLVE_BLOCK if c == 1 else CLUSTER_BLOCK
+        block = _abi.RESOLVE_BLOCK if c == 1 else _abi.RESOLVE_CLUSTER_BLOCK
         name = _build.RESOLVE_TABLE[key] if table else _build.RESOLVE[block][key]
         la = launcher(_build.kernel(name), block, resolve_smem_bytes(K, H, block), False, c)
         got = _launches[ck] = (la, (B * c, 1, 1))
@@ -123,8 +122,8 @@ def check_sizes(top_k: int, hot_size: int) -> None:
 def _check_sizes(top_k: int, hot_size: int, device_id: int) -> None:
     if top_k > hot_size:
         raise ValueError(f"top_k={top_k} must not exceed hot_size={hot_size}")
-    if not 1 <= hot_size <= MAX_HOT:
-        raise ValueError(f"hot_size must be in [1, {MAX_HOT}], got {hot_size}")
+    if not 1 <= hot_size <= _abi.MAX_HOT:
+        raise ValueError(f"hot_size must be in [1, {_abi.MAX_HOT}], got {hot_size}")
     need, limit = resolve_smem_bytes(top_k, hot_size), max_shared_memory()
     if need > limit:
         raise ValueError(f"top_k={top_k} with hot_size={hot_size} needs {need} bytes of shared "
@@ -167,8 +166,8 @@ class SwapState:
         host_locs = _checks.array("host_locs", host_locs, np.int64, ndim=2)
         lru = _checks.array("lru", lru, np.int16, ndim=2, contiguous=False, inner_contiguous=True)
         R, H = lru.shape
-        if not 1 <= H <= MAX_HOT:
-            raise ValueError(f"lru width (hot_size) must be in [1, {MAX_HOT}], got {H}")
+        if not 1 <= H <= _abi.MAX_HOT:
+            raise ValueError(f"lru width (hot_size) must be in [1, {_abi.MAX_HOT}], got {H}")
         if host_locs.shape[0] != R:
             raise ValueError(f"host_locs must have {R} rows (one per request slot, like lru), "
                              f"got {host_locs.shape[0]}")
@@ -221,35 +220,77 @@ class SwapState:
             raise ValueError(f"invalid state: {e}") from None
 
 
-def set_batch(p: Params, req: cupy.ndarray, lens: cupy.ndarray, lens_stride: int, B: int,
-              num_real: cupy.ndarray | None) -> None:
-    """The batch's fields of a resolve struct."""
-    p.set(req=ptr(req), lens=ptr(lens), lens_stride=lens_stride, B=B, num_real=ptr(num_real))
+# ------------------------------------------------------------------ the struct, in stages
+# The resolve's struct is filled in three stages: per layer (the layer's tables, the outputs'
+# buffers: once, when a cache is built), per batch (all layers at once, at begin_step) and per
+# call (the top-k and the output: a few word writes). The stateless op runs the three on one
+# struct; a Step runs the last one per layer.
+
+def layer_structs(states, *, status: cupy.ndarray, plan: MissPlan,
+                  n_host_rows: int) -> Structs:
+    """One resolve struct per layer (``states``: each layer's :class:`SwapState`) with every
+    field that does not depend on the batch or the call."""
+    st = Structs.zeros(_abi.SWAP_RESOLVE, len(states))
+    for i, state in enumerate(states):
+        state.params(st.row(i))
+    st.put_all(status=ptr(status), plan_src=ptr(plan.src), plan_dst=ptr(plan.dst),
+               plan_count=ptr(plan.count), plan_stride=_checks.row_stride(plan.src),
+               n_host_rows=n_host_rows)
+    return st
 
 
-def set_call(p: Params, topk: cupy.ndarray, out: cupy.ndarray) -> None:
-    """The call's top-k and output fields of a resolve struct."""
-    a = p.arr
-    K = topk.shape[1]
-    a["topk"], a["topk_stride"], a["K"], a["hash_size"] = (
-        topk.data.ptr, _checks.row_stride(topk), K, hash_size(K))
-    a["out"], a["out_stride"] = out.data.ptr, _checks.row_stride(out)
+def for_batch(layers: Structs, req: cupy.ndarray, lens: cupy.ndarray, lens_stride: int, B: int,
+              num_real: cupy.ndarray | None) -> Structs:
+    """A copy of the per-layer structs with the batch's fields in every layer."""
+    st = layers.copy()
+    st.put_all(req=ptr(req), lens=ptr(lens), lens_stride=lens_stride, B=B, num_real=ptr(num_real))
+    return st
 
 
-def set_outputs(p: Params, status: cupy.ndarray, plan: MissPlan, n_host_rows: int) -> None:
-    """The status, plan and host-row-count fields of a resolve struct."""
-    p.set(status=ptr(status), plan_src=ptr(plan.src), plan_dst=ptr(plan.dst),
-          plan_count=ptr(plan.count), plan_stride=_checks.row_stride(plan.src),
-          n_host_rows=n_host_rows)
+_RW = field_words(_abi.SWAP_RESOLVE)
 
 
-def run(resolve: Params, copy: Params, key, *, B: int, K: int, H: int, table: bool, stream,
-        pdl: bool, copy_grid: int | None) -> None:
-    """Queue the resolve (one block or a cluster of blocks per row) and the planned copy (PDL)
-    on ``stream``."""
-    la, grid = resolve_launch(key, B, K, H, table)
-    la(grid, stream.ptr, resolve.addr)
-    launch_copy(copy, grid=copy_grid or default_copy_grid(B, K), stream=stream, pdl=pdl)
+class CallFields(CallWriter):
+    """Writes a call's fields (top-k, output, K) into struct ``layer`` of a :class:`Structs`."""
+
+    __slots__ = ()
+    TOPK, OUT, TOPK_STRIDE = _RW["topk"][1], _RW["out"][1], _RW["topk_stride"][1]
+    OUT_STRIDE, K, HASH = _RW["out_stride"][1], _RW["K"][1], _RW["hash_size"][1]
+
+    def write(self, layer: int, topk: cupy.ndarray, out: cupy.ndarray) -> None:
+        i8, i4 = self.i8, self.i4
+        b8, b4 = layer * self.n8, layer * self.n4
+        i8[b8 + self.TOPK] = topk.data.ptr
+        i8[b8 + self.OUT] = out.data.ptr
+        i4[b4 + self.TOPK_STRIDE] = topk.strides[0] // 4
+        i4[b4 + self.OUT_STRIDE] = out.strides[0] // 4
+        K = topk.shape[1]
+        if i4[b4 + self.K] != K:
+            i4[b4 + self.K] = K
+            i4[b4 + self.HASH] = _abi.hash_size(K)
+
+
+_calls: dict[tuple, tuple] = {}
+
+
+def launches(key, B: int, K: int, H: int, table: bool, copy_grid: int | None,
+             pdl: bool) -> tuple:
+    """``(resolve launcher, its grid, copy launcher, its grid)`` of a swap of B rows of K
+    entries (cached: an eager call pays one dictionary lookup)."""
+    ck = (key, B, K, H, table, copy_grid, pdl, cupy.cuda.runtime.getDevice(), _cluster_fixed)
+    got = _calls.get(ck)
+    if got is None:
+        la, grid = resolve_launch(key, B, K, H, table)
+        got = _calls[ck] = (la, grid, copy_launcher(B, pdl=pdl),
+                            (copy_grid or default_copy_grid(B, K), 1, 1))
+    return got
+
+
+def run(resolve: Structs, layer: int, copy: Structs, launch: tuple, stream_ptr: int) -> None:
+    """Queue the resolve of struct ``layer`` and its planned copy (PDL) on a stream."""
+    la_resolve, grid_resolve, la_copy, grid_copy = launch
+    la_resolve(grid_resolve, stream_ptr, resolve.addr(layer))
+    la_copy(grid_copy, stream_ptr, copy.addr(layer))
 
 
 def swap_in(
@@ -300,7 +341,8 @@ def swap_in(
         ``ValueError`` if they are not a valid state (``slot_locs`` outside ``device_rows``,
         ``lru`` not a permutation, a token held twice): a debugging mode, it synchronizes.
         Without it the state is trusted (as every kernel of this package leaves it valid).
-    dry_run : resolve and update the state but move no bytes (for measuring the copy's share).
+    dry_run : resolve and update the state but move no bytes (a measuring option: the copy runs
+        :func:`hisparse_cupy.probe.copy_probe`'s instance).
     stream : CuPy, PyTorch or ``__cuda_stream__`` stream, or an int handle (default: CuPy's
         current stream).
     pdl : launch the copy with Programmatic Dependent Launch (default: where supported).
@@ -347,17 +389,20 @@ def swap_in(
     if check:
         _checks.unique_requests(req, nr, R)
 
-    resolve = state.params()
-    set_batch(resolve, req, lens, lens_stride, B, nr)
-    set_call(resolve, topk, out)
-    set_outputs(resolve, status, plan, n_host_rows)
+    resolve = for_batch(layer_structs([state], status=status, plan=plan,
+                                      n_host_rows=n_host_rows), req, lens, lens_stride, B, nr)
+    CallFields(resolve).write(0, topk, out)
     copy = copy_params(plan.src, plan.dst, plan.count, B, nr, src_base=host_rows,
                        src_layer_bytes=0, n_src_rows=n_host_rows, dst_base=dev.data.ptr,
-                       dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes,
-                       dry_run=dry_run)
-    run(resolve, copy, (req.dtype, lens.dtype), B=B, K=K, H=H,
-        table=state.token_slot is not None, stream=s,
-        pdl=resolve_pdl(pdl), copy_grid=copy_grid)
+                       dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes)
+    go = launches((req.dtype, lens.dtype), B, K, H, state.token_slot is not None, copy_grid,
+                  resolve_pdl(pdl))
+    if dry_run:  # the probe applies to copies queued by launch_copy
+        go[0](go[1], s.ptr, resolve.addr(0))
+        with copy_probe(dry_run=True, streams=[s]):
+            launch_copy(copy, grid=go[3][0], stream=s, pdl=resolve_pdl(pdl))
+    else:
+        run(resolve, 0, copy.structs, go, s.ptr)
     if check:
         _checks.raise_on_status(status, topk, lens, max_len=state.host_locs.shape[1], stream=s)
     return out

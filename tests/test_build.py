@@ -123,19 +123,50 @@ def test_unknown_instance_is_an_error():
         _build.kernel("hs::swap_resolve<short, int>")
 
 
-def test_line_aligned_copy_variant_compiles(tmp_path, monkeypatch):
-    """The measuring knob HS_COPY_ROTATE=1 (line-aligned row reads, benchmarks/
-    probe_copy_align.py) keeps compiling, and it changes the copy kernels' code."""
-    base = _build.compile_check(archs=("sm_90",))
-    d = _copy_sources(tmp_path, monkeypatch)
-    p = d / "common.cuh"
-    text = p.read_text()
-    assert text.count("#define HS_COPY_ROTATE 0") == 1
-    p.write_text(text.replace("#define HS_COPY_ROTATE 0", "#define HS_COPY_ROTATE 1"))
-    _build.source_digest.cache_clear()
-    try:
-        rotated = _build.compile_check(archs=("sm_90",))
-    finally:
-        _build.source_digest.cache_clear()  # the next test's digest is of the real sources
-    assert rotated[("plan.cu", "sm_90")] != base[("plan.cu", "sm_90")]
-    assert rotated[("predict.cu", "sm_90")] == base[("predict.cu", "sm_90")]  # copies nothing
+def test_constants_reach_the_kernels_only_through_the_abi():
+    """Every HS_<NAME> constant a kernel source reads is one of _abi.CONSTANTS (passed by
+    defines()), and no kernel source defines a sentinel or counter index of its own: the only
+    literal namespace-scope constants are these tuning / bit-layout ones."""
+    import re
+
+    tuning = {"FULL_MASK", "OWNED_ROWS", "PREFETCH", "POS_OWNER_SHIFT"}
+    not_constants = ("HS_ABI_", "HS_SMEM_", "HS_PHASE", "HS_DEBUG", "HS_SRC_DIGEST",
+                     "HS_COPY_VPL")
+    for p in _build.CU_DIR.glob("*.cu*"):
+        text = p.read_text()
+        for name in set(re.findall(r"\bHS_([A-Z][A-Z0-9_]*)\b", text)):
+            if not f"HS_{name}".startswith(not_constants):
+                assert name in _abi.CONSTANTS, f"{p.name}: HS_{name} is not in _abi.CONSTANTS"
+        literal = re.findall(r"^constexpr [\w ]+? (\w+) = -?(?:0x)?[0-9a-fA-F]+[uUlL]*;", text,
+                             re.MULTILINE)
+        assert set(literal) <= tuning, f"{p.name}: {set(literal) - tuning} defined in C++ only"
+    assert "-DHS_MS_EMPTY=0xffffffffffffffff" in _build.options()  # a u64 literal, not decimal
+    assert "-DHS_MS_C_COPY=5" in _build.options()
+
+
+def test_the_production_copy_has_no_measuring_fields():
+    """The dry run, the slowed copy and the bad-row counter are the probe instance's alone."""
+    probe_fields = {"bad", "spin_cycles", "dry_run", "flags"}
+    assert not probe_fields & set(_abi.PLANNED_COPY.names)
+    assert _abi.PLANNED_COPY_PROBE.names[0] == "copy"
+    assert _abi.PLANNED_COPY_PROBE["copy"] == _abi.PLANNED_COPY
+    assert {"bad", "spin_cycles", "dry_run"} <= set(_abi.PLANNED_COPY_PROBE.names)
+    names = _build.INSTANCES["plan.cu"]
+    assert sorted(_build.COPY_H2D) == sorted(_build.COPY_H2D_PROBE) == list(
+        _build.COPY_ROWS_PER_WARP)
+    assert set(_build.COPY_H2D_PROBE.values()) <= set(names)
+    assert not any("thin" in n for n in names)
+    src = (_build.CU_DIR / "plan.cu").read_text()
+    assert "__global__ void __launch_bounds__(COPY_WARPS * 32) planned_copy(const " \
+        "PlannedCopyParams p)" in src
+    assert "planned_copy_body<SrcT, DstT, R, false>" in src
+    assert "HS_COPY_ROTATE" not in (_build.CU_DIR / "common.cuh").read_text()
+
+
+def test_a_probe_struct_drift_fails_the_check(sources, monkeypatch):
+    # the probe's settings reordered on the Python side: same sizes, same total
+    bad = dict(_abi.STRUCTS)
+    bad["PlannedCopyProbeParams"] = _reordered(_abi.PLANNED_COPY_PROBE, "dry_run", "pad")
+    monkeypatch.setattr(_abi, "STRUCTS", bad)
+    with pytest.raises(_build.CompileError, match="PlannedCopyProbeParams"):
+        _build.compile_check(archs=("sm_90",))

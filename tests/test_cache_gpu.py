@@ -67,13 +67,13 @@ def test_request_lifecycle_through_crossing_h(rng):
     for step in range(130):  # crosses H = 64 for request 0
         lens = cupy.asarray([seq, seq2], dtype=cupy.int32)
         if step:  # the model writes this step's token into the newest row of every layer
-            rows = cupy.asnumpy(cache.newest_rows(req, lens))
+            rows = cupy.asnumpy(cache.begin_step(req, lens).newest_rows())
             for layer in range(L):
                 cache.device_rows(layer)[int(rows[0])] = cupy.asarray(
                     kv_for(0, seq - 1, 1)[layer, 0])
                 cache.device_rows(layer)[int(rows[1])] = cupy.asarray(
                     kv_for(1, seq2 - 1, 1)[layer, 0])
-            cache.backup_newest(req, lens)
+            cache.begin_step(req, lens).backup_newest()
         topk = np.stack([
             rng.choice(seq, size=min(K, seq), replace=False).astype(np.int32).tolist()
             + [-1] * (K - min(K, seq)),
@@ -81,7 +81,8 @@ def test_request_lifecycle_through_crossing_h(rng):
         ]).astype(np.int32)
         topk[0, 0] = seq - 1  # always select the newest token
         for layer in range(L):
-            out = cupy.asnumpy(cache.swap(layer, req, lens, cupy.asarray(topk), check=True))
+            out = cupy.asnumpy(cache.begin_step(req, lens).swap(layer, cupy.asarray(topk),
+                                                                check=True))
             for b, r in enumerate((rid, rid2)):
                 sel = topk[b] >= 0
                 check_rows(cache, layer, r, topk[b][sel], out[b][sel])
@@ -163,7 +164,8 @@ def test_engine_owned_device_rows_and_pool(rng):
         for _ in range(3):
             topk = rng.choice(n, size=K, replace=False).astype(np.int32)
             for layer in range(L):
-                locs = cupy.asnumpy(cache.swap(layer, req, lens, cupy.asarray(topk[None])))[0]
+                locs = cupy.asnumpy(cache.begin_step(req, lens).swap(layer,
+                                                                     cupy.asarray(topk[None])))[0]
                 assert (locs >= 0).all() and (locs < D).all()
                 got = cupy.asnumpy(rows[layer][cupy.asarray(locs)])  # the engine's own array
                 assert (got == kv_for(2, 0, n)[layer][topk]).all()
@@ -211,3 +213,49 @@ def test_multistep_with_fewer_entries_than_top_k(rng, prefetch):
             step.finish()
         s.synchronize()
     cache.close()
+
+
+def test_layer_tables_are_every_table_and_release_resets_them(rng):
+    """``layer_tables()`` is the one list of per-layer tables: it names every ``[L, R, ...]``
+    array of the cache, and a slot released after single- and multi-step swaps holds in every
+    one of them what a slot released unused holds (token -> slot entries excepted: they are
+    never trusted without the slot table)."""
+    import cupy
+
+    from hisparse_cupy import HotBufferCache
+
+    def build():
+        return HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN, row_bytes=ROW,
+                              hot_size=H, top_k=K, extra_page=P, max_steps=2)
+
+    used, unused = build(), build()
+    n = 300
+    per_layer = {k for k, v in vars(used).items() if isinstance(v, cupy.ndarray)
+                 and v.ndim >= 2 and v.shape[:2] == (L, R)}
+    assert per_layer == set(used.layer_tables()), "a per-layer table missing from layer_tables"
+    for c in (used, unused):
+        assert c.admit(n, kv=kv_for(0, 0, n)) == 0
+    req = cupy.asarray([0], cupy.int32)
+    lens = cupy.asarray([n], cupy.int32)
+    for t in range(6):
+        for layer in range(L):
+            step = used.begin_step(req, lens)
+            if t % 2:
+                tk = rng.choice(n - 1, size=(1, 2, K), replace=False).astype(np.int32)
+            else:
+                tk = rng.choice(n - 1, size=(1, K), replace=False).astype(np.int32)
+            out = cupy.asnumpy(step.swap(layer, cupy.asarray(tk), check=True)).reshape(-1)
+            check_rows(used, layer, 0, tk.reshape(-1), out)
+    cupy.cuda.Device().synchronize()
+    moved = {k: cupy.asnumpy(v[:, 0]) for k, v in used.layer_tables().items()}
+    for c in (used, unused):
+        c.release(0)
+    cupy.cuda.Device().synchronize()
+    assert any((moved[k] != cupy.asnumpy(unused.layer_tables()[k][:, 0])).any()
+               for k in moved if k != "token_slot"), "the swaps changed no table"
+    for k, v in used.layer_tables().items():
+        if k != "token_slot":
+            np.testing.assert_array_equal(cupy.asnumpy(v[:, 0]),
+                                          cupy.asnumpy(unused.layer_tables()[k][:, 0]), k)
+    used.close()
+    unused.close()

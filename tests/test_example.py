@@ -172,9 +172,9 @@ def test_example_on_gpu_multistep(tmp_path):
 def test_gpu_self_check_catches_a_missing_backup(monkeypatch, capsys):
     """Negative control: without the newest token's host write (its slot-H record kept), a
     later step misses on a host row that was never written; the self-check must fail."""
-    from hisparse_cupy.cache import Step
     from hisparse_cupy.demo import run_gpu
     from hisparse_cupy.demo.config import from_args
+    from hisparse_cupy.step import Step
 
     keep = Step.backup_newest
     monkeypatch.setattr(Step, "backup_newest", lambda self: keep(self, write_host=False))

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hisparse_cupy._selfcheck import MAX_LEN, ROW, K, R, Twin, pattern
+from hisparse_cupy._twin import MAX_LEN, ROW, K, L, R, Twin, pattern
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -299,7 +299,6 @@ def test_torch_graph_of_a_step_equals_eager(rng, cupy_current):
 
     import cupy
 
-    from hisparse_cupy._selfcheck import L
     from hisparse_cupy.interop import cupy_stream, to_torch
 
     seed = int(rng.integers(2**31))

@@ -13,12 +13,12 @@ from hisparse_cupy._launch import Params
 
 
 def test_params_hold_the_struct_bytes():
-    p = Params(_abi.PLANNED_COPY).set(B=7, src_base=0xABCDEF0, spin_cycles=-5)
+    p = Params(_abi.PLANNED_COPY).set(B=7, src_base=0xABCDEF0, n_src_rows=-5)
     raw = bytes((ctypes.c_char * _abi.PLANNED_COPY.itemsize).from_address(p.addr))
     off = _abi.PLANNED_COPY.fields
     assert int.from_bytes(raw[off["B"][1]:off["B"][1] + 4], "little") == 7
     assert int.from_bytes(raw[off["src_base"][1]:off["src_base"][1] + 8], "little") == 0xABCDEF0
-    assert int.from_bytes(raw[off["spin_cycles"][1]:][:8], "little", signed=True) == -5
+    assert int.from_bytes(raw[off["n_src_rows"][1]:][:8], "little", signed=True) == -5
     assert p["B"] == 7
 
 
@@ -40,7 +40,7 @@ def test_launch_config_passes_one_pointer_to_the_struct():
     cfg.launch(0xF00, (7, 2, 1), 0x5000, p.addr)
     assert seen == {"B": 3, "grid": (7, 2, 1), "smem": 1024, "stream": 0x5000, "func": 0xF00,
                     "pdl": (1, 6, 1)}
-    p["B"] = 9  # a later launch with the same struct object sees the new values
+    p.set(B=9)  # a later launch with the same struct object sees the new values
     cfg.launch(0xF00, (1, 1, 1), 0x6000, p.addr)
     assert seen["B"] == 9 and seen["grid"] == (1, 1, 1) and seen["stream"] == 0x6000
 
@@ -161,3 +161,108 @@ def test_bad_stream_kinds_are_named(no_gpu_streams):
         _launch.as_stream(True)
     with pytest.raises(TypeError, match=r"__cuda_stream__\(\) must return \(version, handle\)"):
         _launch.as_stream(BadProto())
+
+
+class _Fake:
+    """A stream stand-in with a handle (launch_copy reads ``.ptr`` only)."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+@pytest.fixture
+def copy_launches(monkeypatch, no_gpu_streams):
+    """plan.launch_copy with the kernels and the driver stubbed: every launch is recorded as
+    (instance, block, shared memory, pdl, grid, stream, the struct's bytes at the launch)."""
+    from hisparse_cupy import plan
+
+    seen = []
+
+    def fake_launcher(kernel, block, smem, pdl):
+        def la(grid, stream_ptr, addr):
+            size = (_abi.PLANNED_COPY_PROBE if "probe" in kernel else _abi.PLANNED_COPY).itemsize
+            seen.append((kernel, block, smem, pdl, grid, stream_ptr, ctypes.string_at(addr, size)))
+        return la
+
+    monkeypatch.setattr(plan._build, "kernel", lambda name: name)
+    monkeypatch.setattr(plan, "launcher", fake_launcher)
+    monkeypatch.setattr(plan, "_launchers", {})
+    return seen
+
+
+def _copy_struct(B=3, n_layers=1):
+    return Params(_abi.PLANNED_COPY).set(B=B, n_layers=n_layers, src_base=0x1000, row_bytes=656,
+                                         plan_stride=8)
+
+
+def test_launch_copy_picks_the_copy_instance_block_and_shared_memory(copy_launches):
+    from hisparse_cupy import _build, plan
+
+    p = _copy_struct(B=3)
+    plan.launch_copy(p, grid=5, stream=_Fake(0x10), pdl=True, rows_per_warp=4)
+    plan.launch_copy(p, to_host=True, grid=2, stream=_Fake(0x11))
+    smem = _abi.smem_bytes("PLANNED_COPY", B=3)
+    block = _abi.COPY_WARPS * 32
+    raw = ctypes.string_at(p.addr, _abi.PLANNED_COPY.itemsize)
+    assert copy_launches == [
+        (_build.COPY_H2D[4], block, smem, True, (5, 1, 1), 0x10, raw),
+        (_build.COPY_D2H, block, smem, False, (2, 1, 1), 0x11, raw)]
+    plan.launch_copy(_copy_struct(B=0), grid=5, stream=_Fake(0x10))  # nothing to copy
+    plan.launch_copy(_copy_struct(n_layers=0), grid=5, stream=_Fake(0x10))
+    assert len(copy_launches) == 2
+    assert plan.copy_launcher(3, rows_per_warp=4, pdl=True) is \
+        plan.copy_launcher(3, rows_per_warp=4, pdl=True)  # cached
+    with pytest.raises(ValueError, match="rows_per_warp must be one of"):
+        plan.copy_launcher(3, rows_per_warp=3)
+    with pytest.raises(ValueError, match="one row per warp"):
+        plan.copy_launcher(3, to_host=True, rows_per_warp=2)
+
+
+def test_copy_probe_runs_the_probe_instance_on_its_streams_only(copy_launches):
+    from hisparse_cupy import _build, plan
+    from hisparse_cupy.probe import active_copy_probes, copy_probe
+
+    p = _copy_struct(B=3)
+    raw = ctypes.string_at(p.addr, _abi.PLANNED_COPY.itemsize)
+
+    def probe_struct(launch):
+        st = np.frombuffer(launch[6], _abi.PLANNED_COPY_PROBE)[0]
+        return st["copy"].tobytes(), int(st["bad"]), int(st["spin_cycles"]), int(st["dry_run"])
+
+    with copy_probe(dry_run=True, spin_cycles=7, streams=[0x10]) as probe:
+        assert active_copy_probes == [probe]
+        plan.launch_copy(p, grid=5, stream=_Fake(0x10), rows_per_warp=2)
+        plan.launch_copy(p, grid=5, stream=_Fake(0x20), rows_per_warp=2)  # not its stream
+        plan.launch_copy(p, to_host=True, grid=5, stream=_Fake(0x10))  # backups: never
+        with copy_probe(spin_cycles=9):  # every stream; the innermost probe wins
+            plan.launch_copy(p, grid=5, stream=_Fake(0x10))
+            plan.launch_copy(p, grid=5, stream=_Fake(0x20))
+        plan.launch_copy(p, grid=5, stream=_Fake(0x10))
+    assert active_copy_probes == []
+    plan.launch_copy(p, grid=5, stream=_Fake(0x10))
+    names = [launch[0] for launch in copy_launches]
+    assert names == [_build.COPY_H2D_PROBE[2], _build.COPY_H2D[2], _build.COPY_D2H,
+                     _build.COPY_H2D_PROBE[1], _build.COPY_H2D_PROBE[1],
+                     _build.COPY_H2D_PROBE[1], _build.COPY_H2D[1]]
+    probed = [probe_struct(la) for la in copy_launches if "probe" in la[0]]
+    assert probed == [(raw, 0, 7, 1), (raw, 0, 9, 0), (raw, 0, 9, 0), (raw, 0, 7, 1)]
+    smem = _abi.smem_bytes("PLANNED_COPY", B=3)
+    assert {(la[1], la[2], la[4]) for la in copy_launches} == {
+        (_abi.COPY_WARPS * 32, smem, (5, 1, 1))}
+
+
+def test_copy_probe_checks_its_arguments(no_gpu_streams):
+    from hisparse_cupy.probe import active_copy_probes, copy_probe
+
+    with pytest.raises(ValueError, match="spin_cycles must be >= 0"):
+        copy_probe(spin_cycles=-1)
+    with pytest.raises(TypeError, match="dry_run must be a bool"):
+        copy_probe(dry_run=1)
+    with pytest.raises(TypeError, match="streams must be an iterable of streams"):
+        copy_probe(streams=0x10)
+    with pytest.raises(TypeError, match="bad must"):
+        copy_probe(bad=np.zeros(1, np.int64))
+    probe = copy_probe(streams=[0x10, 0x11])
+    assert probe.covers(0x11) and not probe.covers(0x12)
+    assert copy_probe().covers(0x12)
+    assert active_copy_probes == []  # made, not entered

@@ -13,14 +13,9 @@ import numpy as np
 import pytest
 
 from hisparse_cupy import reference as ref
-from hisparse_cupy.multistep import (
-    MultiStepConfig,
-    commit_smem_bytes,
-    default_scratch,
-    table_size,
-)
-
-from _util import pattern
+from hisparse_cupy._abi import default_scratch
+from hisparse_cupy._twin import Twin
+from hisparse_cupy.multistep import MultiStepConfig, commit_smem_bytes, table_size
 
 # ============================================================================ CPU: sizing
 
@@ -334,181 +329,17 @@ def test_invariants_detect_damage():
 
 
 # ============================================================================ GPU helpers
-
-
-class Env:
-    """A layer's spec state over a pinned host pool whose row ``r * max_len + t`` holds token t
-    of request r (pattern bytes), with a NumPy twin of the state driven by the oracle."""
-
-    def __init__(self, rng, *, R=4, H=64, P=8, K=32, S_max=4, C=None, lens=None, row_bytes=64,
-                 max_batch=None, fill=0.7, nohost=0, workspace=None, positional=()):
-        import cupy
-
-        from hisparse_cupy import HostKVPool, MissPlan, MultiStepState
-
-        self.rng = rng
-        self.positional = tuple(positional)
-        self.cfg = cfg = MultiStepConfig(R, H, P, K, max_steps=S_max, scratch=C,
-                                         max_batch=max_batch)
-        if lens is None:
-            lens = rng.integers(H + 20, 6 * H, size=R)
-        self.lens = np.asarray(lens, dtype=np.int64)
-        self.max_len = L = int(max(self.lens.max() + S_max + 2, H + P + 1))
-        self.row_bytes = row_bytes
-        slot_locs, scratch_locs, D = cfg.layout()
-        self.D = D
-        self.host_locs = (np.arange(R).reshape(-1, 1) * L + np.arange(L)).astype(np.int64)
-        self.nohost = []
-        st = np.full((R, H + P), -1, np.int32)
-        for r in range(R):
-            Lr = int(self.lens[r])
-            bad = rng.choice(Lr - 1, size=min(nohost, Lr - 1), replace=False) if nohost else []
-            self.nohost.append(np.asarray(bad, np.int64))
-            self.host_locs[r, self.nohost[r]] = -1
-            if Lr <= H or r in positional:
-                st[r, :H] = np.arange(H)
-            else:
-                self._random_hot(st, r, fill)
-            for j in range(min(S_max, P)):
-                if Lr - 1 + j >= H:
-                    st[r, H + j] = Lr - 1 + j
-        self.pool = HostKVPool(1, R * L, row_bytes)
-        self.pool.layer(0)[:] = pattern(0, np.arange(R * L), row_bytes)
-        poison = rng.integers(0, 256, size=(D, row_bytes), dtype=np.uint8)
-        for r in range(R):
-            s = np.nonzero(st[r] >= 0)[0]
-            poison[slot_locs[r, s]] = self.expect(r, st[r, s])
-        self.dev = cupy.asarray(poison)
-        self.state = MultiStepState.create(
-            cupy.asarray(self.host_locs), cupy.asarray(st), cupy.asarray(slot_locs),
-            cupy.asarray(scratch_locs), hot_size=H, top_k=K, n_device_rows=D, max_steps=S_max,
-            max_batch=max_batch, workspace=workspace)
-        self.np = dict(slot_tokens=st, slot_locs=slot_locs.copy(),
-                       scratch_locs=scratch_locs.copy(), ref=np.zeros((R, H), np.uint32),
-                       clock=np.tile(np.uint32([1, 0]), (R, 1)))
-        self.plan = MissPlan(self.state.workspace.max_batch, cfg.max_tokens)
-        self.calls = 0
-
-    def _random_hot(self, st, r, fill):
-        H = self.cfg.hot_size
-        Lr = int(self.lens[r])
-        allowed = np.setdiff1d(np.arange(Lr - 1), self.nohost[r])
-        n = min(int(H * fill), allowed.size)
-        st[r, :H] = -1
-        st[r, self.rng.choice(H, size=n, replace=False)] = self.rng.choice(allowed, n,
-                                                                           replace=False)
-
-    def expect(self, rid, toks):
-        return pattern(0, rid * self.max_len + np.asarray(toks, np.int64), self.row_bytes)
-
-    def readmit(self, r):
-        """Give request slot r a fresh hot set (bytes loaded) and re-initialise its state.
-        Short requests get the positional layout back (the positional path relies on it)."""
-        import cupy
-
-        st = self.np["slot_tokens"]
-        H = self.cfg.hot_size
-        if int(self.lens[r]) <= H or r in self.positional:
-            st[r, :H] = np.arange(H)
-        else:
-            self._random_hot(st, r, self.rng.uniform(0.2, 1.0))
-        s = np.nonzero(st[r, :H] >= 0)[0]
-        rows = self.np["slot_locs"][r, s]
-        self.dev[cupy.asarray(rows)] = cupy.asarray(self.expect(r, st[r, s]))
-        self.state.slot_tokens[r] = cupy.asarray(st[r])
-        self.state.reset([r])
-        self.np["ref"][r] = 0
-        self.np["clock"][r] = [1, 0]
-
-    def call(self, topk, req, seqs, *, num_real=None, out=None, check=False, verify=True):
-        import cupy
-
-        from hisparse_cupy import multistep_swap_in
-
-        if isinstance(topk, cupy.ndarray):  # a device array as given (may be strided)
-            d_topk, topk = topk, topk.get()
-        else:
-            topk = np.asarray(topk, np.int32)
-            d_topk = cupy.asarray(topk)
-        B = topk.shape[0]
-        nr = None if num_real is None else cupy.asarray([num_real], cupy.int32)
-        d_req = cupy.asarray(np.asarray(req, np.int64))
-        d_lens = cupy.asarray(np.asarray(seqs, np.int32))
-        status = cupy.full((B, 3), 77, cupy.int32)
-        if out is None:
-            out = cupy.full(topk.shape, 12345, cupy.int32)
-        self.plan.count[:] = 123
-        got = multistep_swap_in(d_topk, d_req, d_lens, self.state,
-                                host_rows=self.pool.device_ptr(0),
-                                n_host_rows=self.pool.n_rows, device_rows=self.dev,
-                                plan=self.plan, out=out, status=status, num_real=nr,
-                                check=check)
-        self.calls += 1
-        if verify:
-            return self.verify(topk, req, seqs, num_real, got, status)
-        return got
-
-    def miss_order(self, req, B, num_real):
-        cnt = np.asarray(self.plan.count[:B].get())
-        src = np.asarray(self.plan.src[:B].get())
-        order = []
-        for b in range(B):
-            rid = int(req[b])
-            order.append(src[b, : cnt[b]] - rid * self.max_len if cnt[b] > 0 else [])
-        return order
-
-    def verify(self, topk, req, seqs, num_real, out, status):
-        B = topk.shape[0]
-        order = self.miss_order(req, B, num_real)
-        res = ref.multistep_swap_in(topk, np.asarray(req), np.asarray(seqs),
-                                    host_locs=self.host_locs, hot_size=self.cfg.hot_size,
-                                    n_host_rows=self.pool.n_rows, num_real=num_real,
-                                    miss_order=order, **self.np)
-        got = out.get()
-        np.testing.assert_array_equal(got, res.device_locs, err_msg="outputs")
-        np.testing.assert_array_equal(status.get(), res.status, err_msg="status")
-        cnt = self.plan.count[:B].get()
-        np.testing.assert_array_equal(cnt, res.plan_count, err_msg="plan count")
-        src, dst = self.plan.src[:B].get(), self.plan.dst[:B].get()
-        for b in range(B):
-            np.testing.assert_array_equal(src[b, : cnt[b]], res.plan_src[b, : cnt[b]])
-            np.testing.assert_array_equal(dst[b, : cnt[b]], res.plan_dst[b, : cnt[b]])
-        np.testing.assert_array_equal(self.state.workspace.stats[:B].get(), res.stats,
-                                      err_msg="stats")
-        gs = self.state.to_numpy()
-        for k in ("slot_tokens", "slot_locs", "scratch_locs", "ref", "clock"):
-            np.testing.assert_array_equal(gs[k], self.np[k], err_msg=f"state {k}")
-        ref.check_multistep_invariants(gs["slot_tokens"], gs["slot_locs"], gs["scratch_locs"],
-                                       gs["token_slot"], gs["ref"], gs["clock"],
-                                       self.cfg.hot_size, n_device_rows=self.D)
-        self.check_bytes(res, req)
-        return got, res
-
-    def check_bytes(self, res, req):
-        dev = self.dev.get()
-        b, s, i = np.nonzero(res.tokens >= 0)
-        if b.size:
-            rid = np.asarray(req, np.int64)[b]
-            rows = res.device_locs[b, s, i]
-            assert (rows >= 0).all()
-            want = pattern(0, rid * self.max_len + res.tokens[b, s, i], self.row_bytes)
-            bad = np.nonzero((dev[rows] != want).any(axis=1))[0]
-            assert bad.size == 0, f"{bad.size} output rows hold wrong bytes, first at " \
-                f"(row {b[bad[0]]}, step {s[bad[0]]}, entry {i[bad[0]]})"
-        H = self.cfg.hot_size
-        st, sl = self.np["slot_tokens"], self.np["slot_locs"]
-        for r in range(st.shape[0]):
-            k = np.nonzero(st[r, :H] >= 0)[0]
-            bad = np.nonzero((dev[sl[r, k]] != self.expect(r, st[r, k])).any(axis=1))[0]
-            assert bad.size == 0, f"request {r}: {bad.size} resident slots hold wrong bytes"
+# The GPU tests run on the multi-step twin of the test harness (hisparse_cupy._twin.Twin.multi):
+# one layer's state over a pinned host pool whose row r * max_len + t holds token t of request
+# r (pattern bytes), and its NumPy twin driven by the oracle.
 
 
 def random_tokens(env, rng, rid, S, K):
     """[S, K] top-k: mostly shared between steps, with hits, misses, extra-page tokens,
     duplicates and invalid entries."""
-    H = env.cfg.hot_size
+    H = env.H
     Lr = int(env.lens[rid])
-    st = env.np["slot_tokens"][rid, :H]
+    st = env.np[0]["slot_tokens"][rid, :H]
     resident = st[(st >= 0) & (st < Lr - 1)]
     pool = env.pools[rid]
 
@@ -555,16 +386,16 @@ def random_tokens(env, rng, rid, S, K):
 
 
 def random_calls(env, rng, n_calls, B):
-    R, K = env.cfg.n_requests, env.cfg.top_k
+    R, K, C = env.R, env.K, env.multistep_state(0).config.scratch
     env.pools = []
     for r in range(R):
         Lr = int(env.lens[r])
         allowed = np.setdiff1d(np.arange(Lr - 1), env.nohost[r])
-        env.pools.append(rng.choice(allowed, size=min(3 * env.cfg.hot_size, allowed.size),
+        env.pools.append(rng.choice(allowed, size=min(3 * env.H, allowed.size),
                                     replace=False))
     partial = overflow = misses = 0
     for c in range(n_calls):
-        S = int(rng.integers(2, env.cfg.max_steps + 1))
+        S = int(rng.integers(2, env.S + 1))
         req = rng.permutation(R)[:B].astype(np.int64)
         seqs = (env.lens[req].reshape(-1, 1) + np.arange(S)).astype(np.int64)
         topk = np.stack([random_tokens(env, rng, int(r), S, K) for r in req])
@@ -577,7 +408,7 @@ def random_calls(env, rng, n_calls, B):
         num_real = None if rng.random() < 0.7 else int(rng.integers(0, B + 1))
         _, res = env.call(topk, req, seqs, num_real=num_real)
         partial += int(res.stats[:, 3].sum())
-        overflow += int((res.stats[:, 0] > env.cfg.scratch).sum())
+        overflow += int((res.stats[:, 0] > C).sum())
         misses += int(res.stats[:, 0].sum())
         if c % 97 == 96:
             env.readmit(int(rng.integers(R)))
@@ -615,7 +446,7 @@ def test_random_calls_against_oracle(rng, pdl_mode, shape):
     lens = rng.integers(H + 10, 8 * H, size=R)
     lens[0] = H - 1  # positional layout, its last steps cross H
     lens[1] = H // 2  # short: positional steps only
-    env = Env(rng, R=R, H=H, P=8, K=K, S_max=S_max, C=C, lens=lens, nohost=6, max_batch=4)
+    env = Twin.multi(rng, R=R, H=H, P=8, K=K, S_max=S_max, C=C, lens=lens, nohost=6, max_batch=4)
     assert pdl_supported() == pdl_mode or not pdl_mode
     partial, overflow, misses = random_calls(env, rng, 520, 4)
     # the runs exercised partial admission and misses beyond the scratch rows
@@ -638,7 +469,7 @@ def test_batches_either_side_of_the_copy_switch(rng, B):
         assert (copy_blocks(B, S) > 0) == (B * S <= COPY_IN_COMMIT_MAX_ROWS)
     R, H, K, S_max = 24, 64, 32, 4
     lens = rng.integers(H + 10, 8 * H, size=R)
-    env = Env(rng, R=R, H=H, P=8, K=K, S_max=S_max, C=S_max * K - H, lens=lens, nohost=6)
+    env = Twin.multi(rng, R=R, H=H, P=8, K=K, S_max=S_max, C=S_max * K - H, lens=lens, nohost=6)
     partial, overflow, misses = random_calls(env, rng, 30, B)
     assert misses > 1000 and partial >= 1
 
@@ -646,11 +477,11 @@ def test_batches_either_side_of_the_copy_switch(rng, B):
 @pytest.mark.gpu
 def test_cross_step_duplicate_misses_copied_once(rng):
     H, K, S = 4096, 2048, 4
-    env = Env(rng, R=2, H=H, P=64, K=K, S_max=S, row_bytes=576, fill=1.0,
+    env = Twin.multi(rng, R=2, H=H, P=64, K=K, S_max=S, row_bytes=576, fill=1.0,
               lens=[20000, 30000])
     topk = np.empty((2, S, K), np.int32)
     for b in range(2):
-        res_tok = env.np["slot_tokens"][b, :H]
+        res_tok = env.np[0]["slot_tokens"][b, :H]
         hits = rng.choice(res_tok[res_tok < env.lens[b] - 1], 1852, replace=False)
         resident = set(res_tok.tolist())
         fresh = np.array([t for t in rng.choice(int(env.lens[b]) - 1, 600, replace=False)
@@ -669,15 +500,15 @@ def test_cross_step_duplicate_misses_copied_once(rng):
         for s, i in zip(*np.nonzero(miss), strict=True):
             by_tok.setdefault(int(topk[b, s, i]), set()).add(int(got[b, s, i]))
         assert len(by_tok) == 196 and all(len(v) == 1 for v in by_tok.values())
-        assert set(fresh_t for fresh_t in by_tok) <= set(env.np["slot_tokens"][b, :H].tolist())
+        assert set(fresh_t for fresh_t in by_tok) <= set(env.np[0]["slot_tokens"][b, :H].tolist())
 
 
 @pytest.mark.gpu
 def test_hundreds_of_unique_misses_across_steps(rng):
     H, K, S = 4096, 2048, 4
     L = 40000
-    env = Env(rng, R=1, H=H, P=64, K=K, S_max=S, row_bytes=576, fill=1.0, lens=[L])
-    res_tok = env.np["slot_tokens"][0, :H]
+    env = Twin.multi(rng, R=1, H=H, P=64, K=K, S_max=S, row_bytes=576, fill=1.0, lens=[L])
+    res_tok = env.np[0]["slot_tokens"][0, :H]
     resident = set(res_tok.tolist())
     fresh = np.array([t for t in rng.permutation(L - 1) if t not in resident][:800])
     misses = [fresh[0:196], fresh[196:392],
@@ -698,9 +529,9 @@ def test_hundreds_of_unique_misses_across_steps(rng):
 def test_full_overflow_union_far_beyond_hot_buffer(rng):
     H, K, S = 4096, 2048, 4
     L = 60000
-    env = Env(rng, R=1, H=H, P=64, K=K, S_max=S, C=S * K - H, row_bytes=576, fill=1.0,
+    env = Twin.multi(rng, R=1, H=H, P=64, K=K, S_max=S, C=S * K - H, row_bytes=576, fill=1.0,
               lens=[L])
-    resident = set(env.np["slot_tokens"][0, :H].tolist())
+    resident = set(env.np[0]["slot_tokens"][0, :H].tolist())
     fresh = np.array([t for t in rng.permutation(L - 1) if t not in resident][: S * K])
     topk = fresh.reshape(1, S, K).astype(np.int32)
     got, res = env.call(topk, [0], [[L + s for s in range(S)]])
@@ -720,9 +551,9 @@ def test_full_overflow_union_far_beyond_hot_buffer(rng):
 def test_tokens_beyond_one_million(rng):
     H, K, S = 4096, 2048, 4
     L = 1_048_648
-    env = Env(rng, R=1, H=H, P=64, K=K, S_max=S, row_bytes=64, fill=0.5, lens=[L])
-    st = env.np["slot_tokens"]
-    st_gpu = env.state.slot_tokens
+    env = Twin.multi(rng, R=1, H=H, P=64, K=K, S_max=S, row_bytes=64, fill=0.5, lens=[L])
+    st = env.np[0]["slot_tokens"]
+    st_gpu = env.multistep_state(0).slot_tokens
     st[0, H:] = -1  # no extra page: the newest token must come from the host
     st_gpu[0, H:] = -1
     resident = st[0, :H][st[0, :H] >= 0]
@@ -744,19 +575,20 @@ def test_tokens_beyond_one_million(rng):
 def test_extra_page_hits_never_read_host(rng):
     H, K, S, P = 4096, 2048, 4, 64
     L = 70000
-    env = Env(rng, R=1, H=H, P=P, K=K, S_max=S, row_bytes=576, fill=0.6, lens=[L])
+    env = Twin.multi(rng, R=1, H=H, P=P, K=K, S_max=S, row_bytes=576, fill=0.6, lens=[L])
     import cupy
 
-    st = env.np["slot_tokens"]
+    st = env.np[0]["slot_tokens"]
     drafts = {0: L - 1, 7: L, 31: L + 1, 63: L + 2}
     st[0, H:] = -1
     for j, t in drafts.items():
         st[0, H + j] = t
         env.host_locs[0, t] = -1  # any host read of a draft token would fail
-    env.dev[cupy.asarray(env.np["slot_locs"][0, [H + j for j in drafts]])] = cupy.asarray(
-        env.expect(0, list(drafts.values())))
-    env.state.slot_tokens[0] = cupy.asarray(st[0])
-    env.state.host_locs[0] = cupy.asarray(env.host_locs[0])
+    rows = env.np[0]["slot_locs"][0, [H + j for j in drafts]]
+    env.device_rows(0)[cupy.asarray(rows)] = cupy.asarray(env.bytes_of(0, 0, list(drafts.values())))
+    ms = env.multistep_state(0)
+    ms.slot_tokens[0] = cupy.asarray(st[0])
+    ms.host_locs[0] = cupy.asarray(env.host_locs[0])
     resident = st[0, :H][st[0, :H] >= 0]
     topk = np.empty((1, S, K), np.int32)
     for s in range(S):
@@ -767,7 +599,7 @@ def test_extra_page_hits_never_read_host(rng):
     for s in range(S):
         for k in range(s + 1):
             j = [j for j, t in drafts.items() if t == L - 1 + k][0]
-            assert got[0, s, K - s - 1 + k] == env.np["slot_locs"][0, H + j]
+            assert got[0, s, K - s - 1 + k] == env.np[0]["slot_locs"][0, H + j]
 
 
 @pytest.mark.gpu
@@ -776,7 +608,7 @@ def test_token_in_every_step_gets_one_row(rng):
     token (slot H) selected in every step gets slot H's row in every step (equal to the
     oracle)."""
     H, K, S = 64, 8, 4
-    env = Env(rng, R=2, H=H, P=1, K=K, S_max=S, lens=[200, 300])
+    env = Twin.multi(rng, R=2, H=H, P=1, K=K, S_max=S, lens=[200, 300])
     for _ in range(4):
         seqs = env.lens[:, None] + np.arange(S)
         topk = np.stack([np.stack([np.concatenate([[int(env.lens[r]) - 1],
@@ -785,7 +617,7 @@ def test_token_in_every_step_gets_one_row(rng):
         got, res = env.call(topk, [0, 1], seqs)
         got = got.get() if hasattr(got, "get") else got
         for r in range(2):
-            assert (got[r, :, 0] == env.np["slot_locs"][r, H]).all()
+            assert (got[r, :, 0] == env.np[0]["slot_locs"][r, H]).all()
 
 
 @pytest.mark.gpu
@@ -793,33 +625,33 @@ def test_positional_rows_straddling_h_admit_nothing(rng):
     """A row whose shortest step is positional keeps its slots, whatever its longer steps
     select (equal to the oracle; nothing admitted, slot tables unchanged)."""
     H, K, S = 64, 16, 4
-    env = Env(rng, R=3, H=H, P=2, K=K, S_max=S, lens=[H - 1, H - 3, H], positional=(0, 1, 2))
-    locs = env.np["slot_locs"].copy()
+    env = Twin.multi(rng, R=3, H=H, P=2, K=K, S_max=S, lens=[H - 1, H - 3, H], positional=(0, 1, 2))
+    locs = env.np[0]["slot_locs"].copy()
     for _ in range(6):
         seqs = env.lens[:, None] + np.arange(S)
         topk = np.stack([np.stack([rng.integers(-1, seqs[r, s], K) for s in range(S)])
                          for r in range(3)]).astype(np.int32)
         got, res = env.call(topk, [0, 1, 2], seqs)
         assert (res.stats[:, 1] == 0).all() and res.status.sum() == 0
-        np.testing.assert_array_equal(env.np["slot_tokens"][:, :H],
+        np.testing.assert_array_equal(env.np[0]["slot_tokens"][:, :H],
                                       np.tile(np.arange(H), (3, 1)))
-        np.testing.assert_array_equal(env.np["slot_locs"], locs)
+        np.testing.assert_array_equal(env.np[0]["slot_locs"], locs)
 
 
 @pytest.mark.gpu
 def test_padding_rows(rng):
     import cupy
 
-    env = Env(rng, R=4, H=64, P=8, K=32, S_max=3)
+    env = Twin.multi(rng, R=4, H=64, P=8, K=32, S_max=3)
     S, K = 3, 32
     env.pools = [np.arange(int(env.lens[r]) - 1) for r in range(4)]
     topk = np.stack([random_tokens(env, rng, r, S, K) for r in (2, 0, 1)])
     seqs = (env.lens[[2, 0, 1]].reshape(-1, 1) + np.arange(S))
-    before = env.state.to_numpy()
+    before = env.multistep_state(0).to_numpy()
     out = cupy.full((3, S, K), 4242, cupy.int32)
     got, res = env.call(topk, [2, 0, 1], seqs, num_real=1, out=out)
     assert (got[1:] == -1).all() and res.plan_count[1:].tolist() == [0, 0]
-    after = env.state.to_numpy()
+    after = env.multistep_state(0).to_numpy()
     for k in ("slot_tokens", "slot_locs", "scratch_locs", "token_slot", "ref", "clock"):
         np.testing.assert_array_equal(after[k][[0, 1, 3]], before[k][[0, 1, 3]])
     got, res = env.call(topk, [2, 0, 1], seqs, num_real=0)
@@ -832,11 +664,11 @@ def test_adversarial_rows_and_strided_arrays(rng):
 
     from hisparse_cupy import multistep_swap_in
 
-    env = Env(rng, R=4, H=64, P=8, K=16, S_max=4, nohost=5)
+    env = Twin.multi(rng, R=4, H=64, P=8, K=16, S_max=4, nohost=5)
     S, K = 4, 16
     L0 = int(env.lens[0])
     nh = int(env.nohost[0][0])
-    resident = env.np["slot_tokens"][0, :64]
+    resident = env.np[0]["slot_tokens"][0, :64]
     hit = int(resident[resident >= 0][0])
     row0 = np.array([[-1, -2, L0, L0 + 50, 2**31 - 1, nh, nh, 5, 5, hit, hit, -(2**31), 7, 7,
                       L0 - 1, L0 + 3]] * S, np.int32)
@@ -844,7 +676,7 @@ def test_adversarial_rows_and_strided_arrays(rng):
     topk = np.stack([row0, row0, row0])
     req = [0, 9, 1]  # row 1: no such request slot
     seqs = np.array([[L0 + s for s in range(S)], [10, 11, 12, 13], [-1, 5, 5, 5]])
-    before = env.state.to_numpy()
+    before = env.multistep_state(0).to_numpy()
     # strided top-k and output rows (each row's [S, K] contiguous)
     big = cupy.zeros((3, S + 1, K), cupy.int32)
     big[:, :S] = cupy.asarray(topk)
@@ -853,17 +685,15 @@ def test_adversarial_rows_and_strided_arrays(rng):
     assert res.status[0].tolist()[2] == 0 and res.status[0, 0] > 0 and res.status[0, 1] > 0
     assert res.status[1:, 2].tolist() == [1, 1]
     assert (obig[:, S:].get() == 99).all()
-    after = env.state.to_numpy()
+    after = env.multistep_state(0).to_numpy()
     for k in ("slot_tokens", "slot_locs", "scratch_locs", "token_slot", "ref", "clock"):
         np.testing.assert_array_equal(after[k][[1, 2, 3]], before[k][[1, 2, 3]])
     with pytest.raises(ValueError, match="multi-step swap found invalid input: row 0"):
         multistep_swap_in(big[:, :S], cupy.asarray([0, 1, 2]), cupy.asarray(seqs[[0, 0, 0]]),
-                     env.state, host_rows=env.pool.device_ptr(0), n_host_rows=env.pool.n_rows,
-                     device_rows=env.dev, check=True)
+                          env.multistep_state(0), **env.op_args(0), check=True)
     with pytest.raises(ValueError, match="repeats request slot"):
         multistep_swap_in(big[:, :S], cupy.asarray([0, 0, 2]), cupy.asarray(seqs[[0, 0, 0]]),
-                     env.state, host_rows=env.pool.device_ptr(0), n_host_rows=env.pool.n_rows,
-                     device_rows=env.dev, check=True)
+                          env.multistep_state(0), **env.op_args(0), check=True)
 
 
 @pytest.mark.gpu
@@ -872,9 +702,8 @@ def test_call_validation(rng):
 
     from hisparse_cupy import MissPlan, Ptr, multistep_swap_in
 
-    env = Env(rng, R=2, H=64, P=8, K=16, S_max=3, max_batch=2)
-    kw = dict(host_rows=env.pool.device_ptr(0), n_host_rows=env.pool.n_rows,
-              device_rows=env.dev)
+    env = Twin.multi(rng, R=2, H=64, P=8, K=16, S_max=3, max_batch=2)
+    kw = env.op_args(0)
     tk = cupy.zeros((2, 3, 16), cupy.int32)
     req = cupy.arange(2, dtype=cupy.int32)
     lens = cupy.full((2, 3), 500, cupy.int32)
@@ -886,7 +715,7 @@ def test_call_validation(rng):
          ValueError, "workspace rows"),
         ((tk, req, lens[:, :2]), {}, ValueError, "seq_lens has 2 step column"),
         ((tk, req.astype(cupy.int16), lens), {}, TypeError, "req_indices must have dtype"),
-        ((tk, req, lens), dict(device_rows=env.dev[:-1]), ValueError, "device_rows has"),
+        ((tk, req, lens), dict(device_rows=env.device_rows(0)[:-1]), ValueError, "device_rows has"),
         ((tk, req, lens), dict(host_rows=int(env.pool.device_ptr(0))), TypeError, "Ptr"),
         ((tk, req, lens), dict(plan=MissPlan(2, 47)), ValueError, "needs 48"),
         ((tk, req, lens), dict(out=cupy.zeros((2, 3, 15), cupy.int32)), ValueError,
@@ -895,7 +724,7 @@ def test_call_validation(rng):
     ]
     for args, extra, exc, msg in cases:
         with pytest.raises(exc, match=msg):
-            multistep_swap_in(*args, env.state, **{**kw, **extra})
+            multistep_swap_in(*args, env.multistep_state(0), **{**kw, **extra})
     assert isinstance(kw["host_rows"], Ptr)
 
 
@@ -905,12 +734,13 @@ def test_token_table_entries_of_tokens_not_held_are_never_trusted(rng):
     still equal the oracle, and every admission writes its token's entry."""
     import cupy
 
-    env = Env(rng, R=2, H=64, P=8, K=32, S_max=4, max_batch=2)
-    st = env.np["slot_tokens"][:, :64]
-    table = rng.integers(-3, 80, size=env.state.token_slot.shape, dtype=np.int16)
+    env = Twin.multi(rng, R=2, H=64, P=8, K=32, S_max=4, max_batch=2)
+    st = env.np[0]["slot_tokens"][:, :64]
+    ms = env.multistep_state(0)
+    table = rng.integers(-3, 80, size=ms.token_slot.shape, dtype=np.int16)
     r, s = np.nonzero(st >= 0)
     table[r, st[r, s]] = s
-    env.state.token_slot[...] = cupy.asarray(table)
+    ms.token_slot[...] = cupy.asarray(table)
     env.pools = [np.arange(int(env.lens[r]) - 1) for r in range(2)]
     for _ in range(20):
         topk = np.stack([random_tokens(env, rng, r, 4, 32) for r in (0, 1)])
@@ -928,9 +758,9 @@ def test_single_step_admissions_reach_the_multistep_table(rng, shared):
 
     from hisparse_cupy import MissPlan, swap_in
 
-    env = Env(rng, R=2, H=64, P=8, K=32, S_max=4, max_batch=2)
+    env = Twin.multi(rng, R=2, H=64, P=8, K=32, S_max=4, max_batch=2)
     lru = cupy.asarray(np.stack([rng.permutation(64) for _ in range(2)]).astype(np.int16))
-    st = env.state
+    st = env.multistep_state(0)
     if shared:
         single = st.swap_state(lru)
         assert single.token_slot is st.token_slot and single.slot_tokens is st.slot_tokens
@@ -939,13 +769,12 @@ def test_single_step_admissions_reach_the_multistep_table(rng, shared):
 
         single = SwapState.validated(st.host_locs, st.slot_tokens, st.slot_locs, lru,
                                      token_slot=cupy.full_like(st.token_slot, -1))
-    held = set(env.np["slot_tokens"][0, :64].tolist())
+    held = set(env.np[0]["slot_tokens"][0, :64].tolist())
     fresh = [t for t in range(int(env.lens[0]) - 1) if t not in held and
              t not in set(env.nohost[0].tolist())][:32]
     topk = cupy.asarray(np.array([fresh, fresh], np.int32))
     swap_in(topk, cupy.asarray([0, 1], cupy.int32), cupy.asarray(env.lens[:2], cupy.int64),
-            single, host_rows=env.pool.device_ptr(0), n_host_rows=env.pool.n_rows,
-            device_rows=env.dev, plan=MissPlan(2, 32))
+            single, **env.op_args(0), plan=MissPlan(2, 32))
     gs = st.to_numpy()
     assert set(fresh) <= set(gs["slot_tokens"][0, :64].tolist())  # admitted
     args = (gs["slot_tokens"], gs["slot_locs"], gs["scratch_locs"], gs["token_slot"], gs["ref"],
@@ -966,7 +795,7 @@ def test_shared_workspace_and_plan_replay(rng):
     from hisparse_cupy.multistep import MultiStepWorkspace
 
     ws = MultiStepWorkspace(3, 4 * 32)
-    envs = [Env(rng, R=3, H=64, P=8, K=32, S_max=4, workspace=ws) for _ in range(2)]
+    envs = [Twin.multi(rng, R=3, H=64, P=8, K=32, S_max=4, workspace=ws) for _ in range(2)]
     for e in envs:
         e.pools = [np.arange(int(e.lens[r]) - 1) for r in range(3)]
     for it in range(30):
@@ -977,7 +806,7 @@ def test_shared_workspace_and_plan_replay(rng):
         seqs = e.lens[req].reshape(-1, 1) + np.arange(S)
         got, res = e.call(topk, req, seqs)
     # replay the last plan into a poisoned copy of the device rows
-    replay = cupy.zeros_like(e.dev)
+    replay = cupy.zeros_like(e.device_rows(0))
     B = 3
     replay_plan(e.plan, B, device_rows=replay, host_rows=e.pool.device_ptr(0),
                 n_host_rows=e.pool.n_rows)
@@ -985,7 +814,7 @@ def test_shared_workspace_and_plan_replay(rng):
     dst = e.plan.dst[:B].get()
     rows = np.concatenate([dst[b, : cnt[b]] for b in range(B)])
     assert rows.size == cnt.sum() > 0
-    np.testing.assert_array_equal(replay.get()[rows], e.dev.get()[rows])
+    np.testing.assert_array_equal(replay.get()[rows], e.device_rows(0).get()[rows])
 
 
 @pytest.mark.gpu
@@ -996,7 +825,7 @@ def test_graph_capture_and_replay(rng, pdl_mode):
     from hisparse_cupy import multistep_swap_in
 
     B, S, K = 3, 4, 32
-    env = Env(rng, R=4, H=64, P=8, K=K, S_max=S, max_batch=B, nohost=3)
+    env = Twin.multi(rng, R=4, H=64, P=8, K=K, S_max=S, max_batch=B, nohost=3)
     env.pools = [np.arange(int(env.lens[r]) - 1) for r in range(4)]
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
@@ -1020,15 +849,14 @@ def test_graph_capture_and_replay(rng, pdl_mode):
         return topk, req, seqs, nr
 
     def op():
-        multistep_swap_in(d_topk, d_req, d_lens, env.state, host_rows=env.pool.device_ptr(0),
-                     n_host_rows=env.pool.n_rows, device_rows=env.dev, plan=env.plan, out=out,
-                     status=status, num_real=d_nr, stream=stream)
+        multistep_swap_in(d_topk, d_req, d_lens, env.multistep_state(0), **env.op_args(0),
+                          plan=env.plan, out=out, status=status, num_real=d_nr, stream=stream)
 
     cupy.cuda.Device().synchronize()
     args = inputs()
     op()  # eager: compiles and loads before capture
     stream.synchronize()
-    env.verify(*args, out, status)
+    env.check_call(*args, out, status)
     stream.begin_capture()
     op()
     graph = stream.end_capture()
@@ -1036,4 +864,4 @@ def test_graph_capture_and_replay(rng, pdl_mode):
         args = inputs()
         graph.launch(stream)
         stream.synchronize()
-        env.verify(*args, out, status)
+        env.check_call(*args, out, status)

@@ -1,4 +1,5 @@
-"""MissPlan replay (the planned copy) on the GPU: exact bytes, padding, dry run, grids, graphs."""
+"""MissPlan replay (the planned copy) on the GPU: exact bytes, padding, grids, graphs, and the
+copy's measuring instance (hisparse_cupy.probe: dry run, slowed rows, counted bad rows)."""
 
 from __future__ import annotations
 
@@ -120,17 +121,17 @@ def test_replay_shapes_of_work(rng, s):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("thin", [False, True])
 @pytest.mark.parametrize("rpw", [1, 2, 4, 8])
 @pytest.mark.parametrize("row", [656, 1152, 2064])
-def test_replay_rows_per_warp_exact(rpw, row, thin, rng, s):
-    """Every rows-per-warp choice in both block shapes (8 warps, and the register-capped one-warp
-    "thin" blocks), rows of one pass and of several (1152 and 2064 B take more than one pass of
-    two vectors per lane), several grids, bad entries inside a warp's group skipped and
-    counted, padding rows untouched."""
+def test_replay_rows_per_warp_exact(rpw, row, rng, s):
+    """Every rows-per-warp choice, in the production instance and in the probe instance, rows
+    of one pass and of several (1152 and 2064 B take more than one pass of two vectors per
+    lane), several grids, bad entries inside a warp's group skipped (and counted by the
+    probe), padding rows untouched."""
     import cupy as cp
 
     from hisparse_cupy import HostKVPool, MissPlan, replay_plan
+    from hisparse_cupy.probe import copy_probe
 
     n_host, n_dev, B, W = 1500, 900, 7, 60
     pool = HostKVPool(1, n_host, row)
@@ -165,11 +166,17 @@ def test_replay_rows_per_warp_exact(rpw, row, thin, rng, s):
     for grid in (1, 5, None):
         with s:
             dev[...] = POISON
-            bad[...] = 0
             replay_plan(plan, B, device_rows=dev, pool=pool, layer=0, num_real=nr, grid=grid,
-                        rows_per_warp=rpw, thin=thin, bad=bad, stream=s)
+                        rows_per_warp=rpw, stream=s)
         s.synchronize()
         np.testing.assert_array_equal(cp.asnumpy(dev), want, err_msg=f"grid {grid}")
+        with s, copy_probe(bad=bad, streams=[s]):  # the probe instance: same bytes, counted
+            dev[...] = POISON
+            bad[...] = 0
+            replay_plan(plan, B, device_rows=dev, pool=pool, layer=0, num_real=nr, grid=grid,
+                        rows_per_warp=rpw, stream=s)
+        s.synchronize()
+        np.testing.assert_array_equal(cp.asnumpy(dev), want, err_msg=f"probe, grid {grid}")
         assert int(bad.get()[0]) == n_bad == 3
     with pytest.raises(ValueError, match="rows_per_warp must be one of"):
         replay_plan(plan, B, device_rows=dev, pool=pool, layer=0, rows_per_warp=3, stream=s)
@@ -178,30 +185,68 @@ def test_replay_rows_per_warp_exact(rpw, row, thin, rng, s):
 
 @pytest.mark.gpu
 def test_replay_dry_run_spin_and_bad_rows(rng, s):
+    """Through copy_probe: a dry run moves no bytes, a slowed replay with bad rows copies the
+    others and counts the bad ones, and only the probe's streams are probed."""
     import cupy as cp
 
     from hisparse_cupy import MissPlan, replay_plan
+    from hisparse_cupy.probe import active_copy_probes, copy_probe
 
     pool, dev = _setup(s)
     plan = MissPlan(4, 16)
     src, dst, cnt = _random_plan(plan, 4, rng, counts=[16, 3, 0, 9])
     with s:
         bad = cp.zeros(1, cp.int32)
-        replay_plan(plan, 4, device_rows=dev, pool=pool, layer=1, dry_run=True, bad=bad,
-                    stream=s)
+        with copy_probe(dry_run=True, bad=bad, streams=[s]):
+            replay_plan(plan, 4, device_rows=dev, pool=pool, layer=1, stream=s)
     s.synchronize()
     assert (cp.asnumpy(dev) == POISON).all(), "a dry run moved bytes"
     assert int(bad.get()[0]) == 0
+    assert active_copy_probes == []
     # out-of-range rows are skipped and counted, the others copied (slowly)
     src[0, 3], dst[1, 1], src[3, 0], dst[3, 8] = N_HOST, N_DEV + 5, -2, -1
     with s:
         plan.src[...] = cp.asarray(src)
         plan.dst[...] = cp.asarray(dst)
-        replay_plan(plan, 4, device_rows=dev, pool=pool, layer=1, bad=bad, spin_cycles=2000,
-                    grid=1, stream=s)
+        with copy_probe(bad=bad, spin_cycles=2000):  # every stream
+            replay_plan(plan, 4, device_rows=dev, pool=pool, layer=1, grid=1, stream=s)
     s.synchronize()
     assert int(bad.get()[0]) == 4
-    np.testing.assert_array_equal(cp.asnumpy(dev), _expected(1, src, dst, cnt, range(4)))
+    want = _expected(1, src, dst, cnt, range(4))
+    np.testing.assert_array_equal(cp.asnumpy(dev), want)
+    # a probe of another stream leaves this one's copies alone: bytes moved, nothing counted
+    other = cp.cuda.Stream(non_blocking=True)
+    with s:
+        dev[...] = POISON
+        bad[...] = 0
+        with copy_probe(dry_run=True, bad=bad, streams=[other]):
+            replay_plan(plan, 4, device_rows=dev, pool=pool, layer=1, stream=s)
+    s.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(dev), want)
+    assert int(bad.get()[0]) == 0
+    pool.close()
+
+
+@pytest.mark.gpu
+def test_a_slowed_replay_is_still_running_when_queued_work_after_it_reads(rng, s):
+    """spin_cycles really delays the rows: the copy is still running long after the host
+    queued it (an event recorded after it has not completed), and it lands complete."""
+    import cupy as cp
+
+    from hisparse_cupy import MissPlan, replay_plan
+    from hisparse_cupy.probe import copy_probe
+
+    pool, dev = _setup(s)
+    plan = MissPlan(2, 8)
+    src, dst, cnt = _random_plan(plan, 2, rng, counts=[8, 8])
+    with s:
+        with copy_probe(spin_cycles=50_000_000, streams=[s]):  # ~30 ms per row group
+            replay_plan(plan, 2, device_rows=dev, pool=pool, layer=0, grid=1, stream=s)
+        done = cp.cuda.Event()
+        done.record(s)
+    assert not done.done, "the slowed replay finished at once"
+    s.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(dev), _expected(0, src, dst, cnt, range(2)))
     pool.close()
 
 
@@ -258,7 +303,7 @@ def test_replay_reproduces_the_swap_rows(rng, s):
         for t in range(12):
             pos = (t * 5 + 31 * np.arange(R)[:, None] + np.arange(K)[None, :]) % (max_len - 1)
             tk = cp.asarray(perm[pos].astype(np.int32))
-            out = cache.swap(0, req, lens, tk, stream=s)
+            out = cache.begin_step(req, lens, stream=s).swap(0, tk)
             replay_plan(cache.plan, R, device_rows=cache.device_rows(1), pool=cache.pool,
                         layer=1, stream=s)
             s.synchronize()
@@ -301,8 +346,6 @@ def test_replay_validation(s):
     with pytest.raises(TypeError, match="num_real must have dtype int32"):
         replay_plan(plan, 1, device_rows=dev, pool=pool, layer=0,
                     num_real=cp.zeros(1, cp.int64))
-    with pytest.raises(ValueError, match="spin_cycles must be >= 0"):
-        replay_plan(plan, 1, device_rows=dev, pool=pool, layer=0, spin_cycles=-1)
     with pytest.raises(ValueError, match="layer must be <= 1"):
         replay_plan(plan, 1, device_rows=dev, pool=pool, layer=2)
     replay_plan(plan, 0, device_rows=dev, pool=pool, layer=0, stream=s)  # nothing to do

@@ -157,6 +157,12 @@ def _make_cache(n_layers, R, *, stream):
     return cache, req
 
 
+def _swap(pf, layer, req, lens, tk, *, num_real=None, stream=None):
+    """One layer of a step driven by ``pf`` (a step per call: the tests vary the batch)."""
+    step = pf.cache.begin_step(req, lens, num_real, stream=stream, prefetcher=pf)
+    return step.swap(layer, tk)
+
+
 class _TopK:
     """Sliding-window top-k: step t keeps K - M of step t-1's tokens and brings M new ones."""
 
@@ -228,8 +234,8 @@ def _host_check(cache, layer, locs, topk, req):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rpw,thin", [(1, False), (4, False), (2, True)])
-def test_shared_layer_bytes_after_wait(main, rpw, thin):
+@pytest.mark.parametrize("rpw", [1, 2, 4])
+def test_shared_layer_bytes_after_wait(main, rpw):
     cp = _gpu()
     from hisparse_cupy.streams import Prefetcher
 
@@ -237,7 +243,7 @@ def test_shared_layer_bytes_after_wait(main, rpw, thin):
     L, R, B = len(pat), 5, 5
     cache, req = _make_cache(L, R, stream=main)
     lens = cp.full(B, MAX_LEN, cp.int32)
-    pf = Prefetcher(cache, pat, replay_grid=2, replay_rows_per_warp=rpw, replay_thin=thin)
+    pf = Prefetcher(cache, pat, replay_grid=2, replay_rows_per_warp=rpw)
     gen = _TopK(B, 6, 1)
     reader = _reader()
     errors = cp.zeros(L, cp.int32)
@@ -246,7 +252,7 @@ def test_shared_layer_bytes_after_wait(main, rpw, thin):
         for t in range(40):
             tk = cp.asarray(gen.host(t))
             for layer in range(L):
-                out = pf.swap(layer, req, lens, tk, stream=main)
+                out = _swap(pf, layer, req, lens, tk, stream=main)
                 _check(reader, cache, layer, out, tk, req, errors, main)
                 if t % 13 == 5 and layer in (2, 7):  # after the wait, on the host
                     main.synchronize()
@@ -269,7 +275,7 @@ def _run_steps(pf, cache, req, lens, gen, steps, main, *, toggles=None, record=N
             tk = cp.asarray(gen.host(t))
             step = []
             for layer in range(cache.n_layers):
-                out = pf.swap(layer, req, lens, tk, stream=main)
+                out = _swap(pf, layer, req, lens, tk, stream=main)
                 step.append(out.copy())
             pf.finish(main)
             main.synchronize()
@@ -354,7 +360,7 @@ def test_graph_replay_equals_eager_with_padding(main):
     def step(i):
         pf, cache, buf = pfs[i], caches[i], bufs[i]
         for layer in range(L):
-            out = pf.swap(layer, req, lens, buf["tk"], num_real=buf["nr"], stream=main)
+            out = _swap(pf, layer, req, lens, buf["tk"], num_real=buf["nr"], stream=main)
             buf["res"][layer][...] = out
             _check(reader, cache, layer, out, buf["tk"], req, buf["err"], main,
                    num_real=buf["nr"])
@@ -400,6 +406,7 @@ class _NoWait:
 def test_negative_control_slowed_replay(main):
     """With a spin-slowed replay, a reader sees stale rows without the wait, none with it."""
     cp = _gpu()
+    from hisparse_cupy.probe import copy_probe
     from hisparse_cupy.streams import Prefetcher
 
     class NoWaitPrefetcher(_NoWait, Prefetcher):
@@ -413,15 +420,16 @@ def test_negative_control_slowed_replay(main):
     for name, cls, steps in (("no_wait", NoWaitPrefetcher, 30), ("wait", Prefetcher, 1000)):
         cache, req = _make_cache(L, R, stream=main)
         pf = cls(cache, pat, replay_grid=1)
-        pf.spin_cycles = 200_000  # ~0.1 ms per row: a replay takes far longer than the reader
+        # ~0.1 ms per row: a replay takes far longer than the reader
+        slow = copy_probe(spin_cycles=200_000, streams=[pf.side])
         gen = _TopK(B, 4, 4)
-        with main:
+        with main, slow:
             table = cp.asarray(np.stack([gen.host(t) for t in range(steps)]))
             errors = cp.zeros(L, cp.int32)
             for t in range(steps):
                 tk = table[t]
                 for layer in range(L):
-                    out = pf.swap(layer, req, lens, tk, stream=main)
+                    out = _swap(pf, layer, req, lens, tk, stream=main)
                     _check(reader, cache, layer, out, tk, req, errors, main)
                 pf.finish(main)
             main.synchronize()
@@ -456,23 +464,23 @@ def test_pipeline_stage_and_errors(main):
     with main:
         tk = cp.asarray(gen.host(0))
         with pytest.raises(RuntimeError, match="shared layer 5 reuses full layer 4"):
-            pf.swap(5, req, lens, tk, stream=main)
+            _swap(pf, 5, req, lens, tk, stream=main)
         for bad in (3, 8):
             with pytest.raises(ValueError, match="outside this pattern's layers 4 .. 7"):
-                pf.swap(bad, req, lens, tk, stream=main)
+                _swap(pf, bad, req, lens, tk, stream=main)
         with pytest.raises(ValueError, match="needs top_k_tokens"):
-            pf.swap(4, req, lens, None, stream=main)
+            _swap(pf, 4, req, lens, None, stream=main)
         with pytest.raises(ValueError, match="legacy default stream"):
-            pf.swap(4, req, lens, tk, stream=cp.cuda.Stream.null)
+            _swap(pf, 4, req, lens, tk, stream=cp.cuda.Stream.null)
         for t in range(10):
             tk = cp.asarray(gen.host(t))
             for layer in range(4, 8):
-                out = pf.swap(layer, req, lens, tk, stream=main)
+                out = _swap(pf, layer, req, lens, tk, stream=main)
                 _check(reader, cache, layer - 4, out, tk, req, errors, main)
             pf.finish(main)
         with pytest.raises(ValueError, match="has batch 2, its full layer had 3"):
-            pf.swap(4, req, lens, tk, stream=main)
-            pf.swap(5, req[:2], lens[:2], None, stream=main)
+            _swap(pf, 4, req, lens, tk, stream=main)
+            _swap(pf, 5, req[:2], lens[:2], None, stream=main)
         pf.finish(main)
         main.synchronize()
     assert cp.asnumpy(errors).tolist() == [0] * 4
@@ -519,7 +527,7 @@ def _run_predict_steps(pf, cache, req, lens, gen, steps, main, *, graph=False):
     def step():
         for layer in range(cache.n_layers):
             j = full.index(pat.anchor(layer)) if not pat.full[layer] else full.index(layer)
-            out = pf.swap(layer, req, lens, tks[j] if pat.full[layer] else None, stream=main)
+            out = _swap(pf, layer, req, lens, tks[j] if pat.full[layer] else None, stream=main)
             res[layer][...] = out
             _check(reader, cache, layer, out, tks[j], req, errors, main)
         pf.finish(main)
@@ -571,7 +579,7 @@ def test_prediction_never_changes_a_byte(main):
             with s:
                 snaps, errors = _run_predict_steps(pf, cache, req, lens, gen, 24, s, graph=graph)
             if partition is not None:  # both side streams are the partition's
-                assert {pf.side.ptr, pf.pside.ptr} <= set(partition._streams)
+                assert {pf.side.ptr, pf.predict_side.ptr} <= set(partition._streams)
             assert errors.tolist() == [0] * L, f"{name}: rows with wrong bytes"
             runs[name] = (snaps, pf)
             pf.synchronize()
@@ -597,12 +605,14 @@ def test_prediction_negative_control_no_wait(main):
     """With the staging copy slowed and the next full layer's wait on it removed, its swap
     reads staging rows before they land (wrong bytes); with the wait, none."""
     cp = _gpu()
+    from hisparse_cupy.probe import copy_probe
     from hisparse_cupy.streams import Prefetcher
 
-    class NoStageWait(Prefetcher):
-        def _take_stage(self, loc, top_k_tokens, s, batch=0):
-            pending, self._pending = self._pending, None
-            return self._stage_fields if pending is not None and pending[1] == loc else None
+    class NoStageWait(Prefetcher):  # negative control: the staging is used without its wait
+        def _take_stage(self, s, loc=None, batch=0, single_step=False):
+            st = self._predictor
+            pending, st.pending = st.pending, None
+            return st.stage_fields if pending is not None and pending[1] == loc else None
 
     pat = "FFFF"  # full layers back to back: the next swap follows at once
     L, R, B = 4, 4, 4
@@ -611,9 +621,9 @@ def test_prediction_negative_control_no_wait(main):
     for name, cls in (("no_wait", NoStageWait), ("wait", Prefetcher)):
         cache, req = _make_cache(L, R, stream=main)
         pf = cls(cache, pat, replay_grid=1, predict=True)
-        pf.spin_cycles = 200_000  # ~0.1 ms per staged row
         gen = _LayerTopK(B, 5, 12, L, overlap=0.9)
-        _, errors = _run_predict_steps(pf, cache, req, lens, gen, 12, main)
+        with copy_probe(spin_cycles=200_000, streams=[pf.predict_side]):  # ~0.1 ms a row
+            _, errors = _run_predict_steps(pf, cache, req, lens, gen, 12, main)
         errs[name] = errors
         assert pf.predict_summary()["used"] > 0
     assert errs["no_wait"][0] == 0  # the first full layer is never predicted
@@ -668,7 +678,7 @@ def test_stager_stages_what_the_next_layer_misses(main, width):
     with main:
         for t in range(6):  # the two layers' hot buffers drift apart
             for layer in range(L):
-                pf.swap(layer, req, lens, cp.asarray(gen.host(t, layer)), stream=main)
+                _swap(pf, layer, req, lens, cp.asarray(gen.host(t, layer)), stream=main)
             pf.finish(main)
         tk = gen.host(6, 0)
         tk[:, 1] = tk[:, 2]  # repeated tokens
@@ -679,12 +689,13 @@ def test_stager_stages_what_the_next_layer_misses(main, width):
             loose = np.setdiff1d(np.arange(MAX_LEN), held[r])
             table[r, loose] = rng.integers(0, H, loose.size)
         cache.token_slot[1][...] = cp.asarray(table)
-        pf.swap(0, req, lens, cp.asarray(tk), stream=main)
+        _swap(pf, 0, req, lens, cp.asarray(tk), stream=main)
         main.synchronize()
-        pf.pside.synchronize()
+        pf.predict_side.synchronize()
         plan_src, plan_count = cp.asnumpy(cache.plan.src), cp.asnumpy(cache.plan.count)
-        src, count = cp.asnumpy(pf._stage_src), cp.asnumpy(pf._stage_count)
-        smap, hloc, rq = (cp.asnumpy(a) for a in (pf._stage_map, cache.host_locs, req))
+        st = pf._predictor  # the stager's buffers (white-box)
+        src, count = cp.asnumpy(st.src), cp.asnumpy(st.count)
+        smap, hloc, rq = (cp.asnumpy(a) for a in (st.map, cache.host_locs, req))
         pf.finish(main)
     total = 0
     for b in range(B):

@@ -96,7 +96,7 @@ def test_one_process_maps_one_pool_into_two_gpus(rng):
             lens = cupy.asarray([n], dtype=cupy.int32)
             topk = rng.choice(n - 1, K, replace=False).astype(np.int32)
             for layer in range(L):
-                locs = c.swap(layer, req, lens, cupy.asarray(topk[None]))
+                locs = c.begin_step(req, lens).swap(layer, cupy.asarray(topk[None]))
                 got = cupy.asnumpy(c.device_rows(layer)[locs[0]])
                 assert (got == kv(rid)[layer][topk]).all(), (gpu, rid, layer)
 

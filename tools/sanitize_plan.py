@@ -1,7 +1,8 @@
 """Small run of the planned copy and the IndexCache prefetcher for compute-sanitizer.
 
-Covers replay_plan (several grids, rows per warp and block shapes, padding via num_real,
-clamped and out-of-range entries, dry run, spin) and a few decode steps of a Prefetcher over
+Covers replay_plan (several grids and rows per warp, padding via num_real, clamped and
+out-of-range entries) in the production copy and, through hisparse_cupy.probe.copy_probe, in
+its measuring instance (dry run, spin, bad-row count), and a few decode steps of a Prefetcher over
 "FSSFS" (full swaps on the main stream, replays on the side stream, event waits), with and
 without prediction mode (the stager, staging copies, staged rows read by the next full layer's
 copy), and with prediction on an SMPartition (side streams on SMs of their own, the step on
@@ -25,6 +26,7 @@ from hisparse_cupy import (  # noqa: E402
     SMPartition,
     replay_plan,
 )
+from hisparse_cupy.probe import copy_probe  # noqa: E402
 
 from _util import pattern  # noqa: E402
 
@@ -58,13 +60,20 @@ def check_replay(s, rng) -> int:
     plan.count[...] = cupy.asarray(cnt)
     nr = cupy.full(1, 4, cupy.int32)
     bad = cupy.zeros(1, cupy.int32)
-    runs = ((1, False, 0, 1, False), (3, False, 500, 1, False), (None, False, 0, 1, False),
-            (2, True, 0, 1, False), (2, False, 0, 4, False), (5, False, 0, 2, True))
-    for grid, dry, spin, rpw, thin in runs:
+    # (grid, probed, dry run, spin cycles, rows per warp); probed runs count the bad entry
+    runs = ((1, False, False, 0, 1), (1, True, False, 0, 1), (3, True, False, 500, 1),
+            (None, False, False, 0, 1), (None, True, False, 0, 1), (2, True, True, 0, 1),
+            (2, False, False, 0, 4), (2, True, False, 0, 4), (5, False, False, 0, 8),
+            (5, True, False, 300, 2))
+    for grid, probed, dry, spin, rpw in runs:
         dev[...] = POISON
-        replay_plan(plan, B, device_rows=dev, pool=pool, layer=1, num_real=nr, grid=grid,
-                    dry_run=dry, spin_cycles=spin, bad=bad, rows_per_warp=rpw, thin=thin,
-                    stream=s)
+        if probed:
+            with copy_probe(dry_run=dry, spin_cycles=spin, bad=bad, streams=[s]):
+                replay_plan(plan, B, device_rows=dev, pool=pool, layer=1, num_real=nr,
+                            grid=grid, rows_per_warp=rpw, stream=s)
+        else:
+            replay_plan(plan, B, device_rows=dev, pool=pool, layer=1, num_real=nr, grid=grid,
+                        rows_per_warp=rpw, stream=s)
         got = cupy.asnumpy(dev)
         want = np.full((n_dev, ROW), POISON, np.uint8)
         if not dry:
@@ -74,8 +83,9 @@ def check_replay(s, rng) -> int:
                 if ok.any():
                     want[dst[b, :c][ok]] = pattern(1, src[b, :c][ok], ROW)
         errors += int((got != want).any(axis=1).sum())
-    if int(bad.get()[0]) != len(runs):
-        print(f"bad counter {int(bad.get()[0])}, expected {len(runs)}")
+    n_probed = sum(1 for run in runs if run[1])
+    if int(bad.get()[0]) != n_probed:
+        print(f"bad counter {int(bad.get()[0])}, expected {n_probed}")
         errors += 1
     s.synchronize()
     pool.close()
@@ -105,9 +115,9 @@ def check_prefetch(s, rng, predict: bool, partition=None) -> int:
         toks = {0: perm[pos], 3: np.where(pos % 2 == 0, perm[pos], own[pos])}
         tks = {f: cupy.asarray(v.astype(np.int32)) for f, v in toks.items()}
         anchor = [0, 0, 0, 3, 3]
-        outs = [pf.swap(layer, req, lens, tks[anchor[layer]], stream=s).copy()
-                for layer in range(L)]
-        pf.finish(s)
+        step = cache.begin_step(req, lens, stream=s, prefetcher=pf)
+        outs = [step.swap(layer, tks[anchor[layer]]).copy() for layer in range(L)]
+        step.finish()
         s.synchronize()
         for layer in range(L):
             host = np.array(rids)[:, None] * max_len + toks[anchor[layer]]

@@ -41,17 +41,17 @@ def run(cluster, table=False) -> int:
     for step in range(6):
         seq = cupy.asarray(lens, dtype=cupy.int32)
         if step:
-            rows = cupy.asnumpy(cache.newest_rows(req, seq))
+            rows = cupy.asnumpy(cache.begin_step(req, seq).newest_rows())
             for layer in range(L):
                 for r in range(R):
                     cache.device_rows(layer)[int(rows[r])] = cupy.asarray(
                         kv(r, lens[r] - 1, 1)[layer, 0])
-            cache.backup_newest(req, seq)
+            cache.begin_step(req, seq).backup_newest()
         topk = np.stack([rng.integers(0, n, size=K) for n in lens]).astype(np.int32)
         topk[:, 0] = -1
         topk[1, 1] = 10**6  # out of range: -1 and a status count
         for layer in range(L):
-            out = cupy.asnumpy(cache.swap(layer, req, seq, cupy.asarray(topk)))
+            out = cupy.asnumpy(cache.begin_step(req, seq).swap(layer, cupy.asarray(topk)))
             for r in range(R):
                 ok = (topk[r] >= 0) & (topk[r] < lens[r])
                 got = cupy.asnumpy(cache.device_rows(layer)[cupy.asarray(out[r][ok])])

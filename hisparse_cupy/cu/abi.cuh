@@ -12,11 +12,11 @@
 
 #include "common.cuh"
 
-#if !defined(HS_ST_RANGE) || !defined(HS_N_STATUS) || !defined(HS_MAX_HOT) ||     \
-    !defined(HS_RESOLVE_BLOCK) || !defined(HS_COPY_WARPS) || \
-    !defined(HS_COMMIT_BLOCK) || !defined(HS_GATHER_BLOCK) || !defined(HS_INIT_BLOCK) || \
-    !defined(HS_PREDICT_BLOCK) || !defined(HS_THIN_COPY_REGS) || !defined(HS_RESOLVE_MAX_CLUSTER) || \
-    !defined(HS_RESOLVE_CLUSTER_BLOCK)
+#if !defined(HS_ST_RANGE) || !defined(HS_N_STATUS) || !defined(HS_MAX_HOT) ||               \
+    !defined(HS_RESOLVE_BLOCK) || !defined(HS_RESOLVE_VAL_EMPTY) || !defined(HS_COPY_WARPS) ||  \
+    !defined(HS_COMMIT_BLOCK) || !defined(HS_GATHER_BLOCK) || !defined(HS_INIT_BLOCK) ||        \
+    !defined(HS_PREDICT_BLOCK) || !defined(HS_RESOLVE_MAX_CLUSTER) ||                           \
+    !defined(HS_RESOLVE_CLUSTER_BLOCK) || !defined(HS_MS_C_COPY) || !defined(HS_MS_KEY_EMPTY)
 #error "compile with the -D macros of hisparse_cupy._abi.defines()"
 #endif
 
@@ -33,12 +33,33 @@ constexpr int RESOLVE_CLUSTER_BLOCK = HS_RESOLVE_CLUSTER_BLOCK;
 constexpr int RESOLVE_MAX_CLUSTER = HS_RESOLVE_MAX_CLUSTER;
 constexpr int COPY_WARPS = HS_COPY_WARPS;
 constexpr int NEWEST_BLOCK = HS_NEWEST_BLOCK;
-constexpr int COPY_DRY_RUN = HS_COPY_DRY_RUN;
+// the resolve's shared hash: bucket values and the empty key
+constexpr int RESOLVE_VAL_ENTRY = HS_RESOLVE_VAL_ENTRY;
+constexpr int RESOLVE_VAL_CLAIMED = HS_RESOLVE_VAL_CLAIMED;
+constexpr int RESOLVE_VAL_EMPTY = HS_RESOLVE_VAL_EMPTY;
+constexpr int RESOLVE_KEY_EMPTY = HS_RESOLVE_KEY_EMPTY;
+constexpr i64 PREDICT_KEY_EMPTY = HS_PREDICT_KEY_EMPTY;  // the stager's miss hash
+// multi-step: limits, dedup-table sentinels, workspace counters, statistics, eviction keys
 constexpr int MS_MAX_TOKENS = HS_MS_MAX_TOKENS;
 constexpr int MS_MAX_STEPS = HS_MS_MAX_STEPS;
 constexpr int MS_META_INIT = HS_MS_META_INIT;
+constexpr u64 MS_EMPTY = HS_MS_EMPTY;
+constexpr u32 MS_NONE = HS_MS_NONE;
+constexpr int MS_C_MISS = HS_MS_C_MISS;
+constexpr int MS_C_RANGE = HS_MS_C_RANGE;
+constexpr int MS_C_NOHOST = HS_MS_C_NOHOST;
+constexpr int MS_C_PENDING = HS_MS_C_PENDING;
+constexpr int MS_C_DONE = HS_MS_C_DONE;
+constexpr int MS_C_COPY = HS_MS_C_COPY;
 constexpr int MS_N_COUNTERS = HS_MS_N_COUNTERS;
+constexpr int MS_X_MISS = HS_MS_X_MISS;
+constexpr int MS_X_ADMIT = HS_MS_X_ADMIT;
+constexpr int MS_X_EVICTABLE = HS_MS_X_EVICTABLE;
+constexpr int MS_X_PARTIAL = HS_MS_X_PARTIAL;
 constexpr int MS_N_STATS = HS_MS_N_STATS;
+constexpr u32 MS_KEY_EMPTY = HS_MS_KEY_EMPTY;
+constexpr u32 MS_KEY_NEVER = HS_MS_KEY_NEVER;
+constexpr u32 MS_KEY_AGE_MAX = HS_MS_KEY_AGE_MAX;
 constexpr int GATHER_BLOCK = HS_GATHER_BLOCK;
 constexpr int COMMIT_BLOCK = HS_COMMIT_BLOCK;
 constexpr int INIT_BLOCK = HS_INIT_BLOCK;
@@ -67,9 +88,10 @@ struct SwapResolveParams {
   i32 out_stride, plan_stride, lens_stride;
 };
 
-// ---- planned copy (plan.cu). Grid: any, block COPY_WARPS * 32 (planned_copy_thin: 32).
+// ---- planned copy (plan.cu). Grid: any, block COPY_WARPS * 32.
 //   For every layer l < n_layers, real row b < min(*num_real, B), entry m < count[b]: row
-//   src_idx[b, m] of layer l of the source -> row dst_idx[b, m] of layer l of the destination.
+//   src_idx[b, m] of layer l of the source -> row dst_idx[b, m] of layer l of the destination
+//   (entries whose row is outside its array are skipped).
 struct PlannedCopyParams {
   const void* src_idx;     // [>= B, plan_stride] SrcT
   const void* dst_idx;     // [>= B, plan_stride] DstT
@@ -77,7 +99,6 @@ struct PlannedCopyParams {
   const i32* num_real;     // device scalar or null
   const u8* src_base;      // row 0 of layer 0 of the source (device or mapped host address)
   u8* dst_base;            // row 0 of layer 0 of the destination
-  i32* bad;                // device scalar or null: += entries whose row is outside its array
   // staged rows (prediction, n_layers == 1 only; stage_map null: none). A source row s of
   // batch row b is read from stage_base + j * row_bytes instead, where j = stage_map[s], if
   // b * stage_width <= j < b * stage_width + min(stage_count[b], stage_width) and
@@ -88,10 +109,19 @@ struct PlannedCopyParams {
   const u8* stage_base;    // staged row 0
   u64* stage_stats;        // [3] or null: [0] += rows copied, [1] += rows read from the stage
   i64 src_layer_bytes, n_src_rows, dst_layer_bytes, n_dst_rows;
-  i64 spin_cycles;         // > 0: delay each row by that many cycles (tests' slowed replay)
   i32 plan_stride, B, row_bytes, n_layers;
-  i32 flags;               // COPY_DRY_RUN: all the work, no bytes moved
   i32 stage_width;
+  i32 pad;
+};
+
+// ---- the planned copy's measuring instance (planned_copy_probe, plan.cu; hisparse_cupy.probe):
+//   the copy's struct, then the probe's settings.
+struct PlannedCopyProbeParams {
+  PlannedCopyParams copy;
+  i32* bad;                // device scalar or null: += entries whose row is outside its array
+  i64 spin_cycles;         // > 0: delay each row by that many cycles (a slowed copy)
+  i32 dry_run;             // 1: all the work, no bytes moved
+  i32 pad;
 };
 
 // ---- prediction stager (predict.cu). Grid: (<= B), block PREDICT_BLOCK.
@@ -202,10 +232,106 @@ struct MultiStepInitParams {
 
 HS_ABI_CHECK(SwapResolveParams);
 HS_ABI_CHECK(PlannedCopyParams);
+HS_ABI_CHECK(PlannedCopyProbeParams);
 HS_ABI_CHECK(PredictStageParams);
 HS_ABI_CHECK(NewestRowsParams);
 HS_ABI_CHECK(MultiStepParams);
 HS_ABI_CHECK(MultiStepInitParams);
+
+// ---- row views. The kernels reach a request's or a batch row's row of the arrays above through
+// these (pointer and stride paired once, here; multistep.cuh adds the multi-step workspace's),
+// not as base + row * stride at each use. P is any struct with the named fields (the swaps, the
+// stager and the bookkeeping share the names). The planned copy indexes its flattened plan itself.
+template <typename T>
+__device__ __forceinline__ T* row_at(T* base, i64 row, i64 stride) {
+  return base + row * stride;
+}
+
+// the request's row (request slot rid) of a per-request array
+template <typename P>
+__device__ __forceinline__ auto slot_tokens_row(const P& p, i64 rid) {
+  return row_at(p.slot_tokens, rid, p.slot_stride);
+}
+template <typename P>
+__device__ __forceinline__ auto slot_locs_row(const P& p, i64 rid) {
+  return row_at(p.slot_locs, rid, p.slot_stride);
+}
+template <typename P>
+__device__ __forceinline__ auto host_locs_row(const P& p, i64 rid) {
+  return row_at(p.host_locs, rid, p.host_stride);
+}
+template <typename P>  // the token -> slot table is as wide as host_locs
+__device__ __forceinline__ auto token_slot_row(const P& p, i64 rid) {
+  return row_at(p.token_slot, rid, p.host_stride);
+}
+template <typename P>
+__device__ __forceinline__ auto lru_row(const P& p, i64 rid) {
+  return row_at(p.lru, rid, p.lru_stride);
+}
+template <typename P>
+__device__ __forceinline__ auto ref_row(const P& p, i64 rid) {
+  return row_at(p.ref, rid, p.ref_stride);
+}
+template <typename P>
+__device__ __forceinline__ auto scratch_row(const P& p, i64 rid) {
+  return row_at(p.scratch_locs, rid, p.scratch_stride);
+}
+template <typename P>  // (epoch, cursor)
+__device__ __forceinline__ auto clock_row(const P& p, i64 rid) {
+  return row_at(p.clock, rid, 2);
+}
+// ... of layer `layer` of a [L, R, ...] array (the cache-wide kernels)
+template <typename P>
+__device__ __forceinline__ auto slot_tokens_row(const P& p, i64 layer, i64 rid) {
+  return row_at(p.slot_tokens + layer * p.slot_layer_stride, rid, p.slot_stride);
+}
+__device__ __forceinline__ i16* token_slot_row(const MultiStepInitParams& p, i64 layer, i64 rid) {
+  return row_at(p.token_slot + layer * p.table_layer_stride, rid, p.table_stride);
+}
+__device__ __forceinline__ u32* ref_row(const MultiStepInitParams& p, i64 layer, i64 rid) {
+  return row_at(p.ref + layer * p.ref_layer_stride, rid, p.ref_stride);
+}
+__device__ __forceinline__ u32* clock_row(const MultiStepInitParams& p, i64 layer, i64 rid) {
+  return row_at(p.clock + layer * 2 * p.R, rid, 2);
+}
+
+// batch row b: its request slot and length, and its row of a per-batch-row array
+template <typename ReqT, typename P>
+__device__ __forceinline__ i64 request_of(const P& p, int b) {
+  return static_cast<i64>(static_cast<const ReqT*>(p.req)[b]);
+}
+template <typename LenT, typename P>
+__device__ __forceinline__ i64 length_of(const P& p, int b) {
+  return static_cast<i64>(static_cast<const LenT*>(p.lens)[static_cast<i64>(b) * p.lens_stride]);
+}
+template <typename P>
+__device__ __forceinline__ auto topk_row(const P& p, i64 b) {
+  return row_at(p.topk, b, p.topk_stride);
+}
+template <typename P>
+__device__ __forceinline__ auto out_row(const P& p, i64 b) {
+  return row_at(p.out, b, p.out_stride);
+}
+template <typename P>
+__device__ __forceinline__ auto plan_src_row(const P& p, i64 b) {
+  return row_at(p.plan_src, b, p.plan_stride);
+}
+template <typename P>
+__device__ __forceinline__ auto plan_dst_row(const P& p, i64 b) {
+  return row_at(p.plan_dst, b, p.plan_stride);
+}
+
+template <typename P>
+__device__ __forceinline__ auto status_row(const P& p, i64 b) {
+  return row_at(p.status, b, N_STATUS);
+}
+
+// The one writer of a batch row's status (st: its status_row; columns ST_*).
+__device__ __forceinline__ void write_status(i32* st, int range, int nohost, int badrow) {
+  st[ST_RANGE] = range;
+  st[ST_NOHOST] = nohost;
+  st[ST_BADROW] = badrow;
+}
 
 // ---- shared memory: HS_SMEM_CARVE(KERNEL, var, base) declares `var`, a struct with one
 // pointer per region of HS_SMEM_<KERNEL> (_abi.SMEM) plus `end`, carved from `base` with every

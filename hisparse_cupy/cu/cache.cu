@@ -18,11 +18,8 @@ __global__ void __launch_bounds__(NEWEST_BLOCK) newest_rows(const NewestRowsPara
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= p.B) return;
   const int nr = clamp_real(p.num_real, p.B);
-  const i64 rid = b < nr ? static_cast<i64>(static_cast<const ReqT*>(p.req)[b]) : -1;
-  const i64 seq =
-      b < nr ? static_cast<i64>(static_cast<const LenT*>(p.lens)[static_cast<i64>(b) *
-                                                                   p.lens_stride])
-             : 0;
+  const i64 rid = b < nr ? request_of<ReqT>(p, b) : -1;
+  const i64 seq = b < nr ? length_of<LenT>(p, b) : 0;
   if (rid < 0 || rid >= p.R || seq < 1 || seq > p.max_len) {
     p.rows_out[b] = -1;
     if (p.record) p.plan_count[b] = 0;
@@ -30,15 +27,13 @@ __global__ void __launch_bounds__(NEWEST_BLOCK) newest_rows(const NewestRowsPara
   }
   const i64 t = seq - 1;
   const int slot = t < p.H ? static_cast<int>(t) : p.H;
-  const int row = p.slot_locs[rid * p.slot_stride + slot];
+  const int row = slot_locs_row(p, rid)[slot];
   p.rows_out[b] = row;
   if (p.record) {
     const i64 host = rid * p.max_len + t;
-    p.host_locs[rid * p.host_stride + t] = host;
+    host_locs_row(p, rid)[t] = host;
     if (slot == p.H && p.slot_tokens) {
-      for (int l = 0; l < p.n_layers; ++l)
-        p.slot_tokens[l * p.slot_layer_stride + rid * p.slot_stride + slot] =
-            static_cast<i32>(t);
+      for (int l = 0; l < p.n_layers; ++l) slot_tokens_row(p, l, rid)[slot] = static_cast<i32>(t);
     }
     p.plan_src[b] = row;
     p.plan_dst[b] = host;

@@ -85,41 +85,15 @@ __device__ __forceinline__ void st_cg_v4(void* p, uint4 v) {
                : "memory");
 }
 
-// Where a warp starts reading a row (in 16-byte vectors). HS_COPY_ROTATE=1: at the row's first
-// 128-byte boundary, so each 32-lane load of 512 bytes covers 4 whole 128-byte lines instead of
-// straddling 5, the vectors before that boundary read last (vector k of a pass is row vector
-// (k + shift) mod nvec). Measured on the H200 (benchmarks/probe_copy_align.py, NOTES "Line-
-// aligned reads"): +4-9 % on gathers of uniformly random 576/656 B rows, but in the swap
-// benchmarks few-miss calls ran ~1 us slower, so it is off by default (0: from the row's start).
-#ifndef HS_COPY_ROTATE
-#define HS_COPY_ROTATE 0
-#endif
-#if HS_COPY_ROTATE
-__device__ __forceinline__ int row_read_shift(const u8* src, int nvec) {
-  const int shift = static_cast<int>((128u - (reinterpret_cast<unsigned long long>(src) & 127u)) &
-                                     127u) >> 4;
-  return shift < nvec ? shift : 0;
-}
-// row vector read as vector k of row r
-#define HS_ROW_VEC(r, k) ((k) + shift[r] < nvec ? (k) + shift[r] : (k) + shift[r] - nvec)
-#else
-#define HS_ROW_VEC(r, k) (k)
-#endif
-
 // THE copy primitive. One warp copies R rows of `row_bytes` each (a multiple of 16; src and dst
 // 16-byte aligned) from src[r] to dst[r]; a null src[r] is no row. Every lane holds VPL vectors
 // of each row per pass, and all loads of a pass (every row's) are issued before the pass's
-// stores: R rows in flight per warp, so a few warps keep the link's latency covered. Where a
-// row's reads start: HS_COPY_ROTATE above.
+// stores: R rows in flight per warp, so a few warps keep the link's latency covered. A lane reads
+// and writes vectors base + j * 32 + lane of each row, from the row's start on.
 template <int R, int VPL>
 __device__ __forceinline__ void copy_rows_warp(u8* const (&dst)[R], const u8* const (&src)[R],
                                                int row_bytes, int lane) {
   const int nvec = row_bytes >> 4;
-#if HS_COPY_ROTATE
-  int shift[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) shift[r] = row_read_shift(src[r], nvec);
-#endif
   for (int base = 0; base < nvec; base += 32 * VPL) {
     uint4 v[R][VPL];
 #pragma unroll
@@ -127,8 +101,7 @@ __device__ __forceinline__ void copy_rows_warp(u8* const (&dst)[R], const u8* co
 #pragma unroll
       for (int j = 0; j < VPL; ++j) {
         const int k = base + j * 32 + lane;
-        const int q = HS_ROW_VEC(r, k);
-        if (src[r] != nullptr && k < nvec) v[r][j] = ld_nc_v4(src[r] + (static_cast<i64>(q) << 4));
+        if (src[r] != nullptr && k < nvec) v[r][j] = ld_nc_v4(src[r] + (static_cast<i64>(k) << 4));
       }
     }
 #pragma unroll
@@ -136,13 +109,11 @@ __device__ __forceinline__ void copy_rows_warp(u8* const (&dst)[R], const u8* co
 #pragma unroll
       for (int j = 0; j < VPL; ++j) {
         const int k = base + j * 32 + lane;
-        const int q = HS_ROW_VEC(r, k);
-        if (src[r] != nullptr && k < nvec) st_cg_v4(dst[r] + (static_cast<i64>(q) << 4), v[r][j]);
+        if (src[r] != nullptr && k < nvec) st_cg_v4(dst[r] + (static_cast<i64>(k) << 4), v[r][j]);
       }
     }
   }
 }
-#undef HS_ROW_VEC
 
 // Every lane whose `owner` is set has its row (src -> dst, row indices) copied by the whole warp,
 // OWNED_ROWS rows in flight at a time. Every lane of the warp must call it (warp collectives).

@@ -1,5 +1,6 @@
 // hisparse_cupy: multi-step (MTP) swap-in: gather + commit, and the state initialiser.
-// Both kernels take one MultiStepParams (cu/abi.cuh), which holds every pointer and size below.
+// Both kernels take one MultiStepParams (cu/abi.cuh), which holds every pointer and size below;
+// their helpers (constants, workspace rows, dedup table, copy blocks, selection): multistep.cuh.
 //
 // A call resolves the top-k of S draft steps ([B, S, K] tokens) of every batch row as one
 // working set. The gather kernel resolves every occurrence (step, entry) and gives each unique
@@ -72,101 +73,10 @@
 //   every miss without a scratch row, and C >= S - 1 a scratch row for each of the at most
 //   S - 1 misses of a positional row whose steps are L, L + 1, ... (longer steps leave the
 //   misses past C at -1 with status BADROW).
-#include "abi.cuh"
+#include "multistep.cuh"
 
 namespace hs {
 namespace ms {
-
-using ull = u64;
-
-constexpr ull EMPTY = ~0ull;            // free dedup-table entry
-constexpr u32 NONE = 0xffffffffu;       // table value: not yet published / no row
-
-__device__ __forceinline__ u32 mix32(u32 x) {
-  x ^= x >> 16;
-  x *= 0x85ebca6bu;
-  x ^= x >> 13;
-  x *= 0xc2b2ae35u;
-  x ^= x >> 16;
-  return x;
-}
-// h -> [0, n) by the high half of a 32x32 product
-__device__ __forceinline__ int reduce(u32 h, int n) {
-  return static_cast<int>((static_cast<u64>(h) * static_cast<u32>(n)) >> 32);
-}
-__device__ __forceinline__ ull pack(u32 hi, int lo) {
-  return (static_cast<ull>(hi) << 32) | static_cast<u32>(lo);
-}
-__device__ __forceinline__ int lo32(ull e) { return static_cast<int>(static_cast<u32>(e)); }
-__device__ __forceinline__ u32 hi32(ull e) { return static_cast<u32>(e >> 32); }
-__device__ __forceinline__ ull load_volatile(const ull* p) {
-  return *reinterpret_cast<const volatile ull*>(p);
-}
-
-// workspace counters (per batch row, MS_N_COUNTERS of them)
-constexpr int C_MISS = 0, C_RANGE = 1, C_NOHOST = 2, C_PENDING = 3, C_DONE = 4, C_COPY = 5;
-// per-row statistics of the last call (MS_N_STATS of them, named in _abi.MS_STATS)
-constexpr int X_MISS = 0, X_ADMIT = 1, X_EVICTABLE = 2, X_PARTIAL = 3;
-
-// eviction priority of an unreferenced slot (0 = referenced this call, not evictable)
-constexpr u32 KEY_EMPTY = 0xffffffffu;
-constexpr u32 KEY_NEVER = 0xfffffffeu;
-constexpr u32 KEY_AGE_MAX = 0xfffffffdu;
-
-// ---------------------------------------------------------------- call dedup table
-
-// Find or claim `tok` in the row's dedup table (linear probing, ts a power of two >= 2 T, so a
-// free entry always exists). Returns the position; `claimed` tells whether this thread inserted
-// it, `val` the value seen (NONE while unpublished).
-__device__ __forceinline__ int table_claim(ull* tbl, int ts, int tok, bool& claimed, u32& val) {
-  const int mask = ts - 1;
-  int h = reduce(mix32(static_cast<u32>(tok)), ts);
-  const ull mine = pack(NONE, tok);
-  for (int n = 0; n < ts; ++n) {
-    ull cur = load_volatile(tbl + h);
-    if (cur == EMPTY) {
-      cur = atomicCAS(tbl + h, EMPTY, mine);
-      if (cur == EMPTY) {
-        claimed = true;
-        val = NONE;
-        return h;
-      }
-    }
-    if (lo32(cur) == tok) {
-      claimed = false;
-      val = hi32(cur);
-      return h;
-    }
-    h = (h + 1) & mask;
-  }
-  return -1;
-}
-
-// Element (b, s) of the per-step lengths.
-template <typename LenT>
-__device__ __forceinline__ i64 step_len(const MultiStepParams& p, int b, int s) {
-  return static_cast<i64>(static_cast<const LenT*>(
-      p.lens)[static_cast<i64>(b) * p.lens_stride + static_cast<i64>(s) * p.lens_step]);
-}
-
-// A request slot outside [0, R) or a negative length in any step makes the whole row bad. The
-// S lengths are loaded together (no load waits for the previous one's test); `shortest` gets
-// the row's smallest length.
-template <typename LenT>
-__device__ __forceinline__ bool row_is_bad(const MultiStepParams& p, i64 rid, int b,
-                                           i64& shortest) {
-  i64 len[MS_MAX_STEPS];
-#pragma unroll
-  for (int s = 0; s < MS_MAX_STEPS; ++s) len[s] = s < p.S ? step_len<LenT>(p, b, s) : 0;
-  bool bad = rid < 0 || rid >= p.R;
-  shortest = len[0];
-#pragma unroll
-  for (int s = 0; s < MS_MAX_STEPS; ++s) {
-    bad |= len[s] < 0;
-    if (s < p.S && len[s] < shortest) shortest = len[s];
-  }
-  return bad;
-}
 
 // =====================================================================================
 // gather<ReqT, LenT>
@@ -196,12 +106,8 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   const int ts = p.table_size;
   const i64 n_host_rows = p.n_host_rows;
   const int host_stride = p.host_stride;
-  const int row_bytes = p.row_bytes, plan_stride = p.plan_stride;
-  const ReqT* __restrict__ req_idx = static_cast<const ReqT*>(p.req);
-  const i32* __restrict__ topk = p.topk;
-  i32* __restrict__ out = p.out;
-  i64* __restrict__ plan_src = p.plan_src;
-  i32* __restrict__ plan_dst = p.plan_dst;
+  const int row_bytes = p.row_bytes;
+  const bool plan = p.plan_src != nullptr;
   __shared__ int s_cnt[4];  // C_RANGE, C_NOHOST (indices 0 and 3 unused)
 
   HS_PHASE_START
@@ -215,7 +121,7 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   const int T = S * K;
   const int occ = blockIdx.x * BLOCK + tid;
   const bool active = occ < T;
-  i32* orow = out + static_cast<i64>(b) * p.out_stride;
+  i32* orow = out_row(p, b);
 
   // First wave of loads, independent of each other: the occurrence's token, the row's request
   // slot and lengths. The second wave (table entry, host row) needs both, the third (the
@@ -223,7 +129,7 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   int tok = -1;
   int step = 0, pos = 0;
   if (active) {
-    tok = topk[static_cast<i64>(b) * p.topk_stride + occ];
+    tok = topk_row(p, b)[occ];
     step = occ / K;
     pos = occ - step * K;
   }
@@ -231,12 +137,12 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   i64 rid = -1, shortest = 0;
   bool skip = b >= nr;
   if (!skip) {
-    rid = static_cast<i64>(req_idx[b]);
+    rid = request_of<ReqT>(p, b);
     skip = row_is_bad<LenT>(p, rid, b, shortest);
   }
   if (skip) {  // uniform over the block
     if (active) orow[occ] = -1;
-    if (blockIdx.x == 0 && tid == 0) p.counters[static_cast<i64>(b) * MS_N_COUNTERS + C_COPY] = 0;
+    if (blockIdx.x == 0 && tid == 0) counters_row(p, b)[C_COPY] = 0;
     return;
   }
 
@@ -244,17 +150,19 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   __syncthreads();
   HS_PHASE(0);
 
-  const i32* stok = p.slot_tokens + rid * p.slot_stride;
-  const i32* sloc = p.slot_locs + rid * p.slot_stride;
-  const i32* scr = p.scratch_locs + rid * p.scratch_stride;
-  const i64* hloc = p.host_locs + rid * host_stride;
-  const i16* tsl = p.token_slot + rid * host_stride;
-  u32* ref = p.ref + rid * p.ref_stride;
-  const u32 epoch = p.clock[rid * 2];
-  ull* tbl = p.table + static_cast<i64>(b) * ts;
-  i32* mt = p.meta + static_cast<i64>(b) * ts;
-  i32* cmp = p.compact + static_cast<i64>(b) * p.compact_stride;
-  i32* cnt = p.counters + static_cast<i64>(b) * MS_N_COUNTERS;
+  const i32* stok = slot_tokens_row(p, rid);
+  const i32* sloc = slot_locs_row(p, rid);
+  const i32* scr = scratch_row(p, rid);
+  const i64* hloc = host_locs_row(p, rid);
+  const i16* tsl = token_slot_row(p, rid);
+  u32* ref = ref_row(p, rid);
+  const u32 epoch = clock_row(p, rid)[0];
+  ull* tbl = table_row(p, b);
+  i32* mt = meta_row(p, b);
+  i32* cmp = compact_row(p, b);
+  i32* cnt = counters_row(p, b);
+  i64* psrc = plan_src_row(p, b);  // (written only with a plan)
+  i32* pdst = plan_dst_row(p, b);
 
   // ---- phase 1: classify
   int o = -1;
@@ -352,13 +260,12 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
     int base = 0;
     if (lane == leader) base = atomicAdd(cnt + C_PENDING, __popc(pm));
     base = __shfl_sync(FULL_MASK, base, leader);
-    if (pend) p.pending[static_cast<i64>(b) * p.compact_stride + base +
-                        __popc(pm & ((1u << lane) - 1u))] = (h << 16) | occ;
+    if (pend) pending_row(p, b)[base + __popc(pm & ((1u << lane) - 1u))] = (h << 16) | occ;
   }
   if (active) orow[occ] = o;
-  if (owner && plan_src) {
-    plan_src[static_cast<i64>(b) * plan_stride + u] = hl;
-    plan_dst[static_cast<i64>(b) * plan_stride + u] = o;
+  if (owner && plan) {
+    psrc[u] = hl;
+    pdst[u] = o;
   }
 
   HS_PHASE(2);
@@ -367,8 +274,8 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   if (!listed) {
     copy_owned_rows_warp(owner, hl, o, p.dev_base, p.host_base, row_bytes, lane);
   } else if (owner) {
-    p.miss_src[static_cast<i64>(b) * p.compact_stride + u] = hl;
-    p.miss_dst[static_cast<i64>(b) * p.compact_stride + u] = o;
+    miss_src_row(p, b)[u] = hl;
+    miss_dst_row(p, b)[u] = o;
   }
   HS_PHASE(3);
 
@@ -383,126 +290,6 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
     cnt[C_DONE] = 0;
   }
   HS_PHASE(4);
-}
-
-// The commit grid's copy blocks (blockIdx.x >= B): copy_blocks of them per batch row move the
-// row's scratch-resident misses (miss_src / miss_dst [0, C_COPY)) while the row's commit block
-// admits them. Each warp takes a run of up to OWNED_ROWS rows (spread over every warp of the
-// row's blocks), all in flight together.
-__device__ __forceinline__ void copy_misses(const MultiStepParams& p) {
-  constexpr int NWARP = COMMIT_BLOCK / 32;
-  const int G = p.copy_blocks;
-  const int j = static_cast<int>(blockIdx.x) - p.B;
-  const int b = j / G;
-  const int n = p.counters[static_cast<i64>(b) * MS_N_COUNTERS + C_COPY];
-  const int lane = threadIdx.x & 31;
-  const int warps = G * NWARP;
-  const int w = (j - b * G) * NWARP + (threadIdx.x >> 5);
-  int per = (n + warps - 1) / warps;
-  per = per < 1 ? 1 : (per > OWNED_ROWS ? OWNED_ROWS : per);
-  const i64* src = p.miss_src + static_cast<i64>(b) * p.compact_stride;
-  const i32* dst = p.miss_dst + static_cast<i64>(b) * p.compact_stride;
-  for (int u0 = w * per; u0 < n; u0 += warps * per) {
-    u8* d[OWNED_ROWS];
-    const u8* s[OWNED_ROWS];
-#pragma unroll
-    for (int r = 0; r < OWNED_ROWS; ++r) {
-      const int u = u0 + r;
-      const bool has = r < per && u < n;
-      s[r] = has ? p.host_base + src[u] * p.row_bytes : nullptr;
-      d[r] = has ? p.dev_base + static_cast<i64>(dst[u]) * p.row_bytes : nullptr;
-    }
-    copy_rows_warp<OWNED_ROWS, 2>(d, s, p.row_bytes, lane);
-  }
-}
-
-// ------------------------------------------------------------------ commit helpers
-
-// Exclusive popcount prefix of the bitmap words: pre[w] = set bits in words [0, w).
-template <int BLOCK>
-__device__ __forceinline__ void bitmap_prefix(const u32* bits, int* pre, int nw, int* s_scan) {
-  int carry = 0;
-  for (int base = 0; base < nw; base += BLOCK) {
-    const int w = base + threadIdx.x;
-    const int c = w < nw ? __popc(bits[w]) : 0;
-    int tot;
-    const int ex = block_exclusive_sum<BLOCK>(c, s_scan, tot);
-    if (w < nw) pre[w] = carry + ex;
-    carry += tot;
-  }
-  __syncthreads();
-}
-
-__device__ __forceinline__ int bitmap_rank(const u32* bits, const int* pre, int r) {
-  return pre[r >> 5] + __popc(bits[r >> 5] & ((1u << (r & 31)) - 1u));
-}
-
-// The want-th largest non-zero key (MSB-first radix select, 8 bits a pass). Returns the key;
-// `want` becomes how many keys equal to it must be taken (those larger are all taken).
-// kor / kand: OR and AND of every non-zero key. The digits above the highest bit in which the
-// keys differ are common to all of them, so the passes start at that bit's digit; equal keys
-// need no pass at all.
-template <int BLOCK>
-__device__ u32 radix_select(const u32* keys, int n, int& want, u32 kor, u32 kand, int* s_hist,
-                            int* s_digit, int* s_rest) {
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  if (kor == kand) return kand;  // every non-zero key is the same: take `want` of them
-  const int top = (31 - __clz(kor ^ kand)) & ~7;  // the first digit in which keys differ
-  u32 pmask = top == 24 ? 0u : ~((1u << (top + 8)) - 1u);
-  u32 prefix = kand & pmask;
-  for (int shift = top; shift >= 0; shift -= 8) {
-    for (int i = tid; i < 256; i += BLOCK) s_hist[i] = 0;
-    __syncthreads();
-    for (int base = 0; base < n; base += BLOCK) {  // uniform trip count (warp collectives)
-      const int j = base + tid;
-      const u32 k = j < n ? keys[j] : 0u;
-      const bool in = k != 0 && (k & pmask) == prefix;
-      const int digit = in ? static_cast<int>((k >> shift) & 255u) : 256;
-      // keys mostly share a digit: one atomic per digit per warp, not one per key
-      const unsigned peers = __match_any_sync(FULL_MASK, digit);
-      if (in && lane == __ffs(peers) - 1) atomicAdd(&s_hist[digit], __popc(peers));
-    }
-    __syncthreads();
-    if (tid < 32) {  // lane l owns digits 255 - 8l down to 248 - 8l
-      int c[8];
-      int sum = 0;
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        c[q] = s_hist[255 - 8 * lane - q];
-        sum += c[q];
-      }
-      int incl = sum;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int y = __shfl_up_sync(FULL_MASK, incl, d);
-        if (lane >= d) incl += y;
-      }
-      const unsigned hit = __ballot_sync(FULL_MASK, incl >= want);
-      const int L = hit ? __ffs(hit) - 1 : 31;
-      if (lane == L) {
-        int acc = incl - sum;
-        int digit = 248 - 8 * lane, rest = want - acc;
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          if (acc + c[q] >= want) {
-            digit = 255 - 8 * lane - q;
-            rest = want - acc;
-            break;
-          }
-          acc += c[q];
-        }
-        *s_digit = digit;
-        *s_rest = rest;
-      }
-    }
-    __syncthreads();
-    prefix |= static_cast<u32>(*s_digit) << shift;
-    pmask |= 0xffu << shift;
-    want = *s_rest;
-  }
-  __syncthreads();
-  return prefix;
 }
 
 // =====================================================================================
@@ -532,11 +319,8 @@ template <typename ReqT, typename LenT>
 __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) {
   constexpr int BLOCK = COMMIT_BLOCK;
   const int S = p.S, K = p.K, B = p.B, H = p.H, C = p.C;
-  const int ts = p.table_size;
-  const int row_bytes = p.row_bytes, plan_stride = p.plan_stride;
-  const ReqT* __restrict__ req_idx = static_cast<const ReqT*>(p.req);
-  i64* __restrict__ plan_src = p.plan_src;
-  i32* __restrict__ plan_dst = p.plan_dst;
+  const int row_bytes = p.row_bytes;
+  const bool plan = p.plan_src != nullptr;
   i32* __restrict__ plan_count = p.plan_count;
   // Wait for the gather grid: its outputs, table, counters and copy list.
   pdl_wait();
@@ -563,46 +347,44 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
   int* s_scan = sm.scan;
   i16* s_vic = sm.victim;
 
-  i32* st = p.status + static_cast<i64>(b) * N_STATUS;
-  i32* xs = p.stats + static_cast<i64>(b) * MS_N_STATS;
+  i32* st = status_row(p, b);
+  i32* xs = stats_row(p, b);
   const int nr = clamp_real(p.num_real, B);
   i64 rid = -1, shortest = 0;
   const bool pad = b >= nr;
   bool bad = false;
   if (!pad) {
-    rid = static_cast<i64>(req_idx[b]);
+    rid = request_of<ReqT>(p, b);
     bad = row_is_bad<LenT>(p, rid, b, shortest);
   }
   if (pad || bad) {
     if (tid == 0) {
-      st[ST_RANGE] = 0;
-      st[ST_NOHOST] = 0;
-      st[ST_BADROW] = bad ? 1 : 0;
+      write_status(st, 0, 0, bad ? 1 : 0);
       if (plan_count) plan_count[b] = 0;
       for (int i = 0; i < MS_N_STATS; ++i) xs[i] = 0;
     }
     return;
   }
 
-  i32* stok = p.slot_tokens + rid * p.slot_stride;
-  i32* sloc = p.slot_locs + rid * p.slot_stride;
-  i32* scr = p.scratch_locs + rid * p.scratch_stride;
-  const i64* hloc = p.host_locs + rid * p.host_stride;
-  i16* tsl = p.token_slot + rid * p.host_stride;
-  u32* ref = p.ref + rid * p.ref_stride;
-  u32* clock = p.clock;
-  ull* tbl = p.table + static_cast<i64>(b) * ts;
-  i32* mt = p.meta + static_cast<i64>(b) * ts;
-  const i32* cmp = p.compact + static_cast<i64>(b) * p.compact_stride;
-  i32* cnt = p.counters + static_cast<i64>(b) * MS_N_COUNTERS;
-  i32* orow = p.out + static_cast<i64>(b) * p.out_stride;
+  i32* stok = slot_tokens_row(p, rid);
+  i32* sloc = slot_locs_row(p, rid);
+  i32* scr = scratch_row(p, rid);
+  const i64* hloc = host_locs_row(p, rid);
+  i16* tsl = token_slot_row(p, rid);
+  u32* ref = ref_row(p, rid);
+  u32* clock = clock_row(p, rid);  // (epoch, cursor)
+  ull* tbl = table_row(p, b);
+  i32* mt = meta_row(p, b);
+  const i32* cmp = compact_row(p, b);
+  i32* cnt = counters_row(p, b);
+  i32* orow = out_row(p, b);
 
   const int M = cnt[C_MISS];
   const int n_range = cnt[C_RANGE];
   const int n_nohost = cnt[C_NOHOST];
   const int n_pending = cnt[C_PENDING];
-  const u32 epoch = clock[rid * 2];
-  const int cursor = static_cast<int>(clock[rid * 2 + 1] % static_cast<u32>(H));
+  const u32 epoch = clock[0];
+  const int cursor = static_cast<int>(clock[1] % static_cast<u32>(H));
 
   if (tid == 0) {
     *sm.last_victim = -1;
@@ -784,9 +566,9 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
       } else if (u >= C) {
         atomicExch(sm.no_room, 1);  // unreachable while C >= S*K - H
       }
-      if (u >= C && plan_src) {
-        plan_src[static_cast<i64>(b) * plan_stride + u] = owner ? src : -1;
-        plan_dst[static_cast<i64>(b) * plan_stride + u] = owner ? dst : -1;
+      if (u >= C && plan) {
+        plan_src_row(p, b)[u] = owner ? src : -1;
+        plan_dst_row(p, b)[u] = owner ? dst : -1;
       }
     }
     copy_owned_rows_warp(owner, src, dst, p.dev_base, p.host_base, row_bytes, lane);
@@ -795,7 +577,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
 
   HS_PHASE(21);
   // ---- phase 5: placeholders
-  const i32* pnd = p.pending + static_cast<i64>(b) * p.compact_stride;
+  const i32* pnd = pending_row(p, b);
   for (int i = tid; i < n_pending; i += BLOCK) {
     const int e = pnd[i];
     orow[e & 0xffff] = static_cast<int>(hi32(tbl[e >> 16]));
@@ -817,19 +599,16 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
 
   // ---- phase 7: per-row results and state
   if (tid == 0) {
-    const int noroom = *sm.no_room;
-    st[ST_RANGE] = n_range;
-    st[ST_NOHOST] = n_nohost;
-    st[ST_BADROW] = noroom;
+    write_status(st, n_range, n_nohost, *sm.no_room);
     if (plan_count) plan_count[b] = M;
     xs[X_MISS] = M;
     xs[X_ADMIT] = V;
     xs[X_EVICTABLE] = E;
     xs[X_PARTIAL] = partial ? 1 : 0;
     const u32 next = epoch + 1u == 0u ? 1u : epoch + 1u;
-    clock[rid * 2] = next;
+    clock[0] = next;
     const int last = *sm.last_victim;
-    clock[rid * 2 + 1] = static_cast<u32>(last >= 0 ? (cursor + last + 1) % H : cursor);
+    clock[1] = static_cast<u32>(last >= 0 ? (cursor + last + 1) % H : cursor);
     for (int i = 0; i < C_DONE; ++i) cnt[i] = 0;  // C_DONE is reset by the gather, C_COPY read
                                                  // by the copy blocks
   }
@@ -851,10 +630,10 @@ __global__ void __launch_bounds__(INIT_BLOCK) init(const MultiStepInitParams p) 
   const i64 rid = p.rows[b];
   if (rid < 0 || rid >= p.R) return;
   const int H = p.H, width = p.table_stride;
-  const i32* stok = p.slot_tokens + layer * p.slot_layer_stride + rid * p.slot_stride;
-  i16* tsl = p.token_slot + layer * p.table_layer_stride + rid * width;
-  u32* ref = p.ref + layer * p.ref_layer_stride + rid * p.ref_stride;
-  u32* clock = p.clock + layer * 2 * p.R + rid * 2;
+  const i32* stok = slot_tokens_row(p, layer, rid);
+  i16* tsl = token_slot_row(p, layer, rid);
+  u32* ref = ref_row(p, layer, rid);
+  u32* clock = clock_row(p, layer, rid);
   for (int s = tid; s < H; s += BLOCK) {
     const int tok = stok[s];
     if (tok >= 0 && tok < width) tsl[tok] = static_cast<i16>(s);

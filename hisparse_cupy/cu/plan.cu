@@ -1,7 +1,6 @@
 // hisparse_cupy: planned copy (miss-plan replay).
 //
-// planned_copy<SrcT, DstT, R>(PlannedCopyParams), planned_copy_thin<SrcT, DstT, R> (one warp
-// per block, registers capped: see the end of this file)
+// planned_copy<SrcT, DstT, R>(PlannedCopyParams)
 //   For every layer l < n_layers, real request b < min(num_real, B) and plan entry
 //   m < clamp(count[b], 0, plan_stride): copy row src_idx[b, m] of layer l of the source pool to
 //   row dst_idx[b, m] of layer l of the destination pool. The swap kernels write such plans; the
@@ -18,24 +17,34 @@
 //        one request both spread over the whole grid, whose size the caller picks (a small grid
 //        with R > 1 keeps the link busy from few SMs, leaving the rest to the compute a replay
 //        overlaps).
-//   Rows whose source or destination index is outside its pool are skipped and counted in
-//   *bad (when given). With stage_map set (single layer), a row that the prediction stager
-//   staged is read from its staging row (device memory) instead of the source
-//   (cu/abi.cuh, PlannedCopyParams). flags & COPY_DRY_RUN: all the work but no bytes moved (for
-//   measuring).
-//   spin_cycles > 0 delays each row by that many clock cycles (tests' slowed replay; a warp
-//   waits R times that before its R rows).
+//   Rows whose source or destination index is outside its pool are skipped. With stage_map set
+//   (single layer), a row that the prediction stager staged is read from its staging row
+//   (device memory) instead of the source (cu/abi.cuh, PlannedCopyParams).
+//
+// planned_copy_probe<SrcT, DstT, R>(PlannedCopyProbeParams): the same body with the measuring
+//   settings compiled in (hisparse_cupy.probe.copy_probe; never launched by an engine's copy):
+//   skipped entries are counted in *bad (when given), dry_run does all the work but moves no
+//   bytes, spin_cycles > 0 delays each row by that many clock cycles (a warp waits R times that
+//   before its R rows).
 //
 //   Shared memory: _abi.SMEM["PLANNED_COPY"].
 #include "abi.cuh"
 
 namespace hs {
 
-template <typename SrcT, typename DstT, int R, int WARPS>
-__device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p) {
+// The probe's settings (PROBE instances only; the production body has none of them).
+struct CopyProbe {
+  i32* bad;
+  i64 spin_cycles;
+  bool dry_run;
+};
+
+template <typename SrcT, typename DstT, int R, bool PROBE>
+__device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p,
+                                                  const CopyProbe& probe) {
   static_assert(R >= 1 && R <= 32, "rows per warp");
-  static_assert(WARPS >= 1 && WARPS <= COPY_WARPS, "warps per block");
-  constexpr int VPL = R == 1 && WARPS > 1 ? HS_COPY_VPL : 2;  // vectors per lane, row and pass
+  constexpr int WARPS = COPY_WARPS;
+  constexpr int VPL = R == 1 ? HS_COPY_VPL : 2;  // vectors per lane, row and pass
   constexpr int BLOCK = WARPS * 32;
   const int B = p.B, plan_stride = p.plan_stride, row_bytes = p.row_bytes;
   const SrcT* __restrict__ src_idx = static_cast<const SrcT*>(p.src_idx);
@@ -73,7 +82,6 @@ __device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p) {
   const int lane = threadIdx.x & 31;
   const i64 gw = static_cast<i64>(blockIdx.x) * WARPS + (threadIdx.x >> 5);
   const i64 nwarps = static_cast<i64>(gridDim.x) * WARPS;
-  const bool dry = p.flags & COPY_DRY_RUN;
   u32 n_rows = 0, n_staged = 0;  // prediction's counters (lanes < R), summed per block at the end
 
   for (i64 g0 = gw * R; g0 < total; g0 += nwarps * R) {
@@ -94,7 +102,9 @@ __device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p) {
       const i64 s = static_cast<i64>(src_idx[e]);
       const i64 d = static_cast<i64>(dst_idx[e]);
       if (s < 0 || s >= p.n_src_rows || d < 0 || d >= p.n_dst_rows) {
-        if (p.bad) atomicAdd(p.bad, 1);
+        if constexpr (PROBE) {
+          if (probe.bad) atomicAdd(probe.bad, 1);
+        }
       } else {
         my_src = p.src_base + layer * p.src_layer_bytes + s * row_bytes;
         my_dst = p.dst_base + layer * p.dst_layer_bytes + d * row_bytes;
@@ -112,21 +122,25 @@ __device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p) {
     }
     const u8* srcs[R];
     u8* dsts[R];
-    int rows = 0;
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       srcs[j] = reinterpret_cast<const u8*>(
           __shfl_sync(FULL_MASK, reinterpret_cast<unsigned long long>(my_src), j));
       dsts[j] = reinterpret_cast<u8*>(
           __shfl_sync(FULL_MASK, reinterpret_cast<unsigned long long>(my_dst), j));
-      rows += srcs[j] != nullptr;
     }
-    if (p.spin_cycles > 0 && rows > 0) {
-      const long long t0 = clock64();
-      while (clock64() - t0 < p.spin_cycles * rows) {
+    if constexpr (PROBE) {
+      int rows = 0;
+#pragma unroll
+      for (int j = 0; j < R; ++j) rows += srcs[j] != nullptr;
+      if (probe.spin_cycles > 0 && rows > 0) {
+        const long long t0 = clock64();
+        while (clock64() - t0 < probe.spin_cycles * rows) {
+        }
       }
+      if (probe.dry_run) continue;
     }
-    if (!dry) copy_rows_warp<R, VPL>(dsts, srcs, row_bytes, lane);
+    copy_rows_warp<R, VPL>(dsts, srcs, row_bytes, lane);
   }
   if (p.stage_stats != nullptr) {  // (uniform) one atomic pair per block: per row, thousands of
     // atomics on two addresses serialized in L2 and slowed the copy
@@ -149,24 +163,14 @@ __device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p) {
 
 template <typename SrcT, typename DstT, int R>
 __global__ void __launch_bounds__(COPY_WARPS * 32) planned_copy(const PlannedCopyParams p) {
-  planned_copy_body<SrcT, DstT, R, COPY_WARPS>(p);
+  planned_copy_body<SrcT, DstT, R, false>(p, CopyProbe{nullptr, 0, false});
 }
 
-// The thin copy: one warp per block, at most 32 registers a thread: small, short-lived blocks
-// for a copy beside Hopper's persistent cuBLAS GEMMs, which hold back an SM's CTA while any
-// copy block stays there. (Built to fit beside such a CTA: 384 threads x 168 registers leave
-// 1024 of the SM's 65536, but per register sub-partition only 256, one 8-register warp, so it
-// does not; benchmarks/NOTES.md, "Copies beside compute".) __maxnreg__ needs NVRTC 12.4; older
-// ones get an uncapped one-warp block.
-#if defined(__CUDACC_VER_MAJOR__) && \
-    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
-#define HS_THIN_BOUNDS __maxnreg__(HS_THIN_COPY_REGS)
-#else
-#define HS_THIN_BOUNDS __launch_bounds__(32)
-#endif
 template <typename SrcT, typename DstT, int R>
-__global__ void HS_THIN_BOUNDS planned_copy_thin(const PlannedCopyParams p) {
-  planned_copy_body<SrcT, DstT, R, 1>(p);
+__global__ void __launch_bounds__(COPY_WARPS * 32)
+    planned_copy_probe(const PlannedCopyProbeParams p) {
+  planned_copy_body<SrcT, DstT, R, true>(p.copy,
+                                         CopyProbe{p.bad, p.spin_cycles, p.dry_run != 0});
 }
 
 }  // namespace hs

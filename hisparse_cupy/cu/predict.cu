@@ -35,17 +35,14 @@ template <typename ReqT, typename LenT, typename Smem>
 __device__ __forceinline__ void stage_row(const PredictStageParams& p, const Smem& sm, int b,
                                           int nr) {
   const int MS = p.miss_hash_size, K = p.K, H = p.H;
-  const i64 rid = b < nr ? static_cast<i64>(static_cast<const ReqT*>(p.req)[b]) : -1;
-  const i64 len = b < nr ? static_cast<i64>(
-                               static_cast<const LenT*>(p.lens)[static_cast<i64>(b) *
-                                                                p.lens_stride])
-                         : 0;
+  const i64 rid = b < nr ? request_of<ReqT>(p, b) : -1;
+  const i64 len = b < nr ? length_of<LenT>(p, b) : 0;
   if (rid < 0 || rid >= p.R || len <= H) {  // padding, bad slot, positional: nothing to stage
     if (threadIdx.x == 0) p.stage_count[b] = 0;
     return;  // (uniform over the block)
   }
   for (int i = threadIdx.x; i < MS; i += PREDICT_BLOCK) {
-    sm.mkey[i] = -1;
+    sm.mkey[i] = PREDICT_KEY_EMPTY;
     sm.mclaim[i] = 0;
   }
   if (threadIdx.x == 0) sm.count[0] = 0;
@@ -56,24 +53,25 @@ __device__ __forceinline__ void stage_row(const PredictStageParams& p, const Sme
   int nm = p.plan_count[b];  // (at most K for a single-step swap; clamped to the hash's half)
   const int nm_max = p.plan_stride < (MS >> 1) ? p.plan_stride : (MS >> 1);
   nm = nm < 0 ? 0 : (nm > nm_max ? nm_max : nm);
-  const i64* miss = p.plan_src + static_cast<i64>(b) * p.plan_stride;
+  const i64* miss = plan_src_row(p, b);
+  constexpr u64 empty_key = static_cast<u64>(PREDICT_KEY_EMPTY);
   for (int i = threadIdx.x; i < nm; i += PREDICT_BLOCK) {
     const i64 hl = miss[i];
     if (hl < 0) continue;
     u32 h = hash_u32(static_cast<u32>(hl)) >> mshift;
     while (true) {
       const unsigned long long old = atomicCAS(
-          reinterpret_cast<unsigned long long*>(&sm.mkey[h]), ~0ull, static_cast<u64>(hl));
-      if (old == ~0ull || old == static_cast<u64>(hl)) break;
+          reinterpret_cast<unsigned long long*>(&sm.mkey[h]), empty_key, static_cast<u64>(hl));
+      if (old == empty_key || old == static_cast<u64>(hl)) break;
       h = (h + 1) & mmask;
     }
   }
   __syncthreads();
 
-  const i32* topk = p.topk + static_cast<i64>(b) * p.topk_stride;
-  const i64* hloc = p.host_locs + rid * p.host_stride;
-  const i16* tsl = p.token_slot + rid * p.host_stride;
-  const i32* stok = p.slot_tokens + rid * p.slot_stride;
+  const i32* topk = topk_row(p, b);
+  const i64* hloc = host_locs_row(p, rid);
+  const i16* tsl = token_slot_row(p, rid);
+  const i32* stok = slot_tokens_row(p, rid);
   const i64 lim = len < p.host_stride ? len : p.host_stride;
   const i64 base = static_cast<i64>(b) * p.stage_width;
   for (int i = threadIdx.x; i < K; i += PREDICT_BLOCK) {
@@ -84,7 +82,7 @@ __device__ __forceinline__ void stage_row(const PredictStageParams& p, const Sme
     int m = -1;  // F's miss-hash entry of this host row
     for (u32 h = hash_u32(static_cast<u32>(hl)) >> mshift;; h = (h + 1) & mmask) {
       const i64 k = sm.mkey[h];
-      if (k == -1) break;
+      if (k == PREDICT_KEY_EMPTY) break;
       if (k == hl) {
         m = static_cast<int>(h);
         break;

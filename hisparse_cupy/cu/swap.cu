@@ -64,11 +64,13 @@ enum : u8 { K_UNUSED = 0, K_INVALID, K_NEWEST, K_CANON, K_DUP, K_HIT, K_MISS, K_
 
 constexpr int PREFETCH = 4;  // groups of global loads a thread issues together
 
-// Hash values: the first entry that selected the token (low bits) and, once an LRU slot holding
-// the token claimed that entry (phase 3), VAL_CLAIMED. An empty bucket's value is VAL_EMPTY.
-constexpr int VAL_ENTRY = 0x3fffffff;
-constexpr int VAL_CLAIMED = 0x40000000;
-constexpr int VAL_EMPTY = 0x3fffffff;
+// Hash values: the first entry that selected the token (low bits, RESOLVE_VAL_ENTRY) and, once
+// an LRU slot holding the token claimed that entry (phase 3), RESOLVE_VAL_CLAIMED. An empty
+// bucket holds key RESOLVE_KEY_EMPTY and value RESOLVE_VAL_EMPTY (constants from _abi.py).
+constexpr int VAL_ENTRY = RESOLVE_VAL_ENTRY;
+constexpr int VAL_CLAIMED = RESOLVE_VAL_CLAIMED;
+constexpr int VAL_EMPTY = RESOLVE_VAL_EMPTY;
+constexpr int KEY_EMPTY = RESOLVE_KEY_EMPTY;
 // s_pos: the token's bucket in its owner block's hash | owner << POS_OWNER_SHIFT
 constexpr int POS_OWNER_SHIFT = 24;
 constexpr int POS_SLOT_MASK = (1 << POS_OWNER_SHIFT) - 1;
@@ -136,9 +138,9 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const unsigned below = (1u << lane) - 1u;
-  const i32* tk = p.topk + static_cast<i64>(b) * p.topk_stride;
-  i32* o = p.out + static_cast<i64>(b) * p.out_stride;
-  i32* st = p.status + static_cast<i64>(b) * N_STATUS;
+  const i32* tk = topk_row(p, b);
+  i32* o = out_row(p, b);
+  i32* st = status_row(p, b);
   i32* plan_count = p.plan_count;
   // rank 0's status counters (every block of the row adds to them)
   int* cnt0 = C > 1 ? cluster_map(s_cnt, 0) : s_cnt;
@@ -159,9 +161,8 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   // ---- wave 1 of global loads (independent of each other): the row's request, length and the
   // first PREFETCH groups of its top-k. The latency chain of the LRU path is three waves.
   const int nr = clamp_real(p.num_real, B);
-  const i64 rid_raw = static_cast<i64>(static_cast<const ReqT*>(p.req)[b]);
-  const i64 seq_raw =
-      static_cast<i64>(static_cast<const LenT*>(p.lens)[static_cast<i64>(b) * p.lens_stride]);
+  const i64 rid_raw = request_of<ReqT>(p, b);
+  const i64 seq_raw = length_of<LenT>(p, b);
   int toks[PREFETCH];
 #pragma unroll
   for (int u = 0; u < PREFETCH; ++u) {
@@ -174,17 +175,15 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
     for (int i = kb + tid; i < ke; i += BLOCK) o[i] = -1;
     if (rank == 0 && tid == 0) {
       plan_count[b] = 0;
-      st[ST_RANGE] = 0;
-      st[ST_NOHOST] = 0;
-      st[ST_BADROW] = b < nr ? 1 : 0;
+      write_status(st, 0, 0, b < nr ? 1 : 0);
     }
     return;
   }
-  i32* stok = p.slot_tokens + rid * p.slot_stride;
-  const i32* sloc = p.slot_locs + rid * p.slot_stride;
-  const i64* hloc = p.host_locs + rid * host_stride;
-  i16* rlru = p.lru + rid * p.lru_stride;
-  i16* tsl = TABLE ? p.token_slot + rid * host_stride : nullptr;
+  i32* stok = slot_tokens_row(p, rid);
+  const i32* sloc = slot_locs_row(p, rid);
+  const i64* hloc = host_locs_row(p, rid);
+  i16* rlru = lru_row(p, rid);
+  i16* tsl = TABLE ? token_slot_row(p, rid) : nullptr;
 
   if (tid < 4) s_cnt[tid] = 0;
 
@@ -202,9 +201,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
     sync_row(C);
     if (rank == 0 && tid == 0) {
       plan_count[b] = 0;
-      st[ST_RANGE] = s_cnt[ST_RANGE];
-      st[ST_NOHOST] = 0;
-      st[ST_BADROW] = 0;
+      write_status(st, s_cnt[ST_RANGE], 0, 0);
     }
     return;
   }
@@ -245,7 +242,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   const int mask = hash_size - 1;
   const int shift = 32 - (__ffs(hash_size) - 1);  // hash_size is a power of two >= 64
   {
-    const int4 empty_key = make_int4(-1, -1, -1, -1);
+    const int4 empty_key = make_int4(KEY_EMPTY, KEY_EMPTY, KEY_EMPTY, KEY_EMPTY);
     const int4 empty_val = make_int4(VAL_EMPTY, VAL_EMPTY, VAL_EMPTY, VAL_EMPTY);
     int4* k4 = reinterpret_cast<int4*>(s_key);
     int4* v4 = reinterpret_cast<int4*>(s_val);
@@ -302,8 +299,8 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
         int* val = row_smem(s_val, ow, C);
         u32 h = hv >> shift;
         while (true) {
-          const int prev = atomicCAS(&key[h], -1, tok);
-          if (prev == -1 || prev == tok) {
+          const int prev = atomicCAS(&key[h], KEY_EMPTY, tok);
+          if (prev == KEY_EMPTY || prev == tok) {
             atomicMin(&val[h], i);
             s_pos[i] = static_cast<int>(h) | (ow << POS_OWNER_SHIFT);
             break;
@@ -341,7 +338,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
     int* val = row_smem(s_val, ow, C);
     u32 h = hv >> shift;
     int k;
-    while ((k = key[h]) != bt && k != -1) h = (h + 1) & mask;
+    while ((k = key[h]) != bt && k != KEY_EMPTY) h = (h + 1) & mask;
     const int v = k == bt ? atomicOr(&val[h], VAL_CLAIMED) : VAL_CLAIMED;
     return v & VAL_CLAIMED ? -1 : v & VAL_ENTRY;
   };
@@ -456,9 +453,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
     for (int i = kb + tid; i < ke; i += BLOCK) o[i] = s_out[i];
     if (tid == 0) {
       plan_count[b] = 0;
-      st[ST_RANGE] = s_cnt[ST_RANGE];
-      st[ST_NOHOST] = 0;
-      st[ST_BADROW] = 0;
+      write_status(st, s_cnt[ST_RANGE], 0, 0);
     }
     HS_PHASE(5);
     return;
@@ -532,8 +527,8 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
         s_out[i] = loc;
         if constexpr (TABLE) tsl[s_tok[i]] = static_cast<i16>(victim);
         stok[victim] = s_tok[i];
-        p.plan_src[static_cast<i64>(b) * p.plan_stride + m] = s_hl[i];
-        p.plan_dst[static_cast<i64>(b) * p.plan_stride + m] = loc;
+        plan_src_row(p, b)[m] = s_hl[i];
+        plan_dst_row(p, b)[m] = loc;
       }
       mo += __popc(mm);
     }
@@ -567,9 +562,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   if (C > 1) cluster_sync();
   if (rank == 0 && tid == 0) {
     plan_count[b] = M;
-    st[ST_RANGE] = s_cnt[ST_RANGE];
-    st[ST_NOHOST] = s_cnt[ST_NOHOST];
-    st[ST_BADROW] = 0;
+    write_status(st, s_cnt[ST_RANGE], s_cnt[ST_NOHOST], 0);
   }
   HS_PHASE(5);
 }

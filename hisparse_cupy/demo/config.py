@@ -166,9 +166,13 @@ CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hi
 def given(argv=None) -> set[str]:
     """The destinations of the flags ``argv`` sets (whatever their values)."""
     ap = parser()
-    for act in ap._actions:
-        act.default = argparse.SUPPRESS
-    return set(vars(ap.parse_args(argv)))
+    # a namespace that has every destination already, so no default is applied: a marker, or
+    # None where a flag appends to what is there
+    unset = object()
+    ns = argparse.Namespace(**{k: None if v is None or isinstance(v, list) else unset
+                               for k, v in vars(ap.parse_args([])).items()})
+    return {k for k, v in vars(ap.parse_args(argv, namespace=ns)).items()
+            if v is not unset and v is not None}
 
 
 def cpu_config(argv=None) -> Config:

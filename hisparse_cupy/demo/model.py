@@ -1,5 +1,6 @@
-"""The decode loop's synthetic model on the GPU: its kernels (``model.cu``) and a capturable
-matmul.
+"""The decode loop's synthetic model on the GPU: its kernels (``model.cu``) and its weights and
+buffers; the matmuls run on :class:`hisparse_cupy.demo.compute.Gemm` (its fallback kernel is
+``model.cu``'s ``gemm_bf16``).
 
 Per layer the model does what a sparse-attention (MLA + DSA-like) decoder layer costs: a sparse
 attention over the K selected KV rows of every query row (16 heads, 576-value bf16 rows, softmax
@@ -10,13 +11,13 @@ layer's query projection): the MLP stand-in.
 
 from __future__ import annotations
 
-import ctypes
 import math
 from pathlib import Path
 
 import cupy
 import numpy as np
 
+from .compute import Gemm
 from .config import HEADS, ROW_VALUES, V_VALUES
 
 TILE = 16  # rows per attention tile (TR in model.cu)
@@ -37,82 +38,6 @@ class Kernels:
         for n in self._NAMES:
             setattr(self, n, mod.get_function(n))
         self.attn_partial.max_dynamic_shared_size_bytes = ATT_SMEM
-
-
-class Gemm:
-    """``C = A @ B`` for row-major bf16 matrices (uint16 storage), fp32 accumulation.
-
-    cuBLAS's ``cublasGemmEx`` called through ctypes with its own handle and a fixed workspace,
-    so that it can be captured in a CUDA graph (CuPy's cuBLAS wrappers refuse to run while a
-    stream is captured). Without a loadable cuBLAS a simple kernel stands in; :attr:`kind`
-    says which runs.
-    """
-
-    _OP_N, _R_16BF, _COMPUTE_32F, _ALGO_DEFAULT = 0, 14, 68, -1
-    WORKSPACE = 32 << 20
-
-    def __init__(self, kernels: Kernels):
-        self.k = kernels
-        self._lib = None
-        try:
-            from cuda.pathfinder import load_nvidia_dynamic_lib
-
-            lib = ctypes.CDLL(load_nvidia_dynamic_lib("cublas").abs_path)
-            h = ctypes.c_void_p()
-            self._ok(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
-            self._ws = cupy.empty(self.WORKSPACE, cupy.uint8)
-            self._ok(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(self._ws.data.ptr),
-                                               ctypes.c_size_t(self.WORKSPACE)),
-                     "cublasSetWorkspace")
-            lib.cublasGemmEx.argtypes = [
-                ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-            self._lib, self._h = lib, h
-            self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-            self.kind = "cuBLAS (cublasGemmEx, bf16, fp32 compute)"
-        except Exception as e:  # noqa: BLE001 - any failure: the fallback kernel
-            self.kind = f"fallback matmul kernel (cuBLAS unavailable: {type(e).__name__}: {e})"
-
-    @staticmethod
-    def _ok(status: int, what: str) -> None:
-        if status != 0:
-            raise RuntimeError(f"{what} failed with cuBLAS status {status}")
-
-    def set_sm_target(self, sms: int) -> None:
-        """Run later matmuls on at most ``sms`` SMs (``cublasSetSmCountTarget``; 0: every SM),
-        leaving the others to kernels on other streams (the side stream's copies)."""
-        if self._lib is None:
-            raise RuntimeError(f"no SM target without cuBLAS ({self.kind})")
-        if sms < 0:
-            raise ValueError(f"sms must be >= 0, got {sms}")
-        self._ok(self._lib.cublasSetSmCountTarget(self._h, int(sms)), "cublasSetSmCountTarget")
-
-    def __call__(self, a: cupy.ndarray, b: cupy.ndarray, c: cupy.ndarray,
-                 stream: cupy.cuda.Stream) -> None:
-        """``c = a @ b``; ``a`` may be a column slice (rows ``a.strides[0]`` bytes apart),
-        ``b`` and ``c`` are dense."""
-        M, Kd = a.shape
-        N = b.shape[1]
-        lda = a.strides[0] // 2
-        if self._lib is None:
-            self.k.gemm_bf16((-(-N // 128), -(-M // 16)), (128,),
-                             (a, b, c, np.int32(M), np.int32(N), np.int32(Kd), np.int64(lda)),
-                             stream=stream)
-            return
-        lib = self._lib
-        self._ok(lib.cublasSetStream_v2(self._h, ctypes.c_void_p(stream.ptr)), "cublasSetStream")
-        # row-major C = A B is column-major C^T = B^T A^T
-        self._ok(lib.cublasGemmEx(
-            self._h, self._OP_N, self._OP_N, N, M, Kd, ctypes.byref(self._one), b.data.ptr,
-            self._R_16BF, N, a.data.ptr, self._R_16BF, lda, ctypes.byref(self._zero), c.data.ptr,
-            self._R_16BF, N, self._COMPUTE_32F, self._ALGO_DEFAULT), "cublasGemmEx")
-
-    def close(self) -> None:
-        if self._lib is not None:
-            self._lib.cublasDestroy_v2(self._h)
-            self._lib = None
 
 
 class Model:

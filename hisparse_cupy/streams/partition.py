@@ -24,7 +24,7 @@ from __future__ import annotations
 import cupy
 
 from .. import _checks
-from .._launch import _Handle
+from .._launch import StreamHandle
 
 __all__ = ["SMPartition"]
 
@@ -120,7 +120,7 @@ class SMPartition:
         ptr = int(h)
         self._streams.append(ptr)
         with cupy.cuda.Device(self.device):
-            return cupy.cuda.Stream.from_external(_Handle(ptr))
+            return cupy.cuda.Stream.from_external(StreamHandle(ptr))
 
     def close(self) -> None:
         """Wait for every stream made by :meth:`stream`, then destroy them and both green

@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import cupy
 
-from .. import _abi, _build, _checks
-from .._launch import Params, as_stream, launch, ptr
-from ..cache import HotBufferCache, _dense_view
+from .. import _checks
+from .._launch import as_stream
+from ..cache import HotBufferCache
+from ..multistep import dense_view
 from ..plan import ROWS_PER_WARP, copy_params, full_grid, launch_copy
+from ..step import LayerCall
 from .partition import SMPartition
 from .pattern import LayerPattern, layer_pattern
+from .predict import Predictor
 
 __all__ = ["DEFAULT_REPLAY_ROWS_PER_WARP", "PARTITION_REPLAY_ROWS_PER_WARP", "Prefetcher",
            "default_replay_grid"]
@@ -62,7 +65,7 @@ class Prefetcher:
         The **model's** full/shared pattern (anything :func:`layer_pattern` accepts).
     layer_range : (int, int), optional
         Model layers ``start .. end - 1`` held by this pipeline stage (default: all layers).
-        :meth:`swap` takes model layer ids and converts them once, on entry; the stage's
+        ``step.swap`` takes model layer ids and converts them once, on entry; the stage's
         layer count must equal ``cache.n_layers``.
     enabled : bool
         Prefetch on (default) or off (every layer runs the full swap on the main stream).
@@ -76,10 +79,6 @@ class Prefetcher:
         Rows each warp of a replay keeps in flight (one of ``hisparse_cupy.plan.ROWS_PER_WARP``;
         default :data:`DEFAULT_REPLAY_ROWS_PER_WARP`, with a ``partition``
         :data:`PARTITION_REPLAY_ROWS_PER_WARP`).
-    replay_thin : bool
-        Replays in one-warp blocks with capped registers (``hisparse_cupy.plan.launch_copy``);
-        give ``replay_grid`` a few blocks per SM. Measured worse than the default in the
-        decode benchmark (``benchmarks/NOTES.md``).
     predict : bool
         Prediction mode (single-step swaps): while a full layer computes, stage the rows the
         next full layer will probably miss (see :meth:`set_predict`). Default off. Its stager
@@ -118,29 +117,26 @@ class Prefetcher:
     partition : SMPartition or None
     events : list of cupy.cuda.Event
         One per position in a group (``pattern.max_group_size``).
-    dry_run : bool
-        Measuring knob: replays do all their work but move no bytes (page tables of shared
-        layers then point at stale rows).
-    spin_cycles : int
-        Testing knob: every replayed (and staged) row is delayed by this many clock cycles.
     predict_stats : cupy.ndarray or None
         Prediction mode's device counters (see :meth:`set_predict`); None until it is on.
-    pside : cupy.cuda.Stream
+    predict_side : cupy.cuda.Stream or None
         The prediction's side stream (once prediction mode was turned on).
 
     Notes
     -----
-    The page table returned by :meth:`swap` is a view of a buffer the next full layer's swap
-    (or, with prefetch off, the next swap) rewrites on the main stream: consume it on the main
-    stream before that. The hazards and how they are closed: ``docs/overlap_hazards.md``.
+    A step driven by the Prefetcher (``cache.begin_step(..., prefetcher=pf)``) calls its hooks
+    :meth:`before_layer` and :meth:`after_swap` for each layer (``hisparse_cupy/step.py``).
+    The page table a shared layer's ``step.swap`` returns is a view of a buffer the next full
+    layer's swap (or, with prefetch off, the next swap) rewrites on the main stream: consume it
+    on the main stream before that. The hazards and how they are closed:
+    ``docs/overlap_hazards.md``.
     """
 
     def __init__(self, cache: HotBufferCache, pattern, *,
                  layer_range: tuple[int, int] | None = None, enabled: bool = True,
                  replay_grid: int | None = None, copy_grid: int | None = None,
                  side_priority: int | None = -1000,
-                 replay_rows_per_warp: int | None = None,
-                 replay_thin: bool = False, predict: bool = False,
+                 replay_rows_per_warp: int | None = None, predict: bool = False,
                  predict_width: int | None = None, partition: SMPartition | None = None):
         if not isinstance(cache, HotBufferCache):
             raise TypeError(f"cache must be a HotBufferCache, got {type(cache).__name__}")
@@ -167,11 +163,8 @@ class Prefetcher:
             replay_rows_per_warp = (DEFAULT_REPLAY_ROWS_PER_WARP if partition is None
                                     else PARTITION_REPLAY_ROWS_PER_WARP)
         self.replay_rows_per_warp = replay_rows_per_warp
-        self.replay_thin = bool(replay_thin)
         self.copy_grid = (None if copy_grid is None
                           else _checks.integer("copy_grid", copy_grid, 1, 2**31 - 1))
-        self.dry_run = False
-        self.spin_cycles = 0
         self._enabled = bool(enabled)
         self._side_priority = side_priority
         self.side = self._side_stream(side_priority)
@@ -180,20 +173,20 @@ class Prefetcher:
                        for _ in range(stage.max_group_size)]
         self._out = cupy.empty((cache.max_batch, cache.top_k), cupy.int32)
         self._views: dict = {}  # (batch, top-k shape) -> view of _out / _ms_out
-        self._replay: dict = {}  # (batch, num_real pointer, knobs) -> replay Params
+        self._replay: dict = {}  # (batch, num_real pointer) -> replay Params
         self._ms_out = None if cache.max_steps < 2 else cupy.empty(
             (cache.max_batch, cache.max_steps, cache.top_k), cupy.int32)
         # per layer: the replay's source and destination (validated once, here)
         self._host = [int(cache.pool.device_ptr(i)) for i in range(cache.n_layers)]
-        self._dev = [cache.device[i].data.ptr for i in range(cache.n_layers)]
+        self._dev_rows = [cache.device[i].data.ptr for i in range(cache.n_layers)]
         fl = stage.full_layers
         self._next_full = dict(zip(fl[:-1], fl[1:], strict=True))  # full layer -> next one
         self.predict_width = (max(1, cache.top_k // 4) if predict_width is None else
                               _checks.integer("predict_width", predict_width, 1,
                                               cache.top_k))
         self._predict = False
-        # pending prediction: (full layer it made, the next full layer, batch) or None
-        self._pending: tuple[int, int, int] | None = None
+        self._predictor: Predictor | None = None
+        self.predict_side: cupy.cuda.Stream | None = None
         self.predict_stats = None
         self._reset_step()
         self.set_predict(predict)
@@ -246,53 +239,12 @@ class Prefetcher:
             s.wait_event(self.events[self._queued - 1])
             self._joined = self._queued
 
-    # ------------------------------------------------------------------ per layer
-    def swap(self, layer: int, req_indices, seq_lens, top_k_tokens=None, *, num_real=None,
-             stream=None) -> cupy.ndarray:
-        """What the decode loop calls for every layer, in layer order, once per step.
-
-        Equivalent to ``self.cache.begin_step(req_indices, seq_lens, num_real, stream=stream,
-        prefetcher=self).swap(layer, top_k_tokens)``; with a step object, validate the batch
-        once per step instead (:meth:`HotBufferCache.begin_step` with ``prefetcher=``).
-
-        Parameters
-        ----------
-        layer : int
-            **Model** layer id (converted to this stage's local index here, once).
-        req_indices : int32 or int64 ``[B]``
-            Batch row -> request slot (as for :meth:`HotBufferCache.swap`).
-        seq_lens : int32 or int64 ``[B]`` (or ``[B, S]`` for multi-step calls)
-        top_k_tokens : int32 ``[B, K]`` or ``[B, S, K]``
-            Required for a full layer. A shared layer reuses its full layer's top-k; a value
-            given for it is ignored (IndexCache semantics).
-        num_real : int32 device scalar, optional
-            Rows ``>= num_real`` are CUDA-graph padding (the full layer's value is used by its
-            replays).
-        stream : optional
-            The main stream, any kind :meth:`HotBufferCache.begin_step` accepts (default: the
-            current stream; must not be the legacy default stream while prefetch is on).
-
-        Returns
-        -------
-        cupy.ndarray
-            int32 ``[B, K]`` (or ``[B, S, K]``): device row of every entry in this layer's rows
-            (``cache.device_rows(layer)``), -1 for unused or invalid entries. For a shared layer
-            with prefetch on, its full layer's page table, safe to read on the main stream
-            after this call.
-        """
-        step = self.cache.begin_step(req_indices, seq_lens, num_real, stream=stream)
-        return self.swap_step(step, layer, top_k_tokens)
-
-    def swap_step(self, step, layer: int, top_k_tokens=None, *,
-                  check: bool = False) -> cupy.ndarray:
-        """:meth:`swap` for a :class:`hisparse_cupy.cache.Step` (its batch already validated).
-
-        A multi-step (``[B, S, K]``) full layer records the plan of its unique misses, which
-        its shared layers replay the same way: the shared layers mirror the full layer's device
-        rows byte for byte and use its page table. ``check`` (synchronizes): as for
-        :meth:`Step.swap`, for the swap this call runs; a shared layer with prefetch on runs
-        none, and raises on its full layer's status.
-        """
+    # ------------------------------------------------------------------ the Step's hooks
+    def before_layer(self, step, layer: int, top_k_tokens=None) -> LayerCall:
+        """Called by ``step.swap(layer, top_k)`` (model ``layer``, in layer order, once per
+        step): a shared layer with prefetch on waits for its replay and is served its full
+        layer's page table; otherwise the swap to run (a shared layer with prefetch off runs
+        its full layer's top-k), after the main stream joined what it must (hazards 4, 10)."""
         loc = self.pattern.local_index(layer)
         s = self._main_stream(step.stream)
         full = self.pattern.full[loc]
@@ -310,54 +262,55 @@ class Prefetcher:
                 raise ValueError(f"shared layer {layer} has batch {step.batch}, its full layer "
                                  f"had {self._anchor_batch}")
             if self._enabled:
-                p = self.pattern.position(loc)
-                self._wait_position(p, s)
-                if check:  # no swap ran since the full layer's: the status is still its
-                    step.raise_on_status(self._anchor_topk)
-                return self._anchor_out
+                self._wait_position(self.pattern.position(loc), s)
+                return LayerCall(loc, self._anchor_topk, served=True, out=self._anchor_out)
             top_k_tokens = self._anchor_topk
-
-        # a swap: full layer, or any layer with prefetch off
-        if check:
-            step.check_requests()
-        self._join(s)  # hazard 4: the swap below rewrites the plan
+        self._join(s)  # hazard 4: the swap rewrites the plan
+        shape = getattr(top_k_tokens, "shape", ())
         stage = None
         if full:
-            stage = self._take_stage(loc, top_k_tokens, s, step.batch)
+            stage = self._take_stage(s, loc, step.batch, len(shape) == 2)
             self._reset_step()
-        B = step.batch
-        shape = getattr(top_k_tokens, "shape", ())
-        out = self._views.get((B, shape))  # this object's output buffer, sliced once per shape
+        return LayerCall(loc, top_k_tokens, out=self._out_view(step.batch, shape),
+                         copy_grid=self.copy_grid, stage=stage)
+
+    def after_swap(self, step, call: LayerCall, out: cupy.ndarray) -> None:
+        """Called by the Step after the swap of ``call``: a full layer forks the side streams
+        (its group's replays, the next full layer's staging)."""
+        loc = call.layer
+        if not self.pattern.full[loc]:
+            return
+        self._anchor, self._anchor_batch = loc, step.batch
+        self._anchor_topk, self._anchor_out = call.top_k, out
+        group = self.pattern.groups[loc] if self._enabled else ()
+        nxt = None
+        if self._enabled and self._predict and len(getattr(call.top_k, "shape", ())) == 2:
+            nxt = self._next_full.get(loc)
+        if not group and nxt is None:
+            return
+        s = step.stream
+        self._fork.record(s)  # hazards 2, 3 and 10: after the full layer's swap
+        if group:
+            self._queue_replays(group, step.batch, step.num_real)
+        if nxt is not None:  # (checked by the swap; a foreign array imported on s)
+            with s:
+                topk = _checks.token_rows("top_k_tokens", call.top_k, step.device)
+            self._predictor.queue(step, loc, nxt, topk, self._fork, grid=self.replay_grid,
+                                  rows_per_warp=self.replay_rows_per_warp)
+
+    def _out_view(self, B: int, shape) -> cupy.ndarray | None:
+        """This object's output buffer for a top-k of ``shape``, sliced once per shape (None for
+        a shape no swap takes: the swap then refuses the top-k)."""
+        key = (B, shape)
+        out = self._views.get(key)
         if out is None:
             if len(shape) == 3 and self._ms_out is not None:
-                out = _dense_view(self._ms_out, (B, shape[1], shape[2]))
-            elif len(shape) >= 2:
+                out = dense_view(self._ms_out, (B, shape[1], shape[2]))
+            elif len(shape) == 2:
                 out = self._out[:B, : shape[-1]]
-            if out is not None:
-                self._views[(B, shape)] = out
-        # the swap checks top_k_tokens against the batch and the cache: a shape it refuses
-        # leaves no view used
-        out = step._swap(loc, top_k_tokens, out=out, copy_grid=self.copy_grid,
-                         out_checked=out is not None, stage=stage)
-        if full:
-            self._anchor = loc
-            self._anchor_batch = B
-            self._anchor_topk = top_k_tokens
-            self._anchor_out = out
-            group = self.pattern.groups[loc] if self._enabled else ()
-            nxt = (self._next_full.get(loc) if self._enabled and self._predict and len(shape) == 2
-                   and not self.dry_run else None)
-            if nxt is not None:  # (checked by the swap; a foreign array imported on s)
-                with s:
-                    topk = _checks.token_rows("top_k_tokens", top_k_tokens, step._dev)
-            if group or nxt is not None:
-                self._fork.record(s)  # hazards 2, 3 and 10: after the full layer's swap
-            if group:
-                self._queue_replays(group, B, step.num_real)
-            if nxt is not None:
-                self._queue_predict(step, loc, nxt, topk)
-        if check:  # after the bookkeeping: the step goes on after a caught error
-            step.raise_on_status(top_k_tokens)
+            else:
+                return None
+            self._views[key] = out
         return out
 
     # ------------------------------------------------------------------ prediction
@@ -382,26 +335,12 @@ class Prefetcher:
         if on and self.cache.token_slot is None:
             raise ValueError("prediction needs the cache's token -> slot table: build the "
                              "HotBufferCache with token_table=True (the default)")
-        if on and self.predict_stats is None:
-            c, W = self.cache, self.predict_width
-            self._stage_rows = cupy.empty((c.max_batch * W, c.row_bytes), cupy.uint8)
-            self._stage_src = cupy.full((c.max_batch, W), -1, cupy.int64)
-            self._stage_dst = cupy.arange(c.max_batch * W, dtype=cupy.int32).reshape(
-                c.max_batch, W)
-            self._stage_count = cupy.zeros(c.max_batch, cupy.int32)
-            self._stage_map = cupy.full(c.pool.n_rows, -1, cupy.int32)
-            self._ptopk = cupy.empty((c.max_batch, c.top_k), cupy.int32)
-            self.predict_stats = cupy.zeros(3, cupy.uint64)
-            self._pstage: dict = {}  # (batch, K, next layer) -> stager Params
-            self._pcopy: dict = {}  # (batch, num_real, next layer, knobs) -> copy Params
-            self._stage_fields = {
-                "stage_map": ptr(self._stage_map), "stage_src": ptr(self._stage_src),
-                "stage_count": ptr(self._stage_count), "stage_base": ptr(self._stage_rows),
-                "stage_stats": ptr(self.predict_stats), "stage_width": W}
-            self.pside = self._side_stream(self._side_priority)
-            self._pdone = cupy.cuda.Event(disable_timing=True)
-        if self._pending is not None:
-            self._take_stage(None, None, self._main_stream(stream))
+        if on and self._predictor is None:
+            self.predict_side = self._side_stream(self._side_priority)
+            self._predictor = Predictor(self.cache, self.predict_width, self.predict_side)
+            self.predict_stats = self._predictor.stats
+        if self._predictor is not None and self._predictor.pending is not None:
+            self._take_stage(self._main_stream(stream))
         self._predict = on
 
     @property
@@ -413,86 +352,33 @@ class Prefetcher:
         """``predict_stats`` on the host (synchronizes the device): rows copied by predicted
         swaps, rows read from staging rows, rows staged, and precision (used / staged) and
         recall (used / copied)."""
-        if self.predict_stats is None:
+        if self._predictor is None:
             raise RuntimeError("prediction was never turned on (set_predict(True))")
-        rows, used, staged = (int(v) for v in cupy.asnumpy(self.predict_stats))
-        return {"rows": rows, "used": used, "staged": staged,
-                "precision": used / staged if staged else float("nan"),
-                "recall": used / rows if rows else float("nan")}
+        return self._predictor.summary()
 
-    def _take_stage(self, loc, top_k_tokens, s: cupy.cuda.Stream, batch: int = 0):
-        """Join a pending prediction into the main stream (hazard 10); its stage fields if it
-        was made for full layer ``loc`` of this step (the last full layer swapped made it, and
-        the batch is the same) and this is a single-step call, else None."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+    def _take_stage(self, s, loc=None, batch: int = 0, single_step: bool = False):
+        """Join a pending staging into the main stream; its stage fields if it was made for
+        full layer ``loc`` of this step (hazard 10)."""
+        if self._predictor is None:
             return None
-        s.wait_event(self._pdone)
-        made_by, nxt, B = pending
-        if (nxt != loc or made_by != self._anchor or B != batch
-                or len(getattr(top_k_tokens, "shape", ())) != 2):
-            return None
-        return self._stage_fields
-
-    def _queue_predict(self, step, made_by: int, nxt: int, topk: cupy.ndarray) -> None:
-        c, side = self.cache, self.pside
-        side.wait_event(self._fork)
-        B, K = topk.shape
-        snap = self._ptopk[:B, :K]
-        with side:  # the stager's own copy of the top-k, off the main stream (hazard 11)
-            snap[...] = topk
-        nr = step.num_real
-        ms = _abi.hash_size(K, spread=2)  # a single-step plan row holds at most K misses
-        key = (B, K, nxt)
-        prm = self._pstage.get(key)
-        if prm is None:
-            prm = self._pstage[key] = Params(_abi.PREDICT_STAGE).set(
-                topk=ptr(snap), plan_src=ptr(c.plan.src), plan_count=ptr(c.plan.count),
-                host_locs=ptr(c.host_locs), slot_tokens=ptr(c.slot_tokens[nxt]),
-                token_slot=ptr(c.token_slot[nxt]),
-                stage_map=ptr(self._stage_map), stage_src=ptr(self._stage_src),
-                stage_count=ptr(self._stage_count), stage_stats=ptr(self.predict_stats),
-                n_host_rows=c.pool.n_rows, topk_stride=snap.strides[0] // 4, K=K, B=B,
-                R=c.max_requests, host_stride=c.max_len, slot_stride=c.slots, H=c.hot_size,
-                stage_width=self.predict_width, plan_stride=c.plan.width, miss_hash_size=ms)
-        prm.set(req=ptr(step.req), lens=ptr(step.seq_lens), num_real=ptr(nr),
-                lens_stride=step._lens_stride)  # the step's batch (any buffers)
-        # as many blocks as the replays (no more SMs held beside the compute), each taking
-        # requests in turn
-        grid = min(B, self.replay_grid)
-        launch(_build.kernel(_build.PREDICT[step._key]), grid, _abi.PREDICT_BLOCK, prm,
-               shared_mem=_abi.smem_bytes("PREDICT_STAGE", MS=ms), stream=side)
-        ckey = (B, ptr(nr), nxt, self.dry_run, int(self.spin_cycles))
-        cp = self._pcopy.get(ckey)
-        if cp is None:
-            cp = self._pcopy[ckey] = copy_params(
-                self._stage_src, self._stage_dst, self._stage_count, B, nr,
-                src_base=self._host[nxt], src_layer_bytes=0, n_src_rows=c.pool.n_rows,
-                dst_base=self._stage_rows.data.ptr, dst_layer_bytes=0,
-                n_dst_rows=self._stage_rows.shape[0], row_bytes=c.row_bytes,
-                dry_run=self.dry_run, spin_cycles=int(self.spin_cycles))
-        launch_copy(cp, grid=self.replay_grid, stream=side,
-                    rows_per_warp=self.replay_rows_per_warp, thin=self.replay_thin)
-        self._pdone.record(side)
-        self._pending = (made_by, nxt, B)
+        return self._predictor.take(s, layer=loc, anchor=self._anchor, batch=batch,
+                                    single_step=single_step)
 
     def _queue_replays(self, group, batch: int, num_real) -> None:
         c = self.cache
         plan = c.plan
         self.side.wait_event(self._fork)
-        key = (batch, 0 if num_real is None else num_real.data.ptr, self.dry_run,
-               int(self.spin_cycles))
+        key = (batch, 0 if num_real is None else num_real.data.ptr)
         prm = self._replay.get(key)
         if prm is None:
             prm = self._replay[key] = copy_params(
                 plan.src, plan.dst, plan.count, batch, num_real, src_base=0, src_layer_bytes=0,
                 n_src_rows=c.pool.n_rows, dst_base=0, dst_layer_bytes=0,
-                n_dst_rows=c.device.shape[1], row_bytes=c.row_bytes, dry_run=self.dry_run,
-                spin_cycles=int(self.spin_cycles))
+                n_dst_rows=c.device.shape[1], row_bytes=c.row_bytes)
         for p, sl in enumerate(group):
-            prm.set(src_base=self._host[sl], dst_base=self._dev[sl])
+            prm.set(src_base=self._host[sl], dst_base=self._dev_rows[sl])
             launch_copy(prm, grid=self.replay_grid, stream=self.side,
-                        rows_per_warp=self.replay_rows_per_warp, thin=self.replay_thin)
+                        rows_per_warp=self.replay_rows_per_warp)
             self.events[p].record(self.side)
         self._queued = len(group)
         self._joined = 0
@@ -514,7 +400,7 @@ class Prefetcher:
         """
         s = self._main_stream(stream)
         self._join(s)
-        self._take_stage(None, None, s)
+        self._take_stage(s)
         self._reset_step()
 
     def set_enabled(self, enabled: bool, stream=None) -> None:
@@ -533,7 +419,7 @@ class Prefetcher:
             return
         s = self._main_stream(stream, explicit=True)  # either way, the mode on is involved
         self._join(s)
-        self._take_stage(None, None, s)
+        self._take_stage(s)
         self._reset_step()
         # off: the shared layers' tables went stale while prefetch was on, their rows did not;
         # on: each layer ran its own swaps, and multi-step swaps leave layers in different
@@ -546,5 +432,5 @@ class Prefetcher:
     def synchronize(self) -> None:
         """Block the host until the side streams are idle (e.g. before freeing the cache)."""
         self.side.synchronize()
-        if self.predict_stats is not None:
-            self.pside.synchronize()
+        if self.predict_side is not None:
+            self.predict_side.synchronize()

@@ -1,0 +1,44 @@
+"""The newest token's device rows, and its backup plan (``cu/cache.cu``, ``newest_rows``).
+
+This module alone knows the kernel's instance, block and grid; :class:`hisparse_cupy.Step`
+calls :func:`newest_rows` once per decode step.
+"""
+
+from __future__ import annotations
+
+import cupy
+
+from . import _abi, _build
+from ._launch import Params, launch, ptr
+
+
+class NewestBuffers:
+    """The kernel's outputs for up to ``max_batch`` rows: ``rows`` (int32 ``[max_batch]``, the
+    newest token's device row), and the one-entry device -> host plan of each row
+    (``src``/``dst``/``count``) the backup copy runs for every layer."""
+
+    def __init__(self, max_batch: int):
+        self.rows = cupy.empty(max_batch, cupy.int32)
+        self.src = cupy.empty((max_batch, 1), cupy.int32)
+        self.dst = cupy.empty((max_batch, 1), cupy.int64)
+        self.count = cupy.zeros(max_batch, cupy.int32)
+
+
+def newest_rows(out: NewestBuffers, *, req, lens, lens_stride: int, num_real, key, slot_locs,
+                slot_tokens, host_locs, hot_size: int, record: bool, stream) -> cupy.ndarray:
+    """Queue the kernel for ``B = req.shape[0]`` rows on ``stream``; ``slot_locs`` is one
+    layer's (slot H's row is the same in every layer), ``slot_tokens`` all layers'
+    (``record``: slot H of every layer is marked as holding the newest token past H, and the
+    backup plan is written). Returns ``out.rows[:B]``."""
+    B = req.shape[0]
+    L, R, W = slot_tokens.shape
+    p = Params(_abi.NEWEST_ROWS).set(
+        req=ptr(req), lens=ptr(lens), num_real=ptr(num_real), slot_locs=ptr(slot_locs),
+        slot_tokens=ptr(slot_tokens), host_locs=ptr(host_locs), rows_out=ptr(out.rows),
+        plan_src=ptr(out.src), plan_dst=ptr(out.dst), plan_count=ptr(out.count),
+        slot_layer_stride=slot_tokens.strides[0] // 4, B=B, R=R, max_len=host_locs.shape[1],
+        slot_stride=W, H=hot_size, host_stride=host_locs.strides[0] // 8,
+        lens_stride=lens_stride, n_layers=L, record=1 if record else 0)
+    launch(_build.kernel(_build.NEWEST[key]), -(-B // _abi.NEWEST_BLOCK), _abi.NEWEST_BLOCK, p,
+           stream=stream)
+    return out.rows[:B]

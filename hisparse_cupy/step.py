@@ -1,0 +1,272 @@
+"""One decode step of a :class:`~hisparse_cupy.HotBufferCache`: the batch validated once, every
+layer's swap a few word writes and two launches.
+
+:meth:`HotBufferCache.begin_step` makes a :class:`Step` (FlashInfer's plan/run split): it checks
+the batch and fills the batch's fields of every layer's structs at once (each kernel family's
+``for_batch``); ``step.swap(layer, top_k)`` then checks the top-k, writes the call's fields
+(``CallFields``) and launches. A ``[B, K]`` top-k runs the single-step swap, a ``[B, S, K]`` one
+the multi-step swap, over the same hot buffers.
+
+A step may be driven by hooks (a :class:`~hisparse_cupy.Prefetcher`, IndexCache shared-layer
+overlap): for each layer ``swap`` asks ``hooks.before_layer(step, layer, top_k)``, which returns
+a :class:`LayerCall`: either ``served`` (a shared layer whose rows the hooks replayed: its page
+table is returned as it is) or the swap to run (the local layer, the top-k, the hooks' output
+buffer, the copy grid, staged rows for the copy); after that swap the Step calls
+``hooks.after_swap(step, call, out)``. The Step reads nothing else of the hooks and the hooks
+read only the Step's public attributes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import cupy
+import numpy as np
+
+from . import _checks, multistep, newest, swap
+from ._launch import as_stream, resolve_pdl
+from .plan import copy_params, default_copy_grid, launch_copy
+
+
+class LayerCall(NamedTuple):
+    """What hooks decide for one layer of a step (see the module docstring)."""
+
+    layer: int  # local layer index
+    top_k: object  # the top-k the swap runs (a shared layer: its full layer's)
+    served: bool = False  # True: ``out`` is the layer's page table, no swap runs
+    out: cupy.ndarray | None = None  # the hooks' output buffer for the swap (or the page table)
+    copy_grid: int | None = None
+    stage: dict | None = None  # fields of the copy struct: rows staged for this swap's copy
+
+
+class Step:
+    """One decode step of a :class:`HotBufferCache`: the batch, validated once.
+
+    Made by :meth:`HotBufferCache.begin_step`. Every method queues work on the step's stream
+    without host synchronization (``check=True`` excepted).
+
+    Attributes
+    ----------
+    cache, stream, pdl, prefetcher
+    req : the batch's request slots (int32 or int64 ``[B]``); ``batch`` = B.
+    seq_lens : ``[B]`` or ``[B, S]`` lengths; ``lens_stride`` its row stride in elements,
+        ``lens_step`` 1 if it has a column per step, else 0.
+    num_real : int32 device scalar or None.
+    dtypes : ``(req dtype, seq_lens dtype)``: the kernel instances the step runs.
+    device : the CUDA device id the step's arrays are on.
+    """
+
+    def __init__(self, cache, req_indices, seq_lens, num_real=None, *, stream=None,
+                 pdl: bool | None = None, prefetcher=None):
+        self.cache = c = cache
+        self.stream = as_stream(stream)
+        with self.stream:  # DLPack imports order on the step's stream (and stay capturable)
+            self.req = _checks.index_vector("req_indices", req_indices)
+            self.batch = B = self.req.shape[0]
+            if B > c.max_batch:
+                raise ValueError(f"batch must be in [1, max_batch={c.max_batch}], got {B}")
+            self.seq_lens, self.lens_stride, self.lens_step = _checks.lengths(seq_lens, B)
+            self.num_real = None if num_real is None else _checks.device_scalar("num_real",
+                                                                                num_real)
+        self.pdl = resolve_pdl(pdl)
+        self.prefetcher = prefetcher
+        if prefetcher is not None and prefetcher.cache is not c:
+            raise ValueError("prefetcher drives another cache")
+        self.dtypes = (self.req.dtype, self.seq_lens.dtype)
+        self.device = cupy.cuda.runtime.getDevice()
+        req, lens, nr = self.req, self.seq_lens, self.num_real
+        self._resolve = swap.for_batch(c.resolve_structs, req, lens, self.lens_stride, B, nr)
+        self._resolve_call = swap.CallFields(self._resolve)
+        self._copy = c.copy_structs.copy()
+        self._copy.put_all(B=B, num_real=0 if nr is None else nr.data.ptr)
+        self._ms = self._ms_call = None
+        if c.multistep_structs is not None:
+            self._ms = multistep.for_batch(c.multistep_structs, req, lens, self.lens_stride,
+                                           self.lens_step, B, nr)
+            self._ms_call = multistep.CallFields(self._ms)
+        self._launches: dict[tuple, tuple] = {}  # per top-k shape: launchers, grids, output
+
+    # ----------------------------------------------------------------- swaps
+    def swap(self, layer: int, top_k_tokens=None, *, out=None, copy_grid: int | None = None,
+             check: bool = False) -> cupy.ndarray:
+        """Swap in ``layer``'s top-k: int32 ``[B, K]`` (single-step) or ``[B, S, K]``
+        (multi-step, ``2 <= S <= max_steps``); returns the device rows (same shape) of
+        ``cache.device_rows(layer)``, -1 for unused or invalid entries.
+
+        Without ``out`` the result is a view of a buffer the next swap overwrites; the cache's
+        :attr:`~HotBufferCache.plan` and :attr:`~HotBufferCache.status` hold this call's miss plan
+        and per-row status until then. ``check``: see :func:`hisparse_cupy.swap_in` (it
+        synchronizes). With a prefetcher, ``layer`` is a model layer id, shared layers return
+        their full layer's rows (the prefetcher's buffer: ``out`` and ``copy_grid`` are
+        refused, set ``Prefetcher(copy_grid=)``), a shared layer's ``top_k_tokens`` is ignored
+        and its status is its full layer's.
+        """
+        hooks = self.prefetcher
+        if hooks is None:
+            return self._swap(self.cache.layer_index(layer), top_k_tokens, out, copy_grid,
+                              None, check, False)
+        if out is not None or copy_grid is not None:
+            raise ValueError("out= and copy_grid= do not apply to a step driven by a "
+                             "prefetcher: its layers return the prefetcher's page tables "
+                             "(copy them to keep them) and its swaps use "
+                             "Prefetcher(copy_grid=)")
+        call = hooks.before_layer(self, layer, top_k_tokens)
+        if call.served:
+            if check:  # no swap ran since the full layer's: the status is still its
+                self.raise_on_status(call.top_k)
+            return call.out
+        if check:
+            self.check_requests()
+        out = self._swap(call.layer, call.top_k, call.out, call.copy_grid, call.stage, False,
+                         True)
+        hooks.after_swap(self, call, out)
+        if check:  # after the hooks' bookkeeping: the step goes on after a caught error
+            self.raise_on_status(call.top_k)
+        return out
+
+    def _swap(self, layer: int, top_k_tokens, out, copy_grid, stage, check: bool,
+              hooks_out: bool):
+        """One swap of local ``layer``; ``stage``: copy-struct fields of staged rows;
+        ``hooks_out``: ``out`` (or None) is the hooks' own buffer for the top-k's shape."""
+        if type(top_k_tokens) is cupy.ndarray:
+            topk = _checks.token_rows("top_k_tokens", top_k_tokens, self.device)
+        else:
+            with self.stream:  # a DLPack import orders on the step's stream
+                topk = _checks.token_rows("top_k_tokens", top_k_tokens, self.device)
+        B = self.batch
+        if topk.ndim == 3:
+            return self._swap_multistep(layer, topk, out, check, hooks_out)
+        if topk.ndim != 2 or topk.shape[0] != B:
+            raise ValueError(f"top_k_tokens must have shape ({B}, K) or ({B}, S, K), got "
+                             f"{tuple(topk.shape)}")
+        K = topk.shape[1]
+        plan = self._launches.get(("single", K, copy_grid))
+        if plan is None:
+            plan = self._plan_single(K, copy_grid)
+        go, default_out = plan
+        out = self._out_arg(out, default_out, (B, K), hooks_out)
+        if check:
+            self.check_requests()
+        self._resolve_call.write(layer, topk, out)
+        if stage is None:
+            swap.run(self._resolve, layer, self._copy, go, self.stream.ptr)
+        else:
+            self._copy.put(layer, **stage)
+            try:
+                swap.run(self._resolve, layer, self._copy, go, self.stream.ptr)
+            finally:
+                self._copy.put(layer, stage_map=0)  # the struct's bytes were taken at the launch
+        if check:
+            self.raise_on_status(topk)
+        return out
+
+    def _plan_single(self, K: int, copy_grid: int | None):
+        c, B = self.cache, self.batch
+        if not 1 <= K <= c.top_k:
+            raise ValueError(f"top_k_tokens must have 1..{c.top_k} entries per row (the cache's "
+                             f"top_k), got {K}")
+        grid = _checks.integer("copy_grid", copy_grid, 1, 2**31 - 1) if copy_grid else None
+        plan = self._launches[("single", K, copy_grid)] = (
+            swap.launches(self.dtypes, B, K, c.hot_size, c.token_table, grid, self.pdl),
+            c.out[:B, :K])
+        return plan
+
+    def _out_arg(self, out, default: cupy.ndarray, shape, hooks_out: bool) -> cupy.ndarray:
+        """``out`` checked (a foreign array imported on the step's stream), or ``default``;
+        the hooks' buffer (sliced from their own arrays) only needs the shape it was cut for."""
+        if out is None:
+            return default
+        if hooks_out and out.shape == shape:
+            return out
+        with self.stream if type(out) is not cupy.ndarray else contextlib.nullcontext():
+            return _checks.array("out", out, np.int32, shape=shape, contiguous=False,
+                                 inner_contiguous=True)
+
+    def _swap_multistep(self, layer: int, topk, out, check: bool, hooks_out: bool):
+        c = self.cache
+        B, S, K = topk.shape
+        if c.max_steps < 2:
+            raise ValueError("a [B, S, K] top-k needs a cache built with max_steps >= 2")
+        if B != self.batch or not 2 <= S <= c.max_steps or not 1 <= K <= c.top_k:
+            raise ValueError(f"top_k_tokens must have shape ({self.batch}, 2..{c.max_steps}, "
+                             f"1..{c.top_k}), got {tuple(topk.shape)}")
+        plan = self._launches.get(("multi", S, K))
+        if plan is None:
+            if self.lens_step and self.seq_lens.shape[1] < S:
+                raise ValueError(f"seq_lens has {self.seq_lens.shape[1]} step column(s), the "
+                                 f"call has {S} steps")
+            plan = self._launches[("multi", S, K)] = (
+                multistep.launches(self.dtypes, B, S, K, c.hot_size, self.pdl),
+                multistep.dense_view(c.ms_out, (B, S, K)))
+        go, default_out = plan
+        out = self._out_arg(out, default_out, (B, S, K), hooks_out)
+        if check:
+            self.check_requests()
+        self._ms_call.write(layer, topk, out, go[0])
+        multistep.run(self._ms, layer, go, self.stream.ptr)
+        if check:
+            self.raise_on_status(topk)
+        return out
+
+    # ----------------------------------------------------------------- check=True
+    def check_requests(self) -> None:
+        """``check=True``'s first half: raise ``ValueError`` if a valid request slot repeats
+        among the real rows (synchronizes)."""
+        _checks.unique_requests(self.req, self.num_real, self.cache.max_requests)
+
+    def raise_on_status(self, top_k_tokens) -> None:
+        """``check=True``'s second half: synchronize the step's stream and raise ``ValueError``
+        naming every row and entry the last swap flagged (``top_k_tokens``: that swap's)."""
+        with self.stream:  # a foreign array imports on the step's stream
+            topk = _checks.token_rows("top_k_tokens", top_k_tokens, self.device)
+        _checks.raise_on_status(self.cache.status[:self.batch], topk, self.seq_lens,
+                                max_len=self.cache.max_len,
+                                what="multi-step swap" if topk.ndim == 3 else "swap",
+                                stream=self.stream)
+
+    # ----------------------------------------------------------------- newest token
+    def _newest(self, record: bool) -> cupy.ndarray:
+        c = self.cache
+        return newest.newest_rows(
+            c.newest, req=self.req, lens=self.seq_lens, lens_stride=self.lens_stride,
+            num_real=self.num_real, key=self.dtypes, slot_locs=c.slot_locs[0],
+            slot_tokens=c.slot_tokens, host_locs=c.host_locs, hot_size=c.hot_size,
+            record=record, stream=self.stream)
+
+    def newest_rows(self) -> cupy.ndarray:
+        """Device row (in every layer) of each row's newest token ``seq_len - 1``: int32
+        ``[B]`` (a view valid until the next call), -1 for padding or invalid rows. The model
+        writes the step's KV there."""
+        return self._newest(False)
+
+    def backup_newest(self, *, write_host: bool = True) -> cupy.ndarray:
+        """Record each row's newest token in slot H of every layer (where this step's swaps find
+        it) and copy its device row, all layers, to its host row (one launch). Returns what
+        :meth:`newest_rows` returns.
+
+        Call once per decode step after the model wrote the step's KV, before any later swap
+        that may select that token (queue order on the step's stream guarantees it).
+
+        ``write_host=False``: record the token but leave its host row to another writer (a
+        tensor-parallel rank over a host pool shared with ranks that hold the same KV). The
+        caller must then order every later swap that may miss on the token after that writer's
+        copy (e.g. an interprocess event, ``examples/tp_decode.py --newest-writer rank0``).
+        """
+        c, B = self.cache, self.batch
+        rows = self._newest(True)
+        if write_host:
+            nb = c.newest
+            cp = copy_params(nb.src, nb.dst, nb.count, B, self.num_real,
+                             src_base=c.device.data.ptr, src_layer_bytes=c.device[0].nbytes,
+                             n_src_rows=c.device.shape[1], dst_base=c.pool.device_ptr(0),
+                             dst_layer_bytes=c.pool.layer_bytes, n_dst_rows=c.pool.n_rows,
+                             row_bytes=c.row_bytes, n_layers=c.n_layers)
+            launch_copy(cp, to_host=True, grid=default_copy_grid(B, 1, c.n_layers),
+                        stream=self.stream, pdl=self.pdl)
+        return rows
+
+    def finish(self) -> None:
+        """End the step: with a prefetcher, join its side streams into the step's stream."""
+        if self.prefetcher is not None:
+            self.prefetcher.finish(self.stream)

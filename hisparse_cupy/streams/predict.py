@@ -1,0 +1,115 @@
+"""Prediction mode's stager (``cu/predict.cu``): while a full layer computes, copy the rows the
+next full layer will probably miss into staging rows, on a side stream of its own.
+
+The guess: the tokens the full layer's swap just missed on that the next full layer's LRU slots
+do not hold either (its token -> slot table says so); neighbouring layers select largely the same
+tokens, so what is new to one is likely new to the next. The next full layer's copy reads every
+staged miss from its staging row (device memory) instead of the host; what the guess missed
+comes from the host as always. Misses, slots and bytes are exactly those without prediction (the
+resolve decides them); a wrong guess costs bandwidth. :class:`Predictor` is used by the
+:class:`~hisparse_cupy.Prefetcher`; the hazards it closes are numbered in
+``docs/overlap_hazards.md``.
+"""
+
+from __future__ import annotations
+
+import cupy
+
+from .. import _abi, _build
+from .._launch import Params, launch, ptr
+from ..plan import copy_params, launch_copy
+
+
+class Predictor:
+    """Staging rows, the stager's launches and its counters for one cache.
+
+    ``width`` rows staged per request at most; ``stream`` the stager's side stream; the
+    stager and its copy run on ``grid`` blocks (the replays' grid: no more SMs held beside
+    the compute) with ``rows_per_warp`` rows in flight per warp.
+
+    ``stats`` (uint64 ``[3]``, device): rows the predicted layers' swaps copied, rows of them
+    read from staging rows, rows staged.
+    """
+
+    def __init__(self, cache, width: int, stream: cupy.cuda.Stream):
+        c = self.cache = cache
+        self.width = W = width
+        self.stream = stream
+        self.rows = cupy.empty((c.max_batch * W, c.row_bytes), cupy.uint8)
+        self.src = cupy.full((c.max_batch, W), -1, cupy.int64)
+        self.dst = cupy.arange(c.max_batch * W, dtype=cupy.int32).reshape(c.max_batch, W)
+        self.count = cupy.zeros(c.max_batch, cupy.int32)
+        self.map = cupy.full(c.pool.n_rows, -1, cupy.int32)
+        self.topk = cupy.empty((c.max_batch, c.top_k), cupy.int32)  # the stager's own copy
+        self.stats = cupy.zeros(3, cupy.uint64)
+        self.done = cupy.cuda.Event(disable_timing=True)
+        self.host = [int(c.pool.device_ptr(i)) for i in range(c.n_layers)]
+        self._stagers: dict = {}  # (batch, K, next layer) -> stager Params
+        self._copies: dict = {}  # (batch, num_real, next layer) -> copy Params
+        # the copy struct's fields that make a swap's copy read staged rows
+        self.stage_fields = {
+            "stage_map": ptr(self.map), "stage_src": ptr(self.src),
+            "stage_count": ptr(self.count), "stage_base": ptr(self.rows),
+            "stage_stats": ptr(self.stats), "stage_width": W}
+        # pending staging: (full layer it made, the next full layer, batch) or None
+        self.pending: tuple[int, int, int] | None = None
+
+    def queue(self, step, made_by: int, nxt: int, topk: cupy.ndarray, fork: cupy.cuda.Event, *,
+              grid: int, rows_per_warp: int) -> None:
+        """Stage, after ``fork`` (recorded on the main stream after full layer ``made_by``'s
+        swap), the rows full layer ``nxt`` will probably miss."""
+        c, side = self.cache, self.stream
+        side.wait_event(fork)
+        B, K = topk.shape
+        snap = self.topk[:B, :K]
+        with side:  # the stager's own copy of the top-k, off the main stream (hazard 11)
+            snap[...] = topk
+        nr = step.num_real
+        hash_slots = _abi.hash_size(K, spread=2)  # a single-step plan row holds <= K misses
+        prm = self._stagers.get((B, K, nxt))
+        if prm is None:
+            prm = self._stagers[(B, K, nxt)] = Params(_abi.PREDICT_STAGE).set(
+                topk=ptr(snap), plan_src=ptr(c.plan.src), plan_count=ptr(c.plan.count),
+                host_locs=ptr(c.host_locs), slot_tokens=ptr(c.slot_tokens[nxt]),
+                token_slot=ptr(c.token_slot[nxt]), stage_map=ptr(self.map),
+                stage_src=ptr(self.src), stage_count=ptr(self.count),
+                stage_stats=ptr(self.stats), n_host_rows=c.pool.n_rows,
+                topk_stride=snap.strides[0] // 4, K=K, B=B, R=c.max_requests,
+                host_stride=c.max_len, slot_stride=c.slots, H=c.hot_size,
+                stage_width=self.width, plan_stride=c.plan.width, miss_hash_size=hash_slots)
+        prm.set(req=ptr(step.req), lens=ptr(step.seq_lens), num_real=ptr(nr),
+                lens_stride=step.lens_stride)  # the step's batch (any buffers)
+        launch(_build.kernel(_build.PREDICT[step.dtypes]), min(B, grid), _abi.PREDICT_BLOCK,
+               prm, shared_mem=_abi.smem_bytes("PREDICT_STAGE", MS=hash_slots), stream=side)
+        ck = (B, ptr(nr), nxt)
+        cp = self._copies.get(ck)
+        if cp is None:
+            cp = self._copies[ck] = copy_params(
+                self.src, self.dst, self.count, B, nr, src_base=self.host[nxt],
+                src_layer_bytes=0, n_src_rows=c.pool.n_rows, dst_base=self.rows.data.ptr,
+                dst_layer_bytes=0, n_dst_rows=self.rows.shape[0], row_bytes=c.row_bytes)
+        launch_copy(cp, grid=grid, stream=side, rows_per_warp=rows_per_warp)
+        self.done.record(side)
+        self.pending = (made_by, nxt, B)
+
+    def take(self, s: cupy.cuda.Stream, *, layer=None, anchor=None, batch: int = 0,
+             single_step: bool = False):
+        """Join a pending staging into main stream ``s`` (hazard 10). Returns the copy struct's
+        stage fields if it was made for full ``layer`` of this step (made by the last full layer
+        swapped, ``anchor``, for the same batch) and the call is single-step; else None."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        s.wait_event(self.done)
+        made_by, nxt, B = pending
+        if nxt != layer or made_by != anchor or B != batch or not single_step:
+            return None
+        return self.stage_fields
+
+    def summary(self) -> dict:
+        """``stats`` on the host (synchronizes the device), with precision (used / staged) and
+        recall (used / copied)."""
+        rows, used, staged = (int(v) for v in cupy.asnumpy(self.stats))
+        return {"rows": rows, "used": used, "staged": staged,
+                "precision": used / staged if staged else float("nan"),
+                "recall": used / rows if rows else float("nan")}
