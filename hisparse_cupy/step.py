@@ -75,17 +75,25 @@ class Step:
             raise ValueError("prefetcher drives another cache")
         self.dtypes = (self.req.dtype, self.seq_lens.dtype)
         self.device = cupy.cuda.runtime.getDevice()
-        req, lens, nr = self.req, self.seq_lens, self.num_real
-        self._resolve = swap.for_batch(c.resolve_structs, req, lens, self.lens_stride, B, nr)
+        # every layer's structs with the batch's fields, made by the step's first swap of each
+        # kind (a step of single-step swaps never copies the multi-step structs)
+        self._resolve = self._resolve_call = self._copy = None
+        self._ms = self._ms_call = None
+        self._launches: dict[tuple, tuple] = {}  # per top-k shape: launchers, grids, output
+
+    def _single_structs(self) -> None:
+        c, nr = self.cache, self.num_real
+        self._resolve = swap.for_batch(c.resolve_structs, self.req, self.seq_lens,
+                                       self.lens_stride, self.batch, nr)
         self._resolve_call = swap.CallFields(self._resolve)
         self._copy = c.copy_structs.copy()
-        self._copy.put_all(B=B, num_real=0 if nr is None else nr.data.ptr)
-        self._ms = self._ms_call = None
-        if c.multistep_structs is not None:
-            self._ms = multistep.for_batch(c.multistep_structs, req, lens, self.lens_stride,
-                                           self.lens_step, B, nr)
-            self._ms_call = multistep.CallFields(self._ms)
-        self._launches: dict[tuple, tuple] = {}  # per top-k shape: launchers, grids, output
+        self._copy.put_all(B=self.batch, num_real=0 if nr is None else nr.data.ptr)
+
+    def _multi_structs(self) -> None:
+        self._ms = multistep.for_batch(self.cache.multistep_structs, self.req, self.seq_lens,
+                                       self.lens_stride, self.lens_step, self.batch,
+                                       self.num_real)
+        self._ms_call = multistep.CallFields(self._ms)
 
     # ----------------------------------------------------------------- swaps
     def swap(self, layer: int, top_k_tokens=None, *, out=None, copy_grid: int | None = None,
@@ -148,6 +156,8 @@ class Step:
         out = self._out_arg(out, default_out, (B, K), hooks_out)
         if check:
             self.check_requests()
+        if self._resolve is None:
+            self._single_structs()
         self._resolve_call.write(layer, topk, out)
         if stage is None:
             swap.run(self._resolve, layer, self._copy, go, self.stream.ptr)
@@ -203,6 +213,8 @@ class Step:
         out = self._out_arg(out, default_out, (B, S, K), hooks_out)
         if check:
             self.check_requests()
+        if self._ms is None:
+            self._multi_structs()
         self._ms_call.write(layer, topk, out, go[0])
         multistep.run(self._ms, layer, go, self.stream.ptr)
         if check:

@@ -5,7 +5,8 @@ launch through each launch path.
 
 Per call, median over 5 rounds of 200 calls (time.perf_counter; the device is drained between
 rounds): ``swap_in`` (the stateless op, validates everything), ``cache.begin_step`` (validates
-the batch once), ``step.swap`` single-step and multi-step (checks only the top-k), and one
+the batch once; the step's structs are filled by its first swap of each kind, so
+``begin_step`` + its first ``step.swap`` is a step's fixed cost), ``step.swap`` single-step and multi-step (checks only the top-k), and one
 PDL launch of a one-argument kernel through this package's launcher and through
 ``cuda.core.launch`` with a ``LaunchConfig(programmatic_stream_serialization=True)`` (eager
 and while a CUDA graph is being captured).
@@ -155,6 +156,9 @@ def per_batch(B: int, stream, rng, prof: bool = False) -> dict:
         out=cache.out[:B], status=cache.status[:B], stream=stream), stream)
     r["begin_step"] = per_call_us(
         lambda: cache.begin_step(req, lens, stream=stream), stream)
+    # a step's fixed cost: the batch's validation, and its structs filled by its first swap
+    r["begin_step_first_swap"] = per_call_us(
+        lambda: cache.begin_step(req, lens, stream=stream).swap(0, topk), stream)
     step = cache.begin_step(req, lens, stream=stream)
     r["step_swap"] = per_call_us(lambda: step.swap(0, topk), stream)
     r["step_swap_multistep_S2"] = per_call_us(lambda: step.swap(1, topk2), stream)
