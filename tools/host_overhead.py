@@ -6,10 +6,11 @@ launch through each launch path.
 Per call, median over 5 rounds of 200 calls (time.perf_counter; the device is drained between
 rounds): ``swap_in`` (the stateless op, validates everything), ``cache.begin_step`` (validates
 the batch once; the step's structs are filled by its first swap of each kind, so
-``begin_step`` + its first ``step.swap`` is a step's fixed cost), ``step.swap`` single-step and multi-step (checks only the top-k), and one
-PDL launch of a one-argument kernel through this package's launcher and through
-``cuda.core.launch`` with a ``LaunchConfig(programmatic_stream_serialization=True)`` (eager
-and while a CUDA graph is being captured).
+``begin_step`` + its first ``step.swap`` is a step's fixed cost), ``step.swap`` single-step and
+multi-step (checks only the top-k), and one PDL launch of a one-argument kernel through this
+package's launcher and through ``cuda.core.launch`` with a
+``LaunchConfig(programmatic_stream_serialization=True)`` (eager and while a CUDA graph is
+being captured).
 """
 
 from __future__ import annotations
