@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import _abi
 from ._abi import N_STATUS, ST_BADROW, ST_NOHOST, ST_RANGE
 
 __all__ = [
@@ -195,9 +196,7 @@ def check_invariants(
 # the entries that count).
 # =============================================================================================
 
-_KEY_EMPTY = 0xFFFFFFFF
-_KEY_NEVER = 0xFFFFFFFE
-_KEY_AGE_MAX = 0xFFFFFFFD
+_KEY_EMPTY, _KEY_NEVER, _KEY_AGE_MAX = _abi.MS_KEY_EMPTY, _abi.MS_KEY_NEVER, _abi.MS_KEY_AGE_MAX
 _M32 = 0xFFFFFFFF
 
 

@@ -2,10 +2,10 @@
 layer's swap a few word writes and two launches.
 
 :meth:`HotBufferCache.begin_step` makes a :class:`Step` (FlashInfer's plan/run split): it checks
-the batch and fills the batch's fields of every layer's structs at once (each kernel family's
-``for_batch``); ``step.swap(layer, top_k)`` then checks the top-k, writes the call's fields
-(``CallFields``) and launches. A ``[B, K]`` top-k runs the single-step swap, a ``[B, S, K]`` one
-the multi-step swap, over the same hot buffers.
+the batch; the step's first swap of each kind fills the batch's fields of every layer's structs
+at once (each kernel family's ``for_batch``); every ``step.swap(layer, top_k)`` checks the
+top-k, writes the call's fields (``CallFields``) and launches. A ``[B, K]`` top-k runs the
+single-step swap, a ``[B, S, K]`` one the multi-step swap, over the same hot buffers.
 
 A step may be driven by hooks (a :class:`~hisparse_cupy.Prefetcher`, IndexCache shared-layer
 overlap): for each layer ``swap`` asks ``hooks.before_layer(step, layer, top_k)``, which returns
