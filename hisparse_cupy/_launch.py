@@ -1,7 +1,8 @@
 """The one launch path of the package, and the caller's stream.
 
-Every kernel takes one parameter struct by value (:mod:`hisparse_cupy._abi`): a :class:`Params`
-holds it as a one-element NumPy structured array. :func:`launch` queues a kernel with it through
+Every kernel takes one parameter struct by value (:mod:`hisparse_cupy._abi`): a :class:`Structs`
+holds one or many (one per layer) as bytes, written through word views; a :class:`Params` is one
+of them. :func:`launch` queues a kernel with it through
 the driver's ``cuLaunchKernelEx`` (called with ctypes; the driver copies the struct at the
 launch, and into
 the graph node under capture), with Programmatic Dependent Launch when ``pdl=True`` on a device
@@ -84,11 +85,6 @@ class Structs:
     def zeros(cls, dtype: np.dtype, n: int = 1) -> Structs:
         return cls(np.zeros(n, dtype))
 
-    @property
-    def arr(self) -> np.ndarray:
-        """The structs as a structured array view (for reading; write with :meth:`put`)."""
-        return self.raw.view(self.dtype)
-
     def copy(self) -> Structs:
         """A copy of every struct (as bytes: a structured copy is ten times slower; the copy's
         views are made without a structured view, a microsecond each on a per-step path)."""
@@ -127,12 +123,6 @@ class Structs:
         """A :class:`Params` view of struct ``i`` (writing it writes this array)."""
         return Params(_structs=self, _i=i)
 
-    def __len__(self) -> int:
-        return self.raw.shape[0] // self.itemsize
-
-    def rows(self) -> list[Params]:
-        return [self.row(i) for i in range(len(self))]
-
 
 class CallWriter:
     """Base of a kernel family's per-call writer (``CallFields`` in swap.py, multistep.py): the
@@ -159,11 +149,6 @@ class Params:
         self.structs = Structs.zeros(dtype) if _structs is None else _structs
         self.i = _i
         self.addr = self.structs.addr(_i)
-
-    @property
-    def arr(self) -> np.ndarray:
-        """The struct as a ``(1,)`` structured array view (reading; write with :meth:`set`)."""
-        return self.structs.arr[self.i:self.i + 1]
 
     def __getitem__(self, field: str) -> int:
         return self.structs.get(self.i, field)

@@ -43,7 +43,6 @@ class Predictor:
         self.topk = cupy.empty((c.max_batch, c.top_k), cupy.int32)  # the stager's own copy
         self.stats = cupy.zeros(3, cupy.uint64)
         self.done = cupy.cuda.Event(disable_timing=True)
-        self.host = [int(c.pool.device_ptr(i)) for i in range(c.n_layers)]
         self._stagers: dict = {}  # (batch, K, next layer) -> stager Params
         self._copies: dict = {}  # (batch, num_real, next layer) -> copy Params
         # the copy struct's fields that make a swap's copy read staged rows
@@ -85,7 +84,7 @@ class Predictor:
         cp = self._copies.get(ck)
         if cp is None:
             cp = self._copies[ck] = copy_params(
-                self.src, self.dst, self.count, B, nr, src_base=self.host[nxt],
+                self.src, self.dst, self.count, B, nr, src_base=c.pool.device_ptr(nxt),
                 src_layer_bytes=0, n_src_rows=c.pool.n_rows, dst_base=self.rows.data.ptr,
                 dst_layer_bytes=0, n_dst_rows=self.rows.shape[0], row_bytes=c.row_bytes)
         launch_copy(cp, grid=grid, stream=side, rows_per_warp=rows_per_warp)
