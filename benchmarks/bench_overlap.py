@@ -37,6 +37,11 @@ share of the IO: every layer moves the same rows), the compute slowdown, and the
 measured in the same run: a cudaMemcpyAsync H2D of the step's missed bytes and the replays
 alone on an idle GPU. Everything is queued on explicit non-blocking streams.
 
+The matmul's rows are calibrated per run (unless ``--matmul-m`` pins them), and the share hidden
+moves with them: at 78:64:0.05 the calibration picked 2688-3456 rows in four runs and the share
+hidden 49.6-51.4 %, against 58.0-60.1 % at 3840 rows. Pin ``--matmul-m`` to compare two trees
+(``benchmarks/NOTES.md``, "One house"); each configuration's line prints the rows it ran.
+
 Every offloaded step runs through the ``Prefetcher`` itself; the workload (its kernels, the
 cache, the steps) is ``_overlap_rig.py``, the tables and the plot ``_overlap_report.py``, the
 layer's matmul ``hisparse_cupy.demo.compute.LayerCompute`` (the decode loop's backends).
@@ -342,7 +347,7 @@ def main() -> None:
             payload["wall_s"] = time.perf_counter() - t0
             write_json(str(out), "bench_overlap.json", payload)  # partial results survive
             d = r["derived"]["graph"]
-            print(f"L{n_layers} B{B} {rate * 100:g}%: graph no-offload "
+            print(f"L{n_layers} B{B} {rate * 100:g}% (matmul M {rig.compute.m}): graph no-offload "
                   f"{r['modes']['graph']['no_offload']['median_ms']:.2f} ms, no-overlap "
                   f"{r['modes']['graph']['no_overlap']['median_ms']:.2f}, overlap "
                   f"{r['modes']['graph']['overlap']['median_ms']:.2f}; hidden "
