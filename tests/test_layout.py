@@ -76,9 +76,23 @@ def imports(mod: str, tree: ast.AST) -> set[str]:
 TREES = {m: ast.parse(p.read_text()) for m, p in NAMES.items()}
 
 
+# Private names of another library read on purpose, each with its reason (never the package's).
+FOREIGN = {
+    "hisparse_cupy.torch": {
+        "effects._register_effectful_op": "torch's only way to make an operator an ordered effect",
+        "effects._EffectType": "the effect kind that function takes",
+        "op._opoverload": "a CustomOpDef's OpOverload, what that function registers",
+    },
+}
+
+
 @pytest.mark.parametrize("mod", sorted(NAMES))
 def test_no_private_names_of_other_modules(mod):
-    assert private_reads(mod, TREES[mod]) == []
+    allowed = FOREIGN.get(mod, {})
+    reads = private_reads(mod, TREES[mod])
+    assert [r for r in reads if r.split(": ", 1)[1] not in allowed] == []
+    # the allowance is not stale: each allowed name is still read
+    assert sorted(allowed) == sorted({r.split(": ", 1)[1] for r in reads} & set(allowed))
 
 
 def test_the_rule_catches_a_private_read():

@@ -7,8 +7,9 @@ Per call, median over 5 rounds of 200 calls (time.perf_counter; the device is dr
 rounds): ``swap_in`` (the stateless op, validates everything), ``cache.begin_step`` (validates
 the batch once; the step's structs are filled by its first swap of each kind, so
 ``begin_step`` + its first ``step.swap`` is a step's fixed cost), ``step.swap`` single-step and
-multi-step (checks only the top-k), and one PDL launch of a one-argument kernel through this
-package's launcher and through ``cuda.core.launch`` with a
+multi-step (checks only the top-k), with torch installed ``step.swap`` on torch tensors and
+the ``hisparse::swap`` operator of :mod:`hisparse_cupy.torch`, and one PDL launch of a
+one-argument kernel through this package's launcher and through ``cuda.core.launch`` with a
 ``LaunchConfig(programmatic_stream_serialization=True)`` (eager and while a CUDA graph is
 being captured).
 """
@@ -163,6 +164,7 @@ def per_batch(B: int, stream, rng, prof: bool = False) -> dict:
     step = cache.begin_step(req, lens, stream=stream)
     r["step_swap"] = per_call_us(lambda: step.swap(0, topk), stream)
     r["step_swap_multistep_S2"] = per_call_us(lambda: step.swap(1, topk2), stream)
+    r.update(torch_ops(cache, req, lens, topk))
     if prof:
         profile(lambda: cache.begin_step(req, lens, stream=stream), "begin_step")
         profile(lambda: step.swap(0, topk), "step.swap")
@@ -170,6 +172,25 @@ def per_batch(B: int, stream, rng, prof: bool = False) -> dict:
     stream.synchronize()
     cache.close()
     return r
+
+
+def torch_ops(cache, req, lens, topk) -> dict:
+    """With torch installed: ``step.swap`` on torch tensors (DLPack imports) and the
+    ``hisparse::swap`` operator (``hisparse_cupy.torch``) called eagerly, on torch's stream."""
+    try:
+        import torch
+
+        from hisparse_cupy.interop import cupy_stream
+        from hisparse_cupy.torch import TorchCache
+    except ImportError:
+        return {}
+    req_t, lens_t, topk_t = (torch.from_dlpack(x) for x in (req, lens, topk))
+    ts = torch.cuda.current_stream()
+    tc = TorchCache(cache)
+    step = cache.begin_step(req_t, lens_t, stream=ts)
+    s = cupy_stream(ts)
+    return {"torch_step_swap": per_call_us(lambda: step.swap(0, topk_t), s),
+            "torch_op_swap": per_call_us(lambda: tc.swap(0, topk_t, req_t, lens_t), s)}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,254 @@
+"""The cache's step as PyTorch custom ops (``torch.library``), for engines that compile their
+model with ``torch.compile`` and capture it in CUDA graphs.
+
+DLPack calls cannot be traced by Dynamo, so a model that calls the CuPy API inside
+``torch.compile(fullgraph=True)`` does not compile. Here the step's calls are operators in the
+``hisparse`` namespace with fake (meta) implementations: Dynamo puts them in the graph as they
+are, and Inductor calls them as it would call any other operator. They take torch tensors and
+return fresh ones, and run on torch's current stream (the capture stream inside
+``torch.cuda.graph``).
+
+    from hisparse_cupy.torch import TorchCache
+    tc = TorchCache(cache)                    # or TorchCache(cache, prefetcher=pf)
+    rows = tc.device_rows                     # uint8 [n_layers, D, row_bytes], the cache's rows
+
+    @torch.compile(fullgraph=True)
+    def step(req, lens, top_k):               # torch tensors on the GPU
+        for layer in range(n_layers):
+            locs = tc.swap(layer, top_k[layer], req, lens)   # int32 [B, K]: rows of layer
+            kv = rows[layer][locs.clamp(min=0).long()]       # the layer's selected KV
+            ...
+        tc.finish()                           # with a prefetcher: join its side streams
+
+The operators (``torch.ops.hisparse.*``):
+
+- ``swap(cache, layer, top_k, req, seq_lens, num_real, rows) -> Tensor``:
+  :meth:`hisparse_cupy.Step.swap` of ``layer`` (``top_k`` ``[B, K]`` or ``[B, S, K]``; the
+  result has its shape, -1 for unused or invalid entries);
+- ``newest_rows(cache, req, seq_lens, num_real) -> Tensor`` and
+  ``backup_newest(cache, req, seq_lens, num_real, write_host, rows) -> Tensor``: the step's
+  newest-token rows (:meth:`Step.newest_rows`, :meth:`Step.backup_newest`);
+- ``finish(cache) -> ()``: :meth:`Step.finish`.
+
+Order. The operators change state that torch does not hold (the cache's tables, its device
+rows, the host pool), so they are registered as *ordered effects*: torch.compile threads an
+effect token through them, which keeps them in program order and never drops one (``finish``
+returns nothing). The model's own tensors order by data: a swap's result is what the model
+reads the rows through (``rows[layer][locs]``), so those reads follow the swap. ``rows`` (the
+cache's device rows, every layer) is an input of ``swap`` and ``backup_newest`` so that a KV
+write the model made into it earlier in the graph comes first. That write must land in the
+cache's own memory: Inductor re-inplaces a write into a graph input, and if a compiler hands the
+operator a copy of ``rows`` instead (the write went to the copy), the operator raises rather
+than work on rows that miss the write. They are not declared mutated: torch would then give
+each call a functional copy of the whole row array. So do not read ``rows`` before a swap and
+rely on the value after it: read the rows a swap returns, through its result.
+
+``cache`` is an integer naming the :class:`TorchCache` (Dynamo bakes it into the graph as a
+constant). The batch is validated once per (request, length, padding buffer, stream): a step
+with the same buffers, as in a CUDA graph or a compiled model with static inputs, reuses the
+validated batch. A prefetched shared layer's page table is the prefetcher's own buffer, so the
+operator copies it into its fresh result (one small copy on the stream).
+
+Needs torch (``pip install 'hisparse_cupy[interop]'`` with a CUDA extra); importing this module
+registers the operators once per process.
+"""
+
+# No `from __future__ import annotations` here: torch.library reads the operators' schemas from
+# their annotations, and it takes typing.Optional (not `X | None`) for an optional tensor.
+import itertools
+import weakref
+from typing import Optional
+
+try:
+    import torch
+except ImportError as e:  # pragma: no cover - the message is what a user sees
+    raise ImportError("hisparse_cupy.torch needs PyTorch, which is not installed: pip install "
+                      "'hisparse_cupy[interop]' (with the cuda12 or cuda13 extra that matches "
+                      "torch.version.cuda)") from e
+
+import cupy
+
+from .cache import HotBufferCache
+from .interop import to_torch
+
+__all__ = ["TorchCache"]
+
+Tensor = torch.Tensor
+_caches = weakref.WeakValueDictionary()  # id -> TorchCache
+_ids = itertools.count(1)
+
+
+class TorchCache:
+    """A :class:`~hisparse_cupy.HotBufferCache` (and optionally its
+    :class:`~hisparse_cupy.Prefetcher`) driven through the ``hisparse`` operators.
+
+    Attributes
+    ----------
+    cache, prefetcher
+    id : int, the ``cache`` argument of the operators.
+    device_rows : uint8 ``[n_layers, D, row_bytes]`` torch view of the cache's device rows
+        (``cache.device``): index it with a swap's result.
+
+    Keep the object alive while its operators may run (the registry holds it weakly).
+    """
+
+    def __init__(self, cache: HotBufferCache, prefetcher=None):
+        if not isinstance(cache, HotBufferCache):
+            raise TypeError(f"cache must be a HotBufferCache, got {type(cache).__name__}")
+        if prefetcher is not None and prefetcher.cache is not cache:
+            raise ValueError("prefetcher drives another cache")
+        self.cache, self.prefetcher = cache, prefetcher
+        self.device_rows = to_torch(cache.device)
+        self.id = next(_ids)
+        self._step = None  # (key, Step): the last validated batch
+        _caches[self.id] = self
+
+    # the model's calls (each one operator)
+    def swap(self, layer: int, top_k: Tensor, req: Tensor, seq_lens: Tensor,
+             num_real: Tensor | None = None) -> Tensor:
+        return torch.ops.hisparse.swap(self.id, layer, top_k, req, seq_lens, num_real,
+                                       self.device_rows)
+
+    def newest_rows(self, req: Tensor, seq_lens: Tensor, num_real: Tensor | None = None):
+        return torch.ops.hisparse.newest_rows(self.id, req, seq_lens, num_real)
+
+    def backup_newest(self, req: Tensor, seq_lens: Tensor, num_real: Tensor | None = None, *,
+                      write_host: bool = True) -> Tensor:
+        return torch.ops.hisparse.backup_newest(self.id, req, seq_lens, num_real, write_host,
+                                                self.device_rows)
+
+    def finish(self) -> None:
+        torch.ops.hisparse.finish(self.id)
+
+    # the operators' side
+    def step(self, req: Tensor, seq_lens: Tensor, num_real: Tensor | None):
+        """The :class:`~hisparse_cupy.Step` of this batch on torch's current stream (the last
+        one again when the buffers and the stream are the same)."""
+        s = torch.cuda.current_stream()
+        key = (req.data_ptr(), tuple(req.shape), req.dtype, seq_lens.data_ptr(),
+               tuple(seq_lens.shape), tuple(seq_lens.stride()), seq_lens.dtype,
+               None if num_real is None else num_real.data_ptr(), s.cuda_stream)
+        if self._step is None or self._step[0] != key:
+            st = self.cache.begin_step(
+                _view(req), _view(seq_lens), None if num_real is None else _view(num_real),
+                stream=s, prefetcher=self.prefetcher)
+            self._step = (key, st)
+        return self._step[1]
+
+    def check_rows(self, rows: Tensor) -> None:
+        """Raise if the operator was handed a copy of the cache's device rows (a compiler that
+        did not re-inplace the model's write into them)."""
+        own = self.device_rows
+        if rows.data_ptr() != own.data_ptr() or rows.shape != own.shape:
+            raise RuntimeError(
+                f"a hisparse operator got a copy of TorchCache.device_rows (data pointer "
+                f"{rows.data_ptr():#x}, the cache's {own.data_ptr():#x}): a write into the rows "
+                f"earlier in the graph went to a copy, not to the cache's rows. Pass "
+                f"TorchCache.device_rows itself (the TorchCache methods do) and write into it in "
+                f"place")
+
+
+def _cache(cache_id: int) -> TorchCache:
+    tc = _caches.get(cache_id)
+    if tc is None:
+        raise ValueError(f"no live TorchCache with id {cache_id} (keep the TorchCache alive "
+                         f"while compiled code calls its operators)")
+    return tc
+
+
+# ------------------------------------------------------------------ the operators
+@torch.library.custom_op("hisparse::swap", mutates_args=(), device_types="cuda")
+def _swap(cache: int, layer: int, top_k: Tensor, req: Tensor, seq_lens: Tensor,
+          num_real: Optional[Tensor], rows: Tensor) -> Tensor:  # noqa: UP045
+    tc = _cache(cache)
+    tc.check_rows(rows)
+    step = tc.step(req, seq_lens, num_real)
+    if tc.prefetcher is None:
+        out = torch.empty(top_k.shape, dtype=torch.int32, device=top_k.device)
+        step.swap(layer, _view(top_k), out=_view(out))
+        return out
+    return _copy_out(step.swap(layer, _view(top_k)), top_k.device, step.stream)
+
+
+@_swap.register_fake
+def _(cache, layer, top_k, req, seq_lens, num_real, rows):
+    return torch.empty(top_k.shape, dtype=torch.int32, device=top_k.device)
+
+
+@torch.library.custom_op("hisparse::newest_rows", mutates_args=(), device_types="cuda")
+def _newest_rows(cache: int, req: Tensor, seq_lens: Tensor,
+                 num_real: Optional[Tensor]) -> Tensor:  # noqa: UP045
+    step = _cache(cache).step(req, seq_lens, num_real)
+    return _copy_out(step.newest_rows(), req.device, step.stream)
+
+
+@_newest_rows.register_fake
+def _(cache, req, seq_lens, num_real):
+    return torch.empty(req.shape, dtype=torch.int32, device=req.device)
+
+
+@torch.library.custom_op("hisparse::backup_newest", mutates_args=(), device_types="cuda")
+def _backup_newest(cache: int, req: Tensor, seq_lens: Tensor, num_real: Optional[Tensor],  # noqa: UP045
+                   write_host: bool, rows: Tensor) -> Tensor:
+    tc = _cache(cache)
+    tc.check_rows(rows)
+    step = tc.step(req, seq_lens, num_real)
+    return _copy_out(step.backup_newest(write_host=write_host), req.device, step.stream)
+
+
+@_backup_newest.register_fake
+def _(cache, req, seq_lens, num_real, write_host, rows):
+    return torch.empty(req.shape, dtype=torch.int32, device=req.device)
+
+
+@torch.library.custom_op("hisparse::finish", mutates_args=())  # no tensor: every device
+def _finish(cache: int) -> None:
+    tc = _cache(cache)
+    if tc.prefetcher is not None:
+        tc.prefetcher.finish(torch.cuda.current_stream())
+
+
+@_finish.register_fake
+def _(cache):
+    return None
+
+
+def _register_ordered(*ops) -> None:
+    """Register ``ops`` as ordered side effects (the module docstring says why). The function
+    moved between torch releases; every release that has custom_op has one of them."""
+    from torch._higher_order_ops import effects
+
+    register = getattr(torch.library, "_register_effectful_op", None) or \
+        effects._register_effectful_op
+    for op in ops:
+        register(op._opoverload, effects._EffectType.ORDERED)
+
+
+_register_ordered(_swap, _newest_rows, _backup_newest, _finish)
+
+
+def _copy_out(res: cupy.ndarray, device, stream) -> Tensor:
+    """The package's buffer ``res`` (rewritten by later calls) copied, on ``stream``, into a
+    fresh torch tensor: an operator's result never aliases state."""
+    out = torch.empty(res.shape, dtype=torch.int32, device=device)
+    with stream:
+        _view(out)[...] = res
+    return out
+
+
+_DTYPES = {torch.int32: cupy.int32, torch.int64: cupy.int64, torch.uint8: cupy.uint8}
+
+
+def _view(t: Tensor):
+    """A CuPy array over the memory of the CUDA tensor ``t`` (same shape and strides), without
+    DLPack: an operator runs on torch's current stream, which every tensor it gets is ordered
+    on, so the import's stream handshake (tens of microseconds) has nothing to do. Another dtype
+    or device: ``t`` itself, which the step's checks then name."""
+    dt = _DTYPES.get(t.dtype)
+    if dt is None or not t.is_cuda or t.numel() == 0:
+        return t
+    item = t.element_size()
+    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), extent * item, t, t.device.index)
+    return cupy.ndarray(tuple(t.shape), dt, cupy.cuda.MemoryPointer(mem, 0),
+                        strides=tuple(st * item for st in t.stride()))
