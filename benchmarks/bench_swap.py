@@ -5,7 +5,8 @@ Each call starts from the same cache state (restored before it), 4 input sets ro
 events, warm-up excluded, median of >= 20 with p10/p90. The headline time ("swap us") is the
 marginal time of one swap (resolve + copy kernels) inside a CUDA graph of 8 back-to-back
 (restore, swap) pairs, restores subtracted: the time a swap adds to a captured decode step.
-Also shown: the same with the copy moving no bytes ("no-copy"), one swap per graph replay
+Also shown: the same with the layer counters on ("counted", beside a second uncounted run,
+"again"), with the copy moving no bytes ("no-copy"), one swap per graph replay
 ("one-graph", includes the graph launch latency; the empty-graph floor is printed first) and
 one eager Python call ("eager", includes validation and launch on the host). The ceiling is
 cudaMemcpyAsync H2D of the same bytes from the same pinned pool, timed the same two ways.
@@ -33,7 +34,7 @@ from _timing import (  # noqa: E402
     write_json,
 )
 
-from hisparse_cupy import HostKVPool, MissPlan, SwapState, swap_in  # noqa: E402
+from hisparse_cupy import HostKVPool, MissPlan, SwapState, _abi, swap_in  # noqa: E402
 
 K, H, P = 2048, 4096, 64
 MAX_LEN = 16384
@@ -90,10 +91,12 @@ def _time_swap(st, snap, per, req, seq, pool, device_rows, plan, out, status, st
         st.slot_tokens[...] = snap[0]
         st.lru[...] = snap[1]
 
-    def call(i, dry=False):
+    ctr = cupy.zeros(_abi.N_LAYER_COUNTERS, cupy.uint64)
+
+    def call(i, dry=False, counters=None):
         swap_in(per[i % NSETS], req, seq, st, host_rows=pool.device_ptr(0),
                 n_host_rows=pool.n_rows, device_rows=device_rows, plan=plan, out=out,
-                status=status, dry_run=dry, stream=stream)
+                status=status, dry_run=dry, counters=counters, stream=stream)
 
     eager = summary(time_calls(call, iters=iters, setup=restore, stream=stream))
     graphs = []
@@ -107,7 +110,13 @@ def _time_swap(st, snap, per, req, seq, pool, device_rows, plan, out, status, st
     chain = time_graph_chain(call, restore, n=CHAIN, iters=iters, stream=stream)
     dry = time_graph_chain(lambda i: call(i, True), restore, n=CHAIN, iters=iters,
                            stream=stream)
-    return {"eager": eager, "graph": graphed, "chain": chain, "dry": dry}
+    # the same chain with the layer counters on (what a HotBufferCache's swaps add), then
+    # without again: the two uncounted chains bound the run-to-run spread
+    counted = time_graph_chain(lambda i: call(i, counters=ctr), restore, n=CHAIN, iters=iters,
+                               stream=stream)
+    again = time_graph_chain(call, restore, n=CHAIN, iters=iters, stream=stream)
+    return {"eager": eager, "graph": graphed, "chain": chain, "dry": dry, "counted": counted,
+            "chain_again": again}
 
 
 def run(quick: bool, out_dir: str) -> dict:
@@ -167,6 +176,7 @@ def _line(r) -> str:
     c, g = r["chain"], r["graph"]
     base = (f"| {r['row_bytes']} | {r['batch']} | {r['miss_rate'] * 100:g} | {r['misses']} | "
             f"{c['median_us']:.1f} ({c['p10_us']:.1f}-{c['p90_us']:.1f}) | "
+            f"{r['counted']['median_us']:.1f} / {r['chain_again']['median_us']:.1f} | "
             f"{r['dry']['median_us']:.1f} | {g['median_us']:.1f} | {r['eager']['median_us']:.1f} |")
     if "memcpy" in r:
         return base + (f" {r['swap_GBps']:.1f} | {r['memcpy_chain']['median_us']:.1f} | "
@@ -175,9 +185,9 @@ def _line(r) -> str:
     return base + " - | - | - | - | - | - |"
 
 
-HEADER = ("| row B | batch | miss % | misses | swap us (p10-p90) | no-copy us | one-graph us "
-          "| eager us | swap GB/s | memcpy us | memcpy GB/s | ratio | one memcpy us | "
-          "one-call ratio |\n" + "|---" * 14 + "|")
+HEADER = ("| row B | batch | miss % | misses | swap us (p10-p90) | counted / again us | "
+          "no-copy us | one-graph us | eager us | swap GB/s | memcpy us | memcpy GB/s | ratio | "
+          "one memcpy us | one-call ratio |\n" + "|---" * 15 + "|")
 
 
 def _targets(results) -> list[dict]:

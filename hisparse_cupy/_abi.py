@@ -36,6 +36,15 @@ ST_BADROW = 2  # request slot outside [0, R), a negative seq_len, or no room (mu
 N_STATUS = 3
 STATUS_NAMES = ("range", "nohost", "badrow")
 
+# per-layer counters (uint64 [n_layers, N_LAYER_COUNTERS]: HotBufferCache.counters), added by
+# the last kernel of every swap for each real batch row it resolved (bad rows count nowhere)
+LC_ROWS = 0  # batch rows swapped (a multi-step call of a row counts once)
+LC_SELECTED = 1  # top-k entries they selected: K a row, S * K a multi-step row (-1 included)
+LC_MISSES = 2  # unique tokens copied from the host rows (the miss plan's entries)
+LC_FLAGGED = 3  # entries the status flagged (out of range, no host row)
+N_LAYER_COUNTERS = 4
+LAYER_COUNTERS = ("rows", "selected", "misses", "flagged")
+
 MAX_HOT = 32767  # single-step LRU entries are int16
 RESOLVE_BLOCK = 1024  # threads of the single-step resolve with one block per batch row
 RESOLVE_CLUSTER_BLOCK = 512  # threads of each block when a cluster of blocks resolves a row
@@ -81,6 +90,8 @@ PREDICT_KEY_EMPTY = -1
 
 CONSTANTS = {
     "ST_RANGE": ST_RANGE, "ST_NOHOST": ST_NOHOST, "ST_BADROW": ST_BADROW, "N_STATUS": N_STATUS,
+    "LC_ROWS": LC_ROWS, "LC_SELECTED": LC_SELECTED, "LC_MISSES": LC_MISSES,
+    "LC_FLAGGED": LC_FLAGGED, "N_LAYER_COUNTERS": N_LAYER_COUNTERS,
     "MAX_HOT": MAX_HOT, "RESOLVE_BLOCK": RESOLVE_BLOCK,
     "RESOLVE_CLUSTER_BLOCK": RESOLVE_CLUSTER_BLOCK, "RESOLVE_MAX_CLUSTER": RESOLVE_MAX_CLUSTER,
     "RESOLVE_VAL_ENTRY": RESOLVE_VAL_ENTRY, "RESOLVE_VAL_CLAIMED": RESOLVE_VAL_CLAIMED,
@@ -126,7 +137,7 @@ def _struct(fields: list[tuple[str, str]]) -> np.dtype:
 SWAP_RESOLVE = _struct([
     ("topk", _P), ("req", _P), ("lens", _P), ("num_real", _P), ("host_locs", _P),
     ("slot_tokens", _P), ("slot_locs", _P), ("lru", _P), ("out", _P), ("plan_src", _P),
-    ("plan_dst", _P), ("plan_count", _P), ("status", _P), ("token_slot", _P),
+    ("plan_dst", _P), ("plan_count", _P), ("status", _P), ("token_slot", _P), ("counters", _P),
     ("n_host_rows", "i8"),
     ("topk_stride", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"), ("host_stride", "i4"),
     ("slot_stride", "i4"), ("lru_stride", "i4"), ("H", "i4"), ("hash_size", "i4"),
@@ -180,6 +191,7 @@ MULTISTEP = _struct([  # gather and commit take the same struct
     ("pending", _P), ("miss_src", _P), ("miss_dst", _P), ("counters", _P), ("out", _P),
     ("host_base", _P), ("dev_base", _P),
     ("plan_src", _P), ("plan_dst", _P), ("plan_count", _P), ("status", _P), ("stats", _P),
+    ("layer_counters", _P),
     ("n_host_rows", "i8"),
     ("topk_stride", "i4"), ("S", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"),
     ("host_stride", "i4"), ("slot_stride", "i4"), ("H", "i4"), ("P", "i4"),

@@ -172,6 +172,14 @@ def sizes(name: str, arr, names: str) -> None:
                              f"({names[0]}{''.join(', ' + c for c in names[1:])})")
 
 
+def counters(x) -> tuple[int, ...]:
+    """A stand-alone call's ``counters=``: ``()`` for None, else the address of a uint64
+    ``[N_LAYER_COUNTERS]`` device array (what the kernel structs take, one per layer)."""
+    if x is None:
+        return ()
+    return (array("counters", x, np.uint64, shape=(_abi.N_LAYER_COUNTERS,)).data.ptr,)
+
+
 def index_vector(name: str, x, B: int | None = None) -> cupy.ndarray:
     """int32/int64 ``[B]`` device array (``B`` >= 1; checked against ``B`` when given)."""
     arr = array(name, x, (np.int32, np.int64), ndim=1)

@@ -11,12 +11,12 @@ It owns, for ``n_layers`` layers and ``max_requests`` request slots:
   ``[R, H]``; the token -> hot slot table ``token_slot`` int16 ``[R, max_len]`` (both swaps
   read and write it); with ``max_steps >= 2`` also the multi-step state (``scratch_locs``,
   reference epochs, clock: :class:`MultiStepState` views);
-- ``host_locs`` int64 ``[R, max_len]``: -1 until a token's host row has been written.
+- ``host_locs`` int64 ``[R, max_len]``: -1 until a token's host row is written; the counters.
 
 Per decode step :meth:`HotBufferCache.begin_step` returns a :class:`~hisparse_cupy.Step`
 (``hisparse_cupy/step.py``), which runs every layer's swap. Request lifecycle: :meth:`admit`,
 the steps, :meth:`release`. Every call is queued on a stream without host synchronization.
-:meth:`layer_tables` is the one list of the per-layer tables (reset, mirroring, snapshots).
+:meth:`layer_tables` lists the per-layer tables (reset, mirroring, snapshots).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 from . import _abi, _checks, multistep, swap
 from ._device import require_gpu
 from ._launch import Structs, as_stream
+from .counters import LayerCounters
 from .host_pool import HostKVPool
 from .mirror import mirror_rows
 from .multistep import MultiStepConfig, MultiStepState, MultiStepWorkspace, init_states
@@ -74,19 +75,22 @@ class HotBufferCache:
         :meth:`rows_needed`). Its contents are overwritten as requests are admitted. Default:
         the cache allocates them.
     token_table : bool
-        Keep a token -> hot slot table per layer and request (``SwapState.token_slot``,
-        int16 ``[n_layers, max_requests, max_len]``: 2 bytes per token of every layer), so
-        the single-step resolve looks each selected token up instead of hashing the top-k and
-        probing it with every hot slot (one block per batch row; measured faster at every
-        batch size when no or few tokens miss: benchmarks/NOTES.md). Default True; False gives
-        the hash resolve (a cluster of blocks per row at small batch); multi-step state
-        (``max_steps >= 2``) needs the table (its lookups use it).
+        Keep a token -> hot slot table (``SwapState.token_slot``, int16 ``[n_layers,
+        max_requests, max_len]``), so the single-step resolve looks each selected token up
+        instead of hashing the top-k (faster at every batch size when few tokens miss:
+        benchmarks/NOTES.md). Default True; False gives the hash resolve; ``max_steps >= 2``
+        needs the table.
+    counters : bool
+        Count every layer's swaps on the device (:attr:`counters`,
+        :class:`~hisparse_cupy.counters.LayerCounters`, read without a synchronize). Default
+        True; False: None, the kernels count nothing.
     """
 
     def __init__(self, *, n_layers: int, max_requests: int, max_len: int, row_bytes: int,
                  hot_size: int = 4096, top_k: int = 2048, extra_page: int = 64,
                  max_batch: int | None = None, max_steps: int = 1, scratch: int | None = None,
-                 pool: HostKVPool | None = None, device_rows=None, token_table: bool = True):
+                 pool: HostKVPool | None = None, device_rows=None, token_table: bool = True,
+                 counters: bool = True):
         self.n_layers = L = _checks.integer("n_layers", n_layers, 1)
         self.max_requests = R = _checks.integer("max_requests", max_requests, 1)
         self.max_len = _checks.integer("max_len", max_len, 1)
@@ -170,13 +174,13 @@ class HotBufferCache:
                     validate=False, token_slot=self.token_slot[layer], ref=self.ms_ref[layer],
                     clock=self.ms_clock[layer]))
         self._states = [self._swap_state(layer) for layer in range(L)]
+        self.counters = LayerCounters(L, self.row_bytes) if counters else None
         self._templates()
         self._free = list(range(R - 1, -1, -1))
         self._len: dict[int, int] = {}
         self._released: dict[int, cupy.cuda.Event] = {}
-        # The tables above were filled on CuPy's current stream; every later call takes any
-        # stream (admit's is often a non-blocking one, which nothing orders after these fills),
-        # so construction ends when they have landed.
+        # The tables were filled on CuPy's current stream; later calls take any stream (often a
+        # non-blocking one, not ordered after these fills): construction ends when they landed.
         cupy.cuda.get_current_stream().synchronize()
 
     @staticmethod
@@ -195,8 +199,10 @@ class HotBufferCache:
         kernel family's per-layer stage. A :class:`Step` copies them and fills the batch's
         fields for all layers at once, so a swap only writes its top-k's (plan/run)."""
         L, n_host = self.n_layers, self.pool.n_rows
+        count = [self.counters.address(i) for i in range(L)] if self.counters else ()
         self.resolve_structs = swap.layer_structs(self._states, status=self.status,
-                                                  plan=self.plan, n_host_rows=n_host)
+                                                  plan=self.plan, n_host_rows=n_host,
+                                                  counters=count)
         self.copy_structs = Structs.zeros(_abi.PLANNED_COPY, L)
         for layer in range(L):
             copy_params(self.plan.src, self.plan.dst, self.plan.count, 0, None,
@@ -207,7 +213,8 @@ class HotBufferCache:
         self.multistep_structs = None if not self._ms else multistep.layer_structs(
             self._ms, status=self.status, plan=self.plan,
             host_rows=[self.pool.device_ptr(i) for i in range(L)], n_host_rows=n_host,
-            device_rows=[self.device[i].data.ptr for i in range(L)], row_bytes=self.row_bytes)
+            device_rows=[self.device[i].data.ptr for i in range(L)], row_bytes=self.row_bytes,
+            counters=count)
 
     def _swap_state(self, layer: int) -> SwapState:
         return SwapState(self.host_locs, self.slot_tokens[layer], self.slot_locs[layer],
@@ -307,7 +314,7 @@ class HotBufferCache:
         return rid
 
     def _reset_slot(self, rid: int) -> None:
-        """Every per-layer table of request slot ``rid`` back to empty (on the current stream)."""
+        """Request slot ``rid``'s per-layer tables back to empty (on the current stream)."""
         self.slot_tokens[:, rid] = -1
         self.lru[:, rid] = cupy.arange(self.hot_size, dtype=cupy.int16)
         self.slot_locs[:, rid] = self._slot_layout[rid]  # undo multi-step rotations
@@ -339,13 +346,10 @@ class HotBufferCache:
         Parameters
         ----------
         kv : uint8 ``[n_layers, n, row_bytes]``
-            A GPU array (CuPy, or any DLPack exporter), each row contiguous: copied device ->
-            host rows by one planned-copy launch on ``stream`` (all layers), then the tokens'
-            host rows are recorded on the same stream; nothing synchronizes. Or a host array
-            (NumPy, or anything ``numpy.asarray`` takes): the CPU writes the rows once the work
-            queued before on ``stream`` has finished (that stream is synchronized, not the
-            device) and, for a slot being admitted, once its previous request's release has
-            (a GPU array's copy waits for that release on the device).
+            A GPU array (any DLPack exporter), rows contiguous: one device -> host copy on
+            ``stream``, then the host rows are recorded there; nothing synchronizes. A host
+            array: the CPU writes the rows after the work queued on ``stream`` (synchronized)
+            and, for a slot being admitted, its previous request's release.
         stream : any stream kind (default: CuPy's current stream).
         """
         rid = _checks.integer("rid", rid, 0, self.max_requests - 1)
@@ -397,9 +401,8 @@ class HotBufferCache:
                 self.host_locs[rid, start: start + n] = base + cupy.arange(n, dtype=cupy.int64)
 
     def release(self, rid: int, *, stream=None) -> None:
-        """Free request slot ``rid``: every table of it (slot tables, LRU order, multi-step
-        epochs, clock, rotated rows) and its host rows are reset (token -> slot entries are
-        never trusted without the slot table, so they stay)."""
+        """Free request slot ``rid``: its tables and host rows are reset (token -> slot entries,
+        never trusted without the slot table, stay)."""
         rid = _checks.integer("rid", rid, 0, self.max_requests - 1)
         if rid not in self._len:
             raise ValueError(f"request slot {rid} is not admitted")

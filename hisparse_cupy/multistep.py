@@ -282,6 +282,7 @@ def multistep_swap_in(
     status=None,
     num_real=None,
     check: bool = False,
+    counters=None,
     stream=None,
     pdl: bool | None = None,
 ) -> cupy.ndarray:
@@ -310,6 +311,8 @@ def multistep_swap_in(
     check : reject repeated valid request slots first (synchronizes), then run the call, then
         synchronize and raise ``ValueError`` if any status is set. When it raises, the call has
         completed: valid occurrences were resolved, the state updated and their bytes copied.
+    counters : uint64 ``[N_LAYER_COUNTERS]`` device array the call adds to
+        (:mod:`hisparse_cupy.counters`), or None.
     stream : CuPy, PyTorch or ``__cuda_stream__`` stream, or an int handle (default: CuPy's
         current stream).
     pdl : launch the commit with Programmatic Dependent Launch (default: where supported).
@@ -361,11 +364,12 @@ def multistep_swap_in(
             if not isinstance(plan, MissPlan):
                 raise TypeError("plan must be a MissPlan")
             plan.check_batch(B, S * K)
+        count = _checks.counters(counters)
     if check:
         _checks.unique_requests(req, nr, cfg.n_requests)
     st = for_batch(layer_structs([state], status=status, plan=plan, host_rows=[int(host_rows)],
                                  n_host_rows=n_host_rows, device_rows=[dev.data.ptr],
-                                 row_bytes=row_bytes),
+                                 row_bytes=row_bytes, counters=count),
                    req, lens, lens_stride, lens_step, B, nr)
     go = launches((req.dtype, lens.dtype), B, S, K, cfg.hot_size, resolve_pdl(pdl))
     CallFields(st).write(0, topk, out, go[0])
@@ -382,13 +386,16 @@ def multistep_swap_in(
 # output, S, K and the copy blocks: a few word writes).
 
 def layer_structs(states, *, status: cupy.ndarray, plan: MissPlan | None, host_rows,
-                  n_host_rows: int, device_rows, row_bytes: int) -> Structs:
+                  n_host_rows: int, device_rows, row_bytes: int, counters=()) -> Structs:
     """One multi-step struct per layer (``states``: each layer's :class:`MultiStepState`,
     ``host_rows`` / ``device_rows``: each layer's base address), every field that does not
-    depend on the batch or the call; ``plan`` None: no plan recorded."""
+    depend on the batch or the call; ``plan`` None: no plan recorded; ``counters``: each
+    layer's counters address (none: not counted)."""
     st = Structs.zeros(_abi.MULTISTEP, len(states))
     for i, (state, h, d) in enumerate(zip(states, host_rows, device_rows, strict=True)):
         state.params(st.row(i)).set(host_base=int(h), dev_base=int(d))
+    for i, c in enumerate(counters):
+        st.put(i, layer_counters=c)
     st.put_all(status=ptr(status), n_host_rows=n_host_rows, row_bytes=row_bytes)
     if plan is not None:
         st.put_all(plan_src=ptr(plan.src), plan_dst=ptr(plan.dst), plan_count=ptr(plan.count),

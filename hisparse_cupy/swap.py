@@ -227,12 +227,15 @@ class SwapState:
 # struct; a Step runs the last one per layer.
 
 def layer_structs(states, *, status: cupy.ndarray, plan: MissPlan,
-                  n_host_rows: int) -> Structs:
+                  n_host_rows: int, counters=()) -> Structs:
     """One resolve struct per layer (``states``: each layer's :class:`SwapState`) with every
-    field that does not depend on the batch or the call."""
+    field that does not depend on the batch or the call; ``counters``: each layer's counters
+    address (none: not counted)."""
     st = Structs.zeros(_abi.SWAP_RESOLVE, len(states))
     for i, state in enumerate(states):
         state.params(st.row(i))
+    for i, c in enumerate(counters):
+        st.put(i, counters=c)
     st.put_all(status=ptr(status), plan_src=ptr(plan.src), plan_dst=ptr(plan.dst),
                plan_count=ptr(plan.count), plan_stride=_checks.row_stride(plan.src),
                n_host_rows=n_host_rows)
@@ -310,6 +313,7 @@ def swap_in(
     check: bool = False,
     validate_state: bool = False,
     dry_run: bool = False,
+    counters=None,
     stream=None,
     pdl: bool | None = None,
 ) -> cupy.ndarray:
@@ -343,6 +347,8 @@ def swap_in(
         Without it the state is trusted (as every kernel of this package leaves it valid).
     dry_run : resolve and update the state but move no bytes (a measuring option: the copy runs
         :func:`hisparse_cupy.probe.copy_probe`'s instance).
+    counters : uint64 ``[N_LAYER_COUNTERS]`` device array the call adds to
+        (:mod:`hisparse_cupy.counters`), or None.
     stream : CuPy, PyTorch or ``__cuda_stream__`` stream, or an int handle (default: CuPy's
         current stream).
     pdl : launch the copy with Programmatic Dependent Launch (default: where supported).
@@ -383,6 +389,7 @@ def swap_in(
             status = cupy.empty((B, _abi.N_STATUS), cupy.int32)
         else:
             status = _checks.array("status", status, np.int32, shape=(B, _abi.N_STATUS))
+        count = _checks.counters(counters)
     if validate_state:
         s.synchronize()
         state.check_on_host(dev.shape[0])
@@ -390,7 +397,8 @@ def swap_in(
         _checks.unique_requests(req, nr, R)
 
     resolve = for_batch(layer_structs([state], status=status, plan=plan,
-                                      n_host_rows=n_host_rows), req, lens, lens_stride, B, nr)
+                                      n_host_rows=n_host_rows, counters=count),
+                        req, lens, lens_stride, B, nr)
     CallFields(resolve).write(0, topk, out)
     copy = copy_params(plan.src, plan.dst, plan.count, B, nr, src_base=host_rows,
                        src_layer_bytes=0, n_src_rows=n_host_rows, dst_base=dev.data.ptr,

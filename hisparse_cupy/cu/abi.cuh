@@ -23,6 +23,10 @@
 namespace hs {
 
 // ---- constants (values from _abi.py)
+constexpr int LC_ROWS = HS_LC_ROWS;
+constexpr int LC_SELECTED = HS_LC_SELECTED;
+constexpr int LC_MISSES = HS_LC_MISSES;
+constexpr int LC_FLAGGED = HS_LC_FLAGGED;
 constexpr int ST_RANGE = HS_ST_RANGE;
 constexpr int ST_NOHOST = HS_ST_NOHOST;
 constexpr int ST_BADROW = HS_ST_BADROW;
@@ -82,6 +86,7 @@ struct SwapResolveParams {
   i32* plan_count;         // [>= B]: misses of each row
   i32* status;             // [B, N_STATUS]
   i16* token_slot;         // [R, host_stride] token -> hot slot (swap_resolve<.., true>), or null
+  u64* counters;           // [N_LAYER_COUNTERS] the layer's counters (count_row), or null
   i64 n_host_rows;         // host rows of the layer: rows outside [0, n_host_rows) are missing
   i32 topk_stride, K, B, R, host_stride, slot_stride, lru_stride, H;
   i32 hash_size;           // shared hash slots (power of two >= 64)
@@ -200,6 +205,7 @@ struct MultiStepParams {
   i32* plan_count;         // [>= B] or null
   i32* status;             // [B, N_STATUS]
   i32* stats;              // [B, MS_N_STATS]
+  u64* layer_counters;     // [N_LAYER_COUNTERS] the layer's counters (count_row), or null
   i64 n_host_rows;
   i32 topk_stride, S, K, B, R, host_stride, slot_stride, H, P, scratch_stride, C;
   i32 ref_stride, table_size, compact_stride, out_stride, row_bytes, plan_stride;
@@ -324,6 +330,17 @@ __device__ __forceinline__ auto plan_dst_row(const P& p, i64 b) {
 template <typename P>
 __device__ __forceinline__ auto status_row(const P& p, i64 b) {
   return row_at(p.status, b, N_STATUS);
+}
+
+// The one writer of the per-layer counters (c: the layer's, or null): a real batch row's swap
+// adds the row, its selected entries, its unique misses and its flagged entries. One thread
+// per row, after the row's status is final.
+__device__ __forceinline__ void count_row(u64* c, int selected, int misses, int flagged) {
+  if (c == nullptr) return;
+  atomicAdd(c + LC_ROWS, 1ull);
+  atomicAdd(c + LC_SELECTED, static_cast<u64>(selected));
+  if (misses) atomicAdd(c + LC_MISSES, static_cast<u64>(misses));
+  if (flagged) atomicAdd(c + LC_FLAGGED, static_cast<u64>(flagged));
 }
 
 // The one writer of a batch row's status (st: its status_row; columns ST_*).

@@ -600,6 +600,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
   // ---- phase 7: per-row results and state
   if (tid == 0) {
     write_status(st, n_range, n_nohost, *sm.no_room);
+    count_row(p.layer_counters, S * K, M, n_range + n_nohost);
     if (plan_count) plan_count[b] = M;
     xs[X_MISS] = M;
     xs[X_ADMIT] = V;

@@ -202,6 +202,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
     if (rank == 0 && tid == 0) {
       plan_count[b] = 0;
       write_status(st, s_cnt[ST_RANGE], 0, 0);
+      count_row(p.counters, K, 0, s_cnt[ST_RANGE]);
     }
     return;
   }
@@ -454,6 +455,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
     if (tid == 0) {
       plan_count[b] = 0;
       write_status(st, s_cnt[ST_RANGE], 0, 0);
+      if (rank == 0) count_row(p.counters, K, 0, s_cnt[ST_RANGE]);
     }
     HS_PHASE(5);
     return;
@@ -563,6 +565,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   if (rank == 0 && tid == 0) {
     plan_count[b] = M;
     write_status(st, s_cnt[ST_RANGE], s_cnt[ST_NOHOST], 0);
+    count_row(p.counters, K, M, s_cnt[ST_RANGE] + s_cnt[ST_NOHOST]);
   }
   HS_PHASE(5);
 }

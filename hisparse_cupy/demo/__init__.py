@@ -90,6 +90,11 @@ def report_results(cfg: Config, results, extra: dict, title: str) -> int:
           f"offload overhead the overlap removes; GB/s = bytes moved per step / overhead; "
           f"swap us = Python time of one step.swap call (eager, measured on an idle stream)")
     print(report.table(rows))
+    lines = report.counter_lines(results)
+    if lines:
+        print("device counters (HotBufferCache.counters, read once per run; a shared layer a "
+              "prefetcher replays counts in its full layer):")
+        print("\n".join(lines))
     errors = report.self_check(results)
     extra = {**extra, "self_check": "passed" if not errors else errors}
     if cfg.json:

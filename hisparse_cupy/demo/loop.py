@@ -33,6 +33,10 @@ class RunResult:
     misses: np.ndarray  # per timed step: misses of the full layers' swaps
     swap_call_us: float | None  # eager: mean Python time of one step.swap call, measured in
     # warm-up steps 1.. that start on an idle stream (so no launch waits for queue space)
+    # offloaded runs: the cache's device counters over every step (LayerCounters.latest()),
+    # with "tally_misses" (the step's own count of the full layers' misses, every step) and
+    # "full" (the full-layer mask) for the self-check
+    counters: dict | None = None
 
 
 def coprime(n: int) -> int:
@@ -152,6 +156,7 @@ class Rig:
             cache, pf = self.cache, self.pf
             pf.finish(s)
             pf.set_enabled(mode == "overlap", stream=s)
+            cache.counters.reset(s)
             for rid in list(cache.active):
                 cache.release(rid, stream=s)
             rids = [cache.admit(c.context, stream=s) for _ in range(c.batch)]
@@ -256,8 +261,13 @@ class Rig:
         swap_us = None
         if exec_ == "eager" and self.swap_n:
             swap_us = 1e6 * self.swap_s / self.swap_n
+        ctr = None
+        if mode != "gpu-only":
+            ctr = {**self.cache.counters.read(s), "tally_misses": int(moved[:, 1].sum()),
+                   "full": np.asarray(self.full, bool)}
         return RunResult(mode, exec_, step_ms, cupy.asnumpy(self.digest),
-                         moved[w:, 0].astype(np.int64), moved[w:, 1].astype(np.int64), swap_us)
+                         moved[w:, 0].astype(np.int64), moved[w:, 1].astype(np.int64), swap_us,
+                         ctr)
 
     def close(self) -> None:
         self.free_cache()

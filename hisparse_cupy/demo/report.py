@@ -13,7 +13,8 @@ from .config import ROW_BYTES, Config
 
 def self_check(results) -> list[str]:
     """Errors: every run's attention outputs (per step and layer digests) must equal the
-    GPU-only run's bit for bit; the reference must hold real outputs."""
+    GPU-only run's bit for bit; the reference must hold real outputs; an offloaded run's device
+    counters must count the misses the step tallied itself, and every step's rows."""
     ref = next((r for r in results if r.mode == "gpu-only"), None)
     if ref is None:
         return ["no gpu-only run to check against"]
@@ -23,6 +24,7 @@ def self_check(results) -> list[str]:
     for r in results:
         if r is ref:
             continue
+        errors += _counter_errors(r, ref.digest.shape[0])
         bad = np.argwhere(r.digest != ref.digest)
         if bad.size:
             t, layer = bad[0]
@@ -30,6 +32,37 @@ def self_check(results) -> list[str]:
                           f"differs from gpu-only {ref.exec} ({len(bad)} (step, layer) pairs "
                           f"differ)")
     return errors
+
+
+def _counter_errors(r, steps: int) -> list[str]:
+    c = r.counters
+    if c is None:
+        return []
+    full, out = c["full"], []
+    if int(c["misses"][full].sum()) != c["tally_misses"]:
+        out.append(f"{r.mode} {r.exec}: the device counters count {int(c['misses'][full].sum())} "
+                   f"misses in the full layers, the step tallied {c['tally_misses']}")
+    rows = c["rows"][full]
+    if not (rows == rows[0]).all() or rows[0] % steps:
+        out.append(f"{r.mode} {r.exec}: full layers' counted rows {rows.tolist()} are not "
+                   f"{steps} steps of one batch")
+    return out
+
+
+def counter_lines(results) -> list[str]:
+    """One line per offloaded run: what its device counters say (full and shared layers)."""
+    out = []
+    for r in results:
+        c = r.counters
+        if c is None:
+            continue
+        f = c["full"]
+        sel, miss = c["selected"], c["misses"]
+        out.append(f"  {r.mode} {r.exec}: full layers hit rate "
+                   f"{1 - miss[f].sum() / max(1, sel[f].sum()):.4f}, {miss.sum()} misses, "
+                   f"{c['bytes'].sum() / 1e9:.2f} GB over {r.digest.shape[0]} steps; shared "
+                   f"layers swapped {int(c['rows'][~f].sum())} rows themselves")
+    return out
 
 
 def summarize(cfg: Config, results, n_full: int) -> list[dict]:
