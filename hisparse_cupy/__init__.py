@@ -22,6 +22,7 @@ _LAZY = {
     "GPUUnavailableError": "_device",
     "HostKVPool": "host_pool",
     "HotBufferCache": "cache",
+    "LayerCounters": "counters",
     "Step": "step",
     "MissPlan": "plan",
     "replay_plan": "plan",
