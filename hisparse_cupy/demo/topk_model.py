@@ -1,0 +1,224 @@
+"""Top-k streams shaped like published sparse-attention selections, and their measured shape.
+
+Each full layer of each request keeps an LRU recency stack of its tokens, most recent first; a
+step's top-k draws its entries by *stack depth*, so an exact LRU hot buffer of H slots misses
+exactly the entries drawn at depth >= H. The shape is set by:
+
+- ``curve``: the exact-LRU miss rate at a few hot-buffer sizes, as ``(H / K, miss)`` points.
+  The default is the HiSparse paper's GLM-5.1 measurement (K 2048, LongBenchV2): 30 % at H = K,
+  13.4 % at 2K, 6.7 % at 4K. Entries are drawn uniformly within each band of depths between two
+  points, and past the last point, over the rest of the stack.
+- ``layer_overlap``: the share of a full layer's entries that the previous full layer selected
+  in the same step (IndexCache measured 70-100 % for adjacent DSA layers; default 0.8).
+- ``low_layers`` and ``low_overlap``: the first full layers draw almost nothing from the
+  previous step. TensorRT-LLM measured about 1.5 % step-to-step overlap in DeepSeek-V3.2's
+  layers 0-1; the default is 2 such layers at 0.015. They copy nothing from another layer.
+- ``recent``: the newest tokens every top-k holds (the newest token included).
+
+One consequence of exact LRU: when every step selects K distinct tokens, a hot buffer of H = K
+slots holds exactly the previous step's selection. So the step-to-step overlap is
+``1 - miss(H = K)``, 70 % with the default curve. TensorRT-LLM's 44 % in DeepSeek-V3.2's middle
+layers is another model, and no single stream has both. :meth:`StreamShape.from_overlap` sets
+the curve's first point from a step overlap and keeps the rest (e.g. 0.44 -> 56 % at H = K).
+
+:func:`measure` re-derives the statistics from the generated top-k alone: exact-LRU miss rate
+per H (from the streams' starting history), step overlap and layer overlap. The demo prints
+them beside its figures, so the shape is checked, not assumed. NumPy only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+DEFAULT_CURVE = ((1.0, 0.30), (2.0, 0.134), (4.0, 0.067))
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamShape:
+    curve: tuple[tuple[float, float], ...] = DEFAULT_CURVE
+    layer_overlap: float = 0.8
+    low_layers: int = 2
+    low_overlap: float = 0.015
+    recent: int = 16
+
+    def __post_init__(self):
+        pts = tuple((float(r), float(m)) for r, m in self.curve)
+        if not pts or any(r <= 0 for r, _ in pts) or any(
+                b[0] <= a[0] for a, b in zip(pts, pts[1:], strict=False)):
+            raise ValueError(f"curve must be (H / K, miss) points with H / K > 0 increasing, "
+                             f"got {self.curve}")
+        if any(not 0.0 <= m <= 1.0 for _, m in pts) or any(
+                b[1] > a[1] for a, b in zip(pts, pts[1:], strict=False)):
+            raise ValueError(f"curve's miss rates must be in [0, 1] and not increase with H, "
+                             f"got {self.curve}")
+        for name in ("layer_overlap", "low_overlap"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("low_layers", "recent"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        object.__setattr__(self, "curve", pts)
+
+    @classmethod
+    def from_overlap(cls, step_overlap: float, **kw) -> StreamShape:
+        """The default curve with its H = K point at ``1 - step_overlap`` (what exact LRU
+        implies); the later points are kept, capped at that value."""
+        if not 0.0 <= step_overlap <= 1.0:
+            raise ValueError(f"step_overlap must be in [0, 1], got {step_overlap}")
+        first = 1.0 - step_overlap
+        curve = ((1.0, first),) + tuple((r, min(m, first)) for r, m in DEFAULT_CURVE[1:])
+        return cls(curve=curve, **kw)
+
+    @property
+    def step_overlap(self) -> float | None:
+        """The step-to-step overlap the curve implies (its H = K point), if it has one."""
+        return next((1.0 - m for r, m in self.curve if r == 1.0), None)
+
+    def bands(self, K: int, low: bool) -> list[tuple[int, float]]:
+        """``(depth where the band starts, share of the entries)`` for a layer's draws beside
+        the ``recent`` tokens (a low layer's overlap counts the recent tokens in)."""
+        r0 = max(0, self.recent - 1)
+        if low:
+            near = max(0.0, self.low_overlap * K - r0) / (K - self.recent)
+            return [(0, near), (K, 1.0 - near)]
+        # the recent tokens but the newest were selected last step (hits at every H): the
+        # draws make up the rest of each point's hits, so the curve holds over all K entries
+        out, start, hit = [], 0, 0.0  # hit: share of the draws at depths before `start`
+        for r, m in self.curve:
+            h = min(1.0, max(hit, ((1.0 - m) * K - r0) / (K - self.recent)))
+            out.append((start, h - hit))
+            start, hit = int(round(r * K)), h
+        out.append((start, 1.0 - hit))
+        return [(s, max(0.0, w)) for s, w in out]
+
+
+def _counts(n: int, shares: list[float], rng) -> np.ndarray:
+    """``n`` split by ``shares`` (largest remainders, ties at random)."""
+    w = np.asarray(shares, float)
+    w = w / w.sum() if w.sum() > 0 else np.full(len(w), 1.0 / len(w))
+    raw = n * w
+    c = np.floor(raw).astype(np.int64)
+    rest = n - int(c.sum())
+    if rest:
+        order = np.lexsort((rng.random(len(w)), -(raw - c)))
+        c[order[:rest]] += 1
+    return c
+
+
+class TopKStream:
+    """Top-k of ``n_full`` full layers for ``batch`` requests, one step at a time.
+
+    Each request starts with a warm history: its first ``context - 1`` tokens in a random
+    recency order (as if it had decoded for a while), one history for all but the low layers.
+    :meth:`step` returns int32 ``[n_full, batch, K]``; row (j, b) holds K distinct tokens of
+    ``[0, lens[b])``, the ``recent`` newest among them, in random order. ``initial`` holds
+    every stack as it started (for :func:`measure`).
+    """
+
+    def __init__(self, shape: StreamShape, *, n_full: int, batch: int, top_k: int, context: int,
+                 rng: np.random.Generator):
+        if top_k <= shape.recent:
+            raise ValueError(f"top_k ({top_k}) must exceed recent ({shape.recent})")
+        if context <= top_k:
+            raise ValueError(f"context ({context}) must exceed top_k ({top_k})")
+        self.shape, self.n_full, self.batch, self.K = shape, n_full, batch, top_k
+        self.rng = rng
+        # low layers: histories of their own; the others start from one history, which each
+        # then follows at layer_overlap (a steady state from the first step)
+        first = [rng.permutation(context - 1).astype(np.int64) for _ in range(batch)]
+        self.stacks = [[rng.permutation(context - 1).astype(np.int64) for _ in range(batch)]
+                       if j < shape.low_layers else [s.copy() for s in first]
+                       for j in range(n_full)]
+        self.initial = [[s.copy() for s in layer] for layer in self.stacks]
+
+    def step(self, lens) -> np.ndarray:
+        lens = np.asarray(lens, np.int64)
+        if lens.shape != (self.batch,):
+            raise ValueError(f"lens must have shape ({self.batch},), got {lens.shape}")
+        K, sh = self.K, self.shape
+        out = np.empty((self.n_full, self.batch, K), np.int32)
+        for b in range(self.batch):
+            n = int(lens[b])
+            recent = np.arange(n - 1, max(-1, n - 1 - sh.recent), -1, dtype=np.int64)
+            prev = None  # the previous full layer's draws of this step
+            for j in range(self.n_full):
+                low = j < sh.low_layers
+                stack = self.stacks[j][b]
+                free = stack[~np.isin(stack, recent)]
+                want = K - recent.size
+                share = 0.0  # of each band's draws, taken among the previous layer's tokens
+                if prev is not None and not low and j - 1 >= sh.low_layers:
+                    share = max(0.0, sh.layer_overlap * K - recent.size) / want
+                drawn = self._draw(free, want, sh.bands(K, low), recent.size, prev, share)
+                sel = np.concatenate([recent, drawn])
+                sel = self.rng.permutation(sel)  # the order ties in recency are taken in
+                out[j, b] = sel
+                self.stacks[j][b] = np.concatenate([sel, stack[~np.isin(stack, sel)]])
+                prev = drawn
+        return out
+
+    def _draw(self, free: np.ndarray, n: int, bands, shift: int, prefer, share: float):
+        """``n`` distinct tokens of ``free`` (a stack without the recent tokens: a depth ``d``
+        here is about ``d + shift`` in the whole stack) by the bands' shares; within each band,
+        up to ``share`` of its draws among the tokens of ``prefer`` it holds (so a layer follows
+        the previous one without leaving its own depth curve)."""
+        starts = [max(0, s - shift) for s, _ in bands] + [free.size]
+        counts = _counts(n, [w for _, w in bands], self.rng)
+        liked = np.isin(free, prefer) if share > 0 else None
+        picked, carry = [], 0
+        for i, c in enumerate(counts):
+            lo, hi = min(starts[i], free.size), min(max(starts[i + 1], starts[i]), free.size)
+            take = min(int(c) + carry, hi - lo)
+            carry += int(c) - take
+            if not take:
+                continue
+            pos = np.arange(lo, hi)
+            if liked is not None:
+                yes, no = pos[liked[lo:hi]], pos[~liked[lo:hi]]
+                k = min(yes.size, int(round(share * take)))
+                k = max(k, take - no.size)
+                picked += [self.rng.choice(yes, size=k, replace=False),
+                           self.rng.choice(no, size=take - k, replace=False)]
+            else:
+                picked.append(self.rng.choice(pos, size=take, replace=False))
+        idx = np.concatenate(picked) if picked else np.empty(0, np.int64)
+        if carry:  # bands beyond the stack: the rest from wherever is left
+            rest = np.setdiff1d(np.arange(free.size), idx)
+            idx = np.concatenate([idx, self.rng.choice(rest, size=carry, replace=False)])
+        return free[idx]
+
+
+def measure(steps: list[np.ndarray], initial, hots: tuple[int, ...]) -> dict:
+    """The shape of generated top-k ``steps`` (each ``[n_full, B, K]``), from the stacks they
+    started from (``TopKStream.initial``): per full layer, the exact-LRU miss rate at each H of
+    ``hots`` (``miss[H]``, ``[n_full]``), the step-to-step overlap (``step_overlap``) and the
+    overlap with the previous full layer (``layer_overlap``, NaN for layer 0)."""
+    n_full, B, K = steps[0].shape
+    miss = {H: np.zeros(n_full) for H in hots}
+    step_ov, layer_ov = np.zeros(n_full), np.zeros(n_full)
+    for j in range(n_full):
+        for b in range(B):
+            stack = initial[j][b].copy()
+            last = None
+            for t, s in enumerate(steps):
+                sel = s[j, b].astype(np.int64)
+                where = np.nonzero(np.isin(stack, sel))[0]
+                order = dict(zip(stack[where].tolist(), where.tolist(), strict=True))
+                depth = np.array([order.get(int(x), np.iinfo(np.int64).max) for x in sel])
+                for H in hots:
+                    miss[H][j] += (depth >= H).sum()
+                if last is not None:
+                    step_ov[j] += np.intersect1d(sel, last).size
+                if j:
+                    layer_ov[j] += np.intersect1d(sel, steps[t][j - 1, b]).size
+                stack = np.concatenate([sel, stack[~np.isin(stack, sel)]])
+                last = sel
+    T = len(steps)
+    out = {"miss": {H: m / (T * B * K) for H, m in miss.items()},
+           "step_overlap": step_ov / (max(1, T - 1) * B * K),
+           "layer_overlap": layer_ov / (T * B * K)}
+    out["layer_overlap"][0] = np.nan
+    return out

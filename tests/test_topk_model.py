@@ -1,0 +1,88 @@
+"""The top-k stream generator (``hisparse_cupy.demo.topk_model``): the shape it promises,
+measured on what it generated (exact-LRU miss rate per hot size, step and layer overlap)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hisparse_cupy.demo.topk_model import DEFAULT_CURVE, StreamShape, TopKStream, measure
+
+K, B, N_FULL, STEPS = 256, 2, 5, 40
+CONTEXT = 16 * K
+TOL = 0.01  # absolute, on shares of entries
+
+
+def _run(shape: StreamShape, seed: int = 0):
+    st = TopKStream(shape, n_full=N_FULL, batch=B, top_k=K, context=CONTEXT,
+                    rng=np.random.default_rng(seed))
+    lens = [np.full(B, CONTEXT + t) for t in range(STEPS)]
+    steps = [st.step(n) for n in lens]
+    return st, steps, lens
+
+
+def test_rows_are_distinct_valid_tokens_with_the_newest_in():
+    shape = StreamShape()
+    _, steps, lens = _run(shape)
+    for s, n in zip(steps, lens, strict=True):
+        assert s.shape == (N_FULL, B, K) and s.dtype == np.int32
+        for j in range(N_FULL):
+            for b in range(B):
+                row = s[j, b]
+                assert np.unique(row).size == K
+                assert row.min() >= 0 and row.max() < n[b]
+                assert np.isin(n[b] - 1 - np.arange(shape.recent), row).all()
+
+
+def test_the_default_shape_is_what_it_promises():
+    shape = StreamShape()
+    st, steps, _ = _run(shape, seed=1)
+    m = measure(steps, st.initial, tuple(int(r * K) for r, _ in DEFAULT_CURVE))
+    normal = slice(shape.low_layers, N_FULL)
+    for (_, miss), H in zip(DEFAULT_CURVE, m["miss"], strict=True):
+        assert np.abs(m["miss"][H][normal] - miss).max() < TOL, (H, m["miss"][H])
+    assert np.abs(m["step_overlap"][normal] - 0.70).max() < TOL, m["step_overlap"]
+    # layers after the first normal one follow it at layer_overlap
+    assert np.abs(m["layer_overlap"][shape.low_layers + 1:] - 0.8).max() < TOL, m
+    # low layers: nearly nothing from the previous step but the recent tokens
+    low = m["step_overlap"][:shape.low_layers]
+    assert (low < shape.recent / K + TOL).all(), low
+    assert (m["miss"][K][:shape.low_layers] > 0.9).all()
+
+
+def test_a_step_overlap_sets_the_curve_first_point():
+    shape = StreamShape.from_overlap(0.44)
+    assert shape.curve[0] == (1.0, pytest.approx(0.56)) and shape.step_overlap == \
+        pytest.approx(0.44)
+    st, steps, _ = _run(shape, seed=2)
+    m = measure(steps, st.initial, (K, 2 * K))
+    normal = slice(shape.low_layers, N_FULL)
+    assert np.abs(m["step_overlap"][normal] - 0.44).max() < TOL, m["step_overlap"]
+    assert np.abs(m["miss"][2 * K][normal] - 0.134).max() < TOL
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(curve=((1.0, 0.1), (2.0, 0.3))), "not increase"),
+    (dict(curve=((2.0, 0.3), (1.0, 0.1))), "increasing"),
+    (dict(curve=()), "curve"),
+    (dict(layer_overlap=1.5), "layer_overlap"),
+    (dict(low_overlap=-0.1), "low_overlap"),
+    (dict(recent=-1), "recent"),
+    (dict(low_layers=1.5), "low_layers"),
+])
+def test_bad_shapes_name_the_argument(kw, match):
+    with pytest.raises(ValueError, match=match):
+        StreamShape(**kw)
+
+
+def test_bad_sizes_name_the_argument():
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="top_k"):
+        TopKStream(StreamShape(), n_full=1, batch=1, top_k=16, context=100, rng=rng)
+    with pytest.raises(ValueError, match="context"):
+        TopKStream(StreamShape(), n_full=1, batch=1, top_k=64, context=64, rng=rng)
+    st = TopKStream(StreamShape(), n_full=1, batch=2, top_k=64, context=200, rng=rng)
+    with pytest.raises(ValueError, match="lens"):
+        st.step(np.array([201]))
+    with pytest.raises(ValueError, match="step_overlap"):
+        StreamShape.from_overlap(1.2)
