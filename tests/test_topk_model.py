@@ -86,3 +86,27 @@ def test_bad_sizes_name_the_argument():
         st.step(np.array([201]))
     with pytest.raises(ValueError, match="step_overlap"):
         StreamShape.from_overlap(1.2)
+
+
+def test_the_numpy_demo_runs_on_the_streams_and_reports_their_shape(capsys):
+    from hisparse_cupy.demo.config import cpu_config
+    from hisparse_cupy.demo.cpu import run
+
+    cfg = cpu_config(["--topk-model", "lru", "--layers", "12", "--steps", "8",
+                      "--step-overlap", "0.6", "--quiet"])
+    rep = run(cfg)["topk_shape"]  # the run's own self-check passed (it raises otherwise)
+    assert abs(rep["step_overlap"] - 0.6) < 0.03 and abs(rep["layer_overlap"] - 0.8) < 0.03
+    assert abs(rep["exact_lru_miss"][2 * cfg.top_k] - 0.134) < 0.03
+    assert "top-k streams as generated" in capsys.readouterr().out
+
+
+def test_the_gpu_loop_refuses_the_streams_with_a_message(monkeypatch):
+    import hisparse_cupy.demo as demo
+
+    monkeypatch.setattr(demo, "cupy_or_why", lambda: object())  # as if a GPU were there
+    with pytest.raises(SystemExit, match="--topk-model lru runs on the NumPy reference backend"):
+        demo.main(["--topk-model", "lru"])
+    with pytest.raises(SystemExit, match="--step-overlap must be in"):
+        demo.main(["--topk-model", "lru", "--step-overlap", "2"])
+    with pytest.raises(SystemExit, match="shape --topk-model lru's streams"):
+        demo.main(["--step-overlap", "0.5"])

@@ -151,6 +151,9 @@ def main(argv=None) -> int:
         run(cfg)
         return 0
     cfg = from_args(argv)
+    if cfg.topk_model != "drift":
+        raise SystemExit("demo: --topk-model lru runs on the NumPy reference backend so far; "
+                         "the GPU loop draws its top-k on the device with the drift model")
     if cfg.warmup < 1:
         raise SystemExit("demo: the GPU decode loop needs --warmup >= 1 (kernels compile, and "
                          "graphs are captured, after an eager step)")

@@ -20,7 +20,10 @@ class Config:
     context: int = 8192  # prompt tokens per request
     steps: int = 200  # timed steps
     warmup: int = 20
-    new_share: float = 0.05  # share of each top-k replaced per step
+    new_share: float = 0.05  # share of each top-k replaced per step (drift model)
+    topk_model: str = "drift"  # or "lru": demo.topk_model's streams (NumPy backend so far)
+    step_overlap: float | None = None  # lru: the curve's H = K point (None: the curve's own)
+    layer_overlap: float | None = None  # lru (None: 0.8)
     recent: int = 8  # newest tokens always selected
     top_k: int = 2048
     hot: int = 4096
@@ -76,6 +79,14 @@ class Config:
         need(self.mtp * self.top_k <= 8192, "--mtp x --top-k must be <= 8192")
         need(self.extra_page >= self.recent, "--extra-page must be >= --recent")
         need(self.pattern != "", "--pattern must not be empty")
+        need(self.topk_model in ("drift", "lru"),
+             f"--topk-model must be drift or lru, got {self.topk_model!r}")
+        need(self.step_overlap is None or 0.0 <= self.step_overlap <= 1.0,
+             f"--step-overlap must be in [0, 1], got {self.step_overlap}")
+        need(self.layer_overlap is None or 0.0 <= self.layer_overlap <= 1.0,
+             f"--layer-overlap must be in [0, 1], got {self.layer_overlap}")
+        need(self.topk_model == "lru" or (self.step_overlap, self.layer_overlap) == (None, None),
+             "--step-overlap and --layer-overlap shape --topk-model lru's streams")
         if self.pattern is not None:
             try:
                 self.pattern_obj()
@@ -139,8 +150,18 @@ def parser() -> argparse.ArgumentParser:
     a("--steps", type=int, default=d.steps, help="timed decode steps")
     a("--warmup", type=int, default=d.warmup, help="decode steps before timing")
     a("--new-share", type=float, default=d.new_share,
-      help="share of each top-k replaced by new tokens per step (0.01 = 1%%)")
+      help="drift: share of each top-k replaced by new tokens per step (0.01 = 1%%)")
     a("--recent", type=int, default=d.recent, help="newest tokens every top-k holds")
+    a("--topk-model", choices=("drift", "lru"), default=d.topk_model,
+      help="drift: each full layer's top-k keeps its tokens but --new-share a step; lru: "
+           "drawn by LRU stack depth on the published miss curve (30 / 13.4 / 6.7 %% at H = K "
+           "/ 2K / 4K), --layer-overlap between full layers, low-overlap first layers, the "
+           "measured shape printed (hisparse_cupy.demo.topk_model; NumPy backend so far)")
+    a("--step-overlap", type=float, default=d.step_overlap,
+      help="lru: share of a top-k the previous step selected (sets the curve at H = K; "
+           "default: the curve's 0.70)")
+    a("--layer-overlap", type=float, default=d.layer_overlap,
+      help="lru: share of a full layer's top-k the previous full layer selected (default 0.8)")
     a("--top-k", type=int, default=d.top_k, help="entries of each layer's top-k (K)")
     a("--hot", type=int, default=d.hot, help="hot slots per request (H)")
     a("--extra-page", type=int, default=d.extra_page, help="slots after the hot slots (P)")
@@ -208,6 +229,8 @@ def from_args(argv=None, *, check: bool = True) -> Config:
     execs = ("eager", "graph") if ns.eager_and_graph else (("graph",) if ns.graph else ("eager",))
     cfg = Config(layers=ns.layers, pattern=ns.pattern, batch=ns.batch, context=ns.context,
                  steps=ns.steps, warmup=ns.warmup, new_share=ns.new_share, recent=ns.recent,
+                 topk_model=ns.topk_model, step_overlap=ns.step_overlap,
+                 layer_overlap=ns.layer_overlap,
                  top_k=ns.top_k, hot=ns.hot, extra_page=ns.extra_page, hidden=ns.hidden,
                  mtp=ns.mtp, modes=modes,
                  execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)

@@ -45,6 +45,43 @@ def attention(q: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return (s / s.sum(axis=1, keepdims=True)) @ rows[:, :ROW_V]
 
 
+def _stream(cfg, n_full: int, rng):
+    """``--topk-model lru``'s generator (None for the drift model)."""
+    if cfg.topk_model != "lru":
+        return None
+    from .topk_model import StreamShape, TopKStream
+
+    kw = dict(layer_overlap=0.8 if cfg.layer_overlap is None else cfg.layer_overlap,
+              recent=cfg.recent)
+    shape = StreamShape(**kw) if cfg.step_overlap is None else \
+        StreamShape.from_overlap(cfg.step_overlap, **kw)
+    return TopKStream(shape, n_full=n_full, batch=cfg.batch, top_k=cfg.top_k,
+                      context=cfg.context, rng=rng)
+
+
+def _shape_report(cfg, stream, drawn) -> dict:
+    """The streams' shape as measured on what they generated, printed and returned."""
+    from .topk_model import measure
+
+    K = cfg.top_k
+    hots = tuple(sorted({K, 2 * K, 4 * K, cfg.hot}))
+    m = measure(drawn, stream.initial, hots)
+    low = stream.shape.low_layers
+    rest = slice(low, None)
+    miss = {H: float(np.nanmean(v[rest])) for H, v in m["miss"].items()}
+    rep = {"exact_lru_miss": miss, "step_overlap": float(np.mean(m["step_overlap"][rest])),
+           "layer_overlap": float(np.nanmean(m["layer_overlap"][low + 1:])),
+           "low_layers_step_overlap": [float(v) for v in m["step_overlap"][:low]],
+           "asked": dataclasses.asdict(stream.shape)}
+    print("top-k streams as generated (exact LRU from their starting history; full layers past "
+          f"the {low} low-overlap ones): miss " + ", ".join(
+              f"{100 * v:.1f} % at H {H}" for H, v in miss.items()) +
+          f"; step overlap {100 * rep['step_overlap']:.1f} %; layer overlap "
+          f"{100 * rep['layer_overlap']:.1f} %; low layers' step overlap " + ", ".join(
+              f"{100 * v:.1f} %" for v in rep["low_layers_step_overlap"]))
+    return rep
+
+
 def run(cfg) -> dict:
     """The decode loop of ``cfg`` (a :class:`hisparse_cupy.demo.config.Config`, see
     :func:`hisparse_cupy.demo.config.cpu_config`) on the NumPy backend: ``warmup + steps`` steps,
@@ -73,6 +110,7 @@ def run(cfg) -> dict:
     device[:, slot_locs[:, hot]] = host[:, np.arange(R) * max_len + context - 1]
     lru = np.tile(np.arange(hot, dtype=np.int16), (layers, R, 1))
     perm = np.stack([rng.permutation(context) for _ in range(len(pattern.full_layers))])
+    stream, drawn = _stream(cfg, len(pattern.full_layers), rng), []
     req = np.arange(R)
     record = []
     for t in range(steps):
@@ -86,13 +124,15 @@ def run(cfg) -> dict:
         q = rng.standard_normal((R, HEADS, ROW)).astype(np.float32)
         q /= np.linalg.norm(q, axis=2, keepdims=True)
         misses = 0
+        if stream is not None:
+            drawn.append(stream.step(lens))
         for layer in range(layers):
             if full[layer]:
                 j = pattern.full_layers.index(layer)
                 nrec = min(recent, t + 1)
                 win = (t * M + 7919 * req[:, None] + np.arange(top_k - nrec)) % context
                 topk = np.concatenate([perm[j][win], newest[:, None] - np.arange(nrec)[::-1]],
-                                      axis=1).astype(np.int32)
+                                      axis=1).astype(np.int32) if stream is None else drawn[-1][j]
             res = ref.swap_in(topk, req, lens, host_locs=host_locs, slot_tokens=tokens[layer],
                               slot_locs=slot_locs, lru=lru[layer], hot_size=hot,
                               n_host_rows=R * max_len)
@@ -120,6 +160,8 @@ def run(cfg) -> dict:
           f"{wall:.1f} s: self-check passed")
     result = {"backend": "numpy", "config": dataclasses.asdict(cfg), "wall_s": wall,
               "self_check": "passed", "steps": record}
+    if stream is not None:
+        result["topk_shape"] = _shape_report(cfg, stream, drawn)
     if cfg.json:
         with open(cfg.json, "w") as fh:
             json.dump(result, fh, indent=1)
