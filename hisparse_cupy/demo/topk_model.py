@@ -95,6 +95,13 @@ class StreamShape:
         return [(s, max(0.0, w)) for s, w in out]
 
 
+def _member(tokens: np.ndarray, of: np.ndarray, n: int) -> np.ndarray:
+    """Which of ``tokens`` (all in ``[0, n)``) are in ``of`` (a mask lookup, not a sort)."""
+    mask = np.zeros(n, bool)
+    mask[of] = True
+    return mask[tokens]
+
+
 def _counts(n: int, shares: list[float], rng) -> np.ndarray:
     """``n`` split by ``shares`` (largest remainders, ties at random)."""
     w = np.asarray(shares, float)
@@ -147,27 +154,28 @@ class TopKStream:
             for j in range(self.n_full):
                 low = j < sh.low_layers
                 stack = self.stacks[j][b]
-                free = stack[~np.isin(stack, recent)]
+                free = stack[~_member(stack, recent, n)]
                 want = K - recent.size
                 share = 0.0  # of each band's draws, taken among the previous layer's tokens
                 if prev is not None and not low and j - 1 >= sh.low_layers:
                     share = max(0.0, sh.layer_overlap * K - recent.size) / want
-                drawn = self._draw(free, want, sh.bands(K, low), recent.size, prev, share)
+                drawn = self._draw(free, want, sh.bands(K, low), recent.size, prev, share, n)
                 sel = np.concatenate([recent, drawn])
                 sel = self.rng.permutation(sel)  # the order ties in recency are taken in
                 out[j, b] = sel
-                self.stacks[j][b] = np.concatenate([sel, stack[~np.isin(stack, sel)]])
+                self.stacks[j][b] = np.concatenate([sel, stack[~_member(stack, sel, n)]])
                 prev = drawn
         return out
 
-    def _draw(self, free: np.ndarray, n: int, bands, shift: int, prefer, share: float):
+    def _draw(self, free: np.ndarray, n: int, bands, shift: int, prefer, share: float,
+              n_tokens: int):
         """``n`` distinct tokens of ``free`` (a stack without the recent tokens: a depth ``d``
         here is about ``d + shift`` in the whole stack) by the bands' shares; within each band,
         up to ``share`` of its draws among the tokens of ``prefer`` it holds (so a layer follows
         the previous one without leaving its own depth curve)."""
         starts = [max(0, s - shift) for s, _ in bands] + [free.size]
         counts = _counts(n, [w for _, w in bands], self.rng)
-        liked = np.isin(free, prefer) if share > 0 else None
+        liked = _member(free, prefer, n_tokens) if share > 0 else None
         picked, carry = [], 0
         for i, c in enumerate(counts):
             lo, hi = min(starts[i], free.size), min(max(starts[i + 1], starts[i]), free.size)
@@ -185,8 +193,10 @@ class TopKStream:
             else:
                 picked.append(self.rng.choice(pos, size=take, replace=False))
         idx = np.concatenate(picked) if picked else np.empty(0, np.int64)
-        if carry:  # bands beyond the stack: the rest from wherever is left
-            rest = np.setdiff1d(np.arange(free.size), idx)
+        if carry:  # bands beyond the stack (a short request): the rest from wherever is left
+            left = np.ones(free.size, bool)
+            left[idx] = False
+            rest = np.nonzero(left)[0]
             idx = np.concatenate([idx, self.rng.choice(rest, size=carry, replace=False)])
         return free[idx]
 
@@ -197,6 +207,8 @@ def measure(steps: list[np.ndarray], initial, hots: tuple[int, ...]) -> dict:
     ``hots`` (``miss[H]``, ``[n_full]``), the step-to-step overlap (``step_overlap``) and the
     overlap with the previous full layer (``layer_overlap``, NaN for layer 0)."""
     n_full, B, K = steps[0].shape
+    n = 1 + max(int(s.max()) for s in steps)
+    n = max(n, 1 + max(int(st.max()) for layer in initial for st in layer))
     miss = {H: np.zeros(n_full) for H in hots}
     step_ov, layer_ov = np.zeros(n_full), np.zeros(n_full)
     for j in range(n_full):
@@ -205,16 +217,16 @@ def measure(steps: list[np.ndarray], initial, hots: tuple[int, ...]) -> dict:
             last = None
             for t, s in enumerate(steps):
                 sel = s[j, b].astype(np.int64)
-                where = np.nonzero(np.isin(stack, sel))[0]
-                order = dict(zip(stack[where].tolist(), where.tolist(), strict=True))
-                depth = np.array([order.get(int(x), np.iinfo(np.int64).max) for x in sel])
+                rank = np.full(n, np.iinfo(np.int64).max)
+                rank[stack] = np.arange(stack.size)
+                depth = rank[sel]  # tokens never used: deeper than any H
                 for H in hots:
                     miss[H][j] += (depth >= H).sum()
                 if last is not None:
-                    step_ov[j] += np.intersect1d(sel, last).size
+                    step_ov[j] += _member(sel, last, n).sum()
                 if j:
-                    layer_ov[j] += np.intersect1d(sel, steps[t][j - 1, b]).size
-                stack = np.concatenate([sel, stack[~np.isin(stack, sel)]])
+                    layer_ov[j] += _member(sel, steps[t][j - 1, b], n).sum()
+                stack = np.concatenate([sel, stack[~_member(stack, sel, n)]])
                 last = sel
     T = len(steps)
     out = {"miss": {H: m / (T * B * K) for H, m in miss.items()},
