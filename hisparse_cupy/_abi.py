@@ -40,7 +40,7 @@ STATUS_NAMES = ("range", "nohost", "badrow")
 # the last kernel of every swap for each real batch row it resolved (bad rows count nowhere)
 LC_ROWS = 0  # batch rows swapped (a multi-step call of a row counts once)
 LC_SELECTED = 1  # top-k entries they selected: K a row, S * K a multi-step row (-1 included)
-LC_MISSES = 2  # unique tokens copied from the host rows (the miss plan's entries)
+LC_MISSES = 2  # unique misses (the miss plan's entries; a staged prediction's row counts too)
 LC_FLAGGED = 3  # entries the status flagged (out of range, no host row)
 N_LAYER_COUNTERS = 4
 LAYER_COUNTERS = ("rows", "selected", "misses", "flagged")

@@ -6,9 +6,12 @@ real batch row it resolved, one thread's atomics to the layer's row of :attr:`La
 (``_abi.LAYER_COUNTERS``): the row, the entries it selected (K, or S * K for a multi-step call;
 -1 entries included), its unique misses (the rows copied from the host) and its flagged entries
 (out of range, no host row). A row with a bad request slot or length counts nowhere (its status
-says so). A shared layer served by a :class:`~hisparse_cupy.Prefetcher`'s replay runs no swap:
-its full layer counts for it. Prediction's staged and used rows are the Predictor's
-``predict_stats`` (all layers).
+says so). A miss served from prediction's staging rows counts as a miss. A shared layer served
+by a :class:`~hisparse_cupy.Prefetcher`'s replay runs no swap and counts nothing: its replay
+moves its full layer's misses again, so the bytes a step moves are each full layer's ``bytes``
+times (1 + its shared layers). Prediction's staged and used rows are the Predictor's
+``predict_stats`` (all layers). ``hit_rate`` is 1 - misses / selected, and selected counts every
+entry (-1 entries, duplicates and the newest token included).
 
 An engine reads them every N steps: :meth:`LayerCounters.snapshot` queues a copy into pinned
 host memory on the step's stream, after the work queued there, and returns at once;
@@ -83,7 +86,11 @@ class LayerCounters:
         return self._last
 
     def reset(self, stream=None) -> None:
-        """Zero every counter, queued on ``stream`` (no wait)."""
+        """Zero every counter, queued on ``stream``; a snapshot in flight is waited for and
+        dropped, so :meth:`latest` returns nothing from before the reset."""
+        if self._event is not None:
+            self._event.synchronize()
+        self._event = self._last = None
         with as_stream(stream):
             self.device.fill(0)
 

@@ -46,8 +46,11 @@ rely on the value after it: read the rows a swap returns, through its result.
 ``cache`` is an integer naming the :class:`TorchCache` (Dynamo bakes it into the graph as a
 constant). The batch is validated once per (request, length, padding buffer, stream): a step
 with the same buffers, as in a CUDA graph or a compiled model with static inputs, reuses the
-validated batch. A prefetched shared layer's page table is the prefetcher's own buffer, so the
-operator copies it into its fresh result (one small copy on the stream).
+validated batch. With a prefetcher every result is a copy of the prefetcher's page-table buffer
+(one small copy on the stream), a full layer's top-k is copied into the TorchCache's own buffer
+(its shared layers and the prediction stager read it later), a shared layer must be given a
+top-k of its full layer's shape (which it ignores), and torch's current stream must not be the
+legacy default stream.
 
 Needs torch (``pip install 'hisparse_cupy[interop]'`` with a CUDA extra); importing this module
 registers the operators once per process.
@@ -101,6 +104,11 @@ class TorchCache:
         self.device_rows = to_torch(cache.device)
         self.id = next(_ids)
         self._step = None  # (key, Step): the last validated batch
+        self._anchor = self._full_rank = None  # the full layers' top-k copies (anchor_top_k)
+        if prefetcher is not None:  # allocated now: not inside a graph capture
+            n = cache.max_batch * max(1, cache.max_steps) * cache.top_k
+            self._anchor = cupy.empty((2, n), cupy.int32)
+            self._full_rank = {f: j for j, f in enumerate(prefetcher.pattern.full_layers)}
         _caches[self.id] = self
 
     # the model's calls (each one operator)
@@ -125,15 +133,33 @@ class TorchCache:
         """The :class:`~hisparse_cupy.Step` of this batch on torch's current stream (the last
         one again when the buffers and the stream are the same)."""
         s = torch.cuda.current_stream()
-        key = (req.data_ptr(), tuple(req.shape), req.dtype, seq_lens.data_ptr(),
-               tuple(seq_lens.shape), tuple(seq_lens.stride()), seq_lens.dtype,
-               None if num_real is None else num_real.data_ptr(), s.cuda_stream)
+        key = (_layout(req), _layout(seq_lens), None if num_real is None else _layout(num_real),
+               s.cuda_stream)
         if self._step is None or self._step[0] != key:
             st = self.cache.begin_step(
                 _view(req), _view(seq_lens), None if num_real is None else _view(num_real),
                 stream=s, prefetcher=self.prefetcher)
             self._step = (key, st)
         return self._step[1]
+
+    def anchor_top_k(self, layer: int, top_k: Tensor, stream):
+        """With a prefetcher: a full layer's top-k copied into the TorchCache's own buffer. Its
+        shared layers and the prediction stager read it after the operator returned, when torch
+        may already have reused the tensor's memory. A shared layer's is not read (its full
+        layer's is used)."""
+        pat = self.prefetcher.pattern
+        j = self._full_rank.get(pat.local_index(layer))
+        if j is None:  # a shared layer
+            return _view(top_k)
+        n = top_k.numel()
+        buf = self._anchor[j % 2]  # the stager of full layer j - 1 reads the other one until
+        # full layer j's swap joins it, after this copy
+        if n > buf.size or top_k.dtype != torch.int32 or not top_k.is_cuda:
+            return _view(top_k)  # no swap takes it: the swap's checks name what is wrong
+        own = buf[:n].reshape(tuple(top_k.shape))
+        with stream:
+            own[...] = _view(top_k)
+        return own
 
     def check_rows(self, rows: Tensor) -> None:
         """Raise if the operator was handed a copy of the cache's device rows (a compiler that
@@ -146,6 +172,11 @@ class TorchCache:
                 f"earlier in the graph went to a copy, not to the cache's rows. Pass "
                 f"TorchCache.device_rows itself (the TorchCache methods do) and write into it in "
                 f"place")
+
+
+def _layout(t: Tensor) -> tuple:
+    """What the Step's validation of ``t`` depends on."""
+    return t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device
 
 
 def _cache(cache_id: int) -> TorchCache:
@@ -167,7 +198,12 @@ def _swap(cache: int, layer: int, top_k: Tensor, req: Tensor, seq_lens: Tensor,
         out = torch.empty(top_k.shape, dtype=torch.int32, device=top_k.device)
         step.swap(layer, _view(top_k), out=_view(out))
         return out
-    return _copy_out(step.swap(layer, _view(top_k)), top_k.device, step.stream)
+    res = step.swap(layer, tc.anchor_top_k(layer, top_k, step.stream))
+    if res.shape != tuple(top_k.shape):
+        raise ValueError(f"layer {layer} is a shared layer: it returns its full layer's page "
+                         f"table, shape {res.shape}; pass a top_k of that shape (its full "
+                         f"layer's), got {tuple(top_k.shape)}")
+    return _copy_out(res, top_k.device, step.stream)
 
 
 @_swap.register_fake

@@ -17,13 +17,16 @@ from hisparse_cupy._twin import K, L, R, Twin, twin_tables
 pytestmark = pytest.mark.gpu
 
 
-def _expect(exp, layer, c, nr, width):
+def _expect(exp, layer, c, nr, width, counted):
+    """Add a call's expected counts: ``counted`` real rows (bad rows count nowhere), and the
+    plan counts and flags of the first ``nr`` rows (padding and bad rows have none)."""
     import cupy
 
     cnt = cupy.asnumpy(c.plan.count[:nr]).astype(np.int64)
     st = cupy.asnumpy(c.status[:nr]).astype(np.int64)
-    exp[layer] += [nr, nr * width, cnt.sum(), st[:, _abi.ST_RANGE].sum() + st[:, _abi.ST_NOHOST]
-                   .sum()]
+    assert (st[:, _abi.ST_BADROW] > 0).sum() == nr - counted  # the bad rows are the ones meant
+    exp[layer] += [counted, counted * width, cnt.sum(),
+                   st[:, _abi.ST_RANGE].sum() + st[:, _abi.ST_NOHOST].sum()]
 
 
 def _as_array(d) -> np.ndarray:
@@ -43,12 +46,18 @@ def test_counters_are_the_sums_of_every_call(rng, stream):
         nr = int(rng.integers(1, B + 1))  # rows >= nr are graph padding: not counted
         topk = t.topk(req, S=None if S == 1 else S, miss=float(rng.choice([0.0, 0.3, 1.0])))
         topk[0, ..., 0] = t.max_len + 7  # one entry out of range: flagged
-        step = c.begin_step(cupy.asarray(req.astype(np.int32)), cupy.asarray(t.lens[req]),
+        lens = t.lens[req].copy()
+        bad = 0
+        if it % 4 == 1 and nr >= 2:  # a positional row (length <= H: the swap changes nothing)
+            lens[1] = t.H // 2  # and a bad request slot (counts nowhere)
+            req = req.copy()
+            req[0], bad = R + 3, 1
+        step = c.begin_step(cupy.asarray(req.astype(np.int32)), cupy.asarray(lens),
                             cupy.asarray(np.int32(nr)), stream=stream)
         for layer in range(L):
             step.swap(layer, cupy.asarray(topk))
             stream.synchronize()
-            _expect(exp, layer, c, nr, K * S)
+            _expect(exp, layer, c, nr, K * S, nr - bad)
         if it % 3 == 2:  # a snapshot that never waits, then one read on demand
             queued = c.counters.snapshot(stream)
             assert queued
@@ -99,14 +108,22 @@ def test_stand_alone_ops_count_into_the_array_given(rng, stream):
     st = t.state()
     kw = dict(host_rows=t.pool.device_ptr(0), n_host_rows=t.pool.n_rows,
               device_rows=t.device_rows(), plan=t.plan, stream=stream)
-    req = np.array([0, 2], np.int32)
-    lens = np.array([200, 250], np.int64)
-    topk = rng.integers(0, 200, (2, 32)).astype(np.int32)
+    # the hash resolve (no token table: a cluster of blocks per row at small batch), one row
+    # positional (length <= H) with an entry out of range
+    req = np.array([0, 2, 3], np.int32)
+    lens = np.array([200, 250, 40], np.int64)
+    topk = rng.integers(0, 200, (3, 32)).astype(np.int32)
+    topk[2] = rng.integers(0, 40, 32)
+    topk[2, 5] = 45
     ctr = cupy.zeros(_abi.N_LAYER_COUNTERS, cupy.uint64)
-    swap_in(cupy.asarray(topk), cupy.asarray(req), cupy.asarray(lens), st, counters=ctr, **kw)
-    got = cupy.asnumpy(ctr)
-    assert got[_abi.LC_ROWS] == 2 and got[_abi.LC_SELECTED] == 64
-    assert got[_abi.LC_MISSES] == int(cupy.asnumpy(t.plan.count[:2]).sum())
+    status = cupy.empty((3, _abi.N_STATUS), cupy.int32)
+    swap_in(cupy.asarray(topk), cupy.asarray(req), cupy.asarray(lens), st, counters=ctr,
+            status=status, **kw)
+    got, sts = cupy.asnumpy(ctr), cupy.asnumpy(status)
+    assert got[_abi.LC_ROWS] == 3 and got[_abi.LC_SELECTED] == 96
+    assert got[_abi.LC_MISSES] == int(cupy.asnumpy(t.plan.count[:3]).sum()) > 0
+    flagged = int(sts[:, _abi.ST_RANGE].sum() + sts[:, _abi.ST_NOHOST].sum())
+    assert got[_abi.LC_FLAGGED] == flagged >= 1
     with pytest.raises(TypeError, match="counters"):
         swap_in(cupy.asarray(topk), cupy.asarray(req), cupy.asarray(lens), st,
                 counters=cupy.zeros(_abi.N_LAYER_COUNTERS, cupy.int64), **kw)

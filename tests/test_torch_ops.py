@@ -10,6 +10,7 @@ effects) in the compiled graph.
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import numpy as np
@@ -43,6 +44,7 @@ def _model(torch, tc, prefetch: bool):
 
     def step(req, lens, tk):
         locs, rows = [], []
+        tk = tk + 0  # an intermediate (its memory may be reused once the full layer's op ran)
         for layer in range(L):
             loc = tc.swap(layer, tk, req, lens)
             locs.append(loc)
@@ -157,8 +159,26 @@ def test_a_copy_of_the_rows_or_a_dead_cache_is_refused(rng):
         torch.ops.hisparse.swap(tc.id, 0, dev["tk"], dev["req"], dev["lens"], None,
                                 tc.device_rows.clone())
     np.testing.assert_array_equal(t.c.slot_tokens.get(), before)  # nothing ran
-    with pytest.raises(ValueError, match=r"no live TorchCache with id 0"):
-        torch.ops.hisparse.swap(0, 0, dev["tk"], dev["req"], dev["lens"], None, tc.device_rows)
+    gone = TorchCache(t.c)
+    gone_id = gone.id
+    del gone
+    gc.collect()
+    with pytest.raises(ValueError, match=rf"no live TorchCache with id {gone_id}"):
+        torch.ops.hisparse.swap(gone_id, 0, dev["tk"], dev["req"], dev["lens"], None,
+                                tc.device_rows)
+    # a prefetched shared layer returns its full layer's page table: its top-k must have that
+    # shape (the compiled graph's fake result has the top-k's)
+    from hisparse_cupy import Prefetcher
+
+    pc = TorchCache(t.c, Prefetcher(t.c, "FSS"))
+    main = torch.cuda.Stream()
+    with torch.cuda.stream(main):
+        pc.swap(0, dev["tk"], dev["req"], dev["lens"])
+        with pytest.raises(ValueError, match="layer 1 is a shared layer"):
+            pc.swap(1, dev["tk"][:, :8].contiguous(), dev["req"], dev["lens"])
+        pc.finish()
+    main.synchronize()
+    pc.prefetcher.synchronize()
     with pytest.raises(TypeError, match="cache must be a HotBufferCache"):
         TorchCache(object())
     t.c.close()

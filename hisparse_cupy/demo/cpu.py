@@ -67,6 +67,10 @@ def _shape_report(cfg, stream, drawn) -> dict:
     hots = tuple(sorted({K, 2 * K, 4 * K, cfg.hot}))
     m = measure(drawn, stream.initial, hots)
     low = stream.shape.low_layers
+    if stream.n_full <= low + 1:
+        print(f"top-k streams: {stream.n_full} full layers, none past the {low} low-overlap "
+              f"ones and their first: no shape to report")
+        return {}
     rest = slice(low, None)
     miss = {H: float(np.nanmean(v[rest])) for H, v in m["miss"].items()}
     rep = {"exact_lru_miss": miss, "step_overlap": float(np.mean(m["step_overlap"][rest])),

@@ -264,7 +264,7 @@ class Rig:
         ctr = None
         if mode != "gpu-only":
             ctr = {**self.cache.counters.read(s), "tally_misses": int(moved[:, 1].sum()),
-                   "full": np.asarray(self.full, bool)}
+                   "full": np.asarray(self.full, bool), "batch": c.batch}
         return RunResult(mode, exec_, step_ms, cupy.asnumpy(self.digest),
                          moved[w:, 0].astype(np.int64), moved[w:, 1].astype(np.int64), swap_us,
                          ctr)

@@ -132,6 +132,7 @@ class TopKStream:
         if context <= top_k:
             raise ValueError(f"context ({context}) must exceed top_k ({top_k})")
         self.shape, self.n_full, self.batch, self.K = shape, n_full, batch, top_k
+        self.context = context
         self.rng = rng
         # low layers: histories of their own; the others start from one history, which each
         # then follows at layer_overlap (a steady state from the first step)
@@ -145,6 +146,9 @@ class TopKStream:
         lens = np.asarray(lens, np.int64)
         if lens.shape != (self.batch,):
             raise ValueError(f"lens must have shape ({self.batch},), got {lens.shape}")
+        if (lens < self.context).any():
+            raise ValueError(f"lens must be >= context ({self.context}): the history holds "
+                             f"tokens up to context - 2, got {lens.tolist()}")
         K, sh = self.K, self.shape
         out = np.empty((self.n_full, self.batch, K), np.int32)
         for b in range(self.batch):
