@@ -4,7 +4,7 @@ without a synchronize on the step's stream.
 The last kernel of every swap (the single-step resolve, the multi-step commit) adds, for each
 real batch row it resolved, one thread's atomics to the layer's row of :attr:`LayerCounters.device`
 (``_abi.LAYER_COUNTERS``): the row, the entries it selected (K, or S * K for a multi-step call;
--1 entries included), its unique misses (the rows copied from the host) and its flagged entries
+-1 entries included), its unique misses (the miss plan's entries) and its flagged entries
 (out of range, no host row). A row with a bad request slot or length counts nowhere (its status
 says so). A miss served from prediction's staging rows counts as a miss. A shared layer served
 by a :class:`~hisparse_cupy.Prefetcher`'s replay runs no swap and counts nothing: its replay

@@ -93,7 +93,7 @@ def report_results(cfg: Config, results, extra: dict, title: str) -> int:
     lines = report.counter_lines(results)
     if lines:
         print("device counters (HotBufferCache.counters, read once per run; a shared layer a "
-              "prefetcher replays counts in its full layer):")
+              "prefetcher replays runs no swap and counts nothing):")
         print("\n".join(lines))
     errors = report.self_check(results)
     extra = {**extra, "self_check": "passed" if not errors else errors}
