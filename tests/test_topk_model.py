@@ -110,3 +110,27 @@ def test_the_gpu_loop_refuses_the_streams_with_a_message(monkeypatch):
         demo.main(["--topk-model", "lru", "--step-overlap", "2"])
     with pytest.raises(SystemExit, match="shape --topk-model lru's streams"):
         demo.main(["--step-overlap", "0.5"])
+
+
+def test_generate_in_parallel_equals_the_stream_step_by_step():
+    from hisparse_cupy.demo.topk_model import generate
+
+    shape = StreamShape()
+    lens = np.stack([np.array([CONTEXT + t, CONTEXT + 3 + t, CONTEXT + 7 + t])
+                     for t in range(6)])
+    st = TopKStream(shape, n_full=N_FULL, batch=3, top_k=K, context=CONTEXT,
+                    rng=np.random.default_rng(5))
+    stepped = np.stack([st.step(n) for n in lens])
+    for workers in (1, 2):
+        got, initial = generate(shape, n_full=N_FULL, top_k=K, context=CONTEXT, lens=lens,
+                                rng=np.random.default_rng(5), workers=workers)
+        np.testing.assert_array_equal(got, stepped)
+        for j in range(N_FULL):
+            for b in range(3):
+                np.testing.assert_array_equal(initial[j][b], st.initial[j][b])
+    with pytest.raises(ValueError, match="lens must be"):
+        generate(shape, n_full=1, top_k=K, context=CONTEXT, lens=[CONTEXT],
+                 rng=np.random.default_rng(0))
+    with pytest.raises(ValueError, match="rng must be"):
+        TopKStream(shape, n_full=1, batch=2, top_k=K, context=CONTEXT,
+                   rng=[np.random.default_rng(0)])

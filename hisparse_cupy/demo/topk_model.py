@@ -123,23 +123,29 @@ class TopKStream:
     :meth:`step` returns int32 ``[n_full, batch, K]``; row (j, b) holds K distinct tokens of
     ``[0, lens[b])``, the ``recent`` newest among them, in random order. ``initial`` holds
     every stack as it started (for :func:`measure`).
+
+    ``rng``: a generator, whose ``spawn(batch)`` children draw the requests (each request's
+    draws are its own: :func:`generate` makes them in parallel, the same), or one generator per
+    request.
     """
 
     def __init__(self, shape: StreamShape, *, n_full: int, batch: int, top_k: int, context: int,
-                 rng: np.random.Generator):
+                 rng):
         if top_k <= shape.recent:
             raise ValueError(f"top_k ({top_k}) must exceed recent ({shape.recent})")
         if context <= top_k:
             raise ValueError(f"context ({context}) must exceed top_k ({top_k})")
         self.shape, self.n_full, self.batch, self.K = shape, n_full, batch, top_k
         self.context = context
-        self.rng = rng
+        self.rngs = list(rng.spawn(batch)) if isinstance(rng, np.random.Generator) else list(rng)
+        if len(self.rngs) != batch:
+            raise ValueError(f"rng must be a Generator or {batch} of them, got {len(self.rngs)}")
         # low layers: histories of their own; the others start from one history, which each
         # then follows at layer_overlap (a steady state from the first step)
-        first = [rng.permutation(context - 1).astype(np.int64) for _ in range(batch)]
-        self.stacks = [[rng.permutation(context - 1).astype(np.int64) for _ in range(batch)]
-                       if j < shape.low_layers else [s.copy() for s in first]
-                       for j in range(n_full)]
+        perm = [[g.permutation(context - 1).astype(np.int64) for _ in range(1 + shape.low_layers)]
+                for g in self.rngs]
+        self.stacks = [[perm[b][1 + j].copy() if j < shape.low_layers else perm[b][0].copy()
+                        for b in range(batch)] for j in range(n_full)]
         self.initial = [[s.copy() for s in layer] for layer in self.stacks]
 
     def step(self, lens) -> np.ndarray:
@@ -163,22 +169,24 @@ class TopKStream:
                 share = 0.0  # of each band's draws, taken among the previous layer's tokens
                 if prev is not None and not low and j - 1 >= sh.low_layers:
                     share = max(0.0, sh.layer_overlap * K - recent.size) / want
-                drawn = self._draw(free, want, sh.bands(K, low), recent.size, prev, share, n)
+                drawn = self._draw(free, want, sh.bands(K, low), recent.size, prev, share, n,
+                                   self.rngs[b])
                 sel = np.concatenate([recent, drawn])
-                sel = self.rng.permutation(sel)  # the order ties in recency are taken in
+                sel = self.rngs[b].permutation(sel)  # the order ties in recency are taken in
                 out[j, b] = sel
                 self.stacks[j][b] = np.concatenate([sel, stack[~_member(stack, sel, n)]])
                 prev = drawn
         return out
 
-    def _draw(self, free: np.ndarray, n: int, bands, shift: int, prefer, share: float,
-              n_tokens: int):
+    @staticmethod
+    def _draw(free: np.ndarray, n: int, bands, shift: int, prefer, share: float, n_tokens: int,
+              rng: np.random.Generator):
         """``n`` distinct tokens of ``free`` (a stack without the recent tokens: a depth ``d``
         here is about ``d + shift`` in the whole stack) by the bands' shares; within each band,
         up to ``share`` of its draws among the tokens of ``prefer`` it holds (so a layer follows
         the previous one without leaving its own depth curve)."""
         starts = [max(0, s - shift) for s, _ in bands] + [free.size]
-        counts = _counts(n, [w for _, w in bands], self.rng)
+        counts = _counts(n, [w for _, w in bands], rng)
         liked = _member(free, prefer, n_tokens) if share > 0 else None
         picked, carry = [], 0
         for i, c in enumerate(counts):
@@ -192,17 +200,46 @@ class TopKStream:
                 yes, no = pos[liked[lo:hi]], pos[~liked[lo:hi]]
                 k = min(yes.size, int(round(share * take)))
                 k = max(k, take - no.size)
-                picked += [self.rng.choice(yes, size=k, replace=False),
-                           self.rng.choice(no, size=take - k, replace=False)]
+                picked += [rng.choice(yes, size=k, replace=False),
+                           rng.choice(no, size=take - k, replace=False)]
             else:
-                picked.append(self.rng.choice(pos, size=take, replace=False))
+                picked.append(rng.choice(pos, size=take, replace=False))
         idx = np.concatenate(picked) if picked else np.empty(0, np.int64)
         if carry:  # bands beyond the stack (a short request): the rest from wherever is left
             left = np.ones(free.size, bool)
             left[idx] = False
             rest = np.nonzero(left)[0]
-            idx = np.concatenate([idx, self.rng.choice(rest, size=carry, replace=False)])
+            idx = np.concatenate([idx, rng.choice(rest, size=carry, replace=False)])
         return free[idx]
+
+
+def _one_request(args) -> tuple[np.ndarray, list[np.ndarray]]:
+    shape, n_full, top_k, context, lens, rng = args
+    st = TopKStream(shape, n_full=n_full, batch=1, top_k=top_k, context=context, rng=[rng])
+    initial = [layer[0].copy() for layer in st.initial]
+    return np.stack([st.step(n[None])[:, 0] for n in lens]), initial
+
+
+def generate(shape: StreamShape, *, n_full: int, top_k: int, context: int, lens,
+             rng: np.random.Generator, workers: int | None = None):
+    """Every step at once, the requests in parallel processes (they draw independently):
+    ``lens`` int ``[steps, batch]`` -> (int32 ``[steps, n_full, batch, K]``, the initial stacks
+    as :attr:`TopKStream.initial` holds them). Equal to a :class:`TopKStream` of the same
+    ``rng`` stepped through ``lens``. ``workers``: processes (None: one per CPU; 1: none)."""
+    lens = np.asarray(lens, np.int64)
+    if lens.ndim != 2:
+        raise ValueError(f"lens must be [steps, batch], got shape {lens.shape}")
+    jobs = [(shape, n_full, top_k, context, lens[:, b], g)
+            for b, g in enumerate(rng.spawn(lens.shape[1]))]
+    if workers == 1 or len(jobs) == 1:
+        parts = [_one_request(j) for j in jobs]
+    else:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(workers) as ex:
+            parts = list(ex.map(_one_request, jobs))
+    out = np.stack([p[0] for p in parts], axis=2)
+    return out, [[p[1][j] for p in parts] for j in range(n_full)]
 
 
 def measure(steps: list[np.ndarray], initial, hots: tuple[int, ...]) -> dict:
