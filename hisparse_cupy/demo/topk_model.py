@@ -115,11 +115,20 @@ def _counts(n: int, shares: list[float], rng) -> np.ndarray:
     return c
 
 
+def _history(rng: np.random.Generator, context: int, recent: int) -> np.ndarray:
+    """A warm recency stack of tokens ``[0, context - 1)``: the newest ``recent - 1`` first (every
+    earlier step selected them), the rest in random order."""
+    top = np.arange(context - 2, max(-1, context - 1 - recent), -1, dtype=np.int64)
+    rest = rng.permutation(context - 1 - top.size).astype(np.int64)
+    return np.concatenate([top, rest])
+
+
 class TopKStream:
     """Top-k of ``n_full`` full layers for ``batch`` requests, one step at a time.
 
     Each request starts with a warm history: its first ``context - 1`` tokens in a random
-    recency order (as if it had decoded for a while), one history for all but the low layers.
+    recency order but the newest on top (as if it had decoded for a while), one history for all
+    but the low layers.
     :meth:`step` returns int32 ``[n_full, batch, K]``; row (j, b) holds K distinct tokens of
     ``[0, lens[b])``, the ``recent`` newest among them, in random order. ``initial`` holds
     every stack as it started (for :func:`measure`).
@@ -142,7 +151,7 @@ class TopKStream:
             raise ValueError(f"rng must be a Generator or {batch} of them, got {len(self.rngs)}")
         # low layers: histories of their own; the others start from one history, which each
         # then follows at layer_overlap (a steady state from the first step)
-        perm = [[g.permutation(context - 1).astype(np.int64) for _ in range(1 + shape.low_layers)]
+        perm = [[_history(g, context, shape.recent) for _ in range(1 + shape.low_layers)]
                 for g in self.rngs]
         self.stacks = [[perm[b][1 + j].copy() if j < shape.low_layers else perm[b][0].copy()
                         for b in range(batch)] for j in range(n_full)]
