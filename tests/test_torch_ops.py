@@ -124,6 +124,9 @@ def test_compiled_and_graphed_steps_equal_eager_and_the_oracle(rng, prefetch):
                 assert bool((o[2] >= 0).all()), (it, S)  # a row for every newest token
             locs = outs[0][0].cpu().numpy()
             assert (locs >= 0).sum() > L * B * K // 2  # real rows were compared
+            # multi-step misses take scratch rows in the order the gather's threads claim them:
+            # from such a call on, the caches' row layouts may differ (not their bytes)
+            diverged |= S > 1
             if not diverged:  # the same row layout: the same page tables and newest rows
                 for o in outs[1:]:
                     assert torch.equal(outs[0][0], o[0]) and torch.equal(outs[0][2], o[2]), it
@@ -133,9 +136,6 @@ def test_compiled_and_graphed_steps_equal_eager_and_the_oracle(rng, prefetch):
                     np.testing.assert_array_equal(locs[layer], exp.device_locs)
             else:  # the oracle's tables follow the cache's (the top-k draws read them)
                 twins[0].np = [twin_tables(twins[0].snapshot(layer)) for layer in range(L)]
-            # multi-step misses take scratch rows in the order the gather's threads claim them:
-            # from here on the caches' row layouts may differ (not their bytes)
-            diverged |= S > 1
     assert graph is not None
     for c in caches:
         if c.prefetcher is not None:
