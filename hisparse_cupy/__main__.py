@@ -2,4 +2,5 @@
 
 from ._cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not in a process that multiprocessing starts (it imports this)
+    raise SystemExit(main())

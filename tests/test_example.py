@@ -78,10 +78,12 @@ def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
     assert got["steps"][0]["seq_len"] == 2049
     for flag in CPU_REFUSED:
         arg = [flag] + ({"--mtp": ["2"], "--mode": ["overlap"], "--png": ["x.png"],
-                         "--hidden": ["512"]}.get(flag, []))
+                         "--hidden": ["512"], "--side-sms": ["8"]}.get(flag, []))
         with pytest.raises(SystemExit, match=f"{flag} needs the GPU decode loop"):
             cpu_config(arg)
     assert cpu_config(["--mtp", "1"]).mtp == 1  # off: nothing to refuse
+    for off in (["--eager"], ["--no-predict"], ["--no-partition"], ["--side-sms", "0"]):
+        cpu_config(off)  # what the NumPy backend runs anyway: accepted
     assert cpu_config(["--mode", "offload"]).modes == ("gpu-only", "offload")
     # one flag given: the small values of the others follow it
     assert cpu_config(["--pattern", "FSSSFSSSFS"]).layers == 10
@@ -133,7 +135,8 @@ def test_config_memory_and_errors():
     assert m["host_pinned"] <= 32e9
     assert m["gpu_resident"] + m["gpu_hot"] + m["gpu_model"] <= 40e9
     assert m["host_pinned"] == 78 * 32 * (8192 + 220) * 1152
-    c = from_args(["--mtp", "2", "--mode", "overlap", "--eager-and-graph"])
+    c = from_args(["--mtp", "2", "--topk-model", "drift", "--mode", "overlap",
+                   "--eager-and-graph"])
     assert c.modes == ("gpu-only", "overlap") and c.execs == ("eager", "graph")
     assert c.scratch() == 1024
     for bad, msg in ((["--mtp", "5"], "--mtp"), (["--new-share", "0"], "--new-share"),
@@ -145,12 +148,12 @@ def test_config_memory_and_errors():
 @pytest.mark.gpu
 def test_example_on_gpu_every_mode_eager_and_graph(tmp_path):
     js = tmp_path / "r.json"
-    out = _run(*SMALL, "--eager-and-graph", "--json", str(js))
+    out = _run(*SMALL, "--topk-model", "drift", "--eager-and-graph", "--json", str(js))
     assert "self-check passed" in out
     doc = json.loads(js.read_text())
     assert doc["self_check"] == "passed"
     rows = {(r["mode"], r["exec"]): r for r in doc["summary"]}
-    assert set(rows) == {(m, e) for m in ("gpu-only", "offload", "overlap")
+    assert set(rows) == {(m, e) for m in ("gpu-only", "offload", "overlap", "predict")
                          for e in ("eager", "graph")}
     for (mode, _), r in rows.items():
         if mode != "gpu-only":
@@ -163,8 +166,33 @@ def test_example_on_gpu_every_mode_eager_and_graph(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("partition", ["default", "off"])
+def test_example_on_gpu_default_configuration(tmp_path, partition):
+    """The defaults: lru streams (their measured shape printed), graphs, the SM partition where
+    the device has green contexts, prediction; self-checked against gpu-only on the same
+    partition; --no-partition the same outputs."""
+    js = tmp_path / "r.json"
+    out = _run(*SMALL, "--json", str(js), *(["--no-partition"] if partition == "off" else []))
+    assert "self-check passed" in out and "top-k streams as generated" in out
+    doc = json.loads(js.read_text())
+    assert doc["self_check"] == "passed"
+    assert doc["partition"].startswith("SM partition")
+    if partition == "off":
+        assert "off (--no-partition)" in doc["partition"]
+    shape = doc["topk_shape"]
+    assert 0.0 <= shape["step_overlap"] <= 1.0 and shape["requests_measured"] == 3
+    rows = {(r["mode"], r["exec"]): r for r in doc["summary"]}
+    assert set(rows) == {(m, "graph") for m in ("gpu-only", "offload", "overlap", "predict")}
+    p = rows[("predict", "graph")]["predict"]
+    assert p["staged"] > 0 and 0.0 <= p["precision"] <= 1.0 and 0.0 <= p["recall"] <= 1.0
+    assert "precision" in out
+    moved = {m: rows[(m, "graph")]["mb_per_step"] for m in ("offload", "overlap")}
+    assert moved["offload"] == moved["overlap"] > 0  # the same streams in every mode
+
+
+@pytest.mark.gpu
 def test_example_on_gpu_multistep(tmp_path):
-    out = _run(*SMALL, "--mtp", "3", "--graph")
+    out = _run(*SMALL, "--mtp", "3", "--topk-model", "drift", "--graph")
     assert "MTP 3 draft steps" in out and "self-check passed" in out
 
 

@@ -42,8 +42,12 @@ def test_the_default_shape_is_what_it_promises():
     for (_, miss), H in zip(DEFAULT_CURVE, m["miss"], strict=True):
         assert np.abs(m["miss"][H][normal] - miss).max() < TOL, (H, m["miss"][H])
     assert np.abs(m["step_overlap"][normal] - 0.70).max() < TOL, m["step_overlap"]
-    # layers after the first normal one follow it at layer_overlap
-    assert np.abs(m["layer_overlap"][shape.low_layers + 1:] - 0.8).max() < TOL, m
+    # layers after the first normal one follow it at layer_overlap, in their misses too
+    follow = slice(shape.low_layers + 1, N_FULL)
+    assert np.abs(m["layer_overlap"][follow] - 0.8).max() < TOL, m
+    for H, v in m["miss_followed"].items():
+        assert np.abs(v[follow] - 0.8).max() < 0.05, (H, v)  # within 5 points
+    assert np.isnan(m["miss_followed"][K][0])
     # low layers: nearly nothing from the previous step but the recent tokens
     low = m["step_overlap"][:shape.low_layers]  # the recent tokens are a floor at K 256
     assert (low < max(shape.low_overlap, (shape.recent - 1) / K) + TOL).all(), low
@@ -100,16 +104,20 @@ def test_the_numpy_demo_runs_on_the_streams_and_reports_their_shape(capsys):
     assert "top-k streams as generated" in capsys.readouterr().out
 
 
-def test_the_gpu_loop_refuses_the_streams_with_a_message(monkeypatch):
-    import hisparse_cupy.demo as demo
+def test_the_demo_flags_of_the_streams_are_checked():
+    from hisparse_cupy.demo.config import from_args
 
-    monkeypatch.setattr(demo, "cupy_or_why", lambda: object())  # as if a GPU were there
-    with pytest.raises(SystemExit, match="--topk-model lru runs on the NumPy reference backend"):
-        demo.main(["--topk-model", "lru"])
+    assert from_args([]).topk_model == "lru"  # the default, on the GPU loop too
     with pytest.raises(SystemExit, match="--step-overlap must be in"):
-        demo.main(["--topk-model", "lru", "--step-overlap", "2"])
+        from_args(["--step-overlap", "2"])
     with pytest.raises(SystemExit, match="shape --topk-model lru's streams"):
-        demo.main(["--step-overlap", "0.5"])
+        from_args(["--topk-model", "drift", "--step-overlap", "0.5"])
+    with pytest.raises(SystemExit, match="--mtp 2-4 needs --topk-model drift"):
+        from_args(["--mtp", "2"])
+    c = from_args(["--mtp", "2", "--topk-model", "drift"])
+    assert "predict" not in c.modes  # prediction is single-step: the default modes drop it
+    with pytest.raises(SystemExit, match="--mode predict is single-step"):
+        from_args(["--mtp", "2", "--topk-model", "drift", "--mode", "predict"])
 
 
 def test_generate_in_parallel_equals_the_stream_step_by_step():

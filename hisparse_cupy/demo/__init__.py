@@ -34,7 +34,7 @@ import time
 from .._device import cupy_or_why
 from .config import Config, cpu_config, from_args, host_memory_bytes
 
-__all__ = ["Config", "describe", "main", "report_results", "run_gpu", "run_modes"]
+__all__ = ["Config", "describe", "main", "partition", "report_results", "run_gpu", "run_modes"]
 
 
 def describe(cfg: Config) -> str | None:
@@ -45,8 +45,9 @@ def describe(cfg: Config) -> str | None:
     n_full = len(cfg.pattern_obj().full_layers)
     print(f"hisparse_cupy decode loop on {name}: {cfg.layers} layers ({n_full} full, "
           f"{cfg.layers - n_full} shared), batch {cfg.batch}, context {cfg.context}, K "
-          f"{cfg.top_k}, H {cfg.hot}, rows of 576 bf16 values (1152 B), 16 heads, "
-          f"{100 * cfg.new_share:g}% new tokens per step"
+          f"{cfg.top_k}, H {cfg.hot}, rows of 576 bf16 values (1152 B), 16 heads, top-k "
+          + (f"drift ({100 * cfg.new_share:g}% new tokens per step)" if cfg.topk_model ==
+             "drift" else "lru streams (demo.topk_model)")
           + (f", MTP {cfg.mtp} draft steps (multi-step swap)" if cfg.mtp > 1 else ""))
     mem = cfg.memory()
     print(cfg.describe_memory(), flush=True)
@@ -60,6 +61,27 @@ def describe(cfg: Config) -> str | None:
         return (f"{mem['host_pinned'] / 1e9:.1f} GB of pinned host memory is more than 80% of "
                 f"this machine's {host / 1e9:.0f} GB: lower --batch, --context or --layers")
     return None
+
+
+SIDE_SMS = 8  # the side group by default: Hopper's smallest (benchmarks/NOTES.md)
+
+
+def partition(cfg: Config):
+    """The SM partition the run uses, or None, and the line that says which and why."""
+    want = SIDE_SMS if cfg.side_sms is None else cfg.side_sms
+    if want == 0:
+        return None, "SM partition: off (--no-partition): the side streams share the step's SMs"
+    from ..streams import SMPartition
+
+    try:
+        part = SMPartition(want)
+    except (RuntimeError, ValueError, ImportError) as e:
+        if cfg.side_sms is not None:  # asked for: its failure is an error
+            raise SystemExit(f"demo: --side-sms {cfg.side_sms}: {e}") from e
+        return None, f"SM partition: unavailable ({e}): the side streams share the step's SMs"
+    return part, (f"SM partition (green contexts): side streams on {part.side_sms} SMs, the "
+                  f"step on {part.main_sms} (its matmuls' SM target and attention split "
+                  f"{part.main_sms}); --no-partition to compare")
 
 
 def run_modes(cfg: Config, rig, log) -> list:
@@ -90,6 +112,11 @@ def report_results(cfg: Config, results, extra: dict, title: str) -> int:
           f"offload overhead the overlap removes; GB/s = bytes moved per step / overhead; "
           f"swap us = Python time of one step.swap call (eager, measured on an idle stream)")
     print(report.table(rows))
+    lines = report.predict_lines(rows)
+    if lines:
+        print("prediction (Prefetcher.predict_summary(), every step; the next full layer's misses "
+              "staged while the current group computes):")
+        print("\n".join(lines))
     lines = report.counter_lines(results)
     if lines:
         print("device counters (HotBufferCache.counters, read once per run; a shared layer a "
@@ -122,19 +149,25 @@ def run_gpu(cfg: Config) -> int:
     if why:
         print(f"demo: {why}")
         return 2
-    s = cupy.cuda.Stream(non_blocking=True)
+    part, line = partition(cfg)
+    print(line, flush=True)
+    s = cupy.cuda.Stream(non_blocking=True) if part is None else part.stream("main")
     t0 = time.perf_counter()
-    rig = Rig(cfg, s, log)
     try:
-        results = run_modes(cfg, rig, log)
+        rig = Rig(cfg, s, log, partition=part)
+        try:
+            results = run_modes(cfg, rig, log)
+        finally:
+            rig.close()
     finally:
-        rig.close()
+        if part is not None:
+            part.close()
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     return report_results(
-        cfg, results, {"device": name, "matmul": rig.model.gemm.kind,
-                       "wall_s": time.perf_counter() - t0},
-        f"{name}: {cfg.layers} layers, batch {cfg.batch}, context {cfg.context}, "
-        f"{100 * cfg.new_share:g}% new tokens/step")
+        cfg, results, {"device": name, "matmul": rig.model.gemm.kind, "partition": line,
+                       "topk_shape": rig.topk_shape, "wall_s": time.perf_counter() - t0},
+        f"{name}: {cfg.layers} layers, batch {cfg.batch}, context {cfg.context}, top-k "
+        + (f"drift {100 * cfg.new_share:g}% new/step" if cfg.topk_model == "drift" else "lru"))
 
 
 def main(argv=None) -> int:
@@ -151,9 +184,6 @@ def main(argv=None) -> int:
         run(cfg)
         return 0
     cfg = from_args(argv)
-    if cfg.topk_model != "drift":
-        raise SystemExit("demo: --topk-model lru runs on the NumPy reference backend so far; "
-                         "the GPU loop draws its top-k on the device with the drift model")
     if cfg.warmup < 1:
         raise SystemExit("demo: the GPU decode loop needs --warmup >= 1 (kernels compile, and "
                          "graphs are captured, after an eager step)")

@@ -10,6 +10,7 @@ import os
 ROW_VALUES, V_VALUES, HEADS = 576, 512, 16  # an MLA row: latent (512, the value) + rope (64)
 ROW_BYTES = 2 * ROW_VALUES  # bf16
 GB = 1e9
+MODES = ("gpu-only", "offload", "overlap", "predict")  # predict: overlap + prediction
 
 
 @dataclasses.dataclass
@@ -21,7 +22,8 @@ class Config:
     steps: int = 200  # timed steps
     warmup: int = 20
     new_share: float = 0.05  # share of each top-k replaced per step (drift model)
-    topk_model: str = "drift"  # or "lru": demo.topk_model's streams (NumPy backend so far)
+    topk_model: str = "lru"  # demo.topk_model's streams, or "drift"
+    seed: int = 0  # the lru streams' generator
     step_overlap: float | None = None  # lru: the curve's H = K point (None: the curve's own)
     layer_overlap: float | None = None  # lru (None: 0.8)
     recent: int = 8  # newest tokens always selected
@@ -30,8 +32,9 @@ class Config:
     extra_page: int = 64
     hidden: int = 4096
     mtp: int = 1  # draft steps per call (2-4: the multi-step swap)
-    modes: tuple[str, ...] = ("gpu-only", "offload", "overlap")
-    execs: tuple[str, ...] = ("eager",)
+    modes: tuple[str, ...] = ("gpu-only", "offload", "overlap", "predict")
+    execs: tuple[str, ...] = ("graph",)
+    side_sms: int | None = None  # SM partition's side group (None: the device's smallest; 0: off)
     json: str | None = None
     png: str | None = None
     quiet: bool = False
@@ -87,12 +90,19 @@ class Config:
              f"--layer-overlap must be in [0, 1], got {self.layer_overlap}")
         need(self.topk_model == "lru" or (self.step_overlap, self.layer_overlap) == (None, None),
              "--step-overlap and --layer-overlap shape --topk-model lru's streams")
+        need(self.topk_model == "drift" or self.mtp == 1,
+             "--mtp 2-4 needs --topk-model drift (the lru streams are single-step)")
+        need(self.mtp == 1 or "predict" not in self.modes,
+             "--mode predict is single-step (prediction stages single-step swaps): with --mtp "
+             "2-4 leave it out (--no-predict)")
+        need(self.side_sms is None or self.side_sms >= 0,
+             f"--side-sms must be >= 0, got {self.side_sms}")
         if self.pattern is not None:
             try:
                 self.pattern_obj()
             except ValueError as e:
                 need(False, f"--pattern {self.pattern!r}: {e}")
-        bad = set(self.modes) - {"gpu-only", "offload", "overlap"}
+        bad = set(self.modes) - set(MODES)
         need(not bad, f"unknown --mode {sorted(bad)}")
 
     def scratch(self) -> int:
@@ -109,6 +119,8 @@ class Config:
         model = 2 * (HEADS * V_VALUES * self.hidden + self.hidden * HEADS * ROW_VALUES) + \
             Q * 2 * (self.hidden + HEADS * ROW_VALUES + HEADS * V_VALUES) + \
             Q * 64 * HEADS * (V_VALUES + 2) * 4
+        if self.topk_model == "lru":  # the streams' table: [steps, n_full, B, K] int32
+            model += self.total_steps * len(self.pattern_obj().full_layers) * Q * self.top_k * 4
         offload = any(m != "gpu-only" for m in self.modes)
         return {"host_pinned": resident if offload else 0, "gpu_resident": resident,
                 "gpu_hot": hot if offload else 0, "gpu_model": model}
@@ -118,7 +130,9 @@ class Config:
         return (f"memory: {m['host_pinned'] / GB:.1f} GB pinned host (the full KV), GPU "
                 f"{m['gpu_resident'] / GB:.1f} GB resident KV (gpu-only mode) + "
                 f"{m['gpu_hot'] / GB:.1f} GB hot buffers (offloaded modes) + "
-                f"{m['gpu_model'] / GB:.2f} GB model; the modes run one after another")
+                f"{m['gpu_model'] / GB:.2f} GB model"
+                + (" and top-k streams" if self.topk_model == "lru" else "")
+                + "; the modes run one after another")
 
 
 def host_memory_bytes() -> int:
@@ -135,8 +149,11 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="A decode loop over a hierarchical sparse KV cache: a synthetic sparse-"
                     "attention model (MLA rows of 576 bf16 values, 16 heads) run GPU-only, "
-                    "offloaded, and offloaded with IndexCache overlap; the offloaded modes "
-                    "must reproduce the GPU-only attention outputs bit for bit.",
+                    "offloaded, offloaded with IndexCache overlap, and with overlap and "
+                    "prediction; the offloaded modes must reproduce the GPU-only attention "
+                    "outputs bit for bit. By default each step is a CUDA graph and the side "
+                    "streams run on an SM partition of their own where the device has green "
+                    "contexts.",
         epilog="Without a GPU the same algorithm runs on the NumPy reference backend: flags not "
                "given take small values there (" + ", ".join(
                    f"--{k.replace('_', '-')} {v}" for k, v in CPU_DEFAULTS.items()) + "); "
@@ -156,7 +173,8 @@ def parser() -> argparse.ArgumentParser:
       help="drift: each full layer's top-k keeps its tokens but --new-share a step; lru: "
            "drawn by LRU stack depth on the published miss curve (30 / 13.4 / 6.7 %% at H = K "
            "/ 2K / 4K), --layer-overlap between full layers, low-overlap first layers, the "
-           "measured shape printed (hisparse_cupy.demo.topk_model; NumPy backend so far)")
+           "measured shape printed (hisparse_cupy.demo.topk_model)")
+    a("--seed", type=int, default=d.seed, help="lru: the streams' random seed")
     a("--step-overlap", type=float, default=d.step_overlap,
       help="lru: share of a top-k the previous step selected (sets the curve at H = K; "
            "default: the curve's 0.70)")
@@ -167,10 +185,18 @@ def parser() -> argparse.ArgumentParser:
     a("--extra-page", type=int, default=d.extra_page, help="slots after the hot slots (P)")
     a("--hidden", type=int, default=d.hidden, help="hidden size of the MLP stand-in")
     a("--mtp", type=int, default=d.mtp, help="draft steps per swap (2-4: multi-step swap)")
-    a("--mode", action="append", choices=("gpu-only", "offload", "overlap"),
-      help="modes to run (repeatable; default all; gpu-only always runs as the reference)")
-    a("--graph", action="store_true", help="run each step as a captured CUDA graph")
+    a("--mode", action="append", choices=MODES,
+      help="modes to run (repeatable; default all; gpu-only always runs as the reference; "
+           "predict = overlap + prediction of the next full layer's misses)")
+    a("--no-predict", action="store_true", help="leave the predict mode out")
+    a("--graph", action="store_true", help="run each step as a captured CUDA graph (default)")
+    a("--eager", action="store_true", help="run each step eagerly (a Python loop) instead")
     a("--eager-and-graph", action="store_true", help="run both")
+    a("--side-sms", type=int, default=None,
+      help="SMs of the side streams' partition (green contexts; the step runs on the rest, "
+           "its matmuls told to leave them); default: the device's smallest group (8 on "
+           "Hopper); 0: no partition")
+    a("--no-partition", action="store_true", help="no SM partition (the same as --side-sms 0)")
     a("--json", default=None, help="write the results as JSON to this file")
     a("--png", default=None, help="plot ITL per step per mode to this PNG (needs matplotlib)")
     a("--quiet", action="store_true", help="no progress lines")
@@ -180,8 +206,10 @@ def parser() -> argparse.ArgumentParser:
 # the NumPy backend's values for flags not given, and the flags it cannot honour
 CPU_DEFAULTS = {"layers": 8, "batch": 2, "context": 1536, "steps": 12, "warmup": 0,
                 "top_k": 128, "hot": 512, "extra_page": 8, "recent": 4}
-CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hidden")
-# (--mtp 1 and --mode gpu-only / offload are what the NumPy backend runs: accepted)
+CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hidden",
+               "--side-sms")
+# (--mtp 1, --mode gpu-only / offload, --eager, --no-predict and --no-partition are what the
+# NumPy backend runs: accepted)
 
 
 def given(argv=None) -> set[str]:
@@ -202,7 +230,9 @@ def cpu_config(argv=None) -> Config:
     cfg = from_args(argv, check=False)  # first: --help and bad values as for the GPU loop
     ns = given(argv)
     refused = [f for f in CPU_REFUSED if f[2:].replace("-", "_") in ns
-               and (f != "--mtp" or cfg.mtp > 1) and (f != "--mode" or "overlap" in cfg.modes)]
+               and (f != "--mtp" or cfg.mtp > 1)
+               and (f != "--mode" or bool({"overlap", "predict"} & set(cfg.modes)))
+               and (f != "--side-sms" or bool(cfg.side_sms))]
     if refused:
         raise SystemExit(f"demo: {' and '.join(refused)} need{'s' if len(refused) == 1 else ''} "
                          f"the GPU decode loop; the NumPy reference backend runs single-step "
@@ -225,14 +255,24 @@ def cpu_config(argv=None) -> Config:
 
 def from_args(argv=None, *, check: bool = True) -> Config:
     ns = parser().parse_args(argv)
-    modes = tuple(dict.fromkeys(["gpu-only"] + (ns.mode or ["offload", "overlap"])))
-    execs = ("eager", "graph") if ns.eager_and_graph else (("graph",) if ns.graph else ("eager",))
+    if ns.eager and (ns.graph or ns.eager_and_graph):
+        raise SystemExit("demo: --eager runs eagerly only: leave out --graph / --eager-and-graph")
+    if ns.mode and "predict" in ns.mode and ns.no_predict:
+        raise SystemExit("demo: --mode predict and --no-predict contradict each other")
+    if ns.no_partition and ns.side_sms:
+        raise SystemExit("demo: --no-partition and --side-sms N contradict each other")
+    # prediction stages single-step swaps: the default modes leave it out at --mtp 2-4
+    modes = ns.mode or [m for m in MODES[1:]
+                        if m != "predict" or not (ns.no_predict or ns.mtp > 1)]
+    modes = tuple(dict.fromkeys(["gpu-only"] + modes))
+    execs = ("eager", "graph") if ns.eager_and_graph else (("eager",) if ns.eager else ("graph",))
+    side = 0 if ns.no_partition else ns.side_sms
     cfg = Config(layers=ns.layers, pattern=ns.pattern, batch=ns.batch, context=ns.context,
                  steps=ns.steps, warmup=ns.warmup, new_share=ns.new_share, recent=ns.recent,
                  topk_model=ns.topk_model, step_overlap=ns.step_overlap,
                  layer_overlap=ns.layer_overlap,
                  top_k=ns.top_k, hot=ns.hot, extra_page=ns.extra_page, hidden=ns.hidden,
-                 mtp=ns.mtp, modes=modes,
+                 mtp=ns.mtp, modes=modes, seed=ns.seed, side_sms=side,
                  execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)
     if check:
         cfg.check()

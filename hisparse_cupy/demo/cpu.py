@@ -49,41 +49,10 @@ def _stream(cfg, n_full: int, rng):
     """``--topk-model lru``'s generator (None for the drift model)."""
     if cfg.topk_model != "lru":
         return None
-    from .topk_model import StreamShape, TopKStream
+    from .topk_model import TopKStream, shape_for
 
-    kw = dict(layer_overlap=0.8 if cfg.layer_overlap is None else cfg.layer_overlap,
-              recent=cfg.recent)
-    shape = StreamShape(**kw) if cfg.step_overlap is None else \
-        StreamShape.from_overlap(cfg.step_overlap, **kw)
-    return TopKStream(shape, n_full=n_full, batch=cfg.batch, top_k=cfg.top_k,
-                      context=cfg.context, rng=rng)
-
-
-def _shape_report(cfg, stream, drawn) -> dict:
-    """The streams' shape as measured on what they generated, printed and returned."""
-    from .topk_model import measure
-
-    K = cfg.top_k
-    hots = tuple(sorted({K, 2 * K, 4 * K, cfg.hot}))
-    m = measure(drawn, stream.initial, hots)
-    low = stream.shape.low_layers
-    if stream.n_full <= low + 1:
-        print(f"top-k streams: {stream.n_full} full layers, none past the {low} low-overlap "
-              f"ones and their first: no shape to report")
-        return {}
-    rest = slice(low, None)
-    miss = {H: float(np.nanmean(v[rest])) for H, v in m["miss"].items()}
-    rep = {"exact_lru_miss": miss, "step_overlap": float(np.mean(m["step_overlap"][rest])),
-           "layer_overlap": float(np.nanmean(m["layer_overlap"][low + 1:])),
-           "low_layers_step_overlap": [float(v) for v in m["step_overlap"][:low]],
-           "asked": dataclasses.asdict(stream.shape)}
-    print("top-k streams as generated (exact LRU from their starting history; full layers past "
-          f"the {low} low-overlap ones): miss " + ", ".join(
-              f"{100 * v:.1f} % at H {H}" for H, v in miss.items()) +
-          f"; step overlap {100 * rep['step_overlap']:.1f} %; layer overlap "
-          f"{100 * rep['layer_overlap']:.1f} %; low layers' step overlap " + ", ".join(
-              f"{100 * v:.1f} %" for v in rep["low_layers_step_overlap"]))
-    return rep
+    return TopKStream(shape_for(cfg.step_overlap, cfg.layer_overlap, cfg.recent), n_full=n_full,
+                      batch=cfg.batch, top_k=cfg.top_k, context=cfg.context, rng=rng)
 
 
 def run(cfg) -> dict:
@@ -99,7 +68,7 @@ def run(cfg) -> dict:
     full = pattern.full
     max_len = context + steps
     R, W, M = batch, hot + page, max(1, round(cfg.new_share * top_k))
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(cfg.seed)
     host = np.zeros((layers, R * max_len, ROW), np.float32)  # the pinned pool
     for layer in range(layers):
         for r in range(R):
@@ -165,7 +134,11 @@ def run(cfg) -> dict:
     result = {"backend": "numpy", "config": dataclasses.asdict(cfg), "wall_s": wall,
               "self_check": "passed", "steps": record}
     if stream is not None:
-        result["topk_shape"] = _shape_report(cfg, stream, drawn)
+        from .topk_model import shape_report
+
+        K = cfg.top_k
+        result["topk_shape"] = shape_report(stream.shape, drawn, stream.initial,
+                                            sorted({K, 2 * K, 4 * K, cfg.hot}))
     if cfg.json:
         with open(cfg.json, "w") as fh:
             json.dump(result, fh, indent=1)

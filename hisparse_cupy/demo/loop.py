@@ -37,6 +37,7 @@ class RunResult:
     # with "tally_misses" (the step's own count of the full layers' misses, every step) and
     # "full" (the full-layer mask) for the self-check
     counters: dict | None = None
+    predict: dict | None = None  # predict mode: Prefetcher.predict_summary() over every step
 
 
 def coprime(n: int) -> int:
@@ -59,8 +60,9 @@ class Rig:
     """
 
     def __init__(self, cfg: Config, stream: cupy.cuda.Stream, log, *, pool=None,
-                 write_pool: bool = True, tp=None, backup=None):
+                 write_pool: bool = True, tp=None, backup=None, partition=None):
         self.cfg, self.s, self.log = cfg, stream, log
+        self.partition = partition  # an SMPartition (stream is its main group's) or None
         self.pool, self.write_pool = pool, write_pool
         self.backup = backup or (lambda st: st.backup_newest())
         self.pool_ready = False
@@ -70,7 +72,8 @@ class Rig:
         self.k = Kernels()
         with stream:
             self.model = Model(self.k, queries=cfg.queries, top_k=cfg.top_k, hidden=cfg.hidden,
-                               n_layers=cfg.layers, stream=stream, tp=tp)
+                               n_layers=cfg.layers, stream=stream, tp=tp,
+                               sms=None if partition is None else partition.main_sms)
             B, S, K = cfg.batch, cfg.mtp, cfg.top_k
             self.req = cupy.arange(B, dtype=cupy.int32)  # request slot b (the cache's rids too)
             self.lens = cupy.empty(B, cupy.int32)
@@ -84,11 +87,39 @@ class Rig:
         self.M = max(1, round(cfg.new_share * K))
         self.salt = {layer: (1_000_003 * j) % self.U
                      for j, layer in enumerate(self.pattern.full_layers)}
+        self.full_rank = {layer: j for j, layer in enumerate(self.pattern.full_layers)}
+        self.table = self.topk_shape = None
+        if cfg.topk_model == "lru":
+            self._generate()
         self.resident = None
         self.cache = self.pf = None
         self.swap_s = 0.0
         self.swap_n = 0
         self.time_host = False
+
+    def _generate(self) -> None:
+        """``--topk-model lru``: every step's top-k of every full layer, made on the CPUs
+        before the runs (the same for every mode) and kept on the GPU; each step copies its
+        own on the device (:attr:`table`, int32 ``[steps, n_full, B, K]``)."""
+        import os
+
+        from .topk_model import generate, shape_for, shape_report
+
+        c = self.cfg
+        shape = shape_for(c.step_overlap, c.layer_overlap, c.recent)
+        n_full, T = len(self.pattern.full_layers), c.total_steps
+        lens = np.broadcast_to(c.context + np.arange(T)[:, None], (T, c.batch))
+        t0 = time.perf_counter()
+        tab, initial = generate(shape, n_full=n_full, top_k=c.top_k, context=c.context,
+                                lens=lens, rng=np.random.default_rng(c.seed))
+        self.log(f"top-k streams: {T} steps x {n_full} full layers x {c.batch} requests made in "
+                 f"{time.perf_counter() - t0:.1f} s ({min(c.batch, os.cpu_count() or 1)} "
+                 f"processes)")
+        K = c.top_k
+        self.topk_shape = shape_report(shape, list(tab), initial,
+                                       sorted({K, 2 * K, 4 * K, c.hot}), requests=4)
+        with self.s:
+            self.table = cupy.asarray(tab)
 
     # ------------------------------------------------------------------ state
     def _prefill(self, base: int, layer_bytes: int) -> None:
@@ -135,7 +166,7 @@ class Rig:
                 self._prefill(int(pool.device_ptr(0)), pool.layer_bytes)  # the GPU writes it
                 self.s.synchronize()
                 self.pool_ready = True
-            self.pf = Prefetcher(self.cache, self.pattern)
+            self.pf = Prefetcher(self.cache, self.pattern, partition=self.partition)
             self.log(f"offload: {pool.n_layers * pool.layer_bytes / 1e9:.1f} GB host pool "
                      f"{'pinned' if self.pool is None else 'given'} in {t1 - t0:.1f} s, "
                      f"{'written' if self.write_pool else 'not written here'} in "
@@ -155,7 +186,11 @@ class Rig:
         if mode != "gpu-only":
             cache, pf = self.cache, self.pf
             pf.finish(s)
-            pf.set_enabled(mode == "overlap", stream=s)
+            pf.set_enabled(mode in ("overlap", "predict"), stream=s)
+            pf.set_predict(mode == "predict", stream=s)
+            if pf.predict:
+                with s:
+                    pf.predict_stats.fill(0)
             cache.counters.reset(s)
             for rid in list(cache.active):
                 cache.release(rid, stream=s)
@@ -191,12 +226,19 @@ class Rig:
         topk = self.topk if S > 1 else self.topk.reshape(B, K)
         locs = self.locs if S > 1 else self.locs.reshape(B, K)
         for layer in range(c.layers):
-            if self.full[layer]:
+            if self.full[layer] and self.table is not None:
+                n = B * K  # (lru streams are single-step: Config.check)
+                k.topk_table((-(-n // 256),), (256,),
+                             (self.table, np.int32(self.table.shape[1]),
+                              np.int32(self.full_rank[layer]), np.int32(n), self.step_ctr,
+                              self.topk), stream=s)
+            elif self.full[layer]:
                 k.topk_drift((-(-K // 256), B * S), (256,),
                              (self.topk, np.int32(S), np.int32(K), np.int32(self.M),
                               np.int32(max(1, self.M // 2)), np.int32(self.U), self.a,
                               np.int64(self.salt[layer]), np.int32(c.recent), self.step_ctr,
                               self.lens), stream=s)
+            if self.full[layer]:
                 if gpu_only:
                     n = B * S * K
                     k.direct_locs((-(-n // 256),), (256,),
@@ -261,13 +303,15 @@ class Rig:
         swap_us = None
         if exec_ == "eager" and self.swap_n:
             swap_us = 1e6 * self.swap_s / self.swap_n
-        ctr = None
+        ctr = pred = None
+        if mode == "predict":
+            pred = self.pf.predict_summary()
         if mode != "gpu-only":
             ctr = {**self.cache.counters.read(s), "tally_misses": int(moved[:, 1].sum()),
                    "full": np.asarray(self.full, bool), "batch": c.batch}
         return RunResult(mode, exec_, step_ms, cupy.asnumpy(self.digest),
                          moved[w:, 0].astype(np.int64), moved[w:, 1].astype(np.int64), swap_us,
-                         ctr)
+                         ctr, pred)
 
     def close(self) -> None:
         self.free_cache()

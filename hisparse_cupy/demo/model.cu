@@ -109,6 +109,15 @@ extern "C" __global__ void topk_drift(int* topk, int S, int K, int M, int Md, in
   topk[static_cast<long long>(bs) * K + k] = tok;
 }
 
+// --topk-model lru: full layer j's top-k of this step from the pre-generated streams,
+// table int32 [steps, n_full, n] (n = B * K). The step index is read on the device (graphs).
+extern "C" __global__ void topk_table(const int* table, int n_full, int j, int n,
+                                      const int* step, int* topk) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  topk[i] = table[(static_cast<long long>(*step) * n_full + j) * n + i];
+}
+
 // GPU-only page table: locs = req[b] * max_len + token (-1 for a negative token). n = B * S * K.
 extern "C" __global__ void direct_locs(const int* topk, const int* req, int SK, int max_len,
                                        int n, int* locs) {

@@ -29,8 +29,8 @@ ATT_SMEM = 4 * (2 * HEADS * _QS + TILE * HEADS + 2 * HEADS + TILE)
 class Kernels:
     """``model.cu`` compiled once (per process and device)."""
 
-    _NAMES = ("kv_prefill", "kv_newest", "topk_drift", "direct_locs", "embed", "weights",
-              "attn_partial", "attn_combine", "tally", "tick", "gemm_bf16")
+    _NAMES = ("kv_prefill", "kv_newest", "topk_drift", "topk_table", "direct_locs", "embed",
+              "weights", "attn_partial", "attn_combine", "tally", "tick", "gemm_bf16")
 
     def __init__(self):
         src = (Path(__file__).with_name("model.cu")).read_text(encoding="ascii")
@@ -47,15 +47,23 @@ class Model:
     the same (replicated, MLA) KV rows, multiplies its ``1 / size`` of the heads' outputs by
     its rows of the output projection and ``all_reduce(h)`` sums the partial hidden states in
     place on the step's stream (an NCCL all-reduce in ``examples/tp_decode.py``).
+
+    ``sms``: the SMs the step's stream may use (an SM partition's main group; default every
+    SM of the device): the attention is split for them and the matmuls' cuBLAS SM-count target
+    set to them (the fallback matmul kernel has none).
     """
 
     def __init__(self, kernels: Kernels, *, queries: int, top_k: int, hidden: int,
-                 n_layers: int, stream: cupy.cuda.Stream, temperature: float = 4.0, tp=None):
+                 n_layers: int, stream: cupy.cuda.Stream, temperature: float = 4.0, tp=None,
+                 sms: int | None = None):
         self.k, self.Q, self.K, self.D, self.L = kernels, queries, top_k, hidden, n_layers
         self.s = stream
         self.gemm = Gemm(kernels)
         self.temp = np.float32(temperature)
-        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        if sms is None:
+            sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        elif self.gemm.available:
+            self.gemm.set_sm_target(sms)
         # splits of the K rows: about four blocks per SM, each a whole number of tiles
         want = max(1, min(top_k // TILE, math.ceil(4 * sms / queries)))
         self.chunk = TILE * math.ceil(top_k / want / TILE)

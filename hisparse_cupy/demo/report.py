@@ -49,6 +49,14 @@ def _counter_errors(r, steps: int) -> list[str]:
     return out
 
 
+def predict_lines(rows) -> list[str]:
+    """One line per predict run: what prediction staged and what the swaps used of it."""
+    return [f"  predict {r['exec']}: {p['staged']} rows staged; the predicted full layers' "
+            f"swaps missed {p['rows']} rows and read {p['used']} of them from staged rows: "
+            f"precision {p['precision']:.3f}, recall {p['recall']:.3f}"
+            for r in rows if (p := r.get("predict"))]
+
+
 def counter_lines(results) -> list[str]:
     """One line per offloaded run: what its device counters say (full and shared layers)."""
     out = []
@@ -86,8 +94,10 @@ def summarize(cfg: Config, results, n_full: int) -> list[dict]:
                        mb_per_step=nbytes / 1e6,
                        gbps=(nbytes / (over * 1e-3) / 1e9) if over and over > 0 else None,
                        swap_call_us=r.swap_call_us)
-            if r.mode == "overlap" and g is not None and r.exec in off and off[r.exec] > g:
+            if r.mode in ("overlap", "predict") and g is not None and off.get(r.exec, 0) > g:
                 row["hidden_pct"] = 100 * (off[r.exec] - mean) / (off[r.exec] - g)
+            if r.predict is not None:
+                row["predict"] = r.predict
         rows.append(row)
     return rows
 
@@ -98,7 +108,7 @@ def _fmt(v, spec: str, none: str = "-") -> str:
 
 def table(rows: list[dict]) -> str:
     head = (f"{'mode':<9}{'exec':<6}{'mean ms':>9}{'p50':>8}{'p99':>8}{'overhead':>10}"
-            f"{'hidden':>8}{'hit rate':>10}{'MB/step':>9}{'GB/s':>7}{'swap us':>11}")
+            f"{'':>8}{'hidden':>8}{'hit rate':>10}{'MB/step':>9}{'GB/s':>7}{'swap us':>11}")
     lines = [head, "-" * len(head)]
     for r in rows:
         over = r.get("overhead_ms")
@@ -107,7 +117,8 @@ def table(rows: list[dict]) -> str:
         hid_s = "-" if hid is None else f"{hid:.1f}%"
         lines.append(
             f"{r['mode']:<9}{r['exec']:<6}{r['mean_ms']:>9.3f}{r['p50_ms']:>8.3f}"
-            f"{r['p99_ms']:>8.3f}{over_s:>10}{hid_s:>8}"
+            f"{r['p99_ms']:>8.3f}{over_s:>10}{_fmt(r.get('overhead_pct'), '+.1f'):>7}%"
+            f"{hid_s:>8}"
             f"{_fmt(r.get('hit_rate'), '.4f'):>10}{_fmt(r.get('mb_per_step'), '.1f'):>9}"
             f"{_fmt(r.get('gbps'), '.1f'):>7}{_fmt(r.get('swap_call_us'), '.1f'):>11}")
     return "\n".join(lines)

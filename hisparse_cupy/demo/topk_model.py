@@ -9,7 +9,9 @@ exactly the entries drawn at depth >= H. The shape is set by:
   13.4 % at 2K, 6.7 % at 4K. Entries are drawn uniformly within each band of depths between two
   points, and past the last point, over the rest of the stack.
 - ``layer_overlap``: the share of a full layer's entries that the previous full layer selected
-  in the same step (IndexCache measured 70-100 % for adjacent DSA layers; default 0.8).
+  in the same step (IndexCache measured 70-100 % for adjacent DSA layers; default 0.8), the
+  same share of every depth band where the previous layer's tokens suffice, so the misses
+  follow the previous layer as the hits do (what prediction stages from).
 - ``low_layers`` and ``low_overlap``: the first full layers draw almost nothing from the
   previous step. TensorRT-LLM measured about 1.5 % step-to-step overlap in DeepSeek-V3.2's
   layers 0-1; the default is 2 such layers at 0.015. They copy nothing from another layer.
@@ -24,6 +26,12 @@ the curve's first point from a step overlap and keeps the rest (e.g. 0.44 -> 56 
 :func:`measure` re-derives the statistics from the generated top-k alone: exact-LRU miss rate
 per H (from the streams' starting history), step overlap and layer overlap. The demo prints
 them beside its figures, so the shape is checked, not assumed. NumPy only.
+
+The curve holds where the stacks are deep enough: a context of at least twice the last point's
+H (16384 tokens for the default at K 2048). A shorter context has no room for the deepest
+band; its draws then go to the deepest tokens left (misses at every H the stack can hold), and
+fewer of the previous layer's tokens lie deep, so fewer misses follow it (the demo's 8192-token
+default: the curve at H = K and 2K holds, about 65 % of the misses follow).
 """
 
 from __future__ import annotations
@@ -175,10 +183,11 @@ class TopKStream:
                 stack = self.stacks[j][b]
                 free = stack[~_member(stack, recent, n)]
                 want = K - recent.size
-                share = 0.0  # of each band's draws, taken among the previous layer's tokens
+                liked, share = None, 0.0  # a following layer: the previous one's tokens
                 if prev is not None and not low and j - 1 >= sh.low_layers:
+                    liked = _member(free, prev, n)
                     share = max(0.0, sh.layer_overlap * K - recent.size) / want
-                drawn = self._draw(free, want, sh.bands(K, low), recent.size, prev, share, n,
+                drawn = self._draw(free, want, sh.bands(K, low), recent.size, liked, share,
                                    self.rngs[b])
                 sel = np.concatenate([recent, drawn])
                 sel = self.rngs[b].permutation(sel)  # the order ties in recency are taken in
@@ -188,37 +197,49 @@ class TopKStream:
         return out
 
     @staticmethod
-    def _draw(free: np.ndarray, n: int, bands, shift: int, prefer, share: float, n_tokens: int,
+    def _draw(free: np.ndarray, n: int, bands, shift: int, liked, share: float,
               rng: np.random.Generator):
         """``n`` distinct tokens of ``free`` (a stack without the recent tokens: a depth ``d``
-        here is about ``d + shift`` in the whole stack) by the bands' shares; within each band,
-        up to ``share`` of its draws among the tokens of ``prefer`` it holds (so a layer follows
-        the previous one without leaving its own depth curve)."""
+        here is about ``d + shift`` in the whole stack) by the bands' shares. ``liked`` (a mask
+        over ``free``, or None): the previous full layer's tokens, ``share`` of the ``n`` taken
+        among them, the same share of every band where it can (so a layer follows the
+        previous one in its misses as in its hits, without leaving its own depth curve)."""
         starts = [max(0, s - shift) for s, _ in bands] + [free.size]
         counts = _counts(n, [w for _, w in bands], rng)
-        liked = _member(free, prefer, n_tokens) if share > 0 else None
+        spans = [(min(starts[i], free.size), min(max(starts[i + 1], starts[i]), free.size))
+                 for i in range(len(counts))]
+        follow = [0] * len(counts)  # per band: draws among the liked tokens
+        if liked is not None:  # share of every band where it holds enough of them; what a
+            # band lacks, from the deepest bands that hold more
+            have = [min(int(c), int(liked[lo:hi].sum())) for (lo, hi), c in zip(
+                spans, counts, strict=True)]
+            follow = [min(h, int(round(share * c))) for h, c in zip(have, counts, strict=True)]
+            left = int(round(share * n)) - sum(follow)
+            for i in reversed(range(len(counts))):
+                add = max(0, min(left, have[i] - follow[i]))
+                follow[i] += add
+                left -= add
         picked, carry = [], 0
-        for i, c in enumerate(counts):
-            lo, hi = min(starts[i], free.size), min(max(starts[i + 1], starts[i]), free.size)
+        for (lo, hi), c, k in zip(spans, counts, follow, strict=True):
             take = min(int(c) + carry, hi - lo)
             carry += int(c) - take
             if not take:
                 continue
             pos = np.arange(lo, hi)
-            if liked is not None:
-                yes, no = pos[liked[lo:hi]], pos[~liked[lo:hi]]
-                k = min(yes.size, int(round(share * take)))
-                k = max(k, take - no.size)
-                picked += [rng.choice(yes, size=k, replace=False),
-                           rng.choice(no, size=take - k, replace=False)]
-            else:
+            if liked is None:
                 picked.append(rng.choice(pos, size=take, replace=False))
+                continue
+            yes, no = pos[liked[lo:hi]], pos[~liked[lo:hi]]
+            k = max(min(k, take), take - no.size)
+            picked += [rng.choice(yes, size=k, replace=False),
+                       rng.choice(no, size=take - k, replace=False)]
         idx = np.concatenate(picked) if picked else np.empty(0, np.int64)
-        if carry:  # bands beyond the stack (a short request): the rest from wherever is left
-            left = np.ones(free.size, bool)
-            left[idx] = False
-            rest = np.nonzero(left)[0]
-            idx = np.concatenate([idx, rng.choice(rest, size=carry, replace=False)])
+        if carry:  # bands beyond the stack (a short request): the rest among the deepest
+            # tokens left (misses at every H the stack can hold, as the curve wants them)
+            rest = np.ones(free.size, bool)
+            rest[idx] = False
+            deep = np.nonzero(rest)[0][-2 * carry:]
+            idx = np.concatenate([idx, rng.choice(deep, size=carry, replace=False)])
         return free[idx]
 
 
@@ -234,7 +255,9 @@ def generate(shape: StreamShape, *, n_full: int, top_k: int, context: int, lens,
     """Every step at once, the requests in parallel processes (they draw independently):
     ``lens`` int ``[steps, batch]`` -> (int32 ``[steps, n_full, batch, K]``, the initial stacks
     as :attr:`TopKStream.initial` holds them). Equal to a :class:`TopKStream` of the same
-    ``rng`` stepped through ``lens``. ``workers``: processes (None: one per CPU; 1: none)."""
+    ``rng`` stepped through ``lens``. ``workers``: processes (None: one per CPU; 1: none),
+    started by a fork server (a CUDA context of the caller is never forked), which imports the
+    caller's main module: call it under ``if __name__ == "__main__":`` in a script."""
     lens = np.asarray(lens, np.int64)
     if lens.ndim != 2:
         raise ValueError(f"lens must be [steps, batch], got shape {lens.shape}")
@@ -243,9 +266,12 @@ def generate(shape: StreamShape, *, n_full: int, top_k: int, context: int, lens,
     if workers == 1 or len(jobs) == 1:
         parts = [_one_request(j) for j in jobs]
     else:
+        import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(workers) as ex:
+        # forkserver: the caller may hold a CUDA context, which a forked child must not inherit
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver")) \
+                as ex:
             parts = list(ex.map(_one_request, jobs))
     out = np.stack([p[0] for p in parts], axis=2)
     return out, [[p[1][j] for p in parts] for j in range(n_full)]
@@ -255,11 +281,14 @@ def measure(steps: list[np.ndarray], initial, hots: tuple[int, ...]) -> dict:
     """The shape of generated top-k ``steps`` (each ``[n_full, B, K]``), from the stacks they
     started from (``TopKStream.initial``): per full layer, the exact-LRU miss rate at each H of
     ``hots`` (``miss[H]``, ``[n_full]``), the step-to-step overlap (``step_overlap``) and the
-    overlap with the previous full layer (``layer_overlap``, NaN for layer 0)."""
+    overlap with the previous full layer (``layer_overlap``, NaN for layer 0), and the share of
+    the misses at each H that the previous full layer selected in the same step
+    (``miss_followed[H]``: what a prediction from it can stage at best; NaN for layer 0)."""
     n_full, B, K = steps[0].shape
     n = 1 + max(int(s.max()) for s in steps)
     n = max(n, 1 + max(int(st.max()) for layer in initial for st in layer))
     miss = {H: np.zeros(n_full) for H in hots}
+    followed = {H: np.zeros(n_full) for H in hots}
     step_ov, layer_ov = np.zeros(n_full), np.zeros(n_full)
     for j in range(n_full):
         for b in range(B):
@@ -270,12 +299,15 @@ def measure(steps: list[np.ndarray], initial, hots: tuple[int, ...]) -> dict:
                 rank = np.full(n, np.iinfo(np.int64).max)
                 rank[stack] = np.arange(stack.size)
                 depth = rank[sel]  # tokens never used: deeper than any H
+                prev = _member(sel, steps[t][j - 1, b], n) if j else None
                 for H in hots:
                     miss[H][j] += (depth >= H).sum()
+                    if j:
+                        followed[H][j] += (prev & (depth >= H)).sum()
                 if last is not None:
                     step_ov[j] += _member(sel, last, n).sum()
                 if j:
-                    layer_ov[j] += _member(sel, steps[t][j - 1, b], n).sum()
+                    layer_ov[j] += prev.sum()
                 stack = np.concatenate([sel, stack[~_member(stack, sel, n)]])
                 last = sel
     T = len(steps)
@@ -283,4 +315,47 @@ def measure(steps: list[np.ndarray], initial, hots: tuple[int, ...]) -> dict:
            "step_overlap": step_ov / (max(1, T - 1) * B * K),
            "layer_overlap": layer_ov / (T * B * K)}
     out["layer_overlap"][0] = np.nan
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out["miss_followed"] = {H: followed[H] / miss[H] for H in hots}
+    for v in out["miss_followed"].values():
+        v[0] = np.nan
     return out
+
+
+def shape_for(step_overlap: float | None, layer_overlap: float | None,
+              recent: int) -> StreamShape:
+    """The demo's stream shape from its flags (None: the default)."""
+    kw = dict(layer_overlap=0.8 if layer_overlap is None else layer_overlap, recent=recent)
+    return StreamShape(**kw) if step_overlap is None else \
+        StreamShape.from_overlap(step_overlap, **kw)
+
+
+def shape_report(shape: StreamShape, drawn: list[np.ndarray], initial, hots,
+                 requests: int | None = None, log=print) -> dict:
+    """The shape of ``drawn`` (steps of ``[n_full, B, K]``) as :func:`measure` finds it, over
+    the full layers past the low ones, logged in one line and returned; ``requests``: measure
+    the first that many requests only (the line says so)."""
+    n_full, B, _ = drawn[0].shape
+    low = shape.low_layers
+    if n_full <= low + 1:
+        log(f"top-k streams: {n_full} full layers, none past the {low} low-overlap ones and "
+            f"their first: no shape to report")
+        return {}
+    n = B if requests is None else min(B, requests)
+    m = measure([d[:, :n] for d in drawn], [layer[:n] for layer in initial], tuple(hots))
+    rest = slice(low, None)
+    miss = {int(H): float(np.nanmean(v[rest])) for H, v in m["miss"].items()}
+    rep = {"exact_lru_miss": miss, "step_overlap": float(np.mean(m["step_overlap"][rest])),
+           "layer_overlap": float(np.nanmean(m["layer_overlap"][low + 1:])),
+           "low_layers_step_overlap": [float(v) for v in m["step_overlap"][:low]],
+           "miss_followed": {int(H): float(np.nanmean(v[low + 1:]))
+                             for H, v in m["miss_followed"].items()},
+           "requests_measured": n, "asked": dataclasses.asdict(shape)}
+    log(f"top-k streams as generated (exact LRU from their starting history; full layers past "
+        f"the {low} low-overlap ones{'' if n == B else f'; requests 0-{n - 1} of {B}'}): miss "
+        + ", ".join(f"{100 * v:.1f} % at H {H}" for H, v in miss.items())
+        + f"; step overlap {100 * rep['step_overlap']:.1f} %; layer overlap "
+        f"{100 * rep['layer_overlap']:.1f} % (of the misses at H {max(miss)}: "
+        f"{100 * rep['miss_followed'][max(miss)]:.1f} %); low layers' step overlap "
+        + ", ".join(f"{100 * v:.1f} %" for v in rep["low_layers_step_overlap"]))
+    return rep
