@@ -166,19 +166,19 @@ def test_example_on_gpu_every_mode_eager_and_graph(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("partition", ["default", "off"])
+@pytest.mark.parametrize("partition", ["default", "side8"])
 def test_example_on_gpu_default_configuration(tmp_path, partition):
-    """The defaults: lru streams (their measured shape printed), graphs, the SM partition where
-    the device has green contexts, prediction; self-checked against gpu-only on the same
-    partition; --no-partition the same outputs."""
+    """The defaults: lru streams (their measured shape printed), graphs, the predict mode, no SM
+    partition; with --side-sms 8 the step on the rest of the SMs (green contexts); each run
+    self-checked against gpu-only (on the same SMs)."""
     js = tmp_path / "r.json"
-    out = _run(*SMALL, "--json", str(js), *(["--no-partition"] if partition == "off" else []))
+    out = _run(*SMALL, "--json", str(js), *(["--side-sms", "8"] if partition == "side8" else []))
     assert "self-check passed" in out and "top-k streams as generated" in out
     doc = json.loads(js.read_text())
     assert doc["self_check"] == "passed"
-    assert doc["partition"].startswith("SM partition")
-    if partition == "off":
-        assert "off (--no-partition)" in doc["partition"]
+    assert doc["partition"].startswith(
+        "SM partition (green contexts, --side-sms 8): side streams on 8 SMs" if partition ==
+        "side8" else "SM partition: off (the default)")
     shape = doc["topk_shape"]
     assert 0.0 <= shape["step_overlap"] <= 1.0 and shape["requests_measured"] == 3
     rows = {(r["mode"], r["exec"]): r for r in doc["summary"]}

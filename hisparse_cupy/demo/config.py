@@ -34,7 +34,8 @@ class Config:
     mtp: int = 1  # draft steps per call (2-4: the multi-step swap)
     modes: tuple[str, ...] = ("gpu-only", "offload", "overlap", "predict")
     execs: tuple[str, ...] = ("graph",)
-    side_sms: int | None = None  # SM partition's side group (None: the device's smallest; 0: off)
+    side_sms: int = 0  # SMs of the SM partition's side group (0: no partition)
+    no_partition: bool = False  # --no-partition given (the line says so)
     json: str | None = None
     png: str | None = None
     quiet: bool = False
@@ -95,7 +96,7 @@ class Config:
         need(self.mtp == 1 or "predict" not in self.modes,
              "--mode predict is single-step (prediction stages single-step swaps): with --mtp "
              "2-4 leave it out (--no-predict)")
-        need(self.side_sms is None or self.side_sms >= 0,
+        need(self.side_sms >= 0,
              f"--side-sms must be >= 0, got {self.side_sms}")
         if self.pattern is not None:
             try:
@@ -151,9 +152,7 @@ def parser() -> argparse.ArgumentParser:
                     "attention model (MLA rows of 576 bf16 values, 16 heads) run GPU-only, "
                     "offloaded, offloaded with IndexCache overlap, and with overlap and "
                     "prediction; the offloaded modes must reproduce the GPU-only attention "
-                    "outputs bit for bit. By default each step is a CUDA graph and the side "
-                    "streams run on an SM partition of their own where the device has green "
-                    "contexts.",
+                    "outputs bit for bit. By default each step is a CUDA graph.",
         epilog="Without a GPU the same algorithm runs on the NumPy reference backend: flags not "
                "given take small values there (" + ", ".join(
                    f"--{k.replace('_', '-')} {v}" for k, v in CPU_DEFAULTS.items()) + "); "
@@ -192,11 +191,11 @@ def parser() -> argparse.ArgumentParser:
     a("--graph", action="store_true", help="run each step as a captured CUDA graph (default)")
     a("--eager", action="store_true", help="run each step eagerly (a Python loop) instead")
     a("--eager-and-graph", action="store_true", help="run both")
-    a("--side-sms", type=int, default=None,
-      help="SMs of the side streams' partition (green contexts; the step runs on the rest, "
-           "its matmuls told to leave them); default: the device's smallest group (8 on "
-           "Hopper); 0: no partition")
-    a("--no-partition", action="store_true", help="no SM partition (the same as --side-sms 0)")
+    a("--side-sms", type=int, default=d.side_sms,
+      help="SMs of an SM partition for the side streams (green contexts, rounded up to the "
+           "device's groups: 8 on Hopper; the step runs on the rest, its matmuls told to leave "
+           "them); 0: no partition (benchmarks/NOTES.md says why that is the default)")
+    a("--no-partition", action="store_true", help="no SM partition (the default; --side-sms 0)")
     a("--json", default=None, help="write the results as JSON to this file")
     a("--png", default=None, help="plot ITL per step per mode to this PNG (needs matplotlib)")
     a("--quiet", action="store_true", help="no progress lines")
@@ -273,6 +272,7 @@ def from_args(argv=None, *, check: bool = True) -> Config:
                  layer_overlap=ns.layer_overlap,
                  top_k=ns.top_k, hot=ns.hot, extra_page=ns.extra_page, hidden=ns.hidden,
                  mtp=ns.mtp, modes=modes, seed=ns.seed, side_sms=side,
+                 no_partition=ns.no_partition,
                  execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)
     if check:
         cfg.check()

@@ -272,32 +272,29 @@ attn_partial(const unsigned short* qraw, const int* locs, long long ld_b, long l
 // Part 2: combine the splits in split order, bf16 out [Q, NH * D_V], and fold the output into
 // digest[step * n_layers + layer] (a wrapping sum of hashed (index, value) pairs: independent of
 // the summation order, so it is deterministic, and any changed bit changes it).
-// grid Q, D_V threads.
+// grid (Q, NH): one block per query row and head, D_V threads.
 extern "C" __global__ void attn_combine(const float* part_m, const float* part_l,
                                         const float* part_acc, int nsplit, unsigned short* out,
                                         u64* digest, const int* step, int n_layers, int layer) {
-  const int q = blockIdx.x, d = threadIdx.x;
-  u64 dig = 0;
-  for (int h = 0; h < NH; ++h) {
-    const long long base = static_cast<long long>(q) * nsplit * NH + h;
-    float mx = -INFINITY;
-    for (int sp = 0; sp < nsplit; ++sp) mx = fmaxf(mx, part_m[base + sp * NH]);
-    float num = 0.0f, den = 0.0f;
-    if (mx != -INFINITY) {
-      for (int sp = 0; sp < nsplit; ++sp) {
-        const float ms = part_m[base + sp * NH];
-        if (ms == -INFINITY) continue;
-        const float w = __expf(ms - mx);
-        den += part_l[base + sp * NH] * w;
-        num += part_acc[(base + sp * NH) * D_V + d] * w;
-      }
+  const int q = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+  const long long base = static_cast<long long>(q) * nsplit * NH + h;
+  float mx = -INFINITY;
+  for (int sp = 0; sp < nsplit; ++sp) mx = fmaxf(mx, part_m[base + sp * NH]);
+  float num = 0.0f, den = 0.0f;
+  if (mx != -INFINITY) {
+    for (int sp = 0; sp < nsplit; ++sp) {
+      const float ms = part_m[base + sp * NH];
+      if (ms == -INFINITY) continue;
+      const float w = __expf(ms - mx);
+      den += part_l[base + sp * NH] * w;
+      num += part_acc[(base + sp * NH) * D_V + d] * w;
     }
-    const unsigned short o = float_to_bf16(den > 0.0f ? num / den : 0.0f);
-    const long long idx = (static_cast<long long>(q) * NH + h) * D_V + d;
-    out[idx] = o;
-    dig += mix64((static_cast<u64>(idx) << 16) | o);
   }
-  for (int o = 16; o; o >>= 1) dig += __shfl_xor_sync(0xffffffffu, dig, o);
+  const unsigned short o = float_to_bf16(den > 0.0f ? num / den : 0.0f);
+  const long long idx = (static_cast<long long>(q) * NH + h) * D_V + d;
+  out[idx] = o;
+  u64 dig = mix64((static_cast<u64>(idx) << 16) | o);
+  for (int o2 = 16; o2; o2 >>= 1) dig += __shfl_xor_sync(0xffffffffu, dig, o2);
   if ((d & 31) == 0) atomicAdd(digest + static_cast<long long>(*step) * n_layers + layer, dig);
 }
 

@@ -116,7 +116,7 @@ class Model:
             (self.qraw, locs, np.int64(ld_b), np.int64(ld_s), np.int32(S), np.int32(self.K),
              np.int32(self.chunk), rows, self.temp, self.part_m, self.part_l, self.part_acc),
             shared_mem=ATT_SMEM, stream=self.s)
-        self.k.attn_combine((self.Q,), (V_VALUES,),
+        self.k.attn_combine((self.Q, HEADS), (V_VALUES,),
                             (self.part_m, self.part_l, self.part_acc, np.int32(self.nsplit),
                              self.o, digest, step_ctr, np.int32(self.L), np.int32(layer)),
                             stream=self.s)
