@@ -139,7 +139,9 @@ def test_config_memory_and_errors():
                    "--eager-and-graph"])
     assert c.modes == ("gpu-only", "overlap") and c.execs == ("eager", "graph")
     assert c.scratch() == 1024
-    for bad, msg in ((["--mtp", "5"], "--mtp"), (["--new-share", "0"], "--new-share"),
+    for bad, msg in ((["--mtp", "5"], "--mtp"),
+                     (["--new-share", "0.01"], "--new-share shapes the drift model"),
+                     (["--topk-model", "drift", "--new-share", "0"], "--new-share must be in"),
                      (["--recent", "0"], "--recent")):
         with pytest.raises(SystemExit, match=msg):
             from_args(bad)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The decode loop's figures: GLM-5.2's 78-layer pattern, every mode eager and graph-captured,
-# 1 % and 5 % new tokens per step, at the given batch:context pairs. One process per
-# configuration (each pins its own host pool); JSON, PNG and logs under $OUT/demo_figures.
+# on the lru top-k streams (the default) and on the drift model at 1 % and 5 % new tokens per
+# step, at the given batch:context pairs. One process per configuration (each pins its own
+# host pool); JSON, PNG and logs under $OUT/demo_figures.
 #
 # Usage: bash tools/demo_figures.sh [--warmup N] [--steps N] BATCH:CONTEXT ...
 #   e.g. bash tools/demo_figures.sh --warmup 100 --steps 300 32:8192 64:6272
@@ -22,10 +23,11 @@ while [ $# -gt 0 ]; do
 done
 for bc in "$@"; do
   b=${bc%%:*} ctx=${bc##*:}
-  for share in 0.01 0.05; do
-    name="b${b}_ctx${ctx}_new${share}"
+  for share in lru 0.01 0.05; do
+    if [ $share = lru ]; then name="b${b}_ctx${ctx}_lru" topk=()
+    else name="b${b}_ctx${ctx}_new${share}" topk=(--topk-model drift --new-share "$share"); fi
     t0=$SECONDS
-    $PY -m hisparse_cupy demo --batch "$b" --context "$ctx" --new-share "$share" \
+    $PY -m hisparse_cupy demo --batch "$b" --context "$ctx" "${topk[@]}" \
       --warmup "$warmup" --steps "$steps" --eager-and-graph --quiet \
       --json "$dir/$name.json" --png "$dir/$name.png" >"$dir/$name.log" 2>&1
     rc=$?

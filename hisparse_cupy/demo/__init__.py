@@ -68,10 +68,9 @@ def partition(cfg: Config):
     and why."""
     if not cfg.side_sms:
         return None, ("SM partition: off (" + ("--no-partition" if cfg.no_partition else
-                      "the default") + "): the side streams share the step's SMs. Measured on "
-                      "an H200: this model's step is compute-bound, on 124 of its 132 SMs the "
-                      "gpu-only step ran 7.6 % slower at batch 32, more than the partition "
-                      "saved the overlap (benchmarks/NOTES.md); --side-sms 8 to compare")
+                      "the default") + "): the side streams share the step's SMs; --side-sms "
+                      "8 to compare (benchmarks/NOTES.md, \"The demo on realistic top-k "
+                      "streams\", has both measured)")
     from ..streams import SMPartition
 
     try:

@@ -165,8 +165,9 @@ def parser() -> argparse.ArgumentParser:
     a("--context", type=int, default=d.context, help="prompt tokens per request")
     a("--steps", type=int, default=d.steps, help="timed decode steps")
     a("--warmup", type=int, default=d.warmup, help="decode steps before timing")
-    a("--new-share", type=float, default=d.new_share,
-      help="drift: share of each top-k replaced by new tokens per step (0.01 = 1%%)")
+    a("--new-share", type=float, default=None,
+      help=f"drift: share of each top-k replaced by new tokens per step (0.01 = 1%%; default "
+           f"{d.new_share})")
     a("--recent", type=int, default=d.recent, help="newest tokens every top-k holds")
     a("--topk-model", choices=("drift", "lru"), default=d.topk_model,
       help="drift: each full layer's top-k keeps its tokens but --new-share a step; lru: "
@@ -258,6 +259,8 @@ def from_args(argv=None, *, check: bool = True) -> Config:
         raise SystemExit("demo: --eager runs eagerly only: leave out --graph / --eager-and-graph")
     if ns.mode and "predict" in ns.mode and ns.no_predict:
         raise SystemExit("demo: --mode predict and --no-predict contradict each other")
+    if ns.new_share is not None and ns.topk_model != "drift":
+        raise SystemExit("demo: --new-share shapes the drift model: add --topk-model drift")
     if ns.no_partition and ns.side_sms:
         raise SystemExit("demo: --no-partition and --side-sms N contradict each other")
     # prediction stages single-step swaps: the default modes leave it out at --mtp 2-4
@@ -267,7 +270,9 @@ def from_args(argv=None, *, check: bool = True) -> Config:
     execs = ("eager", "graph") if ns.eager_and_graph else (("eager",) if ns.eager else ("graph",))
     side = 0 if ns.no_partition else ns.side_sms
     cfg = Config(layers=ns.layers, pattern=ns.pattern, batch=ns.batch, context=ns.context,
-                 steps=ns.steps, warmup=ns.warmup, new_share=ns.new_share, recent=ns.recent,
+                 steps=ns.steps, warmup=ns.warmup,
+                 new_share=Config.new_share if ns.new_share is None else ns.new_share,
+                 recent=ns.recent,
                  topk_model=ns.topk_model, step_overlap=ns.step_overlap,
                  layer_overlap=ns.layer_overlap,
                  top_k=ns.top_k, hot=ns.hot, extra_page=ns.extra_page, hidden=ns.hidden,
