@@ -138,7 +138,7 @@ def run(cfg) -> dict:
 
         K = cfg.top_k
         result["topk_shape"] = shape_report(stream.shape, drawn, stream.initial,
-                                            sorted({K, 2 * K, 4 * K, cfg.hot}))
+                                            sorted({K, 2 * K, 4 * K, cfg.hot}), cfg.hot)
     if cfg.json:
         with open(cfg.json, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -117,7 +117,7 @@ class Rig:
                  f"processes)")
         K = c.top_k
         self.topk_shape = shape_report(shape, list(tab), initial,
-                                       sorted({K, 2 * K, 4 * K, c.hot}), requests=4)
+                                       sorted({K, 2 * K, 4 * K, c.hot}), c.hot, requests=4)
         with self.s:
             self.table = cupy.asarray(tab)
 

@@ -330,11 +330,12 @@ def shape_for(step_overlap: float | None, layer_overlap: float | None,
         StreamShape.from_overlap(step_overlap, **kw)
 
 
-def shape_report(shape: StreamShape, drawn: list[np.ndarray], initial, hots,
+def shape_report(shape: StreamShape, drawn: list[np.ndarray], initial, hots, hot: int,
                  requests: int | None = None, log=print) -> dict:
     """The shape of ``drawn`` (steps of ``[n_full, B, K]``) as :func:`measure` finds it, over
-    the full layers past the low ones, logged in one line and returned; ``requests``: measure
-    the first that many requests only (the line says so)."""
+    the full layers past the low ones, logged in one line and returned (the misses that follow
+    the previous layer at H = ``hot``, one of ``hots``); ``requests``: measure the first that
+    many requests only (the line says so)."""
     n_full, B, _ = drawn[0].shape
     low = shape.low_layers
     if n_full <= low + 1:
@@ -355,7 +356,7 @@ def shape_report(shape: StreamShape, drawn: list[np.ndarray], initial, hots,
         f"the {low} low-overlap ones{'' if n == B else f'; requests 0-{n - 1} of {B}'}): miss "
         + ", ".join(f"{100 * v:.1f} % at H {H}" for H, v in miss.items())
         + f"; step overlap {100 * rep['step_overlap']:.1f} %; layer overlap "
-        f"{100 * rep['layer_overlap']:.1f} % (of the misses at H {max(miss)}: "
-        f"{100 * rep['miss_followed'][max(miss)]:.1f} %); low layers' step overlap "
+        f"{100 * rep['layer_overlap']:.1f} % (of the misses at H {hot}: "
+        f"{100 * rep['miss_followed'][hot]:.1f} %); low layers' step overlap "
         + ", ".join(f"{100 * v:.1f} %" for v in rep["low_layers_step_overlap"]))
     return rep
