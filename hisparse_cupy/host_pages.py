@@ -1,0 +1,246 @@
+"""Pages of the host pool: token -> host row maps that grow with a request and share prefixes.
+
+A host pool of ``n_pages * page_tokens`` rows per layer is cut into pages: page ``g`` holds rows
+``[g * P, (g + 1) * P)`` of every layer (``P = page_tokens``), so a page carries P tokens of all
+layers. A request's token ``t`` lives in row ``pages[t // P] * P + t % P``, where ``pages`` is
+the request's page list: the kernels read that row through the request's ``host_locs`` entry,
+whatever it is, so a paged pool changes no swap.
+
+:class:`HostPages` is the host side of that map, NumPy only (an engine's scheduler can run it
+anywhere):
+
+- :meth:`admit` gives a request the pages for its first ``n`` tokens, new ones, or the first
+  ``p`` tokens' pages of a live request (``prefix=(parent, p)``: shared, reference-counted;
+  a partial last page is copied into a page of the child's own, never shared), or pages an
+  engine holds (``pages=[...]``, from :meth:`take`: its own prefix tree's pages);
+- :meth:`grow` takes the pages a request needs for more tokens (before the step that writes
+  them: a captured step then only writes table entries);
+- :meth:`release` and :meth:`put` drop references; a page is free again when none is left.
+
+A page another request (or the engine) also holds is never written: a request writes only its
+tokens at or past :meth:`own_from`, which are in its own pages. Every call checks its arguments
+and the pool before changing anything: a pool too small raises :class:`PoolExhausted` with
+nothing taken (the engine can then preempt a request).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _checks
+
+__all__ = ["HostPages", "PoolExhausted"]
+
+
+class PoolExhausted(RuntimeError):
+    """Not enough free pages; ``needed`` and ``free`` say how many. Nothing was taken."""
+
+    def __init__(self, what: str, needed: int, free: int):
+        super().__init__(f"{what} needs {needed} free host pages, {free} are free")
+        self.needed, self.free = needed, free
+
+
+class HostPages:
+    """The pages of a host pool of ``n_pages * page_tokens`` rows (per layer).
+
+    Parameters
+    ----------
+    n_pages : int
+        Pages in the pool.
+    page_tokens : int
+        Tokens per page (``P``).
+
+    Requests are keyed by any int (the cache's request slots). :meth:`check` verifies every
+    invariant (tests call it).
+    """
+
+    def __init__(self, n_pages: int, page_tokens: int):
+        self.n_pages = _checks.integer("n_pages", n_pages, 1, 2**40)
+        self.page_tokens = _checks.integer("page_tokens", page_tokens, 1, 2**20)
+        self.refs = np.zeros(self.n_pages, np.int64)  # requests and engine holds per page
+        self._free = list(range(self.n_pages - 1, -1, -1))  # a stack: low pages first
+        self._pages: dict[int, list[int]] = {}  # request -> its page list
+        self._tokens: dict[int, int] = {}  # request -> tokens it has rows for
+        self._own: dict[int, int] = {}  # request -> first token it may write
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def n_rows(self) -> int:
+        """Host rows per layer the pages cover."""
+        return self.n_pages * self.page_tokens
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, n_tokens: int) -> int:
+        """Pages that ``n_tokens`` tokens of one request take."""
+        return -(-int(n_tokens) // self.page_tokens)
+
+    def __contains__(self, rid) -> bool:
+        return rid in self._pages
+
+    def tokens(self, rid: int) -> int:
+        """Tokens ``rid`` has rows for."""
+        return self._tokens[self._live(rid)]
+
+    def pages(self, rid: int) -> list[int]:
+        """``rid``'s page list (a copy)."""
+        return list(self._pages[self._live(rid)])
+
+    def own_from(self, rid: int) -> int:
+        """The first token of ``rid`` in a page it alone holds: it may write tokens at and past
+        it (its newest tokens), never before (shared pages)."""
+        return self._own[self._live(rid)]
+
+    # ------------------------------------------------------------------ rows
+    def rows(self, rid: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """int64 host rows of ``rid``'s tokens ``[start, stop)`` (default: every token)."""
+        n = self.tokens(rid)
+        stop = n if stop is None else _checks.integer("stop", stop, 0, n)
+        start = _checks.integer("start", start, 0, stop)
+        t = np.arange(start, stop, dtype=np.int64)
+        pg = np.asarray(self._pages[rid], np.int64)
+        return pg[t // self.page_tokens] * self.page_tokens + t % self.page_tokens
+
+    def table(self, rid: int, max_len: int) -> np.ndarray:
+        """``rid``'s ``host_locs`` row: int64 ``[max_len]``, its rows, then -1."""
+        n = self.tokens(rid)
+        max_len = _checks.integer("max_len", max_len, n)
+        out = np.full(max_len, -1, np.int64)
+        out[:n] = self.rows(rid)
+        return out
+
+    # ------------------------------------------------------------------ requests
+    def admit(self, rid: int, n_tokens: int, *, prefix: tuple[int, int] | None = None,
+              pages=None) -> list[tuple[int, int, int]]:
+        """Pages for request ``rid``'s first ``n_tokens`` tokens.
+
+        ``prefix=(parent, p)``: its first ``p`` tokens are the live request ``parent``'s
+        (``1 <= p <= parent's tokens``, ``p <= n_tokens``): the parent's whole pages below
+        ``p`` are shared; a partial page at ``p`` is a new page of ``rid``'s, to fill from the
+        parent's (the parent then writes past them only, as it does anyway). ``pages``: page
+        ids the engine holds (:meth:`take`), filled, for ``rid``'s first ``len(pages)`` whole
+        pages (``len(pages) * page_tokens <= n_tokens``), shared with the engine. Not both.
+
+        Returns the copies the caller must make before the request's rows are read, as
+        ``(src_row, dst_row, count)`` in every layer (at most one: the partial page of a
+        prefix). Raises :class:`PoolExhausted` (nothing taken) or ``ValueError`` /
+        ``KeyError`` naming the argument.
+        """
+        rid = int(rid)
+        if rid in self._pages:
+            raise ValueError(f"rid {rid} is already admitted")
+        n = _checks.integer("n_tokens", n_tokens, 1)
+        P = self.page_tokens
+        if prefix is not None and pages is not None:
+            raise ValueError("give prefix or pages, not both")
+        shared: list[int] = []
+        copy = []
+        own = 0
+        if prefix is not None:
+            if not isinstance(prefix, (tuple, list)) or len(prefix) != 2:
+                raise TypeError(f"prefix must be (parent rid, tokens), got {prefix!r}")
+            parent = self._live(int(prefix[0]), "prefix's parent")
+            p = _checks.integer("prefix tokens", prefix[1], 1, self._tokens[parent])
+            if p > n:
+                raise ValueError(f"prefix of {p} tokens is longer than n_tokens {n}")
+            shared = self._pages[parent][: p // P]
+            own = (p // P) * P
+            if p % P:  # the partial page: copied, never shared
+                copy = [(self._pages[parent][p // P] * P, None, p % P)]
+        elif pages is not None:
+            shared = [int(g) for g in np.asarray(pages, np.int64).reshape(-1)]
+            if len(shared) * P > n:
+                raise ValueError(f"pages holds {len(shared)} pages of {P} tokens, more than "
+                                 f"n_tokens {n} fill (give whole pages only)")
+            if len(set(shared)) != len(shared):
+                raise ValueError("pages holds a page twice")
+            for g in shared:
+                if not 0 <= g < self.n_pages or self.refs[g] < 1:
+                    raise ValueError(f"pages: page {g} is not held (take() it first)")
+            own = len(shared) * P
+        need = self.pages_for(n) - len(shared)
+        if need > len(self._free):
+            raise PoolExhausted(f"admit of {n} tokens", need, len(self._free))
+        new = [self._free.pop() for _ in range(need)]
+        for g in shared:
+            self.refs[g] += 1
+        self.refs[new] = 1
+        self._pages[rid] = list(shared) + new
+        self._tokens[rid] = n
+        self._own[rid] = own
+        if prefix is not None:  # the parent's pages below `own` are shared from now on
+            self._own[parent] = max(self._own[parent], own)
+        return [(src, new[0] * P, cnt) for src, _, cnt in copy]
+
+    def grow(self, rid: int, n_tokens: int) -> list[int]:
+        """Pages for ``rid``'s tokens up to ``n_tokens`` (at least its tokens now); returns the
+        pages taken. Raises :class:`PoolExhausted` with nothing taken."""
+        rid = self._live(rid)
+        n = _checks.integer("n_tokens", n_tokens, self._tokens[rid])
+        need = self.pages_for(n) - len(self._pages[rid])
+        if need > len(self._free):
+            raise PoolExhausted(f"rid {rid} growing to {n} tokens", need, len(self._free))
+        new = [self._free.pop() for _ in range(max(0, need))]
+        self.refs[new] = 1
+        self._pages[rid] += new
+        self._tokens[rid] = n
+        return new
+
+    def release(self, rid: int) -> None:
+        """Drop ``rid``'s pages (a page another request or the engine holds stays)."""
+        rid = self._live(rid)
+        self._drop(self._pages.pop(rid))
+        del self._tokens[rid], self._own[rid]
+
+    # ------------------------------------------------------------------ engine-held pages
+    def take(self, n: int) -> list[int]:
+        """``n`` free pages held by the engine (its prefix tree's), for :meth:`admit`'s
+        ``pages``; :meth:`put` gives them back."""
+        n = _checks.integer("n", n, 0)
+        if n > len(self._free):
+            raise PoolExhausted(f"take({n})", n, len(self._free))
+        got = [self._free.pop() for _ in range(n)]
+        self.refs[got] = 1
+        return got
+
+    def put(self, pages) -> None:
+        """Drop the engine's hold on ``pages`` (each held, once each)."""
+        got = [int(g) for g in np.asarray(pages, np.int64).reshape(-1)]
+        if len(set(got)) != len(got):
+            raise ValueError("pages holds a page twice")
+        for g in got:
+            if not 0 <= g < self.n_pages or self.refs[g] < 1:
+                raise ValueError(f"pages: page {g} is not held")
+        self._drop(got)
+
+    # ------------------------------------------------------------------ internals
+    def _live(self, rid, what: str = "rid") -> int:
+        rid = int(rid)
+        if rid not in self._pages:
+            raise KeyError(f"{what} {rid} is not admitted (or was released)")
+        return rid
+
+    def _drop(self, pages: list[int]) -> None:
+        for g in pages:
+            self.refs[g] -= 1
+            if self.refs[g] == 0:
+                self._free.append(g)
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` unless every invariant holds: each page's count equals the
+        requests holding it plus the engine's holds (at least 0, a free page exactly 0 and on
+        the free list once); a request's pages cover its tokens; its pages from
+        :meth:`own_from` on are its alone."""
+        held = np.zeros(self.n_pages, np.int64)
+        for rid, pg in self._pages.items():
+            assert len(pg) == self.pages_for(self._tokens[rid]), rid
+            assert len(set(pg)) == len(pg), rid
+            held[pg] += 1
+            for g in pg[self._own[rid] // self.page_tokens:]:
+                assert self.refs[g] == 1, (rid, g)
+        assert (self.refs >= held).all()  # the rest: the engine's holds
+        free = np.asarray(self._free, np.int64)
+        assert len(set(self._free)) == free.size
+        assert (self.refs[free] == 0).all() and int((self.refs == 0).sum()) == free.size

@@ -1,0 +1,257 @@
+"""The host pool's pages (``hisparse_cupy.host_pages``): rows, prefix sharing, engine-held pages,
+bad input, and a randomized run of 100k operations against a model of the page counts and of
+every row's contents (a page two holders share is never written)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hisparse_cupy.host_pages import HostPages, PoolExhausted
+
+
+def test_rows_follow_the_pages():
+    hp = HostPages(10, 4)
+    assert (hp.n_rows, hp.free_pages, hp.pages_for(9)) == (40, 10, 3)
+    assert hp.admit(7, 9) == []
+    pg = hp.pages(7)
+    t = np.arange(9)
+    np.testing.assert_array_equal(hp.rows(7), np.asarray(pg)[t // 4] * 4 + t % 4)
+    np.testing.assert_array_equal(hp.rows(7, 5, 8), hp.rows(7)[5:8])
+    tab = hp.table(7, 12)
+    assert (tab[:9] == hp.rows(7)).all() and (tab[9:] == -1).all()
+    assert hp.grow(7, 12) == [] and hp.tokens(7) == 12  # the third page holds them
+    assert len(hp.grow(7, 13)) == 1 and hp.free_pages == 6
+    hp.release(7)
+    assert hp.free_pages == 10 and 7 not in hp
+    hp.check()
+
+
+def test_a_prefix_shares_whole_pages_and_copies_the_partial_one():
+    hp = HostPages(16, 4)
+    hp.admit(0, 10)
+    copies = hp.admit(1, 12, prefix=(0, 6))  # page 0 shared, page 1 (tokens 4-5) copied
+    parent, child = hp.pages(0), hp.pages(1)
+    assert child[0] == parent[0] and child[1] != parent[1]
+    assert copies == [(parent[1] * 4, child[1] * 4, 2)]
+    assert hp.refs[parent[0]] == 2 and hp.own_from(1) == 4 and hp.own_from(0) == 4
+    hp.check()
+    hp.release(0)  # the parent first: the shared page stays for the child
+    assert hp.refs[child[0]] == 1 and hp.free_pages == 16 - 3
+    hp.check()
+    hp.admit(2, 8, prefix=(1, 8))  # whole pages only: nothing to copy
+    assert hp.pages(2) == child[:2] and hp.own_from(1) == 8
+    hp.release(1)
+    hp.release(2)
+    assert hp.free_pages == 16
+    hp.check()
+
+
+def test_engine_held_pages():
+    hp = HostPages(8, 4)
+    mine = hp.take(2)
+    assert hp.free_pages == 6 and (hp.refs[mine] == 1).all()
+    hp.admit(3, 10, pages=mine)  # tokens 0-7 in the engine's pages, 8-9 in a new one
+    assert hp.pages(3)[:2] == mine and hp.own_from(3) == 8 and (hp.refs[mine] == 2).all()
+    hp.put(mine)
+    hp.check()
+    hp.release(3)
+    assert hp.free_pages == 8
+    hp.check()
+
+
+def test_bad_input_names_the_argument_and_changes_nothing():
+    hp = HostPages(6, 4)
+    hp.admit(0, 10)
+    held = hp.take(1)
+    before = (hp.refs.copy(), hp.free_pages, hp.pages(0))
+    bad = [
+        (lambda: hp.admit(0, 4), ValueError, "rid 0 is already admitted"),
+        (lambda: hp.admit(1, 0), ValueError, "n_tokens"),
+        (lambda: hp.admit(1, 20), PoolExhausted, "needs 5 free host pages, 2 are free"),
+        (lambda: hp.admit(1, 8, prefix=(5, 2)), KeyError, "prefix's parent 5 is not admitted"),
+        (lambda: hp.admit(1, 8, prefix=(0, 11)), ValueError, "prefix tokens"),
+        (lambda: hp.admit(1, 4, prefix=(0, 6)), ValueError, "longer than n_tokens"),
+        (lambda: hp.admit(1, 8, prefix=0), TypeError, "prefix must be"),
+        (lambda: hp.admit(1, 8, prefix=(0, 4), pages=held), ValueError, "not both"),
+        (lambda: hp.admit(1, 3, pages=held), ValueError, "give whole pages only"),
+        (lambda: hp.admit(1, 8, pages=[held[0], held[0]]), ValueError, "a page twice"),
+        (lambda: hp.admit(1, 8, pages=[5 if held[0] != 5 else 4]), ValueError, "is not held"),
+        (lambda: hp.admit(1, 8, pages=[99]), ValueError, "page 99 is not held"),
+        (lambda: hp.grow(0, 9), ValueError, "n_tokens"),
+        (lambda: hp.grow(0, 40), PoolExhausted, "growing to 40 tokens"),
+        (lambda: hp.grow(4, 12), KeyError, "rid 4 is not admitted"),
+        (lambda: hp.release(4), KeyError, "rid 4"),
+        (lambda: hp.take(3), PoolExhausted, r"take\(3\)"),
+        (lambda: hp.put([held[0], held[0]]), ValueError, "a page twice"),
+        (lambda: hp.rows(0, 5, 11), ValueError, "stop"),
+        (lambda: hp.table(0, 9), ValueError, "max_len"),
+    ]
+    for call, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            call()
+        assert (hp.refs == before[0]).all() and hp.free_pages == before[1], match
+        assert hp.pages(0) == before[2] and 1 not in hp, match
+    hp.check()
+    with pytest.raises(ValueError, match="page_tokens"):
+        HostPages(4, 0)
+
+
+def test_random_operations_against_a_model():
+    """100k admit / grow / fork / release / take / put operations on a small pool (often
+    exhausted). The model keeps abstract pages and their holders: the free count, each
+    request's pages and whether a call must run out of pages are its predictions. Every row
+    holds the identity of what was written there: a request's rows must hold its tokens' (its
+    own, or its ancestors' for a prefix, or the engine's), and a write into a page with another
+    holder fails the test."""
+    rng = np.random.default_rng(7)
+    for P, n_pages, ops in ((4, 48, 60_000), (16, 24, 40_000)):
+        _drive(rng, P, n_pages, ops)
+
+
+def _drive(rng, P: int, n_pages: int, ops: int) -> None:
+    hp = HostPages(n_pages, P)
+    content = np.full(hp.n_rows, -1, np.int64)  # the identity each row holds
+    ids = iter(range(1, 10**9))
+    holders: dict[int, int] = {}  # model page key -> holders
+    where: dict[int, int] = {}  # model page key -> its page
+    keys: dict[int, list[int]] = {}  # request -> its model page keys
+    want: dict[int, np.ndarray] = {}  # request -> identity of each of its tokens
+    engine: list[tuple[int, np.ndarray]] = []  # engine holds: (key, identities of P rows)
+    stats = dict.fromkeys(("admit", "fork", "pages", "grow", "exhausted"), 0)
+
+    def free() -> int:
+        return n_pages - sum(1 for v in holders.values() if v > 0)
+
+    def new_keys(n: int) -> list[int]:
+        out = [next(ids) for _ in range(n)]
+        for k in out:
+            holders[k] = 1
+        return out
+
+    def bind(rid: int) -> None:  # map the model's new keys to the allocator's pages
+        for k, g in zip(keys[rid], hp.pages(rid), strict=True):
+            assert where.setdefault(k, g) == g, (rid, k)
+
+    def write(rid: int, start: int, stop: int) -> None:
+        rows = hp.rows(rid, start, stop)
+        assert (hp.refs[rows // P] == 1).all(), "a write into a page another holder has"
+        content[rows] = want[rid][start:stop]
+
+    def drop(ks) -> None:
+        for k in ks:
+            holders[k] -= 1
+            if holders[k] == 0:
+                del holders[k], where[k]
+
+    for op in range(ops):
+        live = list(keys)
+        r = rng.random()
+        if r < 0.35 or not live:  # admit: fresh, a prefix of a live request, engine pages
+            rid = int(rng.integers(0, 4 * n_pages))
+            if rid in keys:
+                continue
+            n = int(rng.integers(1, 6 * P))
+            kind = rng.choice(["admit", "fork", "pages"]) if live else "admit"
+            if kind == "fork":
+                par = int(rng.choice(live))
+                p = int(rng.integers(1, hp.tokens(par) + 1))
+                n = max(n, p)
+                shared = keys[par][: p // P]
+                need = hp.pages_for(n) - len(shared)
+                if need > free():
+                    with pytest.raises(PoolExhausted):
+                        hp.admit(rid, n, prefix=(par, p))
+                    stats["exhausted"] += 1
+                    continue
+                copies = hp.admit(rid, n, prefix=(par, p))
+                for k in shared:
+                    holders[k] += 1
+                keys[rid] = shared + new_keys(need)
+                ident = np.concatenate([want[par][:p], rid * 10**6 + np.arange(p, n)])
+                want[rid] = ident
+                for src, dst, cnt in copies:  # the caller's copy of the partial page
+                    assert (hp.refs[dst // P] == 1) and cnt == p % P
+                    content[dst:dst + cnt] = content[src:src + cnt]
+                write(rid, p, n)
+            elif kind == "pages" and engine:
+                m = int(rng.integers(1, len(engine) + 1))
+                held = engine[:m]
+                n = max(n, m * P)
+                need = hp.pages_for(n) - m
+                if need > free():
+                    with pytest.raises(PoolExhausted):
+                        hp.admit(rid, n, pages=[where[k] for k, _ in held])
+                    stats["exhausted"] += 1
+                    continue
+                hp.admit(rid, n, pages=[where[k] for k, _ in held])
+                for k, _ in held:
+                    holders[k] += 1
+                keys[rid] = [k for k, _ in held] + new_keys(need)
+                want[rid] = np.concatenate([c for _, c in held] +
+                                           [rid * 10**6 + np.arange(m * P, n)])
+                write(rid, m * P, n)
+            else:
+                kind = "admit"
+                need = hp.pages_for(n)
+                if need > free():
+                    with pytest.raises(PoolExhausted):
+                        hp.admit(rid, n)
+                    stats["exhausted"] += 1
+                    continue
+                assert hp.admit(rid, n) == []
+                keys[rid] = new_keys(need)
+                want[rid] = rid * 10**6 + np.arange(n)
+                write(rid, 0, n)
+            stats[kind] += 1
+            bind(rid)
+        elif r < 0.6:  # grow by a few tokens (a decode step or a chunk of prefill)
+            rid = int(rng.choice(live))
+            n0 = hp.tokens(rid)
+            n = n0 + int(rng.integers(0, 2 * P))
+            need = hp.pages_for(n) - len(keys[rid])
+            if need > free():
+                with pytest.raises(PoolExhausted):
+                    hp.grow(rid, n)
+                stats["exhausted"] += 1
+                continue
+            assert len(hp.grow(rid, n)) == max(0, need)
+            keys[rid] += new_keys(max(0, need))
+            want[rid] = np.concatenate([want[rid], rid * 10**6 + np.arange(n0, n)])
+            write(rid, n0, n)
+            bind(rid)
+            stats["grow"] += 1
+        elif r < 0.85:  # release
+            rid = int(rng.choice(live))
+            hp.release(rid)
+            drop(keys.pop(rid))
+            del want[rid]
+        elif r < 0.93:  # the engine takes a page and fills it
+            if not free():
+                with pytest.raises(PoolExhausted):
+                    hp.take(1)
+                continue
+            (g,) = hp.take(1)
+            (k,) = new_keys(1)
+            where[k] = g
+            ident = -(next(ids) * 10**3 + np.arange(P)) - 2
+            content[g * P:(g + 1) * P] = ident
+            engine.append((k, ident))
+        elif engine:  # the engine drops a page
+            k, _ = engine.pop(int(rng.integers(len(engine))))
+            hp.put([where[k]])
+            drop([k])
+        assert hp.free_pages == free(), op
+        if keys:  # one request's rows read back what it holds
+            rid = int(rng.choice(list(keys)))
+            assert hp.pages(rid) == [where[k] for k in keys[rid]], (op, rid)
+            np.testing.assert_array_equal(content[hp.rows(rid)], want[rid], err_msg=str(op))
+        if op % 1000 == 0:
+            hp.check()
+    hp.check()
+    for rid in list(keys):
+        hp.release(rid)
+    hp.put([where[k] for k, _ in engine])
+    assert hp.free_pages == n_pages and not hp.refs.any()
+    # the run went everywhere: forks, engine pages, growth, and pools run dry
+    assert min(stats.values()) > 500, stats
