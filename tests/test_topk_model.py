@@ -47,7 +47,9 @@ def test_the_default_shape_is_what_it_promises():
     assert np.abs(m["layer_overlap"][follow] - 0.8).max() < TOL, m
     for H, v in m["miss_followed"].items():
         assert np.abs(v[follow] - 0.8).max() < 0.05, (H, v)  # within 5 points
-    assert np.isnan(m["miss_followed"][K][0])
+    assert np.isnan(m["miss_followed"][K][0]) and np.isnan(m["miss_predictable"][K][0])
+    for H, v in m["miss_predictable"].items():  # missed by both: a part of the followed ones
+        assert (v[1:] <= m["miss_followed"][H][1:] + 1e-12).all() and (v[1:] > 0).all(), H
     # low layers: nearly nothing from the previous step but the recent tokens
     low = m["step_overlap"][:shape.low_layers]  # the recent tokens are a floor at K 256
     assert (low < max(shape.low_overlap, (shape.recent - 1) / K) + TOL).all(), low

@@ -283,14 +283,19 @@ def measure(steps: list[np.ndarray], initial, hots: tuple[int, ...]) -> dict:
     ``hots`` (``miss[H]``, ``[n_full]``), the step-to-step overlap (``step_overlap``) and the
     overlap with the previous full layer (``layer_overlap``, NaN for layer 0), and the share of
     the misses at each H that the previous full layer selected in the same step
-    (``miss_followed[H]``: what a prediction from it can stage at best; NaN for layer 0)."""
+    (``miss_followed[H]``) and that it missed too (``miss_predictable[H]``: what a prediction
+    that stages the previous layer's misses, as the Prefetcher's does, can catch at best);
+    both NaN for layer 0."""
     n_full, B, K = steps[0].shape
     n = 1 + max(int(s.max()) for s in steps)
     n = max(n, 1 + max(int(st.max()) for layer in initial for st in layer))
     miss = {H: np.zeros(n_full) for H in hots}
     followed = {H: np.zeros(n_full) for H in hots}
+    predictable = {H: np.zeros(n_full) for H in hots}
     step_ov, layer_ov = np.zeros(n_full), np.zeros(n_full)
+    missed = {}  # (b, t, H) -> the tokens the previous full layer missed
     for j in range(n_full):
+        now = {}
         for b in range(B):
             stack = initial[j][b].copy()
             last = None
@@ -301,15 +306,19 @@ def measure(steps: list[np.ndarray], initial, hots: tuple[int, ...]) -> dict:
                 depth = rank[sel]  # tokens never used: deeper than any H
                 prev = _member(sel, steps[t][j - 1, b], n) if j else None
                 for H in hots:
-                    miss[H][j] += (depth >= H).sum()
+                    m = depth >= H
+                    miss[H][j] += m.sum()
+                    now[b, t, H] = sel[m]
                     if j:
-                        followed[H][j] += (prev & (depth >= H)).sum()
+                        followed[H][j] += (prev & m).sum()
+                        predictable[H][j] += _member(sel[m], missed[b, t, H], n).sum()
                 if last is not None:
                     step_ov[j] += _member(sel, last, n).sum()
                 if j:
                     layer_ov[j] += prev.sum()
                 stack = np.concatenate([sel, stack[~_member(stack, sel, n)]])
                 last = sel
+        missed = now
     T = len(steps)
     out = {"miss": {H: m / (T * B * K) for H, m in miss.items()},
            "step_overlap": step_ov / (max(1, T - 1) * B * K),
@@ -317,7 +326,8 @@ def measure(steps: list[np.ndarray], initial, hots: tuple[int, ...]) -> dict:
     out["layer_overlap"][0] = np.nan
     with np.errstate(invalid="ignore", divide="ignore"):
         out["miss_followed"] = {H: followed[H] / miss[H] for H in hots}
-    for v in out["miss_followed"].values():
+        out["miss_predictable"] = {H: predictable[H] / miss[H] for H in hots}
+    for v in (*out["miss_followed"].values(), *out["miss_predictable"].values()):
         v[0] = np.nan
     return out
 
@@ -351,12 +361,15 @@ def shape_report(shape: StreamShape, drawn: list[np.ndarray], initial, hots, hot
            "low_layers_step_overlap": [float(v) for v in m["step_overlap"][:low]],
            "miss_followed": {int(H): float(np.nanmean(v[low + 1:]))
                              for H, v in m["miss_followed"].items()},
+           "miss_predictable": {int(H): float(np.nanmean(v[low + 1:]))
+                                for H, v in m["miss_predictable"].items()},
            "requests_measured": n, "asked": dataclasses.asdict(shape)}
     log(f"top-k streams as generated (exact LRU from their starting history; full layers past "
         f"the {low} low-overlap ones{'' if n == B else f'; requests 0-{n - 1} of {B}'}): miss "
         + ", ".join(f"{100 * v:.1f} % at H {H}" for H, v in miss.items())
         + f"; step overlap {100 * rep['step_overlap']:.1f} %; layer overlap "
         f"{100 * rep['layer_overlap']:.1f} % (of the misses at H {hot}: "
-        f"{100 * rep['miss_followed'][hot]:.1f} %); low layers' step overlap "
+        f"{100 * rep['miss_followed'][hot]:.1f} %, missed there too "
+        f"{100 * rep['miss_predictable'][hot]:.1f} %); low layers' step overlap "
         + ", ".join(f"{100 * v:.1f} %" for v in rep["low_layers_step_overlap"]))
     return rep
