@@ -142,6 +142,7 @@ def test_config_memory_and_errors():
     for bad, msg in ((["--mtp", "5"], "--mtp"),
                      (["--new-share", "0.01"], "--new-share shapes the drift model"),
                      (["--topk-model", "drift", "--new-share", "0"], "--new-share must be in"),
+                     (["--topk-model", "drift", "--seed", "3"], "--seed draws the lru streams"),
                      (["--recent", "0"], "--recent")):
         with pytest.raises(SystemExit, match=msg):
             from_args(bad)

@@ -174,7 +174,7 @@ def parser() -> argparse.ArgumentParser:
            "drawn by LRU stack depth on the published miss curve (30 / 13.4 / 6.7 %% at H = K "
            "/ 2K / 4K), --layer-overlap between full layers, low-overlap first layers, the "
            "measured shape printed (hisparse_cupy.demo.topk_model)")
-    a("--seed", type=int, default=d.seed, help="lru: the streams' random seed")
+    a("--seed", type=int, default=None, help=f"lru: the streams' random seed (default {d.seed})")
     a("--step-overlap", type=float, default=d.step_overlap,
       help="lru: share of a top-k the previous step selected (sets the curve at H = K; "
            "default: the curve's 0.70)")
@@ -261,6 +261,8 @@ def from_args(argv=None, *, check: bool = True) -> Config:
         raise SystemExit("demo: --mode predict and --no-predict contradict each other")
     if ns.new_share is not None and ns.topk_model != "drift":
         raise SystemExit("demo: --new-share shapes the drift model: add --topk-model drift")
+    if ns.seed is not None and ns.topk_model != "lru":
+        raise SystemExit("demo: --seed draws the lru streams (the drift model has none)")
     if ns.no_partition and ns.side_sms:
         raise SystemExit("demo: --no-partition and --side-sms N contradict each other")
     # prediction stages single-step swaps: the default modes leave it out at --mtp 2-4
@@ -276,7 +278,8 @@ def from_args(argv=None, *, check: bool = True) -> Config:
                  topk_model=ns.topk_model, step_overlap=ns.step_overlap,
                  layer_overlap=ns.layer_overlap,
                  top_k=ns.top_k, hot=ns.hot, extra_page=ns.extra_page, hidden=ns.hidden,
-                 mtp=ns.mtp, modes=modes, seed=ns.seed, side_sms=side,
+                 mtp=ns.mtp, modes=modes, seed=Config.seed if ns.seed is None else ns.seed,
+                 side_sms=side,
                  no_partition=ns.no_partition,
                  execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)
     if check:

@@ -24,14 +24,15 @@ layers is another model, and no single stream has both. :meth:`StreamShape.from_
 the curve's first point from a step overlap and keeps the rest (e.g. 0.44 -> 56 % at H = K).
 
 :func:`measure` re-derives the statistics from the generated top-k alone: exact-LRU miss rate
-per H (from the streams' starting history), step overlap and layer overlap. The demo prints
+per H (from the streams' starting history), step overlap, layer overlap, and the share of the
+misses that the previous layer selected (or missed too). The demo prints
 them beside its figures, so the shape is checked, not assumed. NumPy only.
 
 The curve holds where the stacks are deep enough: a context of at least twice the last point's
 H (16384 tokens for the default at K 2048). A shorter context has no room for the deepest
 band; its draws then go to the deepest tokens left (misses at every H the stack can hold), and
 fewer of the previous layer's tokens lie deep, so fewer misses follow it (the demo's 8192-token
-default: the curve at H = K and 2K holds, about 65 % of the misses follow).
+default: the curve at H = K and 2K holds, 60-65 % of the misses follow).
 """
 
 from __future__ import annotations
