@@ -128,7 +128,10 @@ def write_json(path: str, cfg: Config, rows, results, extra: dict) -> None:
     doc = {"config": {k: v for k, v in vars(cfg).items() if k not in ("json", "png")},
            "python": platform.python_version(), **extra, "summary": rows,
            "runs": [{"mode": r.mode, "exec": r.exec, "step_ms": r.step_ms.round(4).tolist(),
-                     "rows_moved": r.rows_moved.tolist(), "misses": r.misses.tolist()}
+                     "rows_moved": r.rows_moved.tolist(), "misses": r.misses.tolist(),
+                     **({} if r.counters is None else {"layer_counters": {
+                         k: np.asarray(r.counters[k]).tolist()
+                         for k in ("rows", "selected", "misses", "flagged")}})}
                     for r in results]}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=1))
