@@ -1,10 +1,10 @@
 """The decode loop: a synthetic sparse-attention model decoding over a hierarchical sparse KV
-cache in three modes (gpu-only, offload, overlap), checked bit for bit against gpu-only.
+cache in four modes (gpu-only, offload, overlap, predict), checked bit for bit against gpu-only.
 
 The code is the package's ``hisparse_cupy/demo/`` (``python -m hisparse_cupy demo`` runs the
 same); ``--help`` lists every knob.
 
-    python examples/decode_loop.py [--batch 32] [--context 8192] [--steps 200] [--graph]
+    python examples/decode_loop.py [--batch 32] [--context 8192] [--steps 200] [--eager]
 """
 
 import sys

@@ -149,7 +149,8 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str =
     dist.init_process_group("nccl", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     cfg = from_args(argv + ["--quiet"] if rank else argv)
-    cfg.execs = ("eager",)  # the all-reduce goes through torch: eager steps only
+    cfg.execs = ("eager",)  # the all-reduce goes through torch: eager steps only (main()
+    # refuses --graph, --eager-and-graph and --side-sms)
     log = (lambda msg: None) if cfg.quiet else (lambda msg: print(f"[rank {rank}] {msg}",
                                                                   flush=True))
     why = describe(cfg) if rank == 0 else None
@@ -246,6 +247,12 @@ def main() -> int:
 
         parser().print_help()
         return 0
+    refused = [f for f in ("--graph", "--eager-and-graph", "--side-sms") if any(
+        a == f or a.startswith(f + "=") for a in rest)]
+    if refused:  # before any rank starts
+        print(f"tp_decode: {' and '.join(refused)} cannot run here: the ranks' steps are eager "
+              f"(the all-reduce goes through torch) on every SM (no partition)")
+        return 2
     try:
         import torch
     except ImportError:

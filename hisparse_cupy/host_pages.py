@@ -58,6 +58,7 @@ class HostPages:
         self.n_pages = _checks.integer("n_pages", n_pages, 1, 2**40)
         self.page_tokens = _checks.integer("page_tokens", page_tokens, 1, 2**20)
         self.refs = np.zeros(self.n_pages, np.int64)  # requests and engine holds per page
+        self.held = np.zeros(self.n_pages, np.int64)  # the engine's holds per page
         self._free = list(range(self.n_pages - 1, -1, -1))  # a stack: low pages first
         self._pages: dict[int, list[int]] = {}  # request -> its page list
         self._tokens: dict[int, int] = {}  # request -> tokens it has rows for
@@ -89,8 +90,9 @@ class HostPages:
         return list(self._pages[self._live(rid)])
 
     def own_from(self, rid: int) -> int:
-        """The first token of ``rid`` in a page it alone holds: it may write tokens at and past
-        it (its newest tokens), never before (shared pages)."""
+        """The token from which ``rid``'s pages are its own (they were when the last fork or
+        engine page made this bound; it does not move back when a sharer leaves): it may
+        write tokens at and past it (its newest tokens), never before."""
         return self._own[self._live(rid)]
 
     # ------------------------------------------------------------------ rows
@@ -119,9 +121,11 @@ class HostPages:
         ``prefix=(parent, p)``: its first ``p`` tokens are the live request ``parent``'s
         (``1 <= p <= parent's tokens``, ``p <= n_tokens``): the parent's whole pages below
         ``p`` are shared; a partial page at ``p`` is a new page of ``rid``'s, to fill from the
-        parent's (the parent then writes past them only, as it does anyway). ``pages``: page
-        ids the engine holds (:meth:`take`), filled, for ``rid``'s first ``len(pages)`` whole
-        pages (``len(pages) * page_tokens <= n_tokens``), shared with the engine. Not both.
+        parent's. ``p`` must not exceed the tokens the parent has *written* (:meth:`grow`
+        takes rows before the step that writes them): the parent may not write into the
+        shared pages afterwards (its :meth:`own_from` moves to their end). ``pages``: page ids
+        the engine holds (:meth:`take`), filled, for ``rid``'s first ``len(pages)`` whole pages
+        (``len(pages) * page_tokens <= n_tokens``), shared with the engine. Not both.
 
         Returns the copies the caller must make before the request's rows are read, as
         ``(src_row, dst_row, count)`` in every layer (at most one: the partial page of a
@@ -157,8 +161,9 @@ class HostPages:
             if len(set(shared)) != len(shared):
                 raise ValueError("pages holds a page twice")
             for g in shared:
-                if not 0 <= g < self.n_pages or self.refs[g] < 1:
-                    raise ValueError(f"pages: page {g} is not held (take() it first)")
+                if not 0 <= g < self.n_pages or self.held[g] < 1:
+                    raise ValueError(f"pages: page {g} is not held by the engine (take() it "
+                                     f"first)")
             own = len(shared) * P
         need = self.pages_for(n) - len(shared)
         if need > len(self._free):
@@ -203,16 +208,18 @@ class HostPages:
             raise PoolExhausted(f"take({n})", n, len(self._free))
         got = [self._free.pop() for _ in range(n)]
         self.refs[got] = 1
+        self.held[got] = 1
         return got
 
     def put(self, pages) -> None:
-        """Drop the engine's hold on ``pages`` (each held, once each)."""
+        """Drop the engine's hold on ``pages`` (each one the engine holds, once each)."""
         got = [int(g) for g in np.asarray(pages, np.int64).reshape(-1)]
         if len(set(got)) != len(got):
             raise ValueError("pages holds a page twice")
         for g in got:
-            if not 0 <= g < self.n_pages or self.refs[g] < 1:
-                raise ValueError(f"pages: page {g} is not held")
+            if not 0 <= g < self.n_pages or self.held[g] < 1:
+                raise ValueError(f"pages: page {g} is not held by the engine")
+        self.held[got] -= 1
         self._drop(got)
 
     # ------------------------------------------------------------------ internals
@@ -230,9 +237,8 @@ class HostPages:
 
     def check(self) -> None:
         """Raise ``AssertionError`` unless every invariant holds: each page's count equals the
-        requests holding it plus the engine's holds (at least 0, a free page exactly 0 and on
-        the free list once); a request's pages cover its tokens; its pages from
-        :meth:`own_from` on are its alone."""
+        requests holding it plus the engine's holds (a free page 0, on the free list once); a
+        request's pages cover its tokens; its pages from :meth:`own_from` on are its alone."""
         held = np.zeros(self.n_pages, np.int64)
         for rid, pg in self._pages.items():
             assert len(pg) == self.pages_for(self._tokens[rid]), rid
@@ -240,7 +246,7 @@ class HostPages:
             held[pg] += 1
             for g in pg[self._own[rid] // self.page_tokens:]:
                 assert self.refs[g] == 1, (rid, g)
-        assert (self.refs >= held).all()  # the rest: the engine's holds
+        assert (self.held >= 0).all() and (self.refs == held + self.held).all()
         free = np.asarray(self._free, np.int64)
         assert len(set(self._free)) == free.size
         assert (self.refs[free] == 0).all() and int((self.refs == 0).sum()) == free.size

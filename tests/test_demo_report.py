@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from hisparse_cupy.demo import report
 from hisparse_cupy.demo.config import Config
@@ -77,3 +78,10 @@ def test_the_json_holds_every_run_with_its_layer_counters(tmp_path):
     assert "layer_counters" not in doc["runs"][0]
     assert doc["runs"][1]["layer_counters"]["misses"] == [15, 0, 15, 0]
     assert doc["summary"][3]["predict"]["staged"] == 20 and doc["device"] == "none"
+    # strict JSON: a NaN (nothing staged: no precision) is written as null
+    results[3].predict = {"rows": 0, "used": 0, "staged": 0, "precision": float("nan"),
+                          "recall": np.float64("nan")}
+    rows = report.summarize(cfg, results, n_full=2)
+    report.write_json(str(path), cfg, rows, results, {"shape": {"x": float("inf")}})
+    doc = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert doc["summary"][3]["predict"]["precision"] is None and doc["shape"]["x"] is None

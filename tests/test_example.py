@@ -143,6 +143,7 @@ def test_config_memory_and_errors():
                      (["--new-share", "0.01"], "--new-share shapes the drift model"),
                      (["--topk-model", "drift", "--new-share", "0"], "--new-share must be in"),
                      (["--topk-model", "drift", "--seed", "3"], "--seed draws the lru streams"),
+                     (["--seed", "-1"], "--seed must be >= 0"),
                      (["--recent", "0"], "--recent")):
         with pytest.raises(SystemExit, match=msg):
             from_args(bad)

@@ -55,6 +55,8 @@ def test_engine_held_pages():
     assert hp.pages(3)[:2] == mine and hp.own_from(3) == 8 and (hp.refs[mine] == 2).all()
     hp.put(mine)
     hp.check()
+    with pytest.raises(ValueError, match="not held by the engine"):  # put twice: the request
+        hp.put(mine[:1])  # still has it
     hp.release(3)
     assert hp.free_pages == 8
     hp.check()
@@ -78,6 +80,9 @@ def test_bad_input_names_the_argument_and_changes_nothing():
         (lambda: hp.admit(1, 8, pages=[held[0], held[0]]), ValueError, "a page twice"),
         (lambda: hp.admit(1, 8, pages=[5 if held[0] != 5 else 4]), ValueError, "is not held"),
         (lambda: hp.admit(1, 8, pages=[99]), ValueError, "page 99 is not held"),
+        # a request's own page is not the engine's to share or to put
+        (lambda: hp.admit(1, 4, pages=[hp.pages(0)[1]]), ValueError, "not held by the engine"),
+        (lambda: hp.put([hp.pages(0)[0]]), ValueError, "not held by the engine"),
         (lambda: hp.grow(0, 9), ValueError, "n_tokens"),
         (lambda: hp.grow(0, 40), PoolExhausted, "growing to 40 tokens"),
         (lambda: hp.grow(4, 12), KeyError, "rid 4 is not admitted"),

@@ -36,6 +36,13 @@ def test_tp_decode_help_without_a_gpu():
     assert "--newest-writer" in p.stdout
 
 
+@pytest.mark.parametrize("flag", [["--graph"], ["--eager-and-graph"], ["--side-sms", "8"]])
+def test_tp_decode_refuses_what_its_ranks_cannot_run(flag):
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "tp_decode.py"), *flag],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and f"tp_decode: {flag[0]} cannot run here" in p.stdout, p
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("writer", ["every", "rank0"])
 def test_tp_decode_two_ranks_one_pool(tmp_path, writer):

@@ -1,26 +1,31 @@
 """The decode loop: the whole system end to end, and the command the README's quick start runs.
 
-    python -m hisparse_cupy demo [--batch 32] [--context 8192] [--steps 200] [--graph] ...
+    python -m hisparse_cupy demo [--batch 32] [--context 8192] [--steps 200] [--eager] ...
     python examples/decode_loop.py ...            (the same)
     python -m hisparse_cupy demo --help           (every knob)
 
 A synthetic sparse-attention model with realistic shapes (GLM-5.2's 78 layers and IndexCache
 pattern, MLA rows of 576 bf16 values, 16 heads, K 2048, H 4096) decodes a batch of long requests
-in three modes, one after another on the same inputs:
+on top-k lists of a published shape (:mod:`hisparse_cupy.demo.topk_model`, their measured
+shape printed; ``--topk-model drift`` for the older drifting lists) in four modes, one after
+another on the same inputs:
 
 - ``gpu-only``: every layer's KV resident on the GPU; the attention reads it directly;
 - ``offload``: the full KV in pinned host memory, a hot buffer per request and layer on the GPU,
   every layer swapped in on the main stream (:class:`hisparse_cupy.HotBufferCache`);
 - ``overlap``: the same with IndexCache overlap: shared layers replay their full layer's miss
   plan on a side stream while the main stream computes (:class:`hisparse_cupy.Prefetcher`);
+- ``predict``: overlap, and the next full layer's likely misses staged on a side stream
+  (``Prefetcher.set_predict``; single-step only);
 
-each eager (a Python loop) or captured as one CUDA graph per step (``--graph``). It checks
-itself: the offloaded modes' attention outputs (every step, every layer) must equal the
-GPU-only mode's bit for bit, or it exits with status 1. It prints the memory a configuration
-needs before allocating, then a table per run: step time (ITL) after the warm-up (mean, p50,
-p99), overhead over gpu-only, share of the overhead hidden, hit rate, bytes moved per step and
-their rate, and the Python time of one swap call (eager); ``--json`` and ``--png`` write the
-results and an ITL-per-step plot.
+each captured as one CUDA graph per step (``--eager``: a Python loop; ``--eager-and-graph``:
+both), optionally on an SM partition (``--side-sms N``). It checks itself: the offloaded modes'
+attention outputs (every step, every layer) must equal the GPU-only mode's bit for bit, or it
+exits with status 1. It prints the memory a configuration needs before allocating, then a
+table per run: step time (ITL) after the warm-up (mean, p50, p99), overhead over gpu-only,
+share of the overhead hidden, hit rate, bytes moved per step and their rate, the Python time
+of one swap call (eager), prediction's precision and recall, and the device counters;
+``--json`` and ``--png`` write the results and an ITL-per-step plot.
 
 Without a CUDA device it runs the same algorithm on the NumPy reference backend, small, and
 says so in its first line (:mod:`hisparse_cupy.demo.cpu`).
@@ -78,8 +83,8 @@ def partition(cfg: Config):
     except (RuntimeError, ValueError, ImportError) as e:
         raise SystemExit(f"demo: --side-sms {cfg.side_sms}: {e}") from e
     return part, (f"SM partition (green contexts, --side-sms {cfg.side_sms}): side streams on "
-                  f"{part.side_sms} SMs, the step on {part.main_sms} (its matmuls' SM target "
-                  f"and attention split {part.main_sms})")
+                  f"{part.side_sms} SMs, the step on {part.main_sms} (the attention split and, "
+                  f"with cuBLAS, the matmuls' SM target sized to them)")
 
 
 def run_modes(cfg: Config, rig, log) -> list:

@@ -98,6 +98,7 @@ class Config:
              "2-4 leave it out (--no-predict)")
         need(self.side_sms >= 0,
              f"--side-sms must be >= 0, got {self.side_sms}")
+        need(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
         if self.pattern is not None:
             try:
                 self.pattern_obj()
@@ -186,8 +187,9 @@ def parser() -> argparse.ArgumentParser:
     a("--hidden", type=int, default=d.hidden, help="hidden size of the MLP stand-in")
     a("--mtp", type=int, default=d.mtp, help="draft steps per swap (2-4: multi-step swap)")
     a("--mode", action="append", choices=MODES,
-      help="modes to run (repeatable; default all; gpu-only always runs as the reference; "
-           "predict = overlap + prediction of the next full layer's misses)")
+      help="modes to run (repeatable; default all, without predict at --mtp 2-4; gpu-only "
+           "always runs as the reference; predict = overlap + prediction of the next full "
+           "layer's misses)")
     a("--no-predict", action="store_true", help="leave the predict mode out")
     a("--graph", action="store_true", help="run each step as a captured CUDA graph (default)")
     a("--eager", action="store_true", help="run each step eagerly (a Python loop) instead")

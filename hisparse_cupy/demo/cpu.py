@@ -136,9 +136,7 @@ def run(cfg) -> dict:
     if stream is not None:
         from .topk_model import shape_report
 
-        K = cfg.top_k
-        result["topk_shape"] = shape_report(stream.shape, drawn, stream.initial,
-                                            sorted({K, 2 * K, 4 * K, cfg.hot}), cfg.hot)
+        result["topk_shape"] = shape_report(stream.shape, drawn, stream.initial, cfg.hot)
     if cfg.json:
         with open(cfg.json, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -1,9 +1,11 @@
-"""The decode loop on the GPU: one mode (gpu-only, offload, overlap), eager or graph-captured.
+"""The decode loop on the GPU: one mode (gpu-only, offload, overlap, predict), eager or
+graph-captured.
 
 Per step (DESIGN's request lifecycle): the newest token's KV of every layer is written into its
 device row (``step.newest_rows()``) and backed up to the host pool (``step.backup_newest()``,
 queued before any swap that could miss on it); the step's input goes through the first query
-projection; then per layer: a full layer's "indexer" (a drifting top-k), the swap-in (or, for a
+projection; then per layer: a full layer's "indexer" (its row of the pre-generated lru top-k,
+or a drifting top-k), the swap-in (or, for a
 shared layer with overlap, the wait on its side-stream replay), the sparse attention over the
 returned device rows and the matmuls. Everything is queued on one non-blocking stream; the step
 index and sequence lengths live on the device, so one captured step replays for every step.
@@ -115,9 +117,8 @@ class Rig:
         self.log(f"top-k streams: {T} steps x {n_full} full layers x {c.batch} requests made in "
                  f"{time.perf_counter() - t0:.1f} s ({min(c.batch, os.cpu_count() or 1)} "
                  f"processes)")
-        K = c.top_k
-        self.topk_shape = shape_report(shape, list(tab), initial,
-                                       sorted({K, 2 * K, 4 * K, c.hot}), c.hot, requests=4)
+        self.topk_shape = shape_report(shape, list(tab), initial, c.hot, requests=4,
+                                       log=self.log)
         with self.s:
             self.table = cupy.asarray(tab)
 

@@ -134,7 +134,18 @@ def write_json(path: str, cfg: Config, rows, results, extra: dict) -> None:
                          for k in ("rows", "selected", "misses", "flagged")}})}
                     for r in results]}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(doc, indent=1))
+    Path(path).write_text(json.dumps(_finite(doc), indent=1, allow_nan=False))
+
+
+def _finite(x):
+    """``x`` with every NaN or infinity replaced by None (strict JSON has neither)."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if isinstance(x, (float, np.floating)):
+        return float(x) if np.isfinite(x) else None
+    return x
 
 
 def plot(path: str, cfg: Config, results, title: str) -> str:

@@ -341,13 +341,14 @@ def shape_for(step_overlap: float | None, layer_overlap: float | None,
         StreamShape.from_overlap(step_overlap, **kw)
 
 
-def shape_report(shape: StreamShape, drawn: list[np.ndarray], initial, hots, hot: int,
+def shape_report(shape: StreamShape, drawn: list[np.ndarray], initial, hot: int,
                  requests: int | None = None, log=print) -> dict:
-    """The shape of ``drawn`` (steps of ``[n_full, B, K]``) as :func:`measure` finds it, over
-    the full layers past the low ones, logged in one line and returned (the misses that follow
-    the previous layer at H = ``hot``, one of ``hots``); ``requests``: measure the first that
-    many requests only (the line says so)."""
-    n_full, B, _ = drawn[0].shape
+    """The shape of ``drawn`` (steps of ``[n_full, B, K]``) as :func:`measure` finds it at H =
+    K, 2K, 4K and ``hot`` (the cache's, where the misses that follow the previous layer are
+    reported), over the full layers past the low ones, logged in one line and returned;
+    ``requests``: measure the first that many requests only (the line says so)."""
+    n_full, B, K = drawn[0].shape
+    hots = sorted({K, 2 * K, 4 * K, int(hot)})
     low = shape.low_layers
     if n_full <= low + 1:
         log(f"top-k streams: {n_full} full layers, none past the {low} low-overlap ones and "
