@@ -61,6 +61,35 @@ def test_reference_backend_self_check_catches_a_dropped_copy(monkeypatch):
         cpu.run(cpu_config(["--steps", "4"]))
 
 
+def test_reference_backend_on_pages_shared_by_a_prefix(monkeypatch):
+    """The NumPy backend's host pool is paged: requests 1.. fork request 0 at 1000 tokens (15
+    whole pages shared, a partial page of 40 tokens copied), every output checked against the
+    true KV; without the copy of the partial page the self-check fails."""
+    from hisparse_cupy.demo import cpu
+    from hisparse_cupy.demo.config import cpu_config
+
+    cfg = cpu_config(["--batch", "3", "--shared-prefix", "1000", "--steps", "4", "--quiet"])
+    res = cpu.run(cfg)
+    pages = -(-(cfg.context + cfg.steps) // cpu.PAGE_TOKENS)  # per request, unshared
+    assert res["self_check"] == "passed" and res["host_pages_used"] == 3 * pages - 2 * 15
+    assert cpu.run(cpu_config(["--batch", "3", "--steps", "4", "--quiet"]))[
+        "host_pages_used"] == 3 * pages
+    admit = cpu.HostPages.admit
+    monkeypatch.setattr(cpu.HostPages, "admit", lambda self, *a, **kw: admit(self, *a, **kw)[:0])
+    with pytest.raises(SystemExit, match="SELF-CHECK FAILED"):
+        cpu.run(cfg)
+    with pytest.raises(SystemExit, match="--shared-prefix must be in"):
+        cpu_config(["--shared-prefix", "5000"])
+
+
+def test_the_gpu_loop_refuses_a_shared_prefix(monkeypatch):
+    import hisparse_cupy.demo as demo
+
+    monkeypatch.setattr(demo, "cupy_or_why", lambda: object())  # as if a GPU were there
+    with pytest.raises(SystemExit, match="--shared-prefix needs a paged host pool"):
+        demo.main(["--shared-prefix", "100"])
+
+
 def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
     """On the NumPy backend every flag given is used or refused with a message; flags not
     given take its small values."""

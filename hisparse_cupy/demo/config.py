@@ -36,6 +36,7 @@ class Config:
     execs: tuple[str, ...] = ("graph",)
     side_sms: int = 0  # SMs of the SM partition's side group (0: no partition)
     no_partition: bool = False  # --no-partition given (the line says so)
+    shared_prefix: int = 0  # NumPy backend: requests 1.. share request 0's first N tokens
     json: str | None = None
     png: str | None = None
     quiet: bool = False
@@ -99,6 +100,8 @@ class Config:
         need(self.side_sms >= 0,
              f"--side-sms must be >= 0, got {self.side_sms}")
         need(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
+        need(0 <= self.shared_prefix <= self.context,
+             f"--shared-prefix must be in [0, --context], got {self.shared_prefix}")
         if self.pattern is not None:
             try:
                 self.pattern_obj()
@@ -199,6 +202,9 @@ def parser() -> argparse.ArgumentParser:
            "device's groups: 8 on Hopper; the step runs on the rest, its matmuls told to leave "
            "them); 0: no partition (benchmarks/NOTES.md says why that is the default)")
     a("--no-partition", action="store_true", help="no SM partition (the default; --side-sms 0)")
+    a("--shared-prefix", type=int, default=d.shared_prefix, metavar="N",
+      help="NumPy backend: requests 1.. are forks of request 0 sharing the host pages of its "
+           "first N tokens (the GPU loop's host pool is not paged yet: refused there)")
     a("--json", default=None, help="write the results as JSON to this file")
     a("--png", default=None, help="plot ITL per step per mode to this PNG (needs matplotlib)")
     a("--quiet", action="store_true", help="no progress lines")
@@ -282,7 +288,7 @@ def from_args(argv=None, *, check: bool = True) -> Config:
                  top_k=ns.top_k, hot=ns.hot, extra_page=ns.extra_page, hidden=ns.hidden,
                  mtp=ns.mtp, modes=modes, seed=Config.seed if ns.seed is None else ns.seed,
                  side_sms=side,
-                 no_partition=ns.no_partition,
+                 no_partition=ns.no_partition, shared_prefix=ns.shared_prefix,
                  execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)
     if check:
         cfg.check()

@@ -4,7 +4,13 @@ The cache is :mod:`hisparse_cupy.reference` (the oracle the kernels are tested a
 "device" rows a NumPy array that each swap's miss plan is copied into; the attention is the
 same softmax(q.k) over the selected rows in NumPy. Every layer runs its own swap (the offload
 mode; the IndexCache overlap needs streams), and its attention output must equal, bit for bit,
-the output of the same attention reading the full KV directly (the GPU-only mode).
+the output of the same attention over the true KV of the selected tokens (the GPU-only mode).
+
+The host pool is paged (:class:`hisparse_cupy.host_pages.HostPages`, pages of
+:data:`PAGE_TOKENS` tokens): each request's pages are taken at admission and as it grows, one
+step ahead of the token written there. With ``--shared-prefix N`` requests 1.. are admitted as
+forks of request 0 at N tokens (its whole pages below N shared, a partial page copied), and a
+request never writes a shared page (checked).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import time
 import numpy as np
 
 from .. import reference as ref
+from ..host_pages import HostPages
 from .config import HEADS
 from .config import ROW_VALUES as ROW
 from .config import V_VALUES as ROW_V
@@ -45,6 +52,9 @@ def attention(q: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return (s / s.sum(axis=1, keepdims=True)) @ rows[:, :ROW_V]
 
 
+PAGE_TOKENS = 64  # tokens per page of the NumPy backend's host pool
+
+
 def _stream(cfg, n_full: int, rng):
     """``--topk-model lru``'s generator (None for the drift model)."""
     if cfg.topk_model != "lru":
@@ -69,18 +79,24 @@ def run(cfg) -> dict:
     max_len = context + steps
     R, W, M = batch, hot + page, max(1, round(cfg.new_share * top_k))
     rng = np.random.default_rng(cfg.seed)
-    host = np.zeros((layers, R * max_len, ROW), np.float32)  # the pinned pool
-    for layer in range(layers):
-        for r in range(R):
-            host[layer, r * max_len: r * max_len + context] = kv_rows(
-                layer, np.full(context, r), np.arange(context))
-    device = np.zeros((layers, R * W, ROW), np.float32)
+    N = cfg.shared_prefix
+    hp = HostPages(R * (-(-max_len // PAGE_TOKENS)), PAGE_TOKENS)  # the slot layout's rows
+    host = np.zeros((layers, hp.n_rows, ROW), np.float32)  # the pinned pool
     host_locs = np.full((R, max_len), -1, np.int64)
-    host_locs[:, :context] = np.arange(R)[:, None] * max_len + np.arange(context)
+    for r in range(R):  # admission: request 0 whole; the others share its first N tokens
+        fork = N and r > 0
+        for src, dst, cnt in hp.admit(r, context, prefix=(0, N) if fork else None):
+            host[:, dst:dst + cnt] = host[:, src:src + cnt]  # the partial page, copied
+        start = N if fork else 0
+        rows = hp.rows(r, start, context)
+        for layer in range(layers):
+            host[layer, rows] = kv_rows(layer, np.full(rows.size, r), np.arange(start, context))
+        host_locs[r, :context] = hp.rows(r)
+    device = np.zeros((layers, R * W, ROW), np.float32)
     slot_locs = (np.arange(R)[:, None] * W + np.arange(W)).astype(np.int32)
     tokens = np.full((layers, R, W), -1, np.int32)
     tokens[:, :, hot] = context - 1  # admission: the newest token in slot H
-    device[:, slot_locs[:, hot]] = host[:, np.arange(R) * max_len + context - 1]
+    device[:, slot_locs[:, hot]] = host[:, host_locs[:, context - 1]]
     lru = np.tile(np.arange(hot, dtype=np.int16), (layers, R, 1))
     perm = np.stack([rng.permutation(context) for _ in range(len(pattern.full_layers))])
     stream, drawn = _stream(cfg, len(pattern.full_layers), rng), []
@@ -89,11 +105,15 @@ def run(cfg) -> dict:
     for t in range(steps):
         lens = np.full(R, context + t + 1)
         newest = lens - 1
+        for r in range(R):  # the newest token's page, taken before the step writes it
+            hp.grow(r, int(lens[r]))
+            if newest[r] < hp.own_from(r):
+                raise SystemExit(f"step {t}: request {r} would write a shared host page")
+            host_locs[r, newest[r]] = hp.rows(r, int(newest[r]), int(lens[r]))[0]
         for layer in range(layers):  # the step's KV: its device row (slot H) and its backup
             kv = kv_rows(layer, req, newest)
             device[layer, slot_locs[req, hot]] = kv
-            host[layer, req * max_len + newest] = kv
-        host_locs[req, newest] = req * max_len + newest
+            host[layer, host_locs[req, newest]] = kv
         q = rng.standard_normal((R, HEADS, ROW)).astype(np.float32)
         q /= np.linalg.norm(q, axis=2, keepdims=True)
         misses = 0
@@ -108,7 +128,7 @@ def run(cfg) -> dict:
                                       axis=1).astype(np.int32) if stream is None else drawn[-1][j]
             res = ref.swap_in(topk, req, lens, host_locs=host_locs, slot_tokens=tokens[layer],
                               slot_locs=slot_locs, lru=lru[layer], hot_size=hot,
-                              n_host_rows=R * max_len)
+                              n_host_rows=hp.n_rows)
             if res.status.any() or (res.device_locs < 0).any():
                 raise SystemExit(f"step {t} layer {layer}: the swap reported {res.status}")
             for b in range(R):  # the planned copy
@@ -116,8 +136,9 @@ def run(cfg) -> dict:
                 device[layer, res.plan_dst[b, :n]] = host[layer, res.plan_src[b, :n]]
             misses += int(res.plan_count.sum())
             ref.check_invariants(tokens[layer], slot_locs, lru[layer], hot)
-            for b in range(R):
-                direct = attention(q[b], host[layer, b * max_len + topk[b]])
+            for b in range(R):  # gpu-only: the true KV of the selected tokens (its owner's)
+                owner = np.where((b > 0) & (topk[b] < N), 0, b)
+                direct = attention(q[b], kv_rows(layer, owner, topk[b]))
                 offload = attention(q[b], device[layer, res.device_locs[b]])
                 if not np.array_equal(direct.view(np.uint32), offload.view(np.uint32)):
                     raise SystemExit(f"SELF-CHECK FAILED: step {t}, layer {layer}, request {b}: "
@@ -129,10 +150,13 @@ def run(cfg) -> dict:
                   f"{misses / (layers * R):6.1f} of {top_k}  invariants hold, attention outputs "
                   f"bit-identical to gpu-only")
     wall = time.perf_counter() - t_start
+    used = hp.n_pages - hp.free_pages
     print(f"{steps} steps x {layers} layers x {R} requests on the NumPy reference backend in "
-          f"{wall:.1f} s: self-check passed")
+          f"{wall:.1f} s: self-check passed; host pool: {used} pages of {PAGE_TOKENS} tokens in "
+          f"use ({used * PAGE_TOKENS} rows per layer; the slot layout takes {R * max_len})")
+    hp.check()
     result = {"backend": "numpy", "config": dataclasses.asdict(cfg), "wall_s": wall,
-              "self_check": "passed", "steps": record}
+              "self_check": "passed", "steps": record, "host_pages_used": used}
     if stream is not None:
         from .topk_model import shape_report
 
