@@ -78,6 +78,19 @@ class HostPages:
         """Pages that ``n_tokens`` tokens of one request take."""
         return -(-int(n_tokens) // self.page_tokens)
 
+    @staticmethod
+    def host_bytes_needed(lengths, *, page_tokens: int, n_layers: int, row_bytes: int) -> int:
+        """Host bytes a paged pool needs for requests of ``lengths`` tokens (none shared):
+        at most one page per request more than the tokens held (the slot layout reserves
+        ``max_len`` rows for every request slot)."""
+        P = _checks.integer("page_tokens", page_tokens, 1)
+        n = np.asarray(lengths, np.int64).reshape(-1)
+        if (n < 0).any():
+            raise ValueError("lengths must be >= 0")
+        pages = int((-(-n // P)).sum())
+        return pages * P * _checks.integer("n_layers", n_layers, 1) * \
+            _checks.integer("row_bytes", row_bytes, 1)
+
     def __contains__(self, rid) -> bool:
         return rid in self._pages
 

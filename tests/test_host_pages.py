@@ -260,3 +260,20 @@ def _drive(rng, P: int, n_pages: int, ops: int) -> None:
     assert hp.free_pages == n_pages and not hp.refs.any()
     # the run went everywhere: forks, engine pages, growth, and pools run dry
     assert min(stats.values()) > 500, stats
+
+
+def test_a_mixed_batch_takes_at_most_a_page_per_request_more_than_its_tokens():
+    """Issue target: 64 requests of 1k-128k tokens (GLM-5.2: 78 layers, 656-byte rows)."""
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1024, 128 * 1024 + 1, 64)
+    row = 78 * 656
+    need = HostPages.host_bytes_needed(lens, page_tokens=64, n_layers=78, row_bytes=656)
+    assert lens.sum() * row <= need <= (lens.sum() + 64 * 63) * row
+    hp = HostPages(int((-(-lens // 64)).sum()), 64)  # exactly that many pages: every one fits
+    for r, n in enumerate(lens):
+        hp.admit(r, int(n))
+    assert hp.free_pages == 0 and hp.n_rows * row == need
+    with pytest.raises(PoolExhausted):
+        hp.grow(0, int(-(-lens[0] // 64) * 64 + 1))
+    with pytest.raises(ValueError, match="lengths must be"):
+        HostPages.host_bytes_needed([-1], page_tokens=64, n_layers=1, row_bytes=1)
