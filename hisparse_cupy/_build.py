@@ -179,6 +179,14 @@ class CompileError(RuntimeError):
 
 
 def _nvrtc_compile(file: str, names: tuple[str, ...], arch: str) -> int:
+    opts = [*options(), "-ftz=true", "--device-as-default-execution-space", f"-arch={arch}"]
+    return nvrtc_cubin_size(CU_DIR / file, names, opts, f"{file} ({arch})")
+
+
+def nvrtc_cubin_size(path: Path, names: tuple[str, ...], opts, what: str) -> int:
+    """Compile the source at ``path`` with NVRTC (no GPU needed) with options ``opts``, every
+    name expression of ``names`` instantiated; the cubin's size. :class:`CompileError` (named
+    ``what``) with NVRTC's log if it does not compile."""
     try:
         from cuda.bindings import nvrtc
     except ImportError as e:  # pragma: no cover - the cuda12/cuda13 extras bring it
@@ -188,24 +196,21 @@ def _nvrtc_compile(file: str, names: tuple[str, ...], arch: str) -> int:
     def ok(res):
         err = res[0]
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise CompileError(f"NVRTC error {err} for {file} ({arch})")
+            raise CompileError(f"NVRTC error {err} for {what}")
         return res[1:]
 
-    path = str(CU_DIR / file)
-    (prog,) = ok(nvrtc.nvrtcCreateProgram((CU_DIR / file).read_bytes(), path.encode(), 0, [],
+    (prog,) = ok(nvrtc.nvrtcCreateProgram(Path(path).read_bytes(), str(path).encode(), 0, [],
                                           []))
     try:
         for n in names:
             ok(nvrtc.nvrtcAddNameExpression(prog, n.encode()))
-        opts = [o.encode() for o in options()] + [
-            b"-ftz=true", b"--device-as-default-execution-space", f"-arch={arch}".encode()]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        enc = [o.encode() for o in opts]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(enc), enc)
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             (size,) = ok(nvrtc.nvrtcGetProgramLogSize(prog))
             log = b" " * size
             ok(nvrtc.nvrtcGetProgramLog(prog, log))
-            raise CompileError(f"{file} does not compile for {arch}:\n"
-                               f"{log.decode(errors='replace')}")
+            raise CompileError(f"{what} does not compile:\n{log.decode(errors='replace')}")
         (size,) = ok(nvrtc.nvrtcGetCUBINSize(prog))
         for n in names:  # every instance was instantiated
             ok(nvrtc.nvrtcGetLoweredName(prog, n.encode()))
