@@ -211,7 +211,7 @@ def test_example_on_gpu_default_configuration(tmp_path, partition):
     assert doc["self_check"] == "passed"
     assert doc["partition"].startswith(
         "SM partition (green contexts, --side-sms 8): side streams on 8 SMs" if partition ==
-        "side8" else "SM partition: off (the default)")
+        "side8" else "SM partition: off: the side streams share the step's SMs")
     shape = doc["topk_shape"]
     assert 0.0 <= shape["step_overlap"] <= 1.0 and shape["requests_measured"] == 3
     rows = {(r["mode"], r["exec"]): r for r in doc["summary"]}

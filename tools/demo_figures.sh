@@ -27,7 +27,7 @@ for bc in "$@"; do
     if [ $share = lru ]; then name="b${b}_ctx${ctx}_lru" topk=()
     else name="b${b}_ctx${ctx}_new${share}" topk=(--topk-model drift --new-share "$share"); fi
     t0=$SECONDS
-    $PY -m hisparse_cupy demo --batch "$b" --context "$ctx" "${topk[@]}" \
+    $PY -m hisparse_cupy demo --batch "$b" --context "$ctx" ${topk[@]+"${topk[@]}"} \
       --warmup "$warmup" --steps "$steps" --eager-and-graph --quiet \
       --json "$dir/$name.json" --png "$dir/$name.png" >"$dir/$name.log" 2>&1
     rc=$?

@@ -72,9 +72,8 @@ def partition(cfg: Config):
     """The SM partition the run uses (``--side-sms``), or None, and the line that says which
     and why."""
     if not cfg.side_sms:
-        return None, ("SM partition: off (" + ("--no-partition" if cfg.no_partition else
-                      "the default") + "): the side streams share the step's SMs; --side-sms "
-                      "8 to compare (benchmarks/NOTES.md, \"The demo on realistic top-k "
+        return None, ("SM partition: off: the side streams share the step's SMs; --side-sms 8 "
+                      "to compare (benchmarks/NOTES.md, \"The demo on realistic top-k "
                       "streams\", has both measured)")
     from ..streams import SMPartition
 

@@ -35,7 +35,6 @@ class Config:
     modes: tuple[str, ...] = ("gpu-only", "offload", "overlap", "predict")
     execs: tuple[str, ...] = ("graph",)
     side_sms: int = 0  # SMs of the SM partition's side group (0: no partition)
-    no_partition: bool = False  # --no-partition given (the line says so)
     shared_prefix: int = 0  # NumPy backend: requests 1.. share request 0's first N tokens
     json: str | None = None
     png: str | None = None
@@ -288,7 +287,7 @@ def from_args(argv=None, *, check: bool = True) -> Config:
                  top_k=ns.top_k, hot=ns.hot, extra_page=ns.extra_page, hidden=ns.hidden,
                  mtp=ns.mtp, modes=modes, seed=Config.seed if ns.seed is None else ns.seed,
                  side_sms=side,
-                 no_partition=ns.no_partition, shared_prefix=ns.shared_prefix,
+                 shared_prefix=ns.shared_prefix,
                  execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)
     if check:
         cfg.check()
