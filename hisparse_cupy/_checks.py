@@ -122,6 +122,42 @@ def array(
     return arr
 
 
+def kv_rows(name: str, kv, n_layers: int, row_bytes: int, stream):
+    """KV rows, uint8 ``[n_layers, n, row_bytes]``: ``(array, on_host)``. A host array (NumPy,
+    or a DLPack exporter on the CPU or in pinned memory) as NumPy; a GPU array imported on
+    ``stream`` (a DLPack import orders there), its rows contiguous."""
+    dev = getattr(kv, "__dlpack_device__", None)
+    on_host = isinstance(kv, np.ndarray) or dev is None or dev()[0] in (1, 3)  # CPU, pinned
+    if on_host:
+        kv = np.asarray(kv)
+        if kv.dtype != np.uint8:
+            raise TypeError(f"{name} must have dtype uint8, got {kv.dtype}")
+    else:
+        with stream:
+            kv = array(name, kv, np.uint8, ndim=3, contiguous=False, inner_contiguous=True)
+    if kv.ndim != 3 or kv.shape[0] != n_layers or kv.shape[2] != row_bytes:
+        raise ValueError(f"{name} must be uint8 [{n_layers}, n, {row_bytes}], got {kv.dtype} "
+                         f"{tuple(kv.shape)}")
+    return kv, on_host
+
+
+def warm_tokens(warm_tokens, n: int, H: int) -> np.ndarray:
+    """An admission's ``warm_tokens`` (int64; none: empty): at most ``H`` distinct tokens in
+    ``[0, n - 1)``, for requests of ``n > H`` tokens only."""
+    if warm_tokens is None:
+        return np.zeros(0, np.int64)
+    if n <= H:
+        raise ValueError("warm_tokens applies only to requests longer than hot_size")
+    warm = np.asarray(warm_tokens, dtype=np.int64).reshape(-1)
+    if warm.size > H:
+        raise ValueError(f"warm_tokens holds {warm.size} tokens, more than hot_size {H}")
+    if warm.size and (warm.min() < 0 or warm.max() >= n - 1):
+        raise ValueError(f"warm_tokens must lie in [0, n_tokens - 1 = {n - 1})")
+    if np.unique(warm).size != warm.size:
+        raise ValueError("warm_tokens must be distinct")
+    return warm
+
+
 def row_stride(arr: cupy.ndarray) -> np.int32:
     """Row stride of a 2-D (or more) array in elements, as the kernels take it."""
     s = arr.strides[0] // arr.itemsize if arr.ndim >= 2 else arr.shape[-1]

@@ -2,8 +2,10 @@
 
 It owns, for ``n_layers`` layers and ``max_requests`` request slots:
 
-- the host pool (:class:`HostKVPool`): request slot ``r``'s token ``p`` lives in host row
-  ``r * max_len + p`` of every layer (one request's rows are close together in host memory);
+- the host pool (:class:`HostKVPool`) and its map (:class:`~hisparse_cupy.host_rows.HostRows`):
+  request slot ``r``'s token ``p`` lives in host row ``r * max_len + p`` of every layer (the
+  slot layout), or, with ``page_tokens=P``, in pages taken as the request grows and shared
+  with requests forked from it (:meth:`HotBufferCache.admit`'s ``prefix``);
 - the device rows: uint8 ``[n_layers, R * (H + P + C), row_bytes]``; request slot ``r`` owns
   rows ``r * (H + P + C) + [0, H + P + C)`` of every layer: its H + P slots, then C scratch
   rows (C = 0 without multi-step state);
@@ -15,11 +17,13 @@ It owns, for ``n_layers`` layers and ``max_requests`` request slots:
 
 Per decode step :meth:`HotBufferCache.begin_step` returns a :class:`~hisparse_cupy.Step`
 (``hisparse_cupy/step.py``), which runs every layer's swap. Request lifecycle: :meth:`admit`,
-the steps, :meth:`release`. Every call is queued on a stream without host synchronization.
-:meth:`layer_tables` lists the per-layer tables (reset, mirroring, snapshots).
+:meth:`grow` and a step per token, :meth:`release`, each queued on a stream without host
+synchronization. :meth:`layer_tables` lists the per-layer tables (reset, mirroring, snapshots).
 """
 
 from __future__ import annotations
+
+import heapq
 
 import cupy
 import numpy as np
@@ -28,11 +32,13 @@ from . import _abi, _checks, multistep, swap
 from ._device import require_gpu
 from ._launch import Structs, as_stream
 from .counters import LayerCounters
+from .host_pages import HostPages
 from .host_pool import HostKVPool
+from .host_rows import HostRows, copy_pool_rows, host_pool, load_rows
 from .mirror import mirror_rows
 from .multistep import MultiStepConfig, MultiStepState, MultiStepWorkspace, init_states
 from .newest import NewestBuffers
-from .plan import MissPlan, copy_params, default_copy_grid, launch_copy
+from .plan import MissPlan, copy_params
 from .step import Step
 from .swap import SwapState, check_sizes
 
@@ -60,20 +66,24 @@ class HotBufferCache:
     scratch : int, optional
         Scratch rows per request for multi-step admission (default
         :func:`hisparse_cupy.multistep.default_scratch`).
+    page_tokens, host_rows : int, optional
+        Page the host pool: pages of ``page_tokens`` tokens taken as requests are admitted
+        and grow (:meth:`grow`), shared by a ``prefix``, given back at :meth:`release`
+        (:attr:`pages`); the pool the cache allocates holds ``host_rows`` rows per layer
+        (whole pages; default ``max_requests * max_len``; :meth:`host_bytes_needed`).
+        Default: the slot layout, request slot ``r``'s token ``p`` in row ``r * max_len + p``.
     pool : HostKVPool, optional
         The host pool to use (one the engine made, a shared one :meth:`HostKVPool.attach`
         mapped, or one registered in place with :meth:`HostKVPool.from_buffer`):
-        ``n_layers`` layers of at least ``max_requests * max_len`` rows of ``row_bytes``.
-        Request slot ``r``'s token ``p`` is its row ``r * max_len + p``. The cache does not
-        close a pool it was given. Default: the cache allocates one.
+        ``n_layers`` layers of rows of ``row_bytes``, at least ``max_requests * max_len`` of
+        them in the slot layout, a page's when paged (its ``n_rows // page_tokens`` pages).
+        The cache does not close a pool it was given. Default: the cache allocates one.
     device_rows : uint8 ``[n_layers, D, row_bytes]`` device array, optional
         The device rows to use, allocated by the engine: a CuPy array or any DLPack exporter
         (a PyTorch tensor; imported without a copy, the engine keeps it alive; not a JAX array:
-        the cache writes into it).
-        C-contiguous, on the current device, ``D >= max_requests * rows_per_request`` (the
-        cache uses the first ``max_requests * rows_per_request`` rows of each layer; see
-        :meth:`rows_needed`). Its contents are overwritten as requests are admitted. Default:
-        the cache allocates them.
+        the cache writes into it). C-contiguous, on the current device, ``D >= max_requests *
+        rows_per_request`` (the first such rows of each layer are used: :meth:`rows_needed`),
+        overwritten as requests are admitted. Default: the cache allocates them.
     token_table : bool
         Keep a token -> hot slot table (``SwapState.token_slot``, int16 ``[n_layers,
         max_requests, max_len]``), so the single-step resolve looks each selected token up
@@ -89,6 +99,7 @@ class HotBufferCache:
     def __init__(self, *, n_layers: int, max_requests: int, max_len: int, row_bytes: int,
                  hot_size: int = 4096, top_k: int = 2048, extra_page: int = 64,
                  max_batch: int | None = None, max_steps: int = 1, scratch: int | None = None,
+                 page_tokens: int | None = None, host_rows: int | None = None,
                  pool: HostKVPool | None = None, device_rows=None, token_table: bool = True,
                  counters: bool = True):
         self.n_layers = L = _checks.integer("n_layers", n_layers, 1)
@@ -128,17 +139,9 @@ class HotBufferCache:
                                  f"needs at least max_requests * rows_per_request = {R} * "
                                  f"{W + C} = {D}")
             self.device = dev
-        if pool is None:
-            self.pool, self._own_pool = HostKVPool(L, R * self.max_len, row_bytes), True
-        else:
-            if not isinstance(pool, HostKVPool):
-                raise TypeError(f"pool must be a HostKVPool, got {type(pool).__name__}")
-            if (pool.n_layers, pool.row_bytes) != (L, row_bytes) or \
-                    pool.n_rows < R * self.max_len:
-                raise ValueError(f"pool holds {pool.n_layers} layers of {pool.n_rows} rows of "
-                                 f"{pool.row_bytes} bytes; the cache needs {L} layers of at "
-                                 f"least {R * self.max_len} rows of {row_bytes}")
-            self.pool, self._own_pool = pool, False
+        self.pool, self._own_pool = host_pool(L, R * self.max_len, row_bytes, page_tokens,
+                                              host_rows, pool)
+        self.host = HostRows(R, self.max_len, self.pool, page_tokens)
         self.row_bytes = self.pool.row_bytes
         if self.device is None:
             self.device = cupy.empty((L, D, self.row_bytes), cupy.uint8)
@@ -176,12 +179,13 @@ class HotBufferCache:
         self._states = [self._swap_state(layer) for layer in range(L)]
         self.counters = LayerCounters(L, self.row_bytes) if counters else None
         self._templates()
-        self._free = list(range(R - 1, -1, -1))
+        self._free = list(range(R))  # a heap: admissions take the lowest free slot
         self._len: dict[int, int] = {}
-        self._released: dict[int, cupy.cuda.Event] = {}
         # The tables were filled on CuPy's current stream; later calls take any stream (often a
         # non-blocking one, not ordered after these fills): construction ends when they landed.
         cupy.cuda.get_current_stream().synchronize()
+
+    host_bytes_needed = staticmethod(HostPages.host_bytes_needed)
 
     @staticmethod
     def rows_needed(*, max_requests: int, hot_size: int = 4096, top_k: int = 2048,
@@ -233,64 +237,70 @@ class HotBufferCache:
         return dict(self._len)
 
     def admit(self, n_tokens: int, kv: np.ndarray | None = None,
-              warm_tokens=None, *, stream=None) -> int:
+              warm_tokens=None, *, prefix: tuple[int, int] | None = None, pages=None,
+              stream=None) -> int:
         """Admit a request of ``n_tokens`` tokens whose KV is (or is now) in the host pool.
 
         Parameters
         ----------
         n_tokens : int
             Current length, 1 .. max_len.
-        kv : uint8 ``[n_layers, n_tokens, row_bytes]``, optional
-            Prefill KV to write into the host pool first. A GPU array (CuPy, or any DLPack
-            exporter: PyTorch, JAX) is copied device -> host on ``stream`` without any host
-            synchronization; a host array is written by the CPU (see :meth:`write_host`).
-            Without it, the request's host rows (slot ``r``'s rows ``r * max_len + [0,
-            n_tokens)`` of :attr:`pool`) must already hold the KV, written into the pool
-            directly (an engine-owned or shared pool): admission loads the rows it places
-            on the device (the positional layout's, the warm tokens', the newest) from them.
-            :meth:`write_host` writes rows of an admitted request only.
+        kv : uint8 ``[n_layers, n, row_bytes]``, optional
+            Prefill KV of the tokens not shared (``n = n_tokens`` less the ``prefix`` or
+            ``pages`` tokens), written first (as :meth:`write_host` does: a GPU array with no
+            host synchronization). Without it the pool must hold the KV: slot ``r``'s rows
+            ``r * max_len + [0, n_tokens)`` in the slot layout (written there directly),
+            ``prefix`` or ``pages`` covering every token when paged. Admission loads the rows
+            it places on the device (the positional layout's, the warm tokens', the newest).
         warm_tokens : sequence of int, optional
             For ``n_tokens > H``: up to H distinct tokens in ``[0, n_tokens - 1)`` to load into
             the hot buffer now (default: start cold). A request of ``n_tokens <= H`` is loaded
             whole in positional layout and refuses ``warm_tokens`` (``ValueError``).
+        prefix : (parent, p), paged pools only
+            The first ``p`` tokens are admitted request slot ``parent``'s (at most those its
+            rows hold: its admission's and its steps' before its last :meth:`grow`): whole
+            pages shared (reference-counted; the parent may leave first), a partial last page
+            copied on ``stream``. Neither request writes a shared page again.
+        pages : sequence of int, paged pools only
+            Pages the engine holds and wrote (:attr:`pages` ``.take(k)``, its prefix tree's)
+            for the first ``len(pages) * page_tokens`` tokens; not with ``prefix``.
         stream : any stream kind (default: CuPy's current stream). The admission is queued
-            there and ordered after the slot's previous release; calls on other streams (a step
-            on another stream) must be ordered after it by the caller.
+            there and ordered after earlier releases; calls on other streams (a step on
+            another stream) must be ordered after it by the caller.
 
-        Returns
-        -------
-        int
-            The request slot, to use in ``req_indices``.
+        Returns the request slot (the lowest free one), to use in ``req_indices``. Raises
+        (nothing taken) :class:`~hisparse_cupy.host_pages.PoolExhausted` (a paged pool
+        without the pages), or ``ValueError`` / ``TypeError`` / ``KeyError`` naming it.
         """
         n = _checks.integer("n_tokens", n_tokens, 1, self.max_len)
         if not self._free:
             raise RuntimeError(f"all {self.max_requests} request slots are in use")
         H = self.hot_size
-        if n <= H and warm_tokens is not None:
-            raise ValueError("warm_tokens applies only to requests longer than hot_size")
-        warm = np.zeros(0, np.int64)
-        if warm_tokens is not None:
-            warm = np.asarray(warm_tokens, dtype=np.int64).reshape(-1)
-            if warm.size > H:
-                raise ValueError(f"warm_tokens holds {warm.size} tokens, more than hot_size {H}")
-            if warm.size and (warm.min() < 0 or warm.max() >= n - 1):
-                raise ValueError(f"warm_tokens must lie in [0, n_tokens - 1 = {n - 1})")
-            if np.unique(warm).size != warm.size:
-                raise ValueError("warm_tokens must be distinct")
-        if kv is not None and (len(getattr(kv, "shape", ())) != 3 or kv.shape[1] != n):
-            raise ValueError(f"kv must hold the n_tokens={n} rows being admitted: uint8 "
-                             f"[{self.n_layers}, {n}, {self.row_bytes}], got shape "
-                             f"{tuple(getattr(kv, 'shape', ()))}")
-        rid = self._free.pop()
+        warm = _checks.warm_tokens(warm_tokens, n, H)
+        s = as_stream(stream)
+        if kv is not None:
+            kv, on_host = _checks.kv_rows("kv", kv, self.n_layers, self.row_bytes, s)
+        rid = heapq.heappop(self._free)
         try:
-            s = as_stream(stream)
-            released = self._released.get(rid)  # the slot's previous request's reset
-            if released is not None:
-                s.wait_event(released)  # ordered after it on the device, no host sync
+            self.host.after_releases(s, host=False)  # the tables' and pages' last readers
+            copies, shared = self.host.admit(rid, n, prefix, pages, s)
+        except Exception:
+            heapq.heappush(self._free, rid)
+            raise
+        try:
+            need = n - shared
+            if (kv is None and need and self.host.paged) or \
+                    (kv is not None and kv.shape[1] != need):
+                raise ValueError(f"kv must hold the {need} rows being admitted (tokens "
+                                 f"{shared}..{n}): uint8 [{self.n_layers}, {need}, "
+                                 f"{self.row_bytes}], got "
+                                 f"{None if kv is None else tuple(kv.shape)}")
+            copy_pool_rows(self.pool, copies, s)
+            rows = self.host.rows(rid, 0, n)
             if kv is not None:
-                self.write_host(rid, 0, kv, stream=s, _admitting=n)
+                self.host.write(rows[shared:], kv, on_host, s)
             with s:
-                self.host_locs[rid, :n] = rid * self.max_len + cupy.arange(n, dtype=cupy.int64)
+                self.host_locs[rid, :n] = cupy.asarray(rows)
                 self.host_locs[rid, n:] = -1
                 self._reset_slot(rid)
                 if n <= H:  # positional layout: slot p is token p's
@@ -306,11 +316,38 @@ class HotBufferCache:
                     slots = np.concatenate([np.arange(w), [H]])
                     tokens = np.concatenate([warm, [n - 1]])
                 self._init_multistep(rid, s)
-                self._load(rid, slots, tokens, s)
+            load_rows(self.pool, rows[tokens], self.device,
+                      rid * self.rows_per_request + slots, s)  # _slot_layout[rid][slots]
         except Exception:
-            self._free.append(rid)
+            self.host.release(rid, s)
+            heapq.heappush(self._free, rid)
             raise
         self._len[rid] = n
+        return rid
+
+    def grow(self, rid: int, n_tokens: int, *, stream=None) -> None:
+        """Make room in the host pool for request slot ``rid``'s tokens up to ``n_tokens``.
+
+        Call it before the step (or graph replay) whose newest token is ``n_tokens - 1``:
+        paged, it takes the pages on the host and writes their table entries on ``stream``
+        (when a page is taken), where :meth:`Step.backup_newest` finds the row (a token
+        without a page is not backed up; a swap missing it later flags ``nohost``). Raises
+        :class:`~hisparse_cupy.host_pages.PoolExhausted`, nothing taken (the engine can
+        preempt). The slot layout has every row: ``n_tokens`` is checked only.
+        """
+        rid = self._admitted(rid)
+        self.host.grow(rid, n_tokens, as_stream(stream))
+
+    @property
+    def pages(self):
+        """The :class:`~hisparse_cupy.host_pages.HostPages` of a paged pool (free pages,
+        engine-held pages: :meth:`~hisparse_cupy.host_pages.HostPages.take`), else None."""
+        return self.host.pages
+
+    def _admitted(self, rid) -> int:
+        rid = _checks.integer("rid", rid, 0, self.max_requests - 1)
+        if rid not in self._len:
+            raise ValueError(f"request slot {rid} is not admitted")
         return rid
 
     def _reset_slot(self, rid: int) -> None:
@@ -327,20 +364,7 @@ class HotBufferCache:
             init_states(rows, None, self.slot_tokens, self.token_slot, self.ms_ref,
                         self.ms_clock, hot_size=self.hot_size, stream=stream)
 
-    def _load(self, rid: int, slots: np.ndarray, tokens: np.ndarray, stream) -> None:
-        """Copy host rows of ``tokens`` into ``slots`` of request ``rid`` for every layer."""
-        n = len(slots)
-        src = cupy.asarray((rid * self.max_len + tokens).astype(np.int64).reshape(1, n))
-        dst = cupy.ascontiguousarray(self._slot_layout[rid, cupy.asarray(slots)].reshape(1, n))
-        cnt = cupy.full(1, n, dtype=cupy.int32)
-        p = copy_params(src, dst, cnt, 1, None, src_base=self.pool.device_ptr(0),
-                        src_layer_bytes=self.pool.layer_bytes, n_src_rows=self.pool.n_rows,
-                        dst_base=self.device.data.ptr, dst_layer_bytes=self.device[0].nbytes,
-                        n_dst_rows=self.device.shape[1], row_bytes=self.row_bytes,
-                        n_layers=self.n_layers)
-        launch_copy(p, grid=default_copy_grid(1, n, self.n_layers), stream=stream)
-
-    def write_host(self, rid: int, start: int, kv, *, stream=None, _admitting: int = 0) -> None:
+    def write_host(self, rid: int, start: int, kv, *, stream=None) -> None:
         """Write KV rows of tokens ``start .. start + n`` of request ``rid`` into the host pool.
 
         Parameters
@@ -348,73 +372,50 @@ class HotBufferCache:
         kv : uint8 ``[n_layers, n, row_bytes]``
             A GPU array (any DLPack exporter), rows contiguous: one device -> host copy on
             ``stream``, then the host rows are recorded there; nothing synchronizes. A host
-            array: the CPU writes the rows after the work queued on ``stream`` (synchronized)
-            and, for a slot being admitted, its previous request's release.
+            array: the CPU writes the rows after the work queued on ``stream`` and earlier
+            releases (synchronized).
         stream : any stream kind (default: CuPy's current stream).
+
+        Tokens below ``pages.own_from(rid)`` lie in shared pages and are refused; paged, the
+        tokens must have pages (:meth:`grow`).
         """
-        rid = _checks.integer("rid", rid, 0, self.max_requests - 1)
-        if rid not in self._len and not _admitting:
-            raise ValueError(f"request slot {rid} is not admitted")
+        rid = self._admitted(rid)
         start = _checks.integer("start", start, 0)
         s = as_stream(stream)
-        dev = getattr(kv, "__dlpack_device__", None)
-        on_host = isinstance(kv, np.ndarray) or dev is None or dev()[0] in (1, 3)  # CPU, pinned
-        if on_host:
-            kv = np.asarray(kv)
-            if kv.dtype != np.uint8:
-                raise TypeError(f"kv must have dtype uint8, got {kv.dtype}")
-        else:
-            with s:  # a DLPack import orders on the copy's stream
-                kv = _checks.array("kv", kv, np.uint8, ndim=3, contiguous=False)
-        if kv.ndim != 3 or kv.shape[0] != self.n_layers or kv.shape[2] != self.row_bytes:
-            raise ValueError(f"kv must be uint8 [{self.n_layers}, n, {self.row_bytes}], got "
-                             f"{kv.dtype} {tuple(kv.shape)}")
+        kv, on_host = _checks.kv_rows("kv", kv, self.n_layers, self.row_bytes, s)
         n = kv.shape[1]
         if start + n > self.max_len:
             raise ValueError(f"tokens {start}..{start + n} exceed max_len {self.max_len}")
+        own = self.host.own_from_host(rid)
+        if start < own:
+            raise ValueError(f"start {start}: request slot {rid}'s tokens below {own} lie in "
+                             f"host pages it shares; they are never written")
+        if self.host.paged and start + n > self.pages.tokens(rid):
+            raise ValueError(f"tokens {start}..{start + n}: request slot {rid} has pages for "
+                             f"{self.pages.tokens(rid)} tokens (grow() it first)")
         if n == 0:
             return
-        base = rid * self.max_len + start
-        released = self._released.pop(rid, None)  # the slot's previous request's last work
-        if on_host:
-            if released is not None:
-                released.synchronize()
-            s.synchronize()
-            self.pool.numpy[:, base: base + n] = kv
-        else:
-            if kv.strides[2] != 1 or (n > 1 and kv.strides[1] != self.row_bytes):
-                raise ValueError(f"kv rows must be contiguous (strides {kv.strides})")
-            if released is not None:
-                s.wait_event(released)  # ordered after it on the device, no host sync
-            with s:
-                src = cupy.arange(n, dtype=cupy.int32).reshape(1, n)
-                dst = (base + cupy.arange(n, dtype=cupy.int64)).reshape(1, n)
-                cnt = cupy.full(1, n, dtype=cupy.int32)
-            p = copy_params(src, dst, cnt, 1, None, src_base=kv.data.ptr,
-                            src_layer_bytes=kv.strides[0], n_src_rows=n,
-                            dst_base=self.pool.device_ptr(0), dst_layer_bytes=self.pool.layer_bytes,
-                            n_dst_rows=self.pool.n_rows, row_bytes=self.row_bytes,
-                            n_layers=self.n_layers)
-            launch_copy(p, to_host=True, grid=default_copy_grid(1, n, self.n_layers), stream=s)
-        if not _admitting:
-            with s:
-                self.host_locs[rid, start: start + n] = base + cupy.arange(n, dtype=cupy.int64)
+        rows = self.host.rows(rid, start, start + n)
+        self.host.write(rows, kv, on_host, s)
+        with s:
+            self.host_locs[rid, start: start + n] = cupy.asarray(rows)
 
     def release(self, rid: int, *, stream=None) -> None:
         """Free request slot ``rid``: its tables and host rows are reset (token -> slot entries,
-        never trusted without the slot table, stay)."""
-        rid = _checks.integer("rid", rid, 0, self.max_requests - 1)
-        if rid not in self._len:
-            raise ValueError(f"request slot {rid} is not admitted")
+        never trusted without the slot table, stay); a paged pool's pages no other request
+        holds are free again."""
+        rid = self._admitted(rid)
         s = as_stream(stream)
         with s:
             self._reset_slot(rid)
             self.host_locs[rid] = -1
             self._init_multistep(rid, s)
-            ev = self._released[rid] = cupy.cuda.Event(disable_timing=True)
-            ev.record(s)  # a host write into this slot's rows waits for this, not the device
+            self.host.release(rid, s)
+            ev = cupy.cuda.Event(disable_timing=True)
+            ev.record(s)  # later writes into its rows and pages follow this, not the device
+        self.host.released.append(ev)
         del self._len[rid]
-        self._free.append(rid)
+        heapq.heappush(self._free, rid)
 
     # ----------------------------------------------------------------- per layer
     def layer_index(self, layer) -> int:
@@ -437,19 +438,15 @@ class HotBufferCache:
     def mirror_layer(self, src: int, dst: int, *, rows: bool = True, stream=None) -> None:
         """Give layer ``dst`` the state of layer ``src``: every table, and the slot layout.
 
-        With ``rows=True`` (default) ``dst``'s device rows are first rearranged into ``src``'s
-        layout: the row where ``src`` holds token t (any slot) receives ``dst``'s own bytes of
-        t, from the row where ``dst`` held it (the first such slot) or, if ``dst`` did not hold
-        it, from ``dst``'s host row of t. Then every table of :meth:`layer_tables` is copied
-        from ``src``. After it, a page table of ``src`` is valid for ``dst``'s rows.
-        ``rows=False`` copies the tables only, for layers whose device layouts are equal (a
-        Prefetcher's group while prefetch is on). Layouts diverge when two layers run the same
-        multi-step calls: misses take scratch rows in the order the gather's threads claim
-        them.
-
-        Every token a layer holds has a host row or is held by every layer at the same row
-        (slot H, the positional layout), so nothing is missing from ``dst``. Queued on
-        ``stream`` (no host synchronization; one layer's rows of scratch memory).
+        ``rows=True`` (default): ``dst``'s device rows are first rearranged into ``src``'s
+        layout: the row where ``src`` holds token t gets ``dst``'s bytes of t, from the row
+        where ``dst`` held it (the first such slot) or else from its host row (every token a
+        layer holds has one, or is held by every layer at the same row: slot H, the
+        positional layout). Then every table of :meth:`layer_tables` is copied: a page table
+        of ``src`` is then valid for ``dst``'s rows. ``rows=False`` copies the tables only,
+        for equal device layouts (a Prefetcher's group while prefetch is on; multi-step calls
+        make layouts diverge: misses take scratch rows in the gather threads' order). Queued
+        on ``stream`` (no host synchronization; one layer's rows of scratch memory).
         """
         src, dst = self.layer_index(src), self.layer_index(dst)
         s = as_stream(stream)

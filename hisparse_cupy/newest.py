@@ -25,17 +25,21 @@ class NewestBuffers:
 
 
 def newest_rows(out: NewestBuffers, *, req, lens, lens_stride: int, num_real, key, slot_locs,
-                slot_tokens, host_locs, hot_size: int, record: bool, stream) -> cupy.ndarray:
+                slot_tokens, host_locs, host, hot_size: int, record: bool,
+                stream) -> cupy.ndarray:
     """Queue the kernel for ``B = req.shape[0]`` rows on ``stream``; ``slot_locs`` is one
     layer's (slot H's row is the same in every layer), ``slot_tokens`` all layers'
     (``record``: slot H of every layer is marked as holding the newest token past H, and the
-    backup plan is written). Returns ``out.rows[:B]``."""
+    backup plan to the token's host row, from ``host``'s page table
+    (:class:`~hisparse_cupy.host_rows.HostRows`), is written). Returns ``out.rows[:B]``."""
     B = req.shape[0]
     L, R, W = slot_tokens.shape
     p = Params(_abi.NEWEST_ROWS).set(
         req=ptr(req), lens=ptr(lens), num_real=ptr(num_real), slot_locs=ptr(slot_locs),
         slot_tokens=ptr(slot_tokens), host_locs=ptr(host_locs), rows_out=ptr(out.rows),
         plan_src=ptr(out.src), plan_dst=ptr(out.dst), plan_count=ptr(out.count),
+        host_pages=ptr(host.table), own_from=ptr(host.own_from), n_host_rows=host.n_rows,
+        page_tokens=host.page_tokens, pages_stride=host.table.shape[1],
         slot_layer_stride=slot_tokens.strides[0] // 4, B=B, R=R, max_len=host_locs.shape[1],
         slot_stride=W, H=hot_size, host_stride=host_locs.strides[0] // 8,
         lens_stride=lens_stride, n_layers=L, record=1 if record else 0)

@@ -243,8 +243,8 @@ class Step:
         return newest.newest_rows(
             c.newest, req=self.req, lens=self.seq_lens, lens_stride=self.lens_stride,
             num_real=self.num_real, key=self.dtypes, slot_locs=c.slot_locs[0],
-            slot_tokens=c.slot_tokens, host_locs=c.host_locs, hot_size=c.hot_size,
-            record=record, stream=self.stream)
+            slot_tokens=c.slot_tokens, host_locs=c.host_locs, host=c.host,
+            hot_size=c.hot_size, record=record, stream=self.stream)
 
     def newest_rows(self) -> cupy.ndarray:
         """Device row (in every layer) of each row's newest token ``seq_len - 1``: int32

@@ -122,7 +122,7 @@ def test_cache_errors():
         cache.admit(10, warm_tokens=[1])
     with pytest.raises(ValueError, match=r"kv must be uint8 \[1, n, 656\]"):
         cache.admit(10, kv=np.zeros((1, 10, 640), np.uint8))
-    with pytest.raises(ValueError, match=r"kv must hold the n_tokens=10 rows"):
+    with pytest.raises(ValueError, match=r"kv must hold the 10 rows being admitted"):
         cache.admit(10, kv=np.zeros((1, 9, 656), np.uint8))  # would leave a row unwritten
     rid = cache.admit(10)
     with pytest.raises(RuntimeError, match="all 1 request slots are in use"):

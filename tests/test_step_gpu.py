@@ -255,7 +255,7 @@ def test_admit_from_prefill_kv_on_the_gpu(rng, stream):
     big = cupy.zeros((L, n + 7, ROW), cupy.uint8)  # a strided layer dimension, rows contiguous
     big[:, :n] = cupy.asarray(host(2))
     assert c.admit(n, kv=big[:, :n], warm_tokens=None, stream=stream) == 2
-    with pytest.raises(ValueError, match="kv rows must be contiguous"):
+    with pytest.raises(ValueError, match="kv must have contiguous rows"):
         c.write_host(2, 0, big[:, ::2][:, :10], stream=stream)  # every other row
     try:
         import torch

@@ -169,9 +169,13 @@ struct NewestRowsParams {
   i32* plan_src;           // [>= B, 1]: one-entry device -> host plan per row
   i64* plan_dst;           // [>= B, 1]
   i32* plan_count;         // [>= B]
+  const i32* host_pages;   // [R, pages_stride]: the request's host pages (-1: none taken yet)
+  const i32* own_from;     // [R]: tokens below it are in pages other requests share (read only)
   i64 slot_layer_stride;
+  i64 n_host_rows;         // rows per layer of the host pool: a backup never writes past them
   i32 B, R, max_len, slot_stride, H, host_stride, lens_stride, n_layers;
   i32 record;              // 1: record host_locs, slot tokens and the backup plan
+  i32 page_tokens, pages_stride;  // token t's host row: page[t / page_tokens] * page_tokens + ...
   i32 pad;
 };
 

@@ -4,11 +4,15 @@
 // request slot and length are valid, the newest token t = seq_len - 1 lives in slot min(t, H)
 // (positional layout while seq_len <= H, the newest-token slot H after; slot H's device row is
 // the same in every layer, since admissions rotate hot slots only). Writes its device row to
-// rows_out[b]. With `record`, also writes a one-entry D2H plan (device row -> host row
-// rid * max_len + t) that planned_copy runs for every layer, records the host row in host_locs
-// (the token becomes loadable once the copy, queued right after on the same stream, has landed)
-// and, past H, marks slot H of every layer as holding t (the multi-step swap finds the newest
-// token there). Padding or invalid rows: -1, count 0.
+// rows_out[b]. With `record`, past H, marks slot H of every layer as holding t (the multi-step
+// swap finds the newest token there) and, if t has a host row of the request's own, writes a
+// one-entry D2H plan (device row -> that host row) that planned_copy runs for every layer and
+// records the row in host_locs (the token becomes loadable once the copy, queued right after on
+// the same stream, has landed). Token t's host row is page * page_tokens + t % page_tokens, page
+// = host_pages[rid][t / page_tokens] (the slot layout: one page of max_len rows per request).
+// No backup (count 0) where t is below own_from (a shared page: never written, it holds t
+// already), where no page was taken for t (host_locs keeps -1: a swap that misses t flags it)
+// or where the row lies outside the pool. Padding or invalid rows: -1, count 0.
 #include "abi.cuh"
 
 namespace hs {
@@ -30,14 +34,19 @@ __global__ void __launch_bounds__(NEWEST_BLOCK) newest_rows(const NewestRowsPara
   const int row = slot_locs_row(p, rid)[slot];
   p.rows_out[b] = row;
   if (p.record) {
-    const i64 host = rid * p.max_len + t;
-    host_locs_row(p, rid)[t] = host;
     if (slot == p.H && p.slot_tokens) {
       for (int l = 0; l < p.n_layers; ++l) slot_tokens_row(p, l, rid)[slot] = static_cast<i32>(t);
     }
-    p.plan_src[b] = row;
-    p.plan_dst[b] = host;
-    p.plan_count[b] = 1;
+    const i64 g = t / p.page_tokens;
+    const i32 page = g < p.pages_stride ? row_at(p.host_pages, rid, p.pages_stride)[g] : -1;
+    const i64 host = page < 0 ? -1 : static_cast<i64>(page) * p.page_tokens + t % p.page_tokens;
+    const bool backup = host >= 0 && host < p.n_host_rows && t >= p.own_from[rid];
+    if (backup) {
+      host_locs_row(p, rid)[t] = host;
+      p.plan_src[b] = row;
+      p.plan_dst[b] = host;
+    }
+    p.plan_count[b] = backup ? 1 : 0;
   }
 }
 

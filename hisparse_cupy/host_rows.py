@@ -1,0 +1,263 @@
+"""Where a :class:`~hisparse_cupy.HotBufferCache`'s request slots keep their tokens in the host
+pool, and the row moves between the pool and GPU memory that admission and writes make.
+
+Two layouts, one device table (:class:`HostRows`):
+
+- the slot layout (``page_tokens=None``, the default): request slot ``r``'s token ``t`` is host
+  row ``r * max_len + t``, reserved whatever the request's length (one page of ``max_len``
+  rows per slot, page ``r``);
+- paged (``page_tokens=P``): the pool's ``n_rows // P`` pages are handed out by a
+  :class:`~hisparse_cupy.host_pages.HostPages` as requests are admitted and grow, shared
+  between requests with a common prefix, and given back on release.
+
+On the device, ``table`` (int32 ``[R, max_pages]``: the request's page of every P tokens, -1
+where none was taken) and ``own_from`` (int32 ``[R]``: tokens below it lie in shared pages)
+tell the step's newest-token backup (``cu/cache.cu``) where the newest token goes: row
+``table[r, t // P] * P + t % P``, and never into a shared page or a page not taken. Each
+token's row is recorded in ``host_locs`` (which the swaps read) once its bytes are there.
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from . import _checks
+from .host_pages import HostPages
+from .host_pool import HostKVPool
+from .plan import copy_params, default_copy_grid, launch_copy
+
+__all__ = ["HostRows"]
+
+
+def host_pool(L: int, slot_rows: int, row_bytes: int, page_tokens, host_rows, pool):
+    """The cache's host pool and whether the cache made it: ``pool`` checked (``L`` layers of
+    ``row_bytes`` rows: ``slot_rows`` of them in the slot layout, a page's when paged), or a
+    new one (``host_rows`` rounded up to pages when paged, default ``slot_rows``)."""
+    need = slot_rows
+    if page_tokens is None:
+        if host_rows is not None:
+            raise ValueError("host_rows applies to a paged pool (page_tokens=P)")
+    else:
+        P = _checks.integer("page_tokens", page_tokens, 1, 2**20)
+        rows = slot_rows if host_rows is None else _checks.integer("host_rows", host_rows, 1)
+        need = -(-rows // P) * P if pool is None else P
+    if pool is None:
+        return HostKVPool(L, need, row_bytes), True
+    if not isinstance(pool, HostKVPool):
+        raise TypeError(f"pool must be a HostKVPool, got {type(pool).__name__}")
+    if host_rows is not None:
+        raise ValueError("give host_rows or pool, not both")
+    if (pool.n_layers, pool.row_bytes) != (L, row_bytes) or pool.n_rows < need:
+        raise ValueError(f"pool holds {pool.n_layers} layers of {pool.n_rows} rows of "
+                         f"{pool.row_bytes} bytes; the cache needs {L} layers of at least "
+                         f"{need} rows of {row_bytes}")
+    return pool, False
+
+
+class HostRows:
+    """The token -> host row map of ``max_requests`` request slots over ``pool`` (see the
+    module docstring), and the writes into its rows. ``pages`` is the :class:`HostPages` of a
+    paged map, None in the slot layout; ``released``: events of request releases that writes
+    into the pool are ordered after (until known done)."""
+
+    def __init__(self, max_requests: int, max_len: int, pool, page_tokens: int | None = None):
+        R, self.max_len, self.pool = max_requests, max_len, pool
+        self.n_rows = n_rows = pool.n_rows
+        self.released: list[cupy.cuda.Event] = []
+        if page_tokens is None:
+            self.pages = None
+            self.page_tokens = max_len
+            table = np.arange(R, dtype=np.int32).reshape(R, 1)
+        else:
+            P = self.page_tokens = _checks.integer("page_tokens", page_tokens, 1, 2**20)
+            if n_rows < P:
+                raise ValueError(f"the host pool holds {n_rows} rows per layer, fewer than one "
+                                 f"page of page_tokens={P}")
+            if n_rows >= 2**31:
+                raise ValueError(f"a paged host pool holds fewer than 2^31 rows per layer, "
+                                 f"got {n_rows}")
+            self.pages = HostPages(n_rows // P, P)
+            table = np.full((R, -(-max_len // P)), -1, np.int32)
+        self.table = cupy.asarray(table)
+        self.own_from = cupy.zeros(R, cupy.int32)
+        self._written: dict[int, int] = {}  # paged: tokens whose rows a step or admit wrote
+
+    @property
+    def paged(self) -> bool:
+        return self.pages is not None
+
+    def rows(self, rid: int, start: int, stop: int) -> np.ndarray:
+        """int64 host rows of request slot ``rid``'s tokens ``[start, stop)`` (paged: pages
+        taken for them)."""
+        if self.pages is None:
+            return rid * self.max_len + np.arange(start, stop, dtype=np.int64)
+        return self.pages.rows(rid, start, stop)
+
+    def own_from_host(self, rid: int) -> int:
+        """The first token ``rid`` may write (0 in the slot layout)."""
+        return 0 if self.pages is None else self.pages.own_from(rid)
+
+    def admit(self, rid: int, n: int, prefix, pages, stream) -> tuple[list, int]:
+        """Rows for ``rid``'s first ``n`` tokens; the tables written on ``stream``. Returns the
+        host -> host copies ``(src_row, dst_row, count)`` (every layer) to queue before its
+        rows are read, and the tokens shared (the prefix's or the engine pages'). Raises
+        (nothing taken) on a bad prefix or a full pool."""
+        if self.pages is None:
+            if prefix is not None or pages is not None:
+                raise ValueError("prefix and pages need a paged host pool: "
+                                 "HotBufferCache(..., page_tokens=P)")
+            return [], 0
+        parent = None
+        if prefix is not None:
+            if not isinstance(prefix, (tuple, list)) or len(prefix) != 2:
+                raise TypeError(f"prefix must be (parent request slot, tokens), got {prefix!r}")
+            parent = int(prefix[0])
+            done = self._written.get(parent)
+            if done is None:
+                raise KeyError(f"prefix's parent {parent} is not admitted (or was released)")
+            if _checks.integer("prefix tokens", prefix[1], 1) > done:
+                raise ValueError(f"prefix of {prefix[1]} tokens: the parent's rows hold "
+                                 f"{done} tokens so far (its later tokens are written by "
+                                 f"steps not yet queued)")
+        copies = self.pages.admit(rid, n, prefix=prefix, pages=pages)
+        self._written[rid] = n
+        with stream:
+            self._write_pages(rid, 0, self.pages.pages(rid))
+            self.own_from[rid] = self.pages.own_from(rid)
+            if parent is not None:  # its pages below the fork are shared from now on
+                self.own_from[parent] = self.pages.own_from(parent)
+        shared = int(prefix[1]) if prefix is not None else \
+            0 if pages is None else np.asarray(pages).size * self.page_tokens
+        return copies, shared
+
+    def grow(self, rid: int, n: int, stream) -> None:
+        """Pages for ``rid``'s tokens up to ``n`` (their table entries written on ``stream``)."""
+        if self.pages is None:
+            _checks.integer("n_tokens", n, 1, self.max_len)
+            return
+        n = _checks.integer("n_tokens", n, 1, self.max_len)
+        before = self.pages.tokens(rid)
+        new = self.pages.grow(rid, n)
+        self._written[rid] = max(self._written[rid], before)
+        if new:
+            with stream:
+                self._write_pages(rid, self.pages.pages_for(before), new)
+
+    def release(self, rid: int, stream) -> None:
+        if self.pages is None:
+            return
+        self.pages.release(rid)
+        del self._written[rid]
+        with stream:
+            self.table[rid] = -1
+            self.own_from[rid] = 0
+
+    def write(self, rows: np.ndarray, kv, on_host: bool, s) -> None:
+        """Write ``kv`` (``[L, n, row_bytes]``) into host ``rows``, after earlier releases: a
+        GPU array with one launch on stream ``s``; a host array by the CPU, after the work
+        queued on ``s`` (synchronized)."""
+        if not len(rows):
+            return
+        self.after_releases(s, host=on_host)
+        if on_host:
+            s.synchronize()
+            write_rows_from_host(self.pool, rows, kv)
+        else:
+            store_rows(self.pool, rows, kv, s)
+
+    def after_releases(self, s, *, host: bool) -> None:
+        """Order what follows after every release not yet known to be done: on the device
+        (stream ``s`` waits) or, ``host``, on the CPU (synchronized)."""
+        self.released = [e for e in self.released if not e.done]
+        for e in self.released:
+            if host:
+                e.synchronize()
+            else:
+                s.wait_event(e)
+        if host:
+            self.released = []
+
+    def _write_pages(self, rid: int, at: int, pages) -> None:
+        """Table entries ``at..`` of ``rid`` (current stream): a few as kernel arguments (no
+        host -> device copy from pageable memory, which may wait for the device), more as one
+        copy."""
+        if len(pages) <= 4:
+            for j, g in enumerate(pages):
+                self.table[rid, at + j] = g
+        else:
+            self.table[rid, at: at + len(pages)] = cupy.asarray(np.asarray(pages, np.int32))
+
+
+def copy_pool_rows(pool, copies, stream) -> None:
+    """Queue the host -> host copies ``(src_row, dst_row, count)`` of every layer of ``pool``
+    (a prefix's partial page) on ``stream``, through the device."""
+    for src, dst, cnt in copies:
+        with stream:
+            s = cupy.arange(src, src + cnt, dtype=cupy.int64).reshape(1, cnt)
+            d = cupy.arange(dst, dst + cnt, dtype=cupy.int32).reshape(1, cnt)
+            c = cupy.full(1, cnt, cupy.int32)
+        p = copy_params(s, d, c, 1, None, src_base=pool.device_ptr(0),
+                        src_layer_bytes=pool.layer_bytes, n_src_rows=pool.n_rows,
+                        dst_base=pool.device_ptr(0), dst_layer_bytes=pool.layer_bytes,
+                        n_dst_rows=pool.n_rows, row_bytes=pool.row_bytes,
+                        n_layers=pool.n_layers)
+        launch_copy(p, grid=default_copy_grid(1, cnt, pool.n_layers), stream=stream)
+
+
+def load_rows(pool, host_rows: np.ndarray, device, dev_rows: np.ndarray, stream) -> None:
+    """Queue the copy of host rows ``host_rows`` into device rows ``dev_rows`` of ``device``
+    (uint8 ``[L, D, row_bytes]``), every layer, on ``stream``."""
+    n = len(host_rows)
+    with stream:
+        src = cupy.asarray(np.asarray(host_rows, np.int64).reshape(1, n))
+        dst = cupy.asarray(np.asarray(dev_rows, np.int32).reshape(1, n))
+        cnt = cupy.full(1, n, dtype=cupy.int32)
+    p = copy_params(src, dst, cnt, 1, None, src_base=pool.device_ptr(0),
+                    src_layer_bytes=pool.layer_bytes, n_src_rows=pool.n_rows,
+                    dst_base=device.data.ptr, dst_layer_bytes=device[0].nbytes,
+                    n_dst_rows=device.shape[1], row_bytes=pool.row_bytes,
+                    n_layers=pool.n_layers)
+    launch_copy(p, grid=default_copy_grid(1, n, pool.n_layers), stream=stream)
+
+
+MIN_RUN = 16  # rows: KV written in runs at least this long on average goes by the copy engines
+
+
+def _runs(rows: np.ndarray) -> list[tuple[int, int]]:
+    """``[a, b)`` index ranges of ``rows`` over which the rows are consecutive."""
+    cut = np.flatnonzero(np.diff(rows) != 1) + 1
+    return list(zip(np.r_[0, cut].tolist(), np.r_[cut, len(rows)].tolist(), strict=True))
+
+
+def store_rows(pool, host_rows: np.ndarray, kv: cupy.ndarray, stream) -> None:
+    """Queue the copy of GPU array ``kv`` (uint8 ``[L, n, row_bytes]``, rows contiguous) into
+    host rows ``host_rows`` of every layer on ``stream``, without synchronizing: one 2-D
+    ``cudaMemcpyAsync`` (all layers) per run of consecutive rows where the runs are long
+    (:data:`MIN_RUN`; the link's rate), else one launch of the package's device -> host copy."""
+    n, row = kv.shape[1], pool.row_bytes
+    runs = _runs(host_rows)
+    if len(runs) * MIN_RUN <= n:
+        rt, base = cupy.cuda.runtime, pool.numpy.ctypes.data
+        for a, b in runs:
+            rt.memcpy2DAsync(base + int(host_rows[a]) * row, pool.layer_bytes,
+                             kv.data.ptr + a * row, kv.strides[0], (b - a) * row, pool.n_layers,
+                             rt.memcpyDeviceToHost, stream.ptr)
+        return
+    with stream:
+        src = cupy.arange(n, dtype=cupy.int32).reshape(1, n)
+        dst = cupy.asarray(np.asarray(host_rows, np.int64).reshape(1, n))
+        cnt = cupy.full(1, n, dtype=cupy.int32)
+    p = copy_params(src, dst, cnt, 1, None, src_base=kv.data.ptr,
+                    src_layer_bytes=kv.strides[0], n_src_rows=n,
+                    dst_base=pool.device_ptr(0), dst_layer_bytes=pool.layer_bytes,
+                    n_dst_rows=pool.n_rows, row_bytes=pool.row_bytes, n_layers=pool.n_layers)
+    launch_copy(p, to_host=True, grid=default_copy_grid(1, n, pool.n_layers), stream=stream)
+
+
+def write_rows_from_host(pool, host_rows: np.ndarray, kv: np.ndarray) -> None:
+    """The CPU writes host array ``kv`` (``[L, n, row_bytes]``) into ``host_rows``, a
+    contiguous run of rows at a time (the caller ordered it after the device's reads)."""
+    for a, b in _runs(host_rows):
+        r = int(host_rows[a])
+        pool.numpy[:, r: r + (b - a)] = kv[:, a:b]
