@@ -82,14 +82,6 @@ def test_reference_backend_on_pages_shared_by_a_prefix(monkeypatch):
         cpu_config(["--shared-prefix", "5000"])
 
 
-def test_the_gpu_loop_refuses_a_shared_prefix(monkeypatch):
-    import hisparse_cupy.demo as demo
-
-    monkeypatch.setattr(demo, "cupy_or_why", lambda: object())  # as if a GPU were there
-    with pytest.raises(SystemExit, match="--shared-prefix needs a paged host pool"):
-        demo.main(["--shared-prefix", "100"])
-
-
 def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
     """On the NumPy backend every flag given is used or refused with a message; flags not
     given take its small values."""
@@ -221,6 +213,15 @@ def test_example_on_gpu_default_configuration(tmp_path, partition):
     assert "precision" in out
     moved = {m: rows[(m, "graph")]["mb_per_step"] for m in ("offload", "overlap")}
     assert moved["offload"] == moved["overlap"] > 0  # the same streams in every mode
+
+
+@pytest.mark.gpu
+def test_example_on_gpu_forks_sharing_a_prefix(tmp_path):
+    """Requests 1.. forked from request 0's first 100 tokens (host pages shared, a partial
+    page copied): every mode bit-identical to gpu-only, whose KV has the same prefix."""
+    out = _run(*SMALL, "--shared-prefix", "100", "--topk-model", "drift", "--eager")
+    assert "sharing request 0's first 100 tokens" in out and "self-check passed" in out
+    assert "host pages in" in out and "paged (64 tokens a page)" in out
 
 
 @pytest.mark.gpu

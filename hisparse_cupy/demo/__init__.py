@@ -186,9 +186,6 @@ def main(argv=None) -> int:
         run(cfg)
         return 0
     cfg = from_args(argv)
-    if cfg.shared_prefix:
-        raise SystemExit("demo: --shared-prefix needs a paged host pool, which only the NumPy "
-                         "reference backend has so far")
     if cfg.warmup < 1:
         raise SystemExit("demo: the GPU decode loop needs --warmup >= 1 (kernels compile, and "
                          "graphs are captured, after an eager step)")

@@ -9,6 +9,7 @@ import os
 
 ROW_VALUES, V_VALUES, HEADS = 576, 512, 16  # an MLA row: latent (512, the value) + rope (64)
 ROW_BYTES = 2 * ROW_VALUES  # bf16
+PAGE_TOKENS = 64  # tokens per page of the host pool (both backends)
 GB = 1e9
 MODES = ("gpu-only", "offload", "overlap", "predict")  # predict: overlap + prediction
 
@@ -35,7 +36,7 @@ class Config:
     modes: tuple[str, ...] = ("gpu-only", "offload", "overlap", "predict")
     execs: tuple[str, ...] = ("graph",)
     side_sms: int = 0  # SMs of the SM partition's side group (0: no partition)
-    shared_prefix: int = 0  # NumPy backend: requests 1.. share request 0's first N tokens
+    shared_prefix: int = 0  # requests 1.. share request 0's first N tokens (host pages)
     json: str | None = None
     png: str | None = None
     quiet: bool = False
@@ -202,8 +203,7 @@ def parser() -> argparse.ArgumentParser:
            "them); 0: no partition (benchmarks/NOTES.md says why that is the default)")
     a("--no-partition", action="store_true", help="no SM partition (the default; --side-sms 0)")
     a("--shared-prefix", type=int, default=d.shared_prefix, metavar="N",
-      help="NumPy backend: requests 1.. are forks of request 0 sharing the host pages of its "
-           "first N tokens (the GPU loop's host pool is not paged yet: refused there)")
+      help="requests 1.. are forks of request 0 sharing the host pages of its first N tokens")
     a("--json", default=None, help="write the results as JSON to this file")
     a("--png", default=None, help="plot ITL per step per mode to this PNG (needs matplotlib)")
     a("--quiet", action="store_true", help="no progress lines")

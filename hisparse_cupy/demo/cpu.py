@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import reference as ref
 from ..host_pages import HostPages
-from .config import HEADS
+from .config import HEADS, PAGE_TOKENS
 from .config import ROW_VALUES as ROW
 from .config import V_VALUES as ROW_V
 
@@ -52,7 +52,6 @@ def attention(q: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return (s / s.sum(axis=1, keepdims=True)) @ rows[:, :ROW_V]
 
 
-PAGE_TOKENS = 64  # tokens per page of the NumPy backend's host pool
 
 
 def _stream(cfg, n_full: int, rng):

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..cache import HotBufferCache
 from ..streams import Prefetcher
-from .config import ROW_BYTES, Config
+from .config import PAGE_TOKENS, ROW_BYTES, Config
 from .model import Kernels, Model
 
 
@@ -93,7 +93,7 @@ class Rig:
         self.table = self.topk_shape = None
         if cfg.topk_model == "lru":
             self._generate()
-        self.resident = None
+        self.resident = self.kv_buf = None
         self.cache = self.pf = None
         self.swap_s = 0.0
         self.swap_n = 0
@@ -123,13 +123,49 @@ class Rig:
             self.table = cupy.asarray(tab)
 
     # ------------------------------------------------------------------ state
-    def _prefill(self, base: int, layer_bytes: int) -> None:
+    def _prefill(self, base: int, layer_bytes: int, reqs=None, p0: int = 0,
+                 req_rows: int | None = None) -> None:
+        """Prompt KV of positions ``[p0, context)``: every request's, in the slot layout
+        (rows ``r * max_len + p``), or ``reqs``' with ``req_rows=0`` (one request, rows from
+        0: an admission's KV)."""
         c = self.cfg
-        reqs = self.req
-        grid = (-(-c.context * 72 // 256), c.batch, c.layers)
+        reqs = self.req if reqs is None else reqs
+        grid = (-(-(c.context - p0) * 72 // 256), reqs.size, c.layers)
+        rows = c.max_len if req_rows is None else req_rows
         self.k.kv_prefill(grid, (256,), (cupy.uint64(base), np.int64(layer_bytes), reqs,
-                                         np.int32(c.context), np.int32(c.max_len)),
-                          stream=self.s)
+                                         np.int32(p0), np.int32(c.context), np.int64(rows),
+                                         np.int32(c.shared_prefix)), stream=self.s)
+
+    def _admit_all(self) -> list[int]:
+        """Every request admitted at its prompt: in a paged pool (the default) with its KV
+        made on the GPU and copied into its pages (requests 1.. forked from request 0's first
+        ``--shared-prefix`` tokens); in a given pool's slot layout from the rows written
+        there."""
+        c, s, cache = self.cfg, self.s, self.cache
+        if cache.pages is None:
+            return [cache.admit(c.context, stream=s) for _ in range(c.batch)]
+        if self.kv_buf is None:
+            with s:
+                self.kv_buf = cupy.empty((c.layers, c.context, ROW_BYTES), cupy.uint8)
+        buf, N = self.kv_buf, c.shared_prefix
+        t0 = cupy.cuda.Event()
+        t0.record(s)
+        rids, nbytes = [], 0
+        for b in range(c.batch):
+            p0 = N if b else 0
+            self._prefill(buf.data.ptr, buf[0].nbytes, self.req[b:b + 1], p0, 0)
+            kv = buf[:, :c.context - p0]
+            rids.append(cache.admit(c.context, kv, prefix=(0, N) if p0 else None, stream=s))
+            nbytes += kv.size
+        t1 = cupy.cuda.Event()
+        t1.record(s)
+        t1.synchronize()
+        ms = cupy.cuda.get_elapsed_time(t0, t1)
+        self.log(f"admission: {c.batch} requests, {nbytes / 1e9:.2f} GB of prompt KV made on "
+                 f"the GPU and copied into host pages in {ms:.0f} ms ({nbytes / ms / 1e6:.1f} "
+                 f"GB/s with the KV kernel)" + (f", requests 1.. sharing request 0's first "
+                                                f"{N} tokens" if N else ""))
+        return rids
 
     def use_resident(self) -> None:
         """GPU-only mode: every layer's KV resident on the GPU (rows ``r * max_len + p``)."""
@@ -157,21 +193,29 @@ class Rig:
         self.free_resident()
         if self.cache is None:
             t0 = time.perf_counter()
+            if self.pool is not None and c.shared_prefix:
+                raise SystemExit("demo: --shared-prefix needs the paged host pool the demo "
+                                 "makes; a given pool is in the slot layout")
+            paged = {} if self.pool is not None else \
+                {"page_tokens": PAGE_TOKENS,
+                 "host_rows": c.batch * -(-c.max_len // PAGE_TOKENS) * PAGE_TOKENS}
             self.cache = HotBufferCache(n_layers=c.layers, max_requests=c.batch,
                                         max_len=c.max_len, row_bytes=ROW_BYTES, hot_size=c.hot,
                                         top_k=c.top_k, extra_page=c.extra_page,
-                                        max_steps=c.mtp, pool=self.pool)
+                                        max_steps=c.mtp, pool=self.pool, **paged)
             t1 = time.perf_counter()
             pool = self.cache.pool
-            if self.write_pool and not (self.pool is not None and self.pool_ready):
+            if self.pool is not None and self.write_pool and not self.pool_ready:
                 self._prefill(int(pool.device_ptr(0)), pool.layer_bytes)  # the GPU writes it
                 self.s.synchronize()
                 self.pool_ready = True
             self.pf = Prefetcher(self.cache, self.pattern, partition=self.partition)
+            how = (f"paged ({PAGE_TOKENS} tokens a page), pinned" if self.pool is None else
+                   "given, slot layout")
             self.log(f"offload: {pool.n_layers * pool.layer_bytes / 1e9:.1f} GB host pool "
-                     f"{'pinned' if self.pool is None else 'given'} in {t1 - t0:.1f} s, "
-                     f"{'written' if self.write_pool else 'not written here'} in "
-                     f"{time.perf_counter() - t1:.1f} s")
+                     f"{how} in {t1 - t0:.1f} s" + ("" if self.pool is None else
+                     f", {'written' if self.write_pool else 'not written here'} in "
+                     f"{time.perf_counter() - t1:.1f} s"))
 
     def free_cache(self) -> None:
         if self.cache is not None:
@@ -195,7 +239,7 @@ class Rig:
             cache.counters.reset(s)
             for rid in list(cache.active):
                 cache.release(rid, stream=s)
-            rids = [cache.admit(c.context, stream=s) for _ in range(c.batch)]
+            rids = self._admit_all()
             # batch row b is request slot b in every mode (a KV row is a function of the slot)
             if sorted(rids) != list(range(c.batch)):
                 raise RuntimeError(f"unexpected request slots {rids}")
@@ -275,7 +319,11 @@ class Rig:
         graph = None
         every = max(1, n // 10)
         t0 = time.perf_counter()
+        grow = self.cache is not None and self.cache.pages is not None
         for i in range(n):
+            if grow:  # the newest token's page, taken before the step (replay) writes it
+                for rid in range(c.batch):
+                    self.cache.grow(rid, c.context + i, stream=s)
             ev[i].record(s)
             if graph is not None:
                 graph.launch(s)

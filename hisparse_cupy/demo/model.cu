@@ -54,18 +54,23 @@ __device__ __forceinline__ uint4 kv_chunk(int l, int r, long long p, int c) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// Prefill: rows of positions [0, n_tokens) of request slots reqs[0..n_req) into
-// base + l * layer_bytes + (r * max_len + p) * 1152, every layer (base: device or mapped host).
-// grid (ceil(n_tokens * 72 / 256), n_req, n_layers)
+// Prefill: rows of positions [p0, p1) of request slots reqs[0..n_req) into row
+// blockIdx.y * req_rows + p - p0 of base + l * layer_bytes, every layer (base: device or
+// mapped host; req_rows = max_len with reqs = 0..B-1: row r * max_len + p, the slot layout;
+// req_rows = 0: one request's rows from 0, an admission's KV). Positions below `shared` carry
+// request 0's bytes (requests forked from its first `shared` tokens).
+// grid (ceil((p1 - p0) * 72 / 256), n_req, n_layers)
 extern "C" __global__ void kv_prefill(unsigned char* base, long long layer_bytes,
-                                      const int* reqs, int n_tokens, int max_len) {
+                                      const int* reqs, int p0, int p1, long long req_rows,
+                                      int shared) {
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= static_cast<long long>(n_tokens) * 72) return;
-  const int l = blockIdx.z, r = reqs[blockIdx.y];
-  const long long p = i / 72;
+  if (i >= static_cast<long long>(p1 - p0) * 72) return;
+  const int l = blockIdx.z;
+  const long long p = p0 + i / 72;
+  const int r = p < shared ? 0 : reqs[blockIdx.y];
   const int c = static_cast<int>(i % 72);
   uint4* dst = reinterpret_cast<uint4*>(base + l * layer_bytes +
-                                        (static_cast<long long>(r) * max_len + p) * (2 * D_ROW));
+                                        (blockIdx.y * req_rows + p - p0) * (2 * D_ROW));
   dst[c] = kv_chunk(l, r, p, c);
 }
 
