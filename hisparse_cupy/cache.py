@@ -333,7 +333,7 @@ class HotBufferCache:
         (when a page is taken), where :meth:`Step.backup_newest` finds the row (a token
         without a page is not backed up; a swap missing it later flags ``nohost``). Raises
         :class:`~hisparse_cupy.host_pages.PoolExhausted`, nothing taken (the engine can
-        preempt). The slot layout has every row: ``n_tokens`` is checked only.
+        preempt). A no-op where the rows are there (the slot layout has every row).
         """
         rid = self._admitted(rid)
         self.host.grow(rid, n_tokens, as_stream(stream))

@@ -132,12 +132,15 @@ class HostRows:
         return copies, shared
 
     def grow(self, rid: int, n: int, stream) -> None:
-        """Pages for ``rid``'s tokens up to ``n`` (their table entries written on ``stream``)."""
+        """Pages for ``rid``'s tokens up to ``n`` (their table entries written on ``stream``);
+        nothing where it has them."""
         if self.pages is None:
             _checks.integer("n_tokens", n, 1, self.max_len)
             return
         n = _checks.integer("n_tokens", n, 1, self.max_len)
         before = self.pages.tokens(rid)
+        if n <= before:  # the room is there (e.g. taken for draft tokens)
+            return
         new = self.pages.grow(rid, n)
         self._written[rid] = max(self._written[rid], before)
         if new:

@@ -1,14 +1,15 @@
 """Randomized step-level test: drive the step API as an engine would, check every byte.
 
 One run (a seed) draws a cache configuration (layers, a full/shared pattern and often a
-Prefetcher, request slots, H, K, P, max_steps, row bytes) and then decode steps:
+Prefetcher, request slots, H, K, P, max_steps, row bytes, and on the GPU mostly a paged host
+pool of 1-16 tokens a page, its pages handed out in random order) and then decode steps:
 
 - lifecycle churn: requests admitted (short ones in positional layout, long ones cold or warm,
   prefill KV from the host or the device) and released at random, slots reused;
 - per step a random batch (real rows then graph-style padding rows with garbage slots and
-  lengths past ``num_real``), lengths ``[B]`` or per draft step ``[B, S]`` (equal, or
-  ``L, L+1, ...`` with the draft tokens' host rows written first), the newest token's KV
-  written where ``step.newest_rows()`` says and backed up;
+  lengths past ``num_real``), its pages grown first (``grow``), lengths ``[B]`` or per draft
+  step ``[B, S]`` (equal, or ``L, L+1, ...`` with the draft tokens' host rows written
+  first), the newest token's KV written where ``step.newest_rows()`` says and backed up;
 - per full layer a single-step ``[B, K]`` or multi-step ``[B, S, K]`` top-k (tokens it held,
   new ones, the newest and draft tokens in every step, duplicates, -1, out-of-range entries);
   shared layers through the Prefetcher;
@@ -48,7 +49,8 @@ def draw_config(rng) -> dict:
     return dict(n_layers=L, max_requests=int(rng.integers(2, 5)), hot_size=H, top_k=K,
                 extra_page=int(rng.choice([1, 2, 4])), max_steps=int(rng.choice([1, 2, 3, 4])),
                 row_bytes=int(rng.choice([16, 32, 64])), max_len=int(H * rng.choice([4, 8])),
-                pattern=str(rng.choice(pats)), prefetch=bool(rng.random() < 0.75))
+                pattern=str(rng.choice(pats)), prefetch=bool(rng.random() < 0.75),
+                page_tokens=None if rng.random() < 0.4 else int(rng.choice([1, 3, 8, 16])))
 
 
 class Backend:
@@ -85,13 +87,19 @@ class Backend:
 
         from _util import spin
 
-        if not busy_stream:
-            return HotBufferCache(**kw)
-        # construction queued behind a long kernel on a non-blocking stream (defect C)
-        busy = cupy.cuda.Stream(non_blocking=True)
-        with busy:
-            spin(cupy, 200_000_000)
-            return HotBufferCache(**kw)
+        if cfg.get("page_tokens"):
+            kw["page_tokens"] = cfg["page_tokens"]
+        if busy_stream:  # construction queued behind a long kernel on a non-blocking stream
+            busy = cupy.cuda.Stream(non_blocking=True)  # (defect C)
+            with busy:
+                spin(cupy, 200_000_000)
+                c = HotBufferCache(**kw)
+        else:
+            c = HotBufferCache(**kw)
+        if c.pages is not None:  # pages handed out in random order: no row where the slot
+            got = c.pages.take(c.pages.free_pages)  # layout would have it
+            c.pages.put(np.random.default_rng(seed).permutation(got))
+        return c
 
     def prefetcher(self, cache, pattern: str):
         if not self.gpu:
@@ -326,9 +334,15 @@ class Fuzz:
             return lens[:, 0]
         return lens
 
+    def _grow(self, req, lens, obj) -> None:
+        """The engine's part before a step: room in the host pool for its tokens."""
+        for b, r in enumerate(req):
+            self.c.grow(int(r), int(lens[b].max()), stream=obj)
+
     def _eager_step(self, req, lens, S, pad) -> None:
         rng, c, xp = self.rng, self.c, self.xp
         obj, view = self._pick_stream()
+        self._grow(req, lens, obj)
         self._drafts(req, lens, obj, view)
         B, nr = len(req) + pad, len(req)
         greq = np.concatenate([req, rng.integers(-2, self.R + 3, pad)]).astype(
@@ -421,6 +435,7 @@ class Fuzz:
             obj, view = self.be.streams[0][1], self.be.streams[0][2]
             self._order(view)
             self.stream_obj, self.stream = obj, view
+        self._grow(req, lens, obj)
         self._drafts(req, lens, obj, view)
         B = self.R
         g = self._graph

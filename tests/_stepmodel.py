@@ -94,6 +94,10 @@ class ModelCache:
         self._len[rid] = n
         return rid
 
+    def grow(self, rid, n_tokens, *, stream=None):
+        if not (rid in self._len and 1 <= n_tokens <= self.max_len):
+            raise ValueError(f"grow({rid}, {n_tokens})")
+
     def write_host(self, rid, start, kv, *, stream=None):
         n = kv.shape[1]
         base = rid * self.max_len + start

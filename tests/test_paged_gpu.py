@@ -285,6 +285,8 @@ def test_paged_errors_name_the_argument(stream):
         with pytest.raises(exc, match=match):
             call()
         assert c.pages.free_pages == 5 and sorted(c.active) == [rid]
+    c.grow(rid, 30, stream=stream)  # fewer tokens than it has rows for: nothing to do
+    assert c.pages.tokens(rid) == 40 and c.pages.free_pages == 5
     c.pages.check()
     c.close()
     for kw, exc, match in [(dict(host_rows=10), ValueError, "host_rows applies to a paged"),
