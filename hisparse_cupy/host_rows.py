@@ -156,6 +156,23 @@ class HostRows:
             self.table[rid] = -1
             self.own_from[rid] = 0
 
+    def check(self, req, lens) -> None:
+        """Raise ``ValueError`` unless each admitted request slot of ``req`` (host ints) has
+        pages for its ``lens`` tokens and its device page table and ``own_from`` equal the
+        host's (paged; synchronizes). The kernels never read or write past the pool anyway."""
+        table, own = cupy.asnumpy(self.table), cupy.asnumpy(self.own_from)
+        for r, n in zip(np.asarray(req).tolist(), np.asarray(lens).tolist(), strict=True):
+            if r not in self.pages:
+                continue  # not admitted (or out of range): the swaps' per-row status says it
+            if n > self.pages.tokens(r):
+                raise ValueError(f"request slot {r}: seq_len {n} past its host pages "
+                                 f"({self.pages.tokens(r)} tokens): grow() it before the step")
+            pg = np.asarray(self.pages.pages(r), np.int32)
+            if (table[r, :pg.size] != pg).any() or (table[r, pg.size:] != -1).any() or \
+                    own[r] != self.pages.own_from(r):
+                raise ValueError(f"request slot {r}: the device page table disagrees with "
+                                 f"its host pages")
+
     def write(self, rows: np.ndarray, kv, on_host: bool, s) -> None:
         """Write ``kv`` (``[L, n, row_bytes]``) into host ``rows``, after earlier releases: a
         GPU array with one launch on stream ``s``; a host array by the CPU, after the work

@@ -224,8 +224,15 @@ class Step:
     # ----------------------------------------------------------------- check=True
     def check_requests(self) -> None:
         """``check=True``'s first half: raise ``ValueError`` if a valid request slot repeats
-        among the real rows (synchronizes)."""
+        among the real rows, or (a paged pool) an admitted request of a real row has no host
+        pages for its tokens or its device page table disagrees with the host's
+        (synchronizes; other rows get their per-row status)."""
         _checks.unique_requests(self.req, self.num_real, self.cache.max_requests)
+        if self.cache.host.paged:
+            nr = self.batch if self.num_real is None else \
+                min(self.batch, max(0, int(cupy.asnumpy(self.num_real)[0])))
+            lens = cupy.asnumpy(self.seq_lens[:nr]).reshape(nr, -1)
+            self.cache.host.check(cupy.asnumpy(self.req[:nr]), lens.max(axis=1, initial=0))
 
     def raise_on_status(self, top_k_tokens) -> None:
         """``check=True``'s second half: synchronize the step's stream and raise ``ValueError``

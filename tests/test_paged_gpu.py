@@ -285,6 +285,18 @@ def test_paged_errors_name_the_argument(stream):
         with pytest.raises(exc, match=match):
             call()
         assert c.pages.free_pages == 5 and sorted(c.active) == [rid]
+    import cupy
+
+    step = c.begin_step(cupy.asarray([rid], cupy.int32), cupy.asarray([41], cupy.int32),
+                        stream=stream)  # token 40 has no page yet: check=True names it
+    with pytest.raises(ValueError, match="seq_len 41 past its host pages"):
+        step.swap(0, cupy.zeros((1, K), cupy.int32), check=True)
+    c.host.table[rid, 1] += 1  # a table that disagrees with the host's pages
+    step = c.begin_step(cupy.asarray([rid], cupy.int32), cupy.asarray([40], cupy.int32),
+                        stream=stream)
+    with pytest.raises(ValueError, match="device page table disagrees"):
+        step.swap(0, cupy.zeros((1, K), cupy.int32), check=True)
+    c.host.table[rid, 1] -= 1
     c.grow(rid, 30, stream=stream)  # fewer tokens than it has rows for: nothing to do
     assert c.pages.tokens(rid) == 40 and c.pages.free_pages == 5
     c.pages.check()
