@@ -7,8 +7,8 @@ rows) admitted back to back on one stream, timed with CuPy events around them al
   (one contiguous copy per request): the link's ceiling, in the same run;
 - ``admit paged``: ``HotBufferCache(page_tokens=64).admit(n, kv=gpu_array)`` (pages taken,
   the KV copied into them, tables written), into a new pool's consecutive pages and into
-  pages taken in random order (each page a run of its own: 2-D copies of 64 rows x layers),
-  and the latter through the package's copy kernel instead (one launch);
+  pages taken in random order (each page a run of its own), by 2-D copies of 64 rows x
+  layers and by the package's copy kernel (one launch: the package's choice for such runs);
 - ``admit slot layout``: the same into the slot layout (``r * max_len + t`` rows).
 
 Every admitted request's host rows are checked against its KV (three layers) afterwards.
@@ -66,14 +66,14 @@ def main(argv=None) -> int:
     res = {}
     from hisparse_cupy import host_rows
 
-    runs = host_rows.MIN_RUN
+    runs = host_rows.MIN_RUN_BYTES
     for name, kw in (("admit paged", {"page_tokens": 64}),
-                     ("admit paged, shuffled", {"page_tokens": 64}),
+                     ("admit paged, shuffled, 2-D copies", {"page_tokens": 64}),
                      ("admit paged, shuffled, copy kernel", {"page_tokens": 64}),
                      ("admit slot layout", {})):
         cache = HotBufferCache(n_layers=L, max_requests=R + 1, max_len=n, row_bytes=row,
                                hot_size=2048, top_k=2048, **kw)
-        host_rows.MIN_RUN = 1 << 30 if "kernel" in name else runs
+        host_rows.MIN_RUN_BYTES = 1 << 62 if "kernel" in name else 0 if "2-D" in name else runs
         try:
             if "shuffled" in name:  # free pages in random order: every page a run of its own
                 pages = cache.pages.take(cache.pages.free_pages)
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
                 e1.synchronize()
                 res["memcpy"] = cupy.cuda.get_elapsed_time(e0, e1) / 1e3
         finally:
-            host_rows.MIN_RUN = runs
+            host_rows.MIN_RUN_BYTES = runs
             s.synchronize()
             cache.close()
     rows = {k: {"seconds": v, "gb_s": R * nbytes / v / 1e9} for k, v in res.items()}
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         print(f"  {k:36s} {r['seconds'] * 1e3:8.2f} ms  {r['gb_s']:6.1f} GB/s  "
               f"{100 * r['gb_s'] / ceil:5.1f} % of memcpy")
     if a.out:
-        write_json(a.out, "admit", {"device": device_info(), "layers": L, "tokens": n,
+        write_json(a.out, "admit.json", {"device": device_info(), "layers": L, "tokens": n,
                                     "requests": R, "row_bytes": row, "bytes_per_request": nbytes,
                                     "results": rows})
     return 0

@@ -241,7 +241,11 @@ def load_rows(pool, host_rows: np.ndarray, device, dev_rows: np.ndarray, stream)
     launch_copy(p, grid=default_copy_grid(1, n, pool.n_layers), stream=stream)
 
 
-MIN_RUN = 16  # rows: KV written in runs at least this long on average goes by the copy engines
+# KV written in runs of consecutive rows of at least this many bytes (per layer, on average)
+# goes by the copy engines; shorter runs by the copy kernel (on an H200, 8 requests of 8192
+# tokens x 78 layers x 656 B: 2-D copies of whole requests 53.4 GB/s, of 64-row pages 46.0,
+# the kernel over the same pages 48.2; cudaMemcpyAsync 55.1: benchmarks/bench_admit.py)
+MIN_RUN_BYTES = 64 << 10
 
 
 def _runs(rows: np.ndarray) -> list[tuple[int, int]]:
@@ -254,10 +258,10 @@ def store_rows(pool, host_rows: np.ndarray, kv: cupy.ndarray, stream) -> None:
     """Queue the copy of GPU array ``kv`` (uint8 ``[L, n, row_bytes]``, rows contiguous) into
     host rows ``host_rows`` of every layer on ``stream``, without synchronizing: one 2-D
     ``cudaMemcpyAsync`` (all layers) per run of consecutive rows where the runs are long
-    (:data:`MIN_RUN`; the link's rate), else one launch of the package's device -> host copy."""
+    (:data:`MIN_RUN_BYTES`), else one launch of the package's device -> host copy."""
     n, row = kv.shape[1], pool.row_bytes
     runs = _runs(host_rows)
-    if len(runs) * MIN_RUN <= n:
+    if n * row >= len(runs) * MIN_RUN_BYTES:
         rt, base = cupy.cuda.runtime, pool.numpy.ctypes.data
         for a, b in runs:
             rt.memcpy2DAsync(base + int(host_rows[a]) * row, pool.layer_bytes,

@@ -104,8 +104,14 @@ def _step(c, m, batch, stream, rng, *, grow=True):
     return len(live)
 
 
-def test_paged_pool_bytes_through_forks_growth_engine_pages_and_churn(rng, stream):
+@pytest.mark.parametrize("copies", ["copy engines", "copy kernel"])
+def test_paged_pool_bytes_through_forks_growth_engine_pages_and_churn(rng, stream, copies,
+                                                                     monkeypatch):
+    from hisparse_cupy import host_rows
     from hisparse_cupy.host_pages import PoolExhausted
+
+    # KV from GPU arrays by 2-D copies per run of rows, or by the copy kernel
+    monkeypatch.setattr(host_rows, "MIN_RUN_BYTES", 0 if copies == "copy engines" else 1 << 62)
 
     c, m = _cache(), Model(rng)
     held: list[list[int]] = []  # the engine's page holds (its prefix tree)
