@@ -52,6 +52,9 @@ def host_pool(L: int, slot_rows: int, row_bytes: int, page_tokens, host_rows, po
         raise ValueError(f"pool holds {pool.n_layers} layers of {pool.n_rows} rows of "
                          f"{pool.row_bytes} bytes; the cache needs {L} layers of at least "
                          f"{need} rows of {row_bytes}")
+    if page_tokens is not None and pool.n_rows % P:
+        raise ValueError(f"pool holds {pool.n_rows} rows per layer, not a whole number of "
+                         f"pages of page_tokens={P}")
     return pool, False
 
 

@@ -312,6 +312,12 @@ def test_paged_errors_name_the_argument(stream):
         with pytest.raises(exc, match=match):
             HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,
                            hot_size=H, top_k=K, **kw)
+    from hisparse_cupy import HostKVPool
+
+    with HostKVPool(L, 100, ROW) as pool:
+        with pytest.raises(ValueError, match="not a whole number of pages of page_tokens=16"):
+            HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,
+                           hot_size=H, top_k=K, page_tokens=PAGE, pool=pool)
     s = HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,
                        hot_size=H, top_k=K)
     with pytest.raises(ValueError, match="prefix and pages need a paged host pool"):
