@@ -1,7 +1,8 @@
 """The command line: ``python -m hisparse_cupy COMMAND``.
 
-- ``info``: versions, driver, devices, PDL, and the host -> device ceilings for a row size
-  measured on this GPU (a ``cudaMemcpyAsync`` and a zero-copy gather of random rows);
+- ``info``: versions, driver, devices, PDL, the host -> device ceilings for a row size
+  measured on this GPU (a ``cudaMemcpyAsync`` and a zero-copy gather of random rows), and the
+  rate at which this machine sets up a (2 GB) host pool;
 - ``check``: every kernel against the NumPy oracle on this GPU (:mod:`hisparse_cupy._selfcheck`);
   for people who installed a wheel and have no test suite at hand;
 - ``demo``: the decode loop (:mod:`hisparse_cupy.demo`; the NumPy oracle without a GPU);
@@ -69,6 +70,22 @@ def _ceilings(cupy, row_bytes: int, rows: int = 65536, iters: int = 10) -> tuple
     return memcpy, gather
 
 
+def _pool_setup(gb: float = 2.0) -> str:
+    """One line: how fast this machine sets up (and tears down) a private host pool of
+    ``gb`` GB (anonymous mmap, parallel first touch, chunked cudaHostRegister)."""
+    from .host_pool import HostKVPool, default_threads
+
+    try:
+        pool = HostKVPool(1, int(gb * 1e9) // 656, 656)
+        pool.close()
+    except (MemoryError, OSError, RuntimeError) as e:  # a small machine, a driver refusal
+        return f"  host pool setup: not measured ({type(e).__name__}: {e})"
+    t = pool.timings
+    return (f"  host pool setup ({gb:g} GB: mmap, first touch by {default_threads()} threads, "
+            f"cudaHostRegister): {gb / t['setup_s']:.1f} GB/s (touch {t['touch_s']:.2f} s, "
+            f"register {t['register_s']:.2f} s), teardown {t['teardown_s']:.2f} s")
+
+
 def cmd_info(args) -> int:
     import numpy as np
 
@@ -109,6 +126,7 @@ def cmd_info(args) -> int:
                 print(f"  ceilings for {args.row_bytes}-byte rows (65536 rows from pinned "
                       f"mapped memory, median of 10): cudaMemcpyAsync {memcpy:.1f} GB/s, "
                       f"zero-copy gather of random rows {gather:.1f} GB/s")
+                print(_pool_setup())
     return 0
 
 

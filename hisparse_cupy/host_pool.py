@@ -2,23 +2,35 @@
 
 Three ways to get a :class:`HostKVPool`:
 
-- ``HostKVPool(n_layers, n_rows, row_bytes)``: this process allocates pinned mapped memory;
+- ``HostKVPool(n_layers, n_rows, row_bytes)``: anonymous memory, first touched from several
+  threads (transparent huge pages where the kernel gives them), registered pinned and mapped
+  in chunks of at most ``_REGISTER_CHUNK`` bytes (one ``cudaHostRegister`` of 512 GiB or more
+  fails on the R580 drivers); ``alloc="cuda"``: the old path, one (slower) ``cudaHostAlloc``;
 - ``HostKVPool(..., shared_name="kv0")`` and ``HostKVPool.attach("kv0")``: one POSIX
   shared-memory object (``/dev/shm/<name>``, mode 0600) that several processes on a host map,
-  each registering it pinned and mapped for its GPUs, so tensor-parallel ranks holding the same
-  (MLA) KV keep one host copy. The creator owns the name and unlinks it at :meth:`close` (or at
-  its exit); an attacher that crashes leaves nothing behind (its mapping and registration die
-  with it). A small header before the rows records the shape, so an attach with other sizes
-  fails with both shapes in the message;
+  each registering it for its GPUs, so tensor-parallel ranks holding the same (MLA) KV keep
+  one host copy. The creator sets it up unnamed (``O_TMPFILE``) and links the name once it is
+  touched and registered: a creator killed on the way leaves nothing in ``/dev/shm``. It owns
+  the name and unlinks it at :meth:`close` (or at its exit); a crashed attacher leaves nothing
+  (its mapping and registration die with it). A header before the rows records the shape, so
+  an attach with other sizes fails with both shapes in the message;
 - ``HostKVPool.from_buffer(array)``: host memory the engine allocated (a NumPy view of it),
   registered pinned and mapped in place; :meth:`close` unregisters it and frees nothing.
+
+Pools of ``_SAY_BYTES`` or more print a line before and after their setup (stderr, or the
+package's logger where configured: ``HISPARSE_CUPY_LOG=warning`` silences them).
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import mmap
 import os
+import sys
+import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import cupy
 import numpy as np
@@ -26,11 +38,17 @@ import numpy as np
 from . import _checks
 from ._device import require_gpu
 from ._launch import Ptr
+from ._log import log
 
 _REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2  # cudaHostRegisterPortable, cudaHostRegisterMapped
 _HEADER = 4096  # bytes before the rows of a shared pool (page aligned rows)
 _MAGIC = np.uint64(0x48535043504F4F4C)  # "HSPCPOOL"
 _SHM_DIR = "/dev/shm"
+_PAGE = mmap.PAGESIZE
+_REGISTER_CHUNK = 64 << 30  # bytes per cudaHostRegister call at most (a page multiple)
+_TOUCH_SPAN = 64 << 20  # bytes per first-touch thread at least (smaller pools use fewer threads)
+_SAY_BYTES = 4 << 30  # pools this large say how long their setup took
+_ALLOCS = ("mmap", "cuda")
 
 
 def _shm_path(name: str) -> str:
@@ -39,10 +57,11 @@ def _shm_path(name: str) -> str:
     return os.path.join(_SHM_DIR, name)
 
 
-def _register(ptr: int, nbytes: int) -> int:
-    """Pin and map ``nbytes`` at host address ``ptr`` for every device; its device address."""
+def _register(ptr: int, nbytes: int, portable: bool = True) -> int:
+    """Pin and map ``nbytes`` at ``ptr`` (for every device if ``portable``); its device address.
+    With :func:`_unregister`, a registered pool's only CUDA calls (the CPU tests stub both)."""
     rt = cupy.cuda.runtime
-    rt.hostRegister(ptr, nbytes, _REGISTER_PORTABLE | _REGISTER_MAPPED)
+    rt.hostRegister(ptr, nbytes, (_REGISTER_PORTABLE if portable else 0) | _REGISTER_MAPPED)
     return rt.pointerGetAttributes(ptr).devicePointer
 
 
@@ -52,6 +71,131 @@ def _unregister(ptr: int) -> None:
 
 def _synchronize() -> None:
     cupy.cuda.Device().synchronize()
+
+
+def default_threads() -> int:
+    """First-touch threads by default: the CPUs this process may run on, at most 32."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(n, 32))
+
+
+def _chunks(ptr: int, nbytes: int) -> list[tuple[int, int]]:
+    """(address, bytes) pieces of at most ``_REGISTER_CHUNK`` bytes tiling ``[ptr, ptr +
+    nbytes)``, cut on page boundaries (two registrations never share a page)."""
+    limit = _REGISTER_CHUNK
+    if limit < _PAGE or limit % _PAGE:
+        raise ValueError(f"_REGISTER_CHUNK must be a positive multiple of the page size "
+                         f"({_PAGE}), got {limit}")
+    out, p, end = [], ptr, ptr + nbytes
+    edge = ptr - ptr % _PAGE + limit
+    while p < end:
+        q = min(edge, end)
+        out.append((p, q - p))
+        p, edge = q, edge + limit
+    return out
+
+
+def _unregister_all(ptrs: list[int], quiet: bool = False) -> None:
+    """Unregister every chunk, each once, all if one fails (the first error raised after)."""
+    err = None
+    for p in ptrs:
+        try:
+            _unregister(p)
+        except Exception as e:  # noqa: BLE001 - the others still get unregistered
+            err = err or e  # quiet: cleaning up after another error
+    if err is not None and not quiet:
+        raise err
+
+
+def _register_all(ptr: int, nbytes: int, portable: bool = True) -> tuple[int, list[int]]:
+    """Register ``[ptr, ptr + nbytes)`` in :func:`_chunks`: (device address of ``ptr``, the
+    chunks' addresses). The chunks must follow each other in device addresses too (under UVA
+    they equal the host's); a failing or misplaced chunk unregisters the earlier ones."""
+    done, dptr = [], None
+    try:
+        for i, (p, n) in enumerate(_chunks(ptr, nbytes)):
+            d = _register(p, n) if portable else _register(p, n, portable=False)
+            done.append(p)
+            if dptr is None:
+                dptr = d
+            elif d != dptr + (p - ptr):
+                raise RuntimeError(
+                    f"host pool registration chunk {i} (byte {p - ptr}) got device address "
+                    f"{d:#x}, not {dptr + (p - ptr):#x}: the chunks are not contiguous in the "
+                    f"device's address space (expected under UVA: registered at the host's)")
+    except BaseException:
+        _unregister_all(done, quiet=True)
+        raise
+    return dptr, done
+
+
+def _first_touch(rows: np.ndarray, threads: int) -> None:
+    """Write a zero into every OS page of ``rows`` (a uint8 view of a new mapping: its pages
+    read as zeros) from up to ``threads`` threads of ``_TOUCH_SPAN`` bytes or more, so that the
+    kernel allocates the pages in parallel, not in one thread inside ``cudaHostRegister``
+    (NumPy's strided fill releases the GIL). Module level: a test replaces it."""
+    n = rows.size
+    k = max(1, min(threads, -(-n // _TOUCH_SPAN)))
+    per = -(-n // k)
+    step = -(-per // _PAGE) * _PAGE  # whole pages per thread
+
+    def touch(a: int) -> None:
+        rows[a: a + step: _PAGE] = 0
+
+    starts = range(0, n, step)
+    if len(starts) == 1:
+        touch(0)
+    else:
+        with ThreadPoolExecutor(len(starts), thread_name_prefix="hs-touch") as ex:
+            for f in [ex.submit(touch, a) for a in starts]:
+                f.result()
+    rows[n - 1] = 0  # the last page, should rows not start on a page
+
+
+def _advise(mm: mmap.mmap, what: str) -> bool:
+    """``madvise`` the whole mapping; False where the kernel or Python lacks the advice."""
+    try:
+        mm.madvise(getattr(mmap, what))
+        return True
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _say(msg: str) -> None:
+    """One line about a large pool: through the package's logger where it logs info, to
+    stderr where it is not configured, nowhere where its level was set higher."""
+    if log.isEnabledFor(logging.INFO):
+        log.info(msg)
+    elif log.level == logging.NOTSET and not log.handlers:
+        print(f"hisparse_cupy: {msg}", file=sys.stderr, flush=True)
+
+
+def _check_room(nbytes: int, shared: bool) -> None:
+    """Refuse a pool the machine cannot hold before touching it: a touch past the memory
+    wakes the OOM killer, past the end of /dev/shm it is a SIGBUS."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(v.split()[1]) << 10 for v in f if v.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):  # not Linux: mmap or the touch will tell
+        avail = nbytes
+    if nbytes > avail:
+        raise MemoryError(f"a host pool of {nbytes / 1e9:.1f} GB is more than the "
+                          f"{avail / 1e9:.1f} GB of memory available (MemAvailable)")
+    st = os.statvfs(_SHM_DIR) if shared else None
+    if st is not None and nbytes > st.f_bavail * st.f_frsize:
+        raise OSError(errno.ENOSPC, f"a shared host pool of {nbytes / 1e9:.1f} GB does not fit "
+                      f"in {_SHM_DIR} ({st.f_bavail * st.f_frsize / 1e9:.1f} GB free): enlarge "
+                      f"it (e.g. docker --shm-size) or use a private pool")
+
+
+def _close_map(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a view of it is still alive: unmapped when the last one goes
+        pass
 
 
 class HostKVPool:
@@ -65,57 +209,103 @@ class HostKVPool:
     ----------
     n_layers, n_rows, row_bytes : int
     portable : bool
-        Map the memory for every device (``cudaHostAllocPortable``), default True. A shared
+        Map the memory for every device (``cudaHostRegisterPortable``), default True. A shared
         pool is always registered for every device.
     shared_name : str, optional
         Create the pool as the POSIX shared-memory object ``/dev/shm/<shared_name>`` (mode 0600)
-        that other processes :meth:`attach`; ``FileExistsError`` if the name is taken.
+        that other processes :meth:`attach`, named once set up; ``FileExistsError`` if taken.
+    alloc : "mmap" (default) or "cuda"
+        Anonymous memory first touched in parallel and registered in chunks, or one
+        ``cudaHostAlloc`` (the old path, private pools only; ``benchmarks/bench_pool_setup.py``).
+    threads : int, optional
+        First-touch threads (default :func:`default_threads`: the usable CPUs, at most 32).
+    huge_pages : bool
+        Ask for transparent huge pages (``MADV_HUGEPAGE``), default True: faster first touch
+        and teardown; ignored where the kernel does not offer them.
 
-    Use :meth:`close` (or ``with HostKVPool(...) as pool:``) to release the memory; closing
-    while kernels may still read it is the caller's error, so ``close`` synchronizes the device
-    first.
+    ``timings``: seconds of the setup (``setup_s``, and ``touch_s``, ``register_s``) and, after
+    :meth:`close`, of the teardown (``teardown_s``, ``unregister_s``). Use :meth:`close` (or
+    ``with HostKVPool(...) as pool:``) to release the memory; closing while kernels may still
+    read it is the caller's error, so ``close`` synchronizes the device first.
     """
 
     def __init__(self, n_layers: int, n_rows: int, row_bytes: int, *, portable: bool = True,
-                 shared_name: str | None = None):
+                 shared_name: str | None = None, alloc: str = "mmap", threads: int | None = None,
+                 huge_pages: bool = True):
+        t0 = time.perf_counter()
+        if alloc not in _ALLOCS:
+            raise ValueError(f"alloc must be 'mmap' or 'cuda', got {alloc!r}")
+        if alloc == "cuda" and shared_name is not None:
+            raise ValueError("alloc='cuda' makes a private pool; a shared pool (shared_name=) "
+                             "is always mapped from /dev/shm (alloc='mmap')")
+        threads = default_threads() if threads is None else _checks.integer("threads", threads, 1)
+        if not isinstance(huge_pages, bool):
+            raise TypeError(f"huge_pages must be True or False, got {huge_pages!r}")
+        path = None if shared_name is None else _shm_path(shared_name)
         self._shape(n_layers, n_rows, row_bytes)
         nbytes = self.n_layers * self.layer_bytes
-        self.name = None
-        self.owner = False
-        if shared_name is None:
+        self.name, self.owner, self.timings = None, False, {}
+        if alloc == "cuda":
             rt = cupy.cuda.runtime
             flags = rt.hostAllocMapped | (rt.hostAllocPortable if portable else 0)
             self._mem = cupy.cuda.PinnedMemory(nbytes, flags)
-            base = self._mem.ptr
-            # Under UVA the device address equals the host address for cudaHostAlloc memory;
-            # ask the driver anyway (it differs for write-combined or registered memory).
-            self._dptr = rt.pointerGetAttributes(base).devicePointer
+            # under UVA the device address is the host's; ask the driver anyway
+            self._dptr = rt.pointerGetAttributes(self._mem.ptr).devicePointer
             self._release = None
             self._host = np.ndarray((self.n_layers, self.n_rows, self.row_bytes), np.uint8,
                                     buffer=cupy.cuda.PinnedMemoryPointer(self._mem, 0))
+        elif path is None:
+            _check_room(nbytes, False)
+            mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            # a fork would copy pinned private pages: a child does not see it (as cudaHostAlloc)
+            _advise(mm, "MADV_DONTFORK")
+            self._setup(mm, 0, nbytes, threads=threads, huge=huge_pages, portable=portable)
         else:
-            path = _shm_path(shared_name)
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            except FileExistsError:
-                raise FileExistsError(f"a host pool named {shared_name!r} already exists "
-                                      f"({path}); attach to it or pick another name") from None
-            try:
-                os.ftruncate(fd, _HEADER + nbytes)
-                mm = mmap.mmap(fd, _HEADER + nbytes)
-                head = np.frombuffer(mm, np.uint64, 4)
-                head[1:] = (self.n_layers, self.n_rows, self.row_bytes)
-                head[0] = _MAGIC  # last: an attacher seeing it sees the shape
-                del head
-            except BaseException:
-                os.close(fd)
-                os.unlink(path)
-                raise
-            self.name, self.owner = shared_name, True
-            # the creator owns the name: unlink it at close, or at exit if never closed
-            unlink = weakref.finalize(self, _unlink, path)
-            self._map(fd, mm, nbytes, unlink)
+            self._create_shared(path, shared_name, nbytes, threads, huge_pages)
+        self.timings["setup_s"] = time.perf_counter() - t0
         self._check_alignment()
+
+    def _create_shared(self, path: str, name: str, nbytes: int, threads: int,
+                       huge: bool) -> None:
+        taken = (f"a host pool named {name!r} already exists ({path}); attach to it or pick "
+                 f"another name")
+        if os.path.lexists(path):  # before the setup; the link at its end is the real check
+            raise FileExistsError(taken)
+        _check_room(_HEADER + nbytes, True)
+        try:  # unnamed until set up: a creator killed before that leaves no name behind
+            fd, named = os.open(_SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600), False
+        except (AttributeError, OSError):  # no O_TMPFILE: the name exists during the setup
+            try:
+                fd, named = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600), True
+            except FileExistsError:
+                raise FileExistsError(taken) from None
+
+        def publish() -> None:
+            d = os.open(_SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
+            try:  # linkat(AT_SYMLINK_FOLLOW) of the unnamed file, atomic: fails if taken
+                os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=d, follow_symlinks=True)
+            except FileExistsError:
+                raise FileExistsError(taken) from None
+            finally:
+                os.close(d)
+
+        # the creator owns the name: unlink it at close, or at exit if never closed
+        unlink = weakref.finalize(self, _unlink, path)
+        try:
+            os.ftruncate(fd, _HEADER + nbytes)
+            mm = mmap.mmap(fd, _HEADER + nbytes)
+            mm[8:32] = np.array([self.n_layers, self.n_rows, self.row_bytes], np.uint64).tobytes()
+            mm[0:8] = _MAGIC.tobytes()  # last: an attacher seeing it sees the shape
+            self._setup(mm, _HEADER, nbytes, threads=threads, huge=huge, portable=True,
+                        publish=None if named else publish, on_close=unlink)
+        except BaseException:
+            unlink.detach()  # the name, if any, is someone else's (or ours, unlinked here)
+            if named:
+                _unlink(path)
+            raise
+        finally:
+            os.close(fd)  # the mapping keeps the object
+        self.name, self.owner = name, True
 
     # ----------------------------------------------------------------- other constructors
     @classmethod
@@ -124,6 +314,7 @@ class HostKVPool:
         """Map the shared pool ``name`` created by another process (or this one) and register
         it pinned and mapped for this process's devices. Sizes given must equal the creator's.
         ``FileNotFoundError`` if it is gone; closing an attached pool never unlinks it."""
+        t0 = time.perf_counter()
         path = _shm_path(name)
         try:
             fd = os.open(path, os.O_RDWR)
@@ -136,35 +327,38 @@ class HostKVPool:
             if size < _HEADER:
                 raise ValueError(f"{path} is not a hisparse_cupy host pool ({size} bytes)")
             mm = mmap.mmap(fd, size)
-            head = np.frombuffer(mm, np.uint64, 4)
+        finally:
+            os.close(fd)  # the mapping keeps the object
+        try:
+            head = np.frombuffer(mm[0:32], np.uint64)
             magic, shape = head[0], tuple(int(v) for v in head[1:])
-            del head
             if magic != _MAGIC:
-                mm.close()
                 raise ValueError(f"{path} is not a hisparse_cupy host pool")
             want = (n_layers, n_rows, row_bytes)
             if any(w is not None and w != g for w, g in zip(want, shape, strict=True)):
-                mm.close()
                 raise ValueError(f"host pool {name!r} holds (n_layers, n_rows, row_bytes) = "
                                  f"{shape}, not {want}")
             self._shape(*shape)
             if size != _HEADER + self.n_layers * self.layer_bytes:
-                mm.close()
                 raise ValueError(f"host pool {name!r} is {size} bytes, its shape needs "
                                  f"{_HEADER + self.n_layers * self.layer_bytes}")
         except BaseException:
-            os.close(fd)
+            mm.close()
             raise
-        self.name, self.owner = name, False
-        self._map(fd, mm, self.n_layers * self.layer_bytes, None)
+        self.name, self.owner, self.timings = name, False, {}
+        self._setup(mm, _HEADER, self.n_layers * self.layer_bytes, threads=0, huge=False,
+                    portable=True)
+        self.timings["setup_s"] = time.perf_counter() - t0
         self._check_alignment()
         return self
 
     @classmethod
     def from_buffer(cls, array: np.ndarray) -> HostKVPool:
         """Register host memory the caller owns: a C-contiguous uint8 NumPy array
-        ``[n_layers, n_rows, row_bytes]`` (16-byte aligned), pinned and mapped in place.
-        The array must outlive the pool; :meth:`close` unregisters it."""
+        ``[n_layers, n_rows, row_bytes]`` (16-byte aligned), pinned and mapped in place (in
+        chunks, as a pool of this package). The array must outlive the pool; :meth:`close`
+        unregisters it."""
+        t0 = time.perf_counter()
         if not isinstance(array, np.ndarray):
             raise TypeError(f"array must be a NumPy array over the host memory, got "
                             f"{type(array).__name__}")
@@ -175,12 +369,19 @@ class HostKVPool:
             raise ValueError("array must be 16-byte aligned")
         self = cls.__new__(cls)
         self._shape(*array.shape)
-        self.name, self.owner = None, False
-        ptr = array.ctypes.data
-        self._dptr = _register(ptr, array.nbytes)
+        self.name, self.owner, self.timings = None, False, {}
+        self._dptr, chunks = _register_all(array.ctypes.data, array.nbytes)
         self._mem = array
-        self._release = lambda: _unregister(ptr)
         self._host = array
+        timings = self.timings
+
+        def release() -> None:
+            t = time.perf_counter()
+            _unregister_all(chunks)
+            timings["unregister_s"] = time.perf_counter() - t
+
+        self._release = release
+        self.timings["setup_s"] = self.timings["register_s"] = time.perf_counter() - t0
         self._check_alignment()
         return self
 
@@ -192,29 +393,48 @@ class HostKVPool:
         self.layer_bytes = self.n_rows * self.row_bytes
         require_gpu()  # before any CUDA call (or a shared-memory file)
 
-    def _map(self, fd: int, mm: mmap.mmap, nbytes: int, unlink) -> None:
-        """Register the rows of a shared mapping and set up its release."""
-        rows = np.frombuffer(mm, np.uint8, nbytes, _HEADER)
-        base = rows.ctypes.data
+    def _setup(self, mm: mmap.mmap, offset: int, nbytes: int, *, threads: int, huge: bool,
+               portable: bool, publish=None, on_close=None) -> None:
+        """The rows of mapping ``mm`` from byte ``offset``: first touched by ``threads``
+        threads (none: 0), registered in chunks, then ``publish()``; on any error nothing is
+        left registered or mapped. Sets up the release: unregister, unmap, ``on_close()``."""
+        rows = np.frombuffer(mm, np.uint8, nbytes, offset)
+        chunks, big, gb = [], nbytes >= _SAY_BYTES, nbytes / 1e9
         try:
-            self._dptr = _register(base, nbytes)
+            t0 = time.perf_counter()
+            huge = huge and _advise(mm, "MADV_HUGEPAGE")
+            if big:
+                what = (f"touching its pages ({threads} threads, huge pages "
+                        f"{'asked' if huge else 'off'}) and " if threads else "")
+                _say(f"host pool: {gb:.1f} GB: {what}registering it with CUDA in "
+                     f"{len(_chunks(0, nbytes))} chunk(s)")
+            if threads:
+                _first_touch(rows, threads)
+            t1 = time.perf_counter()
+            self._dptr, chunks = _register_all(rows.ctypes.data, nbytes, portable)
+            t2 = time.perf_counter()
+            if publish is not None:
+                publish()
         except BaseException:
+            _unregister_all(chunks, quiet=True)
             del rows
-            mm.close()
-            os.close(fd)
-            if unlink is not None:
-                unlink()
+            _close_map(mm)
             raise
+        self.timings.update(touch_s=t1 - t0, register_s=t2 - t1)
+        if big:
+            _say(f"host pool: {gb:.1f} GB " + (f"touched {t1 - t0:.1f} s, " if threads else "") +
+                 f"registered {t2 - t1:.1f} s ({gb / max(t2 - t0, 1e-9):.1f} GB/s)")
+        timings = self.timings
 
-        def release():
-            _unregister(base)
+        def release() -> None:
+            t = time.perf_counter()
             try:
-                mm.close()
-            except BufferError:  # the caller still holds a view: unmapped when it goes
-                pass
-            os.close(fd)
-            if unlink is not None:
-                unlink()
+                _unregister_all(chunks)
+            finally:
+                timings["unregister_s"] = time.perf_counter() - t
+                _close_map(mm)
+                if on_close is not None:
+                    on_close()
 
         self._mem = rows
         self._host = rows.reshape(self.n_layers, self.n_rows, self.row_bytes)
@@ -250,16 +470,20 @@ class HostKVPool:
         return Ptr(self._dptr + layer * self.layer_bytes)
 
     def close(self) -> None:
-        """Release the memory (after the device finished every queued read of it): free it,
-        unregister it (shared or caller-owned memory) and, for a shared pool's creator, unlink
-        its name."""
+        """Release the memory (after the device finished every queued read of it): unregister
+        it in its chunks and unmap it (or free a ``cudaHostAlloc`` one; caller-owned memory is
+        only unregistered) and, for a shared pool's creator, unlink its name."""
         if self._mem is not None:
             _synchronize()
+            t0 = time.perf_counter()
             release, self._release = self._release, None
             self._host = None
             self._mem = None
-            if release is not None:
-                release()
+            try:
+                if release is not None:
+                    release()
+            finally:
+                self.timings["teardown_s"] = time.perf_counter() - t0
 
     def __enter__(self) -> HostKVPool:
         return self

@@ -3,6 +3,7 @@ CUDA registration stubbed (the GPU test registers for real: test_host_pool_gpu.p
 
 from __future__ import annotations
 
+import gc
 import os
 import stat
 import subprocess
@@ -105,3 +106,218 @@ def test_from_buffer_checks_the_array(no_cuda):
     assert p.numpy is buf and int(p.device_ptr(1)) == buf.ctypes.data + 4 * 32
     p.close()
     assert p.closed
+
+
+# ------------------------------------------------------------------ setup at memory speed
+PAGE = hp._PAGE
+
+
+@pytest.fixture
+def calls(no_cuda, monkeypatch):
+    """The registration stub records (ptr, nbytes) per call and the unregistered pointers."""
+    log = {"reg": [], "unreg": []}
+
+    def register(ptr, nbytes):
+        log["reg"].append((ptr, nbytes))
+        return ptr
+
+    monkeypatch.setattr(hp, "_register", register)
+    monkeypatch.setattr(hp, "_unregister", lambda ptr: log["unreg"].append(ptr))
+    return log
+
+
+def _tiles(reg, base, nbytes, limit):
+    assert reg[0][0] == base and sum(n for _, n in reg) == nbytes
+    for (p, n), (q, _) in zip(reg[:-1], reg[1:], strict=True):
+        assert p + n == q and q % PAGE == 0  # back to back, cut on page boundaries
+    assert all(0 < n <= limit for _, n in reg)
+
+
+def test_registration_in_chunks_tiles_the_pool_and_teardown_unregisters_each(calls, name,
+                                                                             monkeypatch):
+    monkeypatch.setattr(hp, "_REGISTER_CHUNK", 3 * PAGE)
+    pool = hp.HostKVPool(2, 25 * PAGE // 1024, 256)  # 12.5 pages: 3 + 3 + 3 + 3 + 0.5
+    base = pool.numpy.ctypes.data
+    assert base % PAGE == 0 and int(pool.device_ptr(0)) == base
+    _tiles(calls["reg"], base, 25 * PAGE // 2, 3 * PAGE)
+    assert len(calls["reg"]) == 5
+    pool.close()
+    assert sorted(calls["unreg"]) == [p for p, _ in calls["reg"]]
+    assert pool.timings["teardown_s"] >= pool.timings["unregister_s"] >= 0
+    raw = np.zeros(8 * PAGE, np.uint8)
+    off = (-raw.ctypes.data) % PAGE + 16  # 16 bytes into a page: the first chunk ends on one
+    creator = None
+    for what in ("shared", "attach", "buffer"):
+        calls["reg"].clear(), calls["unreg"].clear()
+        if what == "buffer":
+            p = hp.HostKVPool.from_buffer(raw[off: off + 5 * PAGE].reshape(5, PAGE // 16, 16))
+        elif what == "attach":
+            p = hp.HostKVPool.attach(name)
+        else:
+            p = creator = hp.HostKVPool(1, 10 * PAGE // 64, 64, shared_name=name)
+        _tiles(calls["reg"], p.numpy.ctypes.data, p.n_layers * p.layer_bytes, 3 * PAGE)
+        assert len(calls["reg"]) == (2 if what == "buffer" else 4)
+        if p is not creator:  # the creator stays open for the attach
+            p.close()
+            assert sorted(calls["unreg"]) == [q for q, _ in calls["reg"]]  # each once
+    calls["unreg"].clear()
+    creator.close()
+    assert len(calls["unreg"]) == 4
+
+
+def _mapped(addr: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
+def test_a_failing_or_misplaced_chunk_leaves_nothing(calls, name, monkeypatch):
+    monkeypatch.setattr(hp, "_REGISTER_CHUNK", 2 * PAGE)
+    fds = len(os.listdir("/proc/self/fd"))
+
+    def fail_third(ptr, nbytes):
+        calls["reg"].append((ptr, nbytes))
+        if len(calls["reg"]) == 3:
+            raise RuntimeError("cudaErrorMemoryAllocation (stub)")
+        return ptr
+
+    monkeypatch.setattr(hp, "_register", fail_third)
+    for shared in (None, name):
+        calls["reg"].clear(), calls["unreg"].clear()
+        with pytest.raises(RuntimeError, match="stub"):
+            hp.HostKVPool(1, 10 * PAGE // 64, 64, shared_name=shared)
+        assert calls["unreg"] == [p for p, _ in calls["reg"][:2]]  # the two before, not the third
+        assert not _mapped(calls["reg"][0][0])  # unmapped
+        assert not os.path.exists(os.path.join("/dev/shm", name))
+        assert len(os.listdir("/proc/self/fd")) == fds
+    calls["reg"].clear(), calls["unreg"].clear()
+    monkeypatch.setattr(hp, "_register", lambda ptr, nbytes: calls["reg"].append(ptr) or
+                        (ptr if len(calls["reg"]) == 1 else ptr + (1 << 40)))
+    with pytest.raises(RuntimeError, match="chunk 1 .* not contiguous in the device's address"):
+        hp.HostKVPool(1, 10 * PAGE // 64, 64)
+    assert calls["unreg"] == calls["reg"] and len(calls["reg"]) == 2
+    assert not _mapped(calls["reg"][0])
+
+
+def test_first_touch_writes_every_page_from_several_threads(no_cuda, monkeypatch):
+    monkeypatch.setattr(hp, "_TOUCH_SPAN", PAGE)
+    workers = []
+
+    class Recording(hp.ThreadPoolExecutor):
+        def __init__(self, n, **kw):
+            workers.append(n)
+            super().__init__(n, **kw)
+
+    monkeypatch.setattr(hp, "ThreadPoolExecutor", Recording)
+    buf = np.full(16 * PAGE + 100, 0xFF, np.uint8)
+    view = buf[(-buf.ctypes.data) % PAGE:][: 15 * PAGE + 7]  # starts on a page, ends inside one
+    hp._first_touch(view, 4)
+    assert workers == [4]
+    starts = view[::PAGE]
+    assert (starts == 0).all() and len(starts) == 16  # one write into every page
+    assert view[-1] == 0 and int((view == 0).sum()) == 17  # and nothing else
+    hp._first_touch(view[:PAGE], 8)  # one page: one thread, none started
+    assert workers == [4]
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon"))
+
+    before = rss()
+    pool = hp.HostKVPool(4, 1 << 16, 64, threads=3, huge_pages=False)  # 16 MiB, 4096 per span
+    assert rss() - before >= 0.9 * (16 << 20)  # resident before registration pins it
+    assert workers == [4, 3]
+    assert not pool.numpy.any()
+    assert set(pool.timings) >= {"setup_s", "touch_s", "register_s"}
+    pool.close()
+
+
+def test_a_creator_killed_during_setup_leaves_no_shared_memory(name):
+    path = os.path.join("/dev/shm", name)
+    code = ("import time; from hisparse_cupy import host_pool as hp; "
+            "hp._register = lambda p, n: p; hp._unregister = lambda p: None; "
+            "hp.require_gpu = lambda: None; touch = hp._first_touch\n"
+            "def slow(rows, threads):\n"
+            "    touch(rows, threads); print('touched', flush=True); time.sleep(120)\n"
+            "hp._first_touch = slow\n"
+            f"hp.HostKVPool(4, 1 << 16, 256, shared_name={name!r})\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "touched"  # 64 MiB touched, not yet named
+        with open(f"/proc/{child.pid}/maps") as f:  # the unnamed object, mapped
+            assert any("/dev/shm/" in line and "(deleted)" in line for line in f)
+        assert not os.path.exists(path)
+        with pytest.raises(FileNotFoundError, match="no host pool named"):
+            hp.HostKVPool.attach(name)
+    finally:
+        child.kill()  # SIGKILL: no finalizer, no atexit
+        child.wait(timeout=30)
+        child.stdout.close()
+    assert child.returncode == -9
+    assert not [e for e in os.listdir("/dev/shm") if name in e]
+
+
+def test_the_name_is_checked_again_when_linked_and_without_o_tmpfile(calls, name, monkeypatch):
+    path = os.path.join("/dev/shm", name)
+    a = hp.HostKVPool(1, 64, 64, shared_name=name)
+    with monkeypatch.context() as m:
+        m.setattr(hp.os.path, "lexists", lambda p: False)  # another creator got there first
+        with pytest.raises(FileExistsError, match="already exists"):
+            hp.HostKVPool(1, 64, 64, shared_name=name)
+    assert len(calls["unreg"]) == 1  # its registration undone
+    gc.collect()  # the failed pool's finalizer must not unlink the name it did not get
+    assert os.path.exists(path)
+    a.close()
+    assert not os.path.exists(path)
+    with monkeypatch.context() as m:
+        m.delattr(hp.os, "O_TMPFILE")  # named from the start, as before
+        with hp.HostKVPool(1, 64, 64, shared_name=name) as b:
+            assert os.path.exists(path) and hp.HostKVPool.attach(name).n_rows == 64
+            assert b.owner
+    assert not os.path.exists(path)
+
+
+def test_bad_arguments_name_the_argument(no_cuda, monkeypatch):
+    with pytest.raises(ValueError, match="alloc must be 'mmap' or 'cuda', got 'malloc'"):
+        hp.HostKVPool(1, 4, 16, alloc="malloc")
+    with pytest.raises(ValueError, match="alloc='cuda' makes a private pool"):
+        hp.HostKVPool(1, 4, 16, alloc="cuda", shared_name="x")
+    with pytest.raises(ValueError, match="threads must be >= 1, got 0"):
+        hp.HostKVPool(1, 4, 16, threads=0)
+    with pytest.raises(TypeError, match="threads must be an int"):
+        hp.HostKVPool(1, 4, 16, threads=2.0)
+    with pytest.raises(TypeError, match="huge_pages must be True or False"):
+        hp.HostKVPool(1, 4, 16, huge_pages="yes")
+    monkeypatch.setattr(hp, "_REGISTER_CHUNK", PAGE + 1)
+    with pytest.raises(ValueError, match="_REGISTER_CHUNK must be a positive multiple"):
+        hp.HostKVPool(1, 4, 16)
+
+
+def test_a_pool_the_machine_cannot_hold_is_refused_before_it_is_touched(no_cuda, name,
+                                                                         monkeypatch):
+    with pytest.raises(MemoryError, match=r"a host pool of 1099.5 GB is more than the .* GB of "
+                                          r"memory available \(MemAvailable\)"):
+        hp.HostKVPool(1, 1 << 36, 16)  # 1 TiB: refused before mmap
+
+    class Full:
+        f_bavail, f_frsize = 1, 4096
+
+    monkeypatch.setattr(hp.os, "statvfs", lambda path: Full)
+    with pytest.raises(OSError, match="does not fit in /dev/shm .*docker --shm-size"):
+        hp.HostKVPool(1, 1024, 16, shared_name=name)
+    assert not os.path.exists(os.path.join("/dev/shm", name))
+
+
+def test_a_large_pool_says_its_setup_in_two_lines(no_cuda, monkeypatch, capsys):
+    if hp.log.level != hp.logging.NOTSET or hp.log.handlers:
+        pytest.skip("the package logger is configured (HISPARSE_CUPY_LOG)")
+    monkeypatch.setattr(hp, "_SAY_BYTES", 4096)
+    hp.HostKVPool(1, 256, 16, threads=2).close()
+    hp.HostKVPool(1, 255, 16).close()  # below: silent
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("hisparse_cupy: host pool: 0.0 GB: touching its pages")
+    assert "touched" in lines[1] and "registered" in lines[1] and "GB/s" in lines[1]

@@ -96,3 +96,40 @@ def test_pool_over_caller_owned_memory(rng):
         with pytest.raises(ValueError, match="the cache needs 2 layers of at least 1024 rows"):
             HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,
                            hot_size=H, top_k=K, pool=p)
+
+
+def test_a_pool_registered_in_chunks_reads_right_across_their_edges(rng, monkeypatch):
+    """Chunks of 1 MiB: layer 1 straddles a chunk edge. Swaps through a cache, a kernel's
+    loads and a cudaMemcpy across the edge all return the host's bytes, for the private mmap
+    pool, the shared pool and the cudaHostAlloc one (one allocation, nothing registered)."""
+    import cupy
+
+    from hisparse_cupy import HotBufferCache
+    from hisparse_cupy import host_pool as hp
+
+    monkeypatch.setattr(hp, "_REGISTER_CHUNK", 1 << 20)  # the pool: 1.34 MB
+    sizes, register = [], hp._register
+    monkeypatch.setattr(hp, "_register", lambda p, n: sizes.append(n) or register(p, n))
+    for kw in ({}, {"shared_name": f"hs-gpu-chunks-{os.getpid()}"}, {"alloc": "cuda"}):
+        sizes.clear()
+        with hp.HostKVPool(L, R * MAX_LEN, ROW, **kw) as pool:
+            assert len(sizes) == (0 if kw.get("alloc") == "cuda" else 2), (kw, sizes)
+            n = 500
+            for layer in range(L):  # every request slot's prefill, written on the host
+                pool.layer(layer)[:] = pattern(layer, np.arange(R * MAX_LEN), ROW)
+            cache = HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,
+                                   hot_size=H, top_k=K, extra_page=4, pool=pool)
+            for rid in range(R):
+                assert cache.admit(n) == rid
+                assert _swap_bytes_ok(cache, rid, n, rng), (kw, rid)
+            cache.close()
+            edge = (1 << 20) - 4096  # a window of 8 KiB over the chunk edge
+            host = pool.numpy.reshape(-1)[edge: edge + 8192]
+            mem = cupy.cuda.UnownedMemory(int(pool.device_ptr(0)) + edge, 8192, pool,
+                                          device_id=cupy.cuda.Device().id)
+            win = cupy.ndarray((8192,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+            assert (cupy.asnumpy(win.astype(cupy.uint16)) == host).all(), kw  # kernel loads
+            dev = cupy.empty(8192, cupy.uint8)
+            cupy.cuda.runtime.memcpy(dev.data.ptr, host.ctypes.data, 8192,
+                                     cupy.cuda.runtime.memcpyHostToDevice)
+            assert (cupy.asnumpy(dev) == host).all(), kw  # a copy over two registrations
