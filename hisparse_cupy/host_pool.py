@@ -223,6 +223,8 @@ class HostKVPool:
         Ask for transparent huge pages (``MADV_HUGEPAGE``), default True: faster first touch
         and teardown; ignored where the kernel does not offer them.
 
+    ``chunk_edges``: byte offsets from row 0 of layer 0 where another registration starts (a
+    ``cudaMemcpy`` may not span two; kernels' loads and stores may).
     ``timings``: seconds of the setup (``setup_s``, and ``touch_s``, ``register_s``) and, after
     :meth:`close`, of the teardown (``teardown_s``, ``unregister_s``). Use :meth:`close` (or
     ``with HostKVPool(...) as pool:``) to release the memory; closing while kernels may still
@@ -251,7 +253,7 @@ class HostKVPool:
             self._mem = cupy.cuda.PinnedMemory(nbytes, flags)
             # under UVA the device address is the host's; ask the driver anyway
             self._dptr = rt.pointerGetAttributes(self._mem.ptr).devicePointer
-            self._release = None
+            self._release, self.chunk_edges = None, ()
             self._host = np.ndarray((self.n_layers, self.n_rows, self.row_bytes), np.uint8,
                                     buffer=cupy.cuda.PinnedMemoryPointer(self._mem, 0))
         elif path is None:
@@ -371,6 +373,7 @@ class HostKVPool:
         self._shape(*array.shape)
         self.name, self.owner, self.timings = None, False, {}
         self._dptr, chunks = _register_all(array.ctypes.data, array.nbytes)
+        self.chunk_edges = tuple(c - chunks[0] for c in chunks[1:])
         self._mem = array
         self._host = array
         timings = self.timings
@@ -436,7 +439,7 @@ class HostKVPool:
                 if on_close is not None:
                     on_close()
 
-        self._mem = rows
+        self._mem, self.chunk_edges = rows, tuple(c - chunks[0] for c in chunks[1:])
         self._host = rows.reshape(self.n_layers, self.n_rows, self.row_bytes)
         self._release = release
 

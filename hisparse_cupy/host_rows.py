@@ -257,6 +257,29 @@ def _runs(rows: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(np.r_[0, cut].tolist(), np.r_[cut, len(rows)].tolist(), strict=True))
 
 
+def _copy_to_pool(pool, off: int, src: int, pitch: int, width: int, stream) -> None:
+    """Device -> host copies of ``width`` bytes a layer (layer ``l``'s at ``src + l * pitch``)
+    to bytes ``[off, off + width)`` of every layer of ``pool``: one 2-D copy per group of
+    layers inside one registration of the pool, a layer's bytes cut where edges between
+    registrations (``pool.chunk_edges``) fall in them (no cudaMemcpy spans two)."""
+    rt, base, LB, L = cupy.cuda.runtime, pool.numpy.ctypes.data, pool.layer_bytes, pool.n_layers
+    D2H, s, edges = rt.memcpyDeviceToHost, stream.ptr, pool.chunk_edges
+    layer = 0
+    while layer < L:
+        at = layer * LB + off
+        cuts = [e for e in edges if at < e < at + width]
+        if cuts:  # this layer's bytes straddle edges: a copy per piece
+            cuts = [at, *cuts, at + width]
+            for x, y in zip(cuts, cuts[1:], strict=False):
+                rt.memcpyAsync(base + x, src + layer * pitch + x - at, y - x, D2H, s)
+            layer += 1
+            continue
+        edge = next((e for e in edges if e > at), None)  # at or past this layer's bytes' end
+        stop = L if edge is None else min(L, (edge - off - width) // LB + 1)
+        rt.memcpy2DAsync(base + at, LB, src + layer * pitch, pitch, width, stop - layer, D2H, s)
+        layer = stop
+
+
 def store_rows(pool, host_rows: np.ndarray, kv: cupy.ndarray, stream) -> None:
     """Queue the copy of GPU array ``kv`` (uint8 ``[L, n, row_bytes]``, rows contiguous) into
     host rows ``host_rows`` of every layer on ``stream``, without synchronizing: one 2-D
@@ -265,11 +288,9 @@ def store_rows(pool, host_rows: np.ndarray, kv: cupy.ndarray, stream) -> None:
     n, row = kv.shape[1], pool.row_bytes
     runs = _runs(host_rows)
     if n * row >= len(runs) * MIN_RUN_BYTES:
-        rt, base = cupy.cuda.runtime, pool.numpy.ctypes.data
         for a, b in runs:
-            rt.memcpy2DAsync(base + int(host_rows[a]) * row, pool.layer_bytes,
-                             kv.data.ptr + a * row, kv.strides[0], (b - a) * row, pool.n_layers,
-                             rt.memcpyDeviceToHost, stream.ptr)
+            _copy_to_pool(pool, int(host_rows[a]) * row, kv.data.ptr + a * row, kv.strides[0],
+                          (b - a) * row, stream)
         return
     with stream:
         src = cupy.arange(n, dtype=cupy.int32).reshape(1, n)

@@ -99,9 +99,11 @@ def test_pool_over_caller_owned_memory(rng):
 
 
 def test_a_pool_registered_in_chunks_reads_right_across_their_edges(rng, monkeypatch):
-    """Chunks of 1 MiB: layer 1 straddles a chunk edge. Swaps through a cache, a kernel's
-    loads and a cudaMemcpy across the edge all return the host's bytes, for the private mmap
-    pool, the shared pool and the cudaHostAlloc one (one allocation, nothing registered)."""
+    """Chunks of 1 MiB: layer 1 straddles a chunk edge. Swaps through a cache and a kernel's
+    loads across the edge return the host's bytes; with chunks of 256 KiB, an admission's 2-D
+    copies (split at every edge: a cudaMemcpy spanning two registrations is refused) put every
+    byte in place. For the private mmap pool, the shared pool and the cudaHostAlloc one (one
+    allocation, nothing registered)."""
     import cupy
 
     from hisparse_cupy import HotBufferCache
@@ -129,7 +131,20 @@ def test_a_pool_registered_in_chunks_reads_right_across_their_edges(rng, monkeyp
                                           device_id=cupy.cuda.Device().id)
             win = cupy.ndarray((8192,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
             assert (cupy.asnumpy(win.astype(cupy.uint16)) == host).all(), kw  # kernel loads
-            dev = cupy.empty(8192, cupy.uint8)
-            cupy.cuda.runtime.memcpy(dev.data.ptr, host.ctypes.data, 8192,
-                                     cupy.cuda.runtime.memcpyHostToDevice)
-            assert (cupy.asnumpy(dev) == host).all(), kw  # a copy over two registrations
+            assert pool.chunk_edges == (() if kw.get("alloc") == "cuda" else (1 << 20,))
+        # admission by the copy engines into a pool of six chunks: an edge falls inside each
+        # layer's rows of the request, and the layers lie in different chunks
+        monkeypatch.setattr(hp, "_REGISTER_CHUNK", 1 << 18)
+        with hp.HostKVPool(L, R * MAX_LEN, ROW, **kw) as pool:
+            cache = HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,
+                                   hot_size=H, top_k=K, extra_page=4, pool=pool,
+                                   page_tokens=16)
+            n = MAX_LEN - 16
+            kv = np.stack([pattern(layer, 10**6 + np.arange(n), ROW) for layer in range(L)])
+            rid = cache.admit(n, cupy.asarray(kv))
+            cupy.cuda.Device().synchronize()
+            rows = cache.host.rows(rid, 0, n)
+            assert (pool.numpy[:, rows] == kv).all(), kw
+            assert len(pool.chunk_edges) == (0 if kw.get("alloc") == "cuda" else 5), kw
+            cache.close()
+        monkeypatch.setattr(hp, "_REGISTER_CHUNK", 1 << 20)
