@@ -146,7 +146,8 @@ class HostRows:
             return
         new = self.pages.grow(rid, n)
         self._written[rid] = max(self._written[rid], before)
-        if new:
+        if new:  # pages a released request may have held: the step's backup writes them
+            self.after_releases(stream, host=False)
             with stream:
                 self._write_pages(rid, self.pages.pages_for(before), new)
 
