@@ -4,8 +4,8 @@ cudaHostRegister, measured in the same run.
 A pool of ``--gb`` GB shaped like GLM's KV (78 layers of 656-byte rows), built by each path
 in turn, each freed before the next (a 64 GB pool fits on a 128 GB host):
 
-- ``cuda``: ``HostKVPool(alloc="cuda")``, one ``cudaHostAlloc`` (the only path before the mmap one);
-- ``mmap``: ``HostKVPool()``: anonymous mmap, first touch from ``--threads`` threads,
+- ``cuda``: ``HostKVPool()`` (``alloc="cuda"``, the default), one ``cudaHostAlloc``;
+- ``mmap``: ``HostKVPool(alloc="mmap")``: anonymous mmap, first touch from ``--threads`` threads,
   transparent huge pages asked, ``cudaHostRegister`` in chunks of at most ``_REGISTER_CHUNK``;
 - ``mmap-4k``: the same without huge pages (what a kernel without THP gets);
 - ``shared``: ``HostKVPool(shared_name=...)``: a ``/dev/shm`` object, the same first touch
@@ -94,7 +94,8 @@ def _gpu_reads_right(pool) -> bool:
 
 
 def _one(path: str, n_rows: int, args) -> dict:
-    kw = {"cuda": {"alloc": "cuda"}, "mmap": {}, "mmap-4k": {"huge_pages": False},
+    kw = {"cuda": {"alloc": "cuda"}, "mmap": {"alloc": "mmap"},
+          "mmap-4k": {"alloc": "mmap", "huge_pages": False},
           "shared": {"shared_name": f"hs-bench-setup-{os.getpid()}"}}[path]
     if path != "cuda":
         kw["threads"] = args.threads

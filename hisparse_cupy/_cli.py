@@ -76,7 +76,7 @@ def _pool_setup(gb: float = 2.0) -> str:
     from .host_pool import HostKVPool, default_threads
 
     try:
-        pool = HostKVPool(1, int(gb * 1e9) // 656, 656)
+        pool = HostKVPool(1, int(gb * 1e9) // 656, 656, alloc="mmap")
         pool.close()
     except (MemoryError, OSError, RuntimeError) as e:  # a small machine, a driver refusal
         return f"  host pool setup: not measured ({type(e).__name__}: {e})"

@@ -2,10 +2,11 @@
 
 Three ways to get a :class:`HostKVPool`:
 
-- ``HostKVPool(n_layers, n_rows, row_bytes)``: anonymous memory, first touched from several
-  threads (transparent huge pages where the kernel gives them), registered pinned and mapped
-  in chunks of at most ``_REGISTER_CHUNK`` bytes (one ``cudaHostRegister`` of 512 GiB or more
-  fails on the R580 drivers); ``alloc="cuda"``: the old path, one (slower) ``cudaHostAlloc``;
+- ``HostKVPool(n_layers, n_rows, row_bytes)``: one ``cudaHostAlloc``; ``alloc="mmap"``:
+  anonymous memory first touched from several threads (transparent huge pages where the
+  kernel gives them), registered pinned and mapped in chunks of at most ``_REGISTER_CHUNK``
+  bytes (one ``cudaHostRegister`` of 512 GiB or more fails on the R580 drivers), 10 times
+  faster at 64 GB (``benchmarks/bench_pool_setup.py``);
 - ``HostKVPool(..., shared_name="kv0")`` and ``HostKVPool.attach("kv0")``: one POSIX
   shared-memory object (``/dev/shm/<name>``, mode 0600) that several processes on a host map,
   each registering it for its GPUs, so tensor-parallel ranks holding the same (MLA) KV keep
@@ -17,8 +18,8 @@ Three ways to get a :class:`HostKVPool`:
 - ``HostKVPool.from_buffer(array)``: host memory the engine allocated (a NumPy view of it),
   registered pinned and mapped in place; :meth:`close` unregisters it and frees nothing.
 
-Pools of ``_SAY_BYTES`` or more print a line before and after their setup (stderr, or the
-package's logger where configured: ``HISPARSE_CUPY_LOG=warning`` silences them).
+Large pools print a line before and after their setup (stderr, or the package's logger where
+configured). A pool dropped without :meth:`close` is released when collected.
 """
 
 from __future__ import annotations
@@ -165,8 +166,7 @@ def _advise(mm: mmap.mmap, what: str) -> bool:
 
 
 def _say(msg: str) -> None:
-    """One line about a large pool: through the package's logger where it logs info, to
-    stderr where it is not configured, nowhere where its level was set higher."""
+    """A line about a large pool: to the package's logger, or stderr if it is unconfigured."""
     if log.isEnabledFor(logging.INFO):
         log.info(msg)
     elif log.level == logging.NOTSET and not log.handlers:
@@ -191,6 +191,15 @@ def _check_room(nbytes: int, shared: bool) -> None:
                       f"it (e.g. docker --shm-size) or use a private pool")
 
 
+def _finalizer(pool, release) -> weakref.finalize:
+    """``release`` (not holding ``pool``) run by :meth:`close` or when ``pool`` is collected
+    unclosed: a registration must not outlive its mapping (a later one may get its addresses)."""
+    def run() -> None:
+        _synchronize()
+        release()
+    return weakref.finalize(pool, run)
+
+
 def _close_map(mm: mmap.mmap) -> None:
     try:
         mm.close()
@@ -201,45 +210,39 @@ def _close_map(mm: mmap.mmap) -> None:
 class HostKVPool:
     """Host rows for ``n_layers`` layers, pinned and mapped into the GPU's address space.
 
-    Layer ``l`` is one contiguous block of ``n_rows`` rows of ``row_bytes`` bytes; kernels read
-    it through :meth:`device_ptr` (zero-copy loads over the link). Rows are 16-byte aligned
-    (``row_bytes`` must be a multiple of 16; the block is page aligned).
+    Layer ``l`` is one contiguous block of ``n_rows`` rows of ``row_bytes`` (a multiple of 16)
+    bytes, page aligned; kernels read it through :meth:`device_ptr` (zero-copy loads).
 
     Parameters
     ----------
     n_layers, n_rows, row_bytes : int
     portable : bool
-        Map the memory for every device (``cudaHostRegisterPortable``), default True. A shared
-        pool is always registered for every device.
+        Map the memory for every device, default True (a shared pool: always).
     shared_name : str, optional
         Create the pool as the POSIX shared-memory object ``/dev/shm/<shared_name>`` (mode 0600)
         that other processes :meth:`attach`, named once set up; ``FileExistsError`` if taken.
-    alloc : "mmap" (default) or "cuda"
-        Anonymous memory first touched in parallel and registered in chunks, or one
-        ``cudaHostAlloc`` (the old path, private pools only; ``benchmarks/bench_pool_setup.py``).
+    alloc : "cuda" (the default for a private pool) or "mmap" (the only kind of shared pool)
+        One ``cudaHostAlloc``, or anonymous memory first touched in parallel and registered in
+        chunks (the default once it has run the GPU suite as one).
     threads : int, optional
         First-touch threads (default :func:`default_threads`: the usable CPUs, at most 32).
     huge_pages : bool
-        Ask for transparent huge pages (``MADV_HUGEPAGE``), default True: faster first touch
-        and teardown; ignored where the kernel does not offer them.
+        Ask for transparent huge pages (``MADV_HUGEPAGE``; default True; where offered).
 
     ``chunk_edges``: byte offsets from row 0 of layer 0 where another registration starts (a
     ``cudaMemcpy`` may not span two; kernels' loads and stores may).
     ``timings``: seconds of the setup (``setup_s``, and ``touch_s``, ``register_s``) and, after
-    :meth:`close`, of the teardown (``teardown_s``, ``unregister_s``). Use :meth:`close` (or
-    ``with HostKVPool(...) as pool:``) to release the memory; closing while kernels may still
-    read it is the caller's error, so ``close`` synchronizes the device first.
+    :meth:`close`, of the teardown (``teardown_s``, ``unregister_s``). :meth:`close` (or
+    ``with``) releases the memory after synchronizing the device.
     """
 
     def __init__(self, n_layers: int, n_rows: int, row_bytes: int, *, portable: bool = True,
-                 shared_name: str | None = None, alloc: str = "mmap", threads: int | None = None,
-                 huge_pages: bool = True):
+                 shared_name: str | None = None, alloc: str | None = None,
+                 threads: int | None = None, huge_pages: bool = True):
         t0 = time.perf_counter()
-        if alloc not in _ALLOCS:
-            raise ValueError(f"alloc must be 'mmap' or 'cuda', got {alloc!r}")
-        if alloc == "cuda" and shared_name is not None:
-            raise ValueError("alloc='cuda' makes a private pool; a shared pool (shared_name=) "
-                             "is always mapped from /dev/shm (alloc='mmap')")
+        alloc = ("cuda" if shared_name is None else "mmap") if alloc is None else alloc
+        if alloc not in _ALLOCS or (alloc == "cuda" and shared_name is not None):
+            raise ValueError(f"alloc must be 'mmap' or 'cuda' (a private pool), got {alloc!r}")
         threads = default_threads() if threads is None else _checks.integer("threads", threads, 1)
         if not isinstance(huge_pages, bool):
             raise TypeError(f"huge_pages must be True or False, got {huge_pages!r}")
@@ -251,7 +254,6 @@ class HostKVPool:
             rt = cupy.cuda.runtime
             flags = rt.hostAllocMapped | (rt.hostAllocPortable if portable else 0)
             self._mem = cupy.cuda.PinnedMemory(nbytes, flags)
-            # under UVA the device address is the host's; ask the driver anyway
             self._dptr = rt.pointerGetAttributes(self._mem.ptr).devicePointer
             self._release, self.chunk_edges = None, ()
             self._host = np.ndarray((self.n_layers, self.n_rows, self.row_bytes), np.uint8,
@@ -383,7 +385,7 @@ class HostKVPool:
             _unregister_all(chunks)
             timings["unregister_s"] = time.perf_counter() - t
 
-        self._release = release
+        self._release = _finalizer(self, release)
         self.timings["setup_s"] = self.timings["register_s"] = time.perf_counter() - t0
         self._check_alignment()
         return self
@@ -441,7 +443,7 @@ class HostKVPool:
 
         self._mem, self.chunk_edges = rows, tuple(c - chunks[0] for c in chunks[1:])
         self._host = rows.reshape(self.n_layers, self.n_rows, self.row_bytes)
-        self._release = release
+        self._release = _finalizer(self, release)
 
     def _check_alignment(self) -> None:
         if self._dptr % 16:
@@ -473,9 +475,8 @@ class HostKVPool:
         return Ptr(self._dptr + layer * self.layer_bytes)
 
     def close(self) -> None:
-        """Release the memory (after the device finished every queued read of it): unregister
-        it in its chunks and unmap it (or free a ``cudaHostAlloc`` one; caller-owned memory is
-        only unregistered) and, for a shared pool's creator, unlink its name."""
+        """Release the memory after the device's queued work: unregister its chunks and unmap it
+        (or free it; caller-owned memory is only unregistered); a shared creator unlinks."""
         if self._mem is not None:
             _synchronize()
             t0 = time.perf_counter()

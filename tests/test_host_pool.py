@@ -136,7 +136,7 @@ def _tiles(reg, base, nbytes, limit):
 def test_registration_in_chunks_tiles_the_pool_and_teardown_unregisters_each(calls, name,
                                                                              monkeypatch):
     monkeypatch.setattr(hp, "_REGISTER_CHUNK", 3 * PAGE)
-    pool = hp.HostKVPool(2, 25 * PAGE // 1024, 256)  # 12.5 pages: 3 + 3 + 3 + 3 + 0.5
+    pool = hp.HostKVPool(2, 25 * PAGE // 1024, 256, alloc="mmap")  # 12.5 pages: 3 + 3 + 3 + 3 + 0.5
     base = pool.numpy.ctypes.data
     assert base % PAGE == 0 and int(pool.device_ptr(0)) == base
     _tiles(calls["reg"], base, 25 * PAGE // 2, 3 * PAGE)
@@ -188,7 +188,7 @@ def test_a_failing_or_misplaced_chunk_leaves_nothing(calls, name, monkeypatch):
     for shared in (None, name):
         calls["reg"].clear(), calls["unreg"].clear()
         with pytest.raises(RuntimeError, match="stub"):
-            hp.HostKVPool(1, 10 * PAGE // 64, 64, shared_name=shared)
+            hp.HostKVPool(1, 10 * PAGE // 64, 64, shared_name=shared, alloc="mmap")
         assert calls["unreg"] == [p for p, _ in calls["reg"][:2]]  # the two before, not the third
         assert not _mapped(calls["reg"][0][0])  # unmapped
         assert not os.path.exists(os.path.join("/dev/shm", name))
@@ -197,7 +197,7 @@ def test_a_failing_or_misplaced_chunk_leaves_nothing(calls, name, monkeypatch):
     monkeypatch.setattr(hp, "_register", lambda ptr, nbytes: calls["reg"].append(ptr) or
                         (ptr if len(calls["reg"]) == 1 else ptr + (1 << 40)))
     with pytest.raises(RuntimeError, match="chunk 1 .* not contiguous in the device's address"):
-        hp.HostKVPool(1, 10 * PAGE // 64, 64)
+        hp.HostKVPool(1, 10 * PAGE // 64, 64, alloc="mmap")
     assert calls["unreg"] == calls["reg"] and len(calls["reg"]) == 2
     assert not _mapped(calls["reg"][0])
 
@@ -227,7 +227,8 @@ def test_first_touch_writes_every_page_from_several_threads(no_cuda, monkeypatch
             return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon"))
 
     before = rss()
-    pool = hp.HostKVPool(4, 1 << 16, 64, threads=3, huge_pages=False)  # 16 MiB, 4096 per span
+    pool = hp.HostKVPool(4, 1 << 16, 64, alloc="mmap", threads=3,
+                         huge_pages=False)  # 16 MiB, 4096 per span
     assert rss() - before >= 0.9 * (16 << 20)  # resident before registration pins it
     assert workers == [4, 3]
     assert not pool.numpy.any()
@@ -281,9 +282,10 @@ def test_the_name_is_checked_again_when_linked_and_without_o_tmpfile(calls, name
 
 
 def test_bad_arguments_name_the_argument(no_cuda, monkeypatch):
-    with pytest.raises(ValueError, match="alloc must be 'mmap' or 'cuda', got 'malloc'"):
+    bad = "alloc must be 'mmap' or 'cuda' .a private pool., got "
+    with pytest.raises(ValueError, match=bad + "'malloc'"):
         hp.HostKVPool(1, 4, 16, alloc="malloc")
-    with pytest.raises(ValueError, match="alloc='cuda' makes a private pool"):
+    with pytest.raises(ValueError, match=bad + "'cuda'"):
         hp.HostKVPool(1, 4, 16, alloc="cuda", shared_name="x")
     with pytest.raises(ValueError, match="threads must be >= 1, got 0"):
         hp.HostKVPool(1, 4, 16, threads=0)
@@ -293,14 +295,14 @@ def test_bad_arguments_name_the_argument(no_cuda, monkeypatch):
         hp.HostKVPool(1, 4, 16, huge_pages="yes")
     monkeypatch.setattr(hp, "_REGISTER_CHUNK", PAGE + 1)
     with pytest.raises(ValueError, match="_REGISTER_CHUNK must be a positive multiple"):
-        hp.HostKVPool(1, 4, 16)
+        hp.HostKVPool(1, 4, 16, alloc="mmap")
 
 
 def test_a_pool_the_machine_cannot_hold_is_refused_before_it_is_touched(no_cuda, name,
                                                                          monkeypatch):
     with pytest.raises(MemoryError, match=r"a host pool of 1099.5 GB is more than the .* GB of "
                                           r"memory available \(MemAvailable\)"):
-        hp.HostKVPool(1, 1 << 36, 16)  # 1 TiB: refused before mmap
+        hp.HostKVPool(1, 1 << 36, 16, alloc="mmap")  # 1 TiB: refused before mmap
 
     class Full:
         f_bavail, f_frsize = 1, 4096
@@ -315,9 +317,25 @@ def test_a_large_pool_says_its_setup_in_two_lines(no_cuda, monkeypatch, capsys):
     if hp.log.level != hp.logging.NOTSET or hp.log.handlers:
         pytest.skip("the package logger is configured (HISPARSE_CUPY_LOG)")
     monkeypatch.setattr(hp, "_SAY_BYTES", 4096)
-    hp.HostKVPool(1, 256, 16, threads=2).close()
-    hp.HostKVPool(1, 255, 16).close()  # below: silent
+    hp.HostKVPool(1, 256, 16, alloc="mmap", threads=2).close()
+    hp.HostKVPool(1, 255, 16, alloc="mmap").close()  # below: silent
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2, lines
     assert lines[0].startswith("hisparse_cupy: host pool: 0.0 GB: touching its pages")
     assert "touched" in lines[1] and "registered" in lines[1] and "GB/s" in lines[1]
+
+
+def test_a_pool_dropped_unclosed_is_released_when_collected(no_cuda, monkeypatch):
+    """A pool nobody closed unregisters its chunks (once each) and unmaps when collected: a
+    registration left behind would collide with a later mapping at the same addresses."""
+    import gc
+
+    unreg = []
+    monkeypatch.setattr(hp, "_REGISTER_CHUNK", 3 * PAGE)
+    monkeypatch.setattr(hp, "_unregister", unreg.append)
+    pool = hp.HostKVPool(1, 10 * PAGE // 64, 64, alloc="mmap")
+    base, n = pool.numpy.ctypes.data, len(pool.chunk_edges) + 1
+    del pool
+    gc.collect()
+    assert unreg == [base + i * 3 * PAGE for i in range(n)] and n == 4
+    assert not _mapped(base)

@@ -112,7 +112,8 @@ def test_a_pool_registered_in_chunks_reads_right_across_their_edges(rng, monkeyp
     monkeypatch.setattr(hp, "_REGISTER_CHUNK", 1 << 20)  # the pool: 1.34 MB
     sizes, register = [], hp._register
     monkeypatch.setattr(hp, "_register", lambda p, n: sizes.append(n) or register(p, n))
-    for kw in ({}, {"shared_name": f"hs-gpu-chunks-{os.getpid()}"}, {"alloc": "cuda"}):
+    for kw in ({"alloc": "mmap"}, {"shared_name": f"hs-gpu-chunks-{os.getpid()}"},
+               {"alloc": "cuda"}):
         sizes.clear()
         with hp.HostKVPool(L, R * MAX_LEN, ROW, **kw) as pool:
             assert len(sizes) == (0 if kw.get("alloc") == "cuda" else 2), (kw, sizes)
