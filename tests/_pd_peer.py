@@ -1,0 +1,146 @@
+"""The prefill side of tests/test_pd.py in a process of its own, and a DRAM -> DRAM benchmark.
+
+``python tests/_pd_peer.py send``: one KVSender; reads JSON lines from stdin and answers each on
+stdout with one line starting ``@pd `` (NIXL's own log lines are mixed in, and skipped):
+
+- ``{"ticket": ..., "seed": s}``: send :func:`make_kv` ``(s, ...)`` (the ticket's sizes);
+  answers ``{"bytes", "seconds", "xfer_id"}`` or ``{"error": "..."}``;
+- ``{"ticket": ..., "seed": s, "partial": true}``: write layer 0 only, without the ticket's
+  transfer id (a sender dying mid-transfer), answer ``{"partial": true}`` and sleep: the test
+  kills the process;
+- ``{"quit": true}``: close and exit.
+
+``python tests/_pd_peer.py bench [MiB] [reps]``: two agents of this process, one receiver's
+pool of MiB MiB (L=4 layers, 4 KiB rows, pages of 64 tokens) and requests filling it, sent
+``reps`` times: prints GB/s (median and best) of the whole ``send`` and ``poll`` path.
+``python tests/_pd_peer.py bench2 [MiB] [reps]``: the same sizes, the sender in a child process
+(``send`` mode; each send registers its freshly made kv): GB/s of the child's ``send`` calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+
+def make_kv(seed: int, n_layers: int, n_tokens: int, row_bytes: int) -> np.ndarray:
+    """A request's KV, the same bytes in every process for a seed."""
+    return np.random.default_rng(seed).integers(0, 256, (n_layers, n_tokens, row_bytes),
+                                                dtype=np.uint8)
+
+
+def say(obj) -> None:
+    sys.stdout.write("@pd " + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def serve() -> None:
+    from hisparse_cupy.pd import KVSender
+
+    tx = KVSender()
+    say({"ready": tx.name})
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg.get("quit"):
+            break
+        t = msg["ticket"]
+        kv = make_kv(msg["seed"], t["n_layers"], t["n_tokens"], t["row_bytes"])
+        try:
+            if msg.get("partial"):  # layer 0's runs, notified with no id
+                tx.send({**t, "n_layers": 1, "descs": t["descs"][: len(t["runs"])],
+                         "xfer_id": ""}, kv[:1])
+                say({"partial": True})
+                while True:
+                    time.sleep(60)
+            s = tx.send(t, kv, timeout_s=msg.get("timeout_s", 10.0))
+            say({"bytes": s.bytes, "seconds": s.seconds, "xfer_id": s.xfer_id})
+        except Exception as e:  # the test reads the error
+            say({"error": f"{type(e).__name__}: {e}"})
+    tx.close()
+
+
+def bench(mib: int = 256, reps: int = 5) -> None:
+    from hisparse_cupy.host_pages import HostPages
+    from hisparse_cupy.pd import KVReceiver, KVSender
+
+    L, rb, P = 4, 4096, 64
+    n_pages = max(1, (mib << 20) // (L * rb * P))
+    pool = np.zeros((L, n_pages * P, rb), np.uint8)
+    pages = HostPages(n_pages, P)
+    n_req = 8
+    n_tok = n_pages * P // n_req
+    kv = make_kv(0, L, n_pages * P, rb)
+    rx, tx = KVReceiver(pool, pages), KVSender()
+    tx.register(kv)
+    rates = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for r in range(n_req):
+            tx.send(rx.reserve(r, n_tok), kv[:, r * n_tok:(r + 1) * n_tok])
+        got = []
+        while len(got) < n_req:
+            got += rx.poll().done
+        dt = time.perf_counter() - t0
+        rates.append(L * n_req * n_tok * rb / dt / 1e9)
+        for a in got:
+            rx.release(a)
+    rx.close()
+    tx.close()
+    print(f"DRAM -> DRAM over NIXL/UCX, one process, {L * n_req * n_tok * rb / 2**20:.0f} MiB "
+          f"in {n_req} requests: median {np.median(rates):.2f} GB/s, best {max(rates):.2f} GB/s")
+
+
+def bench_procs(mib: int = 256, reps: int = 5) -> None:
+    import subprocess
+
+    from hisparse_cupy.host_pages import HostPages
+    from hisparse_cupy.pd import KVReceiver
+
+    L, rb, P, n_req = 4, 4096, 64, 8
+    n_pages = max(n_req, (mib << 20) // (L * rb * P))
+    pool, pages = np.zeros((L, n_pages * P, rb), np.uint8), HostPages(n_pages, P)
+    n_tok = n_pages // n_req * P
+    rx = KVReceiver(pool, pages)
+    child = subprocess.Popen([sys.executable, __file__, "send"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+
+    def answer():
+        while not (line := child.stdout.readline()).startswith("@pd "):
+            assert line, "the sender process exited"
+        return json.loads(line[4:])
+
+    answer()
+    secs = []
+    for rep in range(reps):
+        for r in range(n_req):
+            child.stdin.write(json.dumps({"ticket": rx.reserve(r, n_tok), "seed": rep}) + "\n")
+            child.stdin.flush()
+            secs.append(answer()["seconds"])
+        got = []
+        while len(got) < n_req:
+            got += rx.poll().done
+        for a in got:
+            rx.release(a)
+    child.stdin.write('{"quit": true}\n')
+    child.stdin.close()
+    child.wait()
+    rx.close()
+    b = L * n_tok * rb
+    print(f"DRAM -> DRAM over NIXL/UCX, two processes, {b / 2**20:.0f} MiB requests: median "
+          f"{b / np.median(secs) / 1e9:.2f} GB/s, best {b / min(secs) / 1e9:.2f} GB/s")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+    if sys.argv[1:2] == ["send"]:
+        serve()
+    elif sys.argv[1:2] in (["bench"], ["bench2"]):
+        (bench if sys.argv[1] == "bench" else bench_procs)(*(int(a) for a in sys.argv[2:4]))
+    else:
+        sys.exit(__doc__)

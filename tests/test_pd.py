@@ -1,0 +1,417 @@
+"""Prefill -> decode over NIXL (``hisparse_cupy.pd``), on the CPU: DRAM -> DRAM over UCX.
+
+100 requests of mixed sizes with several in flight (one process, two agents), a sender in
+another process, and the faults: bad kv, bad or stale tickets and metadata, duplicate, late and
+unknown notifications, timeouts, a cancelled reservation, a sender killed mid-transfer. After
+each, pages are accounted for (every page put back exactly once) and the other requests' rows
+are checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import numpy as np
+import pytest
+
+from hisparse_cupy.host_pages import HostPages, PoolExhausted
+
+try:
+    from hisparse_cupy.pd import KVReceiver, KVSender, nixl_api
+
+    nixl_api()
+except ImportError as e:
+    pytest.skip(f"NIXL is not installed: {e}", allow_module_level=True)
+
+from _pd_peer import make_kv  # noqa: E402
+
+L, P, RB = 3, 16, 64
+PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_pd_peer.py")
+
+
+class CountingPages(HostPages):
+    """HostPages that counts each page's takes and puts: every take is matched by exactly one
+    put when ``takes - puts == held`` (a put too many would drop another holder's hold)."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.takes = np.zeros(self.n_pages, np.int64)
+        self.puts = np.zeros(self.n_pages, np.int64)
+
+    def take(self, n):
+        got = super().take(n)
+        self.takes[got] += 1
+        return got
+
+    def put(self, pages):
+        super().put(pages)
+        self.puts[np.asarray(pages, np.int64)] += 1
+
+    def check(self):
+        super().check()
+        assert (self.takes - self.puts == self.held).all()
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class FakeCache:
+    """What a paged HotBufferCache.admit does to the host pool, on the host only."""
+
+    def __init__(self, pool, pages):
+        self.pool, self.pages, self.next = pool, pages, 0
+
+    def admit(self, n, kv=None, pages=None, stream=None):
+        rid, self.next = self.next, self.next + 1
+        self.pages.admit(rid, n, pages=pages)
+        shared = 0 if pages is None else len(pages) * P
+        assert (kv is None) == (shared == n) and (kv is None or kv.shape[1] == n - shared)
+        if kv is not None:
+            self.pool[:, self.pages.rows(rid, shared, n)] = kv
+        return rid
+
+
+def rows_of(pages, n):
+    t = np.arange(n)
+    return np.asarray(pages, np.int64)[t // P] * P + t % P
+
+
+def ticket_rows(t, pool):
+    """The pool rows a ticket's layer-0 descriptors name, token after token."""
+    base, rb = pool.ctypes.data, pool.shape[2]
+    return np.concatenate([np.arange((a - base) // rb, (a - base + n) // rb)
+                           for a, n in t["descs"][: len(t["runs"])]])
+
+
+def arrivals(rx, want, wait_s=10.0):
+    """Poll until ``want`` arrivals (or ``wait_s``); asserts that nothing timed out."""
+    got, end = [], time.monotonic() + wait_s
+    while len(got) < want and time.monotonic() < end:
+        polled = rx.poll()
+        assert polled.timed_out == []
+        got += polled.done
+    return got
+
+
+@pytest.fixture(scope="module")
+def tx():
+    s = KVSender()
+    yield s
+    s.close()
+
+
+def receiver(n_pages=64, rb=RB, **kw):
+    pages = CountingPages(n_pages, P)
+    pool = np.zeros((L, n_pages * P, rb), np.uint8)
+    return KVReceiver(pool, pages, **kw), pool, pages
+
+
+class Peer:
+    """A sender in a child process (tests/_pd_peer.py), spoken to in JSON lines."""
+
+    def __init__(self):
+        env = dict(os.environ, NIXL_LOG_LEVEL="WARN")
+        self.p = subprocess.Popen([sys.executable, PEER, "send"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        self.buf, self.log = b"", []
+        assert "ready" in self.read()
+
+    def read(self, timeout=20.0):
+        end = time.monotonic() + timeout
+        while True:
+            while b"\n" in self.buf:
+                line, self.buf = self.buf.split(b"\n", 1)
+                if line.startswith(b"@pd "):
+                    return json.loads(line[4:])
+                self.log.append(line.decode(errors="replace"))
+            left = end - time.monotonic()
+            assert left > 0, f"no answer from the sender process; its output: {self.log}"
+            if select.select([self.p.stdout], [], [], left)[0]:
+                chunk = os.read(self.p.stdout.fileno(), 65536)
+                assert chunk, f"the sender process exited; its output: {self.log}"
+                self.buf += chunk
+
+    def ask(self, **msg):
+        self.p.stdin.write((json.dumps(msg) + "\n").encode())
+        self.p.stdin.flush()
+        return self.read()
+
+    def close(self):
+        try:
+            self.p.stdin.write(b'{"quit": true}\n')
+            self.p.stdin.close()
+            self.p.wait(5)
+        except (OSError, subprocess.TimeoutExpired):
+            self.p.kill()
+            self.p.wait(10)
+
+
+# ---------------------------------------------------------------------- transfers
+def test_100_requests_several_in_flight(tx, rng):
+    """Mixed sizes, up to 8 reserved at once, sent in random order (some posted, then waited
+    in another order), admitted as they arrive; every admitted request's rows exact; pages
+    accounted for; random releases fragment the pool so requests span several runs."""
+    rx, pool, pages = receiver(256)
+    cache = FakeCache(pool, pages)
+    kvs, live, nbytes, wall, runs, req = {}, {}, 0, 0.0, 0, 0
+    while req < 100:
+        k = min(int(rng.integers(1, 9)), 100 - req)
+        tickets = []
+        for _ in range(k):
+            n = int(rng.integers(1, 301))
+            kvs[req] = make_kv(req, L, n, RB)
+            tickets.append(rx.reserve(req, n))
+            req += 1
+        rng.shuffle(tickets)
+        posted, t0 = [], time.perf_counter()
+        for t in tickets:
+            runs = max(runs, len(t["runs"]))
+            if rng.random() < 0.5:
+                nbytes += tx.send(t, kvs[t["req_id"]]).bytes
+            else:
+                posted.append(tx.send(t, kvs[t["req_id"]], wait=False))
+        nbytes += sum(p.wait().bytes for p in posted[::-1])
+        got = arrivals(rx, len(tickets))
+        wall += time.perf_counter() - t0
+        assert sorted(a.req_id for a in got) == sorted(t["req_id"] for t in tickets)
+        for a in got:
+            np.testing.assert_array_equal(pool[:, rows_of(a.pages, a.n_tokens)], kvs[a.req_id])
+            live[rx.admit(cache, a)] = a.req_id
+        for rid in list(live):  # free some, so that later reservations get scattered pages
+            if rng.random() < 0.4:
+                pages.release(rid)
+                del live[rid]
+        pages.check()
+    assert rx.stats["done"] == 100 and not rx.in_flight and runs > 1
+    for rid, req in live.items():
+        np.testing.assert_array_equal(pool[:, pages.rows(rid)], kvs[req])
+    assert pages.held.sum() == 0
+    pages.check()
+    print(f"\n100 requests (1-300 tokens), {nbytes / 2**20:.1f} MiB: {nbytes / wall / 1e9:.3f} "
+          f"GB/s (send -> arrival, DRAM -> DRAM, one process)")
+    rx.close()
+
+
+def test_a_sender_in_another_process(rng):
+    """30 small requests of mixed sizes, 5 in flight at a time, then 4 large ones (6 MiB)."""
+    peer = Peer()
+    try:
+        for rb, n_pages, sizes in [(RB, 128, rng.integers(1, 301, 30)), (8192, 64, [256] * 4)]:
+            rx, pool, pages = receiver(n_pages, rb)
+            nbytes, secs = [], []
+            for i in range(0, len(sizes), 5):
+                tickets = [rx.reserve(i + j, int(n)) for j, n in enumerate(sizes[i: i + 5])]
+                rng.shuffle(tickets)
+                for t in tickets:
+                    ans = peer.ask(ticket=t, seed=t["req_id"])
+                    assert "error" not in ans, ans
+                    nbytes.append(ans["bytes"])
+                    secs.append(ans["seconds"])
+                got = arrivals(rx, len(tickets))
+                assert len(got) == len(tickets)
+                for a in got:
+                    np.testing.assert_array_equal(pool[:, rows_of(a.pages, a.n_tokens)],
+                                                  make_kv(a.req_id, L, a.n_tokens, rb))
+                    rx.release(a)
+            assert rx.stats["done"] == len(sizes) and pages.free_pages == n_pages
+            pages.check()
+            rx.close()
+            print(f"\n{len(sizes)} requests from another process, {sum(nbytes) / 2**20:.1f} MiB "
+                  f"({rb}-byte rows): {sum(nbytes) / sum(secs) / 1e9:.3f} GB/s; median send "
+                  f"{np.median(secs) * 1e3:.2f} ms")
+    finally:
+        peer.close()
+
+
+def test_gpu_arrays_are_read_through_cuda_array_interface():
+    """A GPU ``kv`` (here a stand-in: no device) goes the same way, registered as VRAM."""
+    from hisparse_cupy.pd import _source
+
+    class Dev:
+        id = 3
+
+    class GpuArray:
+        device = Dev()
+
+        def __init__(self, shape, strides=None):
+            self.__cuda_array_interface__ = {"shape": shape, "typestr": "|u1", "version": 3,
+                                             "data": (1 << 40, False), "strides": strides}
+
+    assert _source(GpuArray((L, 5, RB)), L, 5, RB) == (1 << 40, 5 * RB, "VRAM", 3)
+    assert _source(GpuArray((L, 5, RB), (9 * RB, RB, 1)), L, 5, RB)[1] == 9 * RB
+    with pytest.raises(ValueError, match="rows must follow"):
+        _source(GpuArray((L, 5, RB), (RB, 2 * RB, 1)), L, 5, RB)
+    with pytest.raises(ValueError, match=r"uint8 \[3, 6, 64\]"):
+        _source(GpuArray((L, 5, RB)), L, 6, RB)
+
+
+# ---------------------------------------------------------------------- faults
+def test_bad_input_is_refused_before_any_transfer(tx):
+    rx, pool, pages = receiver(8)
+    t = rx.reserve("r", 20)
+    good = make_kv(0, L, 20, RB)
+    for kv, what in [(good[:, :19], r"uint8 \[3, 20, 64\]"), (good.astype(np.int8), "uint8"),
+                     (np.zeros((L, 20, 2 * RB), np.uint8)[:, :, :RB], "rows must follow"),
+                     (list(good), "NumPy array")]:
+        with pytest.raises((ValueError, TypeError), match=what):
+            tx.send(t, kv)
+    bad = [({"version": 2}, "version"), ({"descs": t["descs"][:-1]}, "do not match"),
+           ({"runs": [[0, 19]]}, "consecutive runs"), ({"mem": "VRAM"}, "DRAM"),
+           ({"n_tokens": 0}, "n_tokens"), ({"metadata": "%%%"}, "base64"),
+           ({"metadata": "Z2FyYmFnZQ==", "instance": "x"}, "did not load"),
+           ({"descs": [[a + (1 << 40), b] for a, b in t["descs"]]}, "refused")]
+    for change, what in bad:
+        with pytest.raises(ValueError, match=what):
+            tx.send({**t, **change}, good)
+    with pytest.raises(TypeError, match="ticket"):
+        tx.send([t], good)
+    time.sleep(0.05)
+    assert rx.poll() == ([], []) and not pool.any()  # nothing was written, nothing arrived
+    tx.send(t, good)  # the ticket itself still works
+    (a,) = arrivals(rx, 1)
+    np.testing.assert_array_equal(pool[:, rows_of(a.pages, 20)], good)
+    # the receiver's own checks
+    rx.reserve("x", 1)
+    with pytest.raises(ValueError, match="req_id 'x' already"):
+        rx.reserve("x", 1)
+    with pytest.raises(TypeError, match="req_id"):
+        rx.reserve(True, 1)
+    with pytest.raises(ValueError, match="n_tokens"):
+        rx.reserve("y", 0)
+    free = pages.free_pages
+    with pytest.raises(PoolExhausted):
+        rx.reserve("y", 8 * P)
+    assert pages.free_pages == free and "y" not in rx.in_flight
+    with pytest.raises(KeyError, match="no reservation"):
+        rx.cancel("nobody")
+    with pytest.raises(ValueError, match="pages are not"):
+        rx.admit(FakeCache(pool, HostPages(8, P)), a)
+    rx.release(a)
+    with pytest.raises(ValueError, match="already admitted or released"):
+        rx.release(a)
+    with pytest.raises(TypeError, match="pool"):
+        KVReceiver(pool.astype(np.int8), pages)
+    KVReceiver(types.SimpleNamespace(numpy=pool), pages).close()  # a HostKVPool's .numpy
+    with pytest.raises(ValueError, match="rows per layer"):
+        KVReceiver(np.zeros((L, 10, RB), np.uint8), pages)
+    rx.close()
+    assert pages.free_pages == 8
+    pages.check()
+
+
+def test_duplicate_late_unknown_and_cancelled(tx):
+    """Only a live reservation's id admits, once; no page is put back twice; the admitted
+    request's rows stay exact through every fault."""
+    clock = Clock()
+    rx, pool, pages = receiver(32, clock=clock, timeout_s=5)
+    cache = FakeCache(pool, pages)
+    kv_a = make_kv(1, L, 40, RB)
+    ta = rx.reserve("a", 40)
+    tx.send(ta, kv_a)
+    (a,) = arrivals(rx, 1)
+    rid = rx.admit(cache, a)
+    tx._agent.send_notif(rx.name, ta["xfer_id"].encode())  # a duplicate
+    tx._agent.send_notif(rx.name, b"\xff not an id")
+    tx._agent.send_notif(rx.name, (rx.instance + ".999").encode())
+    tb = rx.reserve("b", 30)  # cancelled before its sender writes
+    b_pages = [g for g in range(32) if pages.held[g]]
+    puts = pages.puts.copy()
+    rx.cancel("b")
+    assert (pages.puts - puts == np.isin(np.arange(32), b_pages)).all()
+    tc = rx.reserve("c", 50, timeout_s=1)  # times out before its sender writes
+    c_pages = [g for g in range(32) if pages.held[g]]
+    puts = pages.puts.copy()
+    clock.t = 2
+    got = rx.poll()
+    assert got.timed_out == ["c"] and got.done == []
+    assert (pages.puts - puts == np.isin(np.arange(32), c_pages)).all()
+    puts = pages.puts.copy()
+    tx.send(tb, make_kv(2, L, 30, RB))  # both land in free pages, their ids are dead
+    tx.send(tc, make_kv(3, L, 50, RB))
+    time.sleep(0.05)
+    for _ in range(50):
+        assert rx.poll() == ([], [])
+    assert (rx.stats["duplicate"], rx.stats["unknown"], rx.stats["late"]) == (1, 2, 2)
+    assert rx.stats["cancelled"] == 1 and rx.stats["timed_out"] == 1
+    assert (pages.puts == puts).all()  # the late transfers put nothing back
+    np.testing.assert_array_equal(pool[:, pages.rows(rid)], kv_a)
+    assert pages.held.sum() == 0 and pages.free_pages == 32 - pages.pages_for(40)
+    pages.check()
+    with pytest.raises(KeyError):
+        rx.cancel("c")
+    rx.close()
+
+
+def test_stale_metadata_and_a_restarted_receiver(tx):
+    rx, pool, pages = receiver(8, name="hisparse-test-rx")
+    tx.send(rx.reserve(1, 5), make_kv(1, L, 5, RB))
+    old = rx.reserve(2, 5)
+    rx.close()  # the receiver is gone: its ticket fails, with the reason
+    stale = (RuntimeError, ValueError, TimeoutError)
+    with pytest.raises(stale, match="gone|stale|in time"):
+        tx.send(old, make_kv(2, L, 5, RB), timeout_s=5)
+    rx2, pool2, _ = receiver(8, name="hisparse-test-rx")  # same name, new instance
+    with pytest.raises(stale, match="gone|stale|in time"):
+        tx.send(old, make_kv(2, L, 5, RB), timeout_s=5)
+    tx.send(rx2.reserve(1, 5), make_kv(7, L, 5, RB))
+    (a,) = arrivals(rx2, 1)
+    np.testing.assert_array_equal(pool2[:, rows_of(a.pages, 5)], make_kv(7, L, 5, RB))
+    rx2.close()
+    rx3, pool3, _ = receiver(8, name="hisparse-test-rx")  # the sender still has rx2's cached
+    tx.send(rx3.reserve(1, 5), make_kv(8, L, 5, RB))
+    (a,) = arrivals(rx3, 1)
+    np.testing.assert_array_equal(pool3[:, rows_of(a.pages, 5)], make_kv(8, L, 5, RB))
+    with pytest.raises(ValueError, match="belongs to agent 'hisparse-test-rx', not 'someone-else'"):
+        tx.send({**rx3.reserve(2, 5), "agent": "someone-else"}, make_kv(8, L, 5, RB))
+    rx3.close()
+
+
+def test_a_sender_killed_mid_transfer():
+    """The child writes part of a request's KV (layer 0) and is killed: the reservation times
+    out, its pages are put back once, nothing is admitted, the other request's rows stay."""
+    clock = Clock()
+    rx, pool, pages = receiver(32, clock=clock, timeout_s=5)
+    peer = Peer()
+    try:
+        tb = rx.reserve("b", 70)
+        assert "error" not in peer.ask(ticket=tb, seed=5)
+        (b,) = arrivals(rx, 1)
+        ta = rx.reserve("a", 200)
+        rows = ticket_rows(ta, pool)
+        a_pages = np.unique(rows // P)
+        assert (pages.held[a_pages] == 1).all() and not np.isin(a_pages, b.pages).any()
+        puts = pages.puts.copy()
+        assert peer.ask(ticket=ta, seed=6, partial=True) == {"partial": True}
+        os.kill(peer.p.pid, signal.SIGKILL)
+        peer.p.wait(10)
+        kv_a = make_kv(6, L, 200, RB)
+        np.testing.assert_array_equal(pool[0, rows], kv_a[0])  # it did write, part of it
+        assert not pool[1:, rows].any()
+        for _ in range(20):
+            assert rx.poll().done == [] and rx.in_flight == {"a": 200}
+        assert (pages.puts == puts).all()
+        clock.t = 6
+        assert rx.poll() == ([], ["a"])
+        assert (pages.puts - puts == np.isin(np.arange(32), a_pages)).all()
+        for _ in range(20):
+            assert rx.poll().done == []
+        pages.check()
+        np.testing.assert_array_equal(pool[:, rows_of(b.pages, 70)], make_kv(5, L, 70, RB))
+        rx.release(b)
+        assert pages.free_pages == 32 and pages.held.sum() == 0
+        pages.check()
+    finally:
+        peer.close()
+        rx.close()
