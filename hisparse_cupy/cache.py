@@ -280,21 +280,20 @@ class HotBufferCache:
         s = as_stream(stream)
         if kv is not None:
             kv, on_host = _checks.kv_rows("kv", kv, self.n_layers, self.row_bytes, s)
+        shared = self.host.shared_tokens(n, prefix, pages)
+        need = n - shared
+        if (kv is None and need and self.host.paged) or (kv is not None and kv.shape[1] != need):
+            raise ValueError(f"kv must hold the {need} rows being admitted (tokens {shared}.."
+                             f"{n}): uint8 [{self.n_layers}, {need}, {self.row_bytes}], got "
+                             f"{None if kv is None else tuple(kv.shape)}")
         rid = heapq.heappop(self._free)
         try:
             self.host.after_releases(s, host=False)  # the tables' and pages' last readers
-            copies, shared = self.host.admit(rid, n, prefix, pages, s)
-        except Exception:
+            copies = self.host.admit(rid, n, prefix, pages, s)
+        except BaseException:
             heapq.heappush(self._free, rid)
             raise
         try:
-            need = n - shared
-            if (kv is None and need and self.host.paged) or \
-                    (kv is not None and kv.shape[1] != need):
-                raise ValueError(f"kv must hold the {need} rows being admitted (tokens "
-                                 f"{shared}..{n}): uint8 [{self.n_layers}, {need}, "
-                                 f"{self.row_bytes}], got "
-                                 f"{None if kv is None else tuple(kv.shape)}")
             copy_pool_rows(self.pool, copies, s)
             rows = self.host.rows(rid, 0, n)
             if kv is not None:
@@ -318,8 +317,11 @@ class HotBufferCache:
                 self._init_multistep(rid, s)
             load_rows(self.pool, rows[tokens], self.device,
                       rid * self.rows_per_request + slots, s)  # _slot_layout[rid][slots]
-        except Exception:
+        except BaseException:
             self.host.release(rid, s)
+            ev = cupy.cuda.Event(disable_timing=True)
+            ev.record(s)  # what was queued for it lands before the slot's next admission
+            self.host.released.append(ev)
             heapq.heappush(self._free, rid)
             raise
         self._len[rid] = n

@@ -215,7 +215,8 @@ class HostPages:
     # ------------------------------------------------------------------ engine-held pages
     def take(self, n: int) -> list[int]:
         """``n`` free pages held by the engine (its prefix tree's), for :meth:`admit`'s
-        ``pages``; :meth:`put` gives them back."""
+        ``pages``; :meth:`put` gives them back. A page may be a released request's: write it
+        after that release's device work (``HotBufferCache.host.wait_releases()``)."""
         n = _checks.integer("n", n, 0)
         if n > len(self._free):
             raise PoolExhausted(f"take({n})", n, len(self._free))

@@ -24,6 +24,7 @@ configured). A pool dropped without :meth:`close` is released when collected.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -195,16 +196,16 @@ def _finalizer(pool, release) -> weakref.finalize:
     """``release`` (not holding ``pool``) run by :meth:`close` or when ``pool`` is collected
     unclosed: a registration must not outlive its mapping (a later one may get its addresses)."""
     def run() -> None:
-        _synchronize()
-        release()
+        try:
+            _synchronize()
+        finally:
+            release()
     return weakref.finalize(pool, run)
 
 
 def _close_map(mm: mmap.mmap) -> None:
-    try:
+    with contextlib.suppress(BufferError):  # a view is alive: unmapped when the last one goes
         mm.close()
-    except BufferError:  # a view of it is still alive: unmapped when the last one goes
-        pass
 
 
 class HostKVPool:
@@ -504,7 +505,5 @@ class HostKVPool:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

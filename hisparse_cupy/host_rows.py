@@ -101,20 +101,37 @@ class HostRows:
         """The first token ``rid`` may write (0 in the slot layout)."""
         return 0 if self.pages is None else self.pages.own_from(rid)
 
-    def admit(self, rid: int, n: int, prefix, pages, stream) -> tuple[list, int]:
+    def shared_tokens(self, n: int, prefix, pages) -> int:
+        """The tokens of an admission of ``n`` that ``prefix`` or ``pages`` cover (checked
+        forms; the rest is checked by :meth:`admit`)."""
+        if prefix is None and pages is None:
+            return 0
+        if self.pages is None:
+            raise ValueError("prefix and pages need a paged host pool: "
+                             "HotBufferCache(..., page_tokens=P)")
+        if prefix is not None and pages is not None:
+            raise ValueError("give prefix or pages, not both")
+        if pages is not None:
+            return np.asarray(pages).size * self.page_tokens
+        if not isinstance(prefix, (tuple, list)) or len(prefix) != 2:
+            raise TypeError(f"prefix must be (parent request slot, tokens), got {prefix!r}")
+        _checks.integer("prefix's parent", prefix[0], 0)
+        p = _checks.integer("prefix tokens", prefix[1], 1)
+        if p > n:
+            raise ValueError(f"prefix of {p} tokens is longer than n_tokens {n}")
+        return p
+
+    def admit(self, rid: int, n: int, prefix, pages, stream) -> list:
         """Rows for ``rid``'s first ``n`` tokens; the tables written on ``stream``. Returns the
         host -> host copies ``(src_row, dst_row, count)`` (every layer) to queue before its
-        rows are read, and the tokens shared (the prefix's or the engine pages'). Raises
-        (nothing taken) on a bad prefix or a full pool."""
+        rows are read. Raises (nothing taken) on a bad prefix or a full pool. A prefix may
+        cover the tokens whose rows were written: those of the parent's admission and of its
+        steps before its last :meth:`grow` (an engine that grows ahead of its steps must not
+        fork past the tokens it wrote)."""
         if self.pages is None:
-            if prefix is not None or pages is not None:
-                raise ValueError("prefix and pages need a paged host pool: "
-                                 "HotBufferCache(..., page_tokens=P)")
-            return [], 0
+            return []
         parent = None
         if prefix is not None:
-            if not isinstance(prefix, (tuple, list)) or len(prefix) != 2:
-                raise TypeError(f"prefix must be (parent request slot, tokens), got {prefix!r}")
             parent = int(prefix[0])
             done = self._written.get(parent)
             if done is None:
@@ -125,14 +142,16 @@ class HostRows:
                                  f"steps not yet queued)")
         copies = self.pages.admit(rid, n, prefix=prefix, pages=pages)
         self._written[rid] = n
-        with stream:
-            self._write_pages(rid, 0, self.pages.pages(rid))
-            self.own_from[rid] = self.pages.own_from(rid)
-            if parent is not None:  # its pages below the fork are shared from now on
-                self.own_from[parent] = self.pages.own_from(parent)
-        shared = int(prefix[1]) if prefix is not None else \
-            0 if pages is None else np.asarray(pages).size * self.page_tokens
-        return copies, shared
+        try:
+            with stream:
+                self._write_pages(rid, 0, self.pages.pages(rid))
+                self.own_from[rid] = self.pages.own_from(rid)
+                if parent is not None:  # its pages below the fork are shared from now on
+                    self.own_from[parent] = self.pages.own_from(parent)
+        except BaseException:
+            self.release(rid, stream)
+            raise
+        return copies
 
     def grow(self, rid: int, n: int, stream) -> None:
         """Pages for ``rid``'s tokens up to ``n`` (their table entries written on ``stream``);
@@ -189,6 +208,12 @@ class HostRows:
             write_rows_from_host(self.pool, rows, kv)
         else:
             store_rows(self.pool, rows, kv, s)
+
+    def wait_releases(self) -> None:
+        """Block until every earlier release's queued work is done: before the CPU or another
+        process (:mod:`hisparse_cupy.pd`) writes pages taken from the pool
+        (:meth:`HostPages.take`), which may be a released request's."""
+        self.after_releases(None, host=True)
 
     def after_releases(self, s, *, host: bool) -> None:
         """Order what follows after every release not yet known to be done: on the device
@@ -288,7 +313,7 @@ def store_rows(pool, host_rows: np.ndarray, kv: cupy.ndarray, stream) -> None:
     (:data:`MIN_RUN_BYTES`), else one launch of the package's device -> host copy."""
     n, row = kv.shape[1], pool.row_bytes
     runs = _runs(host_rows)
-    if n * row >= len(runs) * MIN_RUN_BYTES:
+    if n * row >= len(runs) * MIN_RUN_BYTES and kv.strides[0] >= n * row:  # 2-D: pitch >= width
         for a, b in runs:
             _copy_to_pool(pool, int(host_rows[a]) * row, kv.data.ptr + a * row, kv.strides[0],
                           (b - a) * row, stream)

@@ -99,9 +99,8 @@ def _agent(name, side: str):
 
 
 Arrival = collections.namedtuple("Arrival", "req_id pages n_tokens xfer_id sender seconds")
-Arrival.__doc__ = """A completed reservation: its ``pages`` (engine-held, token order) hold its
-``n_tokens`` tokens of every layer; ``sender`` is the agent that notified, ``seconds`` the time
-from reserve to notification."""
+Arrival.__doc__ = """A completed reservation: ``pages`` (engine-held, token order) hold its
+``n_tokens`` tokens; ``sender`` notified, ``seconds`` after the reservation."""
 Polled = collections.namedtuple("Polled", "done timed_out")
 Sent = collections.namedtuple("Sent", "req_id xfer_id bytes seconds descriptors")
 Sent.__doc__ = "A completed send: ``bytes`` in ``seconds`` (the whole call), ``descriptors``."
@@ -120,10 +119,12 @@ class KVReceiver(_Agent):
     """The decode side: ``pool`` (uint8 ``[n_layers, n_rows, row_bytes]``, C-contiguous:
     ``cache.pool.numpy``, or a ``HostKVPool``) registered with a NIXL agent (``name``: default
     unique) once, and pages of ``pages`` (its :class:`HostPages`, ``cache.pages``) reserved per
-    request; ``timeout_s``: a reservation's default wait; ``clock``: monotonic seconds."""
+    request; ``timeout_s``: a reservation's default wait; ``clock``: monotonic seconds;
+    ``fence``: called before a ticket leaves (``cache.host.wait_releases``: a taken page may be a
+    released request's that queued device work still reads)."""
 
     def __init__(self, pool, pages: HostPages, *, timeout_s: float = 60.0, name: str | None = None,
-                 clock=time.monotonic):
+                 clock=time.monotonic, fence=None):
         arr = pool if isinstance(pool, np.ndarray) else getattr(pool, "numpy", None)
         if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.ndim != 3 or \
                 not arr.flags.c_contiguous:
@@ -137,7 +138,7 @@ class KVReceiver(_Agent):
         self.pool, self.pages, self.page_tokens = arr, pages, pages.page_tokens
         self.n_layers, _, self.row_bytes = arr.shape
         self.timeout_s = _seconds("timeout_s", timeout_s)
-        self._clock = clock
+        self._clock, self._fence = clock, fence
         self.instance = uuid.uuid4().hex
         self.name, self._agent = _agent(name, "rx")
         self._reg = self._agent.register_memory([(arr.ctypes.data, arr.nbytes, 0, "")], "DRAM")
@@ -167,6 +168,8 @@ class KVReceiver(_Agent):
         n = _checks.integer("n_tokens", n_tokens, 1, self.pages.n_rows)
         t = self.timeout_s if timeout_s is None else _seconds("timeout_s", timeout_s)
         pages = self.pages.take(self.pages.pages_for(n))
+        if self._fence is not None:
+            self._fence()
         P, rb = self.page_tokens, self.row_bytes
         pg = np.asarray(pages, np.int64)
         cut = np.flatnonzero(np.diff(pg) != 1) + 1  # runs of consecutive pages
@@ -243,9 +246,8 @@ class KVReceiver(_Agent):
         return arrival.n_tokens, (pages[:whole] or None), kv
 
     def admit(self, cache, arrival: Arrival, **kwargs) -> int:
-        """Admit ``arrival`` into ``cache`` (a paged HotBufferCache on this pool and pages;
-        ``kwargs`` go to ``cache.admit``), drop the engine's hold; the request slot. If
-        ``cache.admit`` raises, the pages stay held: retry, or :meth:`release` them."""
+        """Admit ``arrival`` into paged ``cache`` (``kwargs`` to ``cache.admit``), drop the hold;
+        the request slot. If ``cache.admit`` raises the pages stay held: retry, or release."""
         if getattr(cache, "pages", None) is not self.pages:
             raise ValueError("cache's pages are not this receiver's pages (cache.pages)")
         n, whole, kv = self.admit_args(arrival)
@@ -259,8 +261,7 @@ class KVReceiver(_Agent):
         self.pages.put(self._held.pop(arrival.xfer_id))
 
     def close(self) -> None:
-        """Cancel every reservation in flight (pages put back), deregister the pool, drop the
-        agent. Arrivals not yet admitted keep their pages (admit or release them)."""
+        """Cancel the reservations in flight, deregister the pool (arrivals keep their pages)."""
         if self._agent is not None:
             for r in list(self._live.values()):
                 self._end(r, "cancelled")

@@ -227,6 +227,7 @@ class Step:
         among the real rows, or (a paged pool) an admitted request of a real row has no host
         pages for its tokens or its device page table disagrees with the host's
         (synchronizes; other rows get their per-row status)."""
+        self.stream.synchronize()  # the reads below run on CuPy's current stream
         _checks.unique_requests(self.req, self.num_real, self.cache.max_requests)
         if self.cache.host.paged:
             nr = self.batch if self.num_real is None else \

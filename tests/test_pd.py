@@ -415,3 +415,14 @@ def test_a_sender_killed_mid_transfer():
     finally:
         peer.close()
         rx.close()
+
+
+def test_the_fence_runs_after_the_pages_are_taken_and_before_the_ticket_leaves():
+    """``fence`` (``cache.host.wait_releases`` in an engine) runs once per reservation, with
+    the pages already taken: a writer never sees pages a released request's queued work reads."""
+    seen = []
+    rx, _, pages = receiver(16, fence=lambda: seen.append(int(pages.held.sum())))
+    rx.reserve("a", 40)  # 3 pages of 16
+    rx.reserve("b", 10)
+    assert seen == [3, 4]
+    rx.close()

@@ -153,7 +153,8 @@ class Rig:
         rids, nbytes = [], 0
         for b in range(c.batch):
             p0 = N if b else 0
-            self._prefill(buf.data.ptr, buf[0].nbytes, self.req[b:b + 1], p0, 0)
+            if p0 < c.context:  # (a fork of every prompt token has no KV of its own)
+                self._prefill(buf.data.ptr, buf[0].nbytes, self.req[b:b + 1], p0, 0)
             kv = buf[:, :c.context - p0]
             rids.append(cache.admit(c.context, kv, prefix=(0, N) if p0 else None, stream=s))
             nbytes += kv.size
