@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -426,3 +427,34 @@ def test_the_fence_runs_after_the_pages_are_taken_and_before_the_ticket_leaves()
     rx.reserve("b", 10)
     assert seen == [3, 4]
     rx.close()
+
+
+def _pd_example():
+    """examples/pd_decode.py as a module its spawned prefill process can import too."""
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import pd_decode
+
+    return pd_decode
+
+
+def test_the_pd_example_decodes_on_kv_that_came_over_nixl(capsys):
+    """examples/pd_decode.py: a prefill process writes every prompt's KV into the decode pool's
+    pages; the decode loop (NumPy backend) then passes its bit-for-bit self-check, and fails
+    it when one request's received rows are altered (the check sees the transfer)."""
+    from hisparse_cupy.demo.config import cpu_config
+    from hisparse_cupy.demo.cpu import run
+
+    ex = _pd_example()
+    assert ex.main(["--batch", "3", "--context", "1000", "--steps", "3", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "written by the prefill process" in out and "self-check passed" in out
+
+    def altered(cfg, hp, host, host_locs):
+        ex.admit_over_nixl(cfg, hp, host, host_locs)
+        host[:, host_locs[1, :cfg.context]] += np.float32(1.0)
+
+    cfg = cpu_config(["--batch", "3", "--context", "1000", "--steps", "2", "--quiet"])
+    with pytest.raises(SystemExit, match="SELF-CHECK FAILED"):
+        run(cfg, admit=altered)

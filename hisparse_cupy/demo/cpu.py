@@ -64,11 +64,30 @@ def _stream(cfg, n_full: int, rng):
                       batch=cfg.batch, top_k=cfg.top_k, context=cfg.context, rng=rng)
 
 
-def run(cfg) -> dict:
+def admit_local(cfg, hp: HostPages, host: np.ndarray, host_locs: np.ndarray) -> None:
+    """Admission: request ``r``'s prompt KV (:func:`kv_rows` of ``(r, 0..context)``) into its
+    pages of ``host`` (float32 ``[L, rows, 576]``), request 0 whole, the others sharing its
+    first ``--shared-prefix`` tokens; ``host_locs[r, :context]`` its rows."""
+    N = cfg.shared_prefix
+    for r in range(cfg.batch):
+        fork = N and r > 0
+        for src, dst, cnt in hp.admit(r, cfg.context, prefix=(0, N) if fork else None):
+            host[:, dst:dst + cnt] = host[:, src:src + cnt]  # the partial page, copied
+        start = N if fork else 0
+        rows = hp.rows(r, start, cfg.context)
+        for layer in range(cfg.layers):
+            host[layer, rows] = kv_rows(layer, np.full(rows.size, r),
+                                        np.arange(start, cfg.context))
+        host_locs[r, :cfg.context] = hp.rows(r)
+
+
+def run(cfg, admit=admit_local) -> dict:
     """The decode loop of ``cfg`` (a :class:`hisparse_cupy.demo.config.Config`, see
     :func:`hisparse_cupy.demo.config.cpu_config`) on the NumPy backend: ``warmup + steps`` steps,
     every layer's attention checked bit for bit against gpu-only; returns the per-step record
-    (also written to ``cfg.json`` when set). A failed check raises ``SystemExit``."""
+    (also written to ``cfg.json`` when set). A failed check raises ``SystemExit``. ``admit``:
+    how the prompts' KV gets into the pool (:func:`admit_local`'s signature and duties;
+    ``examples/pd_decode.py`` receives it from another process over NIXL)."""
     t_start = time.perf_counter()
     layers, batch, context = cfg.layers, cfg.batch, cfg.context
     hot, top_k, page, recent = cfg.hot, cfg.top_k, cfg.extra_page, cfg.recent
@@ -79,18 +98,12 @@ def run(cfg) -> dict:
     R, W, M = batch, hot + page, max(1, round(cfg.new_share * top_k))
     rng = np.random.default_rng(cfg.seed)
     N = cfg.shared_prefix
-    hp = HostPages(R * (-(-max_len // PAGE_TOKENS)), PAGE_TOKENS)  # the slot layout's rows
+    # the slot layout's rows, and a page to copy a received prompt's partial last page into
+    # before its own goes back (examples/pd_decode.py)
+    hp = HostPages(R * (-(-max_len // PAGE_TOKENS)) + 1, PAGE_TOKENS)
     host = np.zeros((layers, hp.n_rows, ROW), np.float32)  # the pinned pool
     host_locs = np.full((R, max_len), -1, np.int64)
-    for r in range(R):  # admission: request 0 whole; the others share its first N tokens
-        fork = N and r > 0
-        for src, dst, cnt in hp.admit(r, context, prefix=(0, N) if fork else None):
-            host[:, dst:dst + cnt] = host[:, src:src + cnt]  # the partial page, copied
-        start = N if fork else 0
-        rows = hp.rows(r, start, context)
-        for layer in range(layers):
-            host[layer, rows] = kv_rows(layer, np.full(rows.size, r), np.arange(start, context))
-        host_locs[r, :context] = hp.rows(r)
+    admit(cfg, hp, host, host_locs)
     device = np.zeros((layers, R * W, ROW), np.float32)
     slot_locs = (np.arange(R)[:, None] * W + np.arange(W)).astype(np.int32)
     tokens = np.full((layers, R, W), -1, np.int32)
