@@ -54,3 +54,78 @@ def test_copies_into_a_chunked_pool_split_at_registration_edges(monkeypatch):
             assert not any(a < base + e < b for e in edges), (edges, a - base, b - base)
         split += len(extents) > 1
     assert split > 50  # many cases needed more than one copy
+
+
+def test_the_device_page_table_follows_the_host_pages(monkeypatch):
+    """HostRows' device tables (page table, own_from), written on the stream by admit, grow
+    and release, equal its HostPages' state after every operation of a random run (forks,
+    engine pages, growth of one page and of many, no-op growth, releases), and ``check``
+    agrees; CuPy replaced by NumPy (the same writes, without a device)."""
+    import contextlib
+
+    from hisparse_cupy import host_rows
+    from hisparse_cupy.host_pages import PoolExhausted
+
+    shim = SimpleNamespace(asarray=np.asarray, zeros=np.zeros, int32=np.int32,
+                           asnumpy=np.asarray, cuda=SimpleNamespace(Event=object))
+    monkeypatch.setattr(host_rows, "cupy", shim)
+    rng = np.random.default_rng(11)
+    R, max_len, P = 6, 300, 8
+    pool = SimpleNamespace(n_rows=40 * P)
+    hr = host_rows.HostRows(R, max_len, pool, page_tokens=P)
+    hr.after_releases = lambda s, host: None  # no release events without a device
+    stream = contextlib.nullcontext()
+    live: dict[int, int] = {}  # rid -> tokens its steps may have
+    ops = 0
+    for _ in range(3000):
+        free = [r for r in range(R) if r not in live]
+        op = rng.random()
+        pages = None
+        try:
+            if free and op < 0.3:
+                rid, n = free[0], int(rng.integers(1, 120))
+                prefix = None
+                if live and rng.random() < 0.4:
+                    parent = int(rng.choice(list(live)))
+                    p = int(rng.integers(1, hr._written[parent] + 1))
+                    prefix, n = (parent, p), max(n, p)
+                elif rng.random() < 0.2:
+                    pages = hr.pages.take(int(rng.integers(0, n // P + 1)))
+                assert hr.shared_tokens(n, prefix, pages) <= n
+                hr.admit(rid, n, prefix, pages, stream)
+                if pages:
+                    hr.pages.put(pages)  # the engine drops its hold: the request keeps them
+                live[rid] = n
+            elif live and op < 0.4:
+                rid = int(rng.choice(list(live)))
+                hr.release(rid, stream)
+                del live[rid]
+            elif live:
+                rid = int(rng.choice(list(live)))
+                n = min(max_len, live[rid] + int(rng.choice([-3, 0, 1, 1, 1, 9, 40])))
+                hr.grow(rid, max(1, n), stream)
+                live[rid] = max(live[rid], n)
+        except PoolExhausted:  # nothing taken by the admission: the engine drops its pages
+            if pages and rid not in live:
+                hr.pages.put(pages)
+        ops += 1
+        hr.pages.check()
+        for r in range(R):
+            if r in live:
+                pg = hr.pages.pages(r)
+                assert hr.table[r, :len(pg)].tolist() == pg
+                assert (hr.table[r, len(pg):] == -1).all()
+                assert hr.own_from[r] == hr.pages.own_from(r)
+                assert hr.pages.tokens(r) >= live[r]
+            else:
+                assert (hr.table[r] == -1).all() and hr.own_from[r] == 0
+        if live:
+            hr.check(list(live), [live[r] for r in live])
+    assert ops == 3000
+    if not live:
+        hr.admit(0, 10, None, None, stream)
+        live[0] = 10
+    rid = next(iter(live))
+    hr.table[rid, 0] += 1  # a table that disagrees: check names the slot
+    with pytest.raises(ValueError, match=f"request slot {rid}: the device page table"):
+        hr.check([rid], [1])
