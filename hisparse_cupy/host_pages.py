@@ -29,7 +29,15 @@ import numpy as np
 
 from . import _checks
 
-__all__ = ["HostPages", "PoolExhausted"]
+__all__ = ["HostPages", "PoolExhausted", "consecutive_runs"]
+
+
+def consecutive_runs(values) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, stops)``: the index ranges of ``values`` (ints) over which each one is the
+    previous plus one (pages or rows that lie one after the other)."""
+    v = np.asarray(values, np.int64).reshape(-1)
+    cut = np.flatnonzero(np.diff(v) != 1) + 1
+    return np.r_[0, cut], np.r_[cut, v.size]
 
 
 class PoolExhausted(RuntimeError):

@@ -23,7 +23,7 @@ import cupy
 import numpy as np
 
 from . import _checks
-from .host_pages import HostPages
+from .host_pages import HostPages, consecutive_runs
 from .host_pool import HostKVPool
 from .plan import copy_params, default_copy_grid, launch_copy
 
@@ -156,10 +156,9 @@ class HostRows:
     def grow(self, rid: int, n: int, stream) -> None:
         """Pages for ``rid``'s tokens up to ``n`` (their table entries written on ``stream``);
         nothing where it has them."""
-        if self.pages is None:
-            _checks.integer("n_tokens", n, 1, self.max_len)
-            return
         n = _checks.integer("n_tokens", n, 1, self.max_len)
+        if self.pages is None:
+            return
         before = self.pages.tokens(rid)
         if n <= before:  # the room is there (e.g. taken for draft tokens)
             return
@@ -279,8 +278,7 @@ MIN_RUN_BYTES = 64 << 10
 
 def _runs(rows: np.ndarray) -> list[tuple[int, int]]:
     """``[a, b)`` index ranges of ``rows`` over which the rows are consecutive."""
-    cut = np.flatnonzero(np.diff(rows) != 1) + 1
-    return list(zip(np.r_[0, cut].tolist(), np.r_[cut, len(rows)].tolist(), strict=True))
+    return list(zip(*(x.tolist() for x in consecutive_runs(rows)), strict=True))
 
 
 def _copy_to_pool(pool, off: int, src: int, pitch: int, width: int, stream) -> None:

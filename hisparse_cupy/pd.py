@@ -51,7 +51,7 @@ import uuid
 import numpy as np
 
 from . import _checks
-from .host_pages import HostPages
+from .host_pages import HostPages, consecutive_runs
 
 __all__ = ["Arrival", "KVReceiver", "KVSender", "PendingSend", "Polled", "Sent", "nixl_api"]
 
@@ -172,8 +172,7 @@ class KVReceiver(_Agent):
             self._fence()
         P, rb = self.page_tokens, self.row_bytes
         pg = np.asarray(pages, np.int64)
-        cut = np.flatnonzero(np.diff(pg) != 1) + 1  # runs of consecutive pages
-        first, last = np.concatenate(([0], cut)), np.concatenate((cut, [pg.size]))
+        first, last = consecutive_runs(pg)  # runs of consecutive pages
         cnt = np.minimum(last * P, n) - first * P
         layer = self.pool.ctypes.data + np.arange(self.n_layers)[:, None] * self.pool.strides[0]
         addr = layer + pg[first] * (P * rb)
