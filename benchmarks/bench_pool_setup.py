@@ -4,12 +4,16 @@ cudaHostRegister, measured in the same run.
 A pool of ``--gb`` GB shaped like GLM's KV (78 layers of 656-byte rows), built by each path
 in turn, each freed before the next (a 64 GB pool fits on a 128 GB host):
 
-- ``cuda``: ``HostKVPool()`` (``alloc="cuda"``, the default), one ``cudaHostAlloc``;
-- ``mmap``: ``HostKVPool(alloc="mmap")``: anonymous mmap, first touch from ``--threads`` threads,
-  transparent huge pages asked, ``cudaHostRegister`` in chunks of at most ``_REGISTER_CHUNK``;
+- ``cuda``: ``HostKVPool(alloc="cuda")``, one ``cudaHostAlloc``;
+- ``mmap``: ``HostKVPool()`` (``alloc="mmap"``, the default): anonymous mmap, first touch
+  from ``--threads`` threads, transparent huge pages asked, ``cudaHostRegister`` in chunks of
+  at most ``_REGISTER_CHUNK``;
 - ``mmap-4k``: the same without huge pages (what a kernel without THP gets);
-- ``shared``: ``HostKVPool(shared_name=...)``: a ``/dev/shm`` object, the same first touch
-  and registration, named once set up.
+- ``shared``: ``HostKVPool(shared_name=...)``: ``/dev/shm`` files, one segment per thread
+  (``hisparse_cupy.host_shm``), the same first touch and registration, named once set up;
+- ``shared-1``: the same in one file (``segments=1``, the path before segments);
+- ``mmap-touch``, ``shared-touch``: first touch by a write per page instead of
+  ``MADV_POPULATE_WRITE`` (``host_pool._POPULATE`` off).
 
 Per path: setup seconds and GB/s (first touch and registration apart), teardown seconds
 (unregistration apart), the huge pages the process held after setup, and whether the GPU
@@ -18,7 +22,8 @@ at the pool's ends and across every registration chunk's edge). Targets: setup
 >= 10 GB/s and teardown <= 2 s for a 64 GB pool. A path that fails is reported and skipped.
 
     python benchmarks/bench_pool_setup.py [--gb 64] [--threads N] [--chunk-gib G]
-        [--paths cuda,mmap,shared,mmap-4k] [--quick] [--out DIR]
+        [--paths cuda,mmap,shared,mmap-4k,shared-1,mmap-touch,shared-touch] [--quick]
+        [--out DIR]
 """
 
 from __future__ import annotations
@@ -38,9 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import device_info, write_json  # noqa: E402
 
 from hisparse_cupy import host_pool as hp  # noqa: E402
+from hisparse_cupy import host_shm  # noqa: E402
 
 LAYERS, ROW = 78, 656
-PATHS = ("cuda", "mmap", "shared", "mmap-4k")
+PATHS = ("cuda", "mmap", "shared", "mmap-4k", "shared-1", "mmap-touch", "shared-touch")
 
 
 def _read(path: str) -> str:
@@ -79,8 +85,9 @@ def _gpu_reads_right(pool) -> bool:
     host = pool.numpy.reshape(total, pool.row_bytes)
     base, nbytes = host.ctypes.data, total * pool.row_bytes
     edges = [p - base for p, _ in hp._chunks(base, nbytes)[1:]]
-    starts = {0, total - 3} | {min(max(e // pool.row_bytes - 1, 0), total - 3) for e in edges}
     rng = np.random.default_rng(0)
+    starts = {0, total - 3} | {min(max(e // pool.row_bytes - 1, 0), total - 3) for e in edges} \
+        | {int(r) for r in rng.integers(0, total - 3, 64)}  # in every segment, likely
     dev_id = cupy.cuda.Device().id
     ok = True
     for r in sorted(starts):
@@ -94,13 +101,15 @@ def _gpu_reads_right(pool) -> bool:
 
 
 def _one(path: str, n_rows: int, args) -> dict:
-    kw = {"cuda": {"alloc": "cuda"}, "mmap": {"alloc": "mmap"},
-          "mmap-4k": {"alloc": "mmap", "huge_pages": False},
-          "shared": {"shared_name": f"hs-bench-setup-{os.getpid()}"}}[path]
+    shared = {"shared_name": f"hs-bench-setup-{os.getpid()}"}
+    kw = {"cuda": {"alloc": "cuda"}, "mmap": {"alloc": "mmap"}, "mmap-touch": {"alloc": "mmap"},
+          "mmap-4k": {"alloc": "mmap", "huge_pages": False}, "shared": shared,
+          "shared-touch": shared, "shared-1": {**shared, "segments": 1}}[path]
     if path != "cuda":
         kw["threads"] = args.threads
     pool = None
     res = {"path": path}
+    populate, hp._POPULATE = hp._POPULATE, not path.endswith("-touch")
     try:
         t0 = time.perf_counter()
         pool = hp.HostKVPool(LAYERS, n_rows, ROW, **kw)
@@ -114,10 +123,11 @@ def _one(path: str, n_rows: int, args) -> dict:
     except Exception as e:  # noqa: BLE001 - reported, the next path still runs
         res["error"] = f"{type(e).__name__}: {e}"
     finally:
+        hp._POPULATE = populate
         if pool is not None and not pool.closed:
             pool.close()
         if "shared_name" in kw:
-            hp._unlink(os.path.join(hp._SHM_DIR, kw["shared_name"]))
+            host_shm.unlink(os.path.join(hp._SHM_DIR, kw["shared_name"]))
         del pool
         gc.collect()
     return res

@@ -8,105 +8,180 @@ come in, the decode process admits each request on its received pages and then r
 loop, whose self-check compares every attention output, bit for bit, with the same attention
 over the KV the model defines: a byte lost or misplaced on the way fails it.
 
-This runs the decode loop's NumPy reference backend (``hisparse_cupy.demo``, no GPU needed; the
-same flags). The two processes share this machine here; NIXL (UCX) spans two nodes with the
-same code, the ticket and a ``sent`` line then travelling over the engines' own channel.
+On a CUDA device this is the GPU decode loop (``python -m hisparse_cupy demo``, the same flags):
+the prefill process makes each prompt's KV in its GPU memory with the model's kernel and NIXL
+writes it from there (VRAM -> the decode pool's DRAM pages), for every offloaded mode's run;
+the self-check compares with the gpu-only run. Without one (or with ``--cpu``) it is the decode
+loop's NumPy reference backend, KV made and sent from host memory. The two processes share this
+machine here; NIXL (UCX) spans two nodes with the same code, the ticket and a ``sent`` line
+then travelling over the engines' own channel.
 
     pip install --no-deps nixl-cu12   # NIXL's UCX agent (its declared torch is not needed)
-    python examples/pd_decode.py [--batch 4 --context 3000 --steps 8 ...]
+    python examples/pd_decode.py [--cpu] [--batch 4 --context 3000 --steps 8 ...]
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import sys
 import time
 
 import numpy as np
 
 
-def prefill(tickets, results) -> None:
-    """The prefill process: for each ticket, the request's prompt KV (float32 rows viewed as
-    bytes) written into the decode pool's pages; a (req_id, bytes, seconds) line back."""
-    import os
-
+def prefill(argv, gpu: bool, tickets, results) -> None:
+    """The prefill process: for each ticket, the request's prompt KV written into the decode
+    pool's pages (on the GPU: made in VRAM by the model's kernel, sent from there; else float32
+    rows in host memory viewed as bytes); a (req_id, bytes, seconds) line back."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from hisparse_cupy.demo.cpu import kv_rows
     from hisparse_cupy.pd import KVSender
 
     tx = KVSender()
     try:
+        if gpu:
+            import cupy
+
+            from hisparse_cupy.demo.config import ROW_BYTES, from_args
+            from hisparse_cupy.demo.loop import prompt_kv
+            from hisparse_cupy.demo.model import Kernels
+
+            cfg, k, s = from_args(argv), Kernels(), cupy.cuda.Stream(non_blocking=True)
+            with s:
+                buf = cupy.empty((cfg.layers, cfg.context, ROW_BYTES), cupy.uint8)
+                req = cupy.empty(1, cupy.int32)
+            tx.register(buf)  # the engine's KV buffer, registered once
+
+            def make(t):
+                with s:
+                    req.fill(t["req_id"])
+                prompt_kv(k, cfg, buf.data.ptr, buf[0].nbytes, req, s)
+                s.synchronize()
+                return buf[:, :t["n_tokens"]]
+        else:
+            from hisparse_cupy.demo.cpu import kv_rows
+
+            def make(t):
+                n, r = t["n_tokens"], t["req_id"]
+                return np.stack([kv_rows(layer, np.full(n, r), np.arange(n))
+                                 for layer in range(t["n_layers"])]).view(np.uint8)
         while (t := tickets.get()) is not None:
-            n, r = t["n_tokens"], t["req_id"]
-            kv = np.stack([kv_rows(layer, np.full(n, r), np.arange(n))
-                           for layer in range(t["n_layers"])])
-            sent = tx.send(t, kv.view(np.uint8))
-            results.put((r, sent.bytes, sent.seconds))
+            sent = tx.send(t, make(t))
+            results.put((t["req_id"], sent.bytes, sent.seconds))
     finally:
         tx.close()
 
 
-def admit_over_nixl(cfg, hp, host, host_locs) -> None:
-    """The decode loop's admission (``hisparse_cupy.demo.cpu.admit_local``'s duties), the
-    prompts' KV received from the prefill process."""
-    from hisparse_cupy.pd import KVReceiver
+class Receiving:
+    """The decode side of one prefill process: its receiver over ``pool`` and ``pages``, the
+    child, and every request's prompt of ``cfg.context`` tokens reserved and awaited."""
 
-    ctx = mp.get_context("spawn")
-    tickets, results = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=prefill, args=(tickets, results), daemon=True)
-    child.start()
-    rx = KVReceiver(host.view(np.uint8), hp, timeout_s=120)
-    t0 = time.perf_counter()
-    try:
+    def __init__(self, argv, gpu: bool, pool, pages, fence=None):
+        from hisparse_cupy.pd import KVReceiver
+
+        ctx = mp.get_context("spawn")
+        self.tickets, self.results = ctx.Queue(), ctx.Queue()
+        self.child = ctx.Process(target=prefill, args=(argv, gpu, self.tickets, self.results),
+                                 daemon=True)
+        self.child.start()
+        self.rx = KVReceiver(pool, pages, timeout_s=120, fence=fence)
+        self.where = "VRAM" if gpu else "host memory"
+
+    def receive(self, cfg) -> dict:
+        """Every request's arrival (req_id -> Arrival); prints the transfer's figures."""
+        t0 = time.perf_counter()
         for r in range(cfg.batch):
-            tickets.put(rx.reserve(r, cfg.context))
-        tickets.put(None)
+            self.tickets.put(self.rx.reserve(r, cfg.context))
         got = {}
         while len(got) < cfg.batch:
-            polled = rx.poll()
+            polled = self.rx.poll()
             if polled.timed_out:
                 raise SystemExit(f"pd_decode: requests {polled.timed_out} never arrived")
             got.update((a.req_id, a) for a in polled.done)
-            if not child.is_alive() and not polled.done and len(got) < cfg.batch:
-                raise SystemExit(f"pd_decode: the prefill process exited ({child.exitcode})")
+            if not self.child.is_alive() and not polled.done and len(got) < cfg.batch:
+                raise SystemExit(f"pd_decode: the prefill process exited ({self.child.exitcode})")
             time.sleep(0.001)
         wall = time.perf_counter() - t0
+        sent = [self.results.get(timeout=60) for _ in range(cfg.batch)]
+        nbytes, secs = sum(b for _, b, _ in sent), sum(t for *_, t in sent)
+        print(f"pd_decode: {cfg.batch} prompts of {cfg.context} tokens ({nbytes / 1e6:.1f} MB) "
+              f"written by the prefill process from {self.where} into the decode pool's pages "
+              f"over NIXL: its sends took {secs * 1e3:.0f} ms ({nbytes / secs / 1e9:.2f} GB/s; "
+              f"the first connects), {wall:.2f} s from the reservations to the last arrival "
+              f"(the prefill process's KV included)", flush=True)
+        return got
+
+    def close(self) -> None:
+        try:
+            self.tickets.put(None)
+            self.child.join(timeout=30)
+        finally:
+            self.rx.close()
+
+
+def admit_over_nixl(cfg, hp, host, host_locs, argv=()) -> None:
+    """The NumPy decode loop's admission (``hisparse_cupy.demo.cpu.admit_local``'s duties),
+    the prompts' KV received from the prefill process."""
+    rec = Receiving(list(argv), False, host.view(np.uint8), hp)
+    try:
+        got = rec.receive(cfg)
         P = hp.page_tokens
         for r in range(cfg.batch):  # each request on its pages (a partial last one copied)
-            n, whole, rest = rx.admit_args(got[r])
+            n, whole, rest = rec.rx.admit_args(got[r])
             hp.admit(r, n, pages=whole)
             if rest is not None:
                 host[:, hp.rows(r, len(whole or ()) * P, n)] = rest.view(np.float32)
-            rx.release(got[r])
+            rec.rx.release(got[r])
             host_locs[r, :n] = hp.rows(r)
-        sent = [results.get(timeout=60) for _ in range(cfg.batch)]
     finally:
-        rx.close()
-        child.join(timeout=30)
-    nbytes, secs = sum(b for _, b, _ in sent), sum(t for *_, t in sent)
-    print(f"pd_decode: {cfg.batch} prompts of {cfg.context} tokens ({nbytes / 1e6:.1f} MB) "
-          f"written by the prefill process into the decode pool's pages over NIXL: its sends "
-          f"took {secs * 1e3:.0f} ms ({nbytes / secs / 1e9:.2f} GB/s; the first connects), "
-          f"{wall:.2f} s from the reservations to the last arrival (the prefill process's "
-          f"start and its KV included)", flush=True)
+        rec.close()
+
+
+class GpuAdmission:
+    """The GPU decode loop's admission (``hisparse_cupy.demo.loop.Rig``'s ``admission``): each
+    offloaded run's requests admitted on pages the prefill process wrote from its VRAM."""
+
+    def __init__(self, argv, rig):
+        c = rig.cache
+        self.rig = rig
+        self.rec = Receiving(argv, True, c.pool, c.pages, fence=c.host.wait_releases)
+
+    def admit_all(self) -> list:
+        got = self.rec.receive(self.rig.cfg)
+        return [self.rec.rx.admit(self.rig.cache, got[r], stream=self.rig.s)
+                for r in range(self.rig.cfg.batch)]
+
+    def close(self) -> None:
+        self.rec.close()
 
 
 def main(argv=None) -> int:
-    from hisparse_cupy.demo.config import cpu_config
-    from hisparse_cupy.demo.cpu import run
+    from hisparse_cupy._device import cupy_or_why
+    from hisparse_cupy.demo.config import cpu_config, from_args
     from hisparse_cupy.pd import nixl_api
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         nixl_api()
     except ImportError as e:
         print(f"pd_decode: {e}", file=sys.stderr)
         return 2
-    cfg = cpu_config(argv)
+    cpu = "--cpu" in argv or isinstance(cupy_or_why(), str)
+    argv = [a for a in argv if a != "--cpu"]
+    cfg = cpu_config(argv) if cpu else from_args(argv)
     if cfg.shared_prefix:
         raise SystemExit("pd_decode: --shared-prefix is the local admission's (forks of "
                          "request 0); every prompt here arrives whole")
-    run(cfg, admit=admit_over_nixl)
-    return 0
+    if cpu:
+        from hisparse_cupy.demo.cpu import run
+
+        run(cfg, admit=lambda *a: admit_over_nixl(*a, argv=argv))
+        return 0
+    from hisparse_cupy.demo import run_gpu
+
+    if cfg.warmup < 1:
+        raise SystemExit("pd_decode: the GPU decode loop needs --warmup >= 1")
+    return run_gpu(cfg, admission=lambda rig: GpuAdmission(argv, rig))
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 
 Three ways to get a :class:`HostKVPool`:
 
-- ``HostKVPool(n_layers, n_rows, row_bytes)``: one ``cudaHostAlloc``; ``alloc="mmap"``:
-  anonymous memory first touched from several threads (transparent huge pages where the
-  kernel gives them), registered pinned and mapped in chunks of at most ``_REGISTER_CHUNK``
-  bytes (one ``cudaHostRegister`` of 512 GiB or more fails on the R580 drivers), 10 times
-  faster at 64 GB (``benchmarks/bench_pool_setup.py``);
-- ``HostKVPool(..., shared_name="kv0")`` and ``HostKVPool.attach("kv0")``: one POSIX
-  shared-memory object (``/dev/shm/<name>``, mode 0600) that several processes on a host map,
+- ``HostKVPool(n_layers, n_rows, row_bytes)``: anonymous memory first touched from several
+  threads (transparent huge pages where the kernel gives them), registered pinned and mapped
+  in chunks of at most ``_REGISTER_CHUNK`` bytes (one ``cudaHostRegister`` of 512 GiB or more
+  fails on the R580 drivers), 10 times faster at 64 GB than ``alloc="cuda"``, one
+  ``cudaHostAlloc`` (``benchmarks/bench_pool_setup.py``);
+- ``HostKVPool(..., shared_name="kv0")`` and ``HostKVPool.attach("kv0")``: POSIX shared
+  memory (``/dev/shm/<name>``, mode 0600, and unnamed segments: ``host_shm``) that several
+  processes on a host map,
   each registering it for its GPUs, so tensor-parallel ranks holding the same (MLA) KV keep
   one host copy. The creator sets it up unnamed (``O_TMPFILE``) and links the name once it is
   touched and registered: a creator killed on the way leaves nothing in ``/dev/shm``. It owns
@@ -25,7 +26,6 @@ configured). A pool dropped without :meth:`close` is released when collected.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import mmap
 import os
@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import cupy
 import numpy as np
 
-from . import _checks
+from . import _checks, host_shm
 from ._device import require_gpu
 from ._launch import Ptr
 from ._log import log
@@ -49,14 +49,9 @@ _SHM_DIR = "/dev/shm"
 _PAGE = mmap.PAGESIZE
 _REGISTER_CHUNK = 64 << 30  # bytes per cudaHostRegister call at most (a page multiple)
 _TOUCH_SPAN = 64 << 20  # bytes per first-touch thread at least (smaller pools use fewer threads)
+_POPULATE = True  # first touch by MADV_POPULATE_WRITE (bench_pool_setup.py measures both)
 _SAY_BYTES = 4 << 30  # pools this large say how long their setup took
 _ALLOCS = ("mmap", "cuda")
-
-
-def _shm_path(name: str) -> str:
-    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
-        raise ValueError(f"shared_name must be a non-empty name without '/', got {name!r}")
-    return os.path.join(_SHM_DIR, name)
 
 
 def _register(ptr: int, nbytes: int, portable: bool = True) -> int:
@@ -138,14 +133,16 @@ def _first_touch(rows: np.ndarray, threads: int) -> None:
     """Write a zero into every OS page of ``rows`` (a uint8 view of a new mapping: its pages
     read as zeros) from up to ``threads`` threads of ``_TOUCH_SPAN`` bytes or more, so that the
     kernel allocates the pages in parallel, not in one thread inside ``cudaHostRegister``
-    (NumPy's strided fill releases the GIL). Module level: a test replaces it."""
+    (NumPy's strided fill releases the GIL; with ``_POPULATE``, one ``MADV_POPULATE_WRITE``
+    per thread where the kernel has it: no fault per page). Module level: a test replaces it."""
     n = rows.size
     k = max(1, min(threads, -(-n // _TOUCH_SPAN)))
     per = -(-n // k)
     step = -(-per // _PAGE) * _PAGE  # whole pages per thread
 
     def touch(a: int) -> None:
-        rows[a: a + step: _PAGE] = 0
+        if not (_POPULATE and host_shm.populate(rows.ctypes.data + a, min(step, n - a))):
+            rows[a: a + step: _PAGE] = 0
 
     starts = range(0, n, step)
     if len(starts) == 1:
@@ -172,24 +169,6 @@ def _say(msg: str) -> None:
         log.info(msg)
     elif log.level == logging.NOTSET and not log.handlers:
         print(f"hisparse_cupy: {msg}", file=sys.stderr, flush=True)
-
-
-def _check_room(nbytes: int, shared: bool) -> None:
-    """Refuse a pool the machine cannot hold before touching it: a touch past the memory
-    wakes the OOM killer, past the end of /dev/shm it is a SIGBUS."""
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(v.split()[1]) << 10 for v in f if v.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):  # not Linux: mmap or the touch will tell
-        avail = nbytes
-    if nbytes > avail:
-        raise MemoryError(f"a host pool of {nbytes / 1e9:.1f} GB is more than the "
-                          f"{avail / 1e9:.1f} GB of memory available (MemAvailable)")
-    st = os.statvfs(_SHM_DIR) if shared else None
-    if st is not None and nbytes > st.f_bavail * st.f_frsize:
-        raise OSError(errno.ENOSPC, f"a shared host pool of {nbytes / 1e9:.1f} GB does not fit "
-                      f"in {_SHM_DIR} ({st.f_bavail * st.f_frsize / 1e9:.1f} GB free): enlarge "
-                      f"it (e.g. docker --shm-size) or use a private pool")
 
 
 def _finalizer(pool, release) -> weakref.finalize:
@@ -222,14 +201,18 @@ class HostKVPool:
     shared_name : str, optional
         Create the pool as the POSIX shared-memory object ``/dev/shm/<shared_name>`` (mode 0600)
         that other processes :meth:`attach`, named once set up; ``FileExistsError`` if taken.
-    alloc : "cuda" (the default for a private pool) or "mmap" (the only kind of shared pool)
-        One ``cudaHostAlloc``, or anonymous memory first touched in parallel and registered in
-        chunks (the default once it has run the GPU suite as one).
+    alloc : "mmap" (the default, the only kind of shared pool) or "cuda" (a private pool)
+        Memory mapped, first touched in parallel and registered in chunks, or one
+        ``cudaHostAlloc``.
     threads : int, optional
         First-touch threads (default :func:`default_threads`: the usable CPUs, at most 32).
     huge_pages : bool
         Ask for transparent huge pages (``MADV_HUGEPAGE``; default True; where offered).
+    segments : int, optional
+        A shared pool's files (default ``threads``; :mod:`hisparse_cupy.host_shm`): attaching
+        needs its creator alive in the same PID namespace unless ``segments=1``.
 
+    ``segments``: a shared pool's files (None for a private pool).
     ``chunk_edges``: byte offsets from row 0 of layer 0 where another registration starts (a
     ``cudaMemcpy`` may not span two; kernels' loads and stores may).
     ``timings``: seconds of the setup (``setup_s``, and ``touch_s``, ``register_s``) and, after
@@ -237,17 +220,24 @@ class HostKVPool:
     ``with``) releases the memory after synchronizing the device.
     """
 
+    segments = None
+
     def __init__(self, n_layers: int, n_rows: int, row_bytes: int, *, portable: bool = True,
                  shared_name: str | None = None, alloc: str | None = None,
-                 threads: int | None = None, huge_pages: bool = True):
+                 threads: int | None = None, huge_pages: bool = True,
+                 segments: int | None = None):
         t0 = time.perf_counter()
-        alloc = ("cuda" if shared_name is None else "mmap") if alloc is None else alloc
+        alloc = "mmap" if alloc is None else alloc
         if alloc not in _ALLOCS or (alloc == "cuda" and shared_name is not None):
             raise ValueError(f"alloc must be 'mmap' or 'cuda' (a private pool), got {alloc!r}")
         threads = default_threads() if threads is None else _checks.integer("threads", threads, 1)
         if not isinstance(huge_pages, bool):
             raise TypeError(f"huge_pages must be True or False, got {huge_pages!r}")
-        path = None if shared_name is None else _shm_path(shared_name)
+        path = None if shared_name is None else host_shm.path(shared_name)
+        if segments is not None and (shared_name is None or isinstance(segments, bool)):
+            raise ValueError(f"segments is a shared pool's (shared_name=...), got {segments!r}")
+        segments = threads if segments is None else \
+            _checks.integer("segments", segments, 1, host_shm.MAX_SEGMENTS)
         self._shape(n_layers, n_rows, row_bytes)
         nbytes = self.n_layers * self.layer_bytes
         self.name, self.owner, self.timings = None, False, {}
@@ -260,23 +250,25 @@ class HostKVPool:
             self._host = np.ndarray((self.n_layers, self.n_rows, self.row_bytes), np.uint8,
                                     buffer=cupy.cuda.PinnedMemoryPointer(self._mem, 0))
         elif path is None:
-            _check_room(nbytes, False)
+            host_shm.check_room(nbytes, False)
             mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             # a fork would copy pinned private pages: a child does not see it (as cudaHostAlloc)
             _advise(mm, "MADV_DONTFORK")
-            self._setup(mm, 0, nbytes, threads=threads, huge=huge_pages, portable=portable)
+            self._setup(np.frombuffer(mm, np.uint8, nbytes), lambda: _close_map(mm),
+                        huge_pages and _advise(mm, "MADV_HUGEPAGE"), threads=threads,
+                        portable=portable)
         else:
-            self._create_shared(path, shared_name, nbytes, threads, huge_pages)
+            self._create_shared(path, shared_name, nbytes, threads, huge_pages, segments)
         self.timings["setup_s"] = time.perf_counter() - t0
         self._check_alignment()
 
     def _create_shared(self, path: str, name: str, nbytes: int, threads: int,
-                       huge: bool) -> None:
+                       huge: bool, segments: int) -> None:
         taken = (f"a host pool named {name!r} already exists ({path}); attach to it or pick "
                  f"another name")
         if os.path.lexists(path):  # before the setup; the link at its end is the real check
             raise FileExistsError(taken)
-        _check_room(_HEADER + nbytes, True)
+        host_shm.check_room(_HEADER + nbytes, True)
         try:  # unnamed until set up: a creator killed before that leaves no name behind
             fd, named = os.open(_SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600), False
         except (AttributeError, OSError):  # no O_TMPFILE: the name exists during the setup
@@ -295,22 +287,27 @@ class HostKVPool:
                 os.close(d)
 
         # the creator owns the name: unlink it at close, or at exit if never closed
-        unlink = weakref.finalize(self, _unlink, path)
+        unlink = weakref.finalize(self, host_shm.unlink, path)
+        seg = None
         try:
-            os.ftruncate(fd, _HEADER + nbytes)
-            mm = mmap.mmap(fd, _HEADER + nbytes)
-            mm[8:32] = np.array([self.n_layers, self.n_rows, self.row_bytes], np.uint64).tobytes()
-            mm[0:8] = _MAGIC.tobytes()  # last: an attacher seeing it sees the shape
-            self._setup(mm, _HEADER, nbytes, threads=threads, huge=huge, portable=True,
-                        publish=None if named else publish, on_close=unlink)
+            seg = host_shm.create(fd, _SHM_DIR,
+                                  host_shm.sizes(nbytes, _HEADER, 1 if named else segments))
+            head = seg.array(0, _HEADER).view(np.uint64)
+            head[1:4] = (self.n_layers, self.n_rows, self.row_bytes)
+            t = host_shm.table(seg)
+            head[4:4 + t.size] = t
+            head[0] = _MAGIC  # last: an attacher seeing it sees the shape and segments
+            self._setup(seg.array(_HEADER, nbytes), seg.close, huge and seg.advise(14),
+                        threads=threads, portable=True, publish=None if named else publish,
+                        on_close=unlink)
         except BaseException:
             unlink.detach()  # the name, if any, is someone else's (or ours, unlinked here)
             if named:
-                _unlink(path)
+                host_shm.unlink(path)
+            if seg is None:
+                os.close(fd)
             raise
-        finally:
-            os.close(fd)  # the mapping keeps the object
-        self.name, self.owner = name, True
+        self.name, self.owner, self.segments = name, True, len(seg.sizes)
 
     # ----------------------------------------------------------------- other constructors
     @classmethod
@@ -320,7 +317,7 @@ class HostKVPool:
         it pinned and mapped for this process's devices. Sizes given must equal the creator's.
         ``FileNotFoundError`` if it is gone; closing an attached pool never unlinks it."""
         t0 = time.perf_counter()
-        path = _shm_path(name)
+        path = host_shm.path(name)
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
@@ -328,15 +325,8 @@ class HostKVPool:
                                     f"it or never made it") from None
         self = cls.__new__(cls)
         try:
-            size = os.fstat(fd).st_size
-            if size < _HEADER:
-                raise ValueError(f"{path} is not a hisparse_cupy host pool ({size} bytes)")
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)  # the mapping keeps the object
-        try:
-            head = np.frombuffer(mm[0:32], np.uint64)
-            magic, shape = head[0], tuple(int(v) for v in head[1:])
+            head = np.frombuffer(os.pread(fd, _HEADER, 0).ljust(_HEADER, b"\0"), np.uint64)
+            magic, shape = head[0], tuple(int(v) for v in head[1:4])
             if magic != _MAGIC:
                 raise ValueError(f"{path} is not a hisparse_cupy host pool")
             want = (n_layers, n_rows, row_bytes)
@@ -344,15 +334,17 @@ class HostKVPool:
                 raise ValueError(f"host pool {name!r} holds (n_layers, n_rows, row_bytes) = "
                                  f"{shape}, not {want}")
             self._shape(*shape)
-            if size != _HEADER + self.n_layers * self.layer_bytes:
-                raise ValueError(f"host pool {name!r} is {size} bytes, its shape needs "
-                                 f"{_HEADER + self.n_layers * self.layer_bytes}")
-        except BaseException:
-            mm.close()
-            raise
+            nbytes = self.n_layers * self.layer_bytes
+            seg = host_shm.attach(fd, head[4:], path)
+        finally:
+            os.close(fd)  # the mappings keep the files
+        if seg.total < _HEADER + nbytes:
+            seg.close()
+            raise ValueError(f"host pool {name!r} is {seg.total} bytes, its shape needs "
+                             f"{_HEADER + nbytes}")
         self.name, self.owner, self.timings = name, False, {}
-        self._setup(mm, _HEADER, self.n_layers * self.layer_bytes, threads=0, huge=False,
-                    portable=True)
+        self.segments = len(seg.sizes)
+        self._setup(seg.array(_HEADER, nbytes), seg.close, False, threads=0, portable=True)
         self.timings["setup_s"] = time.perf_counter() - t0
         self._check_alignment()
         return self
@@ -399,16 +391,16 @@ class HostKVPool:
         self.layer_bytes = self.n_rows * self.row_bytes
         require_gpu()  # before any CUDA call (or a shared-memory file)
 
-    def _setup(self, mm: mmap.mmap, offset: int, nbytes: int, *, threads: int, huge: bool,
-               portable: bool, publish=None, on_close=None) -> None:
-        """The rows of mapping ``mm`` from byte ``offset``: first touched by ``threads``
-        threads (none: 0), registered in chunks, then ``publish()``; on any error nothing is
-        left registered or mapped. Sets up the release: unregister, unmap, ``on_close()``."""
-        rows = np.frombuffer(mm, np.uint8, nbytes, offset)
+    def _setup(self, rows: np.ndarray, unmap, huge: bool, *, threads: int, portable: bool,
+               publish=None, on_close=None) -> None:
+        """``rows`` (uint8, a new mapping's; ``huge``: huge pages were granted) first touched
+        by ``threads`` threads (none: 0), registered in chunks, then ``publish()``; on any
+        error nothing is left registered, and ``unmap()``. Sets up the release: unregister,
+        ``unmap()``, ``on_close()``."""
+        nbytes = rows.size
         chunks, big, gb = [], nbytes >= _SAY_BYTES, nbytes / 1e9
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
-            huge = huge and _advise(mm, "MADV_HUGEPAGE")
             if big:
                 what = (f"touching its pages ({threads} threads, huge pages "
                         f"{'asked' if huge else 'off'}) and " if threads else "")
@@ -424,7 +416,7 @@ class HostKVPool:
         except BaseException:
             _unregister_all(chunks, quiet=True)
             del rows
-            _close_map(mm)
+            unmap()
             raise
         self.timings.update(touch_s=t1 - t0, register_s=t2 - t1)
         if big:
@@ -438,7 +430,7 @@ class HostKVPool:
                 _unregister_all(chunks)
             finally:
                 timings["unregister_s"] = time.perf_counter() - t
-                _close_map(mm)
+                unmap()
                 if on_close is not None:
                     on_close()
 
@@ -503,7 +495,3 @@ class HostKVPool:
         return (f"HostKVPool(n_layers={self.n_layers}, n_rows={self.n_rows}, "
                 f"row_bytes={self.row_bytes}{kind}, {state})")
 
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)

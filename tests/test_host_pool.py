@@ -53,6 +53,41 @@ def test_create_attach_share_bytes_and_unlink(no_cuda, name):
         hp.HostKVPool.attach(name)
 
 
+def test_a_pool_of_segments_is_one_range_one_name_and_attaches_from_another_process(
+        no_cuda, name):
+    """segments=5: five files mapped back to back (rows across their edges are contiguous),
+    one name in /dev/shm (the header's segment); a child process attaches through the
+    creator's descriptors and writes rows of every segment, which the creator reads; nothing
+    is left once both closed."""
+    before = set(os.listdir("/dev/shm"))
+    L, R, RB = 3, 4096, 48  # 576 KiB: segments of ~29 pages
+    a = hp.HostKVPool(L, R, RB, shared_name=name, segments=5)
+    assert a.segments == 5 and set(os.listdir("/dev/shm")) - before == {name}
+    rng = np.random.default_rng(0)
+    a.numpy[:] = rng.integers(0, 256, a.numpy.shape, dtype=np.uint8)
+    b = hp.HostKVPool.attach(name, L, R, RB)
+    assert b.segments == 5 and (b.numpy == a.numpy).all()
+    code = ("import numpy as np; from hisparse_cupy import host_pool as hp; "
+            "hp._register = lambda p, n: p; hp._unregister = lambda p: None; "
+            "hp.require_gpu = lambda: None; hp._synchronize = lambda: None\n"
+            f"p = hp.HostKVPool.attach({name!r})\n"
+            "p.numpy[:, ::97] = np.arange(p.numpy[:, ::97].size, dtype=np.uint32)"
+            ".astype(np.uint8).reshape(p.numpy[:, ::97].shape)\n"
+            "p.close()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    want = np.arange(a.numpy[:, ::97].size, dtype=np.uint32).astype(np.uint8)
+    assert (a.numpy[:, ::97].ravel() == want).all() and (b.numpy == a.numpy).all()
+    b.close()
+    a.close()
+    gc.collect()
+    assert set(os.listdir("/dev/shm")) == before
+    with pytest.raises(ValueError, match="segments is a shared pool's"):
+        hp.HostKVPool(1, 4, 16, segments=2)
+    with pytest.raises(ValueError, match="segments must be"):
+        hp.HostKVPool(1, 4, 16, shared_name=name, segments=0)
+
+
 def test_errors_name_the_problem(no_cuda, name):
     with hp.HostKVPool(1, 4, 16, shared_name=name):
         with pytest.raises(FileExistsError, match="already exists"):
@@ -203,7 +238,10 @@ def test_a_failing_or_misplaced_chunk_leaves_nothing(calls, name, monkeypatch):
 
 
 def test_first_touch_writes_every_page_from_several_threads(no_cuda, monkeypatch):
+    """Without MADV_POPULATE_WRITE one zero per page (seen on a buffer of 0xFF); with it (a new
+    pool) every page resident all the same."""
     monkeypatch.setattr(hp, "_TOUCH_SPAN", PAGE)
+    monkeypatch.setattr(hp, "_POPULATE", False)
     workers = []
 
     class Recording(hp.ThreadPoolExecutor):
@@ -226,6 +264,7 @@ def test_first_touch_writes_every_page_from_several_threads(no_cuda, monkeypatch
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon"))
 
+    monkeypatch.setattr(hp, "_POPULATE", True)
     before = rss()
     pool = hp.HostKVPool(4, 1 << 16, 64, alloc="mmap", threads=3,
                          huge_pages=False)  # 16 MiB, 4096 per span
@@ -244,12 +283,12 @@ def test_a_creator_killed_during_setup_leaves_no_shared_memory(name):
             "def slow(rows, threads):\n"
             "    touch(rows, threads); print('touched', flush=True); time.sleep(120)\n"
             "hp._first_touch = slow\n"
-            f"hp.HostKVPool(4, 1 << 16, 256, shared_name={name!r})\n")
+            f"hp.HostKVPool(4, 1 << 16, 256, shared_name={name!r}, segments=3)\n")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "touched"  # 64 MiB touched, not yet named
-        with open(f"/proc/{child.pid}/maps") as f:  # the unnamed object, mapped
-            assert any("/dev/shm/" in line and "(deleted)" in line for line in f)
+        with open(f"/proc/{child.pid}/maps") as f:  # the unnamed segments, mapped
+            assert sum("/dev/shm/" in line and "(deleted)" in line for line in f) == 3
         assert not os.path.exists(path)
         with pytest.raises(FileNotFoundError, match="no host pool named"):
             hp.HostKVPool.attach(name)

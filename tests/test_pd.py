@@ -447,9 +447,11 @@ def test_the_pd_example_decodes_on_kv_that_came_over_nixl(capsys):
     from hisparse_cupy.demo.cpu import run
 
     ex = _pd_example()
-    assert ex.main(["--batch", "3", "--context", "1000", "--steps", "3", "--quiet"]) == 0
+    assert ex.main(["--cpu", "--batch", "3", "--context", "1000", "--steps", "3",
+                    "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "written by the prefill process" in out and "self-check passed" in out
+    assert "written by the prefill process from host memory" in out
+    assert "self-check passed" in out
 
     def altered(cfg, hp, host, host_locs):
         ex.admit_over_nixl(cfg, hp, host, host_locs)
@@ -458,3 +460,62 @@ def test_the_pd_example_decodes_on_kv_that_came_over_nixl(capsys):
     cfg = cpu_config(["--batch", "3", "--context", "1000", "--steps", "2", "--quiet"])
     with pytest.raises(SystemExit, match="SELF-CHECK FAILED"):
         run(cfg, admit=altered)
+
+
+@pytest.mark.gpu
+def test_kv_in_gpu_memory_lands_in_a_pinned_pool_byte_exact(rng):
+    """Sends from VRAM (NIXL's VRAM -> DRAM): CuPy arrays, one inside a registered buffer (a
+    layer-strided view), into a pinned HostKVPool's scattered pages; every received row equals
+    the source, and every byte outside the reservations keeps its poison."""
+    import cupy
+
+    from hisparse_cupy.host_pool import HostKVPool
+
+    L, rb, P, n_pages = 3, 656, 16, 48
+    sizes = [1, 17, 100, 257, 16]
+    with HostKVPool(L, n_pages * P, rb) as pool:
+        host = pool.numpy
+        host[:] = 0xA5
+        pages = HostPages(n_pages, P)
+        held = pages.take(n_pages)
+        pages.put(list(rng.permutation(held)))  # pages handed out in random order
+        rx, tx = KVReceiver(pool, pages), KVSender()
+        big = cupy.asarray(rng.integers(0, 256, (L, 400, rb), dtype=np.uint8))
+        tx.register(big)
+        try:
+            want = {}
+            for i, n in enumerate(sizes):
+                if i == 3:  # rows of a registered buffer: layers 400 rows apart
+                    kv, src = big[:, 100:100 + n], cupy.asnumpy(big[:, 100:100 + n])
+                else:
+                    src = rng.integers(0, 256, (L, n, rb), dtype=np.uint8)
+                    kv = cupy.asarray(src)
+                sent = tx.send(rx.reserve(i, n), kv)
+                assert sent.bytes == L * n * rb
+                want[i] = src
+            got = {}
+            deadline = time.monotonic() + 30
+            while len(got) < len(sizes) and time.monotonic() < deadline:
+                got.update((a.req_id, a) for a in rx.poll().done)
+            assert sorted(got) == list(range(len(sizes)))
+            mask = np.zeros(n_pages * P, bool)
+            for i, a in got.items():
+                rows = (np.asarray(a.pages)[:, None] * P + np.arange(P)).ravel()[:sizes[i]]
+                np.testing.assert_array_equal(host[:, rows], want[i])
+                mask[rows] = True
+            assert (host[:, ~mask] == 0xA5).all()
+        finally:
+            tx.close()
+            rx.close()
+
+
+@pytest.mark.gpu
+def test_the_pd_example_runs_the_gpu_decode_loop_on_kv_sent_from_vram(capsys):
+    """examples/pd_decode.py on a GPU: the prefill process makes each prompt's KV in VRAM and
+    NIXL writes it into the decode pool; every offloaded run's self-check passes."""
+    ex = _pd_example()
+    assert ex.main(["--batch", "4", "--context", "3000", "--steps", "4", "--warmup", "2",
+                    "--layers", "12", "--hot", "1024", "--top-k", "256", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("written by the prefill process from VRAM") == 3  # offload, overlap, predict
+    assert "self-check passed" in out

@@ -139,9 +139,9 @@ def report_results(cfg: Config, results, extra: dict, title: str) -> int:
     return 0
 
 
-def run_gpu(cfg: Config) -> int:
+def run_gpu(cfg: Config, admission=None) -> int:
     """Run every configured mode and exec kind; returns the exit status (1: self-check failed,
-    2: the configuration does not fit)."""
+    2: the configuration does not fit). ``admission``: :class:`~.loop.Rig`'s."""
     import cupy
 
     from .loop import Rig
@@ -156,7 +156,7 @@ def run_gpu(cfg: Config) -> int:
     s = cupy.cuda.Stream(non_blocking=True) if part is None else part.stream("main")
     t0 = time.perf_counter()
     try:
-        rig = Rig(cfg, s, log, partition=part)
+        rig = Rig(cfg, s, log, partition=part, admission=admission)
         try:
             results = run_modes(cfg, rig, log)
         finally:

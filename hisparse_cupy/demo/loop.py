@@ -50,6 +50,17 @@ def coprime(n: int) -> int:
     return a
 
 
+def prompt_kv(k: Kernels, cfg: Config, base: int, layer_bytes: int, reqs, stream,
+              p0: int = 0, req_rows: int = 0) -> None:
+    """The model's prompt KV of positions ``[p0, context)`` of requests ``reqs`` (int32 on the
+    device), written from ``base`` (layers ``layer_bytes`` apart): request ``reqs[i]``'s row of
+    position ``p`` at row ``i * req_rows + p - p0`` of each layer."""
+    grid = (-(-(cfg.context - p0) * 72 // 256), reqs.size, cfg.layers)
+    k.kv_prefill(grid, (256,), (cupy.uint64(base), np.int64(layer_bytes), reqs, np.int32(p0),
+                                np.int32(cfg.context), np.int64(req_rows),
+                                np.int32(cfg.shared_prefix)), stream=stream)
+
+
 class Rig:
     """Buffers shared by every mode, and the per-mode state (resident KV or cache).
 
@@ -59,13 +70,20 @@ class Rig:
     ``tp``: see :class:`Model`. ``backup``: what an offloaded step does with its newest
     rows once the model wrote them, ``backup(step)``; default ``step.backup_newest()`` (a
     tensor-parallel rank that leaves the backup to another rank waits for it there instead).
+    ``admission``: how requests get their prompts in a paged pool, ``admission(rig)`` called
+    once the cache exists, returning an object whose ``admit_all()`` admits every request at
+    its prompt (slots ``0..batch-1``, as :meth:`_admit_all`) and whose ``close()`` runs before
+    the cache closes (``examples/pd_decode.py``: the prompts arrive over NIXL); default
+    :meth:`_admit_all`.
     """
 
     def __init__(self, cfg: Config, stream: cupy.cuda.Stream, log, *, pool=None,
-                 write_pool: bool = True, tp=None, backup=None, partition=None):
+                 write_pool: bool = True, tp=None, backup=None, partition=None,
+                 admission=None):
         self.cfg, self.s, self.log = cfg, stream, log
         self.partition = partition  # an SMPartition (stream is its main group's) or None
         self.pool, self.write_pool = pool, write_pool
+        self.admission, self._admission = admission, None
         self.backup = backup or (lambda st: st.backup_newest())
         self.pool_ready = False
         self.pattern = cfg.pattern_obj()
@@ -128,13 +146,8 @@ class Rig:
         """Prompt KV of positions ``[p0, context)``: every request's, in the slot layout
         (rows ``r * max_len + p``), or ``reqs``' with ``req_rows=0`` (one request, rows from
         0: an admission's KV)."""
-        c = self.cfg
-        reqs = self.req if reqs is None else reqs
-        grid = (-(-(c.context - p0) * 72 // 256), reqs.size, c.layers)
-        rows = c.max_len if req_rows is None else req_rows
-        self.k.kv_prefill(grid, (256,), (cupy.uint64(base), np.int64(layer_bytes), reqs,
-                                         np.int32(p0), np.int32(c.context), np.int64(rows),
-                                         np.int32(c.shared_prefix)), stream=self.s)
+        prompt_kv(self.k, self.cfg, base, layer_bytes, self.req if reqs is None else reqs,
+                  self.s, p0, self.cfg.max_len if req_rows is None else req_rows)
 
     def _admit_all(self) -> list[int]:
         """Every request admitted at its prompt: in a paged pool (the default) with its KV
@@ -197,9 +210,11 @@ class Rig:
             if self.pool is not None and c.shared_prefix:
                 raise SystemExit("demo: --shared-prefix needs the paged host pool the demo "
                                  "makes; a given pool is in the slot layout")
+            # a page more than the requests' longest: an admission on received pages copies a
+            # partial last page into a page of its own before the received one goes back
             paged = {} if self.pool is not None else \
                 {"page_tokens": PAGE_TOKENS,
-                 "host_rows": c.batch * -(-c.max_len // PAGE_TOKENS) * PAGE_TOKENS}
+                 "host_rows": (c.batch * -(-c.max_len // PAGE_TOKENS) + 1) * PAGE_TOKENS}
             self.cache = HotBufferCache(n_layers=c.layers, max_requests=c.batch,
                                         max_len=c.max_len, row_bytes=ROW_BYTES, hot_size=c.hot,
                                         top_k=c.top_k, extra_page=c.extra_page,
@@ -211,6 +226,11 @@ class Rig:
                 self.s.synchronize()
                 self.pool_ready = True
             self.pf = Prefetcher(self.cache, self.pattern, partition=self.partition)
+            if self.admission is not None:
+                if self.pool is not None:
+                    raise SystemExit("demo: an admission hook needs the paged pool the demo "
+                                     "makes; a given pool is in the slot layout")
+                self._admission = self.admission(self)
             how = (f"paged ({PAGE_TOKENS} tokens a page), pinned" if self.pool is None else
                    "given, slot layout")
             self.log(f"offload: {pool.n_layers * pool.layer_bytes / 1e9:.1f} GB host pool "
@@ -222,6 +242,9 @@ class Rig:
         if self.cache is not None:
             self.s.synchronize()
             self.pf.synchronize()
+            if self._admission is not None:
+                self._admission.close()
+                self._admission = None
             self.cache.close()
             self.cache = self.pf = None
             cupy.get_default_memory_pool().free_all_blocks()
@@ -240,7 +263,8 @@ class Rig:
             cache.counters.reset(s)
             for rid in list(cache.active):
                 cache.release(rid, stream=s)
-            rids = self._admit_all()
+            rids = (self._admit_all() if self._admission is None else
+                    self._admission.admit_all())
             # batch row b is request slot b in every mode (a KV row is a function of the slot)
             if sorted(rids) != list(range(c.batch)):
                 raise RuntimeError(f"unexpected request slots {rids}")

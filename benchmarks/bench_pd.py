@@ -1,0 +1,188 @@
+"""Prefill KV from GPU memory into a decode pool over NIXL, two processes, against a D2H memcpy.
+
+The decode process holds a pinned ``HostKVPool`` (78 layers of 1152-byte rows, pages of 64
+tokens) and a :class:`hisparse_cupy.pd.KVReceiver` over it; a prefill process (spawned) holds
+every request's KV in its GPU memory (one registered CuPy buffer) and writes each ticket's with
+:class:`hisparse_cupy.pd.KVSender` (one NIXL WRITE per request, VRAM -> DRAM). Per UCX
+configuration (each a fresh pair of processes with those environment variables), per rep: the
+requests sent one after another (the prefill process's ``send`` seconds), then all posted at
+once and waited (``wait=False``); every received byte is checked against the KV both
+processes compute. The ceiling, in the decode process of the same run: ``cudaMemcpyAsync`` of
+the same bytes from its own GPU memory into the same pool rows (CUDA events, median).
+
+    python benchmarks/bench_pd.py [--mib 1024] [--requests 8] [--reps 5] [--json FILE]
+                                  [--ucx "" "UCX_RMA_PPLN_ENABLE=y" ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+L, RB, P = 78, 1152, 64
+UCX_DEFAULT = ["", "UCX_RMA_PPLN_ENABLE=y", "UCX_RMA_PPLN_ENABLE=y UCX_TLS=sm,cuda,self",
+               "UCX_RNDV_SCHEME=get_zcopy"]
+
+
+def kv_bytes(cupy, n_tokens: int):
+    """The requests' KV, ``[L, n_tokens, RB]`` uint8, the same in both processes."""
+    i = cupy.arange(L * n_tokens * RB // 4, dtype=cupy.uint32)
+    return ((i * np.uint32(2654435761)) ^ (i >> 7)).view(cupy.uint8).reshape(L, n_tokens, RB)
+
+
+def sender(tickets, answers, n_total: int) -> None:
+    import cupy
+
+    from hisparse_cupy.pd import KVSender
+
+    kv = kv_bytes(cupy, n_total)
+    cupy.cuda.Device().synchronize()
+    tx = KVSender()
+    tx.register(kv)
+    answers.put("ready")
+    try:
+        while (msg := tickets.get()) is not None:
+            kind, ts = msg
+            views = [kv[:, t["first"]: t["first"] + t["n_tokens"]] for t in ts]
+            t0 = time.perf_counter()
+            if kind == "serial":
+                secs = [tx.send(t, v).seconds for t, v in zip(ts, views, strict=True)]
+            else:
+                pend = [tx.send(t, v, wait=False) for t, v in zip(ts, views, strict=True)]
+                secs = [p.wait().seconds for p in pend]
+            answers.put({"wall": time.perf_counter() - t0, "secs": secs})
+    finally:
+        tx.close()
+
+
+def one(mib: int, n_req: int, reps: int) -> dict:
+    import cupy
+
+    from hisparse_cupy.host_pages import HostPages
+    from hisparse_cupy.host_pool import HostKVPool
+    from hisparse_cupy.pd import KVReceiver
+
+    n_tok = max(P, (mib << 20) // (L * RB * n_req) // P * P)
+    n_total = n_tok * n_req
+    nbytes = L * n_total * RB
+    pool = HostKVPool(L, n_total, RB)
+    pages = HostPages(n_total // P, P)
+    rx = KVReceiver(pool, pages, timeout_s=300)
+    ctx = mp.get_context("spawn")
+    tickets, answers = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=sender, args=(tickets, answers, n_total), daemon=True)
+    child.start()
+    out = {"mib": nbytes / 2**20, "requests": n_req, "tokens": n_tok, "bytes": nbytes}
+    try:
+        assert answers.get(timeout=120) == "ready"
+        want = kv_bytes(cupy, n_total)
+        rates = {"serial": [], "posted": []}
+        for rep in range(reps):
+            for kind in ("serial", "posted"):
+                pool.numpy[:] = 0xA5  # poison
+                ts = []
+                for r in range(n_req):
+                    t = rx.reserve(r, n_tok)
+                    t["first"] = r * n_tok  # this request's tokens in the sender's buffer
+                    ts.append(t)
+                tickets.put((kind, ts))
+                got = {}
+                while len(got) < n_req:
+                    polled = rx.poll()
+                    if polled.timed_out:
+                        raise RuntimeError(f"timed out: {polled.timed_out}")
+                    got.update((a.req_id, a) for a in polled.done)
+                ans = answers.get(timeout=300)
+                ok = True
+                for r, a in got.items():
+                    rows = (np.asarray(a.pages)[:, None] * P + np.arange(P)).ravel()[:n_tok]
+                    dev = cupy.asarray(pool.numpy[:, rows])
+                    ok &= bool((dev == want[:, r * n_tok:(r + 1) * n_tok]).all())
+                    rx.release(a)
+                if not ok:
+                    raise RuntimeError(f"rep {rep} {kind}: received bytes differ")
+                dt = sum(ans["secs"]) if kind == "serial" else ans["wall"]
+                rates[kind].append(nbytes / dt / 1e9)
+        # the ceiling: the same bytes, D2H into the same pool rows, one copy per layer
+        s = cupy.cuda.Stream(non_blocking=True)
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        ms = []
+        for _ in range(reps + 1):
+            e0.record(s)
+            for layer in range(L):
+                cupy.cuda.runtime.memcpyAsync(pool.numpy[layer].ctypes.data,
+                                              want[layer].data.ptr, n_total * RB,
+                                              cupy.cuda.runtime.memcpyDeviceToHost, s.ptr)
+            e1.record(s)
+            e1.synchronize()
+            ms.append(cupy.cuda.get_elapsed_time(e0, e1))
+        d2h = nbytes / np.median(ms[1:]) / 1e6
+        out.update({k: {"median_gbps": float(np.median(v)), "best_gbps": float(max(v)),
+                        "all": v} for k, v in rates.items()})
+        out["d2h_memcpy_gbps"] = float(d2h)
+        out["share_of_memcpy"] = float(max(np.median(v) for v in rates.values()) / d2h)
+        out["bytes_ok"] = True
+    finally:
+        tickets.put(None)
+        child.join(timeout=60)
+        rx.close()
+        pool.close()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=int, default=1024, help="MiB per rep (all requests)")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--ucx", nargs="*", default=UCX_DEFAULT,
+                    help="UCX configurations: space-separated VAR=value lists ('' = defaults)")
+    ap.add_argument("--timeout", type=float, default=240, help="seconds per configuration")
+    ap.add_argument("--json")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.one:
+        print("@bench " + json.dumps(one(a.mib, a.requests, a.reps)), flush=True)
+        return 0
+    results = []
+    for conf in a.ucx:
+        env = {**os.environ, **dict(kv.split("=", 1) for kv in conf.split())}
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", "--mib", str(a.mib),
+               "--requests", str(a.requests), "--reps", str(a.reps)]
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+            line = [x for x in p.stdout.splitlines() if x.startswith("@bench ")]
+            res = json.loads(line[-1][7:]) if line else \
+                {"error": f"rc {p.returncode}: {(p.stderr or p.stdout)[-600:]}"}
+        except subprocess.TimeoutExpired:
+            res = {"error": f"timed out after {a.timeout:.0f} s"}
+        res.update(ucx=conf or "(defaults)", wall_s=time.perf_counter() - t0)
+        results.append(res)
+        if "error" in res:
+            print(f"{res['ucx']}: {res['error']}", flush=True)
+        else:
+            print(f"{res['ucx']}: {res['mib']:.0f} MiB in {res['requests']} requests, VRAM -> "
+                  f"DRAM over NIXL: one after another {res['serial']['median_gbps']:.2f} GB/s, "
+                  f"posted together {res['posted']['median_gbps']:.2f} GB/s (medians); "
+                  f"cudaMemcpyAsync of the same bytes {res['d2h_memcpy_gbps']:.2f} GB/s: "
+                  f"{100 * res['share_of_memcpy']:.1f} %; bytes checked", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"results": results, "layers": L, "row_bytes": RB, "page_tokens": P}, f,
+                      indent=1)
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""A shared pool's memory: one address range over several shared-memory files.
+
+Threads that first-touch pages of ONE tmpfs file contend on that file's locks (its page cache
+and block accounting), and the file's pages are freed by one thread when it goes: on the H200
+box a 64 GB pool in one ``/dev/shm`` file took 14.3 s to touch with 16 threads where private
+memory took 3.0 s, and 5.4 s to free (``benchmarks/NOTES.md``). So a shared pool is cut into
+*segments*, each its own file, mapped one after another (``MAP_FIXED`` into one reserved range,
+so the rows stay contiguous), touched and freed by a thread each.
+
+Segment 0 is the named file (``/dev/shm/<name>``: a header page, then its rows); the others are
+unnamed (``O_TMPFILE``) files that only the creator's descriptors keep: a creator killed at any
+point leaves nothing but what it had linked, and it links only segment 0, once set up. Another
+process opens them through ``/proc/<creator pid>/fd/<fd>`` (the header lists each one's
+descriptor, size, device and inode, checked on open), so attaching needs the creator alive and
+visible (the same PID namespace, the same user); ``segments=1`` makes a one-file pool that any
+process sharing ``/dev/shm`` can attach.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import mmap
+import os
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+_PAGE = mmap.PAGESIZE
+_PROT_RW, _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = \
+    3, 0x01, 0x02, 0x10, 0x20, 0x4000
+_FIELDS = 64  # header bytes before the segment table
+MAX_SEGMENTS = 64
+_libc = None
+
+
+def _c():
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                             ctypes.c_int, ctypes.c_long]
+        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc = lib
+    return _libc
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+
+
+def _munmap(addr: int, nbytes: int) -> None:
+    _check(_c().munmap(addr, nbytes) == 0, "munmap")
+
+
+def path(name: str, directory: str = "/dev/shm") -> str:
+    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"shared_name must be a non-empty name without '/', got {name!r}")
+    return os.path.join(directory, name)
+
+
+def unlink(p: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(p)
+
+
+def populate(addr: int, nbytes: int) -> bool:
+    """``MADV_POPULATE_WRITE`` (Linux 5.14): every page of the range allocated, writable, in
+    one call; False where the kernel refuses it (the caller touches the pages instead)."""
+    return nbytes <= 0 or (addr % _PAGE == 0 and _c().madvise(addr, nbytes, 23) == 0)
+
+
+def check_room(nbytes: int, shared: bool, directory: str = "/dev/shm") -> None:
+    """Refuse a pool the machine cannot hold before touching it: a touch past the memory
+    wakes the OOM killer, past the end of /dev/shm it is a SIGBUS."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(v.split()[1]) << 10 for v in f if v.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):  # not Linux: mmap or the touch will tell
+        avail = nbytes
+    if nbytes > avail:
+        raise MemoryError(f"a host pool of {nbytes / 1e9:.1f} GB is more than the "
+                          f"{avail / 1e9:.1f} GB of memory available (MemAvailable)")
+    st = os.statvfs(directory) if shared else None
+    if st is not None and nbytes > st.f_bavail * st.f_frsize:
+        raise OSError(errno.ENOSPC, f"a shared host pool of {nbytes / 1e9:.1f} GB does not fit "
+                      f"in {directory} ({st.f_bavail * st.f_frsize / 1e9:.1f} GB free): enlarge "
+                      f"it (e.g. docker --shm-size) or use a private pool")
+
+
+def _round(n: int) -> int:
+    return -(-n // _PAGE) * _PAGE
+
+
+class _Rows:
+    """``__array_interface__`` of the mapped range: the base of every NumPy view of it, so
+    the range is unmapped only once the mapping is closed and no view is left."""
+
+    def __init__(self, addr: int, nbytes: int):
+        self.__array_interface__ = {"data": (addr, False), "shape": (nbytes,),
+                                    "typestr": "|u1", "version": 3}
+
+
+def sizes(nbytes: int, header: int, n: int) -> list[int]:
+    """File sizes of ``n`` segments holding ``header`` bytes (segment 0) and ``nbytes`` of
+    rows; every segment but the last a page multiple, so the next one maps right after it."""
+    n = max(1, min(n, MAX_SEGMENTS, -(-nbytes // _PAGE)))
+    per = _round(-(-(header + nbytes) // n))
+    out, left = [], header + nbytes
+    while left > 0:
+        out.append(min(per, left))
+        left -= out[-1]
+    return out
+
+
+class Segments:
+    """Files mapped one after another from :attr:`addr` (``total`` bytes): :meth:`array` views
+    them, :meth:`close` unmaps each in a thread of its own (when no view is left) and closes
+    the descriptors held (the last reference to an unnamed segment frees its pages there)."""
+
+    def __init__(self, fds: list[int], sizes: list[int], keep_fds: bool):
+        self.sizes, self.total = list(sizes), sum(sizes)
+        self.fds = list(fds) if keep_fds else []
+        base = _c().mmap(None, _round(self.total), 0, _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE,
+                         -1, 0)
+        _check(base not in (None, ctypes.c_void_p(-1).value), "mmap (reserve)")
+        self.addr, done, off = base, [], 0
+        try:
+            for fd, n in zip(fds, sizes, strict=True):
+                got = _c().mmap(base + off, _round(n), _PROT_RW, _MAP_SHARED | _MAP_FIXED, fd, 0)
+                _check(got == base + off, "mmap (segment)")
+                done.append((got, _round(n)))
+                off += _round(n)
+        except BaseException:
+            _munmap(base, _round(self.total))
+            raise
+        self._parts = done
+        self._rows = _Rows(base, self.total)
+        self._gone = weakref.finalize(self._rows, _unmap_all, list(done), self.fds)
+
+    def array(self, offset: int, nbytes: int) -> np.ndarray:
+        return np.asarray(self._rows)[offset: offset + nbytes]
+
+    def advise(self, advice: int) -> bool:
+        return _c().madvise(self.addr, _round(self.total), advice) == 0
+
+    def close(self) -> None:
+        """Drop this object's reference: the range goes once no view of it is left."""
+        self._rows = None
+
+
+def _unmap_all(parts: list, fds: list[int]) -> None:
+    def one(i: int) -> None:
+        _munmap(*parts[i])
+        if i < len(fds):
+            os.close(fds[i])
+    try:
+        with ThreadPoolExecutor(min(len(parts), 32), thread_name_prefix="hs-unmap") as ex:
+            for f in [ex.submit(one, i) for i in range(len(parts))]:
+                f.result()
+    except RuntimeError:  # no new threads (interpreter shutdown): one after another
+        for i in range(len(parts)):
+            with contextlib.suppress(OSError):
+                one(i)
+
+
+def create(first_fd: int, directory: str, sizes_: list[int]) -> Segments:
+    """Segments over ``first_fd`` (segment 0, sized here) and new unnamed files in
+    ``directory``; the creator keeps every descriptor (another process opens them)."""
+    fds = [first_fd]
+    try:
+        fds += [os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600) for _ in sizes_[1:]]
+        for fd, n in zip(fds, sizes_, strict=True):
+            os.ftruncate(fd, _round(n))
+        return Segments(fds, sizes_, keep_fds=True)
+    except BaseException:
+        for fd in fds[1:]:
+            os.close(fd)
+        raise
+
+
+def table(seg: Segments) -> np.ndarray:
+    """The header's fields after the shape: segments, creator pid, then per segment ``(fd,
+    bytes, st_dev, st_ino)``, uint64."""
+    rows = [(fd, n, os.fstat(fd).st_dev, os.fstat(fd).st_ino)
+            for fd, n in zip(seg.fds, seg.sizes, strict=True)]
+    return np.array([len(rows), os.getpid(), 0, 0] + [v for r in rows for v in r], np.uint64)
+
+
+def attach(first_fd: int, head: np.ndarray, path: str) -> Segments:
+    """The segments a header (``head``: uint64 words from byte 32, :func:`table`'s) lists,
+    segment 0 from ``first_fd``, the others opened through the creator's descriptors."""
+    n, pid = int(head[0]), int(head[1])
+    if n <= 1:
+        return Segments([first_fd], [os.fstat(first_fd).st_size], keep_fds=False)
+    if n > MAX_SEGMENTS:
+        raise ValueError(f"{path}: its header lists {n} segments (at most {MAX_SEGMENTS})")
+    ent = head[4: 4 + 4 * n].reshape(n, 4).astype(np.int64)
+    fds = [first_fd]
+    try:
+        for k in range(1, n):
+            src = f"/proc/{pid}/fd/{ent[k, 0]}"
+            try:
+                fd = os.open(src, os.O_RDWR)
+            except OSError as e:
+                raise FileNotFoundError(
+                    f"{path} is a pool of {n} segments; segment {k} ({src}) cannot be opened "
+                    f"({e.strerror}): its creator (pid {pid}) must be alive and visible to "
+                    f"this process (same PID namespace and user), or create it with "
+                    f"segments=1") from None
+            fds.append(fd)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (ent[k, 2], ent[k, 3]) or st.st_size < ent[k, 1]:
+                raise ValueError(f"{path}: segment {k} ({src}) is not the file its header "
+                                 f"names (the creator is gone and its pid reused?)")
+        return Segments(fds, [int(v) for v in ent[:, 1]], keep_fds=False)
+    finally:
+        for fd in fds[1:]:
+            os.close(fd)  # the mappings keep the files
