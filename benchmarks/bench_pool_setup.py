@@ -11,9 +11,7 @@ in turn, each freed before the next (a 64 GB pool fits on a 128 GB host):
 - ``mmap-4k``: the same without huge pages (what a kernel without THP gets);
 - ``shared``: ``HostKVPool(shared_name=...)``: ``/dev/shm`` files, one segment per thread
   (``hisparse_cupy.host_shm``), the same first touch and registration, named once set up;
-- ``shared-1``: the same in one file (``segments=1``, the path before segments);
-- ``mmap-touch``, ``shared-touch``: first touch by a write per page instead of
-  ``MADV_POPULATE_WRITE`` (``host_pool._POPULATE`` off).
+- ``shared-1``: the same in one file (``segments=1``, the path before segments).
 
 Per path: setup seconds and GB/s (first touch and registration apart), teardown seconds
 (unregistration apart), the huge pages the process held after setup, and whether the GPU
@@ -22,8 +20,7 @@ at the pool's ends and across every registration chunk's edge). Targets: setup
 >= 10 GB/s and teardown <= 2 s for a 64 GB pool. A path that fails is reported and skipped.
 
     python benchmarks/bench_pool_setup.py [--gb 64] [--threads N] [--chunk-gib G]
-        [--paths cuda,mmap,shared,mmap-4k,shared-1,mmap-touch,shared-touch] [--quick]
-        [--out DIR]
+        [--paths cuda,mmap,shared,mmap-4k,shared-1] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ from hisparse_cupy import host_pool as hp  # noqa: E402
 from hisparse_cupy import host_shm  # noqa: E402
 
 LAYERS, ROW = 78, 656
-PATHS = ("cuda", "mmap", "shared", "mmap-4k", "shared-1", "mmap-touch", "shared-touch")
+PATHS = ("cuda", "mmap", "shared", "mmap-4k", "shared-1")
 
 
 def _read(path: str) -> str:
@@ -102,14 +99,13 @@ def _gpu_reads_right(pool) -> bool:
 
 def _one(path: str, n_rows: int, args) -> dict:
     shared = {"shared_name": f"hs-bench-setup-{os.getpid()}"}
-    kw = {"cuda": {"alloc": "cuda"}, "mmap": {"alloc": "mmap"}, "mmap-touch": {"alloc": "mmap"},
+    kw = {"cuda": {"alloc": "cuda"}, "mmap": {"alloc": "mmap"},
           "mmap-4k": {"alloc": "mmap", "huge_pages": False}, "shared": shared,
-          "shared-touch": shared, "shared-1": {**shared, "segments": 1}}[path]
+          "shared-1": {**shared, "segments": 1}}[path]
     if path != "cuda":
         kw["threads"] = args.threads
     pool = None
     res = {"path": path}
-    populate, hp._POPULATE = hp._POPULATE, not path.endswith("-touch")
     try:
         t0 = time.perf_counter()
         pool = hp.HostKVPool(LAYERS, n_rows, ROW, **kw)
@@ -123,7 +119,6 @@ def _one(path: str, n_rows: int, args) -> dict:
     except Exception as e:  # noqa: BLE001 - reported, the next path still runs
         res["error"] = f"{type(e).__name__}: {e}"
     finally:
-        hp._POPULATE = populate
         if pool is not None and not pool.closed:
             pool.close()
         if "shared_name" in kw:

@@ -49,7 +49,6 @@ _SHM_DIR = "/dev/shm"
 _PAGE = mmap.PAGESIZE
 _REGISTER_CHUNK = 64 << 30  # bytes per cudaHostRegister call at most (a page multiple)
 _TOUCH_SPAN = 64 << 20  # bytes per first-touch thread at least (smaller pools use fewer threads)
-_POPULATE = True  # first touch by MADV_POPULATE_WRITE (bench_pool_setup.py measures both)
 _SAY_BYTES = 4 << 30  # pools this large say how long their setup took
 _ALLOCS = ("mmap", "cuda")
 
@@ -133,16 +132,15 @@ def _first_touch(rows: np.ndarray, threads: int) -> None:
     """Write a zero into every OS page of ``rows`` (a uint8 view of a new mapping: its pages
     read as zeros) from up to ``threads`` threads of ``_TOUCH_SPAN`` bytes or more, so that the
     kernel allocates the pages in parallel, not in one thread inside ``cudaHostRegister``
-    (NumPy's strided fill releases the GIL; with ``_POPULATE``, one ``MADV_POPULATE_WRITE``
-    per thread where the kernel has it: no fault per page). Module level: a test replaces it."""
+    (NumPy's strided fill releases the GIL; faster than one ``MADV_POPULATE_WRITE`` per thread
+    on the H200 box: ``benchmarks/NOTES.md``). Module level: a test replaces it."""
     n = rows.size
     k = max(1, min(threads, -(-n // _TOUCH_SPAN)))
     per = -(-n // k)
     step = -(-per // _PAGE) * _PAGE  # whole pages per thread
 
     def touch(a: int) -> None:
-        if not (_POPULATE and host_shm.populate(rows.ctypes.data + a, min(step, n - a))):
-            rows[a: a + step: _PAGE] = 0
+        rows[a: a + step: _PAGE] = 0
 
     starts = range(0, n, step)
     if len(starts) == 1:

@@ -70,12 +70,6 @@ def unlink(p: str) -> None:
         os.unlink(p)
 
 
-def populate(addr: int, nbytes: int) -> bool:
-    """``MADV_POPULATE_WRITE`` (Linux 5.14): every page of the range allocated, writable, in
-    one call; False where the kernel refuses it (the caller touches the pages instead)."""
-    return nbytes <= 0 or (addr % _PAGE == 0 and _c().madvise(addr, nbytes, 23) == 0)
-
-
 def check_room(nbytes: int, shared: bool, directory: str = "/dev/shm") -> None:
     """Refuse a pool the machine cannot hold before touching it: a touch past the memory
     wakes the OOM killer, past the end of /dev/shm it is a SIGBUS."""

@@ -33,8 +33,8 @@ Limits: the pool is registered whole, so an agent with the metadata can write al
 per-reservation rights in NIXL): senders are trusted. A timeout frees pages that a slow sender
 may still write: keep ``timeout_s`` well above the worst transfer (a sender gives up at half
 the ticket's and releases its handle: NIXL tries to cancel). One thread drives each object.
-NIXL's Python wrapper logs INFO lines to stdout (``NIXL_LOG_LEVEL=WARN`` silences them).
-"""
+NIXL logs INFO lines to stdout (``NIXL_LOG_LEVEL=WARN`` silences them). UCX_RMA_PPLN_ENABLE is
+``y`` unless set: UCX would emulate a WRITE from GPU memory to another process over TCP."""
 
 from __future__ import annotations
 
@@ -92,6 +92,7 @@ def _agent(name, side: str):
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     api = nixl_api()
+    os.environ.setdefault("UCX_RMA_PPLN_ENABLE", "y")  # module docstring
     agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
     if "UCX" not in agent.backends:
         raise RuntimeError(f"NIXL's UCX backend did not start ({agent.get_plugin_list()})")

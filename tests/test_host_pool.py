@@ -238,10 +238,7 @@ def test_a_failing_or_misplaced_chunk_leaves_nothing(calls, name, monkeypatch):
 
 
 def test_first_touch_writes_every_page_from_several_threads(no_cuda, monkeypatch):
-    """Without MADV_POPULATE_WRITE one zero per page (seen on a buffer of 0xFF); with it (a new
-    pool) every page resident all the same."""
     monkeypatch.setattr(hp, "_TOUCH_SPAN", PAGE)
-    monkeypatch.setattr(hp, "_POPULATE", False)
     workers = []
 
     class Recording(hp.ThreadPoolExecutor):
@@ -264,7 +261,6 @@ def test_first_touch_writes_every_page_from_several_threads(no_cuda, monkeypatch
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon"))
 
-    monkeypatch.setattr(hp, "_POPULATE", True)
     before = rss()
     pool = hp.HostKVPool(4, 1 << 16, 64, alloc="mmap", threads=3,
                          huge_pages=False)  # 16 MiB, 4096 per span
