@@ -10,8 +10,14 @@ once and waited (``wait=False``); every received byte is checked against the KV 
 processes compute. The ceiling, in the decode process of the same run: ``cudaMemcpyAsync`` of
 the same bytes from its own GPU memory into the same pool rows (CUDA events, median).
 
-    python benchmarks/bench_pd.py [--mib 1024] [--requests 8] [--reps 5] [--json FILE]
-                                  [--ucx "" "UCX_RMA_PPLN_ENABLE=y" ...]
+    python benchmarks/bench_pd.py [--mib 1024 | --tokens N] [--requests 8] [--reps 3]
+        [--json FILE | --out DIR] [--quick]
+        [--configs "" "UCX_RMA_PPLN_ENABLE=n" "desc=0" "desc=4194304" ...]
+
+A configuration is a space-separated list of ``VAR=value`` environment variables (UCX's) and
+the sender's ``desc=BYTES`` (``KVSender(desc_bytes=)``, 0: the ticket's descriptors uncut);
+``""`` runs the defaults. Without NIXL it says so and exits 2 (``--quick``: 128 MiB, 2 reps, the
+defaults).
 """
 
 from __future__ import annotations
@@ -30,8 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 L, RB, P = 78, 1152, 64
-UCX_DEFAULT = ["", "UCX_RMA_PPLN_ENABLE=y", "UCX_RMA_PPLN_ENABLE=y UCX_TLS=sm,cuda,self",
-               "UCX_RNDV_SCHEME=get_zcopy"]
+CONFIGS = ["", "desc=0", "UCX_RMA_PPLN_ENABLE=n"]
 
 
 def kv_bytes(cupy, n_tokens: int):
@@ -40,14 +45,14 @@ def kv_bytes(cupy, n_tokens: int):
     return ((i * np.uint32(2654435761)) ^ (i >> 7)).view(cupy.uint8).reshape(L, n_tokens, RB)
 
 
-def sender(tickets, answers, n_total: int) -> None:
+def sender(tickets, answers, n_total: int, opts: dict) -> None:
     import cupy
 
     from hisparse_cupy.pd import KVSender
 
     kv = kv_bytes(cupy, n_total)
     cupy.cuda.Device().synchronize()
-    tx = KVSender()
+    tx = KVSender(**opts)
     tx.register(kv)
     answers.put("ready")
     try:
@@ -65,14 +70,14 @@ def sender(tickets, answers, n_total: int) -> None:
         tx.close()
 
 
-def one(mib: int, n_req: int, reps: int) -> dict:
+def one(mib: int, n_req: int, reps: int, tokens: int | None, opts: dict) -> dict:
     import cupy
 
     from hisparse_cupy.host_pages import HostPages
     from hisparse_cupy.host_pool import HostKVPool
     from hisparse_cupy.pd import KVReceiver
 
-    n_tok = max(P, (mib << 20) // (L * RB * n_req) // P * P)
+    n_tok = tokens or max(P, (mib << 20) // (L * RB * n_req) // P * P)
     n_total = n_tok * n_req
     nbytes = L * n_total * RB
     pool = HostKVPool(L, n_total, RB)
@@ -80,7 +85,8 @@ def one(mib: int, n_req: int, reps: int) -> dict:
     rx = KVReceiver(pool, pages, timeout_s=300)
     ctx = mp.get_context("spawn")
     tickets, answers = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=sender, args=(tickets, answers, n_total), daemon=True)
+    child = ctx.Process(target=sender, args=(tickets, answers, n_total, opts),
+                        daemon=True)
     child.start()
     out = {"mib": nbytes / 2**20, "requests": n_req, "tokens": n_tok, "bytes": nbytes}
     try:
@@ -143,22 +149,38 @@ def one(mib: int, n_req: int, reps: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=1024, help="MiB per rep (all requests)")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per request (for --mib)")
     ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--ucx", nargs="*", default=UCX_DEFAULT,
-                    help="UCX configurations: space-separated VAR=value lists ('' = defaults)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--configs", nargs="*", default=CONFIGS, help="see the module docstring")
+    ap.add_argument("--quick", action="store_true", help="128 MiB, 2 reps, the defaults")
     ap.add_argument("--timeout", type=float, default=240, help="seconds per configuration")
     ap.add_argument("--json")
-    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help="a directory: bench_pd.json written there")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.one:
-        print("@bench " + json.dumps(one(a.mib, a.requests, a.reps)), flush=True)
+    if a.one is not None:
+        opts = {f"{k}_bytes": int(v) or None for k, v in json.loads(a.one).items()}
+        print("@bench " + json.dumps(one(a.mib, a.requests, a.reps, a.tokens, opts)),
+              flush=True)
         return 0
+    try:
+        from hisparse_cupy.pd import nixl_api
+
+        nixl_api()
+    except ImportError as e:
+        print(f"bench_pd: {e}", file=sys.stderr)
+        return 2
+    if a.quick:
+        a.mib, a.reps, a.configs = 128, 2, [""]
     results = []
-    for conf in a.ucx:
-        env = {**os.environ, **dict(kv.split("=", 1) for kv in conf.split())}
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", "--mib", str(a.mib),
-               "--requests", str(a.requests), "--reps", str(a.reps)]
+    for conf in a.configs:
+        pairs = [kv.split("=", 1) for kv in conf.split()]
+        env = {**os.environ, **{k: v for k, v in pairs if k != "desc"}}
+        opts = {k: v for k, v in pairs if k == "desc"}
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", json.dumps(opts), "--mib",
+               str(a.mib), "--requests", str(a.requests), "--reps", str(a.reps)] + \
+            (["--tokens", str(a.tokens)] if a.tokens else [])
         t0 = time.perf_counter()
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
@@ -167,18 +189,19 @@ def main(argv=None) -> int:
                 {"error": f"rc {p.returncode}: {(p.stderr or p.stdout)[-600:]}"}
         except subprocess.TimeoutExpired:
             res = {"error": f"timed out after {a.timeout:.0f} s"}
-        res.update(ucx=conf or "(defaults)", wall_s=time.perf_counter() - t0)
+        res.update(config=conf or "(defaults)", wall_s=time.perf_counter() - t0)
         results.append(res)
         if "error" in res:
-            print(f"{res['ucx']}: {res['error']}", flush=True)
+            print(f"{res['config']}: {res['error']}", flush=True)
         else:
-            print(f"{res['ucx']}: {res['mib']:.0f} MiB in {res['requests']} requests, VRAM -> "
+            print(f"{res['config']}: {res['mib']:.0f} MiB in {res['requests']} requests, VRAM -> "
                   f"DRAM over NIXL: one after another {res['serial']['median_gbps']:.2f} GB/s, "
                   f"posted together {res['posted']['median_gbps']:.2f} GB/s (medians); "
                   f"cudaMemcpyAsync of the same bytes {res['d2h_memcpy_gbps']:.2f} GB/s: "
                   f"{100 * res['share_of_memcpy']:.1f} %; bytes checked", flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
+    path = a.json or (a.out and os.path.join(a.out, "bench_pd.json"))
+    if path:
+        with open(path, "w") as f:
             json.dump({"results": results, "layers": L, "row_bytes": RB, "page_tokens": P}, f,
                       indent=1)
     return 0 if all("error" not in r for r in results) else 1

@@ -236,9 +236,46 @@ def test_a_sender_in_another_process(rng):
         peer.close()
 
 
+def test_descriptors_cut_into_pieces_land_whole_and_notify_once(rng):
+    """KVSender(desc_bytes=): every descriptor cut into pieces (here of 3 rows and 8 bytes:
+    pieces end inside rows); each request arrives byte exact, once; bad sizes are refused."""
+    from hisparse_cupy.pd import _cut
+
+    d = np.array([[1000, 250, 0], [5000, 100, 0], [9000, 1, 0]], np.uint64)
+    got = _cut(d, 100)
+    assert got[:, 0].tolist() == [1000, 1100, 1200, 5000, 9000]
+    assert got[:, 1].tolist() == [100, 100, 50, 100, 1] and (got[:, 2] == 0).all()
+    rx, pool, pages = receiver(64)
+    s = KVSender(desc_bytes=3 * RB + 8)
+    try:
+        assert KVSender.__init__.__kwdefaults__["desc_bytes"] == 1 << 20
+        want = {}
+        for r, n in enumerate([1, 37, 64, 200, 130]):
+            kv = make_kv(50 + r, L, n, RB)
+            assert s.send(rx.reserve(r, n), kv).bytes == kv.size
+            want[r] = kv
+        arrived = []
+        deadline = time.monotonic() + 20
+        while len(arrived) < len(want) and time.monotonic() < deadline:
+            arrived += rx.poll().done
+        assert sorted(a.req_id for a in arrived) == list(want)
+        for a in arrived:
+            rows = (np.asarray(a.pages)[:, None] * P + np.arange(P)).ravel()[:a.n_tokens]
+            np.testing.assert_array_equal(pool[:, rows], want[a.req_id])
+        time.sleep(0.2)
+        assert not rx.poll().done and rx.stats["done"] == len(want)
+        assert rx.stats["duplicate"] == 0 and rx.stats["unknown"] == 0
+    finally:
+        s.close()
+        rx.close()
+    for bad in (0, -1, 1.5):
+        with pytest.raises((ValueError, TypeError), match="desc_bytes"):
+            KVSender(desc_bytes=bad)
+
+
 def test_gpu_arrays_are_read_through_cuda_array_interface():
     """A GPU ``kv`` (here a stand-in: no device) goes the same way, registered as VRAM."""
-    from hisparse_cupy.pd import _source
+    from hisparse_cupy._checks import kv_source as _source
 
     class Dev:
         id = 3

@@ -53,6 +53,11 @@ summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
 $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
   || summary "pip install -e . failed (tests use PYTHONPATH)"
+if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried (e.g. nixl-cu13: tests/test_pd.py, bench_pd)
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >>"$OUT/install.log" 2>&1 && export PYTHONPATH=/tmp/site:$PYTHONPATH
+  summary "carried wheels: $(cd .whl && ls *.whl | tr '\n' ' ')"
+fi
 summary "$(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
 summary "$($PY -c 'import cupy, numpy, sys; print("python", sys.version.split()[0], "cupy", cupy.__version__, "numpy", numpy.__version__)' 2>&1)"
 
@@ -109,6 +114,11 @@ if [ $bench = 1 ]; then
     t0=$SECONDS
     mode=$quick
     case " $full_only " in *" $(basename "$b" .py) "*) mode= ;; esac
+    if [ "$(basename "$b")" = bench_pd.py ] && \
+       ! $PY -c 'from hisparse_cupy.pd import nixl_api; nixl_api()' >/dev/null 2>&1; then
+      summary "bench bench_pd.py not run: NIXL is not installed (carry nixl-cu13 in .whl)"
+      continue
+    fi
     echo "=== $b $mode" >>"$OUT/bench.log"
     timeout "${BENCH_TIMEOUT:-900}" $PY "$b" $mode --out "$OUT/results" >>"$OUT/bench.log" 2>&1
     rc=$?
