@@ -87,6 +87,9 @@ RESOLVE_VAL_EMPTY = 0x3FFFFFFF  # an empty bucket's value (above every entry)
 RESOLVE_KEY_EMPTY = -1  # an empty bucket's key (tokens are >= 0)
 # prediction stager: an empty bucket of its shared hash of a row's misses (host rows are >= 0)
 PREDICT_KEY_EMPTY = -1
+# the stager's rule: the tokens the full layer missed (0), or every token it selected (1), that
+# the next full layer does not hold
+PREDICT_RULES = {"misses": 0, "selection": 1}
 
 CONSTANTS = {
     "ST_RANGE": ST_RANGE, "ST_NOHOST": ST_NOHOST, "ST_BADROW": ST_BADROW, "N_STATUS": N_STATUS,
@@ -96,7 +99,7 @@ CONSTANTS = {
     "RESOLVE_CLUSTER_BLOCK": RESOLVE_CLUSTER_BLOCK, "RESOLVE_MAX_CLUSTER": RESOLVE_MAX_CLUSTER,
     "RESOLVE_VAL_ENTRY": RESOLVE_VAL_ENTRY, "RESOLVE_VAL_CLAIMED": RESOLVE_VAL_CLAIMED,
     "RESOLVE_VAL_EMPTY": RESOLVE_VAL_EMPTY, "RESOLVE_KEY_EMPTY": RESOLVE_KEY_EMPTY,
-    "PREDICT_KEY_EMPTY": PREDICT_KEY_EMPTY,
+    "PREDICT_KEY_EMPTY": PREDICT_KEY_EMPTY, "PREDICT_RULE_SELECTION": PREDICT_RULES["selection"],
     "COPY_WARPS": COPY_WARPS, "PREDICT_BLOCK": PREDICT_BLOCK, "NEWEST_BLOCK": NEWEST_BLOCK,
     "MS_MAX_TOKENS": MS_MAX_TOKENS, "MS_MAX_STEPS": MS_MAX_STEPS,
     "MS_META_INIT": MS_META_INIT, "MS_EMPTY": MS_EMPTY, "MS_NONE": MS_NONE,
@@ -171,7 +174,7 @@ PREDICT_STAGE = _struct([
     ("n_host_rows", "i8"),
     ("topk_stride", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"), ("host_stride", "i4"),
     ("slot_stride", "i4"), ("H", "i4"), ("stage_width", "i4"),
-    ("lens_stride", "i4"), ("plan_stride", "i4"), ("miss_hash_size", "i4"), ("pad", "i4"),
+    ("lens_stride", "i4"), ("plan_stride", "i4"), ("miss_hash_size", "i4"), ("rule", "i4"),
 ])
 
 NEWEST_ROWS = _struct([

@@ -101,14 +101,14 @@ class Backend:
             c.pages.put(np.random.default_rng(seed).permutation(got))
         return c
 
-    def prefetcher(self, cache, pattern: str):
-        if not self.gpu:
+    def prefetcher(self, cache, pattern: str, rule: str):
+        if not self.gpu:  # (the stager's rule moves no byte: the model has none)
             from _stepmodel import ModelPrefetcher
 
             return ModelPrefetcher(cache, pattern)
         from hisparse_cupy.streams import Prefetcher
 
-        return Prefetcher(cache, pattern)
+        return Prefetcher(cache, pattern, predict_rule=rule)
 
 
 class Fuzz:
@@ -127,7 +127,8 @@ class Fuzz:
         self.K, self.P, self.S = cfg["top_k"], cfg["extra_page"], cfg["max_steps"]
         self.max_len, self.row = cfg["max_len"], cfg["row_bytes"]
         self.rows_per_request = c.rows_per_request
-        self.pf = be.prefetcher(c, cfg["pattern"]) if cfg["prefetch"] else None
+        rule = ("misses", "selection")[int(rng.integers(2))]
+        self.pf = be.prefetcher(c, cfg["pattern"], rule) if cfg["prefetch"] else None
         from hisparse_cupy.streams.pattern import layer_pattern
 
         self.full = layer_pattern(cfg["pattern"]).full if self.pf else (True,) * self.L

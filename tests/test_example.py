@@ -99,11 +99,13 @@ def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
     assert got["steps"][0]["seq_len"] == 2049
     for flag in CPU_REFUSED:
         arg = [flag] + ({"--mtp": ["2"], "--mode": ["overlap"], "--png": ["x.png"],
-                         "--hidden": ["512"], "--side-sms": ["8"]}.get(flag, []))
+                         "--hidden": ["512"], "--side-sms": ["8"],
+                         "--predict-rule": ["selection"]}.get(flag, []))
         with pytest.raises(SystemExit, match=f"{flag} needs the GPU decode loop"):
             cpu_config(arg)
     assert cpu_config(["--mtp", "1"]).mtp == 1  # off: nothing to refuse
-    for off in (["--eager"], ["--no-predict"], ["--no-partition"], ["--side-sms", "0"]):
+    for off in (["--eager"], ["--no-predict"], ["--no-partition"], ["--side-sms", "0"],
+                ["--predict-rule", "misses"]):
         cpu_config(off)  # what the NumPy backend runs anyway: accepted
     assert cpu_config(["--mode", "offload"]).modes == ("gpu-only", "offload")
     # one flag given: the small values of the others follow it

@@ -570,11 +570,13 @@ def test_prediction_never_changes_a_byte(main):
     try:
         for name, predict, graph, partition in (
                 ("off", False, False, None), ("on", True, False, None),
-                ("on_graph", True, True, None), ("on_partition_graph", True, True, part)):
+                ("on_graph", True, True, None), ("on_partition_graph", True, True, part),
+                ("on_selection_graph", True, True, None)):
             s = main if partition is None else partition.stream("main")
             cache, req = _make_cache(L, R, stream=s)
             pf = Prefetcher(cache, pat, replay_grid=2, predict=predict, predict_width=12,
-                            partition=partition)
+                            partition=partition,
+                            predict_rule="selection" if "selection" in name else "misses")
             gen = _LayerTopK(B, 5, 11, len(pf.pattern.full_layers))
             with s:
                 snaps, errors = _run_predict_steps(pf, cache, req, lens, gen, 24, s, graph=graph)
@@ -587,7 +589,7 @@ def test_prediction_never_changes_a_byte(main):
         cp.cuda.Device().synchronize()
         part.close()
     off = runs["off"][0]
-    for name in ("on", "on_graph", "on_partition_graph"):
+    for name in ("on", "on_graph", "on_partition_graph", "on_selection_graph"):
         snaps, pf = runs[name]
         # the graph run's first captured step ran at the second launch: align by step
         shift = len(off) - len(snaps)
@@ -639,6 +641,8 @@ def test_prediction_errors(main):
     cache, req = _make_cache(4, 2, stream=main)
     with pytest.raises(ValueError, match="predict_width must be <= 32"):
         Prefetcher(cache, "FSFS", predict_width=K + 1)
+    with pytest.raises(ValueError, match="predict_rule must be 'misses' or 'selection'"):
+        Prefetcher(cache, "FSFS", predict_rule="all")
     pf = Prefetcher(cache, "FSFS")
     with pytest.raises(RuntimeError, match="prediction was never turned on"):
         pf.predict_summary()
@@ -661,18 +665,21 @@ def test_prediction_errors(main):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("width", [K, 2])
-def test_stager_stages_what_the_next_layer_misses(main, width):
+@pytest.mark.parametrize("rule", ["misses", "selection"])
+def test_stager_stages_what_the_next_layer_misses(main, width, rule):
     """The stager's rows for one full layer against a model on the host: the host rows of the
-    top-k tokens that layer's swap missed on and the next full layer's slots do not hold, each
-    once (the top-k repeats some), at most ``width`` per row. The next layer's token-table
-    entries of tokens it does not hold are garbage (random slots) and must not matter."""
+    top-k tokens that layer's swap missed on (``rule="selection"``: of all its top-k tokens)
+    and the next full layer's slots do not hold, each once (the top-k repeats some), at most
+    ``width`` per row. The next layer's token-table entries of tokens it does not hold are
+    garbage (random slots) and must not matter."""
     cp = _gpu()
     from hisparse_cupy.streams import Prefetcher
 
     L, R, B = 2, 4, 4
     cache, req = _make_cache(L, R, stream=main)
     lens = cp.full(B, MAX_LEN, cp.int32)
-    pf = Prefetcher(cache, "FF", replay_grid=2, predict=True, predict_width=width)
+    pf = Prefetcher(cache, "FF", replay_grid=2, predict=True, predict_width=width,
+                    predict_rule=rule)
     gen = _LayerTopK(B, 5, 21, L, overlap=0.6)
     rng = np.random.default_rng(3)
     with main:
@@ -702,7 +709,7 @@ def test_stager_stages_what_the_next_layer_misses(main, width):
         r = int(rq[b])
         missed = set(plan_src[b, : plan_count[b]].tolist())
         want = {int(hloc[r, t]) for t in tk[b] if 0 <= t < MAX_LEN - 1
-                and int(hloc[r, t]) in missed and t not in held[r]}
+                and (rule == "selection" or int(hloc[r, t]) in missed) and t not in held[r]}
         got = src[b, : count[b]].tolist()
         assert count[b] == min(len(want), width), (b, count[b], len(want))
         assert len(set(got)) == len(got), f"row {b}: a row staged twice"

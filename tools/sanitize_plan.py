@@ -4,9 +4,9 @@ Covers replay_plan (several grids and rows per warp, padding via num_real, clamp
 out-of-range entries) in the production copy and, through hisparse_cupy.probe.copy_probe, in
 its measuring instance (dry run, spin, bad-row count), and a few decode steps of a Prefetcher over
 "FSSFS" (full swaps on the main stream, replays on the side stream, event waits), with and
-without prediction mode (the stager, staging copies, staged rows read by the next full layer's
-copy), and with prediction on an SMPartition (side streams on SMs of their own, the step on
-the rest). Exits non-zero on any wrong byte.
+without prediction mode (the stager under both rules, staging copies, staged rows read by the
+next full layer's copy), and with prediction on an SMPartition (side streams on SMs of their
+own, the step on the rest). Exits non-zero on any wrong byte.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def check_replay(s, rng) -> int:
     return errors
 
 
-def check_prefetch(s, rng, predict: bool, partition=None) -> int:
+def check_prefetch(s, rng, predict: bool, partition=None, rule: str = "misses") -> int:
     pat = "FSSFS"
     L, R, H, K, max_len = len(pat), 2, 64, 32, 200
     cache = HotBufferCache(n_layers=L, max_requests=R, max_len=max_len, row_bytes=ROW,
@@ -106,7 +106,7 @@ def check_prefetch(s, rng, predict: bool, partition=None) -> int:
     lens = cupy.full(R, max_len, cupy.int32)
     perm = rng.permutation(max_len - 1)
     pf = Prefetcher(cache, pat, replay_grid=2, predict=predict, predict_width=16,
-                    partition=partition)
+                    partition=partition, predict_rule=rule)
     own = rng.permutation(max_len - 1)
     errors = 0
     for t in range(5):
@@ -137,7 +137,8 @@ def main() -> int:
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
         e1 = check_replay(s, rng)
-        e2 = check_prefetch(s, rng, False) + check_prefetch(s, rng, True)
+        e2 = check_prefetch(s, rng, False) + check_prefetch(s, rng, True) + \
+            check_prefetch(s, rng, True, rule="selection")
     with SMPartition(8) as part:  # side streams on SMs of their own, the step on the rest
         ps = part.stream("main")
         with ps:

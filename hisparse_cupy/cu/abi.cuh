@@ -43,6 +43,7 @@ constexpr int RESOLVE_VAL_CLAIMED = HS_RESOLVE_VAL_CLAIMED;
 constexpr int RESOLVE_VAL_EMPTY = HS_RESOLVE_VAL_EMPTY;
 constexpr int RESOLVE_KEY_EMPTY = HS_RESOLVE_KEY_EMPTY;
 constexpr i64 PREDICT_KEY_EMPTY = HS_PREDICT_KEY_EMPTY;  // the stager's miss hash
+constexpr int PREDICT_RULE_SELECTION = HS_PREDICT_RULE_SELECTION;  // PredictStageParams::rule
 // multi-step: limits, dedup-table sentinels, workspace counters, statistics, eviction keys
 constexpr int MS_MAX_TOKENS = HS_MS_MAX_TOKENS;
 constexpr int MS_MAX_STEPS = HS_MS_MAX_STEPS;
@@ -154,7 +155,7 @@ struct PredictStageParams {
   u64* stage_stats;        // [3] or null: [2] += rows staged
   i64 n_host_rows;
   i32 topk_stride, K, B, R, host_stride, slot_stride, H, stage_width, lens_stride;
-  i32 plan_stride, miss_hash_size, pad;
+  i32 plan_stride, miss_hash_size, rule;  // rule: 0 F's misses, PREDICT_RULE_SELECTION F's top-k
 };
 
 // ---- newest rows (cache.cu). Grid: ceil(B / NEWEST_BLOCK), block NEWEST_BLOCK.

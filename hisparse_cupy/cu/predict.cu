@@ -7,9 +7,11 @@
 // that just entered F's selection (F's swap missed on them: neighbouring layers select largely
 // the same tokens, so what is new to F is likely new to F') and that F' would miss on if it
 // selected them now, i.e. that F''s token -> slot table does not place in one of its LRU slots
-// (the same check its swap makes: an entry counts only while its slot holds the token). Every
-// token of F's top-k that F' does not hold would also include the ones F selects and F' never
-// does: staged again every step, for nothing.
+// (the same check its swap makes: an entry counts only while its slot holds the token). With
+// p.rule == PREDICT_RULE_SELECTION every token of F's top-k that F' does not hold is staged:
+// also the ones F hit on that F' misses (an exact-LRU model of the published-shape streams put
+// their recall at 0.61-0.80 against 0.21-0.42, at nearly the same precision, for 1.6-2x the
+// rows), and the ones F selects and F' never does, staged again every step for nothing.
 // Their host rows of F' are then copied (planned_copy, side stream) into staging rows, and
 // F''s own swap reads a miss from its staging row when the token was staged (PlannedCopyParams'
 // stage_* fields) instead of from the host. A wrong guess costs bandwidth, never a byte: the
@@ -18,12 +20,14 @@
 //
 //   Phases (LRU path, seq_len > H), with __syncthreads() between them:
 //     0. clear the miss hash and the counter;
-//     1. insert F's misses (host rows of its plan; unique per row) into the miss hash;
+//     1. insert F's misses (host rows of its plan; unique per row) into the miss hash (the
+//        selection rule: nothing);
 //     2. every valid top-k token (0 <= tok < seq_len, not the newest, host row in
 //        [0, n_host_rows)) whose host row is one of F's misses claims that miss-hash entry
-//        (atomicExch: a token repeated in the top-k is staged once); the claimant looks the
-//        token up in F''s table, and a token F' does not hold gets the next staged index
-//        (< stage_width), writing stage_src and stage_map;
+//        (atomicExch: a token repeated in the top-k is staged once; the selection rule: every
+//        valid token inserts its host row, the thread that inserts it first claims it); the
+//        claimant looks the token up in F''s table, and a token F' does not hold gets the next
+//        staged index (< stage_width), writing stage_src and stage_map;
 //     3. stage_count[b] (and the stats).
 //
 //   Shared memory: _abi.SMEM["PREDICT_STAGE"].
@@ -50,7 +54,8 @@ __device__ __forceinline__ void stage_row(const PredictStageParams& p, const Sme
 
   const int mshift = 32 - (__ffs(MS) - 1);  // MS is a power of two >= 64
   const int mmask = MS - 1;
-  int nm = p.plan_count[b];  // (at most K for a single-step swap; clamped to the hash's half)
+  const bool selection = p.rule == PREDICT_RULE_SELECTION;
+  int nm = selection ? 0 : p.plan_count[b];  // (<= K single-step; clamped to the hash's half)
   const int nm_max = p.plan_stride < (MS >> 1) ? p.plan_stride : (MS >> 1);
   nm = nm < 0 ? 0 : (nm > nm_max ? nm_max : nm);
   const i64* miss = plan_src_row(p, b);
@@ -79,16 +84,29 @@ __device__ __forceinline__ void stage_row(const PredictStageParams& p, const Sme
     if (tok < 0 || tok >= lim || tok == len - 1) continue;
     const i64 hl = hloc[tok];
     if (hl < 0 || hl >= p.n_host_rows) continue;
-    int m = -1;  // F's miss-hash entry of this host row
-    for (u32 h = hash_u32(static_cast<u32>(hl)) >> mshift;; h = (h + 1) & mmask) {
-      const i64 k = sm.mkey[h];
-      if (k == PREDICT_KEY_EMPTY) break;
-      if (k == hl) {
-        m = static_cast<int>(h);
-        break;
+    if (selection) {  // the first to insert this host row claims it (K keys, half the hash)
+      bool first = false;
+      for (u32 h = hash_u32(static_cast<u32>(hl)) >> mshift;; h = (h + 1) & mmask) {
+        const unsigned long long old = atomicCAS(
+            reinterpret_cast<unsigned long long*>(&sm.mkey[h]), empty_key, static_cast<u64>(hl));
+        if (old == empty_key || old == static_cast<u64>(hl)) {
+          first = old == empty_key;
+          break;
+        }
       }
+      if (!first) continue;  // a repeat of a token in the top-k
+    } else {
+      int m = -1;  // F's miss-hash entry of this host row
+      for (u32 h = hash_u32(static_cast<u32>(hl)) >> mshift;; h = (h + 1) & mmask) {
+        const i64 k = sm.mkey[h];
+        if (k == PREDICT_KEY_EMPTY) break;
+        if (k == hl) {
+          m = static_cast<int>(h);
+          break;
+        }
+      }
+      if (m < 0 || atomicExch(&sm.mclaim[m], 1)) continue;  // not new to F, or claimed already
     }
-    if (m < 0 || atomicExch(&sm.mclaim[m], 1)) continue;  // not new to F, or claimed already
     if (table_holds(tsl[tok], tok, H, stok)) continue;    // F' holds it: no miss there
     const int j = atomicAdd(&sm.count[0], 1);
     if (j < p.stage_width) {

@@ -225,7 +225,8 @@ class Rig:
                 self._prefill(int(pool.device_ptr(0)), pool.layer_bytes)  # the GPU writes it
                 self.s.synchronize()
                 self.pool_ready = True
-            self.pf = Prefetcher(self.cache, self.pattern, partition=self.partition)
+            self.pf = Prefetcher(self.cache, self.pattern, partition=self.partition,
+                                 predict_rule=c.predict_rule)
             if self.admission is not None:
                 if self.pool is not None:
                     raise SystemExit("demo: an admission hook needs the paged pool the demo "

@@ -23,7 +23,8 @@ from ..plan import copy_params, launch_copy
 class Predictor:
     """Staging rows, the stager's launches and its counters for one cache.
 
-    ``width`` rows staged per request at most; ``stream`` the stager's side stream; the
+    ``width`` rows staged per request at most; ``stream`` the stager's side stream; ``rule``
+    what it stages (``_abi.PREDICT_RULES``: the full layer's misses, or its selection); the
     stager and its copy run on ``grid`` blocks (the replays' grid: no more SMs held beside
     the compute) with ``rows_per_warp`` rows in flight per warp.
 
@@ -31,8 +32,9 @@ class Predictor:
     read from staging rows, rows staged.
     """
 
-    def __init__(self, cache, width: int, stream: cupy.cuda.Stream):
+    def __init__(self, cache, width: int, stream: cupy.cuda.Stream, rule: str = "misses"):
         c = self.cache = cache
+        self.rule = _abi.PREDICT_RULES[rule]
         self.width = W = width
         self.stream = stream
         self.rows = cupy.empty((c.max_batch * W, c.row_bytes), cupy.uint8)
@@ -64,7 +66,7 @@ class Predictor:
         with side:  # the stager's own copy of the top-k, off the main stream (hazard 11)
             snap[...] = topk
         nr = step.num_real
-        hash_slots = _abi.hash_size(K, spread=2)  # a single-step plan row holds <= K misses
+        hash_slots = _abi.hash_size(K, spread=2)  # <= K misses, or K tokens, per row
         prm = self._stagers.get((B, K, nxt))
         if prm is None:
             prm = self._stagers[(B, K, nxt)] = Params(_abi.PREDICT_STAGE).set(
@@ -75,7 +77,8 @@ class Predictor:
                 stage_stats=ptr(self.stats), n_host_rows=c.pool.n_rows,
                 topk_stride=snap.strides[0] // 4, K=K, B=B, R=c.max_requests,
                 host_stride=c.max_len, slot_stride=c.slots, H=c.hot_size,
-                stage_width=self.width, plan_stride=c.plan.width, miss_hash_size=hash_slots)
+                stage_width=self.width, plan_stride=c.plan.width, miss_hash_size=hash_slots,
+                rule=self.rule)
         prm.set(req=ptr(step.req), lens=ptr(step.seq_lens), num_real=ptr(nr),
                 lens_stride=step.lens_stride)  # the step's batch (any buffers)
         launch(_build.kernel(_build.PREDICT[step.dtypes]), min(B, grid), _abi.PREDICT_BLOCK,

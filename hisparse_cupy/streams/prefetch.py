@@ -91,6 +91,9 @@ class Prefetcher:
         (``token_table=True``, the default).
     predict_width : int, optional
         Rows staged per request at most (default ``top_k // 4``).
+    predict_rule : "misses" or "selection"
+        What the stager stages of a full layer's top-k that the next full layer does not hold:
+        the tokens the layer missed (the default), or all it selected (``cu/predict.cu``).
     copy_grid : int, optional
         Copy blocks of the full layers' own swap (default: enough to fill the GPU).
     side_priority : int or None
@@ -137,7 +140,8 @@ class Prefetcher:
                  replay_grid: int | None = None, copy_grid: int | None = None,
                  side_priority: int | None = -1000,
                  replay_rows_per_warp: int | None = None, predict: bool = False,
-                 predict_width: int | None = None, partition: SMPartition | None = None):
+                 predict_width: int | None = None, partition: SMPartition | None = None,
+                 predict_rule: str = "misses"):
         if not isinstance(cache, HotBufferCache):
             raise TypeError(f"cache must be a HotBufferCache, got {type(cache).__name__}")
         model = layer_pattern(pattern)
@@ -184,6 +188,10 @@ class Prefetcher:
         self.predict_width = (max(1, cache.top_k // 4) if predict_width is None else
                               _checks.integer("predict_width", predict_width, 1,
                                               cache.top_k))
+        if predict_rule not in ("misses", "selection"):  # _abi.PREDICT_RULES
+            raise ValueError(f"predict_rule must be 'misses' or 'selection', got "
+                             f"{predict_rule!r}")
+        self.predict_rule = predict_rule
         self._predict = False
         self._predictor: Predictor | None = None
         self.predict_side: cupy.cuda.Stream | None = None
@@ -337,7 +345,8 @@ class Prefetcher:
                              "HotBufferCache with token_table=True (the default)")
         if on and self._predictor is None:
             self.predict_side = self._side_stream(self._side_priority)
-            self._predictor = Predictor(self.cache, self.predict_width, self.predict_side)
+            self._predictor = Predictor(self.cache, self.predict_width, self.predict_side,
+                                        self.predict_rule)
             self.predict_stats = self._predictor.stats
         if self._predictor is not None and self._predictor.pending is not None:
             self._take_stage(self._main_stream(stream))
