@@ -79,12 +79,12 @@ class Receiving:
     def __init__(self, argv, gpu: bool, pool, pages, fence=None):
         from hisparse_cupy.pd import KVReceiver
 
+        self.rx = KVReceiver(pool, pages, timeout_s=120, fence=fence)
         ctx = mp.get_context("spawn")
         self.tickets, self.results = ctx.Queue(), ctx.Queue()
         self.child = ctx.Process(target=prefill, args=(argv, gpu, self.tickets, self.results),
                                  daemon=True)
         self.child.start()
-        self.rx = KVReceiver(pool, pages, timeout_s=120, fence=fence)
         self.where = "VRAM" if gpu else "host memory"
 
     def receive(self, cfg) -> dict:

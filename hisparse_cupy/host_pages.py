@@ -25,6 +25,8 @@ nothing taken (the engine can then preempt a request).
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from . import _checks
@@ -243,6 +245,19 @@ class HostPages:
                 raise ValueError(f"pages: page {g} is not held by the engine")
         self.held[got] -= 1
         self._drop(got)
+
+    def fingerprint(self) -> str:
+        """A digest of the whole allocation state (the free pages in the order they will be
+        handed out, the engine's holds, every request's pages, tokens and first own token):
+        equal for two allocators that went through the same calls. Tensor-parallel ranks
+        over one shared pool, whose schedulers make the same calls, compare it to check that
+        they agree on every page (``examples/tp_decode.py``)."""
+        h = hashlib.blake2b(np.asarray(self._free, np.int64).tobytes(), digest_size=16)
+        h.update(self.held.tobytes())
+        for rid in sorted(self._pages):
+            h.update(np.array([rid, self._tokens[rid], self._own[rid], len(self._pages[rid])]
+                              + self._pages[rid], np.int64).tobytes())
+        return h.hexdigest()
 
     # ------------------------------------------------------------------ internals
     def _live(self, rid, what: str = "rid") -> int:

@@ -8,7 +8,8 @@ Three ways to get a :class:`HostKVPool`:
   fails on the R580 drivers), 10 times faster at 64 GB than ``alloc="cuda"``, one
   ``cudaHostAlloc`` (``benchmarks/bench_pool_setup.py``);
 - ``HostKVPool(..., shared_name="kv0")`` and ``HostKVPool.attach("kv0")``: POSIX shared
-  memory (``/dev/shm/<name>``, mode 0600, and unnamed segments: ``host_shm``) that several
+  memory (``/dev/shm/<name>``, mode 0600, and unnamed segments: ``host_shm``; attaching
+  needs the creator alive in the same PID namespace unless ``segments=1``) that several
   processes on a host map,
   each registering it for its GPUs, so tensor-parallel ranks holding the same (MLA) KV keep
   one host copy. The creator sets it up unnamed (``O_TMPFILE``) and links the name once it is
@@ -231,8 +232,8 @@ class HostKVPool:
         threads = default_threads() if threads is None else _checks.integer("threads", threads, 1)
         if not isinstance(huge_pages, bool):
             raise TypeError(f"huge_pages must be True or False, got {huge_pages!r}")
-        path = None if shared_name is None else host_shm.path(shared_name)
-        if segments is not None and (shared_name is None or isinstance(segments, bool)):
+        path = None if shared_name is None else host_shm.path(shared_name, _SHM_DIR)
+        if segments is not None and shared_name is None:
             raise ValueError(f"segments is a shared pool's (shared_name=...), got {segments!r}")
         segments = threads if segments is None else \
             _checks.integer("segments", segments, 1, host_shm.MAX_SEGMENTS)
@@ -248,11 +249,11 @@ class HostKVPool:
             self._host = np.ndarray((self.n_layers, self.n_rows, self.row_bytes), np.uint8,
                                     buffer=cupy.cuda.PinnedMemoryPointer(self._mem, 0))
         elif path is None:
-            host_shm.check_room(nbytes, False)
+            host_shm.check_room(nbytes, False, _SHM_DIR)
             mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             # a fork would copy pinned private pages: a child does not see it (as cudaHostAlloc)
             _advise(mm, "MADV_DONTFORK")
-            self._setup(np.frombuffer(mm, np.uint8, nbytes), lambda: _close_map(mm),
+            self._setup(lambda: np.frombuffer(mm, np.uint8, nbytes), lambda: _close_map(mm),
                         huge_pages and _advise(mm, "MADV_HUGEPAGE"), threads=threads,
                         portable=portable)
         else:
@@ -266,7 +267,7 @@ class HostKVPool:
                  f"another name")
         if os.path.lexists(path):  # before the setup; the link at its end is the real check
             raise FileExistsError(taken)
-        host_shm.check_room(_HEADER + nbytes, True)
+        host_shm.check_room(_HEADER + nbytes, True, _SHM_DIR)
         try:  # unnamed until set up: a creator killed before that leaves no name behind
             fd, named = os.open(_SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600), False
         except (AttributeError, OSError):  # no O_TMPFILE: the name exists during the setup
@@ -275,10 +276,13 @@ class HostKVPool:
             except FileExistsError:
                 raise FileExistsError(taken) from None
 
+        published = []
+
         def publish() -> None:
             d = os.open(_SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
             try:  # linkat(AT_SYMLINK_FOLLOW) of the unnamed file, atomic: fails if taken
                 os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=d, follow_symlinks=True)
+                published.append(True)
             except FileExistsError:
                 raise FileExistsError(taken) from None
             finally:
@@ -290,20 +294,21 @@ class HostKVPool:
         try:
             seg = host_shm.create(fd, _SHM_DIR,
                                   host_shm.sizes(nbytes, _HEADER, 1 if named else segments))
-            head = seg.array(0, _HEADER).view(np.uint64)
-            head[1:4] = (self.n_layers, self.n_rows, self.row_bytes)
-            t = host_shm.table(seg)
-            head[4:4 + t.size] = t
-            head[0] = _MAGIC  # last: an attacher seeing it sees the shape and segments
-            self._setup(seg.array(_HEADER, nbytes), seg.close, huge and seg.advise(14),
-                        threads=threads, portable=True, publish=None if named else publish,
-                        on_close=unlink)
+            head = np.concatenate([np.array([self.n_layers, self.n_rows, self.row_bytes],
+                                            np.uint64), host_shm.table(seg)])
+            os.pwrite(fd, head.tobytes(), 8)
+            os.pwrite(fd, _MAGIC.tobytes(), 0)  # last: an attacher seeing it sees the rest
+            self._setup(lambda: seg.array(_HEADER, nbytes), seg.close,
+                        huge and seg.advise(mmap.MADV_HUGEPAGE), threads=threads, portable=True,
+                        publish=None if named else publish, on_close=unlink)
         except BaseException:
             unlink.detach()  # the name, if any, is someone else's (or ours, unlinked here)
-            if named:
+            if named or published:
                 host_shm.unlink(path)
             if seg is None:
                 os.close(fd)
+            else:
+                seg.close()
             raise
         self.name, self.owner, self.segments = name, True, len(seg.sizes)
 
@@ -313,9 +318,11 @@ class HostKVPool:
                row_bytes: int | None = None) -> HostKVPool:
         """Map the shared pool ``name`` created by another process (or this one) and register
         it pinned and mapped for this process's devices. Sizes given must equal the creator's.
-        ``FileNotFoundError`` if it is gone; closing an attached pool never unlinks it."""
+        ``FileNotFoundError`` if it is gone, or if its segments cannot be opened (its creator
+        gone, or in another PID namespace: create it with ``segments=1``); closing an
+        attached pool never unlinks it."""
         t0 = time.perf_counter()
-        path = host_shm.path(name)
+        path = host_shm.path(name, _SHM_DIR)
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
@@ -342,7 +349,8 @@ class HostKVPool:
                              f"{_HEADER + nbytes}")
         self.name, self.owner, self.timings = name, False, {}
         self.segments = len(seg.sizes)
-        self._setup(seg.array(_HEADER, nbytes), seg.close, False, threads=0, portable=True)
+        self._setup(lambda: seg.array(_HEADER, nbytes), seg.close, False, threads=0,
+                    portable=True)
         self.timings["setup_s"] = time.perf_counter() - t0
         self._check_alignment()
         return self
@@ -389,12 +397,13 @@ class HostKVPool:
         self.layer_bytes = self.n_rows * self.row_bytes
         require_gpu()  # before any CUDA call (or a shared-memory file)
 
-    def _setup(self, rows: np.ndarray, unmap, huge: bool, *, threads: int, portable: bool,
+    def _setup(self, rows_of, unmap, huge: bool, *, threads: int, portable: bool,
                publish=None, on_close=None) -> None:
-        """``rows`` (uint8, a new mapping's; ``huge``: huge pages were granted) first touched
-        by ``threads`` threads (none: 0), registered in chunks, then ``publish()``; on any
-        error nothing is left registered, and ``unmap()``. Sets up the release: unregister,
-        ``unmap()``, ``on_close()``."""
+        """``rows_of()`` (uint8, a new mapping's; ``huge``: huge pages were granted) first
+        touched by ``threads`` threads (none: 0), registered in chunks, then ``publish()``; on
+        any error nothing is left registered, and ``unmap()`` (no view of it left here). Sets
+        up the release: unregister, ``unmap()``, ``on_close()``."""
+        rows = rows_of()
         nbytes = rows.size
         chunks, big, gb = [], nbytes >= _SAY_BYTES, nbytes / 1e9
         t0 = time.perf_counter()
@@ -417,9 +426,6 @@ class HostKVPool:
             unmap()
             raise
         self.timings.update(touch_s=t1 - t0, register_s=t2 - t1)
-        if big:
-            _say(f"host pool: {gb:.1f} GB " + (f"touched {t1 - t0:.1f} s, " if threads else "") +
-                 f"registered {t2 - t1:.1f} s ({gb / max(t2 - t0, 1e-9):.1f} GB/s)")
         timings = self.timings
 
         def release() -> None:
@@ -435,6 +441,9 @@ class HostKVPool:
         self._mem, self.chunk_edges = rows, tuple(c - chunks[0] for c in chunks[1:])
         self._host = rows.reshape(self.n_layers, self.n_rows, self.row_bytes)
         self._release = _finalizer(self, release)
+        if big:  # (after the release is set up: nothing leaks if the line fails)
+            _say(f"host pool: {gb:.1f} GB " + (f"touched {t1 - t0:.1f} s, " if threads else "") +
+                 f"registered {t2 - t1:.1f} s ({gb / max(t2 - t0, 1e-9):.1f} GB/s)")
 
     def _check_alignment(self) -> None:
         if self._dptr % 16:

@@ -5,15 +5,15 @@ and block accounting), and the file's pages are freed by one thread when it goes
 box a 64 GB pool in one ``/dev/shm`` file took 14.3 s to touch with 16 threads where private
 memory took 3.0 s, and 5.4 s to free (``benchmarks/NOTES.md``). So a shared pool is cut into
 *segments*, each its own file, mapped one after another (``MAP_FIXED`` into one reserved range,
-so the rows stay contiguous), touched and freed by a thread each.
+so the rows stay contiguous), touched by the first-touch threads and freed in parallel.
 
 Segment 0 is the named file (``/dev/shm/<name>``: a header page, then its rows); the others are
 unnamed (``O_TMPFILE``) files that only the creator's descriptors keep: a creator killed at any
 point leaves nothing but what it had linked, and it links only segment 0, once set up. Another
 process opens them through ``/proc/<creator pid>/fd/<fd>`` (the header lists each one's
-descriptor, size, device and inode, checked on open), so attaching needs the creator alive and
-visible (the same PID namespace, the same user); ``segments=1`` makes a one-file pool that any
-process sharing ``/dev/shm`` can attach.
+descriptor, size, device and inode, checked before the open), so attaching needs the creator
+alive and visible (the same PID namespace, the same user); ``segments=1`` makes a one-file pool
+that any process sharing ``/dev/shm`` can attach.
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ import ctypes
 import errno
 import mmap
 import os
+import stat
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 _PAGE = mmap.PAGESIZE
-_PROT_RW, _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = \
-    3, 0x01, 0x02, 0x10, 0x20, 0x4000
-_FIELDS = 64  # header bytes before the segment table
+_PROT_RW, _MAP_FIXED = mmap.PROT_READ | mmap.PROT_WRITE, 0x10  # MAP_FIXED: Linux's
+_MAP_SHARED, _MAP_PRIVATE, _MAP_ANON = mmap.MAP_SHARED, mmap.MAP_PRIVATE, mmap.MAP_ANONYMOUS
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 MAX_SEGMENTS = 64
 _libc = None
 
@@ -102,8 +103,8 @@ class _Rows:
 
 
 def sizes(nbytes: int, header: int, n: int) -> list[int]:
-    """File sizes of ``n`` segments holding ``header`` bytes (segment 0) and ``nbytes`` of
-    rows; every segment but the last a page multiple, so the next one maps right after it."""
+    """File sizes of at most ``n`` segments holding ``header`` bytes (segment 0) and ``nbytes``
+    of rows; every segment but the last a page multiple, so the next one maps right after it."""
     n = max(1, min(n, MAX_SEGMENTS, -(-nbytes // _PAGE)))
     per = _round(-(-(header + nbytes) // n))
     out, left = [], header + nbytes
@@ -115,14 +116,17 @@ def sizes(nbytes: int, header: int, n: int) -> list[int]:
 
 class Segments:
     """Files mapped one after another from :attr:`addr` (``total`` bytes): :meth:`array` views
-    them, :meth:`close` unmaps each in a thread of its own (when no view is left) and closes
-    the descriptors held (the last reference to an unnamed segment frees its pages there)."""
+    them. Once :meth:`close` was called and no view is left, the range is unmapped and the
+    descriptors held are closed (the last reference to an unnamed segment frees its pages):
+    in up to 32 threads when that happens inside :meth:`close`, in the collecting thread
+    otherwise (a collection may run anywhere: no threads started there); never at the
+    interpreter's exit (the kernel tears down, and a thread still reading a view reads)."""
 
     def __init__(self, fds: list[int], sizes: list[int], keep_fds: bool):
         self.sizes, self.total = list(sizes), sum(sizes)
         self.fds = list(fds) if keep_fds else []
-        base = _c().mmap(None, _round(self.total), 0, _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE,
-                         -1, 0)
+        span = sum(_round(n) for n in sizes)
+        base = _c().mmap(None, span, 0, _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE, -1, 0)
         _check(base not in (None, ctypes.c_void_p(-1).value), "mmap (reserve)")
         self.addr, done, off = base, [], 0
         try:
@@ -132,36 +136,51 @@ class Segments:
                 done.append((got, _round(n)))
                 off += _round(n)
         except BaseException:
-            _munmap(base, _round(self.total))
+            _munmap(base, span)
             raise
-        self._parts = done
         self._rows = _Rows(base, self.total)
-        self._gone = weakref.finalize(self._rows, _unmap_all, list(done), self.fds)
+        self._state = {"closing": False}
+        self._gone = weakref.finalize(self._rows, _unmap_all, done, self.fds, self._state)
+        self._gone.atexit = False
 
     def array(self, offset: int, nbytes: int) -> np.ndarray:
         return np.asarray(self._rows)[offset: offset + nbytes]
 
     def advise(self, advice: int) -> bool:
-        return _c().madvise(self.addr, _round(self.total), advice) == 0
+        return _c().madvise(self.addr, sum(_round(n) for n in self.sizes), advice) == 0
 
     def close(self) -> None:
-        """Drop this object's reference: the range goes once no view of it is left."""
-        self._rows = None
+        """Drop this object's reference: the range goes now if no view of it is left."""
+        self._state["closing"] = True
+        try:
+            self._rows = None
+        finally:
+            self._state["closing"] = False
 
 
-def _unmap_all(parts: list, fds: list[int]) -> None:
+def _unmap_all(parts: list, fds: list[int], state: dict) -> None:
+    done = [False] * len(parts)
+
     def one(i: int) -> None:
-        _munmap(*parts[i])
-        if i < len(fds):
-            os.close(fds[i])
-    try:
-        with ThreadPoolExecutor(min(len(parts), 32), thread_name_prefix="hs-unmap") as ex:
-            for f in [ex.submit(one, i) for i in range(len(parts))]:
-                f.result()
-    except RuntimeError:  # no new threads (interpreter shutdown): one after another
-        for i in range(len(parts)):
-            with contextlib.suppress(OSError):
-                one(i)
+        if done[i]:
+            return
+        done[i] = True
+        try:
+            _munmap(*parts[i])
+        finally:
+            if i < len(fds):
+                os.close(fds[i])
+
+    if state["closing"] and len(parts) > 1:  # inside close(): a known place to start threads
+        try:
+            with ThreadPoolExecutor(min(len(parts), 32), thread_name_prefix="hs-unmap") as ex:
+                for f in [ex.submit(one, i) for i in range(len(parts))]:
+                    f.result()
+        except RuntimeError:  # no new threads: the rest below
+            pass
+    for i in range(len(parts)):
+        with contextlib.suppress(OSError):
+            one(i)
 
 
 def create(first_fd: int, directory: str, sizes_: list[int]) -> Segments:
@@ -169,7 +188,8 @@ def create(first_fd: int, directory: str, sizes_: list[int]) -> Segments:
     ``directory``; the creator keeps every descriptor (another process opens them)."""
     fds = [first_fd]
     try:
-        fds += [os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600) for _ in sizes_[1:]]
+        for _ in sizes_[1:]:
+            fds.append(os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600))
         for fd, n in zip(fds, sizes_, strict=True):
             os.ftruncate(fd, _round(n))
         return Segments(fds, sizes_, keep_fds=True)
@@ -180,8 +200,8 @@ def create(first_fd: int, directory: str, sizes_: list[int]) -> Segments:
 
 
 def table(seg: Segments) -> np.ndarray:
-    """The header's fields after the shape: segments, creator pid, then per segment ``(fd,
-    bytes, st_dev, st_ino)``, uint64."""
+    """The header's words from byte 32: segments, creator pid, two reserved zeros, then per
+    segment ``(fd, bytes, st_dev, st_ino)``, uint64."""
     rows = [(fd, n, os.fstat(fd).st_dev, os.fstat(fd).st_ino)
             for fd, n in zip(seg.fds, seg.sizes, strict=True)]
     return np.array([len(rows), os.getpid(), 0, 0] + [v for r in rows for v in r], np.uint64)
@@ -189,30 +209,40 @@ def table(seg: Segments) -> np.ndarray:
 
 def attach(first_fd: int, head: np.ndarray, path: str) -> Segments:
     """The segments a header (``head``: uint64 words from byte 32, :func:`table`'s) lists,
-    segment 0 from ``first_fd``, the others opened through the creator's descriptors."""
+    segment 0 from ``first_fd``, the others opened through the creator's descriptors, each
+    checked (a regular file of the header's device, inode and size) before it is opened."""
     n, pid = int(head[0]), int(head[1])
+    size0 = os.fstat(first_fd).st_size
     if n <= 1:
-        return Segments([first_fd], [os.fstat(first_fd).st_size], keep_fds=False)
+        return Segments([first_fd], [size0], keep_fds=False)
     if n > MAX_SEGMENTS:
         raise ValueError(f"{path}: its header lists {n} segments (at most {MAX_SEGMENTS})")
     ent = head[4: 4 + 4 * n].reshape(n, 4).astype(np.int64)
+    if (ent[:, 1] <= 0).any() or (ent[:-1, 1] % _PAGE).any() or size0 < ent[0, 1]:
+        raise ValueError(f"{path}: its header's segment sizes are not a pool's")
     fds = [first_fd]
     try:
         for k in range(1, n):
             src = f"/proc/{pid}/fd/{ent[k, 0]}"
+            why = None
             try:
-                fd = os.open(src, os.O_RDWR)
+                st = os.stat(src)  # (follows the link: the file, not opened yet)
+                ok = stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == \
+                    (ent[k, 2], ent[k, 3]) and st.st_size >= ent[k, 1]
+                if ok:
+                    fds.append(os.open(src, os.O_RDWR | os.O_NOCTTY))
+                    st = os.fstat(fds[-1])
+                    ok = (st.st_dev, st.st_ino) == (ent[k, 2], ent[k, 3])
             except OSError as e:
+                why = e.strerror
+            if why is not None:
                 raise FileNotFoundError(
                     f"{path} is a pool of {n} segments; segment {k} ({src}) cannot be opened "
-                    f"({e.strerror}): its creator (pid {pid}) must be alive and visible to "
-                    f"this process (same PID namespace and user), or create it with "
-                    f"segments=1") from None
-            fds.append(fd)
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != (ent[k, 2], ent[k, 3]) or st.st_size < ent[k, 1]:
+                    f"({why}): its creator (pid {pid}) must be alive and visible to this "
+                    f"process (same PID namespace and user), or create it with segments=1")
+            if not ok:
                 raise ValueError(f"{path}: segment {k} ({src}) is not the file its header "
-                                 f"names (the creator is gone and its pid reused?)")
+                                 f"names (its creator gone and the pid reused?)")
         return Segments(fds, [int(v) for v in ent[:, 1]], keep_fds=False)
     finally:
         for fd in fds[1:]:

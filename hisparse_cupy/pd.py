@@ -104,7 +104,7 @@ Arrival.__doc__ = """A completed reservation: ``pages`` (engine-held, token orde
 ``n_tokens`` tokens; ``sender`` notified, ``seconds`` after the reservation."""
 Polled = collections.namedtuple("Polled", "done timed_out")
 Sent = collections.namedtuple("Sent", "req_id xfer_id bytes seconds descriptors")
-Sent.__doc__ = "A completed send: ``bytes`` in ``seconds`` (the whole call), ``descriptors``."
+Sent.__doc__ = "A completed send: ``bytes`` in ``seconds`` (the call), the ticket's descriptors"
 _Reservation = collections.namedtuple("_Reservation", "req_id xfer_id pages n_tokens t0 deadline")
 
 

@@ -277,3 +277,44 @@ def test_a_mixed_batch_takes_at_most_a_page_per_request_more_than_its_tokens():
         hp.grow(0, int(-(-lens[0] // 64) * 64 + 1))
     with pytest.raises(ValueError, match="lengths must be"):
         HostPages.host_bytes_needed([-1], page_tokens=64, n_layers=1, row_bytes=1)
+
+
+def test_the_fingerprint_is_equal_after_the_same_calls_and_differs_otherwise():
+    """Two allocators fed the same random calls agree at every step (what tensor-parallel
+    ranks over one shared pool check); one different call (another page order, one more
+    token) changes it."""
+    rng = np.random.default_rng(5)
+    a, b = HostPages(40, 4), HostPages(40, 4)
+    assert a.fingerprint() == b.fingerprint()
+    live = []
+    for _ in range(300):
+        op = rng.integers(4)
+        if op == 0 and len(live) < 8 and a.free_pages >= 6:
+            r = int(rng.integers(1 << 20))
+            if r not in live:
+                n = int(rng.integers(1, 20))
+                for x in (a, b):
+                    x.admit(r, n)
+                live.append(r)
+        elif op == 1 and live:
+            r = live[int(rng.integers(len(live)))]
+            n = a.tokens(r) + int(rng.integers(0, 6))
+            if a.pages_for(n) - len(a.pages(r)) <= a.free_pages:
+                for x in (a, b):
+                    x.grow(r, n)
+        elif op == 2 and live:
+            r = live.pop(int(rng.integers(len(live))))
+            for x in (a, b):
+                x.release(r)
+        elif op == 3 and a.free_pages >= 2:
+            got = [x.take(2) for x in (a, b)]
+            for x, g in zip((a, b), got, strict=True):
+                x.put(g[::-1])
+        assert a.fingerprint() == b.fingerprint()
+    c = HostPages(40, 4)
+    c.put(c.take(3))  # the same pages free, handed out in another order
+    assert c.fingerprint() != HostPages(40, 4).fingerprint()
+    d, e = HostPages(40, 4), HostPages(40, 4)
+    d.admit(0, 5)
+    e.admit(0, 6)  # the same pages, one more token
+    assert d.pages(0) == e.pages(0) and d.fingerprint() != e.fingerprint()

@@ -374,3 +374,83 @@ def test_a_pool_dropped_unclosed_is_released_when_collected(no_cuda, monkeypatch
     gc.collect()
     assert unreg == [base + i * 3 * PAGE for i in range(n)] and n == 4
     assert not _mapped(base)
+
+
+# ------------------------------------------------------------------ segments: faults (review)
+_STUBS = ("import numpy as np, os, sys, threading; from hisparse_cupy import host_pool as hp; "
+          "hp._register = lambda p, n: p; hp._unregister = lambda p: None; "
+          "hp.require_gpu = lambda: None; hp._synchronize = lambda: None\n")
+
+
+def test_an_unclosed_pool_read_by_a_thread_at_exit_does_not_crash(name):
+    """The interpreter's exit does not unmap a pool a daemon thread still reads (the kernel
+    tears down after the last thread); nothing is left in /dev/shm."""
+    code = _STUBS + (f"p = hp.HostKVPool(2, 1 << 14, 64, shared_name={name!r}, segments=8)\n"
+                     "dst = np.empty_like(p.numpy[0]); go = threading.Event()\n"
+                     "def read():\n"
+                     "    while True:\n"
+                     "        np.copyto(dst, p.numpy[0]); go.set()\n"
+                     "threading.Thread(target=read, daemon=True).start(); go.wait()\n")
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert r.returncode == 0, (r.returncode, r.stderr[-500:])
+    assert not os.path.exists(os.path.join("/dev/shm", name))
+
+
+def test_a_segment_that_cannot_be_opened_leaks_no_descriptor(name):
+    """With the descriptors a creator may open limited, a pool of many segments fails with
+    OSError and leaves no descriptor or name behind."""
+    code = _STUBS + ("import resource\n"
+                     "before = len(os.listdir('/proc/self/fd'))\n"
+                     "resource.setrlimit(resource.RLIMIT_NOFILE, (before + 6, before + 6))\n"
+                     "try:\n"
+                     f"    hp.HostKVPool(2, 1 << 14, 64, shared_name={name!r}, segments=20)\n"
+                     "except OSError as e:\n"
+                     "    print('refused', e.errno)\n"
+                     "print(len(os.listdir('/proc/self/fd')) - before)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-500:]
+    assert r.stdout.split()[0] == "refused" and r.stdout.split()[-1] == "0", r.stdout
+    assert not os.path.exists(os.path.join("/dev/shm", name))
+
+
+def test_a_header_with_sizes_no_pool_has_is_refused(no_cuda, name):
+    pool = hp.HostKVPool(2, 1 << 12, 64, shared_name=name, segments=3)
+    path = os.path.join("/dev/shm", name)
+    good = open(path, "rb").read(hp._HEADER)
+    try:
+        with open(path, "r+b") as f:  # segment 1's size no page multiple
+            f.seek(32 + 8 * (4 + 4 * 1 + 1))
+            f.write(np.uint64(hp._PAGE + 8).tobytes())
+        with pytest.raises(ValueError, match="segment sizes are not a pool's"):
+            hp.HostKVPool.attach(name)
+        with open(path, "r+b") as f:  # segment 2 named by another file's inode
+            f.write(good)
+            f.seek(32 + 8 * (4 + 4 * 2 + 3))
+            f.write(np.uint64(1).tobytes())
+        with pytest.raises(ValueError, match="is not the file its header names"):
+            hp.HostKVPool.attach(name)
+    finally:
+        with open(path, "r+b") as f:
+            f.write(good)
+    hp.HostKVPool.attach(name).close()
+    pool.close()
+
+
+def test_a_failure_after_the_name_is_linked_unlinks_it(calls, name, monkeypatch):
+    """An error once the name is linked (here: the second setup line) leaves no name and no
+    registration behind."""
+    monkeypatch.setattr(hp, "_SAY_BYTES", 1)
+    said = []
+
+    def say(msg):
+        said.append(msg)
+        if len(said) == 2:
+            raise BrokenPipeError("stderr is gone")
+
+    monkeypatch.setattr(hp, "_say", say)
+    with pytest.raises(BrokenPipeError):
+        hp.HostKVPool(2, 1 << 12, 64, shared_name=name, segments=3)
+    gc.collect()
+    assert not os.path.exists(os.path.join("/dev/shm", name))
+    assert sorted(calls["unreg"]) == sorted(p for p, _ in calls["reg"])

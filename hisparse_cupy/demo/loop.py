@@ -65,24 +65,27 @@ class Rig:
     """Buffers shared by every mode, and the per-mode state (resident KV or cache).
 
     ``pool``: a host pool to put the caches over (e.g. one shared by tensor-parallel ranks,
-    ``HostKVPool.attach``); ``write_pool``: whether this process writes its prompt rows (one
-    writer per shared pool; the others must wait for it before their first offloaded run).
+    ``HostKVPool.attach``), in the slot layout (``write_pool``: whether this process writes
+    its prompt rows, one writer per shared pool; the others must wait for it before their
+    first offloaded run), or ``paged`` (its rows :meth:`paged_rows`; every process admits its
+    requests with the KV it makes, as without a pool).
     ``tp``: see :class:`Model`. ``backup``: what an offloaded step does with its newest
     rows once the model wrote them, ``backup(step)``; default ``step.backup_newest()`` (a
     tensor-parallel rank that leaves the backup to another rank waits for it there instead).
     ``admission``: how requests get their prompts in a paged pool, ``admission(rig)`` called
     once the cache exists, returning an object whose ``admit_all()`` admits every request at
-    its prompt (slots ``0..batch-1``, as :meth:`_admit_all`) and whose ``close()`` runs before
+    its prompt (slots ``0..batch-1``, as :meth:`admit_all`) and whose ``close()`` runs before
     the cache closes (``examples/pd_decode.py``: the prompts arrive over NIXL); default
-    :meth:`_admit_all`.
+    :meth:`admit_all`.
     """
 
     def __init__(self, cfg: Config, stream: cupy.cuda.Stream, log, *, pool=None,
                  write_pool: bool = True, tp=None, backup=None, partition=None,
-                 admission=None):
+                 admission=None, paged: bool | None = None):
         self.cfg, self.s, self.log = cfg, stream, log
         self.partition = partition  # an SMPartition (stream is its main group's) or None
         self.pool, self.write_pool = pool, write_pool
+        self.paged = pool is None if paged is None else bool(paged)
         self.admission, self._admission = admission, None
         self.backup = backup or (lambda st: st.backup_newest())
         self.pool_ready = False
@@ -149,7 +152,14 @@ class Rig:
         prompt_kv(self.k, self.cfg, base, layer_bytes, self.req if reqs is None else reqs,
                   self.s, p0, self.cfg.max_len if req_rows is None else req_rows)
 
-    def _admit_all(self) -> list[int]:
+    @staticmethod
+    def paged_rows(c: Config) -> int:
+        """Host rows per layer of a paged pool for ``c``: each request's longest in pages, and
+        one page more (an admission on received pages copies a partial last page into a page
+        of its own before the received one goes back)."""
+        return (c.batch * -(-c.max_len // PAGE_TOKENS) + 1) * PAGE_TOKENS
+
+    def admit_all(self) -> list[int]:
         """Every request admitted at its prompt: in a paged pool (the default) with its KV
         made on the GPU and copied into its pages (requests 1.. forked from request 0's first
         ``--shared-prefix`` tokens); in a given pool's slot layout from the rows written
@@ -207,33 +217,28 @@ class Rig:
         self.free_resident()
         if self.cache is None:
             t0 = time.perf_counter()
-            if self.pool is not None and c.shared_prefix:
-                raise SystemExit("demo: --shared-prefix needs the paged host pool the demo "
-                                 "makes; a given pool is in the slot layout")
-            # a page more than the requests' longest: an admission on received pages copies a
-            # partial last page into a page of its own before the received one goes back
-            paged = {} if self.pool is not None else \
-                {"page_tokens": PAGE_TOKENS,
-                 "host_rows": (c.batch * -(-c.max_len // PAGE_TOKENS) + 1) * PAGE_TOKENS}
+            if not self.paged and (c.shared_prefix or self.admission is not None):
+                raise SystemExit("demo: --shared-prefix and an admission hook need a paged "
+                                 "host pool; this one is in the slot layout")
+            paged = {"page_tokens": PAGE_TOKENS, "host_rows": self.paged_rows(c)} \
+                if self.paged else {}
             self.cache = HotBufferCache(n_layers=c.layers, max_requests=c.batch,
                                         max_len=c.max_len, row_bytes=ROW_BYTES, hot_size=c.hot,
                                         top_k=c.top_k, extra_page=c.extra_page,
                                         max_steps=c.mtp, pool=self.pool, **paged)
             t1 = time.perf_counter()
             pool = self.cache.pool
-            if self.pool is not None and self.write_pool and not self.pool_ready:
+            if not self.paged and self.pool is not None and self.write_pool and \
+                    not self.pool_ready:
                 self._prefill(int(pool.device_ptr(0)), pool.layer_bytes)  # the GPU writes it
                 self.s.synchronize()
                 self.pool_ready = True
             self.pf = Prefetcher(self.cache, self.pattern, partition=self.partition,
                                  predict_rule=c.predict_rule)
             if self.admission is not None:
-                if self.pool is not None:
-                    raise SystemExit("demo: an admission hook needs the paged pool the demo "
-                                     "makes; a given pool is in the slot layout")
                 self._admission = self.admission(self)
-            how = (f"paged ({PAGE_TOKENS} tokens a page), pinned" if self.pool is None else
-                   "given, slot layout")
+            how = ("given, " if self.pool is not None else "") + (
+                f"paged ({PAGE_TOKENS} tokens a page), pinned" if self.paged else "slot layout")
             self.log(f"offload: {pool.n_layers * pool.layer_bytes / 1e9:.1f} GB host pool "
                      f"{how} in {t1 - t0:.1f} s" + ("" if self.pool is None else
                      f", {'written' if self.write_pool else 'not written here'} in "
@@ -243,10 +248,12 @@ class Rig:
         if self.cache is not None:
             self.s.synchronize()
             self.pf.synchronize()
-            if self._admission is not None:
-                self._admission.close()
-                self._admission = None
-            self.cache.close()
+            admission, self._admission = self._admission, None
+            try:
+                if admission is not None:
+                    admission.close()
+            finally:
+                self.cache.close()
             self.cache = self.pf = None
             cupy.get_default_memory_pool().free_all_blocks()
 
@@ -264,7 +271,7 @@ class Rig:
             cache.counters.reset(s)
             for rid in list(cache.active):
                 cache.release(rid, stream=s)
-            rids = (self._admit_all() if self._admission is None else
+            rids = (self.admit_all() if self._admission is None else
                     self._admission.admit_all())
             # batch row b is request slot b in every mode (a KV row is a function of the slot)
             if sorted(rids) != list(range(c.batch)):
