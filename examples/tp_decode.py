@@ -1,9 +1,15 @@
 """Tensor-parallel decode over ONE host pool shared by every GPU of the host.
 
 With MLA every tensor-parallel rank holds the same latent KV, so one pinned host copy can serve
-all of them: rank 0 creates the pool in POSIX shared memory and writes the prompts' KV into it,
-every other rank attaches it (each registers the same pages, mapped for its own GPU). Each rank
-keeps its own hot buffers and cache state over it. The model is the decode loop's
+all of them: rank 0 creates the pool in POSIX shared memory, every other rank attaches it (each
+registers the same pages, mapped for its own GPU). Each rank keeps its own hot buffers and cache
+state over it. The pool is paged (the default): every rank's cache hands out its pages, and
+since every rank makes the same calls (admissions, growth, releases) in the same order, their
+allocators agree on every page, which each admission checks (``HostPages.fingerprint``,
+compared across ranks); every rank admits its requests with the prompts' KV it makes on its own
+GPU (identical bytes into the same pages), after a barrier that every rank's earlier reads of
+the pool are done (a released page may be one another rank still read). ``--slot-layout``: the
+pool in the slot layout instead, rank 0 writing the prompts' KV once. The model is the decode loop's
 (:mod:`hisparse_cupy.demo`) split over the ranks: every rank attends with all heads over the
 replicated KV rows, multiplies its share of the heads' outputs by its rows of the output
 projection, and an NCCL all-reduce (``torch.distributed``) sums the partial hidden states.
@@ -26,8 +32,9 @@ checks its own attention outputs against its gpu-only run bit for bit; rank 0 pr
 rank's table, the host memory pinned (one pool per host instead of one per rank) and each
 rank's swap GB/s.
 
-    torchrun --nproc-per-node 2 examples/tp_decode.py [--newest-writer every|rank0] [demo options]
-    python examples/tp_decode.py --nproc 2 [--newest-writer every|rank0] [demo options]  (mp.spawn)
+    torchrun --nproc-per-node 2 examples/tp_decode.py [--newest-writer every|rank0]
+        [--slot-layout] [demo options]
+    python examples/tp_decode.py --nproc 2 [...]  (mp.spawn)
 """
 
 from __future__ import annotations
@@ -133,7 +140,40 @@ class NewestRowFence:
             os.unlink(self.path)
 
 
-def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str = "every") -> int:
+class PagedAdmission:
+    """``Rig``'s admission on a paged shared pool: every rank, after every rank's earlier work
+    on the pool is done (its stream synchronized, then a barrier), admits the same requests on
+    the same pages with the KV it makes; the ranks' allocators are compared after each
+    admission and once more at the end (a run's growth): a difference raises."""
+
+    def __init__(self, rig, world: int):
+        self.rig, self.world = rig, world
+
+    def _agree(self, when: str) -> None:
+        import torch.distributed as dist
+
+        got = [None] * self.world
+        dist.all_gather_object(got, self.rig.cache.pages.fingerprint())
+        if len(set(got)) != 1:
+            raise RuntimeError(f"the ranks' page allocators disagree {when} ({got}): their "
+                               f"calls were not the same")
+
+    def admit_all(self) -> list:
+        import torch.distributed as dist
+
+        self.rig.s.synchronize()
+        self.rig.pf.synchronize()
+        dist.barrier()  # nobody reads a released page any more
+        rids = self.rig.admit_all()
+        self._agree("after admission")
+        return rids
+
+    def close(self) -> None:
+        self._agree("at the end")
+
+
+def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str = "every",
+           paged: bool = True) -> int:
     import cupy
     import torch
     import torch.distributed as dist
@@ -168,7 +208,7 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str =
         with torch.cuda.stream(ts):
             dist.all_reduce(to_torch(h, stream=s).view(torch.bfloat16))
 
-    n_rows = cfg.batch * cfg.max_len
+    n_rows = Rig.paged_rows(cfg) if paged else cfg.batch * cfg.max_len
     t0 = time.perf_counter()
     if rank == 0:
         pool = HostKVPool(cfg.layers, n_rows, ROW_BYTES, shared_name=pool_name)
@@ -179,8 +219,9 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str =
     fence = NewestRowFence(rank, world, f"{pool_name}-fence", s) if writer == "rank0" else None
     try:
         rig = Rig(cfg, s, log, pool=pool, write_pool=rank == 0, tp=(rank, world, all_reduce),
-                  backup=fence)
-        if rank == 0:
+                  backup=fence, paged=paged,
+                  admission=(lambda r: PagedAdmission(r, world)) if paged else None)
+        if rank == 0 and not paged:
             rig.use_cache()  # writes the prompts' KV into the shared pool
         dist.barrier()  # every rank swaps those rows from here on
         try:
@@ -200,6 +241,7 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str =
             rc = report_results(cfg, results, {"device": name, "rank": rank, "world": world,
                                                "matmul": rig.model.gemm.kind,
                                                "pool_s": t_pool, "newest_writer": writer,
+                                               "paged": paged,
                                                "fence_wait_s": fence and fence.wait_s},
                                 f"rank {rank} of {world}: {name}")
         dist.all_gather_object(outs, (rc, buf.getvalue(), t_pool, fence and fence.wait_s))
@@ -225,8 +267,9 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str =
     return rc
 
 
-def _spawned(rank: int, world: int, argv: list[str], pool_name: str, writer: str) -> None:
-    rc = worker(rank, world, argv, pool_name, writer)
+def _spawned(rank: int, world: int, argv: list[str], pool_name: str, writer: str,
+             paged: bool) -> None:
+    rc = worker(rank, world, argv, pool_name, writer, paged)
     if rc:
         sys.exit(rc)
 
@@ -238,6 +281,9 @@ def main() -> int:
     ap.add_argument("--newest-writer", choices=WRITERS, default="every",
                     help="who backs up the newest token's host rows: every rank its own "
                          "(default) or rank 0 for all, behind an interprocess event")
+    ap.add_argument("--slot-layout", action="store_true",
+                    help="the shared pool in the slot layout (rank 0 writes the prompts' KV) "
+                         "instead of paged")
     ap.add_argument("-h", "--help", action="store_true")
     args, rest = ap.parse_known_args()
     if args.help:
@@ -267,7 +313,8 @@ def main() -> int:
                   "one node (torchrun --nnodes 1)")
             return 2
         pool_name = os.environ.get("HS_POOL_NAME", f"hs-tp-{os.environ.get('MASTER_PORT', '0')}")
-        return worker(int(os.environ["LOCAL_RANK"]), world, rest, pool_name, args.newest_writer)
+        return worker(int(os.environ["LOCAL_RANK"]), world, rest, pool_name, args.newest_writer,
+                      not args.slot_layout)
     import torch.multiprocessing as mp
 
     n = args.nproc or torch.cuda.device_count()
@@ -277,7 +324,8 @@ def main() -> int:
         return 2
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    mp.spawn(_spawned, args=(n, rest, pool_name, args.newest_writer), nprocs=n, join=True)
+    mp.spawn(_spawned, args=(n, rest, pool_name, args.newest_writer, not args.slot_layout),
+             nprocs=n, join=True)
     return 0
 
 

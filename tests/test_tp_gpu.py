@@ -44,15 +44,18 @@ def test_tp_decode_refuses_what_its_ranks_cannot_run(flag):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("writer", ["every", "rank0"])
-def test_tp_decode_two_ranks_one_pool(tmp_path, writer):
+@pytest.mark.parametrize("writer, layout", [("every", "paged"), ("rank0", "paged"),
+                                            ("every", "slot")])
+def test_tp_decode_two_ranks_one_pool(tmp_path, writer, layout):
     """Either way of writing the newest rows: every rank its own copy, or rank 0 alone with
-    the others waiting on its interprocess event; both ranks bit for bit against gpu-only."""
+    the others waiting on its interprocess event; the pool paged (the ranks' allocators
+    checked to agree) or in the slot layout; both ranks bit for bit against gpu-only."""
     _two_gpus()
     pytest.importorskip("torch", reason="the example's all-reduce runs through torch.distributed")
     js = tmp_path / "tp.json"
     p = subprocess.run([sys.executable, str(ROOT / "examples" / "tp_decode.py"), "--nproc", "2",
-                        "--newest-writer", writer, *SMALL, "--json", str(js)],
+                        "--newest-writer", writer, *SMALL, "--json", str(js)]
+                       + (["--slot-layout"] if layout == "slot" else []),
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "=== rank 0" in p.stdout and "=== rank 1" in p.stdout
@@ -62,7 +65,7 @@ def test_tp_decode_two_ranks_one_pool(tmp_path, writer):
     for rank in (0, 1):
         doc = json.loads((tmp_path / f"tp.rank{rank}.json").read_text())
         assert doc["self_check"] == "passed" and doc["rank"] == rank
-        assert doc["newest_writer"] == writer
+        assert doc["newest_writer"] == writer and doc["paged"] == (layout == "paged")
         rows = {(r["mode"], r["exec"]): r for r in doc["summary"]}
         assert rows[("offload", "eager")]["mb_per_step"] > 0
 

@@ -220,8 +220,9 @@ class Rig:
             if not self.paged and (c.shared_prefix or self.admission is not None):
                 raise SystemExit("demo: --shared-prefix and an admission hook need a paged "
                                  "host pool; this one is in the slot layout")
-            paged = {"page_tokens": PAGE_TOKENS, "host_rows": self.paged_rows(c)} \
-                if self.paged else {}
+            paged = {} if not self.paged else {"page_tokens": PAGE_TOKENS} \
+                if self.pool is not None else \
+                {"page_tokens": PAGE_TOKENS, "host_rows": self.paged_rows(c)}
             self.cache = HotBufferCache(n_layers=c.layers, max_requests=c.batch,
                                         max_len=c.max_len, row_bytes=ROW_BYTES, hot_size=c.hot,
                                         top_k=c.top_k, extra_page=c.extra_page,
@@ -240,7 +241,7 @@ class Rig:
             how = ("given, " if self.pool is not None else "") + (
                 f"paged ({PAGE_TOKENS} tokens a page), pinned" if self.paged else "slot layout")
             self.log(f"offload: {pool.n_layers * pool.layer_bytes / 1e9:.1f} GB host pool "
-                     f"{how} in {t1 - t0:.1f} s" + ("" if self.pool is None else
+                     f"{how} in {t1 - t0:.1f} s" + ("" if self.pool is None or self.paged else
                      f", {'written' if self.write_pool else 'not written here'} in "
                      f"{time.perf_counter() - t1:.1f} s"))
 
