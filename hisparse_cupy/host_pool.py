@@ -133,7 +133,7 @@ def _first_touch(rows: np.ndarray, threads: int) -> None:
     """Write a zero into every OS page of ``rows`` (a uint8 view of a new mapping: its pages
     read as zeros) from up to ``threads`` threads of ``_TOUCH_SPAN`` bytes or more, so that the
     kernel allocates the pages in parallel, not in one thread inside ``cudaHostRegister``
-    (NumPy's strided fill releases the GIL; faster than one ``MADV_POPULATE_WRITE`` per thread
+    (NumPy's strided fill releases the GIL; no slower than one ``MADV_POPULATE_WRITE`` a thread
     on the H200 box: ``benchmarks/NOTES.md``). Module level: a test replaces it."""
     n = rows.size
     k = max(1, min(threads, -(-n // _TOUCH_SPAN)))
