@@ -4,6 +4,8 @@ can be captured in a CUDA graph, and a stand-in for when no cuBLAS can.
 - :class:`Gemm`: bf16 ``C = A @ B`` through cuBLAS's ``cublasGemmEx`` (ctypes, its own handle
   and workspace), optionally on fewer SMs (``cublasSetSmCountTarget``); the decode loop's
   matmuls (:class:`hisparse_cupy.demo.model.Model`).
+- :class:`TorchGemm`: the same interface as :class:`Gemm` through ``torch.matmul`` on the
+  caller's stream (``demo --matmul torch``: an engine whose layer matmuls are PyTorch ops).
 - :class:`TorchMatmul`: fp16 ``y = x @ w`` through PyTorch's cuBLAS on a given stream.
 - :class:`FmaBurn`: FMAs on every SM (no library needed).
 - :class:`LayerCompute`: one layer's stand-in compute of the overlap benchmark, a
@@ -19,7 +21,7 @@ import ctypes
 import cupy
 import numpy as np
 
-__all__ = ["FmaBurn", "Gemm", "LayerCompute", "TorchMatmul"]
+__all__ = ["FmaBurn", "Gemm", "LayerCompute", "TorchGemm", "TorchMatmul"]
 
 
 class Gemm:
@@ -102,6 +104,53 @@ class Gemm:
         if self._lib is not None:
             self._lib.cublasDestroy_v2(self._h)
             self._lib = None
+
+
+class TorchGemm:
+    """:class:`Gemm`'s ``c = a @ b`` (bf16 in uint16 storage, ``a`` maybe a column slice) by
+    ``torch.matmul`` into ``c``, on the given stream (a ``torch.cuda.ExternalStream`` of it):
+    the matmuls of an engine written in PyTorch. The arrays are viewed as tensors without a
+    copy (DLPack), once per buffer. :meth:`set_sm_target` asks PyTorch's SM carveout
+    (``torch._C._set_sm_carveout_experimental``: the device's SMs less ``sms``), which
+    ``benchmarks/NOTES.md`` found not applied to its Hopper matmuls."""
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self.kind = f"PyTorch {torch.__version__} (torch.matmul, bf16)"
+        self._views: dict = {}  # (pointer, shape, strides) -> bf16 tensor over it
+        self._streams: dict = {}  # CuPy stream pointer -> torch ExternalStream
+
+    available = True
+
+    def _t(self, x: cupy.ndarray):
+        key = (x.data.ptr, x.shape, x.strides)
+        t = self._views.get(key)
+        if t is None:
+            t = self._views[key] = self.torch.from_dlpack(x.view(cupy.int16)).view(
+                self.torch.bfloat16)
+        return t
+
+    def set_sm_target(self, sms: int) -> None:
+        if sms < 0:
+            raise ValueError(f"sms must be >= 0, got {sms}")
+        carve = getattr(self.torch._C, "_set_sm_carveout_experimental", None)
+        if carve is None:
+            raise RuntimeError(f"{self.kind} has no SM carveout")
+        total = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        carve(None if sms == 0 else max(0, total - int(sms)))
+
+    def __call__(self, a: cupy.ndarray, b: cupy.ndarray, c: cupy.ndarray,
+                 stream: cupy.cuda.Stream) -> None:
+        ts = self._streams.get(stream.ptr)
+        if ts is None:
+            ts = self._streams[stream.ptr] = self.torch.cuda.ExternalStream(stream.ptr)
+        with self.torch.cuda.stream(ts):
+            self.torch.matmul(self._t(a), self._t(b), out=self._t(c))
+
+    def close(self) -> None:
+        self._views.clear()
 
 
 class TorchMatmul:

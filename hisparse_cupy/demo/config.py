@@ -37,6 +37,7 @@ class Config:
     execs: tuple[str, ...] = ("graph",)
     side_sms: int = 0  # SMs of the SM partition's side group (0: no partition)
     predict_rule: str = "misses"  # the prediction stager's rule (Prefetcher(predict_rule=))
+    matmul: str = "cublas"  # the layer matmuls: cuBLAS through ctypes, or torch.matmul
     shared_prefix: int = 0  # requests 1.. share request 0's first N tokens (host pages)
     json: str | None = None
     png: str | None = None
@@ -195,6 +196,9 @@ def parser() -> argparse.ArgumentParser:
            "always runs as the reference; predict = overlap + prediction of the next full "
            "layer's misses)")
     a("--no-predict", action="store_true", help="leave the predict mode out")
+    a("--matmul", choices=("cublas", "torch"), default=d.matmul,
+      help="the layer matmuls: cuBLAS called directly (default) or torch.matmul on the step's "
+           "stream (what an engine written in PyTorch runs; needs torch)")
     a("--predict-rule", choices=("misses", "selection"), default=d.predict_rule,
       help="what the predict mode stages of a full layer's top-k that the next one does not "
            "hold: the tokens it missed (default) or all it selected")
@@ -218,7 +222,7 @@ def parser() -> argparse.ArgumentParser:
 CPU_DEFAULTS = {"layers": 8, "batch": 2, "context": 1536, "steps": 12, "warmup": 0,
                 "top_k": 128, "hot": 512, "extra_page": 8, "recent": 4}
 CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hidden",
-               "--side-sms", "--predict-rule")
+               "--side-sms", "--predict-rule", "--matmul")
 # (--mtp 1, --mode gpu-only / offload, --eager, --no-predict and --no-partition are what the
 # NumPy backend runs: accepted)
 
@@ -244,7 +248,8 @@ def cpu_config(argv=None) -> Config:
                and (f != "--mtp" or cfg.mtp > 1)
                and (f != "--mode" or bool({"overlap", "predict"} & set(cfg.modes)))
                and (f != "--side-sms" or bool(cfg.side_sms))
-               and (f != "--predict-rule" or cfg.predict_rule != "misses")]
+               and (f != "--predict-rule" or cfg.predict_rule != "misses")
+               and (f != "--matmul" or cfg.matmul != "cublas")]
     if refused:
         raise SystemExit(f"demo: {' and '.join(refused)} need{'s' if len(refused) == 1 else ''} "
                          f"the GPU decode loop; the NumPy reference backend runs single-step "
@@ -291,7 +296,7 @@ def from_args(argv=None, *, check: bool = True) -> Config:
                  layer_overlap=ns.layer_overlap,
                  top_k=ns.top_k, hot=ns.hot, extra_page=ns.extra_page, hidden=ns.hidden,
                  mtp=ns.mtp, modes=modes, seed=Config.seed if ns.seed is None else ns.seed,
-                 side_sms=side, predict_rule=ns.predict_rule,
+                 side_sms=side, predict_rule=ns.predict_rule, matmul=ns.matmul,
                  shared_prefix=ns.shared_prefix,
                  execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)
     if check:

@@ -96,7 +96,8 @@ class Rig:
         with stream:
             self.model = Model(self.k, queries=cfg.queries, top_k=cfg.top_k, hidden=cfg.hidden,
                                n_layers=cfg.layers, stream=stream, tp=tp,
-                               sms=None if partition is None else partition.main_sms)
+                               sms=None if partition is None else partition.main_sms,
+                               matmul=cfg.matmul)
             B, S, K = cfg.batch, cfg.mtp, cfg.top_k
             self.req = cupy.arange(B, dtype=cupy.int32)  # request slot b (the cache's rids too)
             self.lens = cupy.empty(B, cupy.int32)

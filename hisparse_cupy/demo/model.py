@@ -17,7 +17,7 @@ from pathlib import Path
 import cupy
 import numpy as np
 
-from .compute import Gemm
+from .compute import Gemm, TorchGemm
 from .config import HEADS, ROW_VALUES, V_VALUES
 
 TILE = 16  # rows per attention tile (TR in model.cu)
@@ -50,15 +50,16 @@ class Model:
 
     ``sms``: the SMs the step's stream may use (an SM partition's main group; default every
     SM of the device): the attention is split for them and the matmuls' cuBLAS SM-count target
-    set to them (the fallback matmul kernel has none).
+    set to them (the fallback matmul kernel has none). ``matmul``: ``"cublas"`` (:class:`Gemm`)
+    or ``"torch"`` (:class:`~hisparse_cupy.demo.compute.TorchGemm`).
     """
 
     def __init__(self, kernels: Kernels, *, queries: int, top_k: int, hidden: int,
                  n_layers: int, stream: cupy.cuda.Stream, temperature: float = 4.0, tp=None,
-                 sms: int | None = None):
+                 sms: int | None = None, matmul: str = "cublas"):
         self.k, self.Q, self.K, self.D, self.L = kernels, queries, top_k, hidden, n_layers
         self.s = stream
-        self.gemm = Gemm(kernels)
+        self.gemm = TorchGemm() if matmul == "torch" else Gemm(kernels)
         self.temp = np.float32(temperature)
         if sms is None:
             sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
