@@ -110,9 +110,9 @@ class TorchGemm:
     """:class:`Gemm`'s ``c = a @ b`` (bf16 in uint16 storage, ``a`` maybe a column slice) by
     ``torch.matmul`` into ``c``, on the given stream (a ``torch.cuda.ExternalStream`` of it):
     the matmuls of an engine written in PyTorch. The arrays are viewed as tensors without a
-    copy (DLPack), once per buffer. :meth:`set_sm_target` asks PyTorch's SM carveout
-    (``torch._C._set_sm_carveout_experimental``: the device's SMs less ``sms``), which
-    ``benchmarks/NOTES.md`` found not applied to its Hopper matmuls."""
+    copy (DLPack), once per buffer. No SM target: PyTorch's only one is a private carveout
+    that ``benchmarks/NOTES.md`` found not applied to its Hopper matmuls; on an SM partition
+    the matmuls run on the main group's SMs, with the plan PyTorch picks."""
 
     def __init__(self):
         import torch
@@ -131,15 +131,6 @@ class TorchGemm:
             t = self._views[key] = self.torch.from_dlpack(x.view(cupy.int16)).view(
                 self.torch.bfloat16)
         return t
-
-    def set_sm_target(self, sms: int) -> None:
-        if sms < 0:
-            raise ValueError(f"sms must be >= 0, got {sms}")
-        carve = getattr(self.torch._C, "_set_sm_carveout_experimental", None)
-        if carve is None:
-            raise RuntimeError(f"{self.kind} has no SM carveout")
-        total = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        carve(None if sms == 0 else max(0, total - int(sms)))
 
     def __call__(self, a: cupy.ndarray, b: cupy.ndarray, c: cupy.ndarray,
                  stream: cupy.cuda.Stream) -> None:

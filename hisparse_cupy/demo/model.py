@@ -63,7 +63,7 @@ class Model:
         self.temp = np.float32(temperature)
         if sms is None:
             sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        elif self.gemm.available:
+        elif matmul == "cublas" and self.gemm.available:
             self.gemm.set_sm_target(sms)
         # splits of the K rows: about four blocks per SM, each a whole number of tiles
         want = max(1, min(top_k // TILE, math.ceil(4 * sms / queries)))
