@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 L, RB, P = 78, 1152, 64
@@ -72,6 +73,7 @@ def sender(tickets, answers, n_total: int, opts: dict) -> None:
 
 def one(mib: int, n_req: int, reps: int, tokens: int | None, opts: dict) -> dict:
     import cupy
+    from _timing import time_calls
 
     from hisparse_cupy.host_pages import HostPages
     from hisparse_cupy.host_pool import HostKVPool
@@ -121,18 +123,15 @@ def one(mib: int, n_req: int, reps: int, tokens: int | None, opts: dict) -> dict
                 rates[kind].append(nbytes / dt / 1e9)
         # the ceiling: the same bytes, D2H into the same pool rows, one copy per layer
         s = cupy.cuda.Stream(non_blocking=True)
-        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-        ms = []
-        for _ in range(reps + 1):
-            e0.record(s)
+
+        def d2h_copy(_i: int) -> None:
             for layer in range(L):
                 cupy.cuda.runtime.memcpyAsync(pool.numpy[layer].ctypes.data,
                                               want[layer].data.ptr, n_total * RB,
                                               cupy.cuda.runtime.memcpyDeviceToHost, s.ptr)
-            e1.record(s)
-            e1.synchronize()
-            ms.append(cupy.cuda.get_elapsed_time(e0, e1))
-        d2h = nbytes / np.median(ms[1:]) / 1e6
+
+        us = time_calls(d2h_copy, iters=reps, warmup=1, stream=s)
+        d2h = nbytes / np.median(us) / 1e3
         out.update({k: {"median_gbps": float(np.median(v)), "best_gbps": float(max(v)),
                         "all": v} for k, v in rates.items()})
         out["d2h_memcpy_gbps"] = float(d2h)
