@@ -3,7 +3,8 @@
 The decode process holds a pinned ``HostKVPool`` (78 layers of 1152-byte rows, pages of 64
 tokens) and a :class:`hisparse_cupy.pd.KVReceiver` over it; a prefill process (spawned) holds
 every request's KV in its GPU memory (one registered CuPy buffer) and writes each ticket's with
-:class:`hisparse_cupy.pd.KVSender` (one NIXL WRITE per request, VRAM -> DRAM). Per UCX
+:class:`hisparse_cupy.pd.KVSender` (one NIXL WRITE per request, VRAM -> DRAM; with ``pull=1`` one
+READ per request, posted by the decode process). Per UCX
 configuration (each a fresh pair of processes with those environment variables), per rep: the
 requests sent one after another (the prefill process's ``send`` seconds), then all posted at
 once and waited (``wait=False``); every received byte is checked against the KV both
@@ -15,7 +16,8 @@ the same bytes from its own GPU memory into the same pool rows (CUDA events, med
         [--configs "" "UCX_RMA_PPLN_ENABLE=n" "desc=0" "desc=4194304" ...]
 
 A configuration is a space-separated list of ``VAR=value`` environment variables (UCX's) and
-the sender's ``desc=BYTES`` (``KVSender(desc_bytes=)``, 0: the ticket's descriptors uncut);
+the sender's ``desc=BYTES`` (``KVSender(desc_bytes=)``, 0: the ticket's descriptors uncut)
+and ``pull=1`` (``KVSender(pull=True)``: the decode process READs);
 ``""`` runs the defaults. Without NIXL it says so and exits 2 (``--quick``: 128 MiB, 2 reps, the
 defaults).
 """
@@ -37,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 L, RB, P = 78, 1152, 64
-CONFIGS = ["", "desc=0", "UCX_RMA_PPLN_ENABLE=n"]
+CONFIGS = ["", "pull=1", "desc=0"]
 
 
 def kv_bytes(cupy, n_tokens: int):
@@ -159,7 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.one is not None:
-        opts = {f"{k}_bytes": int(v) or None for k, v in json.loads(a.one).items()}
+        opts = {("pull" if k == "pull" else f"{k}_bytes"): (v == "1") if k == "pull" else
+                int(v) or None for k, v in json.loads(a.one).items()}
         print("@bench " + json.dumps(one(a.mib, a.requests, a.reps, a.tokens, opts)),
               flush=True)
         return 0
@@ -175,8 +178,8 @@ def main(argv=None) -> int:
     results = []
     for conf in a.configs:
         pairs = [kv.split("=", 1) for kv in conf.split()]
-        env = {**os.environ, **{k: v for k, v in pairs if k != "desc"}}
-        opts = {k: v for k, v in pairs if k == "desc"}
+        env = {**os.environ, **{k: v for k, v in pairs if k not in ("desc", "pull")}}
+        opts = {k: v for k, v in pairs if k in ("desc", "pull")}
         cmd = [sys.executable, os.path.abspath(__file__), "--one", json.dumps(opts), "--mib",
                str(a.mib), "--requests", str(a.requests), "--reps", str(a.reps)] + \
             (["--tokens", str(a.tokens)] if a.tokens else [])

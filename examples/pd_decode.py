@@ -17,7 +17,10 @@ machine here; NIXL (UCX) spans two nodes with the same code, the ticket and a ``
 then travelling over the engines' own channel.
 
     pip install --no-deps nixl-cu12   # NIXL's UCX agent (its declared torch is not needed)
-    python examples/pd_decode.py [--cpu] [--batch 4 --context 3000 --steps 8 ...]
+    python examples/pd_decode.py [--cpu] [--pull] [--batch 4 --context 3000 --steps 8 ...]
+
+``--pull``: ``KVSender(pull=True)``, the decode process READs each prompt from the prefill
+process's memory (the faster way from VRAM on one node: ``benchmarks/bench_pd.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ def prefill(argv, gpu: bool, tickets, results) -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from hisparse_cupy.pd import KVSender
 
-    tx = KVSender()
+    tx = KVSender(pull="--pull" in argv)
+    argv = [a for a in argv if a != "--pull"]
     try:
         if gpu:
             import cupy
@@ -86,6 +90,8 @@ class Receiving:
                                  daemon=True)
         self.child.start()
         self.where = "VRAM" if gpu else "host memory"
+        self.how = "read by the decode process" if "--pull" in argv else \
+            "written by the prefill process"
 
     def receive(self, cfg) -> dict:
         """Every request's arrival (req_id -> Arrival); prints the transfer's figures."""
@@ -105,7 +111,7 @@ class Receiving:
         sent = [self.results.get(timeout=60) for _ in range(cfg.batch)]
         nbytes, secs = sum(b for _, b, _ in sent), sum(t for *_, t in sent)
         print(f"pd_decode: {cfg.batch} prompts of {cfg.context} tokens ({nbytes / 1e6:.1f} MB) "
-              f"written by the prefill process from {self.where} into the decode pool's pages "
+              f"{self.how} from {self.where} into the decode pool's pages "
               f"over NIXL: its sends took {secs * 1e3:.0f} ms ({nbytes / secs / 1e9:.2f} GB/s; "
               f"the first connects), {wall:.2f} s from the reservations to the last arrival "
               f"(the prefill process's KV included)", flush=True)
@@ -168,7 +174,8 @@ def main(argv=None) -> int:
         return 2
     cpu = "--cpu" in argv or isinstance(cupy_or_why(), str)
     argv = [a for a in argv if a != "--cpu"]
-    cfg = cpu_config(argv) if cpu else from_args(argv)
+    model_argv = [a for a in argv if a != "--pull"]
+    cfg = cpu_config(model_argv) if cpu else from_args(model_argv)
     if cfg.shared_prefix:
         raise SystemExit("pd_decode: --shared-prefix is the local admission's (forks of "
                          "request 0); every prompt here arrives whole")

@@ -339,6 +339,25 @@ def pd_ticket(t, version: int) -> dict:
     return out
 
 
+def pd_offer(o, sender: str, want: np.ndarray):
+    """A pull's offer checked against the reservation's ``want`` descriptors ``[addr, bytes]``:
+    ``(its descriptors, memory type, device id)``."""
+    if not isinstance(o, dict) or o.get("agent") != sender or \
+            not isinstance(o.get("metadata"), str):
+        raise ValueError(f"offer must be a dict from agent {sender!r} with its metadata")
+    mem, dev = o.get("mem"), integer("offer['dev']", o.get("dev"), 0)
+    if mem not in ("DRAM", "VRAM"):
+        raise ValueError(f"offer['mem'] must be DRAM or VRAM, got {mem!r:.40}")
+    try:
+        descs = np.asarray(o.get("descs"), np.uint64).reshape(-1, 2)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise ValueError(f"offer['descs'] is not a list of int pairs ({e})") from None
+    if descs.shape != want.shape or (descs[:, 1] != want[:, 1]).any():
+        raise ValueError(f"offer['descs'] do not match the reservation's {want.shape[0]} "
+                         f"descriptors (their byte counts)")
+    return descs, mem, dev
+
+
 def memory_of(x):
     """``(address, memory type, device id)`` of a NumPy array or a GPU array."""
     if isinstance(x, np.ndarray):

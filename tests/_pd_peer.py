@@ -5,6 +5,8 @@ stdout with one line starting ``@pd `` (NIXL's own log lines are mixed in, and s
 
 - ``{"ticket": ..., "seed": s}``: send :func:`make_kv` ``(s, ...)`` (the ticket's sizes);
   answers ``{"bytes", "seconds", "xfer_id"}`` or ``{"error": "..."}``;
+- ``"pull": true`` in it: the same by a ``KVSender(pull=True)`` (the receiver reads; the
+  test polls its receiver before it reads the answer);
 - ``{"ticket": ..., "seed": s, "partial": true}``: write layer 0 only, without the ticket's
   transfer id (a sender dying mid-transfer), answer ``{"partial": true}`` and sleep: the test
   kills the process;
@@ -43,7 +45,7 @@ def say(obj) -> None:
 def serve() -> None:
     from hisparse_cupy.pd import KVSender
 
-    tx = KVSender()
+    tx, puller = KVSender(), KVSender(pull=True)
     say({"ready": tx.name})
     for line in sys.stdin:
         msg = json.loads(line)
@@ -58,11 +60,13 @@ def serve() -> None:
                 say({"partial": True})
                 while True:
                     time.sleep(60)
-            s = tx.send(t, kv, timeout_s=msg.get("timeout_s", 10.0))
+            s = (puller if msg.get("pull") else tx).send(t, kv,
+                                                         timeout_s=msg.get("timeout_s", 10.0))
             say({"bytes": s.bytes, "seconds": s.seconds, "xfer_id": s.xfer_id})
         except Exception as e:  # the test reads the error
             say({"error": f"{type(e).__name__}: {e}"})
     tx.close()
+    puller.close()
 
 
 def bench(mib: int = 256, reps: int = 5) -> None:

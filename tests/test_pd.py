@@ -145,9 +145,12 @@ class Peer:
                 self.buf += chunk
 
     def ask(self, **msg):
+        self.tell(**msg)
+        return self.read()
+
+    def tell(self, **msg):
         self.p.stdin.write((json.dumps(msg) + "\n").encode())
         self.p.stdin.flush()
-        return self.read()
 
     def close(self):
         try:
@@ -239,7 +242,7 @@ def test_a_sender_in_another_process(rng):
 def test_descriptors_cut_into_pieces_land_whole_and_notify_once(rng):
     """KVSender(desc_bytes=): every descriptor cut into pieces (here of 3 rows and 8 bytes:
     pieces end inside rows); each request arrives byte exact, once; bad sizes are refused."""
-    from hisparse_cupy.pd import _cut
+    from hisparse_cupy._nixl import cut as _cut
 
     d = np.array([[1000, 250, 0], [5000, 100, 0], [9000, 1, 0]], np.uint64)
     got = _cut(d, 100)
@@ -316,7 +319,7 @@ def test_bad_input_is_refused_before_any_transfer(tx):
     with pytest.raises(TypeError, match="ticket"):
         tx.send([t], good)
     time.sleep(0.05)
-    assert rx.poll() == ([], []) and not pool.any()  # nothing was written, nothing arrived
+    assert rx.poll() == ([], [], []) and not pool.any()  # nothing was written, nothing arrived
     tx.send(t, good)  # the ticket itself still works
     (a,) = arrivals(rx, 1)
     np.testing.assert_array_equal(pool[:, rows_of(a.pages, 20)], good)
@@ -380,7 +383,7 @@ def test_duplicate_late_unknown_and_cancelled(tx):
     tx.send(tc, make_kv(3, L, 50, RB))
     time.sleep(0.05)
     for _ in range(50):
-        assert rx.poll() == ([], [])
+        assert rx.poll() == ([], [], [])
     assert (rx.stats["duplicate"], rx.stats["unknown"], rx.stats["late"]) == (1, 2, 2)
     assert rx.stats["cancelled"] == 1 and rx.stats["timed_out"] == 1
     assert (pages.puts == puts).all()  # the late transfers put nothing back
@@ -441,7 +444,7 @@ def test_a_sender_killed_mid_transfer():
             assert rx.poll().done == [] and rx.in_flight == {"a": 200}
         assert (pages.puts == puts).all()
         clock.t = 6
-        assert rx.poll() == ([], ["a"])
+        assert rx.poll() == ([], ["a"], [])
         assert (pages.puts - puts == np.isin(np.arange(32), a_pages)).all()
         for _ in range(20):
             assert rx.poll().done == []
@@ -476,19 +479,24 @@ def _pd_example():
     return pd_decode
 
 
-def test_the_pd_example_decodes_on_kv_that_came_over_nixl(capsys):
-    """examples/pd_decode.py: a prefill process writes every prompt's KV into the decode pool's
-    pages; the decode loop (NumPy backend) then passes its bit-for-bit self-check, and fails
-    it when one request's received rows are altered (the check sees the transfer)."""
+@pytest.mark.parametrize("how", ["write", "pull"])
+def test_the_pd_example_decodes_on_kv_that_came_over_nixl(capsys, how):
+    """examples/pd_decode.py: a prefill process writes (or offers, for the decode process to
+    read) every prompt's KV into the decode pool's pages; the decode loop (NumPy backend) then
+    passes its bit-for-bit self-check, and fails it when one request's received rows are
+    altered (the check sees the transfer)."""
     from hisparse_cupy.demo.config import cpu_config
     from hisparse_cupy.demo.cpu import run
 
     ex = _pd_example()
     assert ex.main(["--cpu", "--batch", "3", "--context", "1000", "--steps", "3",
-                    "--quiet"]) == 0
+                    "--quiet"] + ["--pull"] * (how == "pull")) == 0
     out = capsys.readouterr().out
-    assert "written by the prefill process from host memory" in out
+    assert ("read by the decode process" if how == "pull" else
+            "written by the prefill process") + " from host memory" in out
     assert "self-check passed" in out
+    if how == "pull":
+        return
 
     def altered(cfg, hp, host, host_locs):
         ex.admit_over_nixl(cfg, hp, host, host_locs)
@@ -500,10 +508,12 @@ def test_the_pd_example_decodes_on_kv_that_came_over_nixl(capsys):
 
 
 @pytest.mark.gpu
-def test_kv_in_gpu_memory_lands_in_a_pinned_pool_byte_exact(rng):
-    """Sends from VRAM (NIXL's VRAM -> DRAM): CuPy arrays, one inside a registered buffer (a
-    layer-strided view), into a pinned HostKVPool's scattered pages; every received row equals
-    the source, and every byte outside the reservations keeps its poison."""
+@pytest.mark.parametrize("pull", [False, True])
+def test_kv_in_gpu_memory_lands_in_a_pinned_pool_byte_exact(rng, pull):
+    """Sends from VRAM (NIXL's VRAM -> DRAM, a WRITE or the receiver's READ): CuPy arrays,
+    one inside a registered buffer (a layer-strided view), into a pinned HostKVPool's scattered
+    pages; every received row equals the source, and every byte outside the reservations keeps
+    its poison."""
     import cupy
 
     from hisparse_cupy.host_pool import HostKVPool
@@ -516,24 +526,21 @@ def test_kv_in_gpu_memory_lands_in_a_pinned_pool_byte_exact(rng):
         pages = HostPages(n_pages, P)
         held = pages.take(n_pages)
         pages.put(list(rng.permutation(held)))  # pages handed out in random order
-        rx, tx = KVReceiver(pool, pages), KVSender()
+        rx, tx = KVReceiver(pool, pages), KVSender(pull=pull)
         big = cupy.asarray(rng.integers(0, 256, (L, 400, rb), dtype=np.uint8))
         tx.register(big)
         try:
-            want = {}
+            want, sends = {}, []
             for i, n in enumerate(sizes):
                 if i == 3:  # rows of a registered buffer: layers 400 rows apart
                     kv, src = big[:, 100:100 + n], cupy.asnumpy(big[:, 100:100 + n])
                 else:
                     src = rng.integers(0, 256, (L, n, rb), dtype=np.uint8)
                     kv = cupy.asarray(src)
-                sent = tx.send(rx.reserve(i, n), kv)
-                assert sent.bytes == L * n * rb
+                sends.append((tx.send(rx.reserve(i, n), kv, wait=False), kv))
                 want[i] = src
-            got = {}
-            deadline = time.monotonic() + 30
-            while len(got) < len(sizes) and time.monotonic() < deadline:
-                got.update((a.req_id, a) for a in rx.poll().done)
+            got = {a.req_id: a for a in drive(rx, [p for p, _ in sends], len(sizes), 30)}
+            assert [p.result.bytes for p, _ in sends] == [L * n * rb for n in sizes]
             assert sorted(got) == list(range(len(sizes)))
             mask = np.zeros(n_pages * P, bool)
             for i, a in got.items():
@@ -547,12 +554,154 @@ def test_kv_in_gpu_memory_lands_in_a_pinned_pool_byte_exact(rng):
 
 
 @pytest.mark.gpu
-def test_the_pd_example_runs_the_gpu_decode_loop_on_kv_sent_from_vram(capsys):
+@pytest.mark.parametrize("how", ["write", "pull"])
+def test_the_pd_example_runs_the_gpu_decode_loop_on_kv_sent_from_vram(capsys, how):
     """examples/pd_decode.py on a GPU: the prefill process makes each prompt's KV in VRAM and
-    NIXL writes it into the decode pool; every offloaded run's self-check passes."""
+    NIXL writes it into the decode pool (or the decode process reads it from there); every
+    offloaded run's self-check passes."""
     ex = _pd_example()
     assert ex.main(["--batch", "4", "--context", "3000", "--steps", "4", "--warmup", "2",
-                    "--layers", "12", "--hot", "1024", "--top-k", "256", "--quiet"]) == 0
+                    "--layers", "12", "--hot", "1024", "--top-k", "256", "--quiet"] +
+                   ["--pull"] * (how == "pull")) == 0
     out = capsys.readouterr().out
-    assert out.count("written by the prefill process from VRAM") == 3  # offload, overlap, predict
+    said = "read by the decode process" if how == "pull" else "written by the prefill process"
+    assert out.count(f"{said} from VRAM") == 3  # offload, overlap, predict
     assert "self-check passed" in out
+
+
+# --- pulls: KVSender(pull=True) offers, the receiver READs ---------------------------------------
+
+def drive(rx, sends, want, wait_s=10.0):
+    """Poll the receiver and the pending sends until ``want`` arrivals and every send is done."""
+    got, end = [], time.monotonic() + wait_s
+    while (len(got) < want or not all(p.result for p in sends)) and time.monotonic() < end:
+        polled = rx.poll()
+        assert polled.timed_out == [] and polled.failed == [], polled
+        got += polled.done
+        for p in sends:
+            if p.result is None:
+                p.poll()
+    assert len(got) == want and all(p.result for p in sends), (len(got), want)
+    return got
+
+
+@pytest.fixture(scope="module")
+def puller():
+    s = KVSender(pull=True)
+    yield s
+    s.close()
+
+
+def test_pulls_and_writes_mixed_at_random_land_exact(tx, puller, rng):
+    """60 requests of mixed sizes, up to 6 in flight, each sent at random by a WRITE or a pull
+    (the receiver READs), kv registered per send or inside a registered buffer; every arrival
+    exact, the pull's Sent reported, pages accounted for; random releases scatter the pages."""
+    rx, pool, pages = receiver(256)
+    cache = FakeCache(pool, pages)
+    big = make_kv(99, L, 4000, RB)
+    puller.register(big)
+    live, req, pulls = {}, 0, 0
+    while req < 60:
+        sends, kvs, writes = [], {}, 0
+        for _ in range(int(rng.integers(1, 7))):
+            n = int(rng.integers(1, 301))
+            t = rx.reserve(req, n)
+            if rng.random() < 0.5:  # a view of the registered buffer
+                at = int(rng.integers(0, 4000 - n))
+                kvs[req] = big[:, at: at + n]
+            else:
+                kvs[req] = make_kv(req, L, n, RB)
+            if rng.random() < 0.6:
+                sends.append(puller.send(t, kvs[req], wait=False))
+                pulls += 1
+            else:
+                writes += 1
+                tx.send(t, kvs[req])
+            req += 1
+        got = drive(rx, sends, len(kvs))
+        for p in sends:
+            assert p.pull and p.result.bytes == L * kvs[p.req_id].shape[1] * RB
+        for a in got:
+            np.testing.assert_array_equal(pool[:, rows_of(a.pages, a.n_tokens)], kvs[a.req_id])
+            live[rx.admit(cache, a)] = (a.req_id, np.array(kvs[a.req_id]))
+        for rid in list(live):
+            if rng.random() < 0.4:
+                pages.release(rid)
+                del live[rid]
+        pages.check()
+    for rid, (_, kv) in live.items():
+        np.testing.assert_array_equal(pool[:, pages.rows(rid)], kv)
+    assert rx.stats["done"] == req and pulls > 10 and not rx.in_flight
+    assert not puller._waiting and puller.stats["late"] == 0
+    rx.close()
+
+
+def test_a_pull_from_another_process():
+    """A pulling sender in a child process: the decode side polls (posting the READs) while the
+    child waits for the READs' end."""
+    peer = Peer()
+    rx, pool, pages = receiver(64, 4096)
+    try:
+        for i, n in enumerate([1, 63, 64, 200, 512]):
+            peer.tell(ticket=rx.reserve(i, n), seed=i, pull=True)
+            (a,) = arrivals(rx, 1)
+            ans = peer.read()
+            assert ans.get("bytes") == L * n * 4096, ans
+            np.testing.assert_array_equal(pool[:, rows_of(a.pages, n)], make_kv(i, L, n, 4096))
+            rx.release(a)
+        assert pages.free_pages == 64
+        pages.check()
+    finally:
+        peer.close()
+        rx.close()
+
+
+def failures(rx, wait_s=5.0):
+    """Poll until a pull fails (or ``wait_s``): the failures; asserts nothing arrived."""
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        polled = rx.poll()
+        assert polled.done == []
+        if polled.failed:
+            return polled.failed
+    return []
+
+
+def test_pull_faults_end_cleanly(puller, tx):
+    """An offer that does not match its reservation, a withdrawn pull, a late offer, a ticket
+    without ``pull``: each a clear error or failure, pages put back once, other rows intact."""
+    rx, pool, pages = receiver(16)
+    keep = rx.reserve("keep", 40)
+    keep_kv = make_kv(5, L, 40, RB)
+    tx.send(keep, keep_kv)
+    (k,) = arrivals(rx, 1)
+    # 1. the offer's descriptors are another reservation's shape under this one's id
+    a, b = rx.reserve(1, 40), rx.reserve(2, 8)
+    p = puller.send({**b, "xfer_id": a["xfer_id"]}, make_kv(2, L, 8, RB), wait=False)
+    failed = failures(rx)
+    assert [r for r, _ in failed] == [1] and "do not match" in failed[0][1]
+    with pytest.raises(RuntimeError, match="the receiver: its offer was refused"):
+        p.wait(timeout_s=5)
+    assert rx.in_flight == {2: 8}
+    # 2. withdrawn: the sender gave up (and the receiver did not answer in the grace)
+    p = puller.send(b, make_kv(2, L, 8, RB), wait=False, timeout_s=0.05)
+    with pytest.raises(TimeoutError):
+        p.wait()
+    failed = failures(rx)  # the offer and its withdrawal come together: the READ is cancelled
+    assert [r for r, _ in failed] == [2] and "withdrew" in failed[0][1] and not rx.in_flight
+    # 3. an offer for a reservation already ended: ignored (counted), the sender times out
+    late = rx.stats["late"]
+    with pytest.raises(TimeoutError):
+        puller.send(b, make_kv(2, L, 8, RB), timeout_s=0.3)
+    failures(rx, 0.5)
+    assert rx.stats["late"] > late
+    # 4. a ticket without pull
+    t = rx.reserve(3, 4)
+    with pytest.raises(ValueError, match="cannot pull"):
+        puller.send({k_: v for k_, v in t.items() if k_ != "pull"}, make_kv(3, L, 4, RB))
+    rx.cancel(3)
+    np.testing.assert_array_equal(pool[:, rows_of(k.pages, 40)], keep_kv)
+    rx.release(k)
+    assert pages.free_pages == 16 and rx.stats["failed"] == 2
+    pages.check()
+    rx.close()

@@ -1,0 +1,215 @@
+"""Which NIXL path moves prefill KV into a decode pool at memcpy speed? Two processes, raw agents.
+
+A "prefill" process (spawned) holds the bytes twice, in its GPU memory (VRAM) and in pinned host
+memory (DRAM); the "decode" process holds a pinned ``HostKVPool`` (the target) and times, per
+UCX configuration (a fresh pair of processes each) and per descriptor piece size:
+
+- ``write-vram``: the prefill process WRITEs VRAM -> the pool (``hisparse_cupy.pd``'s path);
+- ``read-vram``: the decode process READs the prefill VRAM into the pool (receiver-initiated,
+  as vLLM's NixlConnector does; on one node UCX can use ``cuda_ipc`` for it);
+- ``write-dram`` / ``read-dram``: the same from the prefill's pinned DRAM (host to host: the bound
+  of any path that stages in host memory on the sender).
+
+Every transfer lands on a poisoned pool and is checked byte for byte. The ceiling, in the decode
+process of the same run: ``cudaMemcpyAsync`` D2H of the same bytes into the same pool (events,
+median).
+
+    python benchmarks/probe_pd_paths.py [--mib 512] [--reps 3] [--pieces 1048576 0]
+        [--modes write-vram read-vram ...] [--configs "" "UCX_MAX_RNDV_RAILS=1"] [--json FILE]
+
+``--pieces``: descriptor sizes in bytes (0: one descriptor for the whole buffer). Without NIXL
+it says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+MODES = ("write-vram", "read-vram", "write-dram", "read-dram")
+
+
+def pattern(xp, nbytes: int):
+    i = xp.arange(nbytes // 4, dtype=xp.uint32)
+    return ((i * np.uint32(2654435761)) ^ (i >> 9)).view(xp.uint8)
+
+
+def descs(addr: int, nbytes: int, piece: int, dev: int) -> np.ndarray:
+    piece = piece or nbytes
+    lo = np.arange(0, nbytes, piece, dtype=np.uint64)
+    out = np.empty((lo.size, 3), np.uint64)
+    out[:, 0], out[:, 1], out[:, 2] = addr + lo, np.minimum(piece, nbytes - lo), dev
+    return out
+
+
+def run_xfer(agent, op: str, local, remote, peer: str, timeout: float) -> float:
+    t0 = time.perf_counter()
+    h = agent.initialize_xfer(op, local, remote, peer, b"probe")
+    st = agent.transfer(h)
+    while st == "PROC":
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(f"{op} did not complete in {timeout} s")
+        st = agent.check_xfer_state(h)
+    dt = time.perf_counter() - t0
+    agent.release_xfer_handle(h)
+    if st != "DONE":
+        raise RuntimeError(f"{op} ended {st}")
+    return dt
+
+
+def prefill(cmds, answers, nbytes: int) -> None:
+    import cupy
+
+    from hisparse_cupy.pd import nixl_api
+
+    api = nixl_api()
+    vram = pattern(cupy, nbytes)
+    host = cupy.cuda.alloc_pinned_memory(nbytes)
+    dram = np.frombuffer(host, np.uint8, nbytes)
+    dram[:] = vram.get()
+    agent = api.nixl_agent("probe-prefill", api.nixl_agent_config(backends=["UCX"]))
+    agent.register_memory([(vram.data.ptr, nbytes, 0, "")], "VRAM")
+    agent.register_memory([(dram.ctypes.data, nbytes, 0, "")], "DRAM")
+    answers.put((agent.get_agent_metadata(), vram.data.ptr, dram.ctypes.data))
+    md = cmds.get()
+    agent.add_remote_agent(md)
+    while (msg := cmds.get()) is not None:
+        src, piece, pool_addr, timeout = msg
+        mem, addr = ("VRAM", vram.data.ptr) if src == "vram" else ("DRAM", dram.ctypes.data)
+        try:
+            dt = run_xfer(agent, "WRITE", agent.get_xfer_descs(descs(addr, nbytes, piece, 0), mem),
+                          agent.get_xfer_descs(descs(pool_addr, nbytes, piece, 0), "DRAM"),
+                          "probe-decode", timeout)
+            answers.put(dt)
+        except Exception as e:  # reported, the probe goes on
+            answers.put(repr(e))
+
+
+def one(mib: int, reps: int, pieces: list, timeout: float, modes: list) -> dict:
+    import cupy
+    from _timing import time_calls
+
+    from hisparse_cupy.host_pool import HostKVPool
+    from hisparse_cupy.pd import nixl_api
+
+    nbytes = mib << 20
+    api = nixl_api()
+    pool = HostKVPool(1, nbytes // 4096, 4096)
+    dst = pool.numpy.reshape(-1)
+    want_dev = pattern(cupy, nbytes)
+    want = want_dev.get()
+    agent = api.nixl_agent("probe-decode", api.nixl_agent_config(backends=["UCX"]))
+    agent.register_memory([(dst.ctypes.data, nbytes, 0, "")], "DRAM")
+    ctx = mp.get_context("spawn")
+    cmds, answers = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=prefill, args=(cmds, answers, nbytes), daemon=True)
+    child.start()
+    out = {"mib": mib, "paths": {}}
+    try:
+        md, p_vram, p_dram = answers.get(timeout=120)
+        agent.add_remote_agent(md)
+        cmds.put(agent.get_agent_metadata())
+        for mode in modes:
+            op, src = mode.split("-")
+            for piece in pieces:
+                rates, err = [], None
+                for _ in range(reps + 1):  # the first is a warm-up
+                    dst[:] = 0xA5
+                    if op == "write":
+                        cmds.put((src, piece, dst.ctypes.data, timeout))
+                        got = answers.get(timeout=timeout + 30)
+                    else:
+                        mem, addr = ("VRAM", p_vram) if src == "vram" else ("DRAM", p_dram)
+                        try:
+                            got = run_xfer(
+                                agent, "READ",
+                                agent.get_xfer_descs(descs(dst.ctypes.data, nbytes, piece, 0),
+                                                     "DRAM"),
+                                agent.get_xfer_descs(descs(addr, nbytes, piece, 0), mem),
+                                "probe-prefill", timeout)
+                        except Exception as e:
+                            got = repr(e)
+                    if isinstance(got, str):
+                        err = got
+                        break
+                    if not np.array_equal(dst, want):
+                        err = "received bytes differ"
+                        break
+                    rates.append(nbytes / got / 1e9)
+                key = f"{mode} piece={piece or 'whole'}"
+                out["paths"][key] = {"error": err} if err else {
+                    "median_gbps": float(np.median(rates[1:])), "all": rates[1:]}
+                print(f"  {key}: {err or f'{np.median(rates[1:]):.2f} GB/s'}", flush=True)
+        s = cupy.cuda.Stream(non_blocking=True)
+        us = time_calls(lambda _i: cupy.cuda.runtime.memcpyAsync(
+            dst.ctypes.data, want_dev.data.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToHost,
+            s.ptr), iters=reps, warmup=1, stream=s)
+        out["d2h_memcpy_gbps"] = float(nbytes / np.median(us) / 1e3)
+    finally:
+        cmds.put(None)
+        child.join(timeout=60)
+        pool.close()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--pieces", type=int, nargs="*", default=[1 << 20, 0])
+    ap.add_argument("--configs", nargs="*", default=[""])
+    ap.add_argument("--timeout", type=float, default=60)
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    ap.add_argument("--json")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.one:
+        print("@probe " + json.dumps(one(a.mib, a.reps, a.pieces, a.timeout, a.modes)), flush=True)
+        return 0
+    try:
+        from hisparse_cupy.pd import nixl_api
+
+        nixl_api()
+    except ImportError as e:
+        print(f"probe_pd_paths: {e}", file=sys.stderr)
+        return 2
+    results = []
+    for conf in a.configs:
+        env = {**os.environ, "UCX_RMA_PPLN_ENABLE": "y",
+               **dict(kv.split("=", 1) for kv in conf.split())}
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", "--mib", str(a.mib), "--reps",
+               str(a.reps), "--timeout", str(a.timeout), "--pieces", *map(str, a.pieces),
+               "--modes", *a.modes]
+        print(f"{conf or '(UCX_RMA_PPLN_ENABLE=y only)'}:", flush=True)
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                               timeout=a.timeout * 4 * len(a.pieces) * (a.reps + 1) + 120)
+            print("".join(x + "\n" for x in p.stdout.splitlines() if not x.startswith("@")),
+                  end="", flush=True)
+            line = [x for x in p.stdout.splitlines() if x.startswith("@probe ")]
+            res = json.loads(line[-1][7:]) if line else \
+                {"error": f"rc {p.returncode}: {(p.stderr or p.stdout)[-800:]}"}
+        except subprocess.TimeoutExpired:
+            res = {"error": "timed out"}
+        res["config"] = conf
+        results.append(res)
+        print(f"  memcpy D2H {res.get('d2h_memcpy_gbps', 0):.2f} GB/s"
+              if "error" not in res else f"  {res['error']}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

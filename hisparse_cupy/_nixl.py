@@ -1,0 +1,120 @@
+"""What both sides of :mod:`hisparse_cupy.pd` share: NIXL's import, an agent with the UCX
+backend, a peer's metadata loaded (and reloaded when it changed), descriptors cut into pieces,
+the notification prefixes of a pull, and the records the calls return."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import collections
+import contextlib
+import importlib
+import os
+import uuid
+
+import numpy as np
+
+NEEDS_NIXL = ("hisparse_cupy.pd needs NIXL's Python API: pip install nixl-cu12 (CUDA 12) or "
+              "nixl-cu13 (CUDA 13); for host (DRAM) transfers `pip install --no-deps "
+              "nixl-cu12` plus NumPy is enough (its torch dependency is not needed)")
+# notifications of a pull (a receiver's READ of the sender's kv); a WRITE's is its transfer id
+OFFER, READ_DONE, READ_FAILED, WITHDRAWN = b"offer:", b"read:", b"fail:", b"withdraw:"
+
+Arrival = collections.namedtuple("Arrival", "req_id pages n_tokens xfer_id sender seconds")
+Arrival.__doc__ = """A completed reservation: ``pages`` (engine-held, token order) hold its
+``n_tokens`` tokens; ``sender`` wrote or offered them, ``seconds`` after the reservation."""
+Polled = collections.namedtuple("Polled", "done timed_out failed", defaults=((),))
+Polled.__doc__ = """What a poll found: arrivals, the req_ids that timed out, and ``(req_id,
+why)`` of the pulls that failed (their pages put back)."""
+Sent = collections.namedtuple("Sent", "req_id xfer_id bytes seconds descriptors")
+Sent.__doc__ = "A completed send: ``bytes`` in ``seconds`` (the call), the ticket's descriptors"
+
+
+def nixl_api():
+    """NIXL's Python API (the ``nixl`` package, else the wheels' ``nixl_cu13`` / ``nixl_cu12``),
+    imported on first use; ``ImportError`` naming what to install."""
+    why = []
+    for name in ("nixl", "nixl_cu13", "nixl_cu12"):
+        for mod in (name, name + "._api"):
+            try:
+                m = importlib.import_module(mod)
+            except ImportError as e:
+                why.append(f"{mod}: {e}")
+                break
+            if hasattr(m, "nixl_agent"):
+                return m
+    raise ImportError(f"{NEEDS_NIXL} ({'; '.join(why)})")
+
+
+def seconds(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(v).__name__}")
+    if not v > 0:
+        raise ValueError(f"{name} must be > 0, got {v}")
+    return float(v)
+
+
+def agent(name, side: str):
+    """``(name, a NIXL agent of that name with the UCX backend)``; default name: unique."""
+    name = f"hisparse-{side}-{os.getpid()}-{uuid.uuid4().hex[:8]}" if name is None else name
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    api = nixl_api()
+    os.environ.setdefault("UCX_RMA_PPLN_ENABLE", "y")  # pd's module docstring
+    a = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    if "UCX" not in a.backends:
+        raise RuntimeError(f"NIXL's UCX backend did not start ({a.get_plugin_list()})")
+    return name, a
+
+
+def metadata(a) -> str:
+    return base64.b64encode(a.get_agent_metadata()).decode("ascii")
+
+
+def load_peer(a, known: dict, name: str, md: str, what: str) -> None:
+    """Make agent ``a`` know peer ``name`` by metadata ``md`` (base64; ``what`` names it in
+    errors); ``known``: name -> the metadata loaded last. NIXL updates a known peer in place
+    (its new registrations become reachable); a restarted peer of the same name (new connection
+    details) is dropped and loaded anew."""
+    if known.get(name) == md:
+        return
+    try:
+        raw = base64.b64decode(md, validate=True)
+    except (binascii.Error, ValueError, TypeError) as e:
+        raise ValueError(f"{what} is not base64 ({e})") from None
+    try:
+        try:
+            got = a.add_remote_agent(raw)
+        except Exception:
+            if known.pop(name, None) is None:
+                raise
+            with contextlib.suppress(Exception):  # a restarted peer of that name: load it anew
+                a.remove_remote_agent(name)
+            got = a.add_remote_agent(raw)
+    except Exception as e:
+        raise ValueError(f"{what} did not load ({e!r}): not NIXL agent metadata, or its agent "
+                         f"is gone (stale)") from None
+    got = got.decode() if isinstance(got, bytes) else str(got)
+    if got != name:
+        known[got] = None  # whatever was cached for it is replaced
+        raise ValueError(f"{what} belongs to agent {got!r}, not {name!r}")
+    known[name] = md
+
+
+def cut(descs: np.ndarray, piece: int) -> np.ndarray:
+    """``[addr, bytes, dev]`` descriptors cut into pieces of at most ``piece`` bytes."""
+    n = descs[:, 1].astype(np.int64)
+    k = np.maximum(1, -(-n // piece))
+    idx = np.repeat(np.arange(n.size), k)
+    off = (np.arange(idx.size) - np.repeat(np.cumsum(k) - k, k)) * piece
+    out = descs[idx].copy()
+    out[:, 0] += off.astype(np.uint64)
+    out[:, 1] = np.minimum(piece, n[idx] - off).astype(np.uint64)
+    return out
+
+
+def xfer_descs(a, descs: np.ndarray, dev: int, mem: str):
+    """NIXL's list of ``[addr, bytes]`` rows on device ``dev`` of memory ``mem``."""
+    out = np.empty((descs.shape[0], 3), np.uint64)
+    out[:, :2], out[:, 2] = descs[:, :2], dev
+    return a.get_xfer_descs(out, mem)

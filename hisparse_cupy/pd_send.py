@@ -1,0 +1,283 @@
+"""The prefill side of :mod:`hisparse_cupy.pd`: :class:`KVSender` writes a request's KV into the
+pages of a receiver's ticket (one NIXL WRITE), or offers it for the receiver to read (a pull:
+one NIXL READ, posted by the receiver); :class:`PendingSend` drives either to the end."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import time
+
+import numpy as np
+
+from . import _checks, _nixl
+
+__all__ = ["KVSender", "PendingSend"]
+
+TICKET_VERSION = 1
+_GRACE_S = 1.0  # a pull past its deadline: how long the receiver has to answer its withdrawal
+Sent = _nixl.Sent
+
+
+class PendingSend:
+    """A send in flight: a posted WRITE (NIXL sends the receiver the notification once it is
+    complete), or a pull's offer (done when the receiver says its READ completed).
+    :meth:`wait` (or :meth:`poll` until True) drives it to the end. :attr:`state`: ``"PROC"``
+    or ``"DONE"``; :attr:`pull`: True for an offer."""
+
+    def __init__(self, agent, settle, handle, key, t: dict, t0: float, deadline: float,
+                 heard=None):
+        self._agent, self._settle, self._handle, self._heard = agent, settle, handle, heard
+        self.pin_key, self.pull = key, heard is not None
+        self.req_id, self.xfer_id, self.agent = t.get("req_id"), t["xfer_id"], t["agent"]
+        self.bytes = t["n_layers"] * t["n_tokens"] * t["row_bytes"]
+        self.descriptors, self.t0, self.deadline = len(t["descs"]), t0, deadline
+        self.tag = t.get("tag")  # a pull's: its offer's tag (the receiver's answers name it)
+        self.result, self.state, self._ended = None, "PROC", False
+        if not self.pull:
+            self._step(lambda: agent.transfer(handle))
+
+    def _step(self, call) -> None:
+        try:
+            st = call()
+        except Exception as e:
+            self._finish(ok=False)
+            raise RuntimeError(f"NIXL transfer {self.xfer_id} to {self.agent!r} failed ({e!r}): "
+                               f"the receiver is gone, or its metadata is stale") from e
+        if st not in ("PROC", "DONE"):
+            self._finish(ok=False)
+            raise RuntimeError(f"NIXL transfer {self.xfer_id} to {self.agent!r} failed ({st})")
+        if st == "DONE":
+            self._finish(ok=True)
+
+    def poll(self) -> bool:
+        """Progress the transfer; True once done (``RuntimeError`` if it failed)."""
+        if self.result is None and not self._ended:
+            self._step(lambda: self._heard(self.tag) if self.pull else
+                       self._agent.check_xfer_state(self._handle))
+        elif self._ended and self.result is None:
+            raise RuntimeError(f"NIXL transfer {self.xfer_id} to {self.agent!r} already failed")
+        return self.result is not None
+
+    def wait(self, timeout_s: float | None = None) -> Sent:
+        """Poll to the end: :class:`Sent`; ``TimeoutError`` past the deadline. A WRITE's handle
+        is released then (NIXL tries to cancel); a pull is withdrawn (the receiver cancels its
+        READ and fails the reservation) and the receiver given ``_GRACE_S`` to answer: if its
+        READ had completed, the send succeeds after all; if it does not answer (not polling,
+        gone), it may still read ``kv`` until its reservation ends."""
+        end = self.deadline if timeout_s is None else \
+            time.perf_counter() + _nixl.seconds("timeout_s", timeout_s)
+        while not self.poll():
+            if time.perf_counter() > end:
+                if self.pull and self._withdraw():
+                    return self.result
+                self._finish(ok=False)
+                raise TimeoutError(f"NIXL transfer {self.xfer_id} to {self.agent!r} did not "
+                                   f"complete in time")
+            time.sleep(0)
+        return self.result
+
+    def _withdraw(self) -> bool:
+        """Tell the receiver a pull is given up, and wait up to ``_GRACE_S`` for its answer:
+        True if its READ had completed (the send succeeded after all)."""
+        with contextlib.suppress(Exception):
+            self._agent.send_notif(self.agent, _nixl.WITHDRAWN + self.tag.encode())
+        end = time.perf_counter() + _GRACE_S
+        while time.perf_counter() < end:
+            st = self._heard(self.tag)
+            if st == "DONE":
+                self._finish(ok=True)
+                return True
+            if st != "PROC":
+                break
+            time.sleep(0.001)
+        return False
+
+    def _finish(self, ok: bool) -> None:
+        if self._ended:
+            return
+        self._ended, handle, self._handle = True, self._handle, None
+        with contextlib.suppress(Exception):  # still active, NIXL could not cancel: kept
+            if handle is not None:
+                handle.release()
+                handle = None
+        self._settle(self, ok, handle)
+        if ok:
+            self.state = "DONE"
+            self.result = Sent(self.req_id, self.xfer_id, self.bytes,
+                               time.perf_counter() - self.t0, self.descriptors)
+
+
+class KVSender:
+    """The prefill side: a NIXL agent (``name``: default unique) that sends requests' KV into
+    the pages of receivers' tickets.
+
+    ``pull=False``: one NIXL WRITE per request, from the sender; ``desc_bytes``: its
+    descriptors cut into pieces of at most this many bytes (default 1 MiB: a request of 736 MB
+    went from VRAM at 3.4 GB/s in 78 descriptors, at 27.4 GB/s in 1 MiB pieces,
+    ``benchmarks/bench_pd.py``); None: as the ticket gives them.
+    ``pull=True``: the sender registers ``kv`` and offers it (a NIXL notification to the
+    receiver carrying its metadata and descriptors); the receiver's :meth:`KVReceiver.poll`
+    posts one READ of it into the reserved pages and tells the sender when it completed. The
+    receiver must be polling for a pull to progress (one thread may drive both sides: send with
+    ``wait=False``)."""
+
+    def __init__(self, *, name: str | None = None, desc_bytes: int | None = 1 << 20,
+                 pull: bool = False):
+        self.desc_bytes = None if desc_bytes is None else \
+            _checks.integer("desc_bytes", desc_bytes, 1)
+        if not isinstance(pull, bool):
+            raise TypeError(f"pull must be a bool, got {type(pull).__name__}")
+        self.pull = pull
+        self.name, self._agent = _nixl.agent(name, "tx")
+        self._remote: dict = {}  # receiver agent name -> the metadata loaded
+        self._fixed: list = []  # (mem, dev, lo, hi, reg), from register()
+        self._pins: dict = {}  # (mem, dev, lo, hi) -> [reg, users], registered for sends
+        self._abandoned: list = []
+        self._waiting: set = set()  # tags of the pulls in flight ("xfer_id/attempt")
+        self._outcome: dict = {}  # tag -> "DONE" / "ERR ..." heard, not yet collected
+        self._attempt = itertools.count()
+        self.stats: dict = {"late": 0, "unknown": 0}
+
+    def register(self, buf) -> None:
+        """Register ``buf`` (a NumPy or GPU array: the engine's KV buffer) for the sender's
+        lifetime: a ``kv`` inside it is then sent without registering it again."""
+        self._open()
+        if (where := _checks.memory_of(buf)) is None or not buf.nbytes:
+            raise TypeError(f"buf must be a non-empty NumPy or GPU array, got {buf!r:.80}")
+        lo, mem, dev = where
+        reg = self._agent.register_memory([(lo, int(buf.nbytes), dev, "")], mem)
+        self._fixed.append((mem, dev, lo, lo + int(buf.nbytes), reg))
+
+    def _open(self) -> None:
+        if self._agent is None:
+            raise RuntimeError("KVSender is closed")
+
+    def send(self, ticket: dict, kv, *, timeout_s: float | None = None, wait: bool = True):
+        """Send ``kv`` (uint8 ``[n_layers, n_tokens, row_bytes]`` of the ticket) into the
+        ticket's pages (a WRITE notified with its transfer id, or a pull's offer): :class:`Sent`
+        once done, or (``wait=False``) a :class:`PendingSend` to poll to the end. ``timeout_s``:
+        default half the ticket's. Bad input raises before any transfer. After a pull timed
+        out, the receiver may still be reading ``kv`` until its reservation ends (the ticket's
+        ``timeout_s`` after it was made): keep ``kv`` until then."""
+        self._open()
+        t0 = time.perf_counter()
+        t = _checks.pd_ticket(ticket, TICKET_VERSION)
+        L, n, rb = t["n_layers"], t["n_tokens"], t["row_bytes"]
+        ptr, stride, mem, dev = _checks.kv_source(kv, L, n, rb)
+        limit = _nixl.seconds("timeout_s", timeout_s if timeout_s is not None else
+                              float(t.get("timeout_s") or 60.0) / 2)
+        if self.pull and t.get("pull") is not True:
+            raise ValueError("ticket's receiver cannot pull (no ticket['pull']): send it with "
+                             "KVSender(pull=False)")
+        name = self._connect(t)
+        local = (ptr + np.arange(L)[:, None] * stride + t["runs"][:, 0] * rb).ravel()
+        local = np.stack([local.astype(np.uint64), t["descs"][:, 1]], -1)
+        key = self._pin(mem, dev, ptr, ptr + (L - 1) * stride + n * rb)
+        if self.pull:
+            return self._offer(t, name, local, mem, dev, key, t0, limit, wait)
+        remote = t["descs"]
+        if self.desc_bytes is not None:
+            local, remote = _nixl.cut(local, self.desc_bytes), _nixl.cut(remote, self.desc_bytes)
+        try:
+            handle = self._agent.initialize_xfer(
+                "WRITE", _nixl.xfer_descs(self._agent, local, dev, mem),
+                _nixl.xfer_descs(self._agent, remote, t["dev"], "DRAM"), name,
+                t["xfer_id"].encode())
+        except Exception as e:
+            self._unpin(key)
+            raise ValueError(f"NIXL refused the WRITE to {name!r} ({e!r}): the ticket's "
+                             f"descriptors are not in memory that agent registered (a stale "
+                             f"or altered ticket)") from None
+        p = PendingSend(self._agent, self._settle, handle, key, t, t0, t0 + limit)
+        return p.wait() if wait else p
+
+    def _offer(self, t, name, local, mem, dev, key, t0, limit, wait):
+        xid = t["xfer_id"]
+        tag = f"{xid}/{next(self._attempt)}"  # a resend's answers are told from the last's
+        offer = {"xfer_id": xid, "tag": tag, "agent": self.name, "mem": mem, "dev": dev,
+                 "metadata": _nixl.metadata(self._agent), "descs": local.tolist()}
+        try:
+            if any(w.rsplit("/", 1)[0] == xid for w in self._waiting):
+                raise ValueError(f"ticket {xid} is being sent already")
+            self._agent.send_notif(name, _nixl.OFFER + json.dumps(offer).encode())
+        except ValueError:
+            self._unpin(key)
+            raise
+        except Exception as e:
+            self._unpin(key)
+            raise RuntimeError(f"the offer of {xid} to {name!r} did not leave ({e!r}): the "
+                               f"receiver is gone, or its metadata is stale") from e
+        self._waiting.add(tag)
+        p = PendingSend(self._agent, self._settle, None, key, {**t, "tag": tag}, t0, t0 + limit,
+                        self._heard)
+        return p.wait() if wait else p
+
+    def _heard(self, tag: str) -> str:
+        """A pull's state: ``"PROC"``, ``"DONE"`` or ``"ERR ..."`` (the receiver's words)."""
+        for _, msgs in self._agent.get_new_notifs().items():
+            for msg in map(bytes, msgs):
+                done = msg.startswith(_nixl.READ_DONE)
+                if not done and not msg.startswith(_nixl.READ_FAILED):
+                    self.stats["unknown"] += 1
+                    continue
+                body = msg[len(_nixl.READ_DONE if done else _nixl.READ_FAILED):].decode(
+                    "utf-8", "replace")
+                x, _, why = body.partition(" ")
+                if x not in self._waiting:
+                    self.stats["late"] += 1
+                    continue
+                self._outcome[x] = "DONE" if done else f"ERR (the receiver: {why})"
+        return self._outcome.pop(tag, "PROC")
+
+    def _connect(self, t: dict) -> str:
+        """Load the ticket's receiver metadata (again when it changed)."""
+        name = t["agent"]
+        try:
+            _nixl.load_peer(self._agent, self._remote, name, t["metadata"], "ticket['metadata']")
+        except ValueError:
+            self._forget(name)
+            raise
+        return name
+
+    def _settle(self, p: PendingSend, ok: bool, stuck) -> None:
+        """A send ended: unregister its kv (unless NIXL could not release its handle: kept)."""
+        if p.pull:
+            self._waiting.discard(p.tag)
+            self._outcome.pop(p.tag, None)
+        self._abandoned.append(stuck) if stuck is not None else self._unpin(p.pin_key)
+        if not ok and not p.pull:
+            self._forget(p.agent)
+
+    def _forget(self, name: str) -> None:
+        """Drop a receiver's metadata (stale, or its transfer failed): the next ticket reloads."""
+        if self._remote.pop(name, None) is not None and self._agent is not None:
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(name)
+
+    def _pin(self, mem: str, dev: int, lo: int, hi: int):
+        if any(m == mem and d == dev and a <= lo and hi <= b for m, d, a, b, _ in self._fixed):
+            return None
+        key = (mem, dev, lo, hi)
+        if key not in self._pins:
+            self._pins[key] = [self._agent.register_memory([(lo, hi - lo, dev, "")], mem), 0]
+        self._pins[key][1] += 1
+        return key
+
+    def _unpin(self, key) -> None:
+        ent = self._pins.get(key)
+        if ent is not None:
+            ent[1] -= 1
+            if ent[1] == 0:
+                del self._pins[key]
+                self._agent.deregister_memory(ent[0])
+
+    def close(self) -> None:
+        """Forget every receiver, deregister every buffer, drop the agent."""
+        if self._agent is not None:
+            for name in list(self._remote):
+                self._forget(name)
+            for reg in [e[0] for e in self._pins.values()] + [f[-1] for f in self._fixed]:
+                self._agent.deregister_memory(reg)
+            self._pins, self._fixed, self._agent = {}, [], None
