@@ -174,7 +174,8 @@ def main(argv=None) -> int:
         return 2
     cpu = "--cpu" in argv or isinstance(cupy_or_why(), str)
     argv = [a for a in argv if a != "--cpu"]
-    model_argv = [a for a in argv if a != "--pull"]
+    # every layer's prompt arrives over NIXL into the pool: none is kept on the GPU
+    model_argv = ["--resident-layers", "0"] + [a for a in argv if a != "--pull"]
     cfg = cpu_config(model_argv) if cpu else from_args(model_argv)
     if cfg.shared_prefix:
         raise SystemExit("pd_decode: --shared-prefix is the local admission's (forks of "

@@ -188,7 +188,8 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str =
     cupy.cuda.Device(rank).use()
     dist.init_process_group("nccl", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
-    cfg = from_args(argv + ["--quiet"] if rank else argv)
+    # every layer in the ranks' shared pool (--resident-layers N > 0: Rig refuses a given pool)
+    cfg = from_args(["--resident-layers", "0"] + argv + (["--quiet"] if rank else []))
     cfg.execs = ("eager",)  # the all-reduce goes through torch: eager steps only (main()
     # refuses --graph, --eager-and-graph and --side-sms)
     log = (lambda msg: None) if cfg.quiet else (lambda msg: print(f"[rank {rank}] {msg}",

@@ -100,7 +100,8 @@ def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
     for flag in CPU_REFUSED:
         arg = [flag] + ({"--mtp": ["2"], "--mode": ["overlap"], "--png": ["x.png"],
                          "--hidden": ["512"], "--side-sms": ["8"],
-                         "--predict-rule": ["selection"], "--matmul": ["torch"]}.get(flag, []))
+                         "--predict-rule": ["selection"], "--matmul": ["torch"],
+                         "--resident-layers": ["2"]}.get(flag, []))
         with pytest.raises(SystemExit, match=f"{flag} needs the GPU decode loop"):
             cpu_config(arg)
     assert cpu_config(["--mtp", "1"]).mtp == 1  # off: nothing to refuse
@@ -167,9 +168,39 @@ def test_config_memory_and_errors():
                      (["--topk-model", "drift", "--new-share", "0"], "--new-share must be in"),
                      (["--topk-model", "drift", "--seed", "3"], "--seed draws the lru streams"),
                      (["--seed", "-1"], "--seed must be >= 0"),
-                     (["--recent", "0"], "--recent")):
+                     (["--recent", "0"], "--recent"),
+                     (["--resident-layers", "3"], "layer 3 is shared"),
+                     (["--resident-layers", "78"], "--resident-layers must be in")):
         with pytest.raises(SystemExit, match=msg):
             from_args(bad)
+
+
+def test_resident_layers_default_memory_and_refusals():
+    """--resident-layers: the lru default keeps the generator's low-overlap layers (GLM-5.2's
+    0 and 1) on the GPU, drift none; the memory moves from the host pool to the GPU; a given
+    pool or admission hook (every layer in the pool) and the NumPy backend refuse it."""
+    from hisparse_cupy.demo.config import Config, cpu_config, from_args
+    from hisparse_cupy.demo.loop import Rig
+
+    c = from_args([])
+    assert c.resident_layers == 2 and "layers 0-1 keep their KV" in c.describe_resident()
+    assert from_args(["--topk-model", "drift"]).resident_layers == 0
+    assert from_args(["--resident-layers", "0"]).resident_layers == 0
+    assert from_args(["--pattern", "FSSFSSFFSS", "--layers", "10"]).resident_layers == 6
+    layer = 32 * (8192 + 220) * 1152
+    m0, m2 = from_args(["--resident-layers", "0"]).memory(), c.memory()
+    assert m0["host_pinned"] == 78 * layer and m2["host_pinned"] == 76 * layer
+    assert m2["gpu_resident"] == m0["gpu_resident"] == 78 * layer
+    assert m0["gpu_hot"] - m2["gpu_hot"] == 2 * 32 * (4096 + 64) * 1152 - 2 * layer
+    assert "with layers 0-1's 0.62 GB resident" in c.describe_memory()
+    assert Config().resident_layers == 0
+    for kw in ({"pool": object()}, {"admission": lambda rig: None}):
+        with pytest.raises(SystemExit, match="--resident-layers needs the demo's own host pool"):
+            Rig(c, None, print, **kw)
+    assert cpu_config([]).resident_layers == 0
+    assert cpu_config(["--resident-layers", "0"]).resident_layers == 0
+    with pytest.raises(SystemExit, match="--resident-layers needs the GPU decode loop"):
+        cpu_config(["--resident-layers", "2"])
 
 
 @pytest.mark.gpu
@@ -230,6 +261,36 @@ def test_example_on_gpu_torch_matmuls_and_the_selection_rule(tmp_path):
     assert doc["self_check"] == "passed" and doc["matmul"].startswith("PyTorch")
     p = {r["exec"]: r["predict"] for r in doc["summary"] if r["mode"] == "predict"}
     assert set(p) == {"eager", "graph"} and all(v["staged"] > 0 for v in p.values())
+
+
+@pytest.mark.gpu
+def test_example_on_gpu_resident_layers(tmp_path):
+    """--resident-layers N: layers 0..N-1 attend over their GPU-resident KV in every mode, the
+    cache (and its prefetcher's pattern) holds layers N.. only; eager and graphs, every mode
+    bit-identical to gpu-only; the offloaded layers move fewer rows the more stay resident."""
+    mb = {}
+    for resident in ("0", "2", "6"):
+        js = tmp_path / f"r{resident}.json"
+        out = _run(*SMALL, "--resident-layers", resident, "--eager-and-graph", "--json",
+                   str(js))
+        assert "self-check passed" in out
+        doc = json.loads(js.read_text())
+        assert doc["self_check"] == "passed" and doc["resident_layers"] == int(resident)
+        assert ("resident layers: none" in out) == (resident == "0")
+        rows = {(r["mode"], r["exec"]): r for r in doc["summary"]}
+        assert {m for m, _ in rows} == {"gpu-only", "offload", "overlap", "predict"}
+        got = {r["mb_per_step"] for (m, _), r in rows.items() if m != "gpu-only"}
+        assert len(got) == 1  # the same streams in every offloaded mode
+        mb[resident] = got.pop()
+    assert mb["0"] > mb["2"] > mb["6"] > 0, mb
+
+
+@pytest.mark.gpu
+def test_example_on_gpu_resident_layers_multistep():
+    out = _run(*SMALL, "--mtp", "2", "--topk-model", "drift", "--resident-layers", "2",
+               "--graph")
+    assert "MTP 2 draft steps" in out and "layers 0-1 keep their KV" in out
+    assert "self-check passed" in out
 
 
 @pytest.mark.gpu

@@ -154,6 +154,7 @@ def run_gpu(cfg: Config, admission=None) -> int:
         return 2
     part, line = partition(cfg)
     print(line, flush=True)
+    print(cfg.describe_resident(), flush=True)
     s = cupy.cuda.Stream(non_blocking=True) if part is None else part.stream("main")
     t0 = time.perf_counter()
     try:
@@ -168,6 +169,7 @@ def run_gpu(cfg: Config, admission=None) -> int:
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     return report_results(
         cfg, results, {"device": name, "matmul": rig.model.gemm.kind, "partition": line,
+                       "resident_layers": cfg.resident_layers,
                        "topk_shape": rig.topk_shape, "wall_s": time.perf_counter() - t0},
         f"{name}: {cfg.layers} layers, batch {cfg.batch}, context {cfg.context}, top-k "
         + (f"drift {100 * cfg.new_share:g}% new/step" if cfg.topk_model == "drift" else "lru"))

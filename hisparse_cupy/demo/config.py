@@ -39,6 +39,7 @@ class Config:
     predict_rule: str = "misses"  # the prediction stager's rule (Prefetcher(predict_rule=))
     matmul: str = "cublas"  # the layer matmuls: cuBLAS through ctypes, or torch.matmul
     shared_prefix: int = 0  # requests 1.. share request 0's first N tokens (host pages)
+    resident_layers: int = 0  # layers 0 .. N-1 keep their KV on the GPU (from_args: auto)
     json: str | None = None
     png: str | None = None
     quiet: bool = False
@@ -104,11 +105,17 @@ class Config:
         need(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
         need(0 <= self.shared_prefix <= self.context,
              f"--shared-prefix must be in [0, --context], got {self.shared_prefix}")
+        need(0 <= self.resident_layers < self.layers,
+             f"--resident-layers must be in [0, --layers), got {self.resident_layers}")
         if self.pattern is not None:
             try:
                 self.pattern_obj()
             except ValueError as e:
                 need(False, f"--pattern {self.pattern!r}: {e}")
+        if 0 < self.resident_layers < self.layers:
+            need(self.pattern_obj().full[self.resident_layers],
+                 f"--resident-layers {self.resident_layers}: the first offloaded layer must be a "
+                 f"full layer (layer {self.resident_layers} is shared)")
         bad = set(self.modes) - set(MODES)
         need(not bad, f"unknown --mode {sorted(bad)}")
 
@@ -119,9 +126,9 @@ class Config:
 
     def memory(self) -> dict[str, float]:
         """Bytes each part needs (before allocating)."""
-        L, B = self.layers, self.batch
-        resident = L * B * self.max_len * ROW_BYTES
-        hot = L * B * (self.hot + self.extra_page + self.scratch()) * ROW_BYTES
+        L, B, R = self.layers, self.batch, self.resident_layers
+        layer = B * self.max_len * ROW_BYTES  # one layer's KV, every request
+        hot = (L - R) * B * (self.hot + self.extra_page + self.scratch()) * ROW_BYTES
         Q = self.queries
         model = 2 * (HEADS * V_VALUES * self.hidden + self.hidden * HEADS * ROW_VALUES) + \
             Q * 2 * (self.hidden + HEADS * ROW_VALUES + HEADS * V_VALUES) + \
@@ -129,17 +136,39 @@ class Config:
         if self.topk_model == "lru":  # the streams' table: [steps, n_full, B, K] int32
             model += self.total_steps * len(self.pattern_obj().full_layers) * Q * self.top_k * 4
         offload = any(m != "gpu-only" for m in self.modes)
-        return {"host_pinned": resident if offload else 0, "gpu_resident": resident,
-                "gpu_hot": hot if offload else 0, "gpu_model": model}
+        return {"host_pinned": (L - R) * layer if offload else 0, "gpu_resident": L * layer,
+                "gpu_hot": hot + R * layer if offload else 0, "gpu_model": model}
 
     def describe_memory(self) -> str:
         m = self.memory()
-        return (f"memory: {m['host_pinned'] / GB:.1f} GB pinned host (the full KV), GPU "
+        what = "the offloaded layers' KV" if self.resident_layers else "the full KV"
+        return (f"memory: {m['host_pinned'] / GB:.1f} GB pinned host ({what}), GPU "
                 f"{m['gpu_resident'] / GB:.1f} GB resident KV (gpu-only mode) + "
-                f"{m['gpu_hot'] / GB:.1f} GB hot buffers (offloaded modes) + "
+                f"{m['gpu_hot'] / GB:.1f} GB hot buffers (offloaded modes"
+                + (f"; with layer{self.resident_span()}'s "
+                   f"{self.resident_layers * m['gpu_resident'] / self.layers / GB:.2f} GB "
+                   f"resident" if self.resident_layers else "") + ") + "
                 f"{m['gpu_model'] / GB:.2f} GB model"
                 + (" and top-k streams" if self.topk_model == "lru" else "")
                 + "; the modes run one after another")
+
+    def resident_span(self) -> str:
+        R = self.resident_layers
+        return " 0" if R == 1 else f"s 0-{R - 1}"
+
+    def describe_resident(self) -> str:
+        """The line that says which layers stay on the GPU and why."""
+        R = self.resident_layers
+        if not R:
+            return ("resident layers: none, every layer offloaded (--resident-layers N keeps "
+                    "layers 0..N-1 on the GPU)")
+        why = (": the generator's low-overlap layers, whose top-k shares about 1.5 % with the "
+               "previous step, so a hot buffer would miss most of it every step"
+               if R == auto_resident(self) else "")
+        one = R == 1
+        return (f"resident layers: layer{self.resident_span()} "
+                f"{'keeps its' if one else 'keep their'} KV on the GPU in every mode" + why +
+                f"; --resident-layers 0 offloads {'it' if one else 'them'} too")
 
 
 def host_memory_bytes() -> int:
@@ -212,6 +241,10 @@ def parser() -> argparse.ArgumentParser:
     a("--no-partition", action="store_true", help="no SM partition (the default; --side-sms 0)")
     a("--shared-prefix", type=int, default=d.shared_prefix, metavar="N",
       help="requests 1.. are forks of request 0 sharing the host pages of its first N tokens")
+    a("--resident-layers", type=int, default=None, metavar="N",
+      help="layers 0 .. N-1 keep their whole KV on the GPU in every mode, the cache holds the "
+           "rest (default: lru, the generator's low-overlap layers, whose top-k shares about "
+           "1.5 %% with the previous step so that no hot buffer holds it; drift, 0)")
     a("--json", default=None, help="write the results as JSON to this file")
     a("--png", default=None, help="plot ITL per step per mode to this PNG (needs matplotlib)")
     a("--quiet", action="store_true", help="no progress lines")
@@ -220,9 +253,9 @@ def parser() -> argparse.ArgumentParser:
 
 # the NumPy backend's values for flags not given, and the flags it cannot honour
 CPU_DEFAULTS = {"layers": 8, "batch": 2, "context": 1536, "steps": 12, "warmup": 0,
-                "top_k": 128, "hot": 512, "extra_page": 8, "recent": 4}
+                "top_k": 128, "hot": 512, "extra_page": 8, "recent": 4, "resident_layers": 0}
 CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hidden",
-               "--side-sms", "--predict-rule", "--matmul")
+               "--side-sms", "--predict-rule", "--matmul", "--resident-layers")
 # (--mtp 1, --mode gpu-only / offload, --eager, --no-predict and --no-partition are what the
 # NumPy backend runs: accepted)
 
@@ -249,7 +282,8 @@ def cpu_config(argv=None) -> Config:
                and (f != "--mode" or bool({"overlap", "predict"} & set(cfg.modes)))
                and (f != "--side-sms" or bool(cfg.side_sms))
                and (f != "--predict-rule" or cfg.predict_rule != "misses")
-               and (f != "--matmul" or cfg.matmul != "cublas")]
+               and (f != "--matmul" or cfg.matmul != "cublas")
+               and (f != "--resident-layers" or cfg.resident_layers > 0)]
     if refused:
         raise SystemExit(f"demo: {' and '.join(refused)} need{'s' if len(refused) == 1 else ''} "
                          f"the GPU decode loop; the NumPy reference backend runs single-step "
@@ -268,6 +302,21 @@ def cpu_config(argv=None) -> Config:
         cfg.context = max(cfg.context, cfg.hot + cfg.top_k + 256)
     cfg.check()
     return cfg
+
+
+def auto_resident(cfg: Config) -> int:
+    """``--resident-layers``' default: with lru streams, the layers before the first full layer
+    past the generator's low-overlap ones (GLM-5.2's pattern: layers 0 and 1); else 0."""
+    from .topk_model import StreamShape
+
+    if cfg.topk_model != "lru":
+        return 0
+    try:
+        full = cfg.pattern_obj().full_layers
+    except ValueError:
+        return 0  # (check() names the bad --pattern)
+    low = StreamShape.low_layers
+    return full[low] if len(full) > low else 0
 
 
 def from_args(argv=None, *, check: bool = True) -> Config:
@@ -299,6 +348,8 @@ def from_args(argv=None, *, check: bool = True) -> Config:
                  side_sms=side, predict_rule=ns.predict_rule, matmul=ns.matmul,
                  shared_prefix=ns.shared_prefix,
                  execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)
+    cfg.resident_layers = auto_resident(cfg) if ns.resident_layers is None else \
+        ns.resident_layers
     if check:
         cfg.check()
     return cfg

@@ -51,14 +51,17 @@ def coprime(n: int) -> int:
 
 
 def prompt_kv(k: Kernels, cfg: Config, base: int, layer_bytes: int, reqs, stream,
-              p0: int = 0, req_rows: int = 0) -> None:
+              p0: int = 0, req_rows: int = 0, layers: range | None = None) -> None:
     """The model's prompt KV of positions ``[p0, context)`` of requests ``reqs`` (int32 on the
-    device), written from ``base`` (layers ``layer_bytes`` apart): request ``reqs[i]``'s row of
-    position ``p`` at row ``i * req_rows + p - p0`` of each layer."""
-    grid = (-(-(cfg.context - p0) * 72 // 256), reqs.size, cfg.layers)
+    device) for model ``layers`` (default all), written from ``base`` (layers ``layer_bytes``
+    apart): request ``reqs[i]``'s row of position ``p`` at row ``i * req_rows + p - p0`` of
+    each layer."""
+    layers = range(cfg.layers) if layers is None else layers
+    grid = (-(-(cfg.context - p0) * 72 // 256), reqs.size, len(layers))
     k.kv_prefill(grid, (256,), (cupy.uint64(base), np.int64(layer_bytes), reqs, np.int32(p0),
                                 np.int32(cfg.context), np.int64(req_rows),
-                                np.int32(cfg.shared_prefix)), stream=stream)
+                                np.int32(cfg.shared_prefix), np.int32(layers.start)),
+                 stream=stream)
 
 
 class Rig:
@@ -92,6 +95,12 @@ class Rig:
         self.pattern = cfg.pattern_obj()
         self.full = self.pattern.full
         self.groups = self.pattern.groups
+        # layers 0 .. R-1 keep their KV on the GPU in every mode; the cache holds the rest
+        self.R = R = cfg.resident_layers
+        self.cached = range(R, cfg.layers)
+        if R and (pool is not None or admission is not None):
+            raise SystemExit("demo: --resident-layers needs the demo's own host pool (a given "
+                             "pool or admission hook holds every layer): --resident-layers 0")
         self.k = Kernels()
         with stream:
             self.model = Model(self.k, queries=cfg.queries, top_k=cfg.top_k, hidden=cfg.hidden,
@@ -115,7 +124,7 @@ class Rig:
         self.table = self.topk_shape = None
         if cfg.topk_model == "lru":
             self._generate()
-        self.resident = self.kv_buf = None
+        self.resident = self.kv_buf = self.low = None
         self.cache = self.pf = None
         self.swap_s = 0.0
         self.swap_n = 0
@@ -146,12 +155,12 @@ class Rig:
 
     # ------------------------------------------------------------------ state
     def _prefill(self, base: int, layer_bytes: int, reqs=None, p0: int = 0,
-                 req_rows: int | None = None) -> None:
-        """Prompt KV of positions ``[p0, context)``: every request's, in the slot layout
-        (rows ``r * max_len + p``), or ``reqs``' with ``req_rows=0`` (one request, rows from
-        0: an admission's KV)."""
+                 req_rows: int | None = None, layers: range | None = None) -> None:
+        """Prompt KV of positions ``[p0, context)`` of ``layers`` (default all): every
+        request's, in the slot layout (rows ``r * max_len + p``), or ``reqs``' with
+        ``req_rows=0`` (one request, rows from 0: an admission's KV)."""
         prompt_kv(self.k, self.cfg, base, layer_bytes, self.req if reqs is None else reqs,
-                  self.s, p0, self.cfg.max_len if req_rows is None else req_rows)
+                  self.s, p0, self.cfg.max_len if req_rows is None else req_rows, layers)
 
     @staticmethod
     def paged_rows(c: Config) -> int:
@@ -170,7 +179,7 @@ class Rig:
             return [cache.admit(c.context, stream=s) for _ in range(c.batch)]
         if self.kv_buf is None:
             with s:
-                self.kv_buf = cupy.empty((c.layers, c.context, ROW_BYTES), cupy.uint8)
+                self.kv_buf = cupy.empty((len(self.cached), c.context, ROW_BYTES), cupy.uint8)
         buf, N = self.kv_buf, c.shared_prefix
         t0 = cupy.cuda.Event()
         t0.record(s)
@@ -178,7 +187,8 @@ class Rig:
         for b in range(c.batch):
             p0 = N if b else 0
             if p0 < c.context:  # (a fork of every prompt token has no KV of its own)
-                self._prefill(buf.data.ptr, buf[0].nbytes, self.req[b:b + 1], p0, 0)
+                self._prefill(buf.data.ptr, buf[0].nbytes, self.req[b:b + 1], p0, 0,
+                              self.cached)
             kv = buf[:, :c.context - p0]
             rids.append(cache.admit(c.context, kv, prefix=(0, N) if p0 else None, stream=s))
             nbytes += kv.size
@@ -224,7 +234,7 @@ class Rig:
             paged = {} if not self.paged else {"page_tokens": PAGE_TOKENS} \
                 if self.pool is not None else \
                 {"page_tokens": PAGE_TOKENS, "host_rows": self.paged_rows(c)}
-            self.cache = HotBufferCache(n_layers=c.layers, max_requests=c.batch,
+            self.cache = HotBufferCache(n_layers=len(self.cached), max_requests=c.batch,
                                         max_len=c.max_len, row_bytes=ROW_BYTES, hot_size=c.hot,
                                         top_k=c.top_k, extra_page=c.extra_page,
                                         max_steps=c.mtp, pool=self.pool, **paged)
@@ -235,7 +245,8 @@ class Rig:
                 self._prefill(int(pool.device_ptr(0)), pool.layer_bytes)  # the GPU writes it
                 self.s.synchronize()
                 self.pool_ready = True
-            self.pf = Prefetcher(self.cache, self.pattern, partition=self.partition,
+            pattern = self.pattern.stage(self.R, c.layers) if self.R else self.pattern
+            self.pf = Prefetcher(self.cache, pattern, partition=self.partition,
                                  predict_rule=c.predict_rule)
             if self.admission is not None:
                 self._admission = self.admission(self)
@@ -245,6 +256,11 @@ class Rig:
                      f"{how} in {t1 - t0:.1f} s" + ("" if self.pool is None or self.paged else
                      f", {'written' if self.write_pool else 'not written here'} in "
                      f"{time.perf_counter() - t1:.1f} s"))
+        if self.R and self.low is None:
+            with self.s:
+                self.low = cupy.empty((self.R, c.batch * c.max_len, ROW_BYTES), cupy.uint8)
+            self._prefill(self.low.data.ptr, self.low[0].nbytes, layers=range(self.R))
+            self.s.synchronize()
 
     def free_cache(self) -> None:
         if self.cache is not None:
@@ -256,7 +272,7 @@ class Rig:
                     admission.close()
             finally:
                 self.cache.close()
-            self.cache = self.pf = None
+            self.cache = self.pf = self.low = None
             cupy.get_default_memory_pool().free_all_blocks()
 
     def reset(self, mode: str) -> None:
@@ -289,18 +305,19 @@ class Rig:
     def step(self, mode: str) -> None:
         c, s, k, m = self.cfg, self.s, self.k, self.model
         B, S, K = c.batch, c.mtp, c.top_k
-        gpu_only = mode == "gpu-only"
-        if gpu_only:
-            res = self.resident
-            k.kv_newest((B, c.layers), (96,), (res, np.int64(res[0].nbytes), self.req, self.lens,
-                                                cupy.uint64(0), np.int32(c.max_len)), stream=s)
-        else:
+        gpu_only, R = mode == "gpu-only", self.R
+        res = self.resident if gpu_only else self.low  # layers 0 .. (all or R) - 1
+        if res is not None:
+            k.kv_newest((B, res.shape[0]), (96,), (res, np.int64(res[0].nbytes), self.req,
+                                                   self.lens, cupy.uint64(0),
+                                                   np.int32(c.max_len), np.int32(0)), stream=s)
+        if not gpu_only:
             cache = self.cache
             st = cache.begin_step(self.req, self.lens, stream=s, prefetcher=self.pf)
             rows = st.newest_rows()  # the model writes this step's KV there
-            k.kv_newest((B, c.layers), (96,),
+            k.kv_newest((B, len(self.cached)), (96,),
                         (cache.device, np.int64(cache.device[0].nbytes), self.req, self.lens,
-                         rows, np.int32(c.max_len)), stream=s)
+                         rows, np.int32(c.max_len), np.int32(R)), stream=s)
             self.backup(st)  # before any later swap that may select these tokens
         m.start(self.step_ctr)
         topk = self.topk if S > 1 else self.topk.reshape(B, K)
@@ -318,14 +335,14 @@ class Rig:
                               np.int32(max(1, self.M // 2)), np.int32(self.U), self.a,
                               np.int64(self.salt[layer]), np.int32(c.recent), self.step_ctr,
                               self.lens), stream=s)
-            if self.full[layer]:
-                if gpu_only:
-                    n = B * S * K
-                    k.direct_locs((-(-n // 256),), (256,),
-                                  (self.topk, self.req, np.int32(S * K), np.int32(c.max_len),
-                                   np.int32(n), self.locs), stream=s)
-            if gpu_only:
-                out, rows = locs, self.resident[layer]
+            direct = gpu_only or layer < R
+            if self.full[layer] and direct:
+                n = B * S * K
+                k.direct_locs((-(-n // 256),), (256,),
+                              (self.topk, self.req, np.int32(S * K), np.int32(c.max_len),
+                               np.int32(n), self.locs), stream=s)
+            if direct:
+                out, rows = locs, res[layer]
             elif self.time_host:
                 t0 = time.perf_counter()
                 out = st.swap(layer, topk)
@@ -333,12 +350,12 @@ class Rig:
                 self.swap_n += 1
             else:
                 out = st.swap(layer, topk)
-            if not gpu_only:
+            if not direct:
                 if self.full[layer]:  # rows this swap and its shared layers' move
                     w = 1 + len(self.groups.get(layer, ()))
                     k.tally((1,), (128,), (cache.plan.count, np.int32(B), np.int32(w), self.moved,
                                            self.step_ctr), stream=s)
-                rows = cache.device[layer]
+                rows = cache.device[layer - R]
             m.layer(out, rows, layer, self.digest, self.step_ctr, last=layer == c.layers - 1)
         if not gpu_only:
             st.finish()
@@ -392,7 +409,7 @@ class Rig:
             pred = self.pf.predict_summary()
         if mode != "gpu-only":
             ctr = {**self.cache.counters.read(s), "tally_misses": int(moved[:, 1].sum()),
-                   "full": np.asarray(self.full, bool), "batch": c.batch}
+                   "full": np.asarray(self.full[self.R:], bool), "batch": c.batch}
         return RunResult(mode, exec_, step_ms, cupy.asnumpy(self.digest),
                          moved[w:, 0].astype(np.int64), moved[w:, 1].astype(np.int64), swap_us,
                          ctr, pred)

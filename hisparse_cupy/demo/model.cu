@@ -55,14 +55,14 @@ __device__ __forceinline__ uint4 kv_chunk(int l, int r, long long p, int c) {
 }
 
 // Prefill: rows of positions [p0, p1) of request slots reqs[0..n_req) into row
-// blockIdx.y * req_rows + p - p0 of base + l * layer_bytes, every layer (base: device or
-// mapped host; req_rows = max_len with reqs = 0..B-1: row r * max_len + p, the slot layout;
+// blockIdx.y * req_rows + p - p0 of base + l * layer_bytes, model layer first + l (base: device
+// or mapped host; req_rows = max_len with reqs = 0..B-1: row r * max_len + p, the slot layout;
 // req_rows = 0: one request's rows from 0, an admission's KV). Positions below `shared` carry
 // request 0's bytes (requests forked from its first `shared` tokens).
-// grid (ceil((p1 - p0) * 72 / 256), n_req, n_layers)
+// grid (ceil((p1 - p0) * 72 / 256), n_req, layers)
 extern "C" __global__ void kv_prefill(unsigned char* base, long long layer_bytes,
                                       const int* reqs, int p0, int p1, long long req_rows,
-                                      int shared) {
+                                      int shared, int first) {
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= static_cast<long long>(p1 - p0) * 72) return;
   const int l = blockIdx.z;
@@ -71,14 +71,15 @@ extern "C" __global__ void kv_prefill(unsigned char* base, long long layer_bytes
   const int c = static_cast<int>(i % 72);
   uint4* dst = reinterpret_cast<uint4*>(base + l * layer_bytes +
                                         (blockIdx.y * req_rows + p - p0) * (2 * D_ROW));
-  dst[c] = kv_chunk(l, r, p, c);
+  dst[c] = kv_chunk(first + l, r, p, c);
 }
 
 // The newest token (position lens[b] - 1) of every batch row, every layer: into device row
 // rows[b] (the cache's newest_rows(); -1 skips) or, with rows == nullptr, row
-// req[b] * max_len + lens[b] - 1 (the GPU-only mode's resident KV). grid (B, n_layers), 96 thr.
+// req[b] * max_len + lens[b] - 1 (resident KV). Model layers first .. first + gridDim.y - 1,
+// the first at base. grid (B, layers), 96 threads.
 extern "C" __global__ void kv_newest(unsigned char* base, long long layer_bytes, const int* req,
-                                     const int* lens, const int* rows, int max_len) {
+                                     const int* lens, const int* rows, int max_len, int first) {
   const int b = blockIdx.x, l = blockIdx.y, c = threadIdx.x;
   if (c >= 72) return;
   const int r = req[b];
@@ -87,7 +88,7 @@ extern "C" __global__ void kv_newest(unsigned char* base, long long layer_bytes,
                              : static_cast<long long>(r) * max_len + p;
   if (row < 0) return;
   uint4* dst = reinterpret_cast<uint4*>(base + l * layer_bytes + row * (2 * D_ROW));
-  dst[c] = kv_chunk(l, r, p, c);
+  dst[c] = kv_chunk(first + l, r, p, c);
 }
 
 // Drifting top-k of one full layer, int32 [B, S, K]: entry k < K - nrec of draft step s is
