@@ -114,17 +114,17 @@ class KVSender:
     the pages of receivers' tickets.
 
     ``pull=False``: one NIXL WRITE per request, from the sender; ``desc_bytes``: its
-    descriptors cut into pieces of at most this many bytes (default 4 MiB: one H200 box, a
-    request of 736 MB from VRAM went at 2.9 GB/s in 9.4 MB descriptors, at 21.9 GB/s in 1 MiB
-    pieces and at 45.1 GB/s in 4 MiB pieces, ``benchmarks/probe_pd_paths.py``); None: as the
-    ticket gives them.
+    descriptors cut into pieces of at most this many bytes (default 3 MiB: on one H200 box
+    UCX's pipeline moved a WRITE from VRAM at 26-30 GB/s in pieces up to its fragment size,
+    ``UCX_RNDV_FRAG_SIZE``, 4 MiB for GPU memory by default, and at 2.7-3.8 GB/s in larger
+    ones, ``benchmarks/bench_pd.py``); None: as the ticket gives them.
     ``pull=True``: the sender registers ``kv`` and offers it (a NIXL notification to the
     receiver carrying its metadata and descriptors); the receiver's :meth:`KVReceiver.poll`
     posts one READ of it into the reserved pages and tells the sender when it completed. The
     receiver must be polling for a pull to progress (one thread may drive both sides: send with
     ``wait=False``)."""
 
-    def __init__(self, *, name: str | None = None, desc_bytes: int | None = 4 << 20,
+    def __init__(self, *, name: str | None = None, desc_bytes: int | None = 3 << 20,
                  pull: bool = False):
         self.desc_bytes = None if desc_bytes is None else \
             _checks.integer("desc_bytes", desc_bytes, 1)

@@ -251,7 +251,7 @@ def test_descriptors_cut_into_pieces_land_whole_and_notify_once(rng):
     rx, pool, pages = receiver(64)
     s = KVSender(desc_bytes=3 * RB + 8)
     try:
-        assert KVSender.__init__.__kwdefaults__["desc_bytes"] == 4 << 20
+        assert KVSender.__init__.__kwdefaults__["desc_bytes"] == 3 << 20
         want = {}
         for r, n in enumerate([1, 37, 64, 200, 130]):
             kv = make_kv(50 + r, L, n, RB)
