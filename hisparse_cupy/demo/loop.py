@@ -67,6 +67,10 @@ def prompt_kv(k: Kernels, cfg: Config, base: int, layer_bytes: int, reqs, stream
 class Rig:
     """Buffers shared by every mode, and the per-mode state (resident KV or cache).
 
+    ``cfg.resident_layers`` = R: layers ``0..R-1`` attend over GPU-resident KV in every mode
+    (:attr:`low` in the offloaded ones); the cache holds layers ``R..`` (local index
+    ``layer - R``) and its prefetcher runs on the pattern's stage from layer R.
+
     ``pool``: a host pool to put the caches over (e.g. one shared by tensor-parallel ranks,
     ``HostKVPool.attach``), in the slot layout (``write_pool``: whether this process writes
     its prompt rows, one writer per shared pool; the others must wait for it before their
