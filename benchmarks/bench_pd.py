@@ -16,8 +16,9 @@ the same bytes from its own GPU memory into the same pool rows (CUDA events, med
         [--configs "" "UCX_RMA_PPLN_ENABLE=n" "desc=0" "desc=4194304" ...]
 
 A configuration is a space-separated list of ``VAR=value`` environment variables (UCX's) and
-the sender's ``desc=BYTES`` (``KVSender(desc_bytes=)``, 0: the ticket's descriptors uncut)
-and ``pull=1`` (``KVSender(pull=True)``: the decode process READs);
+the sender's ``desc=BYTES`` (``KVSender(desc_bytes=)``, 0: the ticket's descriptors uncut),
+``max=K`` (``KVSender(max_in_flight=)``, 0: no limit) and ``pull=1`` (``KVSender(pull=True)``:
+the decode process READs);
 ``""`` runs the defaults. Without NIXL it says so and exits 2 (``--quick``: 128 MiB, 2 reps, the
 defaults).
 """
@@ -40,6 +41,9 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 L, RB, P = 78, 1152, 64
 CONFIGS = ["", "pull=1", "desc=0"]
+# the configurations' sender options: name -> (KVSender's keyword, its value from the text)
+SENDER = {"desc": ("desc_bytes", lambda v: int(v) or None), "pull": ("pull", lambda v: v == "1"),
+          "max": ("max_in_flight", lambda v: int(v) or None)}
 
 
 def kv_bytes(cupy, n_tokens: int):
@@ -161,8 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.one is not None:
-        opts = {("pull" if k == "pull" else f"{k}_bytes"): (v == "1") if k == "pull" else
-                int(v) or None for k, v in json.loads(a.one).items()}
+        opts = {SENDER[k][0]: SENDER[k][1](v) for k, v in json.loads(a.one).items()}
         print("@bench " + json.dumps(one(a.mib, a.requests, a.reps, a.tokens, opts)),
               flush=True)
         return 0
@@ -178,8 +181,8 @@ def main(argv=None) -> int:
     results = []
     for conf in a.configs:
         pairs = [kv.split("=", 1) for kv in conf.split()]
-        env = {**os.environ, **{k: v for k, v in pairs if k not in ("desc", "pull")}}
-        opts = {k: v for k, v in pairs if k in ("desc", "pull")}
+        env = {**os.environ, **{k: v for k, v in pairs if k not in SENDER}}
+        opts = {k: v for k, v in pairs if k in SENDER}
         cmd = [sys.executable, os.path.abspath(__file__), "--one", json.dumps(opts), "--mib",
                str(a.mib), "--requests", str(a.requests), "--reps", str(a.reps)] + \
             (["--tokens", str(a.tokens)] if a.tokens else [])

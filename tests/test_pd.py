@@ -276,6 +276,82 @@ def test_descriptors_cut_into_pieces_land_whole_and_notify_once(rng):
             KVSender(desc_bytes=bad)
 
 
+def test_writes_wait_their_turn_and_land_exact(rng):
+    """KVSender(max_in_flight=k): sends posted together are WRITEs k at a time (default 1), the
+    rest queued in order and posted as earlier ones end, whichever send is waited on; None
+    posts all at once; every request byte exact, pages accounted for; bad values refused."""
+    assert KVSender.__init__.__kwdefaults__["max_in_flight"] == 1
+    for k in (1, 2, None):
+        rx, pool, pages = receiver(256)
+        s = KVSender(max_in_flight=k)
+        try:
+            want, sends, most = {}, [], 0
+            for r in range(7):
+                n = int(rng.integers(1, 120))
+                want[r] = make_kv(300 + r, L, n, RB)
+                sends.append(s.send(rx.reserve(r, n), want[r], wait=False))
+                cap = 7 if k is None else k
+                assert s.in_flight <= cap and (k is not None or s.queued == 0)
+                assert s.in_flight + s.queued == sum(p.state != "DONE" for p in sends)
+                most = max(most, s.queued)
+            # (a WRITE needs polling to complete, so the first k are still in flight)
+            assert (most == 0) == (k is None), most
+            for i in rng.permutation(len(sends)):  # waited on in any order
+                assert sends[i].wait().bytes == want[int(i)].size
+            assert s.in_flight == s.queued == 0
+            got = arrivals(rx, len(want))
+            assert sorted(a.req_id for a in got) == list(want)
+            for a in got:
+                np.testing.assert_array_equal(pool[:, rows_of(a.pages, a.n_tokens)],
+                                              want[a.req_id])
+                rx.release(a)
+            pages.check()
+        finally:
+            s.close()
+            rx.close()
+    for bad in (0, -1, 1.5, "2"):
+        with pytest.raises((ValueError, TypeError), match="max_in_flight"):
+            KVSender(max_in_flight=bad)
+
+
+def test_a_queued_write_past_its_deadline_ends_unsent_and_close_ends_the_queue():
+    """A send whose deadline passes before its turn fails with a TimeoutError and writes
+    nothing (its pages keep their poison; the receiver can take the resend); close() fails the
+    sends still waiting, and the ones done stay done."""
+    rx, pool, pages = receiver(64, timeout_s=30)
+    pool[:] = 0xA5
+    s = KVSender(max_in_flight=1)
+    try:
+        first = s.send(rx.reserve(0, 40), make_kv(1, L, 40, RB), wait=False)
+        t = rx.reserve(1, 30)
+        late = s.send(t, make_kv(2, L, 30, RB), wait=False, timeout_s=1e-9)
+        with pytest.raises(TimeoutError, match="did not start in time"):
+            late.wait()
+        with pytest.raises(TimeoutError, match="did not start in time"):
+            late.poll()  # the same error again, nothing posted
+        assert first.wait().bytes == L * 40 * RB
+        assert (pool[:, ticket_rows(t, pool)] == 0xA5).all()
+        assert s.send(t, make_kv(2, L, 30, RB)).bytes == L * 30 * RB  # the resend lands
+        got = {a.req_id: a for a in arrivals(rx, 2)}
+        assert sorted(got) == [0, 1]
+        np.testing.assert_array_equal(pool[:, rows_of(got[1].pages, 30)], make_kv(2, L, 30, RB))
+        for a in got.values():
+            rx.release(a)
+        done = s.send(rx.reserve(2, 16), make_kv(3, L, 16, RB), wait=False)
+        waiting = [s.send(rx.reserve(3 + i, 16), make_kv(4 + i, L, 16, RB), wait=False)
+                   for i in range(2)]
+        done.wait()
+        assert [w.state for w in waiting] == ["QUEUED", "QUEUED"]
+    finally:
+        s.close()
+    for w in waiting:
+        with pytest.raises(RuntimeError, match="closed before this send's turn"):
+            w.wait()
+    assert done.result is not None and done.state == "DONE"
+    rx.close()
+    pages.check()
+
+
 def test_gpu_arrays_are_read_through_cuda_array_interface():
     """A GPU ``kv`` (here a stand-in: no device) goes the same way, registered as VRAM."""
     from hisparse_cupy._checks import kv_source as _source
