@@ -15,10 +15,13 @@ process of the same run: ``cudaMemcpyAsync`` D2H of the same bytes into the same
 median).
 
     python benchmarks/probe_pd_paths.py [--mib 512] [--reps 3] [--pieces 1048576 0]
+        [--runs 78 --spread 3]
         [--modes write-vram read-vram ...] [--configs "" "UCX_MAX_RNDV_RAILS=1"] [--json FILE]
 
-``--pieces``: descriptor sizes in bytes (0: one descriptor for the whole buffer). Without NIXL
-it says so and exits 2.
+``--pieces``: descriptor sizes in bytes (0: one descriptor per run). ``--runs L --spread K``:
+the bytes as L runs (a pool's layers: ``bench_pd.py`` sends 78), run l at ``l * K * run`` on
+both sides (K = 1: back to back; buffers K times the bytes), each cut into the pieces. Without
+NIXL it says so and exits 2.
 """
 
 from __future__ import annotations
@@ -44,12 +47,22 @@ def pattern(xp, nbytes: int):
     return ((i * np.uint32(2654435761)) ^ (i >> 9)).view(xp.uint8)
 
 
-def descs(addr: int, nbytes: int, piece: int, dev: int) -> np.ndarray:
-    piece = piece or nbytes
-    lo = np.arange(0, nbytes, piece, dtype=np.uint64)
-    out = np.empty((lo.size, 3), np.uint64)
-    out[:, 0], out[:, 1], out[:, 2] = addr + lo, np.minimum(piece, nbytes - lo), dev
-    return out
+def descs(addr: int, runs, piece: int, dev: int) -> np.ndarray:
+    """``(offset, bytes)`` runs from ``addr``, each cut into pieces of ``piece`` bytes."""
+    out = []
+    for off, n in runs:
+        lo = np.arange(0, n, piece or n, dtype=np.uint64)
+        d = np.empty((lo.size, 3), np.uint64)
+        d[:, 0], d[:, 1], d[:, 2] = addr + off + lo, np.minimum(piece or n, n - lo), dev
+        out.append(d)
+    return np.concatenate(out)
+
+
+def layout(nbytes: int, runs: int, spread: int) -> list:
+    run = nbytes // runs // 4096 * 4096  # (the pool's rows are 4 KiB)
+    if run == 0 or spread < 1:
+        raise SystemExit(f"probe_pd_paths: --runs {runs} --spread {spread} leave no 4 KiB run")
+    return [(layer * spread * run, run) for layer in range(runs)]
 
 
 def run_xfer(agent, op: str, local, remote, peer: str, timeout: float) -> float:
@@ -67,7 +80,7 @@ def run_xfer(agent, op: str, local, remote, peer: str, timeout: float) -> float:
     return dt
 
 
-def prefill(cmds, answers, nbytes: int) -> None:
+def prefill(cmds, answers, nbytes: int, runs: list) -> None:
     import cupy
 
     from hisparse_cupy.pd import nixl_api
@@ -87,22 +100,25 @@ def prefill(cmds, answers, nbytes: int) -> None:
         src, piece, pool_addr, timeout = msg
         mem, addr = ("VRAM", vram.data.ptr) if src == "vram" else ("DRAM", dram.ctypes.data)
         try:
-            dt = run_xfer(agent, "WRITE", agent.get_xfer_descs(descs(addr, nbytes, piece, 0), mem),
-                          agent.get_xfer_descs(descs(pool_addr, nbytes, piece, 0), "DRAM"),
+            dt = run_xfer(agent, "WRITE", agent.get_xfer_descs(descs(addr, runs, piece, 0), mem),
+                          agent.get_xfer_descs(descs(pool_addr, runs, piece, 0), "DRAM"),
                           "probe-decode", timeout)
             answers.put(dt)
         except Exception as e:  # reported, the probe goes on
             answers.put(repr(e))
 
 
-def one(mib: int, reps: int, pieces: list, timeout: float, modes: list) -> dict:
+def one(mib: int, reps: int, pieces: list, timeout: float, modes: list, n_runs: int = 1,
+        spread: int = 1) -> dict:
     import cupy
     from _timing import time_calls
 
     from hisparse_cupy.host_pool import HostKVPool
     from hisparse_cupy.pd import nixl_api
 
-    nbytes = mib << 20
+    runs = layout(mib << 20, n_runs, spread)
+    nbytes = runs[-1][0] + runs[-1][1]  # the buffers' size (the bytes moved: sum of the runs)
+    moved = sum(n for _, n in runs)
     api = nixl_api()
     pool = HostKVPool(1, nbytes // 4096, 4096)
     dst = pool.numpy.reshape(-1)
@@ -112,9 +128,9 @@ def one(mib: int, reps: int, pieces: list, timeout: float, modes: list) -> dict:
     agent.register_memory([(dst.ctypes.data, nbytes, 0, "")], "DRAM")
     ctx = mp.get_context("spawn")
     cmds, answers = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=prefill, args=(cmds, answers, nbytes), daemon=True)
+    child = ctx.Process(target=prefill, args=(cmds, answers, nbytes, runs), daemon=True)
     child.start()
-    out = {"mib": mib, "paths": {}}
+    out = {"mib": mib, "runs": n_runs, "spread": spread, "bytes": moved, "paths": {}}
     try:
         md, p_vram, p_dram = answers.get(timeout=120)
         agent.add_remote_agent(md)
@@ -133,19 +149,21 @@ def one(mib: int, reps: int, pieces: list, timeout: float, modes: list) -> dict:
                         try:
                             got = run_xfer(
                                 agent, "READ",
-                                agent.get_xfer_descs(descs(dst.ctypes.data, nbytes, piece, 0),
+                                agent.get_xfer_descs(descs(dst.ctypes.data, runs, piece, 0),
                                                      "DRAM"),
-                                agent.get_xfer_descs(descs(addr, nbytes, piece, 0), mem),
+                                agent.get_xfer_descs(descs(addr, runs, piece, 0), mem),
                                 "probe-prefill", timeout)
                         except Exception as e:
                             got = repr(e)
                     if isinstance(got, str):
                         err = got
                         break
-                    if not np.array_equal(dst, want):
-                        err = "received bytes differ"
+                    if not all(np.array_equal(dst[o:o + n], want[o:o + n]) for o, n in runs) \
+                            or any((dst[o + n:o2] != 0xA5).any() for (o, n), (o2, _) in
+                                   zip(runs, runs[1:], strict=False)):
+                        err = "received bytes differ (or landed between the runs)"
                         break
-                    rates.append(nbytes / got / 1e9)
+                    rates.append(moved / got / 1e9)
                 key = f"{mode} piece={piece or 'whole'}"
                 out["paths"][key] = {"error": err} if err else {
                     "median_gbps": float(np.median(rates[1:])), "all": rates[1:]}
@@ -154,7 +172,7 @@ def one(mib: int, reps: int, pieces: list, timeout: float, modes: list) -> dict:
         us = time_calls(lambda _i: cupy.cuda.runtime.memcpyAsync(
             dst.ctypes.data, want_dev.data.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToHost,
             s.ptr), iters=reps, warmup=1, stream=s)
-        out["d2h_memcpy_gbps"] = float(nbytes / np.median(us) / 1e3)
+        out["d2h_memcpy_gbps"] = float(nbytes / np.median(us) / 1e3)  # (the whole buffer)
     finally:
         cmds.put(None)
         child.join(timeout=60)
@@ -170,11 +188,14 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="*", default=[""])
     ap.add_argument("--timeout", type=float, default=60)
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    ap.add_argument("--runs", type=int, default=1, help="the bytes as this many runs")
+    ap.add_argument("--spread", type=int, default=1, help="run l at l * SPREAD * run bytes")
     ap.add_argument("--json")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.one:
-        print("@probe " + json.dumps(one(a.mib, a.reps, a.pieces, a.timeout, a.modes)), flush=True)
+        print("@probe " + json.dumps(one(a.mib, a.reps, a.pieces, a.timeout, a.modes, a.runs,
+                                         a.spread)), flush=True)
         return 0
     try:
         from hisparse_cupy.pd import nixl_api
@@ -189,7 +210,7 @@ def main(argv=None) -> int:
                **dict(kv.split("=", 1) for kv in conf.split())}
         cmd = [sys.executable, os.path.abspath(__file__), "--one", "--mib", str(a.mib), "--reps",
                str(a.reps), "--timeout", str(a.timeout), "--pieces", *map(str, a.pieces),
-               "--modes", *a.modes]
+               "--modes", *a.modes, "--runs", str(a.runs), "--spread", str(a.spread)]
         print(f"{conf or '(UCX_RMA_PPLN_ENABLE=y only)'}:", flush=True)
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True,
