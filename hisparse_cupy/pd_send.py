@@ -146,9 +146,11 @@ class KVSender:
     UCX's pipeline moved a WRITE from VRAM at 26-30 GB/s in pieces up to its fragment size,
     ``UCX_RNDV_FRAG_SIZE``, 4 MiB for GPU memory by default, and at 2.7-3.8 GB/s in larger
     ones, ``benchmarks/bench_pd.py``); None: as the ticket gives them.
-    ``max_in_flight``: WRITEs posted at once (default 1; None: no limit); later sends wait in
-    order, posted as earlier ones end (one H200 box: 3 requests posted together moved 2.2-2.7
-    GB/s, one after another 26-30 GB/s).
+    ``max_in_flight``: WRITEs posted at once to one receiver (default 1; None: no limit); later
+    sends to it wait in order, posted as earlier ones end (one H200 box: 3 requests posted
+    together moved 2.2-2.7 GB/s, one after another 26-30 GB/s). Receivers do not wait for each
+    other; a WRITE to a receiver that stopped answering holds that receiver's queue until its
+    deadline.
     ``pull=True``: the sender registers ``kv`` and offers it (a NIXL notification to the
     receiver carrying its metadata and descriptors); the receiver's :meth:`KVReceiver.poll`
     posts one READ of it into the reserved pages and tells the sender when it completed. The
@@ -161,8 +163,8 @@ class KVSender:
             _checks.integer("desc_bytes", desc_bytes, 1)
         self.max_in_flight = None if max_in_flight is None else \
             _checks.integer("max_in_flight", max_in_flight, 1)
-        self._flight: list = []  # WRITEs posted, not ended
-        self._queue: collections.deque = collections.deque()  # WRITEs waiting their turn
+        self._flight: dict = collections.defaultdict(list)  # receiver -> WRITEs posted
+        self._queue: dict = collections.defaultdict(collections.deque)  # -> WRITEs waiting
         if not isinstance(pull, bool):
             raise TypeError(f"pull must be a bool, got {type(pull).__name__}")
         self.pull = pull
@@ -228,39 +230,42 @@ class KVSender:
                              f"or altered ticket)") from None
         p = PendingSend(self._agent, self._settle, handle, key, t, t0, t0 + limit,
                         progress=self._progress)
-        self._queue.append(p)
+        self._queue[name].append(p)
         self._launch()
         return p.wait() if wait else p
 
     @property
     def in_flight(self) -> int:
         """WRITEs posted and not ended."""
-        return len(self._flight)
+        return sum(map(len, self._flight.values()))
 
     @property
     def queued(self) -> int:
         """WRITEs waiting for their turn."""
-        return sum(not q._ended for q in self._queue)
+        return sum(not q._ended for d in self._queue.values() for q in d)
 
     def _launch(self) -> None:
-        """Post queued WRITEs, in order, while fewer than ``max_in_flight`` are in flight; one
-        whose deadline passed in the queue ends unsent."""
-        while self._queue and (self.max_in_flight is None or
-                               len(self._flight) < self.max_in_flight):
-            q = self._queue.popleft()
-            if q._ended:
-                continue
-            if time.perf_counter() > q.deadline:
-                q.fail(TimeoutError(f"NIXL transfer {q.xfer_id} to {q.agent!r} did not start "
-                                    f"in time (the sender's earlier WRITEs took it)"))
-                continue
-            self._flight.append(q)
-            with contextlib.suppress(RuntimeError):  # (kept in q: its own poll raises it)
-                q.start()
+        """Post each receiver's queued WRITEs, in order, while fewer than ``max_in_flight`` are
+        in flight to it; one whose deadline passed in the queue ends unsent."""
+        for name, queue in list(self._queue.items()):
+            flight = self._flight[name]
+            while queue and (self.max_in_flight is None or len(flight) < self.max_in_flight):
+                q = queue.popleft()
+                if q._ended:
+                    continue
+                if time.perf_counter() > q.deadline:
+                    q.fail(TimeoutError(f"NIXL transfer {q.xfer_id} to {q.agent!r} did not "
+                                        f"start in time (the sender's earlier WRITEs took it)"))
+                    continue
+                flight.append(q)
+                with contextlib.suppress(RuntimeError):  # (kept in q: its own poll raises it)
+                    q.start()
+            if not queue:
+                del self._queue[name]
 
     def _progress(self, caller) -> None:
         """Poll the WRITEs in flight but ``caller``, then post what the queue allows."""
-        for p in list(self._flight):
+        for p in [p for flight in self._flight.values() for p in flight]:
             if p is not caller:
                 p.advance()
         self._launch()
@@ -320,8 +325,11 @@ class KVSender:
             self._waiting.discard(p.tag)
             self._outcome.pop(p.tag, None)
         self._abandoned.append(stuck) if stuck is not None else self._unpin(p.pin_key)
-        if p in self._flight:
-            self._flight.remove(p)
+        flight = self._flight.get(p.agent, ())
+        if p in flight:
+            flight.remove(p)
+            if not flight:
+                del self._flight[p.agent]
             if not ok:  # posted and failed: the receiver's metadata may be stale
                 self._forget(p.agent)
 
@@ -351,9 +359,9 @@ class KVSender:
     def close(self) -> None:
         """Forget every receiver, deregister every buffer, drop the agent."""
         if self._agent is not None:
-            while self._queue:
-                self._queue.popleft().fail(RuntimeError("KVSender closed before this send's "
-                                                        "turn"))
+            for q in [q for d in self._queue.values() for q in d]:
+                q.fail(RuntimeError("KVSender closed before this send's turn"))
+            self._queue.clear()
             for name in list(self._remote):
                 self._forget(name)
             for reg in [e[0] for e in self._pins.values()] + [f[-1] for f in self._fixed]:

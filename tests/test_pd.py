@@ -277,9 +277,10 @@ def test_descriptors_cut_into_pieces_land_whole_and_notify_once(rng):
 
 
 def test_writes_wait_their_turn_and_land_exact(rng):
-    """KVSender(max_in_flight=k): sends posted together are WRITEs k at a time (default 1), the
-    rest queued in order and posted as earlier ones end, whichever send is waited on; None
-    posts all at once; every request byte exact, pages accounted for; bad values refused."""
+    """KVSender(max_in_flight=k): sends posted together to one receiver are WRITEs k at a time
+    (default 1), the rest queued in order and posted as earlier ones end, whichever send is
+    waited on; None posts all at once; two receivers get one each at once; every request byte
+    exact, pages accounted for; bad values refused."""
     assert KVSender.__init__.__kwdefaults__["max_in_flight"] == 1
     for k in (1, 2, None):
         rx, pool, pages = receiver(256)
@@ -309,6 +310,25 @@ def test_writes_wait_their_turn_and_land_exact(rng):
         finally:
             s.close()
             rx.close()
+    # receivers do not wait for each other: one WRITE in flight to each
+    (rx1, pool1, _), (rx2, pool2, _) = receiver(64), receiver(64)
+    s = KVSender()
+    try:
+        kv = {r: make_kv(400 + r, L, 30, RB) for r in range(6)}
+        sends = [s.send((rx1, rx2)[r % 2].reserve(r, 30), kv[r], wait=False) for r in range(6)]
+        assert s.in_flight == 2 and s.queued == 4
+        assert [p.state for p in sends[:2]] == ["PROC", "PROC"]
+        for p in sends[::-1]:
+            p.wait()
+        for rx, pool, rs in ((rx1, pool1, (0, 2, 4)), (rx2, pool2, (1, 3, 5))):
+            got = arrivals(rx, 3)
+            assert sorted(a.req_id for a in got) == list(rs)
+            for a in got:
+                np.testing.assert_array_equal(pool[:, rows_of(a.pages, 30)], kv[a.req_id])
+    finally:
+        s.close()
+        rx1.close()
+        rx2.close()
     for bad in (0, -1, 1.5, "2"):
         with pytest.raises((ValueError, TypeError), match="max_in_flight"):
             KVSender(max_in_flight=bad)
