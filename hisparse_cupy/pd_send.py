@@ -327,9 +327,7 @@ class KVSender:
         self._abandoned.append(stuck) if stuck is not None else self._unpin(p.pin_key)
         flight = self._flight.get(p.agent, ())
         if p in flight:
-            flight.remove(p)
-            if not flight:
-                del self._flight[p.agent]
+            flight.remove(p)  # (the list stays: _launch may be appending to it)
             if not ok:  # posted and failed: the receiver's metadata may be stale
                 self._forget(p.agent)
 

@@ -334,6 +334,47 @@ def test_writes_wait_their_turn_and_land_exact(rng):
             KVSender(max_in_flight=bad)
 
 
+def test_the_queue_keeps_count_when_a_write_completes_as_it_is_posted():
+    """A WRITE that NIXL completes at once (transfer() says DONE) ends inside the queue's
+    launch; the sends after it are still posted, tracked and polled to the end."""
+    from hisparse_cupy.pd_send import PendingSend
+
+    class Handle:
+        def release(self):
+            pass
+
+    class Agent:
+        def __init__(self, answers):
+            self.answers = answers  # xfer id -> states transfer() then each check returns
+
+        def transfer(self, h):
+            return self.answers[h.xid].pop(0)
+
+        def check_xfer_state(self, h):
+            return self.answers[h.xid].pop(0)
+
+    s = KVSender()
+    try:
+        fake = Agent({"a": ["DONE"], "b": ["PROC", "PROC", "DONE"], "c": ["DONE"]})
+        sends = []
+        for xid in "abc":
+            h = Handle()
+            h.xid = xid
+            t = {"xfer_id": xid, "agent": "rx", "n_layers": 1, "n_tokens": 1, "row_bytes": 1,
+                 "descs": [0]}
+            p = PendingSend(fake, s._settle, h, None, t, time.perf_counter(),
+                            time.perf_counter() + 30, progress=s._progress)
+            s._queue["rx"].append(p)
+            sends.append(p)
+        s._launch()
+        assert [p.state for p in sends] == ["DONE", "PROC", "QUEUED"]
+        assert s.in_flight == 1 and s.queued == 1
+        assert sends[2].wait().xfer_id == "c" and [p.state for p in sends] == ["DONE"] * 3
+        assert s.in_flight == s.queued == 0
+    finally:
+        s.close()
+
+
 def test_a_queued_write_past_its_deadline_ends_unsent_and_close_ends_the_queue():
     """A send whose deadline passes before its turn fails with a TimeoutError and writes
     nothing (its pages keep their poison; the receiver can take the resend); close() fails the
