@@ -40,6 +40,11 @@ class PendingSend:
         self.result, self._ended, self.error = None, False, None
         self.state = "PROC" if self.pull else "QUEUED"  # (KVSender posts a queued WRITE)
 
+    @property
+    def ended(self) -> bool:
+        """Done or failed (no more progress to make)."""
+        return self._ended
+
     def start(self) -> None:
         """Post a queued WRITE (its sender's turn)."""
         self.state = "PROC"
@@ -242,7 +247,7 @@ class KVSender:
     @property
     def queued(self) -> int:
         """WRITEs waiting for their turn."""
-        return sum(not q._ended for d in self._queue.values() for q in d)
+        return sum(not q.ended for d in self._queue.values() for q in d)
 
     def _launch(self) -> None:
         """Post each receiver's queued WRITEs, in order, while fewer than ``max_in_flight`` are
@@ -251,7 +256,7 @@ class KVSender:
             flight = self._flight[name]
             while queue and (self.max_in_flight is None or len(flight) < self.max_in_flight):
                 q = queue.popleft()
-                if q._ended:
+                if q.ended:
                     continue
                 if time.perf_counter() > q.deadline:
                     q.fail(TimeoutError(f"NIXL transfer {q.xfer_id} to {q.agent!r} did not "
