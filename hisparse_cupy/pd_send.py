@@ -70,12 +70,16 @@ class PendingSend:
             self.error = error
             self._finish(ok=False)
 
+    def _check(self) -> None:
+        """One look at this send's state, if it is posted and not ended."""
+        if self.result is None and not self._ended and self.state != "QUEUED":
+            self._step(lambda: self._heard(self.tag) if self.pull else
+                       self._agent.check_xfer_state(self._handle))
+
     def advance(self) -> None:
         """Poll this send alone (errors kept for its own :meth:`poll`)."""
-        if self.result is None and not self._ended and self.state != "QUEUED":
-            with contextlib.suppress(RuntimeError):
-                self._step(lambda: self._heard(self.tag) if self.pull else
-                           self._agent.check_xfer_state(self._handle))
+        with contextlib.suppress(RuntimeError):
+            self._check()
 
     def poll(self) -> bool:
         """Progress the transfer (and the sender's earlier ones); True once done
@@ -83,10 +87,8 @@ class PendingSend:
         deadline)."""
         if self.result is None and not self._ended and self._progress is not None:
             self._progress(self)
-        if self.result is None and not self._ended and self.state != "QUEUED":
-            self._step(lambda: self._heard(self.tag) if self.pull else
-                       self._agent.check_xfer_state(self._handle))
-        elif self._ended and self.result is None:
+        self._check()
+        if self._ended and self.result is None:
             raise self.error or RuntimeError(f"NIXL transfer {self.xfer_id} to {self.agent!r} "
                                              f"already failed")
         return self.result is not None

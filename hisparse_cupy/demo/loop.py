@@ -212,11 +212,7 @@ class Rig:
         self.free_cache()
         if self.resident is None:
             t0 = time.perf_counter()
-            with self.s:
-                self.resident = cupy.empty((c.layers, c.batch * c.max_len, ROW_BYTES),
-                                           cupy.uint8)
-            self._prefill(self.resident.data.ptr, self.resident[0].nbytes)
-            self.s.synchronize()
+            self.resident = self._resident_kv(c.layers)
             self.log(f"gpu-only: {self.resident.nbytes / 1e9:.1f} GB of KV written on the GPU "
                      f"in {time.perf_counter() - t0:.1f} s")
 
@@ -261,10 +257,16 @@ class Rig:
                      f", {'written' if self.write_pool else 'not written here'} in "
                      f"{time.perf_counter() - t1:.1f} s"))
         if self.R and self.low is None:
-            with self.s:
-                self.low = cupy.empty((self.R, c.batch * c.max_len, ROW_BYTES), cupy.uint8)
-            self._prefill(self.low.data.ptr, self.low[0].nbytes, layers=range(self.R))
-            self.s.synchronize()
+            self.low = self._resident_kv(self.R)
+
+    def _resident_kv(self, n: int) -> cupy.ndarray:
+        """Layers ``0..n-1``' KV on the GPU in the slot layout, every prompt written."""
+        c = self.cfg
+        with self.s:
+            kv = cupy.empty((n, c.batch * c.max_len, ROW_BYTES), cupy.uint8)
+        self._prefill(kv.data.ptr, kv[0].nbytes, layers=range(n))
+        self.s.synchronize()
+        return kv
 
     def free_cache(self) -> None:
         if self.cache is not None:
