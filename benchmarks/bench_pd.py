@@ -67,12 +67,17 @@ def sender(tickets, answers, n_total: int, opts: dict) -> None:
             kind, ts = msg
             views = [kv[:, t["first"]: t["first"] + t["n_tokens"]] for t in ts]
             t0 = time.perf_counter()
+            posts, secs = [], []  # per send: the call until posted, the call until done
             if kind == "serial":
-                secs = [tx.send(t, v).seconds for t, v in zip(ts, views, strict=True)]
+                for t, v in zip(ts, views, strict=True):
+                    t1 = time.perf_counter()
+                    p = tx.send(t, v, wait=False)
+                    posts.append(time.perf_counter() - t1)
+                    secs.append(p.wait().seconds)
             else:
                 pend = [tx.send(t, v, wait=False) for t, v in zip(ts, views, strict=True)]
                 secs = [p.wait().seconds for p in pend]
-            answers.put({"wall": time.perf_counter() - t0, "secs": secs})
+            answers.put({"wall": time.perf_counter() - t0, "secs": secs, "posts": posts})
     finally:
         tx.close()
 
@@ -101,6 +106,7 @@ def one(mib: int, n_req: int, reps: int, tokens: int | None, opts: dict) -> dict
         assert answers.get(timeout=120) == "ready"
         want = kv_bytes(cupy, n_total)
         rates = {"serial": [], "posted": []}
+        post_ms = []  # serial sends: the call until the WRITE was posted
         for rep in range(reps):
             for kind in ("serial", "posted"):
                 pool.numpy[:] = 0xA5  # poison
@@ -125,6 +131,7 @@ def one(mib: int, n_req: int, reps: int, tokens: int | None, opts: dict) -> dict
                     rx.release(a)
                 if not ok:
                     raise RuntimeError(f"rep {rep} {kind}: received bytes differ")
+                post_ms += [1e3 * x for x in ans["posts"]]
                 dt = sum(ans["secs"]) if kind == "serial" else ans["wall"]
                 rates[kind].append(nbytes / dt / 1e9)
         # the ceiling: the same bytes, D2H into the same pool rows, one copy per layer
@@ -140,6 +147,7 @@ def one(mib: int, n_req: int, reps: int, tokens: int | None, opts: dict) -> dict
         d2h = nbytes / np.median(us) / 1e3
         out.update({k: {"median_gbps": float(np.median(v)), "best_gbps": float(max(v)),
                         "all": v} for k, v in rates.items()})
+        out["post_ms_median"] = float(np.median(post_ms))
         out["d2h_memcpy_gbps"] = float(d2h)
         out["share_of_memcpy"] = float(max(np.median(v) for v in rates.values()) / d2h)
         out["bytes_ok"] = True
@@ -201,7 +209,8 @@ def main(argv=None) -> int:
         else:
             print(f"{res['config']}: {res['mib']:.0f} MiB in {res['requests']} requests, VRAM -> "
                   f"DRAM over NIXL: one after another {res['serial']['median_gbps']:.2f} GB/s, "
-                  f"posted together {res['posted']['median_gbps']:.2f} GB/s (medians); "
+                  f"posted together {res['posted']['median_gbps']:.2f} GB/s (medians; "
+                  f"a send's post {res['post_ms_median']:.2f} ms); "
                   f"cudaMemcpyAsync of the same bytes {res['d2h_memcpy_gbps']:.2f} GB/s: "
                   f"{100 * res['share_of_memcpy']:.1f} %; bytes checked", flush=True)
     path = a.json or (a.out and os.path.join(a.out, "bench_pd.json"))

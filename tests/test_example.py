@@ -101,7 +101,8 @@ def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
         arg = [flag] + ({"--mtp": ["2"], "--mode": ["overlap"], "--png": ["x.png"],
                          "--hidden": ["512"], "--side-sms": ["8"],
                          "--predict-rule": ["selection"], "--matmul": ["torch"],
-                         "--resident-layers": ["2"]}.get(flag, []))
+                         "--resident-layers": ["2"], "--replay-grid": ["8"],
+                         "--replay-rows-per-warp": ["8"]}.get(flag, []))
         with pytest.raises(SystemExit, match=f"{flag} needs the GPU decode loop"):
             cpu_config(arg)
     assert cpu_config(["--mtp", "1"]).mtp == 1  # off: nothing to refuse
@@ -170,7 +171,9 @@ def test_config_memory_and_errors():
                      (["--seed", "-1"], "--seed must be >= 0"),
                      (["--recent", "0"], "--recent"),
                      (["--resident-layers", "3"], "layer 3 is shared"),
-                     (["--resident-layers", "78"], "--resident-layers must be in")):
+                     (["--resident-layers", "78"], "--resident-layers must be in"),
+                     (["--replay-grid", "0"], "--replay-grid must be >= 1"),
+                     (["--replay-rows-per-warp", "3"], "--replay-rows-per-warp must be 1, 2")):
         with pytest.raises(SystemExit, match=msg):
             from_args(bad)
 

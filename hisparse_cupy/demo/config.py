@@ -36,6 +36,8 @@ class Config:
     modes: tuple[str, ...] = ("gpu-only", "offload", "overlap", "predict")
     execs: tuple[str, ...] = ("graph",)
     side_sms: int = 0  # SMs of the SM partition's side group (0: no partition)
+    replay_grid: int | None = None  # Prefetcher(replay_grid=) (None: its default)
+    replay_rows_per_warp: int | None = None  # Prefetcher(replay_rows_per_warp=)
     predict_rule: str = "misses"  # the prediction stager's rule (Prefetcher(predict_rule=))
     matmul: str = "cublas"  # the layer matmuls: cuBLAS through ctypes, or torch.matmul
     shared_prefix: int = 0  # requests 1.. share request 0's first N tokens (host pages)
@@ -102,6 +104,10 @@ class Config:
              "2-4 leave it out (--no-predict)")
         need(self.side_sms >= 0,
              f"--side-sms must be >= 0, got {self.side_sms}")
+        need(self.replay_grid is None or self.replay_grid >= 1,
+             f"--replay-grid must be >= 1, got {self.replay_grid}")
+        need(self.replay_rows_per_warp in (None, 1, 2, 4, 8),
+             f"--replay-rows-per-warp must be 1, 2, 4 or 8, got {self.replay_rows_per_warp}")
         need(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
         need(0 <= self.shared_prefix <= self.context,
              f"--shared-prefix must be in [0, --context], got {self.shared_prefix}")
@@ -239,6 +245,11 @@ def parser() -> argparse.ArgumentParser:
            "device's groups: 8 on Hopper; the step runs on the rest, its matmuls told to leave "
            "them); 0: no partition (benchmarks/NOTES.md says why that is the default)")
     a("--no-partition", action="store_true", help="no SM partition (the default; --side-sms 0)")
+    a("--replay-grid", type=int, default=d.replay_grid, metavar="G",
+      help="copy blocks of each side-stream replay and of the prediction stager (default: "
+           "the Prefetcher's, a quarter of the SMs, or the partition's side SMs)")
+    a("--replay-rows-per-warp", type=int, default=d.replay_rows_per_warp, metavar="R",
+      help="rows each replay warp keeps in flight (1, 2, 4 or 8; default: the Prefetcher's)")
     a("--shared-prefix", type=int, default=d.shared_prefix, metavar="N",
       help="requests 1.. are forks of request 0 sharing the host pages of its first N tokens")
     a("--resident-layers", type=int, default=None, metavar="N",
@@ -255,7 +266,8 @@ def parser() -> argparse.ArgumentParser:
 CPU_DEFAULTS = {"layers": 8, "batch": 2, "context": 1536, "steps": 12, "warmup": 0,
                 "top_k": 128, "hot": 512, "extra_page": 8, "recent": 4, "resident_layers": 0}
 CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hidden",
-               "--side-sms", "--predict-rule", "--matmul", "--resident-layers")
+               "--side-sms", "--predict-rule", "--matmul", "--resident-layers", "--replay-grid",
+               "--replay-rows-per-warp")
 # (--mtp 1, --mode gpu-only / offload, --eager, --no-predict and --no-partition are what the
 # NumPy backend runs: accepted)
 
@@ -345,7 +357,9 @@ def from_args(argv=None, *, check: bool = True) -> Config:
                  layer_overlap=ns.layer_overlap,
                  top_k=ns.top_k, hot=ns.hot, extra_page=ns.extra_page, hidden=ns.hidden,
                  mtp=ns.mtp, modes=modes, seed=Config.seed if ns.seed is None else ns.seed,
-                 side_sms=side, predict_rule=ns.predict_rule, matmul=ns.matmul,
+                 side_sms=side, replay_grid=ns.replay_grid,
+                 replay_rows_per_warp=ns.replay_rows_per_warp, predict_rule=ns.predict_rule,
+                 matmul=ns.matmul,
                  shared_prefix=ns.shared_prefix,
                  execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)
     cfg.resident_layers = auto_resident(cfg) if ns.resident_layers is None else \

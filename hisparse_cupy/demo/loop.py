@@ -247,7 +247,10 @@ class Rig:
                 self.pool_ready = True
             pattern = self.pattern.stage(self.R, c.layers) if self.R else self.pattern
             self.pf = Prefetcher(self.cache, pattern, partition=self.partition,
-                                 predict_rule=c.predict_rule)
+                                 predict_rule=c.predict_rule, replay_grid=c.replay_grid,
+                                 replay_rows_per_warp=c.replay_rows_per_warp)
+            self.log(f"side streams: replays and staging on {self.pf.replay_grid} blocks, "
+                     f"{self.pf.replay_rows_per_warp} rows in flight per warp")
             if self.admission is not None:
                 self._admission = self.admission(self)
             how = ("given, " if self.pool is not None else "") + (
