@@ -201,7 +201,7 @@ def run_config(rig: Rig, B: int, rate: float, iters: int, sweep: bool,
 # (replay grid, rows per warp, side priority) of the sweep; None: the prefetcher's default; the
 # default's row comes first. (The one-warp "thin" replays of earlier runs are gone: measured
 # worse, benchmarks/NOTES.md.)
-SWEEP = [(None, None, "high"), (8, 4, "high"), (16, 2, "high"), (33, 1, "high"),
+SWEEP = [(None, None, "high"), (8, 4, "high"), (16, 2, "high"), (16, 4, "high"), (33, 1, "high"),
          (33, 2, "high"), (132, 1, "high"), (None, None, "default")]
 
 

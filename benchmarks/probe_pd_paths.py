@@ -65,10 +65,13 @@ def layout(nbytes: int, runs: int, spread: int) -> list:
     return [(layer * spread * run, run) for layer in range(runs)]
 
 
-def run_xfer(agent, op: str, local, remote, peer: str, timeout: float) -> float:
+def run_xfer(agent, op: str, local, remote, peer: str, timeout: float) -> tuple:
+    """Seconds to the end, seconds in ``initialize_xfer``, seconds in ``transfer`` (the post)."""
     t0 = time.perf_counter()
     h = agent.initialize_xfer(op, local, remote, peer, b"probe")
+    t1 = time.perf_counter()
     st = agent.transfer(h)
+    t2 = time.perf_counter()
     while st == "PROC":
         if time.perf_counter() - t0 > timeout:
             raise TimeoutError(f"{op} did not complete in {timeout} s")
@@ -77,7 +80,7 @@ def run_xfer(agent, op: str, local, remote, peer: str, timeout: float) -> float:
     agent.release_xfer_handle(h)
     if st != "DONE":
         raise RuntimeError(f"{op} ended {st}")
-    return dt
+    return dt, t1 - t0, t2 - t1
 
 
 def prefill(cmds, answers, nbytes: int, runs: list) -> None:
@@ -138,7 +141,7 @@ def one(mib: int, reps: int, pieces: list, timeout: float, modes: list, n_runs: 
         for mode in modes:
             op, src = mode.split("-")
             for piece in pieces:
-                rates, err = [], None
+                rates, ms, err = [], [], None
                 for _ in range(reps + 1):  # the first is a warm-up
                     dst[:] = 0xA5
                     if op == "write":
@@ -163,11 +166,16 @@ def one(mib: int, reps: int, pieces: list, timeout: float, modes: list, n_runs: 
                                    zip(runs, runs[1:], strict=False)):
                         err = "received bytes differ (or landed between the runs)"
                         break
-                    rates.append(moved / got / 1e9)
+                    rates.append(moved / got[0] / 1e9)
+                    ms.append((1e3 * got[1], 1e3 * got[2]))
                 key = f"{mode} piece={piece or 'whole'}"
+                init, post = np.median(ms[1:], axis=0) if not err else (0.0, 0.0)
                 out["paths"][key] = {"error": err} if err else {
-                    "median_gbps": float(np.median(rates[1:])), "all": rates[1:]}
-                print(f"  {key}: {err or f'{np.median(rates[1:]):.2f} GB/s'}", flush=True)
+                    "median_gbps": float(np.median(rates[1:])), "all": rates[1:],
+                    "init_ms": float(init), "post_ms": float(post)}
+                print(f"  {key}: {err or f'{np.median(rates[1:]):.2f} GB/s'}"
+                      + ("" if err else f" (initialize_xfer {init:.2f} ms, transfer() "
+                                        f"{post:.2f} ms)"), flush=True)
         s = cupy.cuda.Stream(non_blocking=True)
         us = time_calls(lambda _i: cupy.cuda.runtime.memcpyAsync(
             dst.ctypes.data, want_dev.data.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToHost,

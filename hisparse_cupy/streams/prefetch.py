@@ -28,10 +28,10 @@ from __future__ import annotations
 import cupy
 
 from .. import _checks
-from .._launch import as_stream
+from .._launch import as_stream, sm_count
 from ..cache import HotBufferCache
 from ..multistep import dense_view
-from ..plan import ROWS_PER_WARP, copy_params, full_grid, launch_copy
+from ..plan import ROWS_PER_WARP, copy_params, launch_copy
 from ..step import LayerCall
 from .partition import SMPartition
 from .pattern import LayerPattern, layer_pattern
@@ -40,18 +40,22 @@ from .predict import Predictor
 __all__ = ["DEFAULT_REPLAY_ROWS_PER_WARP", "PARTITION_REPLAY_ROWS_PER_WARP", "Prefetcher",
            "default_replay_grid"]
 
-DEFAULT_REPLAY_ROWS_PER_WARP = 1
+DEFAULT_REPLAY_ROWS_PER_WARP = 4
 PARTITION_REPLAY_ROWS_PER_WARP = 8  # on a few SMs of their own, replays keep more rows in flight
 
 
 def default_replay_grid() -> int:
-    """Copy blocks of a side-stream replay: a quarter of the SMs' count, at least 8.
+    """Copy blocks of a side-stream replay (and of the prediction stager): an eighth of the SMs'
+    count, at least 8.
 
-    8 warps per block, one row in flight per warp: enough host reads in flight for the link
-    while leaving most SMs to the compute the replay overlaps. On the H200 (132 SMs, grid 33)
-    this was the best of 8 .. 264 blocks measured (``benchmarks/NOTES.md``).
+    8 warps per block, :data:`DEFAULT_REPLAY_ROWS_PER_WARP` rows in flight per warp: 512 host
+    reads in flight on an H200 (132 SMs, grid 16), enough for the link, from blocks on 16 SMs
+    at most, so the compute the replays run beside keeps the others. On the decode loop's
+    published-shape streams this shape hid 64-71 % of the offload overhead at batch 8-64 where
+    33 blocks of one row hid 61-71 %, and lifted prediction by 8-10 points at batch 8 and 32
+    (``benchmarks/NOTES.md``, "The side streams' copy shape on published-shape streams").
     """
-    return max(8, full_grid() // 32)
+    return max(8, sm_count() // 8)
 
 
 class Prefetcher:
