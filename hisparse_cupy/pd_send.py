@@ -29,9 +29,8 @@ class PendingSend:
     ``"PROC"`` or ``"DONE"``; :attr:`pull`: True for an offer."""
 
     def __init__(self, agent, settle, handle, key, t: dict, t0: float, deadline: float,
-                 heard=None, progress=None, make=None):
+                 heard=None, progress=None):
         self._agent, self._settle, self._handle, self._heard = agent, settle, handle, heard
-        self._make = make  # a queued WRITE's: makes its handle when its turn comes
         self._progress = progress  # the sender's: its other sends polled, queued ones posted
         self.pin_key, self.pull = key, heard is not None
         self.req_id, self.xfer_id, self.agent = t.get("req_id"), t["xfer_id"], t["agent"]
@@ -47,15 +46,9 @@ class PendingSend:
         return self._ended
 
     def start(self) -> None:
-        """Post a queued WRITE (its sender's turn), making its handle first if it has none."""
+        """Post a queued WRITE (its sender's turn)."""
         self.state = "PROC"
-        self._step(self._post)
-
-    def _post(self):
-        if self._handle is None and self._make is not None:
-            make, self._make = self._make, None
-            self._handle = make()
-        return self._agent.transfer(self._handle)
+        self._step(lambda: self._agent.transfer(self._handle))
 
     def _step(self, call) -> None:
         try:
@@ -210,9 +203,7 @@ class KVSender:
         """Send ``kv`` (uint8 ``[n_layers, n_tokens, row_bytes]`` of the ticket) into the
         ticket's pages (a WRITE notified with its transfer id, or a pull's offer): :class:`Sent`
         once done, or (``wait=False``) a :class:`PendingSend` to poll to the end. ``timeout_s``:
-        default half the ticket's. Bad input raises before any transfer; a WRITE queued behind
-        others gets its NIXL handle when it is posted, so NIXL's refusal of its descriptors (a
-        stale or altered ticket) comes from its :meth:`PendingSend.wait` instead. After a pull timed
+        default half the ticket's. Bad input raises before any transfer. After a pull timed
         out, the receiver may still be reading ``kv`` until its reservation ends (the ticket's
         ``timeout_s`` after it was made): keep ``kv`` until then."""
         self._open()
@@ -234,23 +225,18 @@ class KVSender:
         remote = t["descs"]
         if self.desc_bytes is not None:
             local, remote = _nixl.cut(local, self.desc_bytes), _nixl.cut(remote, self.desc_bytes)
-        descs = (_nixl.xfer_descs(self._agent, local, dev, mem),
-                 _nixl.xfer_descs(self._agent, remote, t["dev"], "DRAM"))
-
-        def make():
-            return self._agent.initialize_xfer("WRITE", *descs, name, t["xfer_id"].encode())
-
-        handle = None
-        if self._turn(name):  # its handle now (a queued one's when it is posted: NOTES)
-            try:
-                handle = make()
-            except Exception as e:
-                self._unpin(key)
-                raise ValueError(f"NIXL refused the WRITE to {name!r} ({e!r}): the ticket's "
-                                 f"descriptors are not in memory that agent registered (a "
-                                 f"stale or altered ticket)") from None
+        try:
+            handle = self._agent.initialize_xfer(
+                "WRITE", _nixl.xfer_descs(self._agent, local, dev, mem),
+                _nixl.xfer_descs(self._agent, remote, t["dev"], "DRAM"), name,
+                t["xfer_id"].encode())
+        except Exception as e:
+            self._unpin(key)
+            raise ValueError(f"NIXL refused the WRITE to {name!r} ({e!r}): the ticket's "
+                             f"descriptors are not in memory that agent registered (a stale "
+                             f"or altered ticket)") from None
         p = PendingSend(self._agent, self._settle, handle, key, t, t0, t0 + limit,
-                        progress=self._progress, make=None if handle is not None else make)
+                        progress=self._progress)
         self._queue[name].append(p)
         self._launch()
         return p.wait() if wait else p
@@ -264,11 +250,6 @@ class KVSender:
     def queued(self) -> int:
         """WRITEs waiting for their turn."""
         return sum(not q.ended for d in self._queue.values() for q in d)
-
-    def _turn(self, name: str) -> bool:
-        """Whether a WRITE to ``name`` sent now is posted at once (none waiting before it)."""
-        return not self._queue.get(name) and (
-            self.max_in_flight is None or len(self._flight[name]) < self.max_in_flight)
 
     def _launch(self) -> None:
         """Post each receiver's queued WRITEs, in order, while fewer than ``max_in_flight`` are

@@ -439,56 +439,6 @@ def test_close_fails_the_writes_still_queued():
     assert s.queued == 0
 
 
-def test_a_queued_write_makes_its_handle_at_its_turn():
-    """A WRITE queued behind another gets its NIXL handle only when it is posted: a ticket NIXL
-    refuses then fails that send alone (its wait raises, its pages keep their poison, its kv
-    is unregistered), and the next sends land. The WRITE ahead is an agent stand-in kept in
-    progress until the queued one's deadline is far off (deterministic on any CPU)."""
-    from hisparse_cupy.pd_send import PendingSend
-
-    class Ahead:
-        done = False
-
-        def transfer(self, h):
-            return "PROC"
-
-        def check_xfer_state(self, h):
-            return "DONE" if self.done else "PROC"
-
-    rx, pool, pages = receiver(16, timeout_s=30)
-    pool[:] = 0xA5
-    s = KVSender(max_in_flight=1)
-    try:
-        t_bad = rx.reserve(0, 20)
-        name, agent = t_bad["agent"], Ahead()
-        ahead = PendingSend(agent, s._settle, None, None,
-                            {"xfer_id": "ahead", "agent": name, "n_layers": 1, "n_tokens": 1,
-                             "row_bytes": 1, "descs": [0]},
-                            time.perf_counter(), time.perf_counter() + 30,
-                            progress=s._progress)
-        s._queue[name].append(ahead)
-        s._launch()
-        assert ahead.state == "PROC" and s.in_flight == 1
-        bad = {**t_bad, "descs": [[a + (1 << 40), b] for a, b in t_bad["descs"]]}
-        q = s.send(bad, make_kv(1, L, 20, RB), wait=False)  # queued: no handle, no error yet
-        assert q.state == "QUEUED" and s.queued == 1 and len(s._pins) == 1
-        agent.done = True
-        with pytest.raises(RuntimeError, match="failed"):
-            q.wait()
-        assert q.ended and s.in_flight == s.queued == 0 and not s._pins
-        assert (pool == 0xA5).all()
-        rx.cancel(0)
-        t = rx.reserve(1, 20)
-        assert s.send(t, make_kv(2, L, 20, RB)).bytes == L * 20 * RB  # the next lands
-        (a,) = arrivals(rx, 1)
-        np.testing.assert_array_equal(pool[:, rows_of(a.pages, 20)], make_kv(2, L, 20, RB))
-        rx.release(a)
-    finally:
-        s.close()
-    rx.close()
-    pages.check()
-
-
 def test_gpu_arrays_are_read_through_cuda_array_interface():
     """A GPU ``kv`` (here a stand-in: no device) goes the same way, registered as VRAM."""
     from hisparse_cupy._checks import kv_source as _source
