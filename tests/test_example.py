@@ -172,10 +172,16 @@ def test_config_memory_and_errors():
                      (["--recent", "0"], "--recent"),
                      (["--resident-layers", "3"], "layer 3 is shared"),
                      (["--resident-layers", "78"], "--resident-layers must be in"),
-                     (["--replay-grid", "0"], "--replay-grid must be >= 1"),
-                     (["--replay-rows-per-warp", "3"], "--replay-rows-per-warp must be 1, 2")):
+                     (["--replay-grid", "0"], "--replay-grid must be >= 1")):
         with pytest.raises(SystemExit, match=msg):
             from_args(bad)
+    from hisparse_cupy._build import COPY_ROWS_PER_WARP
+    from hisparse_cupy.demo.config import REPLAY_ROWS_PER_WARP, Config
+
+    with pytest.raises(SystemExit, match=r"--replay-rows-per-warp must be one of \(1, 2, 4, 8\)"):
+        Config(replay_rows_per_warp=3).check()
+
+    assert REPLAY_ROWS_PER_WARP == COPY_ROWS_PER_WARP  # the flag's choices are the kernel's
 
 
 def test_resident_layers_default_memory_and_refusals():

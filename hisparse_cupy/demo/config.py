@@ -12,6 +12,7 @@ ROW_BYTES = 2 * ROW_VALUES  # bf16
 PAGE_TOKENS = 64  # tokens per page of the host pool (both backends)
 GB = 1e9
 MODES = ("gpu-only", "offload", "overlap", "predict")  # predict: overlap + prediction
+REPLAY_ROWS_PER_WARP = (1, 2, 4, 8)  # the copy kernel's choices (_build.COPY_ROWS_PER_WARP)
 
 
 @dataclasses.dataclass
@@ -106,8 +107,10 @@ class Config:
              f"--side-sms must be >= 0, got {self.side_sms}")
         need(self.replay_grid is None or self.replay_grid >= 1,
              f"--replay-grid must be >= 1, got {self.replay_grid}")
-        need(self.replay_rows_per_warp in (None, 1, 2, 4, 8),
-             f"--replay-rows-per-warp must be 1, 2, 4 or 8, got {self.replay_rows_per_warp}")
+        need(self.replay_rows_per_warp is None or
+             self.replay_rows_per_warp in REPLAY_ROWS_PER_WARP,
+             f"--replay-rows-per-warp must be one of {REPLAY_ROWS_PER_WARP}, got "
+             f"{self.replay_rows_per_warp}")
         need(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
         need(0 <= self.shared_prefix <= self.context,
              f"--shared-prefix must be in [0, --context], got {self.shared_prefix}")
@@ -247,9 +250,11 @@ def parser() -> argparse.ArgumentParser:
     a("--no-partition", action="store_true", help="no SM partition (the default; --side-sms 0)")
     a("--replay-grid", type=int, default=d.replay_grid, metavar="G",
       help="copy blocks of each side-stream replay and of the prediction stager (default: "
-           "the Prefetcher's, a quarter of the SMs, or the partition's side SMs)")
+           "the Prefetcher's, an eighth of the SMs, or the partition's side SMs)")
     a("--replay-rows-per-warp", type=int, default=d.replay_rows_per_warp, metavar="R",
-      help="rows each replay warp keeps in flight (1, 2, 4 or 8; default: the Prefetcher's)")
+      choices=REPLAY_ROWS_PER_WARP,
+      help="rows each replay warp keeps in flight (default: the Prefetcher's, 4; 8 on a "
+           "partition)")
     a("--shared-prefix", type=int, default=d.shared_prefix, metavar="N",
       help="requests 1.. are forks of request 0 sharing the host pages of its first N tokens")
     a("--resident-layers", type=int, default=None, metavar="N",
