@@ -120,6 +120,21 @@ def main(stream):
     return stream
 
 
+def test_default_replay_shape(monkeypatch):
+    """The side-stream replays' default: an eighth of the SMs (16 on an H200's 132), at least
+    8 blocks, 4 rows in flight per warp (benchmarks/NOTES.md, "The side streams' copy
+    shape"), each a choice of the copy kernel (CPU: the SM count stubbed)."""
+    from hisparse_cupy.plan import ROWS_PER_WARP
+    from hisparse_cupy.streams import prefetch
+
+    for sms, grid in ((132, 16), (108, 13), (40, 8), (1, 8)):
+        monkeypatch.setattr(prefetch, "sm_count", lambda n=sms: n)
+        assert prefetch.default_replay_grid() == grid
+    assert prefetch.DEFAULT_REPLAY_ROWS_PER_WARP == 4
+    assert {prefetch.DEFAULT_REPLAY_ROWS_PER_WARP,
+            prefetch.PARTITION_REPLAY_ROWS_PER_WARP} <= set(ROWS_PER_WARP)
+
+
 ROW = 656
 H, K, P = 64, 32, 16
 MAX_LEN = 256  # token universe U = MAX_LEN - 1 = 255 >= H + K, so every step has misses
