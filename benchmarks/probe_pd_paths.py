@@ -48,14 +48,12 @@ def pattern(xp, nbytes: int):
 
 
 def descs(addr: int, runs, piece: int, dev: int) -> np.ndarray:
-    """``(offset, bytes)`` runs from ``addr``, each cut into pieces of ``piece`` bytes."""
-    out = []
-    for off, n in runs:
-        lo = np.arange(0, n, piece or n, dtype=np.uint64)
-        d = np.empty((lo.size, 3), np.uint64)
-        d[:, 0], d[:, 1], d[:, 2] = addr + off + lo, np.minimum(piece or n, n - lo), dev
-        out.append(d)
-    return np.concatenate(out)
+    """``(offset, bytes)`` runs from ``addr``, each cut into pieces of ``piece`` bytes (0: uncut),
+    by the sender's own cut."""
+    from hisparse_cupy._nixl import cut
+
+    d = np.array([[addr + off, n, dev] for off, n in runs], np.uint64)
+    return cut(d, piece) if piece else d
 
 
 def layout(nbytes: int, runs: int, spread: int) -> list:

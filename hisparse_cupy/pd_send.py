@@ -70,6 +70,13 @@ class PendingSend:
             self.error = error
             self._finish(ok=False)
 
+    def expire(self) -> None:
+        """End it past its deadline: a ``TimeoutError`` that says whether it was posted."""
+        self.fail(TimeoutError(
+            f"NIXL transfer {self.xfer_id} to {self.agent!r} did not " +
+            ("start in time (the sender's earlier WRITEs took it)" if self.state == "QUEUED"
+             else "complete in time")))
+
     def _check(self) -> None:
         """One look at this send's state, if it is posted and not ended."""
         if self.result is None and not self._ended and self.state != "QUEUED":
@@ -105,10 +112,7 @@ class PendingSend:
             if time.perf_counter() > end:
                 if self.pull and self._withdraw():
                     return self.result
-                self.fail(TimeoutError(
-                    f"NIXL transfer {self.xfer_id} to {self.agent!r} did not " +
-                    ("start in time (the sender's earlier WRITEs took it)" if
-                     self.state == "QUEUED" else "complete in time")))
+                self.expire()
                 raise self.error
             time.sleep(0)
         return self.result
@@ -261,8 +265,7 @@ class KVSender:
                 if q.ended:
                     continue
                 if time.perf_counter() > q.deadline:
-                    q.fail(TimeoutError(f"NIXL transfer {q.xfer_id} to {q.agent!r} did not "
-                                        f"start in time (the sender's earlier WRITEs took it)"))
+                    q.expire()
                     continue
                 flight.append(q)
                 with contextlib.suppress(RuntimeError):  # (kept in q: its own poll raises it)
