@@ -267,10 +267,14 @@ class HostPages:
         return rid
 
     def _drop(self, pages: list[int]) -> None:
+        freed = []
         for g in pages:
             self.refs[g] -= 1
             if self.refs[g] == 0:
-                self._free.append(g)
+                freed.append(g)
+        # pushed so that they pop in the order given: a request's runs of consecutive pages
+        # come back as runs (a transfer or copy per run, not per page: benchmarks/NOTES.md)
+        self._free.extend(reversed(freed))
 
     def check(self) -> None:
         """Raise ``AssertionError`` unless every invariant holds: each page's count equals the

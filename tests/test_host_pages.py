@@ -47,6 +47,30 @@ def test_a_prefix_shares_whole_pages_and_copies_the_partial_one():
     hp.check()
 
 
+def test_pages_given_back_come_out_again_as_the_runs_they_were():
+    """Pages freed (a request released, or the engine's put back) are handed out again in
+    the order they were held: a run of consecutive pages stays one run (a transfer or copy per
+    run, not one per page), round after round."""
+    from hisparse_cupy.host_pages import consecutive_runs
+
+    hp = HostPages(3 * 32, 4)
+    for _ in range(3):
+        held = [hp.take(32) for _ in range(3)]
+        assert [len(consecutive_runs(np.asarray(h, np.int64))[0]) for h in held] == [1, 1, 1]
+        assert sorted(sum(held, [])) == list(range(96))
+        for h in held:
+            hp.put(h)
+    for rid in range(3):
+        hp.admit(rid, 4 * 32)
+        first = hp.pages(rid)[0]
+        assert hp.pages(rid) == list(range(first, first + 32))
+    was = hp.pages(1)
+    hp.release(1)
+    hp.admit(5, 4 * 32)
+    assert hp.pages(5) == was
+    hp.check()
+
+
 def test_engine_held_pages():
     hp = HostPages(8, 4)
     mine = hp.take(2)
@@ -312,7 +336,7 @@ def test_the_fingerprint_is_equal_after_the_same_calls_and_differs_otherwise():
                 x.put(g[::-1])
         assert a.fingerprint() == b.fingerprint()
     c = HostPages(40, 4)
-    c.put(c.take(3))  # the same pages free, handed out in another order
+    c.put(c.take(3)[::-1])  # the same pages free, handed out in another order
     assert c.fingerprint() != HostPages(40, 4).fingerprint()
     d, e = HostPages(40, 4), HostPages(40, 4)
     d.admit(0, 5)
