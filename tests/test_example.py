@@ -100,14 +100,14 @@ def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
     for flag in CPU_REFUSED:
         arg = [flag] + ({"--mtp": ["2"], "--mode": ["overlap"], "--png": ["x.png"],
                          "--hidden": ["512"], "--side-sms": ["8"],
-                         "--predict-rule": ["selection"], "--matmul": ["torch"],
+                         "--predict-rule": ["misses"], "--matmul": ["torch"],
                          "--resident-layers": ["2"], "--replay-grid": ["8"],
                          "--replay-rows-per-warp": ["8"]}.get(flag, []))
         with pytest.raises(SystemExit, match=f"{flag} needs the GPU decode loop"):
             cpu_config(arg)
     assert cpu_config(["--mtp", "1"]).mtp == 1  # off: nothing to refuse
     for off in (["--eager"], ["--no-predict"], ["--no-partition"], ["--side-sms", "0"],
-                ["--predict-rule", "misses"], ["--matmul", "cublas"]):
+                ["--predict-rule", "selection"], ["--matmul", "cublas"]):
         cpu_config(off)  # what the NumPy backend runs anyway: accepted
     assert cpu_config(["--mode", "offload"]).modes == ("gpu-only", "offload")
     # one flag given: the small values of the others follow it
@@ -258,14 +258,15 @@ def test_example_on_gpu_default_configuration(tmp_path, partition):
 
 
 @pytest.mark.gpu
-def test_example_on_gpu_torch_matmuls_and_the_selection_rule(tmp_path):
+def test_example_on_gpu_torch_matmuls_and_the_misses_rule(tmp_path):
     """--matmul torch (the layer matmuls are PyTorch ops on the step's stream) with graphs and
-    eager steps, and prediction's selection rule: every mode bit-identical to gpu-only."""
+    eager steps, and prediction's other rule (misses only): every mode bit-identical to
+    gpu-only."""
     pytest.importorskip("torch", reason="--matmul torch needs torch")
     js = tmp_path / "r.json"
-    out = _run(*SMALL, "--matmul", "torch", "--predict-rule", "selection", "--eager-and-graph",
+    out = _run(*SMALL, "--matmul", "torch", "--predict-rule", "misses", "--eager-and-graph",
                "--json", str(js))
-    assert "self-check passed" in out and "rule selection" in out
+    assert "self-check passed" in out and "rule misses" in out
     doc = json.loads(js.read_text())
     assert doc["self_check"] == "passed" and doc["matmul"].startswith("PyTorch")
     p = {r["exec"]: r["predict"] for r in doc["summary"] if r["mode"] == "predict"}

@@ -39,7 +39,7 @@ class Config:
     side_sms: int = 0  # SMs of the SM partition's side group (0: no partition)
     replay_grid: int | None = None  # Prefetcher(replay_grid=) (None: its default)
     replay_rows_per_warp: int | None = None  # Prefetcher(replay_rows_per_warp=)
-    predict_rule: str = "misses"  # the prediction stager's rule (Prefetcher(predict_rule=))
+    predict_rule: str = "selection"  # the prediction stager's rule (Prefetcher(predict_rule=))
     matmul: str = "cublas"  # the layer matmuls: cuBLAS through ctypes, or torch.matmul
     shared_prefix: int = 0  # requests 1.. share request 0's first N tokens (host pages)
     resident_layers: int = 0  # layers 0 .. N-1 keep their KV on the GPU (from_args: auto)
@@ -237,9 +237,9 @@ def parser() -> argparse.ArgumentParser:
     a("--matmul", choices=("cublas", "torch"), default=d.matmul,
       help="the layer matmuls: cuBLAS called directly (default) or torch.matmul on the step's "
            "stream (what an engine written in PyTorch runs; needs torch)")
-    a("--predict-rule", choices=("misses", "selection"), default=d.predict_rule,
+    a("--predict-rule", choices=("selection", "misses"), default=d.predict_rule,
       help="what the predict mode stages of a full layer's top-k that the next one does not "
-           "hold: the tokens it missed (default) or all it selected")
+           "hold: all it selected (default) or only the tokens it missed")
     a("--graph", action="store_true", help="run each step as a captured CUDA graph (default)")
     a("--eager", action="store_true", help="run each step eagerly (a Python loop) instead")
     a("--eager-and-graph", action="store_true", help="run both")
@@ -298,7 +298,7 @@ def cpu_config(argv=None) -> Config:
                and (f != "--mtp" or cfg.mtp > 1)
                and (f != "--mode" or bool({"overlap", "predict"} & set(cfg.modes)))
                and (f != "--side-sms" or bool(cfg.side_sms))
-               and (f != "--predict-rule" or cfg.predict_rule != "misses")
+               and (f != "--predict-rule" or cfg.predict_rule != "selection")
                and (f != "--matmul" or cfg.matmul != "cublas")
                and (f != "--resident-layers" or cfg.resident_layers > 0)]
     if refused:

@@ -95,9 +95,13 @@ class Prefetcher:
         (``token_table=True``, the default).
     predict_width : int, optional
         Rows staged per request at most (default ``top_k // 4``).
-    predict_rule : "misses" or "selection"
+    predict_rule : "selection" or "misses"
         What the stager stages of a full layer's top-k that the next full layer does not hold:
-        the tokens the layer missed (the default), or all it selected (``cu/predict.cu``).
+        all it selected (the default), or only the tokens it missed (``cu/predict.cu``). On the
+        decode loop's published-shape streams (H200, the default replay shape) selection
+        staged at recall 0.68 against 0.43 at the same precision (0.56) and hid 76.9 / 71.3 /
+        56.5 % of the offload overhead at batch 8 / 32 / 1 against 71.4 / 70.8 / 56.3 %; at
+        batch 64, where the link is full, 68.0 % against 70.2 % (``benchmarks/NOTES.md``).
     copy_grid : int, optional
         Copy blocks of the full layers' own swap (default: enough to fill the GPU).
     side_priority : int or None
@@ -145,7 +149,7 @@ class Prefetcher:
                  side_priority: int | None = -1000,
                  replay_rows_per_warp: int | None = None, predict: bool = False,
                  predict_width: int | None = None, partition: SMPartition | None = None,
-                 predict_rule: str = "misses"):
+                 predict_rule: str = "selection"):
         if not isinstance(cache, HotBufferCache):
             raise TypeError(f"cache must be a HotBufferCache, got {type(cache).__name__}")
         model = layer_pattern(pattern)
