@@ -1,15 +1,16 @@
-"""Prefill KV from GPU memory into a decode pool over NIXL, two processes, against a D2H memcpy.
+"""Prefill KV from GPU memory into a decode pool, two processes, against a D2H memcpy.
 
 The decode process holds a pinned ``HostKVPool`` (78 layers of 1152-byte rows, pages of 64
 tokens) and a :class:`hisparse_cupy.pd.KVReceiver` over it; a prefill process (spawned) holds
 every request's KV in its GPU memory (one registered CuPy buffer) and writes each ticket's with
 :class:`hisparse_cupy.pd.KVSender` (one NIXL WRITE per request, VRAM -> DRAM; with ``pull=1`` one
-READ per request, posted by the decode process). Per UCX
-configuration (each a fresh pair of processes with those environment variables), per rep: the
-requests sent one after another (the prefill process's ``send`` seconds), then all posted at
-once and waited (``wait=False``); every received byte is checked against the KV both
-processes compute. The ceiling, in the decode process of the same run: ``cudaMemcpyAsync`` of
-the same bytes from its own GPU memory into the same pool rows (CUDA events, median).
+READ per request, posted by the decode process; with ``shm=1`` copies into the shared pool).
+Per configuration (each a fresh pair of processes with those environment variables), per rep
+(after one untimed): the requests sent one after another (the prefill process's ``send``
+seconds), then all posted at once and waited (``wait=False``); every received byte is checked
+against the KV both processes compute. The ceiling, in the decode process of the same run:
+``cudaMemcpyAsync`` of the same bytes from its own GPU memory into the same pool rows (CUDA
+events, median).
 
     python benchmarks/bench_pd.py [--mib 1024 | --tokens N] [--requests 8] [--reps 3]
         [--json FILE | --out DIR] [--quick]
@@ -17,10 +18,15 @@ the same bytes from its own GPU memory into the same pool rows (CUDA events, med
 
 A configuration is a space-separated list of ``VAR=value`` environment variables (UCX's) and
 the sender's ``desc=BYTES`` (``KVSender(desc_bytes=)``, 0: the ticket's descriptors uncut),
-``max=K`` (``KVSender(max_in_flight=)``, 0: no limit) and ``pull=1`` (``KVSender(pull=True)``:
-the decode process READs);
+``max=K`` (``KVSender(max_in_flight=)``, 0: no limit), ``pull=1`` (``KVSender(pull=True)``:
+the decode process READs) and ``ucx.NAME=V`` (``KVSender(ucx_params={NAME: V})``, NIXL's UCX
+backend parameters of the sender's agent, e.g. ``ucx.num_workers=4``), ``node=0``
+(``KVSender(same_node=False)``) and ``shm=1`` (the decode pool a shared ``HostKVPool``: the
+sender, on this node, copies into it, ``KVSender``'s same-node path, unless ``node=0``) and
+``scatter=1`` (every round's pages in random order: up to a descriptor per page and layer,
+where the default rounds get each request's pages as one run);
 ``""`` runs the defaults. Without NIXL it says so and exits 2 (``--quick``: 128 MiB, 2 reps, the
-defaults).
+defaults and ``shm=1``).
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ L, RB, P = 78, 1152, 64
 CONFIGS = ["", "pull=1", "desc=0"]
 # the configurations' sender options: name -> (KVSender's keyword, its value from the text)
 SENDER = {"desc": ("desc_bytes", lambda v: int(v) or None), "pull": ("pull", lambda v: v == "1"),
-          "max": ("max_in_flight", lambda v: int(v) or None)}
+          "max": ("max_in_flight", lambda v: int(v) or None),
+          "node": ("same_node", lambda v: v == "1")}
 
 
 def kv_bytes(cupy, n_tokens: int):
@@ -75,14 +82,20 @@ def sender(tickets, answers, n_total: int, opts: dict) -> None:
                     posts.append(time.perf_counter() - t1)
                     secs.append(p.wait().seconds)
             else:
-                pend = [tx.send(t, v, wait=False) for t, v in zip(ts, views, strict=True)]
+                pend = []
+                for t, v in zip(ts, views, strict=True):
+                    t1 = time.perf_counter()
+                    pend.append(tx.send(t, v, wait=False))
+                    posts.append(time.perf_counter() - t1)
                 secs = [p.wait().seconds for p in pend]
-            answers.put({"wall": time.perf_counter() - t0, "secs": secs, "posts": posts})
+            answers.put({"wall": time.perf_counter() - t0, "secs": secs, "posts": posts,
+                         "copied": tx.stats["copied"], "descs": [len(t["descs"]) for t in ts]})
     finally:
         tx.close()
 
 
-def one(mib: int, n_req: int, reps: int, tokens: int | None, opts: dict) -> dict:
+def one(mib: int, n_req: int, reps: int, tokens: int | None, opts: dict,
+        shm: bool = False, scatter: bool = False) -> dict:
     import cupy
     from _timing import time_calls
 
@@ -93,7 +106,8 @@ def one(mib: int, n_req: int, reps: int, tokens: int | None, opts: dict) -> dict
     n_tok = tokens or max(P, (mib << 20) // (L * RB * n_req) // P * P)
     n_total = n_tok * n_req
     nbytes = L * n_total * RB
-    pool = HostKVPool(L, n_total, RB)
+    pool = HostKVPool(L, n_total, RB, **({"shared_name": f"bench_pd_{os.getpid()}"} if shm
+                                         else {}))
     pages = HostPages(n_total // P, P)
     rx = KVReceiver(pool, pages, timeout_s=300)
     ctx = mp.get_context("spawn")
@@ -101,15 +115,20 @@ def one(mib: int, n_req: int, reps: int, tokens: int | None, opts: dict) -> dict
     child = ctx.Process(target=sender, args=(tickets, answers, n_total, opts),
                         daemon=True)
     child.start()
-    out = {"mib": nbytes / 2**20, "requests": n_req, "tokens": n_tok, "bytes": nbytes}
+    out = {"mib": nbytes / 2**20, "requests": n_req, "tokens": n_tok, "bytes": nbytes,
+           "shared_pool": shm, "scattered_pages": scatter}
+    rng = np.random.default_rng(0)
     try:
         assert answers.get(timeout=120) == "ready"
         want = kv_bytes(cupy, n_total)
         rates = {"serial": [], "posted": []}
         post_ms = []  # serial sends: the call until the WRITE was posted
-        for rep in range(reps):
+        posted = []  # posted together: per rep, each send's (post ms, seconds to done)
+        for rep in range(reps + 1):  # rep 0: a warm-up (connections, a shared pool attached)
             for kind in ("serial", "posted"):
                 pool.numpy[:] = 0xA5  # poison
+                if scatter:
+                    pages.put(list(rng.permutation(pages.take(pages.free_pages))))
                 ts = []
                 for r in range(n_req):
                     t = rx.reserve(r, n_tok)
@@ -131,9 +150,16 @@ def one(mib: int, n_req: int, reps: int, tokens: int | None, opts: dict) -> dict
                     rx.release(a)
                 if not ok:
                     raise RuntimeError(f"rep {rep} {kind}: received bytes differ")
-                post_ms += [1e3 * x for x in ans["posts"]]
-                dt = sum(ans["secs"]) if kind == "serial" else ans["wall"]
-                rates[kind].append(nbytes / dt / 1e9)
+                out["copied"] = ans["copied"]  # sends that took the same-node path, so far
+                out["descriptors"] = ans["descs"]  # per request, the last round's
+                if rep and kind == "posted":
+                    posted.append([(1e3 * x, y) for x, y in zip(ans["posts"], ans["secs"],
+                                                                strict=True)])
+                elif rep:
+                    post_ms += [1e3 * x for x in ans["posts"]]
+                if rep:
+                    dt = sum(ans["secs"]) if kind == "serial" else ans["wall"]
+                    rates[kind].append(nbytes / dt / 1e9)
         # the ceiling: the same bytes, D2H into the same pool rows, one copy per layer
         s = cupy.cuda.Stream(non_blocking=True)
 
@@ -148,6 +174,7 @@ def one(mib: int, n_req: int, reps: int, tokens: int | None, opts: dict) -> dict
         out.update({k: {"median_gbps": float(np.median(v)), "best_gbps": float(max(v)),
                         "all": v} for k, v in rates.items()})
         out["post_ms_median"] = float(np.median(post_ms))
+        out["posted_sends"] = posted
         out["d2h_memcpy_gbps"] = float(d2h)
         out["share_of_memcpy"] = float(max(np.median(v) for v in rates.values()) / d2h)
         out["bytes_ok"] = True
@@ -166,16 +193,20 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--configs", nargs="*", default=CONFIGS, help="see the module docstring")
-    ap.add_argument("--quick", action="store_true", help="128 MiB, 2 reps, the defaults")
+    ap.add_argument("--quick", action="store_true", help="128 MiB, 2 reps, the defaults and shm=1")
     ap.add_argument("--timeout", type=float, default=240, help="seconds per configuration")
     ap.add_argument("--json")
     ap.add_argument("--out", help="a directory: bench_pd.json written there")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.one is not None:
-        opts = {SENDER[k][0]: SENDER[k][1](v) for k, v in json.loads(a.one).items()}
-        print("@bench " + json.dumps(one(a.mib, a.requests, a.reps, a.tokens, opts)),
-              flush=True)
+        given = json.loads(a.one)
+        opts = {SENDER[k][0]: SENDER[k][1](v) for k, v in given.items() if k in SENDER}
+        shm, scatter = given.pop("shm", "0") == "1", given.pop("scatter", "0") == "1"
+        if ucx := {k[4:]: v for k, v in given.items() if k.startswith("ucx.")}:
+            opts["ucx_params"] = ucx
+        print("@bench " + json.dumps(one(a.mib, a.requests, a.reps, a.tokens, opts, shm,
+                                         scatter)), flush=True)
         return 0
     try:
         from hisparse_cupy.pd import nixl_api
@@ -185,12 +216,14 @@ def main(argv=None) -> int:
         print(f"bench_pd: {e}", file=sys.stderr)
         return 2
     if a.quick:
-        a.mib, a.reps, a.configs = 128, 2, [""]
+        a.mib, a.reps, a.configs = 128, 2, ["", "shm=1"]
     results = []
     for conf in a.configs:
         pairs = [kv.split("=", 1) for kv in conf.split()]
-        env = {**os.environ, **{k: v for k, v in pairs if k not in SENDER}}
-        opts = {k: v for k, v in pairs if k in SENDER}
+        ours = [(k, v) for k, v in pairs if k in SENDER or k in ("shm", "scatter") or
+                k.startswith("ucx.")]
+        env = {**os.environ, **{k: v for k, v in pairs if (k, v) not in ours}}
+        opts = dict(ours)
         cmd = [sys.executable, os.path.abspath(__file__), "--one", json.dumps(opts), "--mib",
                str(a.mib), "--requests", str(a.requests), "--reps", str(a.reps)] + \
             (["--tokens", str(a.tokens)] if a.tokens else [])
@@ -207,8 +240,10 @@ def main(argv=None) -> int:
         if "error" in res:
             print(f"{res['config']}: {res['error']}", flush=True)
         else:
-            print(f"{res['config']}: {res['mib']:.0f} MiB in {res['requests']} requests, VRAM -> "
-                  f"DRAM over NIXL: one after another {res['serial']['median_gbps']:.2f} GB/s, "
+            print(f"{res['config']}: {res['mib']:.0f} MiB in {res['requests']} requests "
+                  f"({max(res['descriptors'])} descriptors at most), VRAM -> "
+                  f"DRAM ({'copied into a shared pool' if res['copied'] else 'over NIXL'}): "
+                  f"one after another {res['serial']['median_gbps']:.2f} GB/s, "
                   f"posted together {res['posted']['median_gbps']:.2f} GB/s (medians; "
                   f"a send's post {res['post_ms_median']:.2f} ms); "
                   f"cudaMemcpyAsync of the same bytes {res['d2h_memcpy_gbps']:.2f} GB/s: "

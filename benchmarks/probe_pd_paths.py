@@ -18,6 +18,9 @@ median).
         [--runs 78 --spread 3]
         [--modes write-vram read-vram ...] [--configs "" "UCX_MAX_RNDV_RAILS=1"] [--json FILE]
 
+A configuration: space-separated ``VAR=value`` environment variables (UCX's) and
+``ucx.NAME=V``, NIXL's UCX backend parameters of the prefill agent (e.g. ``ucx.num_workers=4``).
+
 ``--pieces``: descriptor sizes in bytes (0: one descriptor per run). ``--runs L --spread K``:
 the bytes as L runs (a pool's layers: ``bench_pd.py`` sends 78), run l at ``l * K * run`` on
 both sides (K = 1: back to back; buffers K times the bytes), each cut into the pieces. Without
@@ -81,17 +84,16 @@ def run_xfer(agent, op: str, local, remote, peer: str, timeout: float) -> tuple:
     return dt, t1 - t0, t2 - t1
 
 
-def prefill(cmds, answers, nbytes: int, runs: list) -> None:
+def prefill(cmds, answers, nbytes: int, runs: list, ucx: dict) -> None:
     import cupy
 
-    from hisparse_cupy.pd import nixl_api
+    from hisparse_cupy import _nixl
 
-    api = nixl_api()
     vram = pattern(cupy, nbytes)
     host = cupy.cuda.alloc_pinned_memory(nbytes)
     dram = np.frombuffer(host, np.uint8, nbytes)
     dram[:] = vram.get()
-    agent = api.nixl_agent("probe-prefill", api.nixl_agent_config(backends=["UCX"]))
+    agent = _nixl.agent("probe-prefill", "", _nixl.ucx_params(ucx))[1]
     agent.register_memory([(vram.data.ptr, nbytes, 0, "")], "VRAM")
     agent.register_memory([(dram.ctypes.data, nbytes, 0, "")], "DRAM")
     answers.put((agent.get_agent_metadata(), vram.data.ptr, dram.ctypes.data))
@@ -110,26 +112,25 @@ def prefill(cmds, answers, nbytes: int, runs: list) -> None:
 
 
 def one(mib: int, reps: int, pieces: list, timeout: float, modes: list, n_runs: int = 1,
-        spread: int = 1) -> dict:
+        spread: int = 1, ucx: dict | None = None) -> dict:
     import cupy
     from _timing import time_calls
 
+    from hisparse_cupy import _nixl
     from hisparse_cupy.host_pool import HostKVPool
-    from hisparse_cupy.pd import nixl_api
 
     runs = layout(mib << 20, n_runs, spread)
     nbytes = runs[-1][0] + runs[-1][1]  # the buffers' size (the bytes moved: sum of the runs)
     moved = sum(n for _, n in runs)
-    api = nixl_api()
     pool = HostKVPool(1, nbytes // 4096, 4096)
     dst = pool.numpy.reshape(-1)
     want_dev = pattern(cupy, nbytes)
     want = want_dev.get()
-    agent = api.nixl_agent("probe-decode", api.nixl_agent_config(backends=["UCX"]))
+    agent = _nixl.agent("probe-decode", "")[1]
     agent.register_memory([(dst.ctypes.data, nbytes, 0, "")], "DRAM")
     ctx = mp.get_context("spawn")
     cmds, answers = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=prefill, args=(cmds, answers, nbytes, runs), daemon=True)
+    child = ctx.Process(target=prefill, args=(cmds, answers, nbytes, runs, ucx or {}), daemon=True)
     child.start()
     out = {"mib": mib, "runs": n_runs, "spread": spread, "bytes": moved, "paths": {}}
     try:
@@ -197,11 +198,11 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=1, help="the bytes as this many runs")
     ap.add_argument("--spread", type=int, default=1, help="run l at l * SPREAD * run bytes")
     ap.add_argument("--json")
-    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.one:
+    if a.one is not None:
         print("@probe " + json.dumps(one(a.mib, a.reps, a.pieces, a.timeout, a.modes, a.runs,
-                                         a.spread)), flush=True)
+                                         a.spread, json.loads(a.one))), flush=True)
         return 0
     try:
         from hisparse_cupy.pd import nixl_api
@@ -212,10 +213,13 @@ def main(argv=None) -> int:
         return 2
     results = []
     for conf in a.configs:
+        pairs = [kv.split("=", 1) for kv in conf.split()]
         env = {**os.environ, "UCX_RMA_PPLN_ENABLE": "y",
-               **dict(kv.split("=", 1) for kv in conf.split())}
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", "--mib", str(a.mib), "--reps",
-               str(a.reps), "--timeout", str(a.timeout), "--pieces", *map(str, a.pieces),
+               **{k: v for k, v in pairs if not k.startswith("ucx.")}}
+        ucx = {k[4:]: v for k, v in pairs if k.startswith("ucx.")}
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", json.dumps(ucx), "--mib",
+               str(a.mib), "--reps", str(a.reps), "--timeout", str(a.timeout), "--pieces",
+               *map(str, a.pieces),
                "--modes", *a.modes, "--runs", str(a.runs), "--spread", str(a.spread)]
         print(f"{conf or '(UCX_RMA_PPLN_ENABLE=y only)'}:", flush=True)
         try:

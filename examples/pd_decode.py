@@ -20,7 +20,10 @@ then travelling over the engines' own channel.
     python examples/pd_decode.py [--cpu] [--pull] [--batch 4 --context 3000 --steps 8 ...]
 
 ``--pull``: ``KVSender(pull=True)``, the decode process READs each prompt from the prefill
-process's memory (the faster way from VRAM on one node: ``benchmarks/bench_pd.py``).
+process's memory. ``--shared-pool`` (GPU): the decode pool is a shared ``HostKVPool``, and the
+prefill process, on the same node, copies each prompt from its VRAM straight into its pages
+(``KVSender``'s same-node path, the fastest here: ``benchmarks/bench_pd.py``), the arrival
+notified over NIXL as a WRITE's.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def prefill(argv, gpu: bool, tickets, results) -> None:
     from hisparse_cupy.pd import KVSender
 
     tx = KVSender(pull="--pull" in argv)
-    argv = [a for a in argv if a != "--pull"]
+    argv = [a for a in argv if a not in ("--pull", "--shared-pool")]
     try:
         if gpu:
             import cupy
@@ -70,8 +73,9 @@ def prefill(argv, gpu: bool, tickets, results) -> None:
                 return np.stack([kv_rows(layer, np.full(n, r), np.arange(n))
                                  for layer in range(t["n_layers"])]).view(np.uint8)
         while (t := tickets.get()) is not None:
+            copied = tx.stats["copied"]
             sent = tx.send(t, make(t))
-            results.put((t["req_id"], sent.bytes, sent.seconds))
+            results.put((t["req_id"], sent.bytes, sent.seconds, tx.stats["copied"] > copied))
     finally:
         tx.close()
 
@@ -109,10 +113,13 @@ class Receiving:
             time.sleep(0.001)
         wall = time.perf_counter() - t0
         sent = [self.results.get(timeout=60) for _ in range(cfg.batch)]
-        nbytes, secs = sum(b for _, b, _ in sent), sum(t for *_, t in sent)
+        nbytes, secs = sum(s[1] for s in sent), sum(s[2] for s in sent)
+        copied = sum(s[3] for s in sent)
+        way = "over NIXL" if not copied else "copied on this node into the shared pool " \
+            "(notified over NIXL)" if copied == len(sent) else f"({copied} copied on this node)"
         print(f"pd_decode: {cfg.batch} prompts of {cfg.context} tokens ({nbytes / 1e6:.1f} MB) "
               f"{self.how} from {self.where} into the decode pool's pages "
-              f"over NIXL: its sends took {secs * 1e3:.0f} ms ({nbytes / secs / 1e9:.2f} GB/s; "
+              f"{way}: its sends took {secs * 1e3:.0f} ms ({nbytes / secs / 1e9:.2f} GB/s; "
               f"the first connects), {wall:.2f} s from the reservations to the last arrival "
               f"(the prefill process's KV included)", flush=True)
         return got
@@ -173,9 +180,13 @@ def main(argv=None) -> int:
         print(f"pd_decode: {e}", file=sys.stderr)
         return 2
     cpu = "--cpu" in argv or isinstance(cupy_or_why(), str)
+    shared = "--shared-pool" in argv
     argv = [a for a in argv if a != "--cpu"]
+    if shared and cpu:
+        raise SystemExit("pd_decode: --shared-pool is the GPU decode loop's (a shared HostKVPool)")
     # every layer's prompt arrives over NIXL into the pool: none is kept on the GPU
-    model_argv = ["--resident-layers", "0"] + [a for a in argv if a != "--pull"]
+    model_argv = ["--resident-layers", "0"] + [a for a in argv
+                                               if a not in ("--pull", "--shared-pool")]
     cfg = cpu_config(model_argv) if cpu else from_args(model_argv)
     if cfg.shared_prefix:
         raise SystemExit("pd_decode: --shared-prefix is the local admission's (forks of "
@@ -186,10 +197,19 @@ def main(argv=None) -> int:
         run(cfg, admit=lambda *a: admit_over_nixl(*a, argv=argv))
         return 0
     from hisparse_cupy.demo import run_gpu
+    from hisparse_cupy.demo.config import ROW_BYTES
+    from hisparse_cupy.demo.loop import Rig
+    from hisparse_cupy.host_pool import HostKVPool
 
     if cfg.warmup < 1:
         raise SystemExit("pd_decode: the GPU decode loop needs --warmup >= 1")
-    return run_gpu(cfg, admission=lambda rig: GpuAdmission(argv, rig))
+    pool = HostKVPool(cfg.layers, Rig.paged_rows(cfg), ROW_BYTES,
+                      shared_name=f"pd_decode_{os.getpid()}") if shared else None
+    try:
+        return run_gpu(cfg, admission=lambda rig: GpuAdmission(argv, rig), pool=pool)
+    finally:
+        if pool is not None:
+            pool.close()
 
 
 if __name__ == "__main__":

@@ -336,6 +336,19 @@ def pd_ticket(t, version: int) -> dict:
                          f"{runs.shape[0]} runs of tokens * {rb} bytes expected, got "
                          f"{descs.shape[0]} descriptors")
     out["runs"], out["descs"] = runs, descs
+    if "shm" in t:  # a shared pool's: every descriptor inside it
+        shm = t["shm"]
+        try:
+            ok = isinstance(shm["name"], str) and len(shm["identity"]) == 3 and \
+                isinstance(shm["identity"][0], str) and \
+                all(isinstance(v, int) and v >= 0 for v in
+                    (*shm["identity"][1:], shm["base"], shm["bytes"]))
+        except (TypeError, KeyError):
+            ok = False
+        if not ok or (descs[:, 0] < shm["base"]).any() or \
+                (descs[:, 0] + descs[:, 1] > shm["base"] + shm["bytes"]).any():
+            raise ValueError(f"ticket['shm'] must name a shared pool ({{name, identity, base, "
+                             f"bytes}}) holding every descriptor, got {shm!r:.200}")
     return out
 
 

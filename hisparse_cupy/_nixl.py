@@ -54,14 +54,44 @@ def seconds(name: str, v) -> float:
     return float(v)
 
 
-def agent(name, side: str):
-    """``(name, a NIXL agent of that name with the UCX backend)``; default name: unique."""
+def ucx_params(params) -> dict[str, str]:
+    """``ucx_params`` checked: NIXL's UCX backend parameters (the names its
+    ``get_plugin_params("UCX")`` lists, e.g. ``num_workers``, and ``num_threads``; :func:`agent`
+    rejects others), values ints or strs, as the ``{str: str}`` NIXL takes; None: {} (NIXL's
+    defaults)."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise TypeError(f"ucx_params must be a dict of NIXL UCX backend parameters, got "
+                        f"{type(params).__name__}")
+    out = {}
+    for k, v in params.items():
+        if not isinstance(k, str) or not k or isinstance(v, bool) or \
+                not isinstance(v, (str, int, np.integer)):
+            raise TypeError(f"ucx_params[{k!r}] must map a parameter name to an int or str, "
+                            f"got {v!r}")
+        out[k] = str(v)
+    return out
+
+
+def agent(name, side: str, params: dict[str, str] | None = None):
+    """``(name, a NIXL agent of that name with the UCX backend)``; default name: unique;
+    ``params``: the backend's (:func:`ucx_params`)."""
     name = f"hisparse-{side}-{os.getpid()}-{uuid.uuid4().hex[:8]}" if name is None else name
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     api = nixl_api()
     os.environ.setdefault("UCX_RMA_PPLN_ENABLE", "y")  # pd's module docstring
-    a = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    a = api.nixl_agent(name, api.nixl_agent_config(backends=[]))
+    known = set(a.get_plugin_params("UCX")) | {"num_threads"}  # (nixl_agent_config's too)
+    if unknown := sorted(set(params or {}) - known):
+        raise ValueError(f"ucx_params names {unknown}: not parameters of NIXL's UCX backend "
+                         f"(it takes {sorted(known)})")
+    try:
+        a.create_backend("UCX", dict(params or {}))
+    except Exception as e:
+        raise RuntimeError(f"NIXL's UCX backend did not start with ucx_params {params or {}} "
+                           f"({e!r}); its parameters: {a.get_plugin_params('UCX')}") from None
     if "UCX" not in a.backends:
         raise RuntimeError(f"NIXL's UCX backend did not start ({a.get_plugin_list()})")
     return name, a

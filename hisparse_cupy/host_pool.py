@@ -10,9 +10,9 @@ Three ways to get a :class:`HostKVPool`:
 - ``HostKVPool(..., shared_name="kv0")`` and ``HostKVPool.attach("kv0")``: POSIX shared
   memory (``/dev/shm/<name>``, mode 0600, and unnamed segments: ``host_shm``; attaching
   needs the creator alive in the same PID namespace unless ``segments=1``) that several
-  processes on a host map,
-  each registering it for its GPUs, so tensor-parallel ranks holding the same (MLA) KV keep
-  one host copy. The creator sets it up unnamed (``O_TMPFILE``) and links the name once it is
+  processes on a host map, each registering it for its GPUs, so tensor-parallel ranks holding
+  the same (MLA) KV keep one host copy (and a prefill process on the host copies into it:
+  ``pd``). The creator sets it up unnamed (``O_TMPFILE``) and links the name once it is
   touched and registered: a creator killed on the way leaves nothing in ``/dev/shm``. It owns
   the name and unlinks it at :meth:`close` (or at its exit); a crashed attacher leaves nothing
   (its mapping and registration die with it). A header before the rows records the shape, so
@@ -211,7 +211,8 @@ class HostKVPool:
         A shared pool's files (default ``threads``; :mod:`hisparse_cupy.host_shm`): attaching
         needs its creator alive in the same PID namespace unless ``segments=1``.
 
-    ``segments``: a shared pool's files (None for a private pool).
+    ``segments``, ``identity``: a shared pool's files, and its named file's ``(boot id, device,
+    inode)`` (:func:`host_shm.identity`; :meth:`attach` may ask for it); None for a private pool.
     ``chunk_edges``: byte offsets from row 0 of layer 0 where another registration starts (a
     ``cudaMemcpy`` may not span two; kernels' loads and stores may).
     ``timings``: seconds of the setup (``setup_s``, and ``touch_s``, ``register_s``) and, after
@@ -219,7 +220,7 @@ class HostKVPool:
     ``with``) releases the memory after synchronizing the device.
     """
 
-    segments = None
+    segments = identity = None
 
     def __init__(self, n_layers: int, n_rows: int, row_bytes: int, *, portable: bool = True,
                  shared_name: str | None = None, alloc: str | None = None,
@@ -311,16 +312,17 @@ class HostKVPool:
                 seg.close()
             raise
         self.name, self.owner, self.segments = name, True, len(seg.sizes)
+        self.identity = host_shm.identity(fd)
 
-    # ----------------------------------------------------------------- other constructors
     @classmethod
     def attach(cls, name: str, n_layers: int | None = None, n_rows: int | None = None,
-               row_bytes: int | None = None) -> HostKVPool:
+               row_bytes: int | None = None, identity=None) -> HostKVPool:
         """Map the shared pool ``name`` created by another process (or this one) and register
         it pinned and mapped for this process's devices. Sizes given must equal the creator's.
         ``FileNotFoundError`` if it is gone, or if its segments cannot be opened (its creator
         gone, or in another PID namespace: create it with ``segments=1``); closing an
-        attached pool never unlinks it."""
+        attached pool never unlinks it. ``identity``: the pool's (its creator's
+        :attr:`identity`): ``FileNotFoundError`` if the name is another pool's now."""
         t0 = time.perf_counter()
         path = host_shm.path(name, _SHM_DIR)
         try:
@@ -330,6 +332,10 @@ class HostKVPool:
                                     f"it or never made it") from None
         self = cls.__new__(cls)
         try:
+            self.identity = host_shm.identity(fd)
+            if identity is not None and list(identity) != list(self.identity):
+                raise FileNotFoundError(f"host pool {name!r} is another pool than the one asked "
+                                        f"for (made anew under that name, or on another node)")
             head = np.frombuffer(os.pread(fd, _HEADER, 0).ljust(_HEADER, b"\0"), np.uint64)
             magic, shape = head[0], tuple(int(v) for v in head[1:4])
             if magic != _MAGIC:

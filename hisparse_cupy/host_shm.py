@@ -66,6 +66,22 @@ def path(name: str, directory: str = "/dev/shm") -> str:
     return os.path.join(directory, name)
 
 
+def node_id() -> str:
+    """This running kernel's boot id ("" where Linux does not give one)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def identity(fd: int) -> tuple[str, int, int]:
+    """``(node_id(), st_dev, st_ino)`` of an open file: equal only for the same file under the
+    same running kernel (a pool's, told from another of its name, here or on another node)."""
+    st = os.fstat(fd)
+    return node_id(), int(st.st_dev), int(st.st_ino)
+
+
 def unlink(p: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(p)

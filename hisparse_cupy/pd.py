@@ -5,13 +5,21 @@
    fill) and returns a *ticket*, a JSON dict: the receiver's agent name, instance and NIXL
    metadata (base64), a transfer id unique to the reservation, the runs of consecutive pages
    (``[first token, tokens]``), the destination descriptors ``[addr, bytes]`` layer-major
-   (layer 0's runs, then layer 1's...), ``n_tokens, page_tokens, n_layers, row_bytes, timeout_s``.
+   (layer 0's runs, then layer 1's...), ``n_tokens, page_tokens, n_layers, row_bytes, timeout_s``,
+   and, when ``pool`` is a shared ``HostKVPool``, ``shm``: its name, identity (boot id, device,
+   inode), base address and bytes here.
 2. **ticket -> prefill** over the engines' own control plane (JSON; no other service).
 3. **send** (prefill): :meth:`KVSender.send` checks ``kv`` (uint8 ``[L, n, row_bytes]``, rows
    contiguous per layer; host, or GPU by ``__cuda_array_interface__`` as VRAM) against the
    ticket, loads the receiver's metadata (once per instance), registers ``kv`` unless it is in
    a buffer given to :meth:`KVSender.register` (no staging copy either way), posts one NIXL
    WRITE of every run of every layer notified with the transfer id, and polls it to the end.
+   A ticket with ``shm`` whose pool is on the sender's node (same boot id, same file) and GPU
+   ``kv`` take the *same-node path* instead (``KVSender(same_node=True)``, the default): the
+   sender attaches the pool once (``HostKVPool.attach``), copies each descriptor's bytes with
+   ``cudaMemcpyAsync`` from ``kv`` into it (the copy engines, at a D2H memcpy's rate; UCX's
+   paths between two processes of one node reached 66-75 % of that), and, once the copies are
+   complete, sends the transfer id as a NIXL notification: the receiver sees a WRITE's.
    With ``KVSender(pull=True)`` it sends an *offer* instead (a NIXL notification: its agent
    metadata, ``kv``'s descriptors per run and layer), and the receiver reads: its next
    :meth:`KVReceiver.poll` checks the offer against the reservation, posts one NIXL READ into
@@ -73,10 +81,11 @@ class KVReceiver:
     unique) once, and pages of ``pages`` (its :class:`HostPages`, ``cache.pages``) reserved per
     request; ``timeout_s``: a reservation's default wait; ``clock``: monotonic seconds;
     ``fence``: called before a ticket leaves (``cache.host.wait_releases``: a taken page may be a
-    released request's that queued device work still reads)."""
+    released request's that queued device work still reads); ``ucx_params``: NIXL's UCX backend
+    parameters for its agent (as :class:`KVSender`'s)."""
 
     def __init__(self, pool, pages: HostPages, *, timeout_s: float = 60.0, name: str | None = None,
-                 clock=time.monotonic, fence=None):
+                 clock=time.monotonic, fence=None, ucx_params: dict | None = None):
         arr = pool if isinstance(pool, np.ndarray) else getattr(pool, "numpy", None)
         if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.ndim != 3 or \
                 not arr.flags.c_contiguous:
@@ -92,9 +101,12 @@ class KVReceiver:
         self.timeout_s = _nixl.seconds("timeout_s", timeout_s)
         self._clock, self._fence = clock, fence
         self.instance = uuid.uuid4().hex
-        self.name, self._agent = _nixl.agent(name, "rx")
+        self.name, self._agent = _nixl.agent(name, "rx", _nixl.ucx_params(ucx_params))
         self._reg = self._agent.register_memory([(arr.ctypes.data, arr.nbytes, 0, "")], "DRAM")
         self._md = _nixl.metadata(self._agent)
+        ident = getattr(pool, "identity", None)  # a shared HostKVPool: senders here write it
+        self._shm = None if ident is None else {"name": pool.name, "identity": list(ident),
+                                                "base": arr.ctypes.data, "bytes": arr.nbytes}
         self._seq = itertools.count()
         self._live: dict = {}  # req_id -> _Reservation
         self._by_xfer: dict = {}  # xfer_id -> req_id, of the live ones
@@ -144,7 +156,8 @@ class KVReceiver:
                 "metadata": self._md, "xfer_id": xfer_id, "req_id": req_id, "n_tokens": n,
                 "page_tokens": P, "n_layers": self.n_layers, "row_bytes": rb, "timeout_s": t,
                 "mem": "DRAM", "dev": 0, "runs": np.stack([first * P, cnt], -1).tolist(),
-                "descs": descs.tolist(), "pull": True}
+                "descs": descs.tolist(), "pull": True,
+                **({"shm": self._shm} if self._shm else {})}
 
     def poll(self) -> Polled:
         """Read NIXL's notifications (arrivals, and pulls' offers: their READs posted), progress

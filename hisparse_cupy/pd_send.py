@@ -1,6 +1,7 @@
 """The prefill side of :mod:`hisparse_cupy.pd`: :class:`KVSender` writes a request's KV into the
-pages of a receiver's ticket (one NIXL WRITE), or offers it for the receiver to read (a pull:
-one NIXL READ, posted by the receiver); :class:`PendingSend` drives either to the end."""
+pages of a receiver's ticket (one NIXL WRITE, or on the receiver's node copies into its shared
+pool), or offers it for the receiver to read (a pull: one NIXL READ, posted by the receiver);
+:class:`PendingSend` drives each to the end."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import itertools
 import json
 import time
 
+import cupy
 import numpy as np
 
-from . import _checks, _nixl
+from . import _checks, _nixl, host_shm
+from .host_pool import HostKVPool
 
 __all__ = ["KVSender", "PendingSend"]
 
@@ -26,19 +29,23 @@ class PendingSend:
     complete), queued behind the sender's earlier WRITEs until it is posted, or a pull's offer
     (done when the receiver says its READ completed). :meth:`wait` (or :meth:`poll` until True)
     drives it, and the sender's earlier sends, to the end. :attr:`state`: ``"QUEUED"``,
-    ``"PROC"`` or ``"DONE"``; :attr:`pull`: True for an offer."""
+    ``"PROC"`` or ``"DONE"``; :attr:`kind`: ``"write"``, ``"pull"`` (an offer) or ``"copy"``
+    (the same-node path: done once its copies are and the receiver is notified)."""
 
     def __init__(self, agent, settle, handle, key, t: dict, t0: float, deadline: float,
-                 heard=None, progress=None):
+                 heard=None, progress=None, copied=None, keep=None):
         self._agent, self._settle, self._handle, self._heard = agent, settle, handle, heard
+        self._keep = keep  # the send's kv, alive until it ends (freed, its memory is reused)
         self._progress = progress  # the sender's: its other sends polled, queued ones posted
+        self._copied = copied  # a copy's: "PROC" until its copies are done and notified
         self.pin_key, self.pull = key, heard is not None
+        self.kind = "pull" if self.pull else "copy" if copied is not None else "write"
         self.req_id, self.xfer_id, self.agent = t.get("req_id"), t["xfer_id"], t["agent"]
         self.bytes = t["n_layers"] * t["n_tokens"] * t["row_bytes"]
         self.descriptors, self.t0, self.deadline = len(t["descs"]), t0, deadline
         self.tag = t.get("tag")  # a pull's: its offer's tag (the receiver's answers name it)
         self.result, self._ended, self.error = None, False, None
-        self.state = "PROC" if self.pull else "QUEUED"  # (KVSender posts a queued WRITE)
+        self.state = "QUEUED" if self.kind == "write" else "PROC"  # (KVSender posts WRITEs)
 
     @property
     def ended(self) -> bool:
@@ -80,8 +87,8 @@ class PendingSend:
     def _check(self) -> None:
         """One look at this send's state, if it is posted and not ended."""
         if self.result is None and not self._ended and self.state != "QUEUED":
-            self._step(lambda: self._heard(self.tag) if self.pull else
-                       self._agent.check_xfer_state(self._handle))
+            self._step(lambda: self._heard(self.tag) if self.pull else self._copied()
+                       if self._copied is not None else self._agent.check_xfer_state(self._handle))
 
     def advance(self) -> None:
         """Poll this send alone (errors kept for its own :meth:`poll`)."""
@@ -136,7 +143,7 @@ class PendingSend:
     def _finish(self, ok: bool) -> None:
         if self._ended:
             return
-        self._ended, handle, self._handle = True, self._handle, None
+        self._ended, handle, self._handle, self._keep = True, self._handle, None, None
         with contextlib.suppress(Exception):  # still active, NIXL could not cancel: kept
             if handle is not None:
                 handle.release()
@@ -157,6 +164,15 @@ class KVSender:
     UCX's pipeline moved a WRITE from VRAM at 26-30 GB/s in pieces up to its fragment size,
     ``UCX_RNDV_FRAG_SIZE``, 4 MiB for GPU memory by default, and at 2.7-3.8 GB/s in larger
     ones, ``benchmarks/bench_pd.py``); None: as the ticket gives them.
+    ``ucx_params``: NIXL's UCX backend parameters for the sender's agent (e.g.
+    ``{"num_workers": 4}``; default NIXL's).
+    ``same_node``: GPU ``kv`` for a ticket whose pool is a shared ``HostKVPool`` on this node is
+    copied into it (``cudaMemcpyAsync``, after the current stream's work) and the receiver
+    notified once the copies are done (default True; :mod:`hisparse_cupy.pd`); False: NIXL.
+    The pool stays attached until :meth:`close` (or a ticket names another pool of its name);
+    a pool that cannot be attached (another mount namespace, its creator's PID namespace not
+    visible) sends over NIXL (counted in ``stats["not_attached"]``; ``stats["copied"]``: the
+    sends that took the same-node path).
     ``max_in_flight``: WRITEs posted at once to one receiver (default 1; None: no limit); later
     sends to it wait in order, posted as earlier ones end (one H200 box: 3 requests posted
     together moved 2.2-2.7 GB/s, one after another 26-30 GB/s). Receivers do not wait for each
@@ -169,17 +185,21 @@ class KVSender:
     ``wait=False``)."""
 
     def __init__(self, *, name: str | None = None, desc_bytes: int | None = 3 << 20,
-                 pull: bool = False, max_in_flight: int | None = 1):
+                 pull: bool = False, max_in_flight: int | None = 1,
+                 ucx_params: dict | None = None, same_node: bool = True):
         self.desc_bytes = None if desc_bytes is None else \
             _checks.integer("desc_bytes", desc_bytes, 1)
         self.max_in_flight = None if max_in_flight is None else \
             _checks.integer("max_in_flight", max_in_flight, 1)
         self._flight: dict = collections.defaultdict(list)  # receiver -> WRITEs posted
         self._queue: dict = collections.defaultdict(collections.deque)  # -> WRITEs waiting
-        if not isinstance(pull, bool):
-            raise TypeError(f"pull must be a bool, got {type(pull).__name__}")
-        self.pull = pull
-        self.name, self._agent = _nixl.agent(name, "tx")
+        for k, v in (("pull", pull), ("same_node", same_node)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{k} must be a bool, got {type(v).__name__}")
+        self.pull, self.same_node = pull, same_node
+        self._pools: dict = {}  # shared pool name -> HostKVPool attached (the same-node path)
+        self._streams: dict = {}  # device -> the stream of its copies
+        self.name, self._agent = _nixl.agent(name, "tx", _nixl.ucx_params(ucx_params))
         self._remote: dict = {}  # receiver agent name -> the metadata loaded
         self._fixed: list = []  # (mem, dev, lo, hi, reg), from register()
         self._pins: dict = {}  # (mem, dev, lo, hi) -> [reg, users], registered for sends
@@ -187,7 +207,7 @@ class KVSender:
         self._waiting: set = set()  # tags of the pulls in flight ("xfer_id/attempt")
         self._outcome: dict = {}  # tag -> "DONE" / "ERR ..." heard, not yet collected
         self._attempt = itertools.count()
-        self.stats: dict = {"late": 0, "unknown": 0}
+        self.stats: dict = {"late": 0, "unknown": 0, "copied": 0, "not_attached": 0}
 
     def register(self, buf) -> None:
         """Register ``buf`` (a NumPy or GPU array: the engine's KV buffer) for the sender's
@@ -205,8 +225,12 @@ class KVSender:
 
     def send(self, ticket: dict, kv, *, timeout_s: float | None = None, wait: bool = True):
         """Send ``kv`` (uint8 ``[n_layers, n_tokens, row_bytes]`` of the ticket) into the
-        ticket's pages (a WRITE notified with its transfer id, or a pull's offer): :class:`Sent`
-        once done, or (``wait=False``) a :class:`PendingSend` to poll to the end. ``timeout_s``:
+        ticket's pages (a WRITE notified with its transfer id, the same-node path's copies, or
+        a pull's offer): :class:`Sent` once done, or (``wait=False``) a :class:`PendingSend` to
+        poll to the end, which holds ``kv`` until then (a temporary's memory is not reused
+        while it is read); ``kv``'s bytes must be complete at the call (GPU memory: the work
+        writing them synchronized, as NIXL reads without waiting for any stream) and stay
+        unchanged until then. ``timeout_s``:
         default half the ticket's. Bad input raises before any transfer. After a pull timed
         out, the receiver may still be reading ``kv`` until its reservation ends (the ticket's
         ``timeout_s`` after it was made): keep ``kv`` until then."""
@@ -223,9 +247,12 @@ class KVSender:
         name = self._connect(t)
         local = (ptr + np.arange(L)[:, None] * stride + t["runs"][:, 0] * rb).ravel()
         local = np.stack([local.astype(np.uint64), t["descs"][:, 1]], -1)
+        if not self.pull and mem == "VRAM" and (pool := self._local_pool(t)) is not None:
+            p = self._copy(t, name, pool, local, dev, t0, limit, kv)
+            return p.wait() if wait else p
         key = self._pin(mem, dev, ptr, ptr + (L - 1) * stride + n * rb)
         if self.pull:
-            return self._offer(t, name, local, mem, dev, key, t0, limit, wait)
+            return self._offer(t, name, local, mem, dev, key, t0, limit, wait, kv)
         remote = t["descs"]
         if self.desc_bytes is not None:
             local, remote = _nixl.cut(local, self.desc_bytes), _nixl.cut(remote, self.desc_bytes)
@@ -240,7 +267,7 @@ class KVSender:
                              f"descriptors are not in memory that agent registered (a stale "
                              f"or altered ticket)") from None
         p = PendingSend(self._agent, self._settle, handle, key, t, t0, t0 + limit,
-                        progress=self._progress)
+                        progress=self._progress, keep=kv)
         self._queue[name].append(p)
         self._launch()
         return p.wait() if wait else p
@@ -280,7 +307,67 @@ class KVSender:
                 p.advance()
         self._launch()
 
-    def _offer(self, t, name, local, mem, dev, key, t0, limit, wait):
+    def _local_pool(self, t: dict):
+        """The ticket's shared pool attached here, if it offers one on this node and
+        ``same_node`` is on (attached once; None: send over NIXL)."""
+        shm = t.get("shm")
+        if not self.same_node or shm is None or shm["identity"][0] != host_shm.node_id():
+            return None
+        pool = self._pools.get(shm["name"])
+        if pool is not None and list(pool.identity) != shm["identity"]:
+            self._sync()  # that name is another pool now: the old one goes
+            self._pools.pop(shm["name"]).close()
+            pool = None
+        if pool is None:
+            try:
+                pool = HostKVPool.attach(shm["name"], identity=shm["identity"])
+            except (OSError, ValueError):  # not visible from here (namespaces), or gone
+                self.stats["not_attached"] += 1
+                return None
+            self._pools[shm["name"]] = pool
+        if pool.numpy.nbytes != shm["bytes"] or pool.n_layers != t["n_layers"] or \
+                pool.row_bytes != t["row_bytes"]:
+            raise ValueError(f"ticket['shm'] does not describe host pool {shm['name']!r} "
+                             f"({pool.n_layers} layers of {pool.row_bytes}-byte rows, "
+                             f"{pool.numpy.nbytes} bytes): a stale or altered ticket")
+        return pool
+
+    def _copy(self, t, name, pool, local, dev, t0, limit, kv) -> PendingSend:
+        """The same-node path: each descriptor's bytes copied into ``pool`` (cut where the
+        pool's registrations meet) on this sender's stream of ``dev``, after the current
+        stream's work; the receiver notified once the copies are done."""
+        dst = t["descs"][:, 0].astype(np.int64) - t["shm"]["base"]  # offsets in the pool
+        edges = np.asarray(pool.chunk_edges, np.int64)
+        with cupy.cuda.Device(dev):
+            if dev not in self._streams:
+                self._streams[dev] = cupy.cuda.Stream(non_blocking=True)
+            s = self._streams[dev]
+            s.wait_event(cupy.cuda.get_current_stream().record())
+            base = pool.numpy.ctypes.data
+            for src, off, n in zip(local[:, 0].astype(np.int64), dst,
+                                   local[:, 1].astype(np.int64), strict=True):
+                cuts = edges[(edges > off) & (edges < off + n)]
+                for a, b in zip([off, *cuts], [*cuts, off + n], strict=True):
+                    cupy.cuda.runtime.memcpyAsync(base + int(a), int(src + a - off), int(b - a),
+                                                  cupy.cuda.runtime.memcpyDeviceToHost, s.ptr)
+            done = s.record()
+        xid = t["xfer_id"].encode()
+
+        def copied() -> str:
+            if not done.done:
+                return "PROC"
+            self._agent.send_notif(name, xid)  # (raises if the receiver is gone)
+            return "DONE"
+
+        self.stats["copied"] += 1
+        return PendingSend(self._agent, self._settle, None, None, t, t0, t0 + limit,
+                           copied=copied, keep=kv)
+
+    def _sync(self) -> None:
+        for s in self._streams.values():
+            s.synchronize()
+
+    def _offer(self, t, name, local, mem, dev, key, t0, limit, wait, kv):
         xid = t["xfer_id"]
         tag = f"{xid}/{next(self._attempt)}"  # a resend's answers are told from the last's
         offer = {"xfer_id": xid, "tag": tag, "agent": self.name, "mem": mem, "dev": dev,
@@ -298,7 +385,7 @@ class KVSender:
                                f"receiver is gone, or its metadata is stale") from e
         self._waiting.add(tag)
         p = PendingSend(self._agent, self._settle, None, key, {**t, "tag": tag}, t0, t0 + limit,
-                        self._heard)
+                        self._heard, keep=kv)
         return p.wait() if wait else p
 
     def _heard(self, tag: str) -> str:
@@ -375,3 +462,7 @@ class KVSender:
             for reg in [e[0] for e in self._pins.values()] + [f[-1] for f in self._fixed]:
                 self._agent.deregister_memory(reg)
             self._pins, self._fixed, self._agent = {}, [], None
+            self._sync()  # (a copy in flight writes into an attached pool)
+            for pool in self._pools.values():
+                pool.close()
+            self._pools.clear()

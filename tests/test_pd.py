@@ -276,6 +276,74 @@ def test_descriptors_cut_into_pieces_land_whole_and_notify_once(rng):
             KVSender(desc_bytes=bad)
 
 
+def test_ucx_backend_parameters_reach_both_agents_and_bad_ones_are_refused():
+    """``ucx_params`` (NIXL's UCX backend parameters) start both agents with them, and the
+    sends still land byte exact; a name the backend does not take, or a value that is not an
+    int or str, is refused naming ``ucx_params`` before any agent starts."""
+    rx, pool, pages = receiver(16, ucx_params={"num_workers": 2})
+    s = KVSender(ucx_params={"num_workers": "2", "num_threads": 2})
+    try:
+        assert s._agent.get_backend_params("UCX")["num_workers"] == "2"
+        assert rx._agent.get_backend_params("UCX")["num_workers"] == "2"
+        want = {r: make_kv(70 + r, L, n, RB) for r, n in enumerate([5, 40, 80])}
+        for r, kv in want.items():
+            s.send(rx.reserve(r, kv.shape[1]), kv)
+        got = arrivals(rx, len(want))
+        assert sorted(a.req_id for a in got) == list(want)
+        for a in got:
+            np.testing.assert_array_equal(pool[:, rows_of(a.pages, a.n_tokens)], want[a.req_id])
+    finally:
+        s.close()
+        rx.close()
+    for bad, err, what in [({"num_worker": 2}, ValueError, r"\['num_worker'\]"),
+                           ({"num_workers": True}, TypeError, "int or str"),
+                           ({"num_workers": 1.5}, TypeError, "int or str"),
+                           ([("num_workers", 2)], TypeError, "dict")]:
+        with pytest.raises(err, match=f"ucx_params.*{what}|{what}.*ucx_params"):
+            KVSender(ucx_params=bad)
+    with pytest.raises(RuntimeError, match="ucx_params"):
+        KVSender(ucx_params={"num_workers": "many"})
+
+
+def test_a_shared_pools_ticket_names_it_and_is_checked(tx):
+    """A receiver over a shared pool (a stand-in with a HostKVPool's name, identity and
+    numpy) puts ``shm`` in its tickets; host memory ``kv`` still goes over NIXL (the same-node
+    path is GPU memory's), byte exact; an ``shm`` that is not a pool's, or that does not hold
+    every descriptor, is refused naming ``ticket['shm']`` before any transfer."""
+    from hisparse_cupy import host_shm
+
+    pages = CountingPages(8, P)
+    pool = np.zeros((L, 8 * P, RB), np.uint8)
+    ident = [host_shm.node_id(), 1, 2]
+    stand_in = types.SimpleNamespace(numpy=pool, name="kv-test", identity=tuple(ident))
+    rx = KVReceiver(stand_in, pages)
+    try:
+        t = rx.reserve("a", 20)
+        assert t["shm"] == {"name": "kv-test", "identity": ident, "base": pool.ctypes.data,
+                            "bytes": pool.nbytes}
+        assert "shm" not in receiver(4)[0].reserve(0, 1)  # a NumPy pool: none
+        kv = make_kv(5, L, 20, RB)
+        copied = tx.stats["copied"]
+        top = max(a + n for a, n in t["descs"])  # the end of the highest descriptor
+        for change in ({"name": 7}, {"identity": [1, 2]}, {"base": -1}, {"bytes": RB},
+                       {"bytes": top - t["shm"]["base"] - 1}, {"base": top - RB}):
+            with pytest.raises(ValueError, match=r"ticket\['shm'\]"):
+                tx.send({**t, "shm": {**t["shm"], **change}}, kv)
+        with pytest.raises(ValueError, match=r"ticket\['shm'\]"):
+            tx.send({**t, "shm": "kv-test"}, kv)
+        time.sleep(0.05)
+        assert not rx.poll().done and not pool.any()
+        tx.send(t, kv)
+        (a,) = arrivals(rx, 1)
+        np.testing.assert_array_equal(pool[:, rows_of(a.pages, 20)], kv)
+        assert tx.stats["copied"] == copied  # host memory: over NIXL
+        rx.release(a)
+    finally:
+        rx.close()
+    with pytest.raises(TypeError, match="same_node"):
+        KVSender(same_node=1)
+
+
 def test_writes_wait_their_turn_and_land_exact(rng):
     """KVSender(max_in_flight=k): sends posted together to one receiver are WRITEs k at a time
     (default 1), the rest queued in order and posted as earlier ones end, whichever send is
@@ -717,18 +785,84 @@ def test_kv_in_gpu_memory_lands_in_a_pinned_pool_byte_exact(rng, pull):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("how", ["write", "pull"])
+def test_the_same_node_path_copies_into_a_shared_pool_byte_exact(rng, monkeypatch):
+    """GPU ``kv`` for a receiver over a shared HostKVPool: the sender attaches the pool once
+    and copies into its pages (registrations 1 MiB apart here, so copies are cut at their
+    edges), each arrival notified once, byte exact, poison kept outside the reservations;
+    ``same_node=False`` sends over NIXL into the same pool; a ticket whose ``shm`` does not
+    describe the pool is refused; a pool made anew under that name is attached anew."""
+    import cupy
+
+    from hisparse_cupy import host_pool as hp
+
+    monkeypatch.setattr(hp, "_REGISTER_CHUNK", 1 << 20)
+    L, rb, P, n_pages = 3, 656, 16, 200
+    name = f"hs-test-pd-{os.getpid()}"
+
+    def run(pool, tx, sizes):
+        host = pool.numpy
+        host[:] = 0xA5
+        pages = HostPages(n_pages, P)
+        pages.put(list(rng.permutation(pages.take(n_pages))))  # pages in random order
+        rx = KVReceiver(pool, pages)
+        try:
+            want = {i: rng.integers(0, 256, (L, n, rb), dtype=np.uint8)
+                    for i, n in enumerate(sizes)}
+            sends = [tx.send(rx.reserve(i, w.shape[1]), cupy.asarray(w), wait=False)
+                     for i, w in want.items()]
+            got = {a.req_id: a for a in drive(rx, sends, len(sizes), 30)}
+            assert sorted(got) == list(want)
+            mask = np.zeros(n_pages * P, bool)
+            for i, a in got.items():
+                rows = rows_of(a.pages, sizes[i])
+                np.testing.assert_array_equal(host[:, rows], want[i])
+                mask[rows] = True
+            assert (host[:, ~mask] == 0xA5).all()
+            time.sleep(0.1)
+            assert not rx.poll().done and rx.stats["duplicate"] == rx.stats["unknown"] == 0
+            return rx.reserve("spare", 5)
+        finally:
+            rx.close()
+
+    sizes = [1, 17, 300, 1000, 16]
+    tx, tx_nixl = KVSender(), KVSender(same_node=False)
+    try:
+        with hp.HostKVPool(L, n_pages * P, rb, shared_name=name) as pool:
+            assert len(pool.chunk_edges) >= 4  # registrations' edges inside the layers
+            t = run(pool, tx, sizes)
+            assert tx.stats["copied"] == len(sizes) and tx.stats["not_attached"] == 0
+            first = tx._pools[name]
+            run(pool, tx_nixl, sizes)
+            assert tx_nixl.stats["copied"] == 0 and not tx_nixl._pools
+            run(pool, tx, sizes[:2])
+            assert tx.stats["copied"] == len(sizes) + 2 and tx._pools[name] is first
+            with pytest.raises(ValueError, match="does not describe"):
+                tx.send({**t, "shm": {**t["shm"], "bytes": t["shm"]["bytes"] - rb}},
+                        cupy.zeros((L, 5, rb), cupy.uint8))
+        with hp.HostKVPool(L, n_pages * P, rb, shared_name=name) as pool:
+            run(pool, tx, sizes[:3])
+            assert tx._pools[name] is not first and first.closed
+            assert list(tx._pools[name].identity) == list(pool.identity)
+    finally:
+        tx.close()
+        tx_nixl.close()
+    assert not tx._pools
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["write", "pull", "shared"])
 def test_the_pd_example_runs_the_gpu_decode_loop_on_kv_sent_from_vram(capsys, how):
     """examples/pd_decode.py on a GPU: the prefill process makes each prompt's KV in VRAM and
-    NIXL writes it into the decode pool (or the decode process reads it from there); every
-    offloaded run's self-check passes."""
+    NIXL writes it into the decode pool (or the decode process reads it from there, or, the
+    pool shared, the prefill process copies it in); every offloaded run's self-check passes."""
     ex = _pd_example()
     assert ex.main(["--batch", "4", "--context", "3000", "--steps", "4", "--warmup", "2",
                     "--layers", "12", "--hot", "1024", "--top-k", "256", "--quiet"] +
-                   ["--pull"] * (how == "pull")) == 0
+                   {"write": [], "pull": ["--pull"], "shared": ["--shared-pool"]}[how]) == 0
     out = capsys.readouterr().out
     said = "read by the decode process" if how == "pull" else "written by the prefill process"
     assert out.count(f"{said} from VRAM") == 3  # offload, overlap, predict
+    assert out.count("copied on this node into the shared pool") == 3 * (how == "shared")
     assert "self-check passed" in out
 
 

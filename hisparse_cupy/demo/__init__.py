@@ -140,9 +140,10 @@ def report_results(cfg: Config, results, extra: dict, title: str) -> int:
     return 0
 
 
-def run_gpu(cfg: Config, admission=None) -> int:
+def run_gpu(cfg: Config, admission=None, pool=None) -> int:
     """Run every configured mode and exec kind; returns the exit status (1: self-check failed,
-    2: the configuration does not fit). ``admission``: :class:`~.loop.Rig`'s."""
+    2: the configuration does not fit). ``admission``: :class:`~.loop.Rig`'s; ``pool``: a host
+    pool for the cache to page (:meth:`~.loop.Rig.paged_rows` rows; the caller closes it)."""
     import cupy
 
     from .loop import Rig
@@ -158,7 +159,8 @@ def run_gpu(cfg: Config, admission=None) -> int:
     s = cupy.cuda.Stream(non_blocking=True) if part is None else part.stream("main")
     t0 = time.perf_counter()
     try:
-        rig = Rig(cfg, s, log, partition=part, admission=admission)
+        rig = Rig(cfg, s, log, partition=part, admission=admission, pool=pool,
+                  paged=True if pool is not None else None)
         try:
             results = run_modes(cfg, rig, log)
         finally:
