@@ -16,10 +16,11 @@
    WRITE of every run of every layer notified with the transfer id, and polls it to the end.
    A ticket with ``shm`` whose pool is on the sender's node (same boot id, same file) and GPU
    ``kv`` take the *same-node path* instead (``KVSender(same_node=True)``, the default): the
-   sender attaches the pool once (``HostKVPool.attach``), copies each descriptor's bytes with
-   ``cudaMemcpyAsync`` from ``kv`` into it (the copy engines, at a D2H memcpy's rate; UCX's
-   paths between two processes of one node reached 66-75 % of that), and, once the copies are
-   complete, sends the transfer id as a NIXL notification: the receiver sees a WRITE's.
+   sender attaches the pool once (``HostKVPool.attach``), stores ``kv`` into the ticket's rows
+   as the cache's admission does (``host_rows.store_rows``: one 2-D ``cudaMemcpyAsync`` of
+   every layer per run of pages, the copy engines at a D2H memcpy's rate; UCX's paths between
+   two processes of one node reached 66-75 % of that), and, once the copies are complete,
+   sends the transfer id as a NIXL notification: the receiver sees a WRITE's.
    With ``KVSender(pull=True)`` it sends an *offer* instead (a NIXL notification: its agent
    metadata, ``kv``'s descriptors per run and layer), and the receiver reads: its next
    :meth:`KVReceiver.poll` checks the offer against the reservation, posts one NIXL READ into

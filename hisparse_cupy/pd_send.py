@@ -16,6 +16,7 @@ import numpy as np
 
 from . import _checks, _nixl, host_shm
 from .host_pool import HostKVPool
+from .host_rows import store_rows
 
 __all__ = ["KVSender", "PendingSend"]
 
@@ -167,7 +168,8 @@ class KVSender:
     ``ucx_params``: NIXL's UCX backend parameters for the sender's agent (e.g.
     ``{"num_workers": 4}``; default NIXL's).
     ``same_node``: GPU ``kv`` for a ticket whose pool is a shared ``HostKVPool`` on this node is
-    copied into it (``cudaMemcpyAsync``, after the current stream's work) and the receiver
+    stored into it (2-D ``cudaMemcpyAsync`` per run of pages, after the current stream's work,
+    on a stream of the sender's) and the receiver
     notified once the copies are done (default True; :mod:`hisparse_cupy.pd`); False: NIXL.
     The pool stays attached until :meth:`close` (or a ticket names another pool of its name);
     a pool that cannot be attached (another mount namespace, its creator's PID namespace not
@@ -248,7 +250,7 @@ class KVSender:
         local = (ptr + np.arange(L)[:, None] * stride + t["runs"][:, 0] * rb).ravel()
         local = np.stack([local.astype(np.uint64), t["descs"][:, 1]], -1)
         if not self.pull and mem == "VRAM" and (pool := self._local_pool(t)) is not None:
-            p = self._copy(t, name, pool, local, dev, t0, limit, kv)
+            p = self._copy(t, name, pool, dev, t0, limit, kv)
             return p.wait() if wait else p
         key = self._pin(mem, dev, ptr, ptr + (L - 1) * stride + n * rb)
         if self.pull:
@@ -332,24 +334,24 @@ class KVSender:
                              f"{pool.numpy.nbytes} bytes): a stale or altered ticket")
         return pool
 
-    def _copy(self, t, name, pool, local, dev, t0, limit, kv) -> PendingSend:
-        """The same-node path: each descriptor's bytes copied into ``pool`` (cut where the
-        pool's registrations meet) on this sender's stream of ``dev``, after the current
-        stream's work; the receiver notified once the copies are done."""
-        dst = t["descs"][:, 0].astype(np.int64) - t["shm"]["base"]  # offsets in the pool
-        edges = np.asarray(pool.chunk_edges, np.int64)
+    def _copy(self, t, name, pool, dev, t0, limit, kv) -> PendingSend:
+        """The same-node path: ``kv`` stored into the ticket's rows of ``pool``
+        (``host_rows.store_rows``: a 2-D copy of every layer per run of pages, the package's
+        copy kernel where runs are short) on this sender's stream of ``dev``, after the
+        current stream's work; the receiver notified once the copies are done."""
+        L, rb, LB = t["n_layers"], t["row_bytes"], pool.layer_bytes
+        off = (t["descs"][:, 0].astype(np.int64) - t["shm"]["base"]).reshape(L, -1)
+        if (off[0] % rb).any() or (off - off[:1] != np.arange(L)[:, None] * LB).any():
+            raise ValueError("ticket['shm']: its descriptors are not rows of the pool's layers "
+                             "(a stale or altered ticket)")
+        rows = np.concatenate([np.arange(r, r + c) for r, c in
+                               zip(off[0] // rb, t["runs"][:, 1].astype(np.int64), strict=True)])
         with cupy.cuda.Device(dev):
             if dev not in self._streams:
                 self._streams[dev] = cupy.cuda.Stream(non_blocking=True)
             s = self._streams[dev]
             s.wait_event(cupy.cuda.get_current_stream().record())
-            base = pool.numpy.ctypes.data
-            for src, off, n in zip(local[:, 0].astype(np.int64), dst,
-                                   local[:, 1].astype(np.int64), strict=True):
-                cuts = edges[(edges > off) & (edges < off + n)]
-                for a, b in zip([off, *cuts], [*cuts, off + n], strict=True):
-                    cupy.cuda.runtime.memcpyAsync(base + int(a), int(src + a - off), int(b - a),
-                                                  cupy.cuda.runtime.memcpyDeviceToHost, s.ptr)
+            store_rows(pool, rows, cupy.asarray(kv), s)
             done = s.record()
         xid = t["xfer_id"].encode()
 

@@ -787,8 +787,9 @@ def test_kv_in_gpu_memory_lands_in_a_pinned_pool_byte_exact(rng, pull):
 @pytest.mark.gpu
 def test_the_same_node_path_copies_into_a_shared_pool_byte_exact(rng, monkeypatch):
     """GPU ``kv`` for a receiver over a shared HostKVPool: the sender attaches the pool once
-    and copies into its pages (registrations 1 MiB apart here, so copies are cut at their
-    edges), each arrival notified once, byte exact, poison kept outside the reservations;
+    and copies into its pages (pages in random order: the copy kernel; in order: 2-D copies,
+    cut at the registrations' edges, 1 MiB apart here), each arrival notified once, byte
+    exact, poison kept outside the reservations;
     ``same_node=False`` sends over NIXL into the same pool; a ticket whose ``shm`` does not
     describe the pool is refused; a pool made anew under that name is attached anew."""
     import cupy
@@ -799,11 +800,12 @@ def test_the_same_node_path_copies_into_a_shared_pool_byte_exact(rng, monkeypatc
     L, rb, P, n_pages = 3, 656, 16, 200
     name = f"hs-test-pd-{os.getpid()}"
 
-    def run(pool, tx, sizes):
+    def run(pool, tx, sizes, shuffle=True):
         host = pool.numpy
         host[:] = 0xA5
         pages = HostPages(n_pages, P)
-        pages.put(list(rng.permutation(pages.take(n_pages))))  # pages in random order
+        if shuffle:  # pages in random order: short runs (the copy kernel); else 2-D copies
+            pages.put(list(rng.permutation(pages.take(n_pages))))
         rx = KVReceiver(pool, pages)
         try:
             want = {i: rng.integers(0, 256, (L, n, rb), dtype=np.uint8)
@@ -835,7 +837,8 @@ def test_the_same_node_path_copies_into_a_shared_pool_byte_exact(rng, monkeypatc
             run(pool, tx_nixl, sizes)
             assert tx_nixl.stats["copied"] == 0 and not tx_nixl._pools
             run(pool, tx, sizes[:2])
-            assert tx.stats["copied"] == len(sizes) + 2 and tx._pools[name] is first
+            run(pool, tx, sizes, shuffle=False)  # long runs across the registrations' edges
+            assert tx.stats["copied"] == 2 * len(sizes) + 2 and tx._pools[name] is first
             with pytest.raises(ValueError, match="does not describe"):
                 tx.send({**t, "shm": {**t["shm"], "bytes": t["shm"]["bytes"] - rb}},
                         cupy.zeros((L, 5, rb), cupy.uint8))
