@@ -144,12 +144,13 @@ class PendingSend:
     def _finish(self, ok: bool) -> None:
         if self._ended:
             return
-        self._ended, handle, self._handle, self._keep = True, self._handle, None, None
+        self._ended, handle, self._handle = True, self._handle, None
+        keep, self._keep = self._keep, None
         with contextlib.suppress(Exception):  # still active, NIXL could not cancel: kept
             if handle is not None:
                 handle.release()
                 handle = None
-        self._settle(self, ok, handle)
+        self._settle(self, ok, None if handle is None else (handle, keep))  # (with its kv)
         if ok:
             self.state = "DONE"
             self.result = Sent(self.req_id, self.xfer_id, self.bytes,
@@ -177,7 +178,7 @@ class KVSender:
     sends that took the same-node path).
     ``max_in_flight``: WRITEs posted at once to one receiver (default 1; None: no limit); later
     sends to it wait in order, posted as earlier ones end (one H200 box: 3 requests posted
-    together moved 2.2-2.7 GB/s, one after another 26-30 GB/s). Receivers do not wait for each
+    together 27.2 GB/s, one after another 29.6). Receivers do not wait for each
     other; a WRITE to a receiver that stopped answering holds that receiver's queue until its
     deadline.
     ``pull=True``: the sender registers ``kv`` and offers it (a NIXL notification to the
@@ -201,6 +202,7 @@ class KVSender:
         self.pull, self.same_node = pull, same_node
         self._pools: dict = {}  # shared pool name -> HostKVPool attached (the same-node path)
         self._streams: dict = {}  # device -> the stream of its copies
+        self._unreachable: set = set()  # (name, *identity) of shared pools not attachable here
         self.name, self._agent = _nixl.agent(name, "tx", _nixl.ucx_params(ucx_params))
         self._remote: dict = {}  # receiver agent name -> the metadata loaded
         self._fixed: list = []  # (mem, dev, lo, hi, reg), from register()
@@ -321,10 +323,13 @@ class KVSender:
             self._pools.pop(shm["name"]).close()
             pool = None
         if pool is None:
+            if (key := (shm["name"], *shm["identity"])) in self._unreachable:
+                return None
             try:
                 pool = HostKVPool.attach(shm["name"], identity=shm["identity"])
             except (OSError, ValueError):  # not visible from here (namespaces), or gone
                 self.stats["not_attached"] += 1
+                self._unreachable.add(key)  # (not tried again for this pool)
                 return None
             self._pools[shm["name"]] = pool
         if pool.numpy.nbytes != shm["bytes"] or pool.n_layers != t["n_layers"] or \
@@ -418,7 +423,8 @@ class KVSender:
         return name
 
     def _settle(self, p: PendingSend, ok: bool, stuck) -> None:
-        """A send ended: unregister its kv (unless NIXL could not release its handle: kept);
+        """A send ended: unregister its kv (unless NIXL could not release its handle: both
+        kept, the kv object too);
         a WRITE's end lets the next queued one go."""
         if p.pull:
             self._waiting.discard(p.tag)

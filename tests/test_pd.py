@@ -338,6 +338,11 @@ def test_a_shared_pools_ticket_names_it_and_is_checked(tx):
         np.testing.assert_array_equal(pool[:, rows_of(a.pages, 20)], kv)
         assert tx.stats["copied"] == copied  # host memory: over NIXL
         rx.release(a)
+        # GPU kv would try the pool: one that cannot be attached is tried once, then NIXL
+        gone = {**t, "shm": {**t["shm"], "name": f"hs-none-{os.getpid()}"}}
+        missed = tx.stats["not_attached"]
+        assert tx._local_pool(gone) is None and tx._local_pool(gone) is None
+        assert tx.stats["not_attached"] == missed + 1
     finally:
         rx.close()
     with pytest.raises(TypeError, match="same_node"):
