@@ -11,7 +11,13 @@ in turn, each freed before the next (a 64 GB pool fits on a 128 GB host):
 - ``mmap-4k``: the same without huge pages (what a kernel without THP gets);
 - ``shared``: ``HostKVPool(shared_name=...)``: ``/dev/shm`` files, one segment per thread
   (``hisparse_cupy.host_shm``), the same first touch and registration, named once set up;
-- ``shared-1``: the same in one file (``segments=1``, the path before segments).
+- ``shared-1``: the same in one file (``segments=1``, the path before segments);
+- ``touch``: no pool, no CUDA: anonymous memory with huge pages asked, first-touched by the
+  same threads and unmapped (run first on a freshly started machine, it tells the machine's
+  first touch of its memory from the pool's own costs).
+
+``--shm-dir`` puts the shared pools in another tmpfs (``HISPARSE_CUPY_SHM_DIR``), e.g. one
+mounted ``huge=always``.
 
 Per path: setup seconds and GB/s (first touch and registration apart), teardown seconds
 (unregistration apart), the huge pages the process held after setup, and whether the GPU
@@ -20,13 +26,14 @@ at the pool's ends and across every registration chunk's edge). Targets: setup
 >= 10 GB/s and teardown <= 2 s for a 64 GB pool. A path that fails is reported and skipped.
 
     python benchmarks/bench_pool_setup.py [--gb 64] [--threads N] [--chunk-gib G]
-        [--paths cuda,mmap,shared,mmap-4k,shared-1] [--quick] [--out DIR]
+        [--paths cuda,mmap,shared,mmap-4k,shared-1,touch] [--shm-dir DIR] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import mmap
 import os
 import platform
 import sys
@@ -43,7 +50,7 @@ from hisparse_cupy import host_pool as hp  # noqa: E402
 from hisparse_cupy import host_shm  # noqa: E402
 
 LAYERS, ROW = 78, 656
-PATHS = ("cuda", "mmap", "shared", "mmap-4k", "shared-1")
+PATHS = ("cuda", "mmap", "shared", "mmap-4k", "shared-1", "touch")
 
 
 def _read(path: str) -> str:
@@ -66,10 +73,13 @@ def _machine() -> dict:
     mem = {ln.split(":")[0]: int(ln.split()[1]) * 1024 / 1e9
            for ln in _read("/proc/meminfo").splitlines() if ln.split(":")[0] in
            ("MemTotal", "MemAvailable")}
-    shm = os.statvfs(hp._SHM_DIR)
+    shm = os.statvfs(host_shm.directory())
+    mounts = [ln.split() for ln in _read("/proc/mounts").splitlines()]
     return {"kernel": platform.release(), "cpus": os.cpu_count(),
-            "cpus_usable": len(os.sched_getaffinity(0)),
-            "mem_gb": mem, "dev_shm_gb": shm.f_blocks * shm.f_frsize / 1e9,
+            "cpus_usable": len(os.sched_getaffinity(0)), "mem_gb": mem,
+            "shm_dir": host_shm.directory(), "shm_dir_gb": shm.f_blocks * shm.f_frsize / 1e9,
+            "shm_mount": next((m[3] for m in mounts if len(m) > 3 and
+                               m[1] == host_shm.directory()), "n/a"),
             "thp": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
             "thp_defrag": _read("/sys/kernel/mm/transparent_hugepage/defrag"),
             "thp_shmem": _read("/sys/kernel/mm/transparent_hugepage/shmem_enabled")}
@@ -97,7 +107,30 @@ def _gpu_reads_right(pool) -> bool:
     return ok
 
 
+def _shmem_huge_gb() -> float:
+    """GB of shared memory in huge pages, node-wide (mapped huge or not), from /proc/meminfo."""
+    kb = [int(ln.split()[1]) for ln in _read("/proc/meminfo").splitlines()
+          if ln.startswith("ShmemHugePages:")]
+    return kb[0] * 1024 / 1e9 if kb else 0.0
+
+
+def _touch_only(nbytes: int, threads: int) -> dict:
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        hp._advise(mm, "MADV_HUGEPAGE")
+        t0 = time.perf_counter()
+        hp._first_touch(np.frombuffer(mm, np.uint8, nbytes), threads)
+        res = {"setup_s": time.perf_counter() - t0, "huge_gb": _huge_gb(), "bytes_ok": True}
+    finally:
+        t0 = time.perf_counter()
+        mm.close()
+    return {**res, "teardown_s": time.perf_counter() - t0}
+
+
 def _one(path: str, n_rows: int, args) -> dict:
+    if path == "touch":
+        return {"path": path, **_touch_only(LAYERS * n_rows * ROW,
+                                            args.threads or hp.default_threads())}
     shared = {"shared_name": f"hs-bench-setup-{os.getpid()}"}
     kw = {"cuda": {"alloc": "cuda"}, "mmap": {"alloc": "mmap"},
           "mmap-4k": {"alloc": "mmap", "huge_pages": False}, "shared": shared,
@@ -110,7 +143,7 @@ def _one(path: str, n_rows: int, args) -> dict:
         t0 = time.perf_counter()
         pool = hp.HostKVPool(LAYERS, n_rows, ROW, **kw)
         res["setup_s"] = time.perf_counter() - t0
-        res["huge_gb"] = _huge_gb()
+        res["huge_gb"], res["shmem_huge_gb"] = _huge_gb(), _shmem_huge_gb()
         res["bytes_ok"] = _gpu_reads_right(pool)
         t0 = time.perf_counter()
         pool.close()
@@ -122,7 +155,7 @@ def _one(path: str, n_rows: int, args) -> dict:
         if pool is not None and not pool.closed:
             pool.close()
         if "shared_name" in kw:
-            host_shm.unlink(os.path.join(hp._SHM_DIR, kw["shared_name"]))
+            host_shm.unlink(host_shm.path(kw["shared_name"]))
         del pool
         gc.collect()
     return res
@@ -140,11 +173,15 @@ def main() -> int:
     ap.add_argument("--chunk-gib", type=float, default=None,
                     help=f"registration chunk in GiB (default {hp._REGISTER_CHUNK >> 30})")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"some of {','.join(PATHS)}")
+    ap.add_argument("--shm-dir", default=None,
+                    help="the shared pools' directory (HISPARSE_CUPY_SHM_DIR; /dev/shm)")
     ap.add_argument("--quick", action="store_true", help="a 4 GB pool")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:
         args.gb = min(args.gb, 4.0)
+    if args.shm_dir is not None:
+        os.environ["HISPARSE_CUPY_SHM_DIR"] = args.shm_dir
     paths = [p for p in args.paths.split(",") if p]
     if not paths or any(p not in PATHS for p in paths):
         print(f"bench_pool_setup: --paths must name some of {PATHS}, got {args.paths!r}")
@@ -160,9 +197,11 @@ def main() -> int:
     print(f"host pool of {gb:.1f} GB ({LAYERS} layers x {n_rows} rows x {ROW} B), "
           f"{len(hp._chunks(0, int(gb * 1e9)))} registration chunk(s) of <= "
           f"{hp._REGISTER_CHUNK / 2**30:g} GiB, {args.threads or hp.default_threads()} "
-          f"first-touch threads; THP {machine['thp']}, shmem THP {machine['thp_shmem']}")
+          f"first-touch threads; THP {machine['thp']}, shmem THP {machine['thp_shmem']}; "
+          f"shared pools in {machine['shm_dir']} ({machine['shm_mount']})")
     print(f"{'path':>8} {'setup s':>8} {'GB/s':>6} {'touch s':>8} {'register s':>10} "
-          f"{'teardown s':>10} {'unregister s':>12} {'huge GB':>8} {'GPU reads':>9}")
+          f"{'teardown s':>10} {'unregister s':>12} {'huge GB':>8} {'shm huge':>8} "
+          f"{'GPU reads':>9}")
     payload = {"device": device_info(), "machine": machine, "args": vars(args), "pool_gb": gb,
                "n_rows": n_rows, "layers": LAYERS, "row_bytes": ROW,
                "register_chunk": hp._REGISTER_CHUNK, "results": []}
@@ -176,19 +215,20 @@ def main() -> int:
             print(f"{path:>8} {_cell(r, 'setup_s', 8)} {r['setup_gbps']:>6.1f} "
                   f"{_cell(r, 'pool_touch_s', 8)} {_cell(r, 'pool_register_s', 10)} "
                   f"{_cell(r, 'teardown_s', 10)} {_cell(r, 'pool_unregister_s', 12)} "
-                  f"{r['huge_gb']:>8.1f} {'ok' if r['bytes_ok'] else 'WRONG':>9}", flush=True)
+                  f"{r['huge_gb']:>8.1f} {r.get('shmem_huge_gb', 0):>8.1f} "
+                  f"{'ok' if r['bytes_ok'] else 'WRONG':>9}", flush=True)
         if args.out:  # partial results survive a later path's crash
             write_json(args.out, "bench_pool_setup.json", payload)
     ok = [r for r in payload["results"] if "error" not in r]
     for r in ok:
-        if r["path"] != "cuda":
+        if r["path"] not in ("cuda", "touch"):
             meets = r["setup_gbps"] >= 10 and r["teardown_s"] <= 2
             print(f"{r['path']}: setup {r['setup_gbps']:.1f} GB/s (target >= 10), teardown "
                   f"{r['teardown_s']:.2f} s (target <= 2): {'met' if meets else 'NOT met'}")
     base = next((r for r in ok if r["path"] == "cuda"), None)
     if base is not None:
         for r in ok:
-            if r["path"] != "cuda":
+            if r["path"] not in ("cuda", "touch"):
                 print(f"{r['path']} sets up {base['setup_s'] / r['setup_s']:.1f}x faster than "
                       f"cudaHostAlloc ({base['setup_s']:.1f} s)")
     if args.out:

@@ -8,9 +8,9 @@ Three ways to get a :class:`HostKVPool`:
   fails on the R580 drivers), 10 times faster at 64 GB than ``alloc="cuda"``, one
   ``cudaHostAlloc`` (``benchmarks/bench_pool_setup.py``);
 - ``HostKVPool(..., shared_name="kv0")`` and ``HostKVPool.attach("kv0")``: POSIX shared
-  memory (``/dev/shm/<name>``, mode 0600, and unnamed segments: ``host_shm``; attaching
-  needs the creator alive in the same PID namespace unless ``segments=1``) that several
-  processes on a host map, each registering it for its GPUs, so tensor-parallel ranks holding
+  memory (``/dev/shm/<name>`` or ``host_shm.directory()``, mode 0600, and unnamed segments;
+  attaching needs the creator alive in the same PID namespace unless ``segments=1``), which
+  processes on a host map, each registering it for its GPUs: tensor-parallel ranks holding
   the same (MLA) KV keep one host copy (and a prefill process on the host copies into it:
   ``pd``). The creator sets it up unnamed (``O_TMPFILE``) and links the name once it is
   touched and registered: a creator killed on the way leaves nothing in ``/dev/shm``. It owns
@@ -46,7 +46,6 @@ from ._log import log
 _REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2  # cudaHostRegisterPortable, cudaHostRegisterMapped
 _HEADER = 4096  # bytes before the rows of a shared pool (page aligned rows)
 _MAGIC = np.uint64(0x48535043504F4F4C)  # "HSPCPOOL"
-_SHM_DIR = "/dev/shm"
 _PAGE = mmap.PAGESIZE
 _REGISTER_CHUNK = 64 << 30  # bytes per cudaHostRegister call at most (a page multiple)
 _TOUCH_SPAN = 64 << 20  # bytes per first-touch thread at least (smaller pools use fewer threads)
@@ -198,7 +197,7 @@ class HostKVPool:
     portable : bool
         Map the memory for every device, default True (a shared pool: always).
     shared_name : str, optional
-        Create the pool as the POSIX shared-memory object ``/dev/shm/<shared_name>`` (mode 0600)
+        Create the pool as the shared-memory file ``<host_shm.directory()>/<shared_name>`` (0600)
         that other processes :meth:`attach`, named once set up; ``FileExistsError`` if taken.
     alloc : "mmap" (the default, the only kind of shared pool) or "cuda" (a private pool)
         Memory mapped, first touched in parallel and registered in chunks, or one
@@ -233,7 +232,7 @@ class HostKVPool:
         threads = default_threads() if threads is None else _checks.integer("threads", threads, 1)
         if not isinstance(huge_pages, bool):
             raise TypeError(f"huge_pages must be True or False, got {huge_pages!r}")
-        path = None if shared_name is None else host_shm.path(shared_name, _SHM_DIR)
+        path = None if shared_name is None else host_shm.path(shared_name)
         if segments is not None and shared_name is None:
             raise ValueError(f"segments is a shared pool's (shared_name=...), got {segments!r}")
         segments = threads if segments is None else \
@@ -250,7 +249,7 @@ class HostKVPool:
             self._host = np.ndarray((self.n_layers, self.n_rows, self.row_bytes), np.uint8,
                                     buffer=cupy.cuda.PinnedMemoryPointer(self._mem, 0))
         elif path is None:
-            host_shm.check_room(nbytes, False, _SHM_DIR)
+            host_shm.check_room(nbytes)
             mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             # a fork would copy pinned private pages: a child does not see it (as cudaHostAlloc)
             _advise(mm, "MADV_DONTFORK")
@@ -268,9 +267,10 @@ class HostKVPool:
                  f"another name")
         if os.path.lexists(path):  # before the setup; the link at its end is the real check
             raise FileExistsError(taken)
-        host_shm.check_room(_HEADER + nbytes, True, _SHM_DIR)
+        where = os.path.dirname(path)
+        host_shm.check_room(_HEADER + nbytes, where)
         try:  # unnamed until set up: a creator killed before that leaves no name behind
-            fd, named = os.open(_SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600), False
+            fd, named = os.open(where, os.O_TMPFILE | os.O_RDWR, 0o600), False
         except (AttributeError, OSError):  # no O_TMPFILE: the name exists during the setup
             try:
                 fd, named = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600), True
@@ -280,7 +280,7 @@ class HostKVPool:
         published = []
 
         def publish() -> None:
-            d = os.open(_SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
+            d = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
             try:  # linkat(AT_SYMLINK_FOLLOW) of the unnamed file, atomic: fails if taken
                 os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=d, follow_symlinks=True)
                 published.append(True)
@@ -293,7 +293,7 @@ class HostKVPool:
         unlink = weakref.finalize(self, host_shm.unlink, path)
         seg = None
         try:
-            seg = host_shm.create(fd, _SHM_DIR,
+            seg = host_shm.create(fd, where,
                                   host_shm.sizes(nbytes, _HEADER, 1 if named else segments))
             head = np.concatenate([np.array([self.n_layers, self.n_rows, self.row_bytes],
                                             np.uint64), host_shm.table(seg)])
@@ -324,7 +324,7 @@ class HostKVPool:
         attached pool never unlinks it. ``identity``: the pool's (its creator's
         :attr:`identity`): ``FileNotFoundError`` if the name is another pool's now."""
         t0 = time.perf_counter()
-        path = host_shm.path(name, _SHM_DIR)
+        path = host_shm.path(name)
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:

@@ -5,15 +5,17 @@ and block accounting), and the file's pages are freed by one thread when it goes
 box a 64 GB pool in one ``/dev/shm`` file took 14.3 s to touch with 16 threads where private
 memory took 3.0 s, and 5.4 s to free (``benchmarks/NOTES.md``). So a shared pool is cut into
 *segments*, each its own file, mapped one after another (``MAP_FIXED`` into one reserved range,
-so the rows stay contiguous), touched by the first-touch threads and freed in parallel.
+so the rows stay contiguous), touched by the first-touch threads and freed in parallel. Large
+segments start on 2 MiB boundaries, so a tmpfs that gives huge pages maps them huge.
 
-Segment 0 is the named file (``/dev/shm/<name>``: a header page, then its rows); the others are
+Segment 0 is the named file (``<directory()>/<name>``: a header page, then its rows; the
+directory is ``/dev/shm`` unless ``HISPARSE_CUPY_SHM_DIR`` names another); the others are
 unnamed (``O_TMPFILE``) files that only the creator's descriptors keep: a creator killed at any
 point leaves nothing but what it had linked, and it links only segment 0, once set up. Another
 process opens them through ``/proc/<creator pid>/fd/<fd>`` (the header lists each one's
 descriptor, size, device and inode, checked before the open), so attaching needs the creator
 alive and visible (the same PID namespace, the same user); ``segments=1`` makes a one-file pool
-that any process sharing ``/dev/shm`` can attach.
+that any process sharing the directory can attach.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-_PAGE = mmap.PAGESIZE
+_PAGE, _HUGE = mmap.PAGESIZE, 2 << 20  # a huge page: segments start on one where they can
 _PROT_RW, _MAP_FIXED = mmap.PROT_READ | mmap.PROT_WRITE, 0x10  # MAP_FIXED: Linux's
 _MAP_SHARED, _MAP_PRIVATE, _MAP_ANON = mmap.MAP_SHARED, mmap.MAP_PRIVATE, mmap.MAP_ANONYMOUS
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
@@ -60,10 +62,21 @@ def _munmap(addr: int, nbytes: int) -> None:
     _check(_c().munmap(addr, nbytes) == 0, "munmap")
 
 
-def path(name: str, directory: str = "/dev/shm") -> str:
+def directory() -> str:
+    """Where shared pools live: ``HISPARSE_CUPY_SHM_DIR``, else ``/dev/shm``. Any tmpfs of the
+    node will do; one mounted ``huge=always`` (or ``within_size``) gives the pools 2 MiB pages
+    (512 times fewer pages to fault, pin and free than ``/dev/shm``'s 4 KiB ones).
+    Every process of a pool must see the same one: creators and attachers look names up here."""
+    d = os.environ.get("HISPARSE_CUPY_SHM_DIR") or "/dev/shm"
+    if not os.path.isdir(d):
+        raise FileNotFoundError(f"HISPARSE_CUPY_SHM_DIR: {d!r} is not a directory")
+    return d
+
+
+def path(name: str) -> str:
     if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
         raise ValueError(f"shared_name must be a non-empty name without '/', got {name!r}")
-    return os.path.join(directory, name)
+    return os.path.join(directory(), name)
 
 
 def node_id() -> str:
@@ -87,9 +100,9 @@ def unlink(p: str) -> None:
         os.unlink(p)
 
 
-def check_room(nbytes: int, shared: bool, directory: str = "/dev/shm") -> None:
+def check_room(nbytes: int, where: str | None = None) -> None:
     """Refuse a pool the machine cannot hold before touching it: a touch past the memory
-    wakes the OOM killer, past the end of /dev/shm it is a SIGBUS."""
+    wakes the OOM killer, past the end of a shared pool's tmpfs (``where``) it is a SIGBUS."""
     try:
         with open("/proc/meminfo") as f:
             avail = next(int(v.split()[1]) << 10 for v in f if v.startswith("MemAvailable:"))
@@ -98,10 +111,10 @@ def check_room(nbytes: int, shared: bool, directory: str = "/dev/shm") -> None:
     if nbytes > avail:
         raise MemoryError(f"a host pool of {nbytes / 1e9:.1f} GB is more than the "
                           f"{avail / 1e9:.1f} GB of memory available (MemAvailable)")
-    st = os.statvfs(directory) if shared else None
+    st = None if where is None else os.statvfs(where)  # a shared pool's directory
     if st is not None and nbytes > st.f_bavail * st.f_frsize:
         raise OSError(errno.ENOSPC, f"a shared host pool of {nbytes / 1e9:.1f} GB does not fit "
-                      f"in {directory} ({st.f_bavail * st.f_frsize / 1e9:.1f} GB free): enlarge "
+                      f"in {where} ({st.f_bavail * st.f_frsize / 1e9:.1f} GB free): enlarge "
                       f"it (e.g. docker --shm-size) or use a private pool")
 
 
@@ -120,9 +133,12 @@ class _Rows:
 
 def sizes(nbytes: int, header: int, n: int) -> list[int]:
     """File sizes of at most ``n`` segments holding ``header`` bytes (segment 0) and ``nbytes``
-    of rows; every segment but the last a page multiple, so the next one maps right after it."""
+    of rows; every segment but the last a page multiple, so the next one maps right after it,
+    and a huge-page multiple where segments are that large (each then maps huge-page aligned)."""
     n = max(1, min(n, MAX_SEGMENTS, -(-nbytes // _PAGE)))
-    per = _round(-(-(header + nbytes) // n))
+    per = -(-(header + nbytes) // n)
+    unit = _HUGE if per >= _HUGE else _PAGE
+    per = -(-per // unit) * unit
     out, left = [], header + nbytes
     while left > 0:
         out.append(min(per, left))
@@ -142,8 +158,13 @@ class Segments:
         self.sizes, self.total = list(sizes), sum(sizes)
         self.fds = list(fds) if keep_fds else []
         span = sum(_round(n) for n in sizes)
-        base = _c().mmap(None, span, 0, _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE, -1, 0)
-        _check(base not in (None, ctypes.c_void_p(-1).value), "mmap (reserve)")
+        pad = _HUGE if span >= _HUGE else 0  # a huge-page aligned start: tmpfs maps it huge
+        got = _c().mmap(None, span + pad, 0, _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE, -1, 0)
+        _check(got not in (None, ctypes.c_void_p(-1).value), "mmap (reserve)")
+        base = -(-got // _HUGE) * _HUGE if pad else got
+        for a, n in ((got, base - got), (base + span, got + pad - base)) if pad else ():
+            if n:
+                _munmap(a, n)
         self.addr, done, off = base, [], 0
         try:
             for fd, n in zip(fds, sizes, strict=True):

@@ -377,6 +377,42 @@ def test_a_pool_dropped_unclosed_is_released_when_collected(no_cuda, monkeypatch
 
 
 # ------------------------------------------------------------------ segments: faults (review)
+def test_large_segments_map_on_huge_page_boundaries_in_the_environments_directory(
+        no_cuda, name, monkeypatch):
+    """Segments of 2 MiB or more are 2 MiB multiples mapped from a 2 MiB-aligned start (a
+    tmpfs mounted huge=always can then map them huge); HISPARSE_CUPY_SHM_DIR moves the pool
+    to another directory, where attachers that see the same variable find it."""
+    huge, page = 2 << 20, hp._PAGE
+    assert hp.host_shm.sizes(8 << 20, page, 3) == [4 << 20, 4 << 20, page]
+    assert hp.host_shm.sizes(64 * page, page, 4) == [17 * page] * 3 + [14 * page]  # small
+    where = f"/dev/shm/{name}-dir"
+    os.mkdir(where)
+    try:
+        monkeypatch.setenv("HISPARSE_CUPY_SHM_DIR", where)
+        a = hp.HostKVPool(2, 1 << 16, 64, shared_name=name, segments=3)
+        assert a.segments == 3 and os.listdir(where) == [name]
+        assert not os.path.exists(os.path.join("/dev/shm", name))
+        assert (a.numpy.ctypes.data - hp._HEADER) % huge == 0
+        a.numpy[:] = np.random.default_rng(1).integers(0, 256, a.numpy.shape, dtype=np.uint8)
+        code = _STUBS + (f"p = hp.HostKVPool.attach({name!r})\n"
+                         "print(int(p.numpy.astype(np.int64).sum()), p.segments)\n")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-500:]
+        assert r.stdout.split() == [str(int(a.numpy.astype(np.int64).sum())), "3"]
+        env = {k: v for k, v in os.environ.items() if k != "HISPARSE_CUPY_SHM_DIR"}
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env)
+        assert r.returncode != 0 and "no host pool named" in r.stderr, r.stderr[-500:]
+        a.close()
+        gc.collect()
+        assert os.listdir(where) == []
+        monkeypatch.setenv("HISPARSE_CUPY_SHM_DIR", where + "/none")
+        with pytest.raises(FileNotFoundError, match="HISPARSE_CUPY_SHM_DIR"):
+            hp.HostKVPool(1, 4, 16, shared_name=name)
+    finally:
+        os.rmdir(where)
+
+
 _STUBS = ("import numpy as np, os, sys, threading; from hisparse_cupy import host_pool as hp; "
           "hp._register = lambda p, n: p; hp._unregister = lambda p: None; "
           "hp.require_gpu = lambda: None; hp._synchronize = lambda: None\n")
