@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -25,18 +26,23 @@ def no_cuda(monkeypatch):
     monkeypatch.setattr(hp, "_synchronize", lambda: None)
 
 
+def _shm() -> str:
+    """The shared pools' directory (HISPARSE_CUPY_SHM_DIR, else /dev/shm): tests run in either."""
+    return hp.host_shm.directory()
+
+
 @pytest.fixture
 def name(request):
     n = f"hs-test-{os.getpid()}-{request.node.name}"[:200]
     yield n
     try:
-        os.unlink(os.path.join("/dev/shm", n))
+        os.unlink(os.path.join(_shm(), n))
     except FileNotFoundError:
         pass
 
 
 def test_create_attach_share_bytes_and_unlink(no_cuda, name):
-    path = os.path.join("/dev/shm", name)
+    path = os.path.join(_shm(), name)
     a = hp.HostKVPool(2, 8, 32, shared_name=name)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert a.owner and "creator" in repr(a)
@@ -59,10 +65,10 @@ def test_a_pool_of_segments_is_one_range_one_name_and_attaches_from_another_proc
     one name in /dev/shm (the header's segment); a child process attaches through the
     creator's descriptors and writes rows of every segment, which the creator reads; nothing
     is left once both closed."""
-    before = set(os.listdir("/dev/shm"))
+    before = set(os.listdir(_shm()))
     L, R, RB = 3, 4096, 48  # 576 KiB: segments of ~29 pages
     a = hp.HostKVPool(L, R, RB, shared_name=name, segments=5)
-    assert a.segments == 5 and set(os.listdir("/dev/shm")) - before == {name}
+    assert a.segments == 5 and set(os.listdir(_shm())) - before == {name}
     rng = np.random.default_rng(0)
     a.numpy[:] = rng.integers(0, 256, a.numpy.shape, dtype=np.uint8)
     b = hp.HostKVPool.attach(name, L, R, RB)
@@ -81,7 +87,7 @@ def test_a_pool_of_segments_is_one_range_one_name_and_attaches_from_another_proc
     b.close()
     a.close()
     gc.collect()
-    assert set(os.listdir("/dev/shm")) == before
+    assert set(os.listdir(_shm())) == before
     with pytest.raises(ValueError, match="segments is a shared pool's"):
         hp.HostKVPool(1, 4, 16, segments=2)
     with pytest.raises(ValueError, match="segments must be"):
@@ -100,7 +106,7 @@ def test_errors_name_the_problem(no_cuda, name):
     for bad in ("", "a/b", ".."):
         with pytest.raises(ValueError, match="shared_name must be a non-empty name"):
             hp.HostKVPool(1, 4, 16, shared_name=bad)
-    with open(os.path.join("/dev/shm", name), "wb") as f:  # not a pool
+    with open(os.path.join(_shm(), name), "wb") as f:  # not a pool
         f.write(b"x" * 5000)
     with pytest.raises(ValueError, match="is not a hisparse_cupy host pool"):
         hp.HostKVPool.attach(name)
@@ -108,13 +114,13 @@ def test_errors_name_the_problem(no_cuda, name):
 
 def test_an_attacher_that_crashes_leaks_nothing_and_its_writes_stay(no_cuda, name):
     pool = hp.HostKVPool(1, 4, 16, shared_name=name)
-    before = set(os.listdir("/dev/shm"))
+    before = set(os.listdir(_shm()))
     code = ("import os, numpy as np; from hisparse_cupy import host_pool as hp; "
             "hp._register = lambda p, n: p; hp.require_gpu = lambda: None; "
             f"p = hp.HostKVPool.attach({name!r}); p.numpy[0, 2] = 7; os._exit(3)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 3, r.stderr
-    assert set(os.listdir("/dev/shm")) == before
+    assert set(os.listdir(_shm())) == before
     assert (pool.numpy[0, 2] == 7).all()
     pool.close()
 
@@ -126,7 +132,7 @@ def test_a_creator_that_exits_without_close_unlinks(name):
             f"p = hp.HostKVPool(1, 4, 16, shared_name={name!r})")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert not os.path.exists(os.path.join("/dev/shm", name))
+    assert not os.path.exists(os.path.join(_shm(), name))
 
 
 def test_from_buffer_checks_the_array(no_cuda):
@@ -226,7 +232,7 @@ def test_a_failing_or_misplaced_chunk_leaves_nothing(calls, name, monkeypatch):
             hp.HostKVPool(1, 10 * PAGE // 64, 64, shared_name=shared, alloc="mmap")
         assert calls["unreg"] == [p for p, _ in calls["reg"][:2]]  # the two before, not the third
         assert not _mapped(calls["reg"][0][0])  # unmapped
-        assert not os.path.exists(os.path.join("/dev/shm", name))
+        assert not os.path.exists(os.path.join(_shm(), name))
         assert len(os.listdir("/proc/self/fd")) == fds
     calls["reg"].clear(), calls["unreg"].clear()
     monkeypatch.setattr(hp, "_register", lambda ptr, nbytes: calls["reg"].append(ptr) or
@@ -272,7 +278,7 @@ def test_first_touch_writes_every_page_from_several_threads(no_cuda, monkeypatch
 
 
 def test_a_creator_killed_during_setup_leaves_no_shared_memory(name):
-    path = os.path.join("/dev/shm", name)
+    path = os.path.join(_shm(), name)
     code = ("import time; from hisparse_cupy import host_pool as hp; "
             "hp._register = lambda p, n: p; hp._unregister = lambda p: None; "
             "hp.require_gpu = lambda: None; touch = hp._first_touch\n"
@@ -284,7 +290,7 @@ def test_a_creator_killed_during_setup_leaves_no_shared_memory(name):
     try:
         assert child.stdout.readline().strip() == "touched"  # 64 MiB touched, not yet named
         with open(f"/proc/{child.pid}/maps") as f:  # the unnamed segments, mapped
-            assert sum("/dev/shm/" in line and "(deleted)" in line for line in f) == 3
+            assert sum(_shm() + "/" in line and "(deleted)" in line for line in f) == 3
         assert not os.path.exists(path)
         with pytest.raises(FileNotFoundError, match="no host pool named"):
             hp.HostKVPool.attach(name)
@@ -293,11 +299,11 @@ def test_a_creator_killed_during_setup_leaves_no_shared_memory(name):
         child.wait(timeout=30)
         child.stdout.close()
     assert child.returncode == -9
-    assert not [e for e in os.listdir("/dev/shm") if name in e]
+    assert not [e for e in os.listdir(_shm()) if name in e]
 
 
 def test_the_name_is_checked_again_when_linked_and_without_o_tmpfile(calls, name, monkeypatch):
-    path = os.path.join("/dev/shm", name)
+    path = os.path.join(_shm(), name)
     a = hp.HostKVPool(1, 64, 64, shared_name=name)
     with monkeypatch.context() as m:
         m.setattr(hp.os.path, "lexists", lambda p: False)  # another creator got there first
@@ -343,9 +349,9 @@ def test_a_pool_the_machine_cannot_hold_is_refused_before_it_is_touched(no_cuda,
         f_bavail, f_frsize = 1, 4096
 
     monkeypatch.setattr(hp.os, "statvfs", lambda path: Full)
-    with pytest.raises(OSError, match="does not fit in /dev/shm .*docker --shm-size"):
+    with pytest.raises(OSError, match=f"does not fit in {re.escape(_shm())} .*docker --shm-size"):
         hp.HostKVPool(1, 1024, 16, shared_name=name)
-    assert not os.path.exists(os.path.join("/dev/shm", name))
+    assert not os.path.exists(os.path.join(_shm(), name))
 
 
 def test_a_large_pool_says_its_setup_in_two_lines(no_cuda, monkeypatch, capsys):
@@ -385,13 +391,14 @@ def test_large_segments_map_on_huge_page_boundaries_in_the_environments_director
     huge, page = 2 << 20, hp._PAGE
     assert hp.host_shm.sizes(8 << 20, page, 3) == [4 << 20, 4 << 20, page]
     assert hp.host_shm.sizes(64 * page, page, 4) == [17 * page] * 3 + [14 * page]  # small
-    where = f"/dev/shm/{name}-dir"
+    home = _shm()
+    where = os.path.join(home, f"{name}-dir")
     os.mkdir(where)
     try:
         monkeypatch.setenv("HISPARSE_CUPY_SHM_DIR", where)
         a = hp.HostKVPool(2, 1 << 16, 64, shared_name=name, segments=3)
         assert a.segments == 3 and os.listdir(where) == [name]
-        assert not os.path.exists(os.path.join("/dev/shm", name))
+        assert not os.path.exists(os.path.join(home, name))
         assert (a.numpy.ctypes.data - hp._HEADER) % huge == 0
         a.numpy[:] = np.random.default_rng(1).integers(0, 256, a.numpy.shape, dtype=np.uint8)
         code = _STUBS + (f"p = hp.HostKVPool.attach({name!r})\n"
@@ -430,7 +437,7 @@ def test_an_unclosed_pool_read_by_a_thread_at_exit_does_not_crash(name):
     for _ in range(3):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert r.returncode == 0, (r.returncode, r.stderr[-500:])
-    assert not os.path.exists(os.path.join("/dev/shm", name))
+    assert not os.path.exists(os.path.join(_shm(), name))
 
 
 def test_a_segment_that_cannot_be_opened_leaks_no_descriptor(name):
@@ -447,12 +454,12 @@ def test_a_segment_that_cannot_be_opened_leaks_no_descriptor(name):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-500:]
     assert r.stdout.split()[0] == "refused" and r.stdout.split()[-1] == "0", r.stdout
-    assert not os.path.exists(os.path.join("/dev/shm", name))
+    assert not os.path.exists(os.path.join(_shm(), name))
 
 
 def test_a_header_with_sizes_no_pool_has_is_refused(no_cuda, name):
     pool = hp.HostKVPool(2, 1 << 12, 64, shared_name=name, segments=3)
-    path = os.path.join("/dev/shm", name)
+    path = os.path.join(_shm(), name)
     good = open(path, "rb").read(hp._HEADER)
     try:
         with open(path, "r+b") as f:  # segment 1's size no page multiple
@@ -488,5 +495,5 @@ def test_a_failure_after_the_name_is_linked_unlinks_it(calls, name, monkeypatch)
     with pytest.raises(BrokenPipeError):
         hp.HostKVPool(2, 1 << 12, 64, shared_name=name, segments=3)
     gc.collect()
-    assert not os.path.exists(os.path.join("/dev/shm", name))
+    assert not os.path.exists(os.path.join(_shm(), name))
     assert sorted(calls["unreg"]) == sorted(p for p, _ in calls["reg"])

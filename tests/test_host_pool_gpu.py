@@ -11,6 +11,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from hisparse_cupy import host_shm
+
 from _util import pattern
 
 pytestmark = pytest.mark.gpu
@@ -73,7 +75,7 @@ def test_two_processes_share_one_pool(rng):
         assert cache.admit(300) == 1  # rows written by the other process's GPU
         assert _swap_bytes_ok(cache, 1, 300, rng)
         cache.close()
-    assert not os.path.exists(f"/dev/shm/{name}")
+    assert not os.path.exists(host_shm.path(name))
 
 
 def test_pool_over_caller_owned_memory(rng):
