@@ -74,12 +74,10 @@ def _machine() -> dict:
            for ln in _read("/proc/meminfo").splitlines() if ln.split(":")[0] in
            ("MemTotal", "MemAvailable")}
     shm = os.statvfs(host_shm.directory())
-    mounts = [ln.split() for ln in _read("/proc/mounts").splitlines()]
     return {"kernel": platform.release(), "cpus": os.cpu_count(),
             "cpus_usable": len(os.sched_getaffinity(0)), "mem_gb": mem,
             "shm_dir": host_shm.directory(), "shm_dir_gb": shm.f_blocks * shm.f_frsize / 1e9,
-            "shm_mount": next((m[3] for m in mounts if len(m) > 3 and
-                               m[1] == host_shm.directory()), "n/a"),
+            "shm_mount": " ".join(host_shm.mount(host_shm.directory())[1:]) or "n/a",
             "thp": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
             "thp_defrag": _read("/sys/kernel/mm/transparent_hugepage/defrag"),
             "thp_shmem": _read("/sys/kernel/mm/transparent_hugepage/shmem_enabled")}

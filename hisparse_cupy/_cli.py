@@ -97,6 +97,9 @@ def cmd_info(args) -> int:
         v = _version(dist)
         if v != "not installed":
             print(f"{dist} {v}")
+    from .host_shm import describe
+
+    print(describe())
     g = cupy_or_why()
     if isinstance(g, str):
         print(g)

@@ -66,11 +66,55 @@ def directory() -> str:
     """Where shared pools live: ``HISPARSE_CUPY_SHM_DIR``, else ``/dev/shm``. Any tmpfs of the
     node will do; one mounted ``huge=always`` (or ``within_size``) gives the pools 2 MiB pages
     (512 times fewer pages to fault, pin and free than ``/dev/shm``'s 4 KiB ones).
-    Every process of a pool must see the same one: creators and attachers look names up here."""
+    Every process of a pool must see the same one: creators and attachers look names up here.
+    A directory on another file system is refused (its files would be written back to disk)."""
     d = os.environ.get("HISPARSE_CUPY_SHM_DIR") or "/dev/shm"
     if not os.path.isdir(d):
         raise FileNotFoundError(f"HISPARSE_CUPY_SHM_DIR: {d!r} is not a directory")
+    fs = mount(d)[1]
+    if fs and fs != "tmpfs":  # "": Linux does not say (no /proc/mounts)
+        raise OSError(errno.EINVAL, f"HISPARSE_CUPY_SHM_DIR: {d!r} is on {fs}, not tmpfs: a "
+                      f"shared pool's files there would be written back to disk; name a "
+                      f"directory of a tmpfs (e.g. one mounted huge=always)")
     return d
+
+
+def mount(where: str, mounts: str | None = None) -> tuple[str, str, str]:
+    """``(mount point, file system, options)`` of the mount holding ``where`` (the longest
+    mount point above it in ``/proc/mounts``, or the ``mounts`` text given); ``("", "", "")``
+    where Linux does not say."""
+    if mounts is None:
+        try:
+            with open("/proc/mounts") as f:
+                mounts = f.read()
+        except OSError:
+            return "", "", ""
+    where, best = os.path.realpath(where), ("", "", "")
+    for line in mounts.splitlines():
+        part = line.split()
+        if len(part) < 4:
+            continue
+        point = part[1].replace("\\040", " ")
+        if (where == point or where.startswith(point.rstrip("/") + "/")) and \
+                len(point) >= len(best[0]):
+            best = (point, part[2], part[3])
+    return best
+
+
+def describe() -> str:
+    """One line on where shared pools go and what pages they get there (``info`` prints it)."""
+    try:
+        d = directory()
+    except OSError as e:  # no such directory, not a tmpfs
+        return f"shared pools: {e.strerror if e.strerror else e}"
+    point, fs, opts = mount(d)
+    st = os.statvfs(d)
+    huge = next((o.split("=", 1)[1] for o in opts.split(",") if o.startswith("huge=")),
+                "never" if fs == "tmpfs" else "n/a")
+    pages = "2 MiB pages" if huge in ("always", "within_size") else \
+        "4 KiB pages; a tmpfs mounted huge=always, named by HISPARSE_CUPY_SHM_DIR, gives 2 MiB"
+    return (f"shared pools in {d} ({fs or 'unknown file system'} at {point or '?'}, "
+            f"{st.f_bavail * st.f_frsize / 1e9:.1f} GB free, huge={huge}: {pages})")
 
 
 def path(name: str) -> str:

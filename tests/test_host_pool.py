@@ -420,6 +420,33 @@ def test_large_segments_map_on_huge_page_boundaries_in_the_environments_director
         os.rmdir(where)
 
 
+def test_the_shared_directory_must_be_a_tmpfs_and_info_says_what_pages_it_gives(
+        no_cuda, name, monkeypatch, tmp_path):
+    """host_shm.mount finds the mount holding a path (the longest mount point above it);
+    a HISPARSE_CUPY_SHM_DIR on another file system is refused before anything is made (its
+    files would be written back to disk); describe() (python -m hisparse_cupy info) says
+    where pools go and whether they get huge pages."""
+    hs = hp.host_shm
+    mounts = ("rootfs / ext4 rw 0 0\ntmpfs /dev/shm tmpfs rw,size=8g 0 0\n"
+              "tmpfs /mnt/h\\040s tmpfs rw,huge=always 0 0\nbad line\n")
+    assert hs.mount("/dev/shm/x/y", mounts) == ("/dev/shm", "tmpfs", "rw,size=8g")
+    assert hs.mount("/mnt/h s/kv", mounts) == ("/mnt/h s", "tmpfs", "rw,huge=always")
+    assert hs.mount("/dev/shmx", mounts)[1] == "ext4" and hs.mount("/x", "") == ("", "", "")
+    assert hs.mount("/dev/shm")[1] == "tmpfs"  # this machine's (CI's) /proc/mounts
+    assert "huge=" in hs.describe() and _shm() in hs.describe()
+    real = hs.mount
+    monkeypatch.setattr(hs, "mount", lambda d, m=None: ("/mnt/h", "tmpfs", "rw,huge=always"))
+    assert "huge=always: 2 MiB pages" in hs.describe()
+    monkeypatch.setattr(hs, "mount", lambda d, m=None: ("/", "ext4", "rw"))
+    monkeypatch.setenv("HISPARSE_CUPY_SHM_DIR", str(tmp_path))
+    with pytest.raises(OSError, match="HISPARSE_CUPY_SHM_DIR: .* is on ext4, not tmpfs"):
+        hp.HostKVPool(1, 4, 16, shared_name=name)
+    assert os.listdir(tmp_path) == [] and "is on ext4, not tmpfs" in hs.describe()
+    monkeypatch.setattr(hs, "mount", real)
+    monkeypatch.setenv("HISPARSE_CUPY_SHM_DIR", str(tmp_path / "none"))
+    assert "is not a directory" in hs.describe()
+
+
 _STUBS = ("import numpy as np, os, sys, threading; from hisparse_cupy import host_pool as hp; "
           "hp._register = lambda p, n: p; hp._unregister = lambda p: None; "
           "hp.require_gpu = lambda: None; hp._synchronize = lambda: None\n")
