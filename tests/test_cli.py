@@ -23,7 +23,9 @@ def test_info_reports_versions_and_the_device_or_why_not():
     p = cli("info")
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("hisparse_cupy 0.1.0")
-    assert "shared pools in /dev/shm (tmpfs" in p.stdout or "HISPARSE_CUPY_SHM_DIR" in p.stdout
+    from hisparse_cupy import host_shm  # where shared pools go (HISPARSE_CUPY_SHM_DIR, /dev/shm)
+
+    assert f"\nshared pools in {host_shm.directory()} (tmpfs at " in p.stdout
     if _have_gpu():
         assert "PDL" in p.stdout and "zero-copy gather of random rows" in p.stdout
     else:
