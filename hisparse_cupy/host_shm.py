@@ -25,6 +25,7 @@ import ctypes
 import errno
 import mmap
 import os
+import re
 import stat
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,7 @@ _PROT_RW, _MAP_FIXED = mmap.PROT_READ | mmap.PROT_WRITE, 0x10  # MAP_FIXED: Linu
 _MAP_SHARED, _MAP_PRIVATE, _MAP_ANON = mmap.MAP_SHARED, mmap.MAP_PRIVATE, mmap.MAP_ANONYMOUS
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 MAX_SEGMENTS = 64
+_OCTAL = re.compile(r"\\([0-7]{3})")  # /proc/mounts' escapes
 _libc = None
 
 
@@ -68,33 +70,52 @@ def directory() -> str:
     (512 times fewer pages to fault, pin and free than ``/dev/shm``'s 4 KiB ones).
     Every process of a pool must see the same one: creators and attachers look names up here.
     A directory on another file system is refused (its files would be written back to disk)."""
-    d = os.environ.get("HISPARSE_CUPY_SHM_DIR") or "/dev/shm"
+    env = os.environ.get("HISPARSE_CUPY_SHM_DIR")
+    d = os.path.abspath(env) if env else "/dev/shm"  # absolute: unlinked from anywhere later
+    what = f"HISPARSE_CUPY_SHM_DIR {env!r}" if env else "/dev/shm (HISPARSE_CUPY_SHM_DIR unset)"
     if not os.path.isdir(d):
-        raise FileNotFoundError(f"HISPARSE_CUPY_SHM_DIR: {d!r} is not a directory")
-    fs = mount(d)[1]
-    if fs and fs != "tmpfs":  # "": Linux does not say (no /proc/mounts)
-        raise OSError(errno.EINVAL, f"HISPARSE_CUPY_SHM_DIR: {d!r} is on {fs}, not tmpfs: a "
-                      f"shared pool's files there would be written back to disk; name a "
-                      f"directory of a tmpfs (e.g. one mounted huge=always)")
+        raise FileNotFoundError(f"{what} is not a directory")
+    if _fs_magic(d) not in (None, _TMPFS_MAGIC):
+        raise OSError(errno.EINVAL, f"{what} is on {mount(d)[1] or 'a file system'}, not "
+                      f"tmpfs: a shared pool's files there would be written back to disk; "
+                      f"set HISPARSE_CUPY_SHM_DIR to a directory of a tmpfs (e.g. one mounted "
+                      f"huge=always)")
     return d
+
+
+_TMPFS_MAGIC = 0x01021994
+
+
+def _fs_magic(d: str) -> int | None:
+    """statfs(2)'s ``f_type`` of ``d`` (the file system the path is really on, mounts over
+    mounts included); None where it cannot be read."""
+    fn = getattr(_c(), "statfs", None)  # None: not in this libc
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type first (a long), < 128 B
+    if fn(os.fsencode(d), buf) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
 def mount(where: str, mounts: str | None = None) -> tuple[str, str, str]:
     """``(mount point, file system, options)`` of the mount holding ``where`` (the longest
     mount point above it in ``/proc/mounts``, or the ``mounts`` text given); ``("", "", "")``
-    where Linux does not say."""
+    where Linux does not say. Options only: the tmpfs check reads statfs, not this."""
     if mounts is None:
         try:
             with open("/proc/mounts") as f:
                 mounts = f.read()
         except OSError:
             return "", "", ""
-    where, best = os.path.realpath(where), ("", "", "")
+        where = os.path.realpath(where)
+    best = ("", "", "")
     for line in mounts.splitlines():
         part = line.split()
         if len(part) < 4:
             continue
-        point = part[1].replace("\\040", " ")
+        point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), part[1])  # \040: a space
         if (where == point or where.startswith(point.rstrip("/") + "/")) and \
                 len(point) >= len(best[0]):
             best = (point, part[2], part[3])
@@ -110,9 +131,18 @@ def describe() -> str:
     point, fs, opts = mount(d)
     st = os.statvfs(d)
     huge = next((o.split("=", 1)[1] for o in opts.split(",") if o.startswith("huge=")),
-                "never" if fs == "tmpfs" else "n/a")
-    pages = "2 MiB pages" if huge in ("always", "within_size") else \
+                "never" if fs == "tmpfs" else "unknown")
+    try:  # the node's override: deny or force every tmpfs
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            node = next((w[1:-1] for w in f.read().split() if w.startswith("[")), "")
+    except OSError:
+        node = ""
+    # advise: the pool asks for huge pages (MADV_HUGEPAGE) and gets them
+    big = node == "force" or (node != "deny" and huge in ("always", "within_size", "advise"))
+    pages = "2 MiB pages" if big else "page size unknown" if huge == "unknown" else \
         "4 KiB pages; a tmpfs mounted huge=always, named by HISPARSE_CUPY_SHM_DIR, gives 2 MiB"
+    if node in ("deny", "force"):
+        huge = f"{huge}, shmem_enabled {node}"
     return (f"shared pools in {d} ({fs or 'unknown file system'} at {point or '?'}, "
             f"{st.f_bavail * st.f_frsize / 1e9:.1f} GB free, huge={huge}: {pages})")
 
@@ -190,6 +220,13 @@ def sizes(nbytes: int, header: int, n: int) -> list[int]:
     return out
 
 
+def aligned(got: int, span: int, pad: int) -> tuple[int, list[tuple[int, int]]]:
+    """In a reservation of ``span + pad`` bytes at ``got``: the ``span`` bytes' start (on a
+    huge page where ``pad`` is one) and the ``(address, bytes)`` left before and after it."""
+    base = -(-got // _HUGE) * _HUGE if pad else got
+    return base, [(a, n) for a, n in ((got, base - got), (base + span, got + pad - base)) if n]
+
+
 class Segments:
     """Files mapped one after another from :attr:`addr` (``total`` bytes): :meth:`array` views
     them. Once :meth:`close` was called and no view is left, the range is unmapped and the
@@ -205,10 +242,13 @@ class Segments:
         pad = _HUGE if span >= _HUGE else 0  # a huge-page aligned start: tmpfs maps it huge
         got = _c().mmap(None, span + pad, 0, _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE, -1, 0)
         _check(got not in (None, ctypes.c_void_p(-1).value), "mmap (reserve)")
-        base = -(-got // _HUGE) * _HUGE if pad else got
-        for a, n in ((got, base - got), (base + span, got + pad - base)) if pad else ():
-            if n:
+        base, slop = aligned(got, span, pad)
+        try:
+            for a, n in slop:
                 _munmap(a, n)
+        except BaseException:  # (munmap can fail splitting a mapping: vm.max_map_count)
+            _munmap(got, span + pad)  # the whole reservation: no split, what is left of it
+            raise
         self.addr, done, off = base, [], 0
         try:
             for fd, n in zip(fds, sizes, strict=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def name(request):
     yield n
     try:
         os.unlink(os.path.join(_shm(), n))
-    except FileNotFoundError:
+    except OSError:  # gone, or the test left HISPARSE_CUPY_SHM_DIR unusable
         pass
 
 
@@ -417,7 +418,7 @@ def test_large_segments_map_on_huge_page_boundaries_in_the_environments_director
         with pytest.raises(FileNotFoundError, match="HISPARSE_CUPY_SHM_DIR"):
             hp.HostKVPool(1, 4, 16, shared_name=name)
     finally:
-        os.rmdir(where)
+        shutil.rmtree(where, ignore_errors=True)  # (a failed assert leaves files)
 
 
 def test_the_shared_directory_must_be_a_tmpfs_and_info_says_what_pages_it_gives(
@@ -434,17 +435,39 @@ def test_the_shared_directory_must_be_a_tmpfs_and_info_says_what_pages_it_gives(
     assert hs.mount("/dev/shmx", mounts)[1] == "ext4" and hs.mount("/x", "") == ("", "", "")
     assert hs.mount("/dev/shm")[1] == "tmpfs"  # this machine's (CI's) /proc/mounts
     assert "huge=" in hs.describe() and _shm() in hs.describe()
+    assert hs.mount("/dev/shm/a\tb", "tmpfs /dev/shm/a\\011b tmpfs rw 0 0")[0] == "/dev/shm/a\tb"
+    assert hs._fs_magic("/dev/shm") == hs._TMPFS_MAGIC  # statfs: what the check reads
     real = hs.mount
     monkeypatch.setattr(hs, "mount", lambda d, m=None: ("/mnt/h", "tmpfs", "rw,huge=always"))
     assert "huge=always: 2 MiB pages" in hs.describe()
     monkeypatch.setattr(hs, "mount", lambda d, m=None: ("/", "ext4", "rw"))
+    monkeypatch.setattr(hs, "_fs_magic", lambda d: 0xEF53)  # ext4's
     monkeypatch.setenv("HISPARSE_CUPY_SHM_DIR", str(tmp_path))
-    with pytest.raises(OSError, match="HISPARSE_CUPY_SHM_DIR: .* is on ext4, not tmpfs"):
+    with pytest.raises(OSError, match="HISPARSE_CUPY_SHM_DIR '.*' is on ext4, not tmpfs"):
         hp.HostKVPool(1, 4, 16, shared_name=name)
     assert os.listdir(tmp_path) == [] and "is on ext4, not tmpfs" in hs.describe()
     monkeypatch.setattr(hs, "mount", real)
     monkeypatch.setenv("HISPARSE_CUPY_SHM_DIR", str(tmp_path / "none"))
     assert "is not a directory" in hs.describe()
+    monkeypatch.delenv("HISPARSE_CUPY_SHM_DIR")
+    monkeypatch.chdir("/dev")  # a relative directory is made absolute (unlinked from anywhere)
+    monkeypatch.setattr(hs, "_fs_magic", lambda d: hs._TMPFS_MAGIC)
+    monkeypatch.setenv("HISPARSE_CUPY_SHM_DIR", "shm")
+    assert hs.directory() == "/dev/shm" and hs.path("kv") == "/dev/shm/kv"
+
+
+def test_a_reservation_is_trimmed_to_a_huge_page_aligned_span():
+    """Segments' base: the reservation's first 2 MiB boundary (itself where aligned), and the
+    slop before and after given back, nothing else."""
+    huge, span = 2 << 20, 5 << 20
+    for got in (7 * huge, 7 * huge + 4096, 8 * huge - 4096):
+        base, slop = hp.host_shm.aligned(got, span, huge)
+        assert base % huge == 0 and got <= base < got + huge
+        assert sum(n for _, n in slop) == huge and all(n > 0 for _, n in slop)
+        pieces = sorted(slop + [(base, span)])
+        assert pieces[0][0] == got and pieces[-1][0] + pieces[-1][1] == got + span + huge
+        assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:], strict=False))
+    assert hp.host_shm.aligned(4096 * 3, 4096, 0) == (4096 * 3, [])  # small: no padding
 
 
 _STUBS = ("import numpy as np, os, sys, threading; from hisparse_cupy import host_pool as hp; "
