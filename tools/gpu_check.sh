@@ -17,6 +17,8 @@
 #   7. with --peer DIR (a copy of the peer_sglang probe, e.g. .peer): SGLang's kernels beside
 #      ours (bench_peer.py --quick, bench_peer_spec.py --quick; --peer-full: their full grids),
 #      JSON.
+# --shm-huge=GB (as root): mount a tmpfs of GB GB with huge=always and run everything with
+# HISPARSE_CUPY_SHM_DIR set to it (shared pools on 2 MiB pages; the suite must pass there too).
 # On a machine lent for 10 minutes a call, run it in two calls: --no-bench --no-demo
 # --fuzz-steps=0 (tests, sanitizers: ~7 min on an H200), then --no-tests --no-sanitize
 # (the step fuzz, benchmarks, peer: ~4 min).
@@ -27,7 +29,7 @@
 # Usage: bash tools/gpu_check.sh [--no-tests] [--no-sanitize] [--no-bench] [--full-bench]
 #                                [--full=bench_NAME ...]   (that benchmark in full, others quick)
 #                                [--peer=DIR] [--peer-full] [--tests=PYTEST_ARGS] [--no-demo]
-#                                [--demo=ARGS] [--fuzz-steps=N] [--fuzz-procs=N]
+#                                [--demo=ARGS] [--fuzz-steps=N] [--fuzz-procs=N] [--shm-huge=GB]
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
@@ -35,7 +37,7 @@ mkdir -p "$OUT" "$OUT/results"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 tests=1 sanitize=1 bench=1 quick=--quick full_only= peer= peer_mode=--quick test_args=tests demo=1
-demo_args="--steps 100 --warmup 20 --eager-and-graph" fuzz_steps=100000 fuzz_procs=12
+demo_args="--steps 100 --warmup 20 --eager-and-graph" fuzz_steps=100000 fuzz_procs=12 shm_huge=
 for a in "$@"; do
   case $a in
     --no-tests) tests=0 ;; --no-sanitize) sanitize=0 ;; --no-bench) bench=0 ;;
@@ -46,6 +48,7 @@ for a in "$@"; do
     --tests=*) test_args=${a#--tests=} ;;
     --no-demo) demo=0 ;; --demo=*) demo_args=${a#--demo=} ;;
     --fuzz-steps=*) fuzz_steps=${a#--fuzz-steps=} ;; --fuzz-procs=*) fuzz_procs=${a#--fuzz-procs=} ;;
+    --shm-huge=*) shm_huge=${a#--shm-huge=} ;;
     *) echo "unknown option $a"; exit 2 ;;
   esac
 done
@@ -62,6 +65,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried (e.g. nixl-cu13: tests/
 fi
 summary "$(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
 summary "$($PY -c 'import cupy, numpy, sys; print("python", sys.version.split()[0], "cupy", cupy.__version__, "numpy", numpy.__version__)' 2>&1)"
+if [ -n "$shm_huge" ]; then  # shared pools on 2 MiB pages (needs root to mount)
+  d=/tmp/hisparse-shm-huge
+  mkdir -p "$d" && { mountpoint -q "$d" || mount -t tmpfs -o "huge=always,size=${shm_huge}g" tmpfs "$d"; } \
+    && export HISPARSE_CUPY_SHM_DIR=$d || { summary "--shm-huge: could not mount a tmpfs at $d"; fail=1; }
+  summary "$($PY -c 'from hisparse_cupy import host_shm; print(host_shm.describe())' 2>&1)"
+fi
 
 if [ $tests = 1 ]; then
   t0=$SECONDS
