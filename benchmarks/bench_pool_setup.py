@@ -69,15 +69,20 @@ def _huge_gb() -> float:
     return kb * 1024 / 1e9
 
 
+def _meminfo_gb(*keys: str) -> dict:
+    """The given /proc/meminfo lines, in GB (node-wide)."""
+    return {ln.split(":")[0]: int(ln.split()[1]) * 1024 / 1e9
+            for ln in _read("/proc/meminfo").splitlines() if ln.split(":")[0] in keys}
+
+
 def _machine() -> dict:
-    mem = {ln.split(":")[0]: int(ln.split()[1]) * 1024 / 1e9
-           for ln in _read("/proc/meminfo").splitlines() if ln.split(":")[0] in
-           ("MemTotal", "MemAvailable")}
-    shm = os.statvfs(host_shm.directory())
+    d = host_shm.directory()
+    shm = os.statvfs(d)
     return {"kernel": platform.release(), "cpus": os.cpu_count(),
-            "cpus_usable": len(os.sched_getaffinity(0)), "mem_gb": mem,
-            "shm_dir": host_shm.directory(), "shm_dir_gb": shm.f_blocks * shm.f_frsize / 1e9,
-            "shm_mount": " ".join(host_shm.mount(host_shm.directory())[1:]) or "n/a",
+            "cpus_usable": len(os.sched_getaffinity(0)),
+            "mem_gb": _meminfo_gb("MemTotal", "MemAvailable"),
+            "shm_dir": d, "shm_dir_gb": shm.f_blocks * shm.f_frsize / 1e9,
+            "shm_mount": " ".join(host_shm.mount(d)[1:]) or "n/a",
             "thp": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
             "thp_defrag": _read("/sys/kernel/mm/transparent_hugepage/defrag"),
             "thp_shmem": _read("/sys/kernel/mm/transparent_hugepage/shmem_enabled")}
@@ -103,13 +108,6 @@ def _gpu_reads_right(pool) -> bool:
         got = cupy.asnumpy(win.astype(cupy.uint16))  # a kernel's loads, not a DMA copy
         ok &= bool((got == host[r: r + 3]).all())
     return ok
-
-
-def _shmem_huge_gb() -> float:
-    """GB of shared memory in huge pages, node-wide (mapped huge or not), from /proc/meminfo."""
-    kb = [int(ln.split()[1]) for ln in _read("/proc/meminfo").splitlines()
-          if ln.startswith("ShmemHugePages:")]
-    return kb[0] * 1024 / 1e9 if kb else 0.0
 
 
 def _touch_only(nbytes: int, threads: int) -> dict:
@@ -141,7 +139,8 @@ def _one(path: str, n_rows: int, args) -> dict:
         t0 = time.perf_counter()
         pool = hp.HostKVPool(LAYERS, n_rows, ROW, **kw)
         res["setup_s"] = time.perf_counter() - t0
-        res["huge_gb"], res["shmem_huge_gb"] = _huge_gb(), _shmem_huge_gb()
+        res["huge_gb"] = _huge_gb()  # and the node's shmem in huge pages (mapped huge or not):
+        res["shmem_huge_gb"] = _meminfo_gb("ShmemHugePages").get("ShmemHugePages", 0.0)
         res["bytes_ok"] = _gpu_reads_right(pool)
         t0 = time.perf_counter()
         pool.close()
