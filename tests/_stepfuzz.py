@@ -13,9 +13,10 @@ pool of 1-16 tokens a page, its pages handed out in random order) and then decod
 - per full layer a single-step ``[B, K]`` or multi-step ``[B, S, K]`` top-k (tokens it held,
   new ones, the newest and draft tokens in every step, duplicates, -1, out-of-range entries);
   shared layers through the Prefetcher;
-- prefetch and prediction toggled between steps, any stream kind per step (ordered after the
-  previous step's stream with an event, as an engine orders its streams), and on the GPU
-  captured steps replayed with new batches and ``num_real``.
+- prefetch and prediction toggled between steps, a group's replays in one launch or layer by
+  layer as the step's batch decides (``group_replay_batch`` drawn per run), any stream kind
+  per step (ordered after the previous step's stream with an event, as an engine orders its
+  streams), and on the GPU captured steps replayed with new batches and ``num_real``.
 
 After every step every output entry is checked: -1 exactly where the semantics say (padding
 rows and columns, -1, out of range), a row elsewhere, one row per token within a call, and the
@@ -101,14 +102,15 @@ class Backend:
             c.pages.put(np.random.default_rng(seed).permutation(got))
         return c
 
-    def prefetcher(self, cache, pattern: str, rule: str):
-        if not self.gpu:  # (the stager's rule moves no byte: the model has none)
+    def prefetcher(self, cache, pattern: str, rule: str, group: int):
+        if not self.gpu:  # (the stager's rule and the replays' launches move no byte: the
+            # model has neither)
             from _stepmodel import ModelPrefetcher
 
             return ModelPrefetcher(cache, pattern)
         from hisparse_cupy.streams import Prefetcher
 
-        return Prefetcher(cache, pattern, predict_rule=rule)
+        return Prefetcher(cache, pattern, predict_rule=rule, group_replay_batch=group)
 
 
 class Fuzz:
@@ -128,7 +130,8 @@ class Fuzz:
         self.max_len, self.row = cfg["max_len"], cfg["row_bytes"]
         self.rows_per_request = c.rows_per_request
         rule = ("misses", "selection")[int(rng.integers(2))]
-        self.pf = be.prefetcher(c, cfg["pattern"], rule) if cfg["prefetch"] else None
+        group = int(rng.choice([0, 2, 4, 64]))  # group_replay_batch: batches mix the two ways
+        self.pf = be.prefetcher(c, cfg["pattern"], rule, group) if cfg["prefetch"] else None
         from hisparse_cupy.streams.pattern import layer_pattern
 
         self.full = layer_pattern(cfg["pattern"]).full if self.pf else (True,) * self.L

@@ -102,7 +102,8 @@ def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
                          "--hidden": ["512"], "--side-sms": ["8"],
                          "--predict-rule": ["misses"], "--matmul": ["torch"],
                          "--resident-layers": ["2"], "--replay-grid": ["8"],
-                         "--replay-rows-per-warp": ["8"]}.get(flag, []))
+                         "--replay-rows-per-warp": ["8"],
+                         "--group-replay-batch": ["0"]}.get(flag, []))
         with pytest.raises(SystemExit, match=f"{flag} needs the GPU decode loop"):
             cpu_config(arg)
     assert cpu_config(["--mtp", "1"]).mtp == 1  # off: nothing to refuse
@@ -172,7 +173,8 @@ def test_config_memory_and_errors():
                      (["--recent", "0"], "--recent"),
                      (["--resident-layers", "3"], "layer 3 is shared"),
                      (["--resident-layers", "78"], "--resident-layers must be in"),
-                     (["--replay-grid", "0"], "--replay-grid must be >= 1")):
+                     (["--replay-grid", "0"], "--replay-grid must be >= 1"),
+                     (["--group-replay-batch", "-1"], "--group-replay-batch must be >= 0")):
         with pytest.raises(SystemExit, match=msg):
             from_args(bad)
     from hisparse_cupy._build import COPY_ROWS_PER_WARP

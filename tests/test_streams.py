@@ -249,8 +249,10 @@ def _host_check(cache, layer, locs, topk, req):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rpw", [1, 2, 4])
-def test_shared_layer_bytes_after_wait(main, rpw):
+@pytest.mark.parametrize("rpw, group", [(1, 0), (2, 0), (4, 0), (1, 5), (4, 5)])
+def test_shared_layer_bytes_after_wait(main, rpw, group):
+    """Every shared layer's rows after its wait, layer by layer (group 0) or a group's replays
+    in one launch (group_replay_batch 5 = the batch)."""
     cp = _gpu()
     from hisparse_cupy.streams import Prefetcher
 
@@ -258,7 +260,8 @@ def test_shared_layer_bytes_after_wait(main, rpw):
     L, R, B = len(pat), 5, 5
     cache, req = _make_cache(L, R, stream=main)
     lens = cp.full(B, MAX_LEN, cp.int32)
-    pf = Prefetcher(cache, pat, replay_grid=2, replay_rows_per_warp=rpw)
+    pf = Prefetcher(cache, pat, replay_grid=2, replay_rows_per_warp=rpw,
+                    group_replay_batch=group)
     gen = _TopK(B, 6, 1)
     reader = _reader()
     errors = cp.zeros(L, cp.int32)
@@ -351,7 +354,59 @@ def test_replay_equals_full_swap_rows(main):
 
 
 @pytest.mark.gpu
-def test_graph_replay_equals_eager_with_padding(main):
+def test_group_replay_follows_the_batch(main):
+    """Random batches of random requests, so that steps switch between whole-group replays
+    (batch <= 3) and replays layer by layer, with prediction toggled at random: page tables and
+    every device row equal a prefetch-off cache's after each step, every row checked."""
+    cp = _gpu()
+    from hisparse_cupy.streams import Prefetcher
+
+    pat = "FSSSFSSFSF"  # groups of 3, 2, 1 and 0 shared layers
+    L, R = len(pat), 6
+    on, req_on = _make_cache(L, R, stream=main)
+    off, req_off = _make_cache(L, R, stream=main)
+    np.testing.assert_array_equal(cp.asnumpy(req_on), cp.asnumpy(req_off))
+    pf_on = Prefetcher(on, pat, replay_grid=2, group_replay_batch=3)
+    pf_off = Prefetcher(off, pat, enabled=False)
+    gen = _TopK(R, 5, 9)
+    rng = np.random.default_rng(11)
+    reader = _reader()
+    errors = cp.zeros(L, cp.int32)
+    seen = set()
+    with main:
+        for t in range(40):
+            B = int(rng.integers(1, R + 1))
+            pick = np.sort(rng.permutation(R)[:B])
+            seen.add(B <= 3)
+            if rng.random() < 0.3:
+                pf_on.set_predict(not pf_on.predict, stream=main)
+            req = req_on[cp.asarray(pick)]
+            tk = cp.asarray(gen.host(t)[pick])
+            lens = cp.full(B, MAX_LEN, cp.int32)
+            outs = []
+            for pf in (pf_on, pf_off):
+                step = pf.cache.begin_step(req, lens, stream=main, prefetcher=pf)
+                outs.append([step.swap(layer, tk).copy() for layer in range(L)])
+                step.finish()
+            for layer in range(L):
+                _check(reader, on, layer, outs[0][layer], tk, req, errors, main)
+            main.synchronize()
+            for layer in range(L):
+                np.testing.assert_array_equal(cp.asnumpy(outs[0][layer]),
+                                              cp.asnumpy(outs[1][layer]),
+                                              err_msg=f"step {t} (batch {B}) layer {layer}")
+            np.testing.assert_array_equal(cp.asnumpy(on.device), cp.asnumpy(off.device),
+                                          err_msg=f"device rows differ at step {t} (batch {B})")
+    assert seen == {True, False}
+    assert cp.asnumpy(errors).tolist() == [0] * L
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [0, 6])
+def test_graph_replay_equals_eager_with_padding(main, group):
+    """A captured step replayed with new top-k and num_real equals the same step run eagerly
+    layer by layer; the graph's Prefetcher replays layer by layer (group 0) or each group in
+    one launch (group_replay_batch 6 = the batch)."""
     cp = _gpu()
     from hisparse_cupy.streams import Prefetcher
 
@@ -366,7 +421,8 @@ def test_graph_replay_equals_eager_with_padding(main):
     for _ in range(2):
         cache, req = _make_cache(L, R, stream=main)
         caches.append(cache)
-        pfs.append(Prefetcher(cache, pat, replay_grid=3))
+        pfs.append(Prefetcher(cache, pat, replay_grid=3,
+                              group_replay_batch=group if pfs else 0))
         with main:
             bufs.append(dict(tk=cp.empty((B, K), cp.int32), nr=cp.empty(1, cp.int32),
                              res=cp.empty((L, B, K), cp.int32), err=cp.zeros(L, cp.int32)))
@@ -418,8 +474,10 @@ class _NoWait:
 
 
 @pytest.mark.gpu
-def test_negative_control_slowed_replay(main):
-    """With a spin-slowed replay, a reader sees stale rows without the wait, none with it."""
+@pytest.mark.parametrize("group", [0, 4])
+def test_negative_control_slowed_replay(main, group):
+    """With a spin-slowed replay, a reader sees stale rows without the wait, none with it
+    (replays layer by layer, or a group in one launch: group_replay_batch 4 = the batch)."""
     cp = _gpu()
     from hisparse_cupy.probe import copy_probe
     from hisparse_cupy.streams import Prefetcher
@@ -434,7 +492,7 @@ def test_negative_control_slowed_replay(main):
     results = {}
     for name, cls, steps in (("no_wait", NoWaitPrefetcher, 30), ("wait", Prefetcher, 1000)):
         cache, req = _make_cache(L, R, stream=main)
-        pf = cls(cache, pat, replay_grid=1)
+        pf = cls(cache, pat, replay_grid=1, group_replay_batch=group)
         # ~0.1 ms per row: a replay takes far longer than the reader
         slow = copy_probe(spin_cycles=200_000, streams=[pf.side])
         gen = _TopK(B, 4, 4)
@@ -469,6 +527,8 @@ def test_pipeline_stage_and_errors(main):
         Prefetcher(cache, model, layer_range=(5, 8))
     with pytest.raises(ValueError, match="replay_rows_per_warp must be one of"):
         Prefetcher(cache, model, layer_range=(4, 8), replay_rows_per_warp=3)
+    with pytest.raises(ValueError, match="group_replay_batch must be >= 0, got -1"):
+        Prefetcher(cache, model, layer_range=(4, 8), group_replay_batch=-1)
     pf = Prefetcher(cache, model, layer_range=(4, 8))
     assert str(pf.pattern) == "FSSF" and pf.pattern.first_layer == 4
     with pytest.raises(TypeError, match="replay_rows_per_warp must be an int"):

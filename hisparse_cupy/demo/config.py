@@ -39,6 +39,7 @@ class Config:
     side_sms: int = 0  # SMs of the SM partition's side group (0: no partition)
     replay_grid: int | None = None  # Prefetcher(replay_grid=) (None: its default)
     replay_rows_per_warp: int | None = None  # Prefetcher(replay_rows_per_warp=)
+    group_replay_batch: int | None = None  # Prefetcher(group_replay_batch=)
     predict_rule: str = "selection"  # the prediction stager's rule (Prefetcher(predict_rule=))
     matmul: str = "cublas"  # the layer matmuls: cuBLAS through ctypes, or torch.matmul
     shared_prefix: int = 0  # requests 1.. share request 0's first N tokens (host pages)
@@ -111,6 +112,8 @@ class Config:
              self.replay_rows_per_warp in REPLAY_ROWS_PER_WARP,
              f"--replay-rows-per-warp must be one of {REPLAY_ROWS_PER_WARP}, got "
              f"{self.replay_rows_per_warp}")
+        need(self.group_replay_batch is None or self.group_replay_batch >= 0,
+             f"--group-replay-batch must be >= 0, got {self.group_replay_batch}")
         need(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
         need(0 <= self.shared_prefix <= self.context,
              f"--shared-prefix must be in [0, --context], got {self.shared_prefix}")
@@ -255,6 +258,9 @@ def parser() -> argparse.ArgumentParser:
       choices=REPLAY_ROWS_PER_WARP,
       help="rows each replay warp keeps in flight (default: the Prefetcher's, 4; 8 on a "
            "partition)")
+    a("--group-replay-batch", type=int, default=d.group_replay_batch, metavar="N",
+      help="batches of at most N rows replay each group of shared layers in one launch and "
+           "wait once (default: the Prefetcher's, 1); 0: layer by layer")
     a("--shared-prefix", type=int, default=d.shared_prefix, metavar="N",
       help="requests 1.. are forks of request 0 sharing the host pages of its first N tokens")
     a("--resident-layers", type=int, default=None, metavar="N",
@@ -272,7 +278,7 @@ CPU_DEFAULTS = {"layers": 8, "batch": 2, "context": 1536, "steps": 12, "warmup":
                 "top_k": 128, "hot": 512, "extra_page": 8, "recent": 4, "resident_layers": 0}
 CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hidden",
                "--side-sms", "--predict-rule", "--matmul", "--resident-layers", "--replay-grid",
-               "--replay-rows-per-warp")
+               "--replay-rows-per-warp", "--group-replay-batch")
 # (--mtp 1, --mode gpu-only / offload, --eager, --no-predict and --no-partition are what the
 # NumPy backend runs: accepted)
 
@@ -363,7 +369,8 @@ def from_args(argv=None, *, check: bool = True) -> Config:
                  top_k=ns.top_k, hot=ns.hot, extra_page=ns.extra_page, hidden=ns.hidden,
                  mtp=ns.mtp, modes=modes, seed=Config.seed if ns.seed is None else ns.seed,
                  side_sms=side, replay_grid=ns.replay_grid,
-                 replay_rows_per_warp=ns.replay_rows_per_warp, predict_rule=ns.predict_rule,
+                 replay_rows_per_warp=ns.replay_rows_per_warp,
+                 group_replay_batch=ns.group_replay_batch, predict_rule=ns.predict_rule,
                  matmul=ns.matmul,
                  shared_prefix=ns.shared_prefix,
                  execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)

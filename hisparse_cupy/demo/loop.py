@@ -248,9 +248,14 @@ class Rig:
             pattern = self.pattern.stage(self.R, c.layers) if self.R else self.pattern
             self.pf = Prefetcher(self.cache, pattern, partition=self.partition,
                                  predict_rule=c.predict_rule, replay_grid=c.replay_grid,
-                                 replay_rows_per_warp=c.replay_rows_per_warp)
+                                 replay_rows_per_warp=c.replay_rows_per_warp,
+                                 group_replay_batch=c.group_replay_batch)
             self.log(f"side streams: replays and staging on {self.pf.replay_grid} blocks, "
-                     f"{self.pf.replay_rows_per_warp} rows in flight per warp")
+                     f"{self.pf.replay_rows_per_warp} rows in flight per warp; "
+                     + ("a group's replays in one launch, one wait"
+                        if c.batch <= self.pf.group_replay_batch else
+                        "one replay and one wait per shared layer")
+                     + f" (group_replay_batch {self.pf.group_replay_batch})")
             if self.admission is not None:
                 self._admission = self.admission(self)
             how = ("given, " if self.pool is not None else "") + (

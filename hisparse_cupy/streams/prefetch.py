@@ -11,8 +11,10 @@ full layer's page table, still hold the same bytes at the same rows. Per decode 
   the miss plan. If the layer has a group, the side stream forks from the main stream right
   after the swap, replays the plan into each shared layer's device rows (one copy-only launch
   per shared layer, from that layer's host rows) and records one event per position in the
-  group;
-- **shared layer**: the main stream waits on the event of that layer's position and gets the
+  group; at a batch of at most ``group_replay_batch`` rows, one launch replays the whole group
+  (its layers follow each other in the pool and on the device) and records one event;
+- **shared layer**: the main stream waits on the event of that layer's position (a whole-group
+  replay: the first shared layer waits on its one event, the others on nothing) and gets the
   full layer's page table back. No hashing, no LRU, no host synchronization.
 
 With prefetch off (:meth:`Prefetcher.set_enabled`), every layer, shared ones included, runs
@@ -37,9 +39,10 @@ from .partition import SMPartition
 from .pattern import LayerPattern, layer_pattern
 from .predict import Predictor
 
-__all__ = ["DEFAULT_REPLAY_ROWS_PER_WARP", "PARTITION_REPLAY_ROWS_PER_WARP", "Prefetcher",
-           "default_replay_grid"]
+__all__ = ["DEFAULT_GROUP_REPLAY_BATCH", "DEFAULT_REPLAY_ROWS_PER_WARP",
+           "PARTITION_REPLAY_ROWS_PER_WARP", "Prefetcher", "default_replay_grid"]
 
+DEFAULT_GROUP_REPLAY_BATCH = 1  # batches up to this replay a group in one launch, one wait
 DEFAULT_REPLAY_ROWS_PER_WARP = 4
 PARTITION_REPLAY_ROWS_PER_WARP = 8  # on a few SMs of their own, replays keep more rows in flight
 
@@ -102,6 +105,14 @@ class Prefetcher:
         staged at recall 0.68 against 0.43 at the same precision (0.56) and hid 76.9 / 71.3 /
         56.5 % of the offload overhead at batch 8 / 32 / 1 against 71.4 / 70.8 / 56.3 %; at
         batch 64, where the link is full, 68.0 % against 70.2 % (``benchmarks/NOTES.md``).
+    group_replay_batch : int, optional
+        Steps of at most this many batch rows replay a group's shared layers in one launch
+        and the main stream waits once, at the group's first shared layer (default
+        :data:`DEFAULT_GROUP_REPLAY_BATCH`); larger steps replay layer by layer, each shared
+        layer waiting only for its own rows. At small batch a group's replay ends long before
+        its full layer's compute does, and every wait is an edge on the step's path;
+        ``benchmarks/NOTES.md``, "One wait per group at small batch", has the measurements.
+        0: layer by layer at every batch.
     copy_grid : int, optional
         Copy blocks of the full layers' own swap (default: enough to fill the GPU).
     side_priority : int or None
@@ -149,7 +160,7 @@ class Prefetcher:
                  side_priority: int | None = -1000,
                  replay_rows_per_warp: int | None = None, predict: bool = False,
                  predict_width: int | None = None, partition: SMPartition | None = None,
-                 predict_rule: str = "selection"):
+                 predict_rule: str = "selection", group_replay_batch: int | None = None):
         if not isinstance(cache, HotBufferCache):
             raise TypeError(f"cache must be a HotBufferCache, got {type(cache).__name__}")
         model = layer_pattern(pattern)
@@ -175,6 +186,9 @@ class Prefetcher:
             replay_rows_per_warp = (DEFAULT_REPLAY_ROWS_PER_WARP if partition is None
                                     else PARTITION_REPLAY_ROWS_PER_WARP)
         self.replay_rows_per_warp = replay_rows_per_warp
+        self.group_replay_batch = _checks.integer(
+            "group_replay_batch", DEFAULT_GROUP_REPLAY_BATCH if group_replay_batch is None
+            else group_replay_batch, 0, 2**31 - 1)
         self.copy_grid = (None if copy_grid is None
                           else _checks.integer("copy_grid", copy_grid, 1, 2**31 - 1))
         self._enabled = bool(enabled)
@@ -188,7 +202,9 @@ class Prefetcher:
         self._replay: dict = {}  # (batch, num_real pointer) -> replay Params
         self._ms_out = None if cache.max_steps < 2 else cupy.empty(
             (cache.max_batch, cache.max_steps, cache.top_k), cupy.int32)
-        # per layer: the replay's source and destination (validated once, here)
+        # per layer: the replay's source and destination (validated once, here); layer i + 1
+        # follows layer i at the same stride on both sides, so a group (consecutive layers)
+        # replays in one launch
         self._host = [int(cache.pool.device_ptr(i)) for i in range(cache.n_layers)]
         self._dev_rows = [cache.device[i].data.ptr for i in range(cache.n_layers)]
         fl = stage.full_layers
@@ -223,6 +239,7 @@ class Prefetcher:
         self._anchor_topk = None
         self._anchor_out = None
         self._queued = 0  # replays queued for the current group
+        self._whole = False  # ... in one launch (one event, at its last position)
         self._joined = 0  # leading positions the main stream has waited on
 
     @property
@@ -389,11 +406,15 @@ class Prefetcher:
         prm = self._replay.get(key)
         if prm is None:
             prm = self._replay[key] = copy_params(
-                plan.src, plan.dst, plan.count, batch, num_real, src_base=0, src_layer_bytes=0,
-                n_src_rows=c.pool.n_rows, dst_base=0, dst_layer_bytes=0,
-                n_dst_rows=c.device.shape[1], row_bytes=c.row_bytes)
-        for p, sl in enumerate(group):
-            prm.set(src_base=self._host[sl], dst_base=self._dev_rows[sl])
+                plan.src, plan.dst, plan.count, batch, num_real, src_base=0,
+                src_layer_bytes=c.pool.layer_bytes, n_src_rows=c.pool.n_rows, dst_base=0,
+                dst_layer_bytes=c.device[0].nbytes, n_dst_rows=c.device.shape[1],
+                row_bytes=c.row_bytes)
+        # a whole group at once (one event, at its last position), or one layer at a time
+        self._whole = whole = batch <= self.group_replay_batch  # (the waits follow it)
+        for p, sl in ([(len(group) - 1, group[0])] if whole else enumerate(group)):
+            prm.set(src_base=self._host[sl], dst_base=self._dev_rows[sl],
+                    n_layers=len(group) if whole else 1)
             launch_copy(prm, grid=self.replay_grid, stream=self.side,
                         rows_per_warp=self.replay_rows_per_warp)
             self.events[p].record(self.side)
@@ -401,9 +422,16 @@ class Prefetcher:
         self._joined = 0
 
     def _wait_position(self, p: int, s: cupy.cuda.Stream) -> None:
-        """Main stream waits for the replay at group position ``p`` (hazard 1)."""
+        """Main stream waits for the replay at group position ``p`` (hazard 1): nothing if it
+        waited on that position or a later one (recorded later on the side stream); a group
+        replayed in one launch is waited on whole."""
+        if self._joined > p:
+            return
+        if self._whole:
+            self._join(s)
+            return
         s.wait_event(self.events[p])
-        self._joined = max(self._joined, p + 1)
+        self._joined = p + 1
 
     def finish(self, stream=None) -> None:
         """End a decode step: join any replay no shared layer waited on (and a prediction no
