@@ -260,7 +260,7 @@ def parser() -> argparse.ArgumentParser:
            "partition)")
     a("--group-replay-batch", type=int, default=d.group_replay_batch, metavar="N",
       help="batches of at most N rows replay each group of shared layers in one launch and "
-           "wait once (default: the Prefetcher's, 1); 0: layer by layer")
+           "wait once (default: the Prefetcher's, 2); 0: layer by layer")
     a("--shared-prefix", type=int, default=d.shared_prefix, metavar="N",
       help="requests 1.. are forks of request 0 sharing the host pages of its first N tokens")
     a("--resident-layers", type=int, default=None, metavar="N",

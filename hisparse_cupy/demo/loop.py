@@ -19,6 +19,7 @@ import time
 import cupy
 import numpy as np
 
+from .._abi import LC_MISSES
 from ..cache import HotBufferCache
 from ..streams import Prefetcher
 from .config import PAGE_TOKENS, ROW_BYTES, Config
@@ -36,8 +37,7 @@ class RunResult:
     swap_call_us: float | None  # eager: mean Python time of one step.swap call, measured in
     # warm-up steps 1.. that start on an idle stream (so no launch waits for queue space)
     # offloaded runs: the cache's device counters over every step (LayerCounters.latest()),
-    # with "tally_misses" (the step's own count of the full layers' misses, every step) and
-    # "full" (the full-layer mask) for the self-check
+    # with "full" (the full-layer mask) and "batch" for the self-check
     counters: dict | None = None
     predict: dict | None = None  # predict mode: Prefetcher.predict_summary() over every step
 
@@ -119,6 +119,14 @@ class Rig:
             self.locs = cupy.empty((B, S, K), cupy.int32)
             self.digest = cupy.zeros((cfg.total_steps, cfg.layers), cupy.uint64)
             self.moved = cupy.zeros((cfg.total_steps, 2), cupy.uint64)
+            # the tally's weights per cached layer: offload, every layer moves its own misses;
+            # replays, a full layer's misses move once more for each shared layer it serves
+            # (whose own counters stay zero)
+            full = [self.full[layer] for layer in self.cached]
+            self.full_dev = cupy.asarray(np.array(full, np.int32))
+            self.weight = [cupy.ones(len(full), cupy.int32), cupy.asarray(np.array(
+                [1 + len(self.groups.get(layer, ())) if self.full[layer] else 1
+                 for layer in self.cached], np.int32))]
         self.U = cfg.context
         self.a = np.int64(coprime(self.U))
         self.M = max(1, round(cfg.new_share * K))
@@ -365,14 +373,14 @@ class Rig:
             else:
                 out = st.swap(layer, topk)
             if not direct:
-                if self.full[layer]:  # rows this swap and its shared layers' move
-                    w = 1 + len(self.groups.get(layer, ()))
-                    k.tally((1,), (128,), (cache.plan.count, np.int32(B), np.int32(w), self.moved,
-                                           self.step_ctr), stream=s)
                 rows = cache.device[layer - R]
             m.layer(out, rows, layer, self.digest, self.step_ctr, last=layer == c.layers - 1)
         if not gpu_only:
             st.finish()
+            ctr = cache.counters.device  # the step's rows moved and misses, from its counters
+            k.tally((1,), (128,), (ctr, np.int32(ctr.shape[0]), np.int32(ctr.shape[1]),
+                                   np.int32(LC_MISSES), self.weight[mode != "offload"],
+                                   self.full_dev, self.moved, self.step_ctr), stream=s)
         k.tick((1,), (128,), (self.step_ctr, self.lens, np.int32(B)), stream=s)
 
     # ------------------------------------------------------------------ one mode
@@ -414,7 +422,8 @@ class Rig:
         ev[n].synchronize()
         w = c.warmup
         step_ms = np.array([cupy.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(w, n)])
-        moved = cupy.asnumpy(self.moved)
+        moved = np.diff(cupy.asnumpy(self.moved).astype(np.int64), axis=0,
+                        prepend=np.zeros((1, 2), np.int64))  # the tally's totals, per step
         swap_us = None
         if exec_ == "eager" and self.swap_n:
             swap_us = 1e6 * self.swap_s / self.swap_n
@@ -422,10 +431,10 @@ class Rig:
         if mode == "predict":
             pred = self.pf.predict_summary()
         if mode != "gpu-only":
-            ctr = {**self.cache.counters.read(s), "tally_misses": int(moved[:, 1].sum()),
+            ctr = {**self.cache.counters.read(s),
                    "full": np.asarray(self.full[self.R:], bool), "batch": c.batch}
         return RunResult(mode, exec_, step_ms, cupy.asnumpy(self.digest),
-                         moved[w:, 0].astype(np.int64), moved[w:, 1].astype(np.int64), swap_us,
+                         moved[w:, 0], moved[w:, 1], swap_us,
                          ctr, pred)
 
     def close(self) -> None:

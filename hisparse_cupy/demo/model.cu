@@ -304,20 +304,30 @@ extern "C" __global__ void attn_combine(const float* part_m, const float* part_l
   if ((d & 31) == 0) atomicAdd(digest + static_cast<long long>(*step) * n_layers + layer, dig);
 }
 
-// Rows moved and misses of one swap: acc[2 step] += weight * sum(count[:B]),
-// acc[2 step + 1] += sum(count[:B]). One block.
-extern "C" __global__ void tally(const int* count, int B, int weight, u64* acc,
+// End of an offloaded step, after its last swap: the cache's device counters summed over its
+// layers, so far (the counters were reset before step 0; the host takes differences of
+// consecutive steps). acc[2 step] = sum_l weight[l] * misses_l (rows moved host -> device: a
+// full layer's misses again for every shared layer its replays serve), acc[2 step + 1] =
+// sum_l full[l] * misses_l. counters: uint64 [n_layers, stride], misses in column col. One
+// block. Once per step (not per swap), so the tally stays off the layers' path.
+extern "C" __global__ void tally(const u64* counters, int n_layers, int stride, int col,
+                                 const int* weight, const int* full, u64* acc,
                                  const int* step) {
-  __shared__ u64 s_sum;
-  if (threadIdx.x == 0) s_sum = 0;
+  __shared__ u64 s_moved, s_full;
+  if (threadIdx.x == 0) s_moved = s_full = 0;
   __syncthreads();
-  u64 v = 0;
-  for (int b = threadIdx.x; b < B; b += blockDim.x) v += static_cast<u64>(max(count[b], 0));
-  atomicAdd(&s_sum, v);
+  u64 moved = 0, in_full = 0;
+  for (int l = threadIdx.x; l < n_layers; l += blockDim.x) {
+    const u64 m = counters[static_cast<long long>(l) * stride + col];
+    moved += m * static_cast<u64>(weight[l]);
+    in_full += full[l] ? m : 0;
+  }
+  atomicAdd(&s_moved, moved);
+  atomicAdd(&s_full, in_full);
   __syncthreads();
   if (threadIdx.x == 0) {
-    atomicAdd(acc + 2 * (*step), s_sum * static_cast<u64>(weight));
-    atomicAdd(acc + 2 * (*step) + 1, s_sum);
+    acc[2 * (*step)] = s_moved;
+    acc[2 * (*step) + 1] = s_full;
   }
 }
 

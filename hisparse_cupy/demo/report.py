@@ -14,7 +14,7 @@ from .config import ROW_BYTES, Config
 def self_check(results) -> list[str]:
     """Errors: every run's attention outputs (per step and layer digests) must equal the
     GPU-only run's bit for bit; the reference must hold real outputs; an offloaded run's device
-    counters must count the misses the step tallied itself, and every step's rows."""
+    counters must count every step's rows in every full layer."""
     ref = next((r for r in results if r.mode == "gpu-only"), None)
     if ref is None:
         return ["no gpu-only run to check against"]
@@ -39,9 +39,6 @@ def _counter_errors(r, steps: int) -> list[str]:
     if c is None:
         return []
     full, out = c["full"], []
-    if int(c["misses"][full].sum()) != c["tally_misses"]:
-        out.append(f"{r.mode} {r.exec}: the device counters count {int(c['misses'][full].sum())} "
-                   f"misses in the full layers, the step tallied {c['tally_misses']}")
     rows = c["rows"][full]
     if not (rows == steps * c["batch"]).all():
         out.append(f"{r.mode} {r.exec}: full layers' counted rows {rows.tolist()} are not "
