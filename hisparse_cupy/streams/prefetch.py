@@ -42,7 +42,7 @@ from .predict import Predictor
 __all__ = ["DEFAULT_GROUP_REPLAY_BATCH", "DEFAULT_REPLAY_ROWS_PER_WARP",
            "PARTITION_REPLAY_ROWS_PER_WARP", "Prefetcher", "default_replay_grid"]
 
-DEFAULT_GROUP_REPLAY_BATCH = 1  # batches up to this replay a group in one launch, one wait
+DEFAULT_GROUP_REPLAY_BATCH = 2  # batches up to this replay a group in one launch, one wait
 DEFAULT_REPLAY_ROWS_PER_WARP = 4
 PARTITION_REPLAY_ROWS_PER_WARP = 8  # on a few SMs of their own, replays keep more rows in flight
 
