@@ -110,9 +110,11 @@ class Prefetcher:
         and the main stream waits once, at the group's first shared layer (default
         :data:`DEFAULT_GROUP_REPLAY_BATCH`); larger steps replay layer by layer, each shared
         layer waiting only for its own rows. At small batch a group's replay ends long before
-        its full layer's compute does, and every wait is an edge on the step's path;
-        ``benchmarks/NOTES.md``, "One wait per group at small batch", has the measurements.
-        0: layer by layer at every batch.
+        its full layer's compute does, and one launch slows that compute less than one per
+        layer (H200, the decode loop: 1.2 points more of batch 1's overhead hidden; at batch
+        8-16 the first shared layer's wait for the whole group cost 0.8-2.8 ms a step;
+        ``benchmarks/NOTES.md``, "One wait per group at small batch"). 0: layer by layer at
+        every batch.
     copy_grid : int, optional
         Copy blocks of the full layers' own swap (default: enough to fill the GPU).
     side_priority : int or None
