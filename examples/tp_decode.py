@@ -32,8 +32,16 @@ checks its own attention outputs against its gpu-only run bit for bit; rank 0 pr
 rank's table, the host memory pinned (one pool per host instead of one per rank) and each
 rank's swap GB/s.
 
+Ranks are placed round-robin on the first ``--gpus`` GPUs (default: one GPU per rank, as many
+as there are). Ranks that share a GPU (``--nproc 2`` on a one-GPU machine, or ``--gpus 1``)
+cannot use NCCL, which refuses two ranks on one device: ``--backend auto`` (the default) then
+sums through gloo, which copies the partial hidden states through host memory and blocks the
+host at every layer. The pool, its pages, the allocators' agreement, the newest-row writers and
+the self-check are the same as on separate GPUs; the step times are not tensor-parallel step
+times.
+
     torchrun --nproc-per-node 2 examples/tp_decode.py [--newest-writer every|rank0]
-        [--slot-layout] [demo options]
+        [--slot-layout] [--gpus N] [--backend auto|nccl|gloo] [demo options]
     python examples/tp_decode.py --nproc 2 [...]  (mp.spawn)
 """
 
@@ -47,6 +55,30 @@ import sys
 import time
 
 WRITERS = ("every", "rank0")
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+def placement(world: int, gpus: int | None, device_count: int, backend: str) -> tuple[int, str]:
+    """How ``world`` ranks run: on how many GPUs (rank ``r`` on GPU ``r % gpus``) and with which
+    all-reduce backend; a ``ValueError`` naming the argument for what cannot run."""
+    if world < 1:
+        raise ValueError(f"--nproc must be >= 1 (got {world})")
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend must be one of {', '.join(BACKENDS)} (got {backend!r})")
+    if device_count < 1:
+        raise ValueError("tp_decode needs a CUDA GPU (torch.cuda.device_count() is 0)")
+    if gpus is None:
+        gpus = min(world, device_count)
+    if not 1 <= gpus <= device_count:
+        raise ValueError(f"--gpus must be in [1, {device_count}] on this machine (got {gpus})")
+    gpus = min(gpus, world)
+    shared = world > gpus
+    if backend == "auto":
+        backend = "gloo" if shared else "nccl"
+    if backend == "nccl" and shared:
+        raise ValueError(f"--backend nccl needs a GPU per rank: {world} ranks on {gpus} GPU(s) "
+                         f"(NCCL refuses two ranks on one device; --backend gloo runs them)")
+    return gpus, backend
 
 
 class NewestRowFence:
@@ -173,7 +205,7 @@ class PagedAdmission:
 
 
 def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str = "every",
-           paged: bool = True) -> int:
+           paged: bool = True, gpus: int | None = None, backend: str = "nccl") -> int:
     import cupy
     import torch
     import torch.distributed as dist
@@ -184,10 +216,12 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str =
     from hisparse_cupy.demo.loop import Rig
     from hisparse_cupy.interop import to_torch
 
-    torch.cuda.set_device(rank)
-    cupy.cuda.Device(rank).use()
-    dist.init_process_group("nccl", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    gpu = rank % (gpus or world)
+    torch.cuda.set_device(gpu)
+    cupy.cuda.Device(gpu).use()
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            **({"device_id": torch.device("cuda", gpu)} if backend == "nccl"
+                               else {}))
     # every layer in the ranks' shared pool (--resident-layers N > 0: Rig refuses a given pool)
     cfg = from_args(["--resident-layers", "0"] + argv + (["--quiet"] if rank else []))
     cfg.execs = ("eager",)  # the all-reduce goes through torch: eager steps only (main()
@@ -205,7 +239,8 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str =
     s = cupy.cuda.Stream(non_blocking=True)
     ts = torch.cuda.ExternalStream(s.ptr)
 
-    def all_reduce(h) -> None:  # bf16 partial hidden states, summed in place on s
+    def all_reduce(h) -> None:  # bf16 partial hidden states, summed in place on s (gloo: the
+        # sum on the host; its copies wait for s and s waits for them)
         with torch.cuda.stream(ts):
             dist.all_reduce(to_torch(h, stream=s).view(torch.bfloat16))
 
@@ -230,7 +265,7 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str =
         finally:
             rig.close()
         # each rank's table, printed by rank 0 in rank order
-        name = cupy.cuda.runtime.getDeviceProperties(rank)["name"].decode()
+        name = cupy.cuda.runtime.getDeviceProperties(gpu)["name"].decode()
         for key in ("json", "png"):  # one file per rank
             path = getattr(cfg, key)
             if path:
@@ -240,13 +275,17 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str =
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             rc = report_results(cfg, results, {"device": name, "rank": rank, "world": world,
+                                               "gpu": gpu, "backend": backend,
                                                "matmul": rig.model.gemm.kind,
                                                "pool_s": t_pool, "newest_writer": writer,
                                                "paged": paged,
                                                "fence_wait_s": fence and fence.wait_s},
-                                f"rank {rank} of {world}: {name}")
+                                f"rank {rank} of {world}: {name} (GPU {gpu})")
         dist.all_gather_object(outs, (rc, buf.getvalue(), t_pool, fence and fence.wait_s))
         if rank == 0:
+            if backend == "gloo":
+                print(f"\n{world} ranks on {gpus} GPU(s), summed through gloo (host memory, "
+                      f"the host blocked at every layer): not tensor-parallel step times")
             gb = pool.n_layers * pool.layer_bytes / 1e9
             for r, (_, text, tp, waited) in enumerate(outs):
                 how = ("backs up its own newest rows" if writer == "every" else
@@ -269,8 +308,8 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str =
 
 
 def _spawned(rank: int, world: int, argv: list[str], pool_name: str, writer: str,
-             paged: bool) -> None:
-    rc = worker(rank, world, argv, pool_name, writer, paged)
+             paged: bool, gpus: int, backend: str) -> None:
+    rc = worker(rank, world, argv, pool_name, writer, paged, gpus, backend)
     if rc:
         sys.exit(rc)
 
@@ -285,6 +324,11 @@ def main() -> int:
     ap.add_argument("--slot-layout", action="store_true",
                     help="the shared pool in the slot layout (rank 0 writes the prompts' KV) "
                          "instead of paged")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="GPUs to place the ranks on, round-robin (default: one per rank)")
+    ap.add_argument("--backend", choices=BACKENDS, default="auto",
+                    help="the all-reduce: nccl (a GPU per rank), gloo (through host memory; "
+                         "ranks may share a GPU), auto (nccl unless ranks share a GPU)")
     ap.add_argument("-h", "--help", action="store_true")
     args, rest = ap.parse_known_args()
     if args.help:
@@ -307,26 +351,30 @@ def main() -> int:
               "'hisparse_cupy[interop]' (or torch)")
         return 2
     pool_name = f"hs-tp-{os.getpid()}"
-    if "RANK" in os.environ and args.nproc is None:  # torchrun
+    torchrun = "RANK" in os.environ and args.nproc is None
+    if torchrun:
         world = int(os.environ["WORLD_SIZE"])
         if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
             print("tp_decode: one host pool serves the GPUs of one host: run every rank on "
                   "one node (torchrun --nnodes 1)")
             return 2
         pool_name = os.environ.get("HS_POOL_NAME", f"hs-tp-{os.environ.get('MASTER_PORT', '0')}")
+    else:
+        world = torch.cuda.device_count() if args.nproc is None else args.nproc
+    try:
+        gpus, backend = placement(world, args.gpus, torch.cuda.device_count(), args.backend)
+    except ValueError as e:
+        print(f"tp_decode: {e}")
+        return 2
+    if torchrun:
         return worker(int(os.environ["LOCAL_RANK"]), world, rest, pool_name, args.newest_writer,
-                      not args.slot_layout)
+                      not args.slot_layout, gpus, backend)
     import torch.multiprocessing as mp
 
-    n = args.nproc or torch.cuda.device_count()
-    if n > torch.cuda.device_count():
-        print(f"tp_decode: {n} ranks need {n} GPUs, this machine has "
-              f"{torch.cuda.device_count()}")
-        return 2
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    mp.spawn(_spawned, args=(n, rest, pool_name, args.newest_writer, not args.slot_layout),
-             nprocs=n, join=True)
+    mp.spawn(_spawned, args=(world, rest, pool_name, args.newest_writer, not args.slot_layout,
+                             gpus, backend), nprocs=world, join=True)
     return 0
 
 

@@ -1,12 +1,15 @@
-"""Tensor-parallel ranks over one shared host pool (two GPUs; skipped, with the reason, on one):
-examples/tp_decode.py (NCCL all-reduce, each rank's attention bit for bit against its gpu-only
-run, prompt rows written by rank 0 and swapped by rank 1), benchmarks/bench_shared_pool.py
-(every GPU's gathers from the one pool return the right bytes), and one process mapping one pool
-into both GPUs."""
+"""Tensor-parallel ranks over one shared host pool: examples/tp_decode.py (each rank's attention
+bit for bit against its gpu-only run, the ranks' page allocators agreeing) with two ranks on two
+GPUs (NCCL) and with two ranks sharing one GPU (gloo), benchmarks/bench_shared_pool.py (every
+GPU's gathers from the one pool return the right bytes), and one process mapping one pool into
+both GPUs. The two-GPU tests skip, with the reason, on one GPU; the placement's errors run on a
+CPU."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,18 +46,35 @@ def test_tp_decode_refuses_what_its_ranks_cannot_run(flag):
     assert p.returncode == 2 and f"tp_decode: {flag[0]} cannot run here" in p.stdout, p
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("writer, layout", [("every", "paged"), ("rank0", "paged"),
-                                            ("every", "slot")])
-def test_tp_decode_two_ranks_one_pool(tmp_path, writer, layout):
-    """Either way of writing the newest rows: every rank its own copy, or rank 0 alone with
-    the others waiting on its interprocess event; the pool paged (the ranks' allocators
-    checked to agree) or in the slot layout; both ranks bit for bit against gpu-only."""
-    _two_gpus()
-    pytest.importorskip("torch", reason="the example's all-reduce runs through torch.distributed")
+def _tp_module():
+    spec = importlib.util.spec_from_file_location("tp_decode", ROOT / "examples" / "tp_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # stdlib imports only at the top: no torch, no GPU
+    return mod
+
+
+def test_tp_placement():
+    place = _tp_module().placement
+    assert place(2, None, 2, "auto") == (2, "nccl")
+    assert place(2, None, 8, "auto") == (2, "nccl")
+    assert place(2, 1, 8, "auto") == (1, "gloo")
+    assert place(2, None, 1, "auto") == (1, "gloo")
+    assert place(4, 2, 2, "gloo") == (2, "gloo")
+    assert place(2, 4, 4, "auto") == (2, "nccl")  # never more GPUs than ranks
+    for args, names in [((2, 1, 1, "nccl"), "--backend nccl needs a GPU per rank"),
+                        ((2, 3, 2, "auto"), "--gpus must be in [1, 2]"),
+                        ((2, 0, 2, "auto"), "--gpus must be in [1, 2]"),
+                        ((0, None, 2, "auto"), "--nproc must be >= 1"),
+                        ((2, None, 2, "mpi"), "--backend must be one of"),
+                        ((2, None, 0, "auto"), "needs a CUDA GPU")]:
+        with pytest.raises(ValueError, match=re.escape(names)):
+            place(*args)
+
+
+def _tp_decode(tmp_path, writer, layout, *placement):
     js = tmp_path / "tp.json"
     p = subprocess.run([sys.executable, str(ROOT / "examples" / "tp_decode.py"), "--nproc", "2",
-                        "--newest-writer", writer, *SMALL, "--json", str(js)]
+                        *placement, "--newest-writer", writer, *SMALL, "--json", str(js)]
                        + (["--slot-layout"] if layout == "slot" else []),
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -62,12 +82,40 @@ def test_tp_decode_two_ranks_one_pool(tmp_path, writer, layout):
     assert p.stdout.count("self-check passed") == 2
     assert ("waits on rank 0's backup" in p.stdout) == (writer == "rank0")
     assert "a pool per rank would pin" in p.stdout
-    for rank in (0, 1):
-        doc = json.loads((tmp_path / f"tp.rank{rank}.json").read_text())
+    docs = [json.loads((tmp_path / f"tp.rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, doc in enumerate(docs):
         assert doc["self_check"] == "passed" and doc["rank"] == rank
         assert doc["newest_writer"] == writer and doc["paged"] == (layout == "paged")
         rows = {(r["mode"], r["exec"]): r for r in doc["summary"]}
         assert rows[("offload", "eager")]["mb_per_step"] > 0
+    return p.stdout, docs
+
+
+TP_CASES = [("every", "paged"), ("rank0", "paged"), ("every", "slot")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("writer, layout", TP_CASES)
+def test_tp_decode_two_ranks_one_pool(tmp_path, writer, layout):
+    """Either way of writing the newest rows: every rank its own copy, or rank 0 alone with
+    the others waiting on its interprocess event; the pool paged (the ranks' allocators
+    checked to agree) or in the slot layout; both ranks bit for bit against gpu-only."""
+    _two_gpus()
+    pytest.importorskip("torch", reason="the example's all-reduce runs through torch.distributed")
+    _, docs = _tp_decode(tmp_path, writer, layout)
+    assert [(d["gpu"], d["backend"]) for d in docs] == [(0, "nccl"), (1, "nccl")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("writer, layout", TP_CASES)
+def test_tp_decode_two_ranks_share_one_gpu(tmp_path, writer, layout):
+    """The same two processes over one shared pool on GPU 0 (any machine with a GPU): two
+    registrations of the pool's pages on one device, the ranks' allocators agreeing page for
+    page, the interprocess event of rank 0's backups; the all-reduce through gloo."""
+    pytest.importorskip("torch", reason="the example's all-reduce runs through torch.distributed")
+    out, docs = _tp_decode(tmp_path, writer, layout, "--gpus", "1")
+    assert [(d["gpu"], d["backend"]) for d in docs] == [(0, "gloo"), (0, "gloo")]
+    assert "2 ranks on 1 GPU(s), summed through gloo" in out
 
 
 @pytest.mark.gpu

@@ -261,7 +261,7 @@ class Rig:
             self.log(f"side streams: replays and staging on {self.pf.replay_grid} blocks, "
                      f"{self.pf.replay_rows_per_warp} rows in flight per warp; "
                      + ("a group's replays in one launch, one wait"
-                        if c.batch <= self.pf.group_replay_batch else
+                        if self.pf.replays_whole_groups(c.batch) else
                         "one replay and one wait per shared layer")
                      + f" (group_replay_batch {self.pf.group_replay_batch})")
             if self.admission is not None:

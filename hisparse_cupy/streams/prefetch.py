@@ -244,6 +244,11 @@ class Prefetcher:
         self._whole = False  # ... in one launch (one event, at its last position)
         self._joined = 0  # leading positions the main stream has waited on
 
+    def replays_whole_groups(self, batch: int) -> bool:
+        """Whether a step of ``batch`` rows replays each group's shared layers in one launch
+        (one wait), rather than one launch and one wait per shared layer."""
+        return batch <= self.group_replay_batch
+
     @property
     def replay_rows_per_warp(self) -> int:
         """Rows each warp of a replay keeps in flight (settable between steps)."""
@@ -413,7 +418,7 @@ class Prefetcher:
                 dst_layer_bytes=c.device[0].nbytes, n_dst_rows=c.device.shape[1],
                 row_bytes=c.row_bytes)
         # a whole group at once (one event, at its last position), or one layer at a time
-        self._whole = whole = batch <= self.group_replay_batch  # (the waits follow it)
+        self._whole = whole = self.replays_whole_groups(batch)  # (the waits follow it)
         for p, sl in ([(len(group) - 1, group[0])] if whole else enumerate(group)):
             prm.set(src_base=self._host[sl], dst_base=self._dev_rows[sl],
                     n_layers=len(group) if whole else 1)
