@@ -82,7 +82,7 @@ def layer_split(step: list[dict], full: tuple[bool, ...]) -> dict:
     win = np.zeros(len(full))
     comp = np.zeros(len(full))
     for i, a in enumerate(att):
-        before = [k["t1"] for k in model if k["t0"] < a["t0"] and k is not a]
+        before = [k["t1"] for k in model if k["t0"] < a["t0"]]
         win[i] = a["t0"] - max(before) if before else 0.0
         nxt = att[i + 1]["t0"] if i + 1 < len(att) else float("inf")
         ends = [k["t1"] for k in model if a["t0"] <= k["t0"] < nxt]
@@ -133,9 +133,11 @@ def main(argv=None) -> int:
             rig.run(mode, "graph", None)  # kernels loaded, pools touched
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 rig.run(mode, "graph", None)
-            path = os.path.join(tempfile.mkdtemp(), "trace.json")
-            prof.export_chrome_trace(path)
-            steps = split_steps(kernels(path))[cfg.warmup + 1:]  # captured replays only
+            with tempfile.TemporaryDirectory() as tmp:  # nothing left behind in /tmp
+                path = os.path.join(tmp, "trace.json")
+                prof.export_chrome_trace(path)
+                ks = kernels(path)
+            steps = split_steps(ks)[cfg.warmup + 1:]  # captured replays only
             rows = []
             for st in steps:
                 att = next(k for k in st if "attn_partial" in k["name"])
