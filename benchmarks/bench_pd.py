@@ -2,9 +2,10 @@
 
 The decode process holds a pinned ``HostKVPool`` (78 layers of 1152-byte rows, pages of 64
 tokens) and a :class:`hisparse_cupy.pd.KVReceiver` over it; a prefill process (spawned) holds
-every request's KV in its GPU memory (one registered CuPy buffer) and writes each ticket's with
-:class:`hisparse_cupy.pd.KVSender` (one NIXL WRITE per request, VRAM -> DRAM; with ``pull=1`` one
-READ per request, posted by the decode process; with ``shm=1`` copies into the shared pool).
+every request's KV in its GPU memory (one registered CuPy buffer) and sends each ticket's with
+:class:`hisparse_cupy.pd.KVSender` (one NIXL READ per request, posted by the decode process,
+VRAM -> DRAM; with ``push=1`` one NIXL WRITE per request, granted by the decode process; with
+``shm=1`` copies into the shared pool, granted likewise).
 Per configuration (each a fresh pair of processes with those environment variables), per rep
 (after one untimed): the requests sent one after another (the prefill process's ``send``
 seconds), then all posted at once and waited (``wait=False``); every received byte is checked
@@ -17,16 +18,19 @@ events, median).
         [--configs "" "UCX_RMA_PPLN_ENABLE=n" "desc=0" "desc=4194304" ...]
 
 A configuration is a space-separated list of ``VAR=value`` environment variables (UCX's) and
-the sender's ``desc=BYTES`` (``KVSender(desc_bytes=)``, 0: the ticket's descriptors uncut),
-``max=K`` (``KVSender(max_in_flight=)``, 0: no limit), ``pull=1`` (``KVSender(pull=True)``:
-the decode process READs) and ``ucx.NAME=V`` (``KVSender(ucx_params={NAME: V})``, NIXL's UCX
+the sender's ``desc=BYTES`` (``KVSender(desc_bytes=)`` of a WRITE, 0: the ticket's descriptors
+uncut), ``max=K`` (``KVSender(max_in_flight=)``, 0: no limit), ``push=1``
+(``KVReceiver(push=True)`` and ``KVSender(pull=False)``: the prefill process WRITEs),
+``verify=1`` (``KVReceiver(verify=True)``: a checksum per layer, summed by the sender on its GPU
+and by the receiver over the landed rows on host threads, inside the timed sends) and
+``ucx.NAME=V`` (``KVSender(ucx_params={NAME: V})``, NIXL's UCX
 backend parameters of the sender's agent, e.g. ``ucx.num_workers=4``), ``node=0``
 (``KVSender(same_node=False)``) and ``shm=1`` (the decode pool a shared ``HostKVPool``: the
 sender, on this node, copies into it, ``KVSender``'s same-node path, unless ``node=0``) and
 ``scatter=1`` (every round's pages in random order: up to a descriptor per page and layer,
 where the default rounds get each request's pages as one run);
 ``""`` runs the defaults. Without NIXL it says so and exits 2 (``--quick``: 128 MiB, 2 reps, the
-defaults and ``shm=1``).
+defaults, ``push=1``, ``shm=1`` and ``verify=1``).
 """
 
 from __future__ import annotations
@@ -46,11 +50,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 L, RB, P = 78, 1152, 64
-CONFIGS = ["", "pull=1", "desc=0"]
+CONFIGS = ["", "push=1", "push=1 desc=0", "verify=1", "push=1 verify=1"]
+QUICK = ["", "push=1", "shm=1", "verify=1"]
 # the configurations' sender options: name -> (KVSender's keyword, its value from the text)
-SENDER = {"desc": ("desc_bytes", lambda v: int(v) or None), "pull": ("pull", lambda v: v == "1"),
+SENDER = {"desc": ("desc_bytes", lambda v: int(v) or None),
+          "push": ("pull", lambda v: False if v == "1" else None),
           "max": ("max_in_flight", lambda v: int(v) or None),
           "node": ("same_node", lambda v: v == "1")}
+RECEIVER = ("push", "verify", "shm", "scatter")  # the decode process's (push: both)
 
 
 def kv_bytes(cupy, n_tokens: int):
@@ -95,7 +102,8 @@ def sender(tickets, answers, n_total: int, opts: dict) -> None:
 
 
 def one(mib: int, n_req: int, reps: int, tokens: int | None, opts: dict,
-        shm: bool = False, scatter: bool = False) -> dict:
+        shm: bool = False, scatter: bool = False, push: bool = False,
+        verify: bool = False) -> dict:
     import cupy
     from _timing import time_calls
 
@@ -109,14 +117,14 @@ def one(mib: int, n_req: int, reps: int, tokens: int | None, opts: dict,
     pool = HostKVPool(L, n_total, RB, **({"shared_name": f"bench_pd_{os.getpid()}"} if shm
                                          else {}))
     pages = HostPages(n_total // P, P)
-    rx = KVReceiver(pool, pages, timeout_s=300)
+    rx = KVReceiver(pool, pages, timeout_s=300, push=push, verify=verify)
     ctx = mp.get_context("spawn")
     tickets, answers = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=sender, args=(tickets, answers, n_total, opts),
                         daemon=True)
     child.start()
     out = {"mib": nbytes / 2**20, "requests": n_req, "tokens": n_tok, "bytes": nbytes,
-           "shared_pool": shm, "scattered_pages": scatter}
+           "shared_pool": shm, "scattered_pages": scatter, "push": push, "verify": verify}
     rng = np.random.default_rng(0)
     try:
         assert answers.get(timeout=120) == "ready"
@@ -202,11 +210,11 @@ def main(argv=None) -> int:
     if a.one is not None:
         given = json.loads(a.one)
         opts = {SENDER[k][0]: SENDER[k][1](v) for k, v in given.items() if k in SENDER}
-        shm, scatter = given.pop("shm", "0") == "1", given.pop("scatter", "0") == "1"
+        flags = {k: given.get(k, "0") == "1" for k in RECEIVER}
         if ucx := {k[4:]: v for k, v in given.items() if k.startswith("ucx.")}:
             opts["ucx_params"] = ucx
-        print("@bench " + json.dumps(one(a.mib, a.requests, a.reps, a.tokens, opts, shm,
-                                         scatter)), flush=True)
+        print("@bench " + json.dumps(one(a.mib, a.requests, a.reps, a.tokens, opts, **flags)),
+              flush=True)
         return 0
     try:
         from hisparse_cupy.pd import nixl_api
@@ -216,11 +224,11 @@ def main(argv=None) -> int:
         print(f"bench_pd: {e}", file=sys.stderr)
         return 2
     if a.quick:
-        a.mib, a.reps, a.configs = 128, 2, ["", "shm=1"]
+        a.mib, a.reps, a.configs = 128, 2, QUICK
     results = []
     for conf in a.configs:
         pairs = [kv.split("=", 1) for kv in conf.split()]
-        ours = [(k, v) for k, v in pairs if k in SENDER or k in ("shm", "scatter") or
+        ours = [(k, v) for k, v in pairs if k in SENDER or k in RECEIVER or
                 k.startswith("ucx.")]
         env = {**os.environ, **{k: v for k, v in pairs if (k, v) not in ours}}
         opts = dict(ours)
@@ -242,7 +250,8 @@ def main(argv=None) -> int:
         else:
             print(f"{res['config']}: {res['mib']:.0f} MiB in {res['requests']} requests "
                   f"({max(res['descriptors'])} descriptors at most), VRAM -> "
-                  f"DRAM ({'copied into a shared pool' if res['copied'] else 'over NIXL'}): "
+                  f"DRAM ({'copied into a shared pool' if res['copied'] else 'over NIXL'}"
+                  f"{', verified' if res['verify'] else ''}): "
                   f"one after another {res['serial']['median_gbps']:.2f} GB/s, "
                   f"posted together {res['posted']['median_gbps']:.2f} GB/s (medians; "
                   f"a send's post {res['post_ms_median']:.2f} ms); "

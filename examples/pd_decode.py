@@ -2,28 +2,29 @@
 
 The decode process reserves host pages for every request (:class:`hisparse_cupy.pd.KVReceiver`
 over its pool) and hands the tickets (JSON) to a prefill process, which computes each prompt's
-KV (the decode loop's synthetic model) and writes it into those pages
-(:class:`hisparse_cupy.pd.KVSender`: one NIXL WRITE per request, notified). As the arrivals
+KV (the decode loop's synthetic model) and offers it (:class:`hisparse_cupy.pd.KVSender`): the
+decode process READs it into those pages, one NIXL READ per request. As the arrivals
 come in, the decode process admits each request on its received pages and then runs the decode
 loop, whose self-check compares every attention output, bit for bit, with the same attention
 over the KV the model defines: a byte lost or misplaced on the way fails it.
 
 On a CUDA device this is the GPU decode loop (``python -m hisparse_cupy demo``, the same flags):
 the prefill process makes each prompt's KV in its GPU memory with the model's kernel and NIXL
-writes it from there (VRAM -> the decode pool's DRAM pages), for every offloaded mode's run;
+moves it from there (VRAM -> the decode pool's DRAM pages), for every offloaded mode's run;
 the self-check compares with the gpu-only run. Without one (or with ``--cpu``) it is the decode
 loop's NumPy reference backend, KV made and sent from host memory. The two processes share this
 machine here; NIXL (UCX) spans two nodes with the same code, the ticket and a ``sent`` line
 then travelling over the engines' own channel.
 
     pip install --no-deps nixl-cu12   # NIXL's UCX agent (its declared torch is not needed)
-    python examples/pd_decode.py [--cpu] [--pull] [--batch 4 --context 3000 --steps 8 ...]
+    python examples/pd_decode.py [--cpu] [--push] [--batch 4 --context 3000 --steps 8 ...]
 
-``--pull``: ``KVSender(pull=True)``, the decode process READs each prompt from the prefill
-process's memory. ``--shared-pool`` (GPU): the decode pool is a shared ``HostKVPool``, and the
-prefill process, on the same node, copies each prompt from its VRAM straight into its pages
-(``KVSender``'s same-node path, the fastest here: ``benchmarks/bench_pd.py``), the arrival
-notified over NIXL as a WRITE's.
+``--push``: ``KVReceiver(push=True)`` and ``KVSender(pull=False)``, the prefill process WRITEs
+each prompt once the decode process grants it (the decode pool's keys then go to the prefill
+process: ``hisparse_cupy.pd``'s trust boundary). ``--shared-pool`` (GPU): the decode pool is a
+shared ``HostKVPool``, and the prefill process, on the same node, copies each prompt from its
+VRAM straight into its pages once granted (``KVSender``'s same-node path, the fastest here:
+``benchmarks/bench_pd.py``), its end told over NIXL.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import time
 
 import numpy as np
 
+_FLAGS = ("--push", "--shared-pool")  # this example's own flags (the rest: the demo's)
+
 
 def prefill(argv, gpu: bool, tickets, results) -> None:
     """The prefill process: for each ticket, the request's prompt KV written into the decode
@@ -43,8 +46,8 @@ def prefill(argv, gpu: bool, tickets, results) -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from hisparse_cupy.pd import KVSender
 
-    tx = KVSender(pull="--pull" in argv)
-    argv = [a for a in argv if a not in ("--pull", "--shared-pool")]
+    tx = KVSender(pull=False if "--push" in argv else None)
+    argv = [a for a in argv if a not in _FLAGS]
     try:
         if gpu:
             import cupy
@@ -87,15 +90,16 @@ class Receiving:
     def __init__(self, argv, gpu: bool, pool, pages, fence=None):
         from hisparse_cupy.pd import KVReceiver
 
-        self.rx = KVReceiver(pool, pages, timeout_s=120, fence=fence)
+        self.rx = KVReceiver(pool, pages, timeout_s=120, fence=fence, push="--push" in argv)
         ctx = mp.get_context("spawn")
         self.tickets, self.results = ctx.Queue(), ctx.Queue()
         self.child = ctx.Process(target=prefill, args=(argv, gpu, self.tickets, self.results),
                                  daemon=True)
         self.child.start()
         self.where = "VRAM" if gpu else "host memory"
-        self.how = "read by the decode process" if "--pull" in argv else \
-            "written by the prefill process"
+        self.how = "written by the prefill process" if "--push" in argv else \
+            "copied by the prefill process" if "--shared-pool" in argv and gpu else \
+            "read by the decode process"
 
     def receive(self, cfg) -> dict:
         """Every request's arrival (req_id -> Arrival); prints the transfer's figures."""
@@ -186,7 +190,7 @@ def main(argv=None) -> int:
         raise SystemExit("pd_decode: --shared-pool is the GPU decode loop's (a shared HostKVPool)")
     # every layer's prompt arrives over NIXL into the pool: none is kept on the GPU
     model_argv = ["--resident-layers", "0"] + [a for a in argv
-                                               if a not in ("--pull", "--shared-pool")]
+                                               if a not in _FLAGS]
     cfg = cpu_config(model_argv) if cpu else from_args(model_argv)
     if cfg.shared_prefix:
         raise SystemExit("pd_decode: --shared-prefix is the local admission's (forks of "

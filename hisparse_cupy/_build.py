@@ -68,6 +68,7 @@ GATHER = index_instances("hs::ms::gather<{req}, {len}>")
 COMMIT = index_instances("hs::ms::commit<{req}, {len}>")
 MS_INIT = "hs::ms::init"
 PREDICT = index_instances("hs::predict_stage<{req}, {len}>")
+LAYER_SUMS = "hs::layer_sums"  # a transfer's per-layer checksum (hisparse_cupy._sums)
 
 INSTANCES: dict[str, tuple[str, ...]] = {
     "swap.cu": (*(n for per in RESOLVE.values() for n in per.values()), *RESOLVE_TABLE.values()),
@@ -75,6 +76,7 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "cache.cu": tuple(NEWEST.values()),
     "multistep.cu": (*GATHER.values(), *COMMIT.values(), MS_INIT),
     "predict.cu": tuple(PREDICT.values()),
+    "sums.cu": (LAYER_SUMS,),
 }
 _FILE_OF = {n: f for f, names in INSTANCES.items() for n in names}
 

@@ -312,10 +312,14 @@ def pd_ticket(t, version: int) -> dict:
     if t.get("version") != version:
         raise ValueError(f"ticket['version'] is {t.get('version')!r}; this sender reads "
                          f"version {version}")
-    for k in ("agent", "instance", "xfer_id", "metadata", "mem"):
+    for k in ("agent", "instance", "xfer_id", "token", "metadata", "mem"):
         if not isinstance(t.get(k), str) or (k == "mem" and t[k] != "DRAM"):
             raise ValueError(f"ticket[{k!r}] must be a str{' (DRAM)' * (k == 'mem')}, got "
                              f"{t.get(k)!r:.80}")
+    if t.get("mode") not in ("pull", "push"):
+        raise ValueError(f"ticket['mode'] must be 'pull' or 'push', got {t.get('mode')!r:.40}")
+    if not isinstance(t.get("verify"), bool):
+        raise ValueError(f"ticket['verify'] must be a bool, got {t.get('verify')!r:.40}")
     out = dict(t)
     for k in ("n_tokens", "page_tokens", "n_layers", "row_bytes", "dev"):
         out[k] = integer(f"ticket[{k!r}]", t.get(k), int(k != "dev"))

@@ -1,6 +1,7 @@
 """What both sides of :mod:`hisparse_cupy.pd` share: NIXL's import, an agent with the UCX
 backend, a peer's metadata loaded (and reloaded when it changed), descriptors cut into pieces,
-the notification prefixes of a pull, and the records the calls return."""
+the control messages (:func:`message`, :func:`parse`), the digest of what a ticket lets land,
+and the records the calls return."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import base64
 import binascii
 import collections
 import contextlib
+import hashlib
+import hmac
 import importlib
+import json
 import os
 import uuid
 
@@ -17,8 +21,15 @@ import numpy as np
 NEEDS_NIXL = ("hisparse_cupy.pd needs NIXL's Python API: pip install nixl-cu12 (CUDA 12) or "
               "nixl-cu13 (CUDA 13); for host (DRAM) transfers `pip install --no-deps "
               "nixl-cu12` plus NumPy is enough (its torch dependency is not needed)")
-# notifications of a pull (a receiver's READ of the sender's kv); a WRITE's is its transfer id
-OFFER, READ_DONE, READ_FAILED, WITHDRAWN = b"offer:", b"read:", b"fail:", b"withdraw:"
+# Control messages (NIXL notifications): ``KIND:`` then a JSON object. Sender -> receiver: a
+# pull's offer and its withdrawal; a write's (a NIXL WRITE or the same-node copies) begin (asks
+# for a grant), done (its bytes are in place: a WRITE's notification, sent by NIXL once the
+# WRITE is complete) and abort (granted, it will write nothing more). Every one carries the
+# reservation's transfer id and secret token. Receiver -> sender, naming the send's tag:
+# grant (write now), ok (arrived) and fail (with why).
+TO_RECEIVER = ("offer", "withdraw", "begin", "done", "abort")
+TO_SENDER = ("grant", "ok", "fail")
+_MAX_MESSAGE = 1 << 26  # longer notifications are not parsed (an offer of 1M descriptors fits)
 
 Arrival = collections.namedtuple("Arrival", "req_id pages n_tokens xfer_id sender seconds")
 Arrival.__doc__ = """A completed reservation: ``pages`` (engine-held, token order) hold its
@@ -28,6 +39,64 @@ Polled.__doc__ = """What a poll found: arrivals, the req_ids that timed out, and
 why)`` of the pulls that failed (their pages put back)."""
 Sent = collections.namedtuple("Sent", "req_id xfer_id bytes seconds descriptors")
 Sent.__doc__ = "A completed send: ``bytes`` in ``seconds`` (the call), the ticket's descriptors"
+
+
+def message(kind: str, **fields) -> bytes:
+    """A control message: ``kind`` (one of :data:`TO_RECEIVER` / :data:`TO_SENDER`) and its
+    fields as JSON."""
+    return kind.encode() + b":" + json.dumps(fields, separators=(",", ":")).encode()
+
+
+def parse(msg, kinds) -> tuple[str, dict] | None:
+    """``(kind, fields)`` of a control message of one of ``kinds``, or None for anything else
+    (not bytes, too long, another kind, not JSON, not an object, a non-str ``tag``, ``xfer_id``
+    or ``token``): never raises, so one peer's junk cannot stop a poll."""
+    try:
+        msg = bytes(msg)
+    except (TypeError, ValueError):
+        return None
+    kind, sep, body = msg.partition(b":")
+    if not sep or len(msg) > _MAX_MESSAGE:
+        return None
+    kind = kind.decode("ascii", "replace")
+    if kind not in kinds:
+        return None
+    try:
+        fields = json.loads(body)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+        return None
+    if not isinstance(fields, dict) or any(
+            k in fields and not isinstance(fields[k], str) for k in ("tag", "xfer_id", "token")):
+        return None
+    return kind, fields
+
+
+def messages(a, kinds, stats, junk: str):
+    """Agent ``a``'s new notifications that parse as control messages of ``kinds``, as
+    ``(sender, kind, fields)``; every other one counted in ``stats[junk]``."""
+    for sender, msgs in a.get_new_notifs().items():
+        sender = sender.decode("utf-8", "replace") if isinstance(sender, bytes) else str(sender)
+        for msg in msgs:
+            got = parse(msg, kinds)
+            if got is None:
+                stats[junk] += 1
+            else:
+                yield (sender, *got)
+
+
+def same_secret(a, b) -> bool:
+    """``a == b`` for two tokens, in time that does not depend on where they differ."""
+    return isinstance(a, str) and isinstance(b, str) and \
+        hmac.compare_digest(a.encode(), b.encode())
+
+
+def digest(n_layers: int, n_tokens: int, row_bytes: int, descs: np.ndarray, base: int) -> str:
+    """SHA-256 (hex) of what a ticket lets land: its sizes, its destination descriptors
+    ``[addr, bytes]`` and the shared pool's base address (0: none). The receiver keeps its own;
+    a write's begin and done carry the sender's, so a ticket altered in transit is refused."""
+    h = hashlib.sha256(f"{n_layers},{n_tokens},{row_bytes},{base};".encode())
+    h.update(np.ascontiguousarray(descs[:, :2], dtype="<u8").tobytes())
+    return h.hexdigest()
 
 
 def nixl_api():
@@ -97,8 +166,18 @@ def agent(name, side: str, params: dict[str, str] | None = None):
     return name, a
 
 
-def metadata(a) -> str:
-    return base64.b64encode(a.get_agent_metadata()).decode("ascii")
+def metadata(a, regs=None, *, keys: bool = True) -> str:
+    """Agent ``a``'s metadata (base64) for a peer: by default all of it (every registered
+    buffer's remote keys); with a registration ``regs`` (``register_memory``'s result) its
+    connection details and that buffer's keys only; with ``keys=False`` the connection details
+    alone, so a peer holding it can reach no memory of ``a`` through NIXL (it can only
+    notify)."""
+    if regs is None and keys:
+        return base64.b64encode(a.get_agent_metadata()).decode("ascii")
+    if not keys:  # an empty list of registrations (the class NIXL's agent module binds)
+        regs = importlib.import_module(type(a).__module__).nixlBind.nixlRegDList(
+            a.nixl_mems["DRAM"])
+    return base64.b64encode(a.get_partial_agent_metadata(regs, True, ["UCX"])).decode("ascii")
 
 
 def load_peer(a, known: dict, name: str, md: str, what: str) -> None:

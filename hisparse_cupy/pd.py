@@ -3,68 +3,92 @@
 1. **reserve** (decode): :meth:`KVReceiver.reserve` takes the request's pages as engine-held
    pages (``HostPages.take``: no request's table names them, so no swap reads them as they
    fill) and returns a *ticket*, a JSON dict: the receiver's agent name, instance and NIXL
-   metadata (base64), a transfer id unique to the reservation, the runs of consecutive pages
-   (``[first token, tokens]``), the destination descriptors ``[addr, bytes]`` layer-major
-   (layer 0's runs, then layer 1's...), ``n_tokens, page_tokens, n_layers, row_bytes, timeout_s``,
-   and, when ``pool`` is a shared ``HostKVPool``, ``shm``: its name, identity (boot id, device,
-   inode), base address and bytes here.
+   metadata (base64), a random transfer id and a secret ``token`` (128 random bits each), the
+   runs of consecutive pages (``[first token, tokens]``), the destination descriptors
+   ``[addr, bytes]`` layer-major (layer 0's runs, then layer 1's...), ``n_tokens, page_tokens,
+   n_layers, row_bytes, timeout_s``, ``mode`` (``"pull"``, or ``"push"`` for a
+   ``KVReceiver(push=True)``), ``verify`` and, when ``pool`` is a shared ``HostKVPool``, ``shm``:
+   its name, identity (boot id, device, inode), base address and bytes here.
 2. **ticket -> prefill** over the engines' own control plane (JSON; no other service).
 3. **send** (prefill): :meth:`KVSender.send` checks ``kv`` (uint8 ``[L, n, row_bytes]``, rows
    contiguous per layer; host, or GPU by ``__cuda_array_interface__`` as VRAM) against the
-   ticket, loads the receiver's metadata (once per instance), registers ``kv`` unless it is in
-   a buffer given to :meth:`KVSender.register` (no staging copy either way), posts one NIXL
-   WRITE of every run of every layer notified with the transfer id, and polls it to the end.
-   A ticket with ``shm`` whose pool is on the sender's node (same boot id, same file) and GPU
-   ``kv`` take the *same-node path* instead (``KVSender(same_node=True)``, the default): the
-   sender attaches the pool once (``HostKVPool.attach``), stores ``kv`` into the ticket's rows
-   as the cache's admission does (``host_rows.store_rows``: one 2-D ``cudaMemcpyAsync`` of
-   every layer per run of pages, the copy engines at a D2H memcpy's rate; UCX's paths between
-   two processes of one node reached 66-75 % of that), and, once the copies are complete,
-   sends the transfer id as a NIXL notification: the receiver sees a WRITE's.
-   With ``KVSender(pull=True)`` it sends an *offer* instead (a NIXL notification: its agent
-   metadata, ``kv``'s descriptors per run and layer), and the receiver reads: its next
-   :meth:`KVReceiver.poll` checks the offer against the reservation, posts one NIXL READ into
-   the pages and, once the READ is complete, notifies the sender (which then unregisters
-   ``kv``). On one node a READ of GPU memory is a copy by the receiver from the sender's
-   memory (UCX's ``cuda_ipc``): 47.9 GB/s against 38.4 for a WRITE of the same 512 MiB,
-   ``benchmarks/probe_pd_paths.py``.
-4. **poll** (decode): :meth:`KVReceiver.poll` reads NIXL's notifications: a live reservation's
-   id completes it (an :class:`Arrival`), as does a pull's READ found complete (one that
-   failed, or an offer that does not match the reservation, puts the pages back and is
-   reported in ``failed``); a reservation past its deadline (its READ cancelled) has its pages
-   put back, once, and is reported timed out; a notification for an id that is done, timed out,
-   cancelled or unknown changes nothing (counted in :attr:`KVReceiver.stats`).
+   ticket and moves it one of three ways; every control message carries the transfer id and
+   the token (anything else is counted and ignored):
+
+   - **pull** (the default): the sender registers ``kv`` and sends an *offer* (its agent
+     metadata for ``kv`` alone, and ``kv``'s descriptors); the receiver's next :meth:`poll`
+     checks the offer against the reservation and posts one NIXL READ into the pages with
+     descriptors it builds itself, so nothing lands anywhere else; it tells the sender ``ok``
+     once the READ is complete (or ``fail`` with why). On one node a READ of GPU memory is a
+     copy by the receiver from the sender's memory (UCX's ``cuda_ipc``): 47.9 GB/s against 38.4
+     for a WRITE of the same 512 MiB, ``benchmarks/probe_pd_paths.py``.
+   - **write** (``KVReceiver(push=True)`` tickets, ``KVSender(pull=False)``): the sender asks
+     with *begin* (its digest of the ticket), the receiver *grants* a live reservation whose
+     digest matches, the sender posts one NIXL WRITE of every run of every layer whose
+     notification (*done*, sent by NIXL once the WRITE is complete) the receiver checks
+     against the grant before the pages arrive.
+   - **same node**: a ticket with ``shm`` whose pool is on the sender's node (same boot id,
+     same file) and GPU ``kv``: after the same begin and grant the sender attaches the pool
+     once (``HostKVPool.attach``), stores ``kv`` into the ticket's rows as the cache's
+     admission does (``host_rows.store_rows``: one 2-D ``cudaMemcpyAsync`` of every layer per
+     run of pages, at a D2H memcpy's rate) and sends *done* once the copies are complete.
+4. **poll** (decode): :meth:`KVReceiver.poll` reads the messages, posts and progresses the
+   READs and answers grants; a reservation whose bytes are in place is an :class:`Arrival`; one
+   whose transfer failed, was withdrawn or was altered is reported in ``failed``; one past its
+   deadline is reported timed out.
 5. **admit**: :meth:`KVReceiver.admit` calls ``cache.admit(n, pages=<whole pages>, kv=<a copy
    of the partial last page's rows>)`` (``HostPages.admit`` shares whole engine pages only: the
    at most ``P - 1`` rows per layer of a partial page are copied into a page of the request's)
    and drops the engine's hold; :meth:`KVReceiver.admit_args` gives those arguments instead.
 
+**No byte lands in a page the receiver has given back.** A reservation that ends without
+arriving (cancelled, timed out, failed) whose transfer has not started (no READ posted, no
+grant given) puts its pages back at once, and a later offer or begin for it is refused. One
+whose transfer may still write is *quarantined*: a READ until NIXL reports it no longer in
+progress (a cancelled READ is waited out, never trusted to have stopped), a granted write until
+its sender's *done* or *abort* (an honest sender sends one of them once its WRITE or copies can
+write no more). :attr:`KVReceiver.quarantined` lists them; :meth:`KVReceiver.release_quarantined`
+gives one back when the engine knows its sender's process is gone.
+
+**Verified arrivals.** A READ lands where the receiver's own descriptors say; a write's begin and
+done carry the sender's digest of the ticket (sizes, descriptors, shared pool base), refused
+unless it equals the receiver's. ``verify=True`` adds a checksum per layer (``_sums``): the
+sender sums ``kv`` (on the GPU for GPU ``kv``), the receiver sums the rows that landed (host
+threads) and refuses an arrival whose sums differ.
+
+**Trust boundary** (docs/design.md, "Prefill -> decode"): a pull receiver's tickets carry its
+connection details only (``get_partial_agent_metadata`` with no buffer), so a peer holding one
+can reach none of its memory through NIXL; the receiver reads what the sender's offer names in
+the sender's memory, and the sender's offer carries the keys of ``kv``'s registration only (the
+whole buffer given to :meth:`KVSender.register`, when ``kv`` is inside one). A push receiver's
+tickets carry the keys of its whole pool (NIXL registers per buffer, and UCX over shared memory
+or TCP does not check a key once a peer holds it), so every holder of one of its tickets can
+write any of its pool: push senders are trusted. Likewise a shared pool's file lets every
+process of the node that can open it write the pool. Keep tickets (they hold the token and the
+metadata) on the engines' private control plane.
+
 Ordering: NIXL's UCX backend (``nixlUcxEngine::postXfer`` / ``checkXfer``,
 ``src/plugins/ucx/ucx_backend.cpp``) posts the writes, then a flush of each endpoint, and sends
 the notification (an active message) only once writes and flushes completed, and a UCX flush
 completes once the writes are complete at the target (the Python docs: ``notif_msg`` is "sent
-after transfer completion"): when the id arrives, the bytes are in the pool. The status check
-that finds the transfer done sends it: a sender that stops polling (or dies) first never
-notifies (seen here), which ends as the receiver's timeout.
+after transfer completion"): when a WRITE's *done* arrives, the bytes are in the pool. The status
+check that finds the transfer done sends it: a sender that stops polling (or dies) first never
+notifies (seen here), which ends as the receiver's timeout, its pages quarantined.
 
-Limits: the pool is registered whole, so an agent with the metadata can write all of it (no
-per-reservation rights in NIXL): senders are trusted. A timeout frees pages that a slow sender
-may still write: keep ``timeout_s`` well above the worst transfer (a sender gives up at half
-the ticket's and releases its handle: NIXL tries to cancel). One thread drives each object.
-NIXL logs INFO lines to stdout (``NIXL_LOG_LEVEL=WARN`` silences them). UCX_RMA_PPLN_ENABLE is
-``y`` unless set: UCX would emulate a WRITE from GPU memory to another process over TCP."""
+One thread drives each object. NIXL logs INFO lines to stdout (``NIXL_LOG_LEVEL=WARN`` silences
+them). UCX_RMA_PPLN_ENABLE is ``y`` unless set: UCX would emulate a WRITE from GPU memory to
+another process over TCP."""
 
 from __future__ import annotations
 
 import collections
-import itertools
-import json
+import contextlib
+import secrets
 import time
-import uuid
 
 import numpy as np
 
-from . import _checks, _nixl
+from . import _checks, _nixl, _sums
 from ._nixl import Arrival, Polled, Sent, nixl_api
 from .host_pages import HostPages, consecutive_runs
 from .pd_send import TICKET_VERSION, KVSender, PendingSend
@@ -72,8 +96,18 @@ from .pd_send import TICKET_VERSION, KVSender, PendingSend
 __all__ = ["Arrival", "KVReceiver", "KVSender", "PendingSend", "Polled", "Sent", "nixl_api"]
 
 _ENDED_KEEP = 1 << 16  # ended transfer ids remembered, to tell late from unknown notifications
-_Reservation = collections.namedtuple("_Reservation",
-                                      "req_id xfer_id pages n_tokens t0 deadline descs")
+
+
+class _Reservation:
+    """A reservation's record: what it allows to land, and who is writing it (``writer``:
+    ``(sender, tag)`` of the offer taken or the begin granted; ``how``: pull, write or copy)."""
+
+    __slots__ = ("req_id", "xfer_id", "token", "pages", "n_tokens", "t0", "deadline", "descs",
+                 "rows", "counts", "digest", "verify", "writer", "how", "handle", "sums")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw.get(k))
 
 
 class KVReceiver:
@@ -83,10 +117,14 @@ class KVReceiver:
     request; ``timeout_s``: a reservation's default wait; ``clock``: monotonic seconds;
     ``fence``: called before a ticket leaves (``cache.host.wait_releases``: a taken page may be a
     released request's that queued device work still reads); ``ucx_params``: NIXL's UCX backend
-    parameters for its agent (as :class:`KVSender`'s)."""
+    parameters for its agent (as :class:`KVSender`'s). ``push``: also take NIXL WRITEs from
+    senders (tickets then carry the pool's remote keys: the module docstring's trust boundary);
+    default False: pulls and the same-node path only. ``verify``: the default of
+    :meth:`reserve`'s (a checksum per layer checked on arrival; rows of a multiple of 8 bytes)."""
 
     def __init__(self, pool, pages: HostPages, *, timeout_s: float = 60.0, name: str | None = None,
-                 clock=time.monotonic, fence=None, ucx_params: dict | None = None):
+                 clock=time.monotonic, fence=None, ucx_params: dict | None = None,
+                 push: bool = False, verify: bool = False):
         arr = pool if isinstance(pool, np.ndarray) else getattr(pool, "numpy", None)
         if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.ndim != 3 or \
                 not arr.flags.c_contiguous:
@@ -97,25 +135,31 @@ class KVReceiver:
         if pages.n_rows > arr.shape[1]:
             raise ValueError(f"pages covers {pages.n_rows} rows per layer; pool holds "
                              f"{arr.shape[1]}")
+        for k, v in (("push", push), ("verify", verify)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{k} must be a bool, got {type(v).__name__}")
         self.pool, self.pages, self.page_tokens = arr, pages, pages.page_tokens
         self.n_layers, _, self.row_bytes = arr.shape
+        if verify:
+            _sums.check_row_bytes(self.row_bytes)
+        self.push, self.verify = push, verify
         self.timeout_s = _nixl.seconds("timeout_s", timeout_s)
         self._clock, self._fence = clock, fence
-        self.instance = uuid.uuid4().hex
+        self.instance = secrets.token_hex(16)
         self.name, self._agent = _nixl.agent(name, "rx", _nixl.ucx_params(ucx_params))
         self._reg = self._agent.register_memory([(arr.ctypes.data, arr.nbytes, 0, "")], "DRAM")
-        self._md = _nixl.metadata(self._agent)
+        self._md = _nixl.metadata(self._agent) if push else \
+            _nixl.metadata(self._agent, keys=False)
         ident = getattr(pool, "identity", None)  # a shared HostKVPool: senders here write it
         self._shm = None if ident is None else {"name": pool.name, "identity": list(ident),
                                                 "base": arr.ctypes.data, "bytes": arr.nbytes}
-        self._seq = itertools.count()
         self._live: dict = {}  # req_id -> _Reservation
-        self._by_xfer: dict = {}  # xfer_id -> req_id, of the live ones
-        self._ended: collections.OrderedDict = collections.OrderedDict()  # xfer_id -> why
+        self._by_xfer: dict = {}  # xfer_id -> _Reservation, of the live ones
+        self._quarantine: dict = {}  # xfer_id -> _Reservation, ended, its writer maybe active
+        self._ended: collections.OrderedDict = collections.OrderedDict()  # -> (why, token)
         self._held: dict = {}  # xfer_id -> pages, of arrivals not yet admitted or released
         self.stats = collections.Counter()
         self._senders: dict = {}  # sender agent name -> its metadata loaded (pulls)
-        self._reading: dict = {}  # xfer_id -> (READ handle, sender, tag), the pulls in flight
 
     def _open(self) -> None:
         if self._agent is None:
@@ -125,9 +169,17 @@ class KVReceiver:
     def in_flight(self) -> dict:  # req_id -> tokens, of the reservations waiting
         return {r.req_id: r.n_tokens for r in self._live.values()}
 
-    def reserve(self, req_id, n_tokens: int, *, timeout_s: float | None = None) -> dict:
+    @property
+    def quarantined(self) -> dict:
+        """``xfer_id -> (req_id, pages)`` of the ended reservations whose transfer may still
+        write their pages (kept out of the free list until it can no longer)."""
+        return {x: (r.req_id, len(r.pages)) for x, r in self._quarantine.items()}
+
+    def reserve(self, req_id, n_tokens: int, *, timeout_s: float | None = None,
+                verify: bool | None = None) -> dict:
         """Pages for request ``req_id``'s (an int or str) ``n_tokens`` tokens, held until its
         transfer arrives, times out or is cancelled; returns the ticket (module docstring).
+        ``verify``: check a checksum per layer on arrival (default the receiver's).
         Raises ``PoolExhausted`` (nothing taken), or ``ValueError`` / ``TypeError`` naming it."""
         self._open()
         if isinstance(req_id, bool) or not isinstance(req_id, (int, np.integer, str)):
@@ -138,6 +190,11 @@ class KVReceiver:
             raise ValueError(f"req_id {req_id!r} already has a reservation in flight")
         n = _checks.integer("n_tokens", n_tokens, 1, self.pages.n_rows)
         t = self.timeout_s if timeout_s is None else _nixl.seconds("timeout_s", timeout_s)
+        verify = self.verify if verify is None else verify
+        if not isinstance(verify, bool):
+            raise TypeError(f"verify must be a bool or None, got {type(verify).__name__}")
+        if verify:
+            _sums.check_row_bytes(self.row_bytes)
         pages = self.pages.take(self.pages.pages_for(n))
         if self._fence is not None:
             self._fence()
@@ -148,137 +205,258 @@ class KVReceiver:
         layer = self.pool.ctypes.data + np.arange(self.n_layers)[:, None] * self.pool.strides[0]
         addr = layer + pg[first] * (P * rb)
         descs = np.stack([addr, np.broadcast_to(cnt * rb, addr.shape)], -1).reshape(-1, 2)
-        xfer_id = f"{self.instance}.{next(self._seq)}"
+        descs = descs.astype(np.uint64)
+        base = self._shm["base"] if self._shm else 0
         now = self._clock()
-        self._live[req_id] = _Reservation(req_id, xfer_id, pages, n, now, now + t,
-                                          descs.astype(np.uint64))
-        self._by_xfer[xfer_id] = req_id
+        r = _Reservation(req_id=req_id, xfer_id=secrets.token_hex(16),
+                         token=secrets.token_hex(16), pages=pages, n_tokens=n, t0=now,
+                         deadline=now + t, descs=descs, rows=pg[first] * P, counts=cnt,
+                         digest=_nixl.digest(self.n_layers, n, rb, descs, base), verify=verify)
+        self._live[req_id] = self._by_xfer[r.xfer_id] = r
         return {"version": TICKET_VERSION, "agent": self.name, "instance": self.instance,
-                "metadata": self._md, "xfer_id": xfer_id, "req_id": req_id, "n_tokens": n,
-                "page_tokens": P, "n_layers": self.n_layers, "row_bytes": rb, "timeout_s": t,
-                "mem": "DRAM", "dev": 0, "runs": np.stack([first * P, cnt], -1).tolist(),
-                "descs": descs.tolist(), "pull": True,
+                "metadata": self._md, "xfer_id": r.xfer_id, "token": r.token, "req_id": req_id,
+                "n_tokens": n, "page_tokens": P, "n_layers": self.n_layers, "row_bytes": rb,
+                "timeout_s": t, "mem": "DRAM", "dev": 0,
+                "runs": np.stack([first * P, cnt], -1).tolist(), "descs": descs.tolist(),
+                "mode": "push" if self.push else "pull", "verify": verify,
                 **({"shm": self._shm} if self._shm else {})}
 
     def poll(self) -> Polled:
-        """Read NIXL's notifications (arrivals, and pulls' offers: their READs posted), progress
-        the READs in flight, then expire the reservations past their deadline (pages put back).
-        Returns the arrivals (to :meth:`admit`), the req_ids that timed out, and ``(req_id,
-        why)`` of the pulls that failed."""
+        """Read the senders' messages (offers: their READs posted; begins: granted or refused;
+        dones: checked), progress the READs (in flight, and quarantined), then expire the
+        reservations past their deadline. Returns the arrivals (to :meth:`admit`), the req_ids
+        that timed out, and ``(req_id, why)`` of the transfers that failed."""
         self._open()
         done, failed = [], []
-        for sender, msgs in self._agent.get_new_notifs().items():
-            sender = sender.decode() if isinstance(sender, bytes) else str(sender)
-            for msg in map(bytes, msgs):
-                if msg.startswith(_nixl.OFFER) or msg.startswith(_nixl.WITHDRAWN):
-                    self._pull(sender, msg, failed)
-                    continue
-                xid = msg.decode("ascii", "replace")
-                rid = self._by_xfer.get(xid)
-                if rid is None or xid in self._reading:
-                    why = self._ended.get(xid)
-                    self.stats["duplicate" if why == "done" or rid is not None else "late"
-                               if why else "unknown"] += 1
-                    continue
-                done.append(self._arrive(self._live[rid], sender))
-        for xid, (h, sender, tag) in list(self._reading.items()):
-            try:
-                st = self._agent.check_xfer_state(h)
-            except Exception as e:
-                st = f"ERR ({e!r})"
+        for sender, kind, f in _nixl.messages(self._agent, _nixl.TO_RECEIVER, self.stats,
+                                              "malformed"):
+            self._on(sender, kind, f, done, failed)
+        for r in [r for r in self._by_xfer.values() if r.handle is not None]:
+            st = self._read_state(r)
             if st == "DONE":
-                self._stop(xid)
-                self._tell(sender, _nixl.READ_DONE + tag.encode())
-                done.append(self._arrive(self._live[self._by_xfer[xid]], sender))
+                self._landed(r, done, failed)
             elif st != "PROC":
-                self._fail(self._live[self._by_xfer[xid]], f"its READ failed ({st})", failed,
-                           sender, tag)
+                self._fail(r, f"its READ failed ({st})", failed)
+        for r in [r for r in self._quarantine.values() if r.handle is not None]:
+            if self._read_state(r) != "PROC":
+                self._unquarantine(r)
         now = self._clock()
-        late = [self._end(r, "timed_out") for r in list(self._live.values()) if now >= r.deadline]
+        late = [r for r in list(self._live.values()) if now >= r.deadline]
+        for r in late:
+            self._end(r, "timed_out", tell="it timed out")
         return Polled(done, [r.req_id for r in late], failed)
 
-    def _arrive(self, r: _Reservation, sender: str) -> Arrival:
-        self._end(r, "done")
-        self._held[r.xfer_id] = r.pages
-        return Arrival(r.req_id, list(r.pages), r.n_tokens, r.xfer_id, sender,
-                       self._clock() - r.t0)
-
-    def _pull(self, sender: str, msg: bytes, failed: list) -> None:
-        """A pull's offer (post its READ) or its withdrawal (fail the reservation, cancel the
-        READ of that offer). Answers name the offer's tag (``xfer_id/attempt``)."""
-        offer = msg.startswith(_nixl.OFFER)
-        body = msg[len(_nixl.OFFER if offer else _nixl.WITHDRAWN):]
-        try:
-            o = json.loads(body) if offer else {"tag": body.decode("ascii")}
-            tag = str(o["tag"])
-            xid = o["xfer_id"] if offer else tag.rsplit("/", 1)[0]
-            r = self._live[self._by_xfer[xid]]
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            self.stats["late" if isinstance(o, dict) and o.get("xfer_id") in self._ended or
-                       not offer else "unknown"] += 1
+    def _on(self, sender: str, kind: str, f: dict, done: list, failed: list) -> None:
+        """One sender's message: checked against the reservation it names (its token first)."""
+        xid, tag = f.get("xfer_id"), f.get("tag")
+        r = self._by_xfer.get(xid) or self._quarantine.get(xid)
+        if r is None:
+            why, token = self._ended.get(xid, (None, None))
+            self.stats["unknown" if why is None else "late"] += 1
+            if kind in ("offer", "begin") and _nixl.same_secret(f.get("token"), token):
+                self._late(sender, f, why)
             return
-        reading = self._reading.get(xid)
-        if not offer:
-            if reading is None or reading[2] == tag:  # else: an older attempt's, ended
+        if not _nixl.same_secret(f.get("token"), r.token):
+            self.stats["forged"] += 1
+            return
+        mine = r.writer is not None and r.writer == (sender, tag)
+        if xid in self._quarantine:  # ended: only its writer's end matters now
+            if kind in ("done", "abort") and mine and r.how != "pull":
+                self._unquarantine(r)
+                return
+            self.stats["late"] += 1
+            if kind in ("offer", "begin"):
+                self._late(sender, f, self._ended.get(xid, ("",))[0])
+            return
+        if kind == "withdraw":
+            if r.writer is None or mine:  # else: an older attempt's
                 self._fail(r, "its sender withdrew it", failed, sender, tag)
-            return
-        if reading is not None:
-            self.stats["duplicate"] += 1
-            return
+            else:
+                self.stats["refused"] += 1
+        elif kind in ("offer", "begin"):
+            if r.writer is not None:
+                self.stats["duplicate"] += 1
+                self._tell(sender, "fail", tag, "the reservation is being sent already")
+            elif kind == "offer":
+                self._offer(r, sender, f, failed)
+            else:
+                self._begin(r, sender, f, failed)
+        elif not mine or r.how == "pull":  # a done or abort from no writer of it: refused
+            self.stats["refused"] += 1
+        elif kind == "abort":
+            r.writer = None  # it writes no more: the pages can go back
+            self._fail(r, f"its sender aborted it ({str(f.get('why'))[:200]})", failed)
+        elif f.get("digest") != r.digest:
+            r.writer = None
+            self._fail(r, "its done does not match the ticket (an altered ticket)", failed,
+                       sender, tag)
+        else:
+            r.sums = f.get("sums")
+            self._landed(r, done, failed)
+
+    def _late(self, sender: str, f: dict, why: str) -> None:
+        """Tell the holder of an ended reservation's token that its offer or begin came late
+        (so it ends now, not at its own timeout)."""
+        with contextlib.suppress(ValueError):
+            _nixl.load_peer(self._agent, self._senders, sender, f.get("metadata"),
+                            "the message's metadata")
+        self._tell(sender, "fail", f.get("tag"), f"the reservation ended ({why})")
+
+    def _offer(self, r: _Reservation, sender: str, o: dict, failed: list) -> None:
+        """A pull's offer: checked against the reservation, then one READ into its pages."""
+        tag = o.get("tag")
         try:
             _nixl.load_peer(self._agent, self._senders, sender, o.get("metadata"),
                             "the offer's metadata")  # first: a refusal is told to the sender
             remote, mem, dev = _checks.pd_offer(o, sender, r.descs)
+            r.sums = self._sums_of(r, o)
             h = self._agent.initialize_xfer(
                 "READ", _nixl.xfer_descs(self._agent, r.descs, 0, "DRAM"),
                 _nixl.xfer_descs(self._agent, remote, dev, mem), sender, b"")
-            self._reading[xid] = (h, sender, tag)
-            self._agent.transfer(h)
         except Exception as e:
             self._fail(r, f"its offer was refused ({e})", failed, sender, tag)
+            return
+        r.writer, r.how, r.handle = (sender, tag), "pull", h
+        try:
+            self._agent.transfer(h)
+        except Exception:  # (its state, checked next, says whether it is in progress)
+            self.stats["read_errors"] += 1
 
-    def _fail(self, r: _Reservation, why: str, failed: list, sender: str, tag: str) -> None:
+    def _begin(self, r: _Reservation, sender: str, b: dict, failed: list) -> None:
+        """A write's begin: granted when the receiver takes that kind and the sender's digest
+        of its ticket is the reservation's (else the reservation fails: nothing was written)."""
+        tag, how = b.get("tag"), b.get("how")
+        try:  # its connection details: the receiver's answers need them
+            _nixl.load_peer(self._agent, self._senders, sender, b.get("metadata"),
+                            "the begin's metadata")
+        except ValueError as e:
+            self._fail(r, f"its begin was refused ({e})", failed)
+            return
+        if how not in ("write", "copy") or (how == "write" and not self.push) or \
+                (how == "copy" and self._shm is None):
+            why = "this receiver takes pulls only (KVReceiver(push=True) takes WRITEs)" \
+                if how == "write" else f"this receiver takes no {str(how)[:20]!r} writes"
+            self._fail(r, why, failed, sender, tag)
+        elif b.get("digest") != r.digest:
+            self._fail(r, "its begin does not match the ticket (an altered ticket)", failed,
+                       sender, tag)
+        elif r.verify and b.get("verify") is not True:
+            self._fail(r, "the ticket asks for verify and the sender will send no sums",
+                       failed, sender, tag)
+        else:
+            r.writer, r.how = (sender, tag), how
+            self._tell(sender, "grant", tag)
+
+    def _sums_of(self, r: _Reservation, f: dict):
+        """The sender's per-layer sums in ``f`` for a verified reservation (else None)."""
+        if not r.verify:
+            return None
+        s = f.get("sums")
+        if not (isinstance(s, list) and len(s) == self.n_layers and all(
+                isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64 for v in s)):
+            raise ValueError(f"the ticket asks for verify: the sender must send {self.n_layers} "
+                             f"per-layer sums (uint64), got {str(s)[:80]}")
+        return s
+
+    def _landed(self, r: _Reservation, done: list, failed: list) -> None:
+        """The bytes of ``r`` are in place (its READ complete, or its writer done): verified
+        when asked, then an arrival."""
+        sender, tag = r.writer
+        r.writer, handle = None, r.handle  # its writer is done: nothing more lands
+        r.handle = None
+        if handle is not None:
+            self._release(handle)
+        if r.verify:
+            try:
+                want = self._sums_of(r, {"sums": r.sums})
+            except ValueError as e:
+                self._fail(r, str(e), failed, sender, tag)
+                return
+            got = _sums.run_sums(self.pool, r.rows, r.counts)
+            if got != want:
+                bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+                self.stats["verify_failed"] += 1
+                self._fail(r, f"the rows that landed do not match the sender's checksums "
+                              f"(layers {bad[:8]})", failed, sender, tag)
+                return
+        self._end(r, "done")
+        self._held[r.xfer_id] = r.pages
+        self._tell(sender, "ok", tag)
+        done.append(Arrival(r.req_id, list(r.pages), r.n_tokens, r.xfer_id, sender,
+                            self._clock() - r.t0))
+
+    def _read_state(self, r: _Reservation) -> str:
+        try:
+            return self._agent.check_xfer_state(r.handle)
+        except Exception as e:
+            return f"ERR ({e!r})"
+
+    def _release(self, handle) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:  # (a handle no longer in progress: nothing left to stop)
+            self.stats["release_errors"] += 1
+
+    def _fail(self, r: _Reservation, why: str, failed: list, sender=None, tag=None) -> None:
+        """End ``r`` as failed (reported in ``failed``), telling ``sender`` why."""
         self._end(r, "failed")
         failed.append((r.req_id, why))
-        self._tell(sender, _nixl.READ_FAILED + f"{tag} {why}".encode())
+        if sender is not None:
+            self._tell(sender, "fail", tag, why)
 
-    def _tell(self, sender: str, msg: bytes) -> None:
+    def _tell(self, sender: str, kind: str, tag, why: str | None = None) -> None:
+        if not isinstance(tag, str):
+            return
         try:
-            self._agent.send_notif(sender, msg)
+            self._agent.send_notif(sender, _nixl.message(
+                kind, tag=tag, **({} if why is None else {"why": why})))
         except Exception:  # the sender is gone: its own timeout ends its side
             self.stats["untold"] += 1
 
-    def _stop(self, xid: str) -> bool:
-        """Release a pull's READ handle (NIXL cancels an active one); False if NIXL could not:
-        the READ may still write, so its pages are kept out of use."""
-        h = self._reading.pop(xid, (None,))[0]
-        if h is None:
-            return True
-        try:
-            self._agent.release_xfer_handle(h)
-            return True
-        except Exception:
-            self.stats["stuck"] += 1
-            return False
-
     def cancel(self, req_id) -> None:
-        """Free ``req_id``'s reservation now (pages put back; its notification, if one comes,
-        is ignored). ``KeyError`` if it has none in flight."""
+        """End ``req_id``'s reservation now: its pages go back at once if its transfer has not
+        started, else once it can no longer write them (quarantined; a later message for it is
+        ignored). ``KeyError`` if it has none in flight."""
         self._open()
         if req_id not in self._live:
             raise KeyError(f"req_id {req_id!r} has no reservation in flight (it arrived, timed "
                            f"out or was cancelled)")
-        self._end(self._live[req_id], "cancelled")
+        self._end(self._live[req_id], "cancelled", tell="the receiver cancelled it")
 
-    def _end(self, r: _Reservation, why: str) -> _Reservation:
+    def _end(self, r: _Reservation, why: str, tell: str | None = None) -> None:
         del self._live[r.req_id], self._by_xfer[r.xfer_id]
-        self._ended[r.xfer_id] = why
+        self._ended[r.xfer_id] = (why, r.token)
         if len(self._ended) > _ENDED_KEEP:
             self._ended.popitem(last=False)
         self.stats[why] += 1
-        if why != "done" and self._stop(r.xfer_id):
+        if why == "done":
+            return
+        if r.writer is not None and tell is not None:
+            self._tell(r.writer[0], "fail", r.writer[1], tell)
+        if r.handle is not None and self._read_state(r) != "PROC":
+            self._release(r.handle)
+            r.handle, r.writer = None, None
+        if r.writer is None:
             self.pages.put(r.pages)
-        return r
+        else:  # its READ in progress, or a write granted: kept until it can write no more
+            self._quarantine[r.xfer_id] = r
+            self.stats["quarantined"] += 1
+
+    def _unquarantine(self, r: _Reservation) -> None:
+        del self._quarantine[r.xfer_id]
+        if r.handle is not None:
+            self._release(r.handle)
+        r.handle = r.writer = None
+        self.pages.put(r.pages)
+
+    def release_quarantined(self, xfer_id: str) -> None:
+        """Give back the pages of quarantined transfer ``xfer_id`` (:attr:`quarantined`) now:
+        for an engine that knows its sender can no longer write them (that process ended)."""
+        self._open()
+        r = self._quarantine.get(xfer_id)
+        if r is None:
+            raise KeyError(f"xfer_id {xfer_id!r} is not quarantined")
+        self._unquarantine(r)
 
     def _arrived(self, arrival: Arrival) -> list:
         if not isinstance(arrival, Arrival) or arrival.xfer_id not in self._held:
@@ -312,9 +490,15 @@ class KVReceiver:
         self.pages.put(self._held.pop(arrival.xfer_id))
 
     def close(self) -> None:
-        """Cancel the reservations in flight, deregister the pool (arrivals keep their pages)."""
+        """Cancel the reservations in flight, deregister the pool. Arrivals keep their pages;
+        quarantined ones stay out of the free list (their READs released: NIXL cancels them)."""
         if self._agent is not None:
             for r in list(self._live.values()):
-                self._end(r, "cancelled")
+                self._end(r, "cancelled", tell="the receiver closed")
+            for r in self._quarantine.values():
+                if r.handle is not None:
+                    with contextlib.suppress(Exception):
+                        self._agent.release_xfer_handle(r.handle)
+                    r.handle = None
             agent, self._agent = self._agent, None
             agent.deregister_memory(self._reg)

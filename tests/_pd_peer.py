@@ -7,9 +7,9 @@ stdout with one line starting ``@pd `` (NIXL's own log lines are mixed in, and s
   answers ``{"bytes", "seconds", "xfer_id"}`` or ``{"error": "..."}``;
 - ``"pull": true`` in it: the same by a ``KVSender(pull=True)`` (the receiver reads; the
   test polls its receiver before it reads the answer);
-- ``{"ticket": ..., "seed": s, "partial": true}``: write layer 0 only, without the ticket's
-  transfer id (a sender dying mid-transfer), answer ``{"partial": true}`` and sleep: the test
-  kills the process;
+- ``{"ticket": ..., "seed": s, "partial": true}`` (a push ticket): ask for the grant as a
+  WRITE does, then write layer 0 only and notify nothing (a sender dying mid-transfer), answer
+  ``{"partial": true}`` and sleep: the test kills the process;
 - ``{"quit": true}``: close and exit.
 
 ``python tests/_pd_peer.py bench [MiB] [reps]``: two agents of this process, one receiver's
@@ -45,7 +45,7 @@ def say(obj) -> None:
 def serve() -> None:
     from hisparse_cupy.pd import KVSender
 
-    tx, puller = KVSender(), KVSender(pull=True)
+    tx, puller = KVSender(), KVSender(pull=True)  # tx: a pull, or a push ticket's WRITE
     say({"ready": tx.name})
     for line in sys.stdin:
         msg = json.loads(line)
@@ -54,9 +54,8 @@ def serve() -> None:
         t = msg["ticket"]
         kv = make_kv(msg["seed"], t["n_layers"], t["n_tokens"], t["row_bytes"])
         try:
-            if msg.get("partial"):  # layer 0's runs, notified with no id
-                tx.send({**t, "n_layers": 1, "descs": t["descs"][: len(t["runs"])],
-                         "xfer_id": ""}, kv[:1])
+            if msg.get("partial"):  # granted, a WRITE of layer 0 only, never told
+                partial(tx, t, kv)
                 say({"partial": True})
                 while True:
                     time.sleep(60)
@@ -67,6 +66,29 @@ def serve() -> None:
             say({"error": f"{type(e).__name__}: {e}"})
     tx.close()
     puller.close()
+
+
+def partial(tx, t, kv) -> None:
+    """The grant of ``t``'s WRITE (the test polls its receiver), then a WRITE of layer 0's
+    rows alone with no notification in its place."""
+    import numpy as np
+
+    from hisparse_cupy import _nixl
+
+    p = tx.send(t, kv, wait=False)
+    runs = np.asarray(t["runs"], np.uint64).reshape(-1, 2)
+    rb = t["row_bytes"]
+    local = np.stack([kv.ctypes.data + runs[:, 0] * np.uint64(rb), runs[:, 1] * np.uint64(rb)],
+                     -1)
+    remote = np.asarray(t["descs"], np.uint64)[: len(runs)]
+    part = tx._agent.initialize_xfer("WRITE", _nixl.xfer_descs(tx._agent, local, 0, "DRAM"),
+                                     _nixl.xfer_descs(tx._agent, remote, 0, "DRAM"), t["agent"],
+                                     b"")
+    tx._agent.release_xfer_handle(p._handle)
+    p._handle = part
+    while p._phase in ("queued", "asking", "writing"):
+        p.poll()
+        time.sleep(0.001)
 
 
 def bench(mib: int = 256, reps: int = 5) -> None:
@@ -85,10 +107,10 @@ def bench(mib: int = 256, reps: int = 5) -> None:
     rates = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        for r in range(n_req):
-            tx.send(rx.reserve(r, n_tok), kv[:, r * n_tok:(r + 1) * n_tok])
+        sends = [tx.send(rx.reserve(r, n_tok), kv[:, r * n_tok:(r + 1) * n_tok], wait=False)
+                 for r in range(n_req)]
         got = []
-        while len(got) < n_req:
+        while len(got) < n_req or not all(p.poll() for p in sends):  # (the READs: in poll)
             got += rx.poll().done
         dt = time.perf_counter() - t0
         rates.append(L * n_req * n_tok * rb / dt / 1e9)
@@ -101,6 +123,7 @@ def bench(mib: int = 256, reps: int = 5) -> None:
 
 
 def bench_procs(mib: int = 256, reps: int = 5) -> None:
+    import select
     import subprocess
 
     from hisparse_cupy.host_pages import HostPages
@@ -112,12 +135,21 @@ def bench_procs(mib: int = 256, reps: int = 5) -> None:
     n_tok = n_pages // n_req * P
     rx = KVReceiver(pool, pages)
     child = subprocess.Popen([sys.executable, __file__, "send"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, text=True)  # (stdout read as bytes)
 
-    def answer():
-        while not (line := child.stdout.readline()).startswith("@pd "):
-            assert line, "the sender process exited"
-        return json.loads(line[4:])
+    got, buf = [], [b""]
+
+    def answer():  # the child's next answer; the receiver polled meanwhile (its READs)
+        while True:
+            while b"\n" in buf[0]:
+                line, buf[0] = buf[0].split(b"\n", 1)
+                if line.startswith(b"@pd "):
+                    return json.loads(line[4:])
+            if select.select([child.stdout], [], [], 0.0005)[0]:
+                chunk = os.read(child.stdout.fileno(), 65536)
+                assert chunk, "the sender process exited"
+                buf[0] += chunk
+            got.extend(rx.poll().done)
 
     answer()
     secs = []
@@ -126,11 +158,11 @@ def bench_procs(mib: int = 256, reps: int = 5) -> None:
             child.stdin.write(json.dumps({"ticket": rx.reserve(r, n_tok), "seed": rep}) + "\n")
             child.stdin.flush()
             secs.append(answer()["seconds"])
-        got = []
         while len(got) < n_req:
             got += rx.poll().done
         for a in got:
             rx.release(a)
+        got.clear()
     child.stdin.write('{"quit": true}\n')
     child.stdin.close()
     child.wait()

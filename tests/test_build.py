@@ -12,7 +12,7 @@ from hisparse_cupy import _abi, _build
 def test_compile_check_covers_every_instance():
     sizes = _build.compile_check()
     assert set(_build.INSTANCES) == {"swap.cu", "plan.cu", "cache.cu", "multistep.cu",
-                                     "predict.cu"}
+                                     "predict.cu", "sums.cu"}
     for f in _build.INSTANCES:
         for arch in ("sm_80", "sm_90"):
             assert sizes[(f, arch)] > 1000, (f, arch)

@@ -4,7 +4,8 @@
 another process, and the faults: bad kv, bad or stale tickets and metadata, duplicate, late and
 unknown notifications, timeouts, a cancelled reservation, a sender killed mid-transfer. After
 each, pages are accounted for (every page put back exactly once) and the other requests' rows
-are checked byte for byte.
+are checked byte for byte. The hostile peer's cases (malformed, forged, stale, altered and bare
+messages, raw NIXL agents, cancels during a transfer) are in ``test_pd_trust.py``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hisparse_cupy import _nixl
 from hisparse_cupy.host_pages import HostPages, PoolExhausted
 
 try:
@@ -96,19 +98,62 @@ def ticket_rows(t, pool):
                            for a, n in t["descs"][: len(t["runs"])]])
 
 
+_SEEN: dict = {}  # id(receiver) -> what its polls inside send() / finish() found
+
+
+def _poll(rx):
+    """One poll of ``rx``; what it found is kept for :func:`arrivals` and :func:`failures`."""
+    polled = rx.poll()
+    seen = _SEEN.setdefault(id(rx), {"done": [], "failed": [], "timed_out": []})
+    for k in seen:
+        seen[k] += getattr(polled, k)
+    return polled
+
+
+def _take(rx, what):
+    seen = _SEEN.get(id(rx), {})
+    got, seen[what] = seen.get(what, []), []
+    return got
+
+
+def finish(rx, p, wait_s=20.0):
+    """Poll ``rx`` and send ``p`` until ``p`` ends: its :class:`Sent` (its error raised)."""
+    end = time.monotonic() + wait_s
+    while not p.poll():
+        _poll(rx)
+        if time.perf_counter() > p.deadline:
+            return p.wait(timeout_s=1e-6)  # (its deadline's handling: TimeoutError)
+        assert time.monotonic() < end, "the send did not end"
+    return p.result
+
+
+def settle(rx, wait_s=10.0):
+    """Poll ``rx`` until no transfer is quarantined (its READs in progress end)."""
+    end = time.monotonic() + wait_s
+    while rx.quarantined:
+        _poll(rx)
+        assert time.monotonic() < end, rx.quarantined
+
+
+def send(s, rx, t, kv, **kw):
+    """``s.send(t, kv)`` with ``rx`` polled meanwhile (one thread drives both)."""
+    return finish(rx, s.send(t, kv, wait=False, **kw))
+
+
 def arrivals(rx, want, wait_s=10.0):
-    """Poll until ``want`` arrivals (or ``wait_s``); asserts that nothing timed out."""
-    got, end = [], time.monotonic() + wait_s
+    """Poll until ``want`` arrivals (or ``wait_s``); asserts that nothing timed out or failed."""
+    got, end = _take(rx, "done"), time.monotonic() + wait_s
+    assert _take(rx, "timed_out") == [] and _take(rx, "failed") == []
     while len(got) < want and time.monotonic() < end:
         polled = rx.poll()
-        assert polled.timed_out == []
+        assert polled.timed_out == [] and polled.failed == [], polled
         got += polled.done
     return got
 
 
 @pytest.fixture(scope="module")
 def tx():
-    s = KVSender()
+    s = KVSender()  # a pull, or a WRITE for a KVReceiver(push=True)'s ticket
     yield s
     s.close()
 
@@ -129,7 +174,8 @@ class Peer:
         self.buf, self.log = b"", []
         assert "ready" in self.read()
 
-    def read(self, timeout=20.0):
+    def read(self, timeout=20.0, rx=None):
+        """The child's next answer; ``rx`` (the receiver it sends to) is polled meanwhile."""
         end = time.monotonic() + timeout
         while True:
             while b"\n" in self.buf:
@@ -139,14 +185,16 @@ class Peer:
                 self.log.append(line.decode(errors="replace"))
             left = end - time.monotonic()
             assert left > 0, f"no answer from the sender process; its output: {self.log}"
-            if select.select([self.p.stdout], [], [], left)[0]:
+            if rx is not None:
+                _poll(rx)
+            if select.select([self.p.stdout], [], [], left if rx is None else 0.001)[0]:
                 chunk = os.read(self.p.stdout.fileno(), 65536)
                 assert chunk, f"the sender process exited; its output: {self.log}"
                 self.buf += chunk
 
-    def ask(self, **msg):
+    def ask(self, rx=None, **msg):
         self.tell(**msg)
-        return self.read()
+        return self.read(rx=rx)
 
     def tell(self, **msg):
         self.p.stdin.write((json.dumps(msg) + "\n").encode())
@@ -163,11 +211,13 @@ class Peer:
 
 
 # ---------------------------------------------------------------------- transfers
-def test_100_requests_several_in_flight(tx, rng):
-    """Mixed sizes, up to 8 reserved at once, sent in random order (some posted, then waited
-    in another order), admitted as they arrive; every admitted request's rows exact; pages
+@pytest.mark.parametrize("push", [False, True])
+def test_100_requests_several_in_flight(tx, rng, push):
+    """Mixed sizes, up to 8 reserved at once, sent in random order (some one at a time, some
+    posted together and driven to the end in another order), by pulls (the receiver READs) or
+    granted WRITEs, admitted as they arrive; every admitted request's rows exact; pages
     accounted for; random releases fragment the pool so requests span several runs."""
-    rx, pool, pages = receiver(256)
+    rx, pool, pages = receiver(256, push=push)
     cache = FakeCache(pool, pages)
     kvs, live, nbytes, wall, runs, req = {}, {}, 0, 0.0, 0, 0
     while req < 100:
@@ -183,10 +233,11 @@ def test_100_requests_several_in_flight(tx, rng):
         for t in tickets:
             runs = max(runs, len(t["runs"]))
             if rng.random() < 0.5:
-                nbytes += tx.send(t, kvs[t["req_id"]]).bytes
+                nbytes += send(tx, rx, t, kvs[t["req_id"]]).bytes
             else:
                 posted.append(tx.send(t, kvs[t["req_id"]], wait=False))
-        nbytes += sum(p.wait().bytes for p in posted[::-1])
+        nbytes += sum(finish(rx, p).bytes for p in posted[::-1])
+        assert all(p.kind == ("write" if push else "pull") for p in posted)
         got = arrivals(rx, len(tickets))
         wall += time.perf_counter() - t0
         assert sorted(a.req_id for a in got) == sorted(t["req_id"] for t in tickets)
@@ -204,7 +255,7 @@ def test_100_requests_several_in_flight(tx, rng):
     assert pages.held.sum() == 0
     pages.check()
     print(f"\n100 requests (1-300 tokens), {nbytes / 2**20:.1f} MiB: {nbytes / wall / 1e9:.3f} "
-          f"GB/s (send -> arrival, DRAM -> DRAM, one process)")
+          f"GB/s (send -> arrival, DRAM -> DRAM, one process, {'push' if push else 'pull'})")
     rx.close()
 
 
@@ -212,14 +263,15 @@ def test_a_sender_in_another_process(rng):
     """30 small requests of mixed sizes, 5 in flight at a time, then 4 large ones (6 MiB)."""
     peer = Peer()
     try:
-        for rb, n_pages, sizes in [(RB, 128, rng.integers(1, 301, 30)), (8192, 64, [256] * 4)]:
-            rx, pool, pages = receiver(n_pages, rb)
+        for rb, n_pages, sizes, push in [(RB, 128, rng.integers(1, 301, 30), True),
+                                         (8192, 64, [256] * 4, False)]:
+            rx, pool, pages = receiver(n_pages, rb, push=push)
             nbytes, secs = [], []
             for i in range(0, len(sizes), 5):
                 tickets = [rx.reserve(i + j, int(n)) for j, n in enumerate(sizes[i: i + 5])]
                 rng.shuffle(tickets)
                 for t in tickets:
-                    ans = peer.ask(ticket=t, seed=t["req_id"])
+                    ans = peer.ask(rx, ticket=t, seed=t["req_id"])
                     assert "error" not in ans, ans
                     nbytes.append(ans["bytes"])
                     secs.append(ans["seconds"])
@@ -248,19 +300,16 @@ def test_descriptors_cut_into_pieces_land_whole_and_notify_once(rng):
     got = _cut(d, 100)
     assert got[:, 0].tolist() == [1000, 1100, 1200, 5000, 9000]
     assert got[:, 1].tolist() == [100, 100, 50, 100, 1] and (got[:, 2] == 0).all()
-    rx, pool, pages = receiver(64)
-    s = KVSender(desc_bytes=3 * RB + 8)
+    rx, pool, pages = receiver(64, push=True)
+    s = KVSender(desc_bytes=3 * RB + 8, pull=False)
     try:
         assert KVSender.__init__.__kwdefaults__["desc_bytes"] == 3 << 20
         want = {}
         for r, n in enumerate([1, 37, 64, 200, 130]):
             kv = make_kv(50 + r, L, n, RB)
-            assert s.send(rx.reserve(r, n), kv).bytes == kv.size
+            assert send(s, rx, rx.reserve(r, n), kv).bytes == kv.size
             want[r] = kv
-        arrived = []
-        deadline = time.monotonic() + 20
-        while len(arrived) < len(want) and time.monotonic() < deadline:
-            arrived += rx.poll().done
+        arrived = arrivals(rx, len(want))
         assert sorted(a.req_id for a in arrived) == list(want)
         for a in arrived:
             rows = (np.asarray(a.pages)[:, None] * P + np.arange(P)).ravel()[:a.n_tokens]
@@ -280,14 +329,14 @@ def test_ucx_backend_parameters_reach_both_agents_and_bad_ones_are_refused():
     """``ucx_params`` (NIXL's UCX backend parameters) start both agents with them, and the
     sends still land byte exact; a name the backend does not take, or a value that is not an
     int or str, is refused naming ``ucx_params`` before any agent starts."""
-    rx, pool, pages = receiver(16, ucx_params={"num_workers": 2})
+    rx, pool, pages = receiver(16, ucx_params={"num_workers": 2}, push=True)
     s = KVSender(ucx_params={"num_workers": "2", "num_threads": 2})
     try:
         assert s._agent.get_backend_params("UCX")["num_workers"] == "2"
         assert rx._agent.get_backend_params("UCX")["num_workers"] == "2"
         want = {r: make_kv(70 + r, L, n, RB) for r, n in enumerate([5, 40, 80])}
         for r, kv in want.items():
-            s.send(rx.reserve(r, kv.shape[1]), kv)
+            send(s, rx, rx.reserve(r, kv.shape[1]), kv)
         got = arrivals(rx, len(want))
         assert sorted(a.req_id for a in got) == list(want)
         for a in got:
@@ -333,7 +382,7 @@ def test_a_shared_pools_ticket_names_it_and_is_checked(tx):
             tx.send({**t, "shm": "kv-test"}, kv)
         time.sleep(0.05)
         assert not rx.poll().done and not pool.any()
-        tx.send(t, kv)
+        send(tx, rx, t, kv)
         (a,) = arrivals(rx, 1)
         np.testing.assert_array_equal(pool[:, rows_of(a.pages, 20)], kv)
         assert tx.stats["copied"] == copied  # host memory: over NIXL
@@ -350,14 +399,14 @@ def test_a_shared_pools_ticket_names_it_and_is_checked(tx):
 
 
 def test_writes_wait_their_turn_and_land_exact(rng):
-    """KVSender(max_in_flight=k): sends posted together to one receiver are WRITEs k at a time
-    (default 1), the rest queued in order and posted as earlier ones end, whichever send is
-    waited on; None posts all at once; two receivers get one each at once; every request byte
-    exact, pages accounted for; bad values refused."""
+    """KVSender(max_in_flight=k): WRITEs sent together to one receiver start (ask for their
+    grant, write) k at a time (default 1), the rest queued in order and started as earlier ones
+    end, whichever send is driven; None starts all at once; two receivers get one each at
+    once; every request byte exact, pages accounted for; bad values refused."""
     assert KVSender.__init__.__kwdefaults__["max_in_flight"] == 1
     for k in (1, 2, None):
-        rx, pool, pages = receiver(256)
-        s = KVSender(max_in_flight=k)
+        rx, pool, pages = receiver(256, push=True)
+        s = KVSender(max_in_flight=k, pull=False)
         try:
             want, sends, most = {}, [], 0
             for r in range(7):
@@ -368,10 +417,10 @@ def test_writes_wait_their_turn_and_land_exact(rng):
                 assert s.in_flight <= cap and (k is not None or s.queued == 0)
                 assert s.in_flight + s.queued == sum(p.state != "DONE" for p in sends)
                 most = max(most, s.queued)
-            # (a WRITE needs polling to complete, so the first k are still in flight)
+            # (a WRITE needs its grant, so the first k are still in flight)
             assert (most == 0) == (k is None), most
-            for i in rng.permutation(len(sends)):  # waited on in any order
-                assert sends[i].wait().bytes == want[int(i)].size
+            for i in rng.permutation(len(sends)):  # driven to the end in any order
+                assert finish(rx, sends[i]).bytes == want[int(i)].size
             assert s.in_flight == s.queued == 0
             got = arrivals(rx, len(want))
             assert sorted(a.req_id for a in got) == list(want)
@@ -384,15 +433,16 @@ def test_writes_wait_their_turn_and_land_exact(rng):
             s.close()
             rx.close()
     # receivers do not wait for each other: one WRITE in flight to each
-    (rx1, pool1, _), (rx2, pool2, _) = receiver(64), receiver(64)
-    s = KVSender()
+    (rx1, pool1, _), (rx2, pool2, _) = receiver(64, push=True), receiver(64, push=True)
+    s = KVSender(pull=False)
     try:
         kv = {r: make_kv(400 + r, L, 30, RB) for r in range(6)}
         sends = [s.send((rx1, rx2)[r % 2].reserve(r, 30), kv[r], wait=False) for r in range(6)]
         assert s.in_flight == 2 and s.queued == 4
         assert [p.state for p in sends[:2]] == ["PROC", "PROC"]
-        for p in sends[::-1]:
-            p.wait()
+        for i, p in list(enumerate(sends))[::-1]:
+            finish((rx1, rx2)[i % 2], p)
+            _poll((rx1, rx2)[1 - i % 2])
         for rx, pool, rs in ((rx1, pool1, (0, 2, 4)), (rx2, pool2, (1, 3, 5))):
             got = arrivals(rx, 3)
             assert sorted(a.req_id for a in got) == list(rs)
@@ -407,54 +457,13 @@ def test_writes_wait_their_turn_and_land_exact(rng):
             KVSender(max_in_flight=bad)
 
 
-def test_the_queue_keeps_count_when_a_write_completes_as_it_is_posted():
-    """A WRITE that NIXL completes at once (transfer() says DONE) ends inside the queue's
-    launch; the sends after it are still posted, tracked and polled to the end."""
-    from hisparse_cupy.pd_send import PendingSend
-
-    class Handle:
-        def release(self):
-            pass
-
-    class Agent:
-        def __init__(self, answers):
-            self.answers = answers  # xfer id -> states transfer() then each check returns
-
-        def transfer(self, h):
-            return self.answers[h.xid].pop(0)
-
-        def check_xfer_state(self, h):
-            return self.answers[h.xid].pop(0)
-
-    s = KVSender()
-    try:
-        fake = Agent({"a": ["DONE"], "b": ["PROC", "PROC", "DONE"], "c": ["DONE"]})
-        sends = []
-        for xid in "abc":
-            h = Handle()
-            h.xid = xid
-            t = {"xfer_id": xid, "agent": "rx", "n_layers": 1, "n_tokens": 1, "row_bytes": 1,
-                 "descs": [0]}
-            p = PendingSend(fake, s._settle, h, None, t, time.perf_counter(),
-                            time.perf_counter() + 30, progress=s._progress)
-            s._queue["rx"].append(p)
-            sends.append(p)
-        s._launch()
-        assert [p.state for p in sends] == ["DONE", "PROC", "QUEUED"]
-        assert s.in_flight == 1 and s.queued == 1
-        assert sends[2].wait().xfer_id == "c" and [p.state for p in sends] == ["DONE"] * 3
-        assert s.in_flight == s.queued == 0
-    finally:
-        s.close()
-
-
 def test_a_queued_write_past_its_deadline_ends_unsent_and_close_ends_the_queue():
     """A send whose deadline passes before its turn fails with a TimeoutError and writes
     nothing (its pages keep their poison; the receiver can take the resend); a send done stays
     done through close()."""
-    rx, pool, pages = receiver(64, timeout_s=30)
+    rx, pool, pages = receiver(64, timeout_s=30, push=True)
     pool[:] = 0xA5
-    s = KVSender(max_in_flight=1)
+    s = KVSender(max_in_flight=1, pull=False)
     try:
         first = s.send(rx.reserve(0, 40), make_kv(1, L, 40, RB), wait=False)
         t = rx.reserve(1, 30)
@@ -463,9 +472,9 @@ def test_a_queued_write_past_its_deadline_ends_unsent_and_close_ends_the_queue()
             late.wait()
         with pytest.raises(TimeoutError, match="did not start in time"):
             late.poll()  # the same error again, nothing posted
-        assert first.wait().bytes == L * 40 * RB
+        assert finish(rx, first).bytes == L * 40 * RB
         assert (pool[:, ticket_rows(t, pool)] == 0xA5).all()
-        assert s.send(t, make_kv(2, L, 30, RB)).bytes == L * 30 * RB  # the resend lands
+        assert send(s, rx, t, make_kv(2, L, 30, RB)).bytes == L * 30 * RB  # the resend lands
         got = {a.req_id: a for a in arrivals(rx, 2)}
         assert sorted(got) == [0, 1]
         np.testing.assert_array_equal(pool[:, rows_of(got[1].pages, 30)], make_kv(2, L, 30, RB))
@@ -478,38 +487,29 @@ def test_a_queued_write_past_its_deadline_ends_unsent_and_close_ends_the_queue()
     pages.check()
 
 
-def test_close_fails_the_writes_still_queued():
-    """close() ends every WRITE still waiting for its turn with an error naming it (here behind
-    a WRITE a NIXL agent stand-in keeps in progress: deterministic, where a real WRITE might
-    end first and let the queue run)."""
-    from hisparse_cupy.pd_send import PendingSend
-
-    class Agent:
-        def transfer(self, h):
-            return "PROC"
-
-        def check_xfer_state(self, h):
-            return "PROC"
-
-    s = KVSender()
-    sends = []
-    try:
-        for xid in "abc":
-            t = {"xfer_id": xid, "agent": "rx", "n_layers": 1, "n_tokens": 1, "row_bytes": 1,
-                 "descs": [0]}
-            p = PendingSend(Agent(), s._settle, None, None, t, time.perf_counter(),
-                            time.perf_counter() + 30, progress=s._progress)
-            s._queue["rx"].append(p)
-            sends.append(p)
-        s._launch()
-        assert not sends[0].poll()
-        assert [p.state for p in sends] == ["PROC", "QUEUED", "QUEUED"] and s.queued == 2
-    finally:
-        s.close()
-    for w in sends[1:]:
-        with pytest.raises(RuntimeError, match="closed before this send's turn"):
+def test_close_fails_the_sends_not_ended():
+    """close() ends every send not ended (here a WRITE waiting for a grant from a receiver that
+    does not poll, and two queued behind it) with an error naming it; nothing was written, and
+    the receiver, polled afterwards, ends the reservations as they time out."""
+    clock = Clock()
+    rx, pool, pages = receiver(64, push=True, clock=clock, timeout_s=5)
+    pool[:] = 0xA5
+    s = KVSender(pull=False)
+    sends = [s.send(rx.reserve(r, 20), make_kv(r, L, 20, RB), wait=False) for r in range(3)]
+    assert [p.state for p in sends] == ["PROC", "QUEUED", "QUEUED"] and s.queued == 2
+    assert not sends[0].poll()
+    s.close()
+    for w in sends:
+        with pytest.raises(RuntimeError, match="closed before this send ended"):
             w.wait()
-    assert s.queued == 0
+    assert s.queued == 0 and s.in_flight == 0
+    clock.t = 6
+    polled = rx.poll()  # the begin of the first: ended by the sender's abort (or late)
+    assert sorted(polled.timed_out + [r for r, _ in polled.failed]) == [0, 1, 2]
+    settle(rx)  # (granted, then timed out before the abort came: quarantined until it does)
+    assert (pool == 0xA5).all() and pages.free_pages == 64 and not rx.quarantined
+    pages.check()
+    rx.close()
 
 
 def test_gpu_arrays_are_read_through_cuda_array_interface():
@@ -536,7 +536,7 @@ def test_gpu_arrays_are_read_through_cuda_array_interface():
 
 # ---------------------------------------------------------------------- faults
 def test_bad_input_is_refused_before_any_transfer(tx):
-    rx, pool, pages = receiver(8)
+    rx, pool, pages = receiver(8, push=True)
     t = rx.reserve("r", 20)
     good = make_kv(0, L, 20, RB)
     for kv, what in [(good[:, :19], r"uint8 \[3, 20, 64\]"), (good.astype(np.int8), "uint8"),
@@ -544,10 +544,11 @@ def test_bad_input_is_refused_before_any_transfer(tx):
                      (list(good), "NumPy array")]:
         with pytest.raises((ValueError, TypeError), match=what):
             tx.send(t, kv)
-    bad = [({"version": 2}, "version"), ({"descs": t["descs"][:-1]}, "do not match"),
+    bad = [({"version": 1}, "version"), ({"descs": t["descs"][:-1]}, "do not match"),
            ({"runs": [[0, 19]]}, "consecutive runs"), ({"mem": "VRAM"}, "DRAM"),
            ({"n_tokens": 0}, "n_tokens"), ({"metadata": "%%%"}, "base64"),
            ({"metadata": "Z2FyYmFnZQ==", "instance": "x"}, "did not load"),
+           ({"token": None}, "token"), ({"mode": "write"}, "mode"), ({"verify": 1}, "verify"),
            ({"descs": [[a + (1 << 40), b] for a, b in t["descs"]]}, "refused")]
     for change, what in bad:
         with pytest.raises(ValueError, match=what):
@@ -556,7 +557,7 @@ def test_bad_input_is_refused_before_any_transfer(tx):
         tx.send([t], good)
     time.sleep(0.05)
     assert rx.poll() == ([], [], []) and not pool.any()  # nothing was written, nothing arrived
-    tx.send(t, good)  # the ticket itself still works
+    send(tx, rx, t, good)  # the ticket itself still works
     (a,) = arrivals(rx, 1)
     np.testing.assert_array_equal(pool[:, rows_of(a.pages, 20)], good)
     # the receiver's own checks
@@ -567,12 +568,16 @@ def test_bad_input_is_refused_before_any_transfer(tx):
         rx.reserve(True, 1)
     with pytest.raises(ValueError, match="n_tokens"):
         rx.reserve("y", 0)
+    with pytest.raises(TypeError, match="verify"):
+        rx.reserve("y", 1, verify=1)
     free = pages.free_pages
     with pytest.raises(PoolExhausted):
         rx.reserve("y", 8 * P)
     assert pages.free_pages == free and "y" not in rx.in_flight
     with pytest.raises(KeyError, match="no reservation"):
         rx.cancel("nobody")
+    with pytest.raises(KeyError, match="not quarantined"):
+        rx.release_quarantined("nobody")
     with pytest.raises(ValueError, match="pages are not"):
         rx.admit(FakeCache(pool, HostPages(8, P)), a)
     rx.release(a)
@@ -580,6 +585,13 @@ def test_bad_input_is_refused_before_any_transfer(tx):
         rx.release(a)
     with pytest.raises(TypeError, match="pool"):
         KVReceiver(pool.astype(np.int8), pages)
+    for k in ("push", "verify"):
+        with pytest.raises(TypeError, match=k):
+            KVReceiver(pool, pages, **{k: 1})
+    with pytest.raises(ValueError, match="multiple of 8"):
+        KVReceiver(np.zeros((L, 8 * P, 12), np.uint8), pages, verify=True)
+    with pytest.raises(TypeError, match="pull"):
+        KVSender(pull=1)
     KVReceiver(types.SimpleNamespace(numpy=pool), pages).close()  # a HostKVPool's .numpy
     with pytest.raises(ValueError, match="rows per layer"):
         KVReceiver(np.zeros((L, 10, RB), np.uint8), pages)
@@ -588,20 +600,23 @@ def test_bad_input_is_refused_before_any_transfer(tx):
     pages.check()
 
 
-def test_duplicate_late_unknown_and_cancelled(tx):
-    """Only a live reservation's id admits, once; no page is put back twice; the admitted
+@pytest.mark.parametrize("push", [False, True])
+def test_duplicate_late_unknown_and_cancelled(tx, push):
+    """Only a live reservation's messages count, once; a send after a cancel or a timeout is
+    refused (its sender told why) and writes nothing; no page is put back twice; the admitted
     request's rows stay exact through every fault."""
     clock = Clock()
-    rx, pool, pages = receiver(32, clock=clock, timeout_s=5)
+    rx, pool, pages = receiver(32, clock=clock, timeout_s=5, push=push)
     cache = FakeCache(pool, pages)
     kv_a = make_kv(1, L, 40, RB)
     ta = rx.reserve("a", 40)
-    tx.send(ta, kv_a)
+    send(tx, rx, ta, kv_a)
     (a,) = arrivals(rx, 1)
     rid = rx.admit(cache, a)
-    tx._agent.send_notif(rx.name, ta["xfer_id"].encode())  # a duplicate
-    tx._agent.send_notif(rx.name, b"\xff not an id")
-    tx._agent.send_notif(rx.name, (rx.instance + ".999").encode())
+    done = _nixl.message("done", xfer_id=ta["xfer_id"], token=ta["token"], tag="x")
+    tx._agent.send_notif(rx.name, done)  # a duplicate
+    tx._agent.send_notif(rx.name, b"\xff not a message")
+    tx._agent.send_notif(rx.name, _nixl.message("done", xfer_id="0" * 32, token="0" * 32))
     tb = rx.reserve("b", 30)  # cancelled before its sender writes
     b_pages = [g for g in range(32) if pages.held[g]]
     puts = pages.puts.copy()
@@ -615,16 +630,21 @@ def test_duplicate_late_unknown_and_cancelled(tx):
     assert got.timed_out == ["c"] and got.done == []
     assert (pages.puts - puts == np.isin(np.arange(32), c_pages)).all()
     puts = pages.puts.copy()
-    tx.send(tb, make_kv(2, L, 30, RB))  # both land in free pages, their ids are dead
-    tx.send(tc, make_kv(3, L, 50, RB))
-    time.sleep(0.05)
+    for t, seed, why in ((tb, 2, "cancelled"), (tc, 3, "timed_out")):  # their ids are dead
+        with pytest.raises(RuntimeError, match=f"the reservation ended \\({why}\\)"):
+            send(tx, rx, t, make_kv(seed, L, t["n_tokens"], RB))
     for _ in range(50):
         assert rx.poll() == ([], [], [])
-    assert (rx.stats["duplicate"], rx.stats["unknown"], rx.stats["late"]) == (1, 2, 2)
+    assert (rx.stats["duplicate"] + rx.stats["late"], rx.stats["unknown"]) == (3, 1)
+    assert rx.stats["malformed"] == 1
     assert rx.stats["cancelled"] == 1 and rx.stats["timed_out"] == 1
     assert (pages.puts == puts).all()  # the late transfers put nothing back
+    assert pages.free_pages == 32 - pages.pages_for(40)
+    for t, seed in ((tb, 2), (tc, 3)):  # and no row of theirs landed
+        rows = pool[:, ticket_rows(t, pool)]
+        assert not (rows == make_kv(seed, L, t["n_tokens"], RB)).all(axis=(0, 2)).any()
     np.testing.assert_array_equal(pool[:, pages.rows(rid)], kv_a)
-    assert pages.held.sum() == 0 and pages.free_pages == 32 - pages.pages_for(40)
+    assert pages.held.sum() == 0
     pages.check()
     with pytest.raises(KeyError):
         rx.cancel("c")
@@ -633,21 +653,22 @@ def test_duplicate_late_unknown_and_cancelled(tx):
 
 def test_stale_metadata_and_a_restarted_receiver(tx):
     rx, pool, pages = receiver(8, name="hisparse-test-rx")
-    tx.send(rx.reserve(1, 5), make_kv(1, L, 5, RB))
+    send(tx, rx, rx.reserve(1, 5), make_kv(1, L, 5, RB))
     old = rx.reserve(2, 5)
     rx.close()  # the receiver is gone: its ticket fails, with the reason
     stale = (RuntimeError, ValueError, TimeoutError)
     with pytest.raises(stale, match="gone|stale|in time"):
-        tx.send(old, make_kv(2, L, 5, RB), timeout_s=5)
+        tx.send(old, make_kv(2, L, 5, RB), timeout_s=1)
     rx2, pool2, _ = receiver(8, name="hisparse-test-rx")  # same name, new instance
     with pytest.raises(stale, match="gone|stale|in time"):
-        tx.send(old, make_kv(2, L, 5, RB), timeout_s=5)
-    tx.send(rx2.reserve(1, 5), make_kv(7, L, 5, RB))
+        send(tx, rx2, old, make_kv(2, L, 5, RB), timeout_s=1)
+    assert not pool2.any()
+    send(tx, rx2, rx2.reserve(1, 5), make_kv(7, L, 5, RB))
     (a,) = arrivals(rx2, 1)
     np.testing.assert_array_equal(pool2[:, rows_of(a.pages, 5)], make_kv(7, L, 5, RB))
     rx2.close()
     rx3, pool3, _ = receiver(8, name="hisparse-test-rx")  # the sender still has rx2's cached
-    tx.send(rx3.reserve(1, 5), make_kv(8, L, 5, RB))
+    send(tx, rx3, rx3.reserve(1, 5), make_kv(8, L, 5, RB))
     (a,) = arrivals(rx3, 1)
     np.testing.assert_array_equal(pool3[:, rows_of(a.pages, 5)], make_kv(8, L, 5, RB))
     with pytest.raises(ValueError, match="belongs to agent 'hisparse-test-rx', not 'someone-else'"):
@@ -655,22 +676,24 @@ def test_stale_metadata_and_a_restarted_receiver(tx):
     rx3.close()
 
 
-def test_a_sender_killed_mid_transfer():
-    """The child writes part of a request's KV (layer 0) and is killed: the reservation times
-    out, its pages are put back once, nothing is admitted, the other request's rows stay."""
+def test_a_sender_killed_mid_write_leaves_its_pages_quarantined():
+    """The child is granted a WRITE, writes part of it (layer 0) and is killed: the
+    reservation times out and its pages stay out of the free list (the sender might still be
+    writing them) until the engine, knowing the process is gone, gives them back, once;
+    nothing is admitted, the other request's rows stay."""
     clock = Clock()
-    rx, pool, pages = receiver(32, clock=clock, timeout_s=5)
+    rx, pool, pages = receiver(32, clock=clock, timeout_s=5, push=True)
     peer = Peer()
     try:
         tb = rx.reserve("b", 70)
-        assert "error" not in peer.ask(ticket=tb, seed=5)
+        assert "error" not in peer.ask(rx, ticket=tb, seed=5)
         (b,) = arrivals(rx, 1)
         ta = rx.reserve("a", 200)
         rows = ticket_rows(ta, pool)
         a_pages = np.unique(rows // P)
         assert (pages.held[a_pages] == 1).all() and not np.isin(a_pages, b.pages).any()
         puts = pages.puts.copy()
-        assert peer.ask(ticket=ta, seed=6, partial=True) == {"partial": True}
+        assert peer.ask(rx, ticket=ta, seed=6, partial=True) == {"partial": True}
         os.kill(peer.p.pid, signal.SIGKILL)
         peer.p.wait(10)
         kv_a = make_kv(6, L, 200, RB)
@@ -681,9 +704,15 @@ def test_a_sender_killed_mid_transfer():
         assert (pages.puts == puts).all()
         clock.t = 6
         assert rx.poll() == ([], ["a"], [])
-        assert (pages.puts - puts == np.isin(np.arange(32), a_pages)).all()
+        assert rx.quarantined == {ta["xfer_id"]: ("a", len(a_pages))}
+        assert (pages.puts == puts).all() and pages.free_pages == 32 - 5 - len(a_pages)
+        with pytest.raises(PoolExhausted):  # the quarantined pages are not handed out
+            rx.reserve("c", 32 * P - 5 * P - len(a_pages) * P + 1)
         for _ in range(20):
             assert rx.poll().done == []
+        rx.release_quarantined(ta["xfer_id"])
+        assert (pages.puts - puts == np.isin(np.arange(32), a_pages)).all()
+        assert not rx.quarantined
         pages.check()
         np.testing.assert_array_equal(pool[:, rows_of(b.pages, 70)], make_kv(5, L, 70, RB))
         rx.release(b)
@@ -715,18 +744,18 @@ def _pd_example():
     return pd_decode
 
 
-@pytest.mark.parametrize("how", ["write", "pull"])
+@pytest.mark.parametrize("how", ["push", "pull"])
 def test_the_pd_example_decodes_on_kv_that_came_over_nixl(capsys, how):
-    """examples/pd_decode.py: a prefill process writes (or offers, for the decode process to
-    read) every prompt's KV into the decode pool's pages; the decode loop (NumPy backend) then
-    passes its bit-for-bit self-check, and fails it when one request's received rows are
-    altered (the check sees the transfer)."""
+    """examples/pd_decode.py: a prefill process offers every prompt's KV for the decode process
+    to read into its pool's pages (or, ``--push``, writes it there once granted); the decode
+    loop (NumPy backend) then passes its bit-for-bit self-check, and fails it when one
+    request's received rows are altered (the check sees the transfer)."""
     from hisparse_cupy.demo.config import cpu_config
     from hisparse_cupy.demo.cpu import run
 
     ex = _pd_example()
     assert ex.main(["--cpu", "--batch", "3", "--context", "1000", "--steps", "3",
-                    "--quiet"] + ["--pull"] * (how == "pull")) == 0
+                    "--quiet"] + ["--push"] * (how == "push")) == 0
     out = capsys.readouterr().out
     assert ("read by the decode process" if how == "pull" else
             "written by the prefill process") + " from host memory" in out
@@ -745,7 +774,8 @@ def test_the_pd_example_decodes_on_kv_that_came_over_nixl(capsys, how):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pull", [False, True])
-def test_kv_in_gpu_memory_lands_in_a_pinned_pool_byte_exact(rng, pull):
+@pytest.mark.parametrize("verify", [False, True])
+def test_kv_in_gpu_memory_lands_in_a_pinned_pool_byte_exact(rng, pull, verify):
     """Sends from VRAM (NIXL's VRAM -> DRAM, a WRITE or the receiver's READ): CuPy arrays,
     one inside a registered buffer (a layer-strided view), into a pinned HostKVPool's scattered
     pages; every received row equals the source, and every byte outside the reservations keeps
@@ -762,7 +792,7 @@ def test_kv_in_gpu_memory_lands_in_a_pinned_pool_byte_exact(rng, pull):
         pages = HostPages(n_pages, P)
         held = pages.take(n_pages)
         pages.put(list(rng.permutation(held)))  # pages handed out in random order
-        rx, tx = KVReceiver(pool, pages), KVSender(pull=pull)
+        rx, tx = KVReceiver(pool, pages, push=not pull, verify=verify), KVSender(pull=pull)
         big = cupy.asarray(rng.integers(0, 256, (L, 400, rb), dtype=np.uint8))
         tx.register(big)
         try:
@@ -777,6 +807,7 @@ def test_kv_in_gpu_memory_lands_in_a_pinned_pool_byte_exact(rng, pull):
                 want[i] = src
             got = {a.req_id: a for a in drive(rx, [p for p, _ in sends], len(sizes), 30)}
             assert [p.result.bytes for p, _ in sends] == [L * n * rb for n in sizes]
+            assert {p.kind for p, _ in sends} == {"pull" if pull else "write"}
             assert sorted(got) == list(range(len(sizes)))
             mask = np.zeros(n_pages * P, bool)
             for i, a in got.items():
@@ -858,17 +889,18 @@ def test_the_same_node_path_copies_into_a_shared_pool_byte_exact(rng, monkeypatc
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("how", ["write", "pull", "shared"])
+@pytest.mark.parametrize("how", ["push", "pull", "shared"])
 def test_the_pd_example_runs_the_gpu_decode_loop_on_kv_sent_from_vram(capsys, how):
     """examples/pd_decode.py on a GPU: the prefill process makes each prompt's KV in VRAM and
-    NIXL writes it into the decode pool (or the decode process reads it from there, or, the
-    pool shared, the prefill process copies it in); every offloaded run's self-check passes."""
+    the decode process reads it into its pool (or NIXL writes it there, or, the pool shared,
+    the prefill process copies it in); every offloaded run's self-check passes."""
     ex = _pd_example()
     assert ex.main(["--batch", "4", "--context", "3000", "--steps", "4", "--warmup", "2",
                     "--layers", "12", "--hot", "1024", "--top-k", "256", "--quiet"] +
-                   {"write": [], "pull": ["--pull"], "shared": ["--shared-pool"]}[how]) == 0
+                   {"push": ["--push"], "pull": [], "shared": ["--shared-pool"]}[how]) == 0
     out = capsys.readouterr().out
-    said = "read by the decode process" if how == "pull" else "written by the prefill process"
+    said = {"pull": "read by the decode process", "push": "written by the prefill process",
+            "shared": "copied by the prefill process"}[how]
     assert out.count(f"{said} from VRAM") == 3  # offload, overlap, predict
     assert out.count("copied on this node into the shared pool") == 3 * (how == "shared")
     assert "self-check passed" in out
@@ -878,7 +910,7 @@ def test_the_pd_example_runs_the_gpu_decode_loop_on_kv_sent_from_vram(capsys, ho
 
 def drive(rx, sends, want, wait_s=10.0):
     """Poll the receiver and the pending sends until ``want`` arrivals and every send is done."""
-    got, end = [], time.monotonic() + wait_s
+    got, end = _take(rx, "done"), time.monotonic() + wait_s
     while (len(got) < want or not all(p.result for p in sends)) and time.monotonic() < end:
         polled = rx.poll()
         assert polled.timed_out == [] and polled.failed == [], polled
@@ -901,7 +933,7 @@ def test_pulls_and_writes_mixed_at_random_land_exact(tx, puller, rng):
     """60 requests of mixed sizes, up to 6 in flight, each sent at random by a WRITE or a pull
     (the receiver READs), kv registered per send or inside a registered buffer; every arrival
     exact, the pull's Sent reported, pages accounted for; random releases scatter the pages."""
-    rx, pool, pages = receiver(256)
+    rx, pool, pages = receiver(256, push=True)
     cache = FakeCache(pool, pages)
     big = make_kv(99, L, 4000, RB)
     puller.register(big)
@@ -921,7 +953,7 @@ def test_pulls_and_writes_mixed_at_random_land_exact(tx, puller, rng):
                 pulls += 1
             else:
                 writes += 1
-                tx.send(t, kvs[req])
+                assert send(tx, rx, t, kvs[req]).bytes == kvs[req].nbytes
             req += 1
         got = drive(rx, sends, len(kvs))
         for p in sends:
@@ -937,7 +969,7 @@ def test_pulls_and_writes_mixed_at_random_land_exact(tx, puller, rng):
     for rid, (_, kv) in live.items():
         np.testing.assert_array_equal(pool[:, pages.rows(rid)], kv)
     assert rx.stats["done"] == req and pulls > 10 and not rx.in_flight
-    assert not puller._waiting and puller.stats["late"] == 0
+    assert not puller._words and puller.stats["late"] == 0
     rx.close()
 
 
@@ -962,51 +994,59 @@ def test_a_pull_from_another_process():
 
 
 def failures(rx, wait_s=5.0):
-    """Poll until a pull fails (or ``wait_s``): the failures; asserts nothing arrived."""
+    """Poll until a transfer fails (or ``wait_s``): the failures; asserts nothing arrived."""
     end = time.monotonic() + wait_s
-    while time.monotonic() < end:
+    assert _take(rx, "done") == []
+    failed = _take(rx, "failed")
+    while not failed and time.monotonic() < end:
         polled = rx.poll()
         assert polled.done == []
-        if polled.failed:
-            return polled.failed
-    return []
+        failed = polled.failed
+    return failed
 
 
 def test_pull_faults_end_cleanly(puller, tx):
-    """An offer that does not match its reservation, a withdrawn pull, a late offer, a ticket
-    without ``pull``: each a clear error or failure, pages put back once, other rows intact."""
+    """An offer that does not match its reservation, a withdrawn pull, a late offer, a WRITE
+    for a receiver that takes pulls only: each a clear error or failure, pages put back once,
+    other rows intact."""
     rx, pool, pages = receiver(16)
     keep = rx.reserve("keep", 40)
     keep_kv = make_kv(5, L, 40, RB)
-    tx.send(keep, keep_kv)
+    send(tx, rx, keep, keep_kv)
     (k,) = arrivals(rx, 1)
-    # 1. the offer's descriptors are another reservation's shape under this one's id
+    # 1. the offer's descriptors are another reservation's shape under this one's id and token
     a, b = rx.reserve(1, 40), rx.reserve(2, 8)
-    p = puller.send({**b, "xfer_id": a["xfer_id"]}, make_kv(2, L, 8, RB), wait=False)
+    p = puller.send({**b, "xfer_id": a["xfer_id"], "token": a["token"]}, make_kv(2, L, 8, RB),
+                    wait=False)
     failed = failures(rx)
     assert [r for r, _ in failed] == [1] and "do not match" in failed[0][1]
-    with pytest.raises(RuntimeError, match="the receiver: its offer was refused"):
+    with pytest.raises(RuntimeError, match="the receiver: fail: its offer was refused"):
         p.wait(timeout_s=5)
     assert rx.in_flight == {2: 8}
     # 2. withdrawn: the sender gave up (and the receiver did not answer in the grace)
     p = puller.send(b, make_kv(2, L, 8, RB), wait=False, timeout_s=0.05)
     with pytest.raises(TimeoutError):
         p.wait()
-    failed = failures(rx)  # the offer and its withdrawal come together: the READ is cancelled
+    failed = failures(rx)  # the offer and its withdrawal come together: nothing is read
     assert [r for r, _ in failed] == [2] and "withdrew" in failed[0][1] and not rx.in_flight
-    # 3. an offer for a reservation already ended: ignored (counted), the sender times out
+    # 3. an offer for a reservation already ended: refused, its sender told at once
     late = rx.stats["late"]
-    with pytest.raises(TimeoutError):
-        puller.send(b, make_kv(2, L, 8, RB), timeout_s=0.3)
-    failures(rx, 0.5)
-    assert rx.stats["late"] > late
-    # 4. a ticket without pull
+    with pytest.raises(RuntimeError, match=r"the reservation ended \(failed\)"):
+        send(puller, rx, b, make_kv(2, L, 8, RB), timeout_s=5)
+    assert rx.stats["late"] == late + 1
+    # 4. a WRITE for a receiver that takes pulls only: refused by the sender; a ticket
+    # altered to say push does not help (its metadata holds no key of the pool)
     t = rx.reserve(3, 4)
-    with pytest.raises(ValueError, match="cannot pull"):
-        puller.send({k_: v for k_, v in t.items() if k_ != "pull"}, make_kv(3, L, 4, RB))
+    w = KVSender(pull=False)
+    with pytest.raises(ValueError, match="takes pulls only"):
+        w.send(t, make_kv(3, L, 4, RB))
+    with pytest.raises(ValueError, match="NIXL refused the WRITE"):
+        w.send({**t, "mode": "push"}, make_kv(3, L, 4, RB))
+    w.close()
     rx.cancel(3)
     np.testing.assert_array_equal(pool[:, rows_of(k.pages, 40)], keep_kv)
     rx.release(k)
-    assert pages.free_pages == 16 and rx.stats["failed"] == 2
+    settle(rx)  # (the withdrawn READ, if it was in progress, is waited out)
+    assert (pages.free_pages, rx.stats["failed"], rx.quarantined) == (16, 2, {}), dict(rx.stats)
     pages.check()
     rx.close()
