@@ -6,7 +6,8 @@ its measuring instance (dry run, spin, bad-row count), and a few decode steps of
 "FSSFS" (full swaps on the main stream, replays on the side stream, event waits), with and
 without prediction mode (the stager under both rules, staging copies, staged rows read by the
 next full layer's copy), and with prediction on an SMPartition (side streams on SMs of their
-own, the step on the rest). Exits non-zero on any wrong byte.
+own, the step on the rest); and the transfer checksum kernel (cu/sums.cu) on views, a
+misaligned start and empty layers, against NumPy's. Exits non-zero on any wrong byte.
 """
 
 from __future__ import annotations
@@ -132,6 +133,19 @@ def check_prefetch(s, rng, predict: bool, partition=None, rule: str = "misses") 
     return errors
 
 
+def check_sums(rng) -> int:
+    """The per-layer transfer checksum on the GPU against NumPy's: mismatching layers."""
+    from hisparse_cupy import _sums
+
+    bad = 0
+    for L, n, rb in [(1, 1, 8), (3, 100, 656), (4, 0, 64), (2, 3000, 1152)]:
+        kv = rng.integers(0, 256, (L, n + 3, rb), dtype=np.uint8)
+        want = _sums.kv_sums(np.ascontiguousarray(kv[:, 2: 2 + n]))
+        got = _sums.kv_sums(cupy.asarray(kv)[:, 2: 2 + n])
+        bad += sum(a != b for a, b in zip(got, want, strict=True))
+    return bad
+
+
 def main() -> int:
     rng = np.random.default_rng(11)
     s = cupy.cuda.Stream(non_blocking=True)
@@ -144,9 +158,11 @@ def main() -> int:
         with ps:
             e2 += check_prefetch(ps, rng, True, part)
         cupy.cuda.Device().synchronize()
+    e3 = check_sums(rng)
     cupy.cuda.Device().synchronize()
-    print(f"sanitize_plan: {e1} wrong rows in replays, {e2} in prefetcher steps")
-    return 1 if e1 or e2 else 0
+    print(f"sanitize_plan: {e1} wrong rows in replays, {e2} in prefetcher steps, {e3} wrong "
+          f"checksum layers")
+    return 1 if e1 or e2 or e3 else 0
 
 
 if __name__ == "__main__":
