@@ -85,7 +85,7 @@ def kv_sums(kv) -> list[int]:
     arr = cupy.asarray(kv)
     with arr.device:
         if arr.data.ptr % 8 or arr.strides[0] % 8 or arr.strides[1:] != (rb, 1):
-            arr = cupy.ascontiguousarray(arr)
+            arr = arr.copy()  # (a new allocation: aligned, rows contiguous)
         out = cupy.zeros(L, cupy.uint64)
         words = n * rb // 8
         if words:

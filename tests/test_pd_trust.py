@@ -219,8 +219,9 @@ def test_a_send_after_its_reservation_ended_lands_nowhere(push, end):
 @pytest.fixture
 def tcp_only(monkeypatch):
     """UCX over TCP for the agents made in the test: a large transfer stays in progress for
-    a while (shared memory copies it inside the call that posts it)."""
-    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    a while (shared memory copies it inside the call that posts it). NIXL refuses a UCX_TLS
+    without cuda_copy where a GPU is present (UCX warns that it is missing where none is)."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self,cuda_copy")
 
 
 @pytest.mark.parametrize("push", [False, True])
