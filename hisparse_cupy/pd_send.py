@@ -225,9 +225,10 @@ class KVSender:
                 del self._queue[name]
 
     def _progress(self, caller) -> None:
-        """Poll the WRITEs in flight but ``caller``, let go of the ended sends whose writes
+        """Poll every send started but ``caller`` (a granted copy or WRITE starts when its
+        grant is seen, whichever send is waited on), let go of the ended sends whose writes
         ended, then start what the queue allows."""
-        for p in [p for flight in self._flight.values() for p in flight]:
+        for p in [*(p for flight in self._flight.values() for p in flight), *self._others]:
             if p is not caller:
                 p.advance()
         self._abandoned = [p for p in self._abandoned if p.advance()]
