@@ -139,6 +139,7 @@ class KVReceiver:
             if not isinstance(v, bool):
                 raise TypeError(f"{k} must be a bool, got {type(v).__name__}")
         self.pool, self.pages, self.page_tokens = arr, pages, pages.page_tokens
+        self._sum_pool = pool  # a HostKVPool: its rows summed on its device (verify)
         self.n_layers, _, self.row_bytes = arr.shape
         if verify:
             _sums.check_row_bytes(self.row_bytes)
@@ -372,7 +373,7 @@ class KVReceiver:
             except ValueError as e:
                 self._fail(r, str(e), failed, sender, tag)
                 return
-            got = _sums.run_sums(self.pool, r.rows, r.counts)
+            got = _sums.run_sums(self._sum_pool, r.rows, r.counts)
             if got != want:
                 bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
                 self.stats["verify_failed"] += 1

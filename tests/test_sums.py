@@ -52,3 +52,21 @@ def test_the_gpu_sum_equals_numpys(rng):
         assert _sums.kv_sums(odd) == want
     empty = cupy.zeros((2, 0, 64), cupy.uint8)
     assert _sums.kv_sums(empty) == [0, 0] == _sums.kv_sums(cupy.asnumpy(empty))
+
+
+@pytest.mark.gpu
+def test_a_mapped_pools_runs_are_summed_on_the_gpu_as_on_the_host(rng):
+    """A ``HostKVPool``'s runs, summed by the kernel through the pool's device mapping (a
+    launch per run, at its word offset), equal the host threads' sums of the same rows."""
+    from hisparse_cupy.host_pool import HostKVPool
+
+    with HostKVPool(4, 3000, 1152) as pool:
+        pool.numpy[:] = rng.integers(0, 256, pool.numpy.shape, dtype=np.uint8)
+        for _ in range(5):
+            k = int(rng.integers(1, 9))
+            starts = np.sort(rng.choice(np.arange(0, 2900, 300), k, replace=False))
+            counts = rng.integers(1, 300, k)
+            got = _sums.run_sums(pool, starts, counts)
+            assert got == _sums.run_sums(pool.numpy, starts, counts)
+            kv = np.concatenate([pool.numpy[:, r: r + c] for r, c in zip(starts, counts)], 1)
+            assert got == _sums.kv_sums(kv)
