@@ -68,5 +68,6 @@ def test_a_mapped_pools_runs_are_summed_on_the_gpu_as_on_the_host(rng):
             counts = rng.integers(1, 300, k)
             got = _sums.run_sums(pool, starts, counts)
             assert got == _sums.run_sums(pool.numpy, starts, counts)
-            kv = np.concatenate([pool.numpy[:, r: r + c] for r, c in zip(starts, counts)], 1)
+            kv = np.concatenate([pool.numpy[:, r: r + c]
+                                 for r, c in zip(starts, counts, strict=True)], 1)
             assert got == _sums.kv_sums(kv)
