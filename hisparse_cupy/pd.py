@@ -171,6 +171,12 @@ class KVReceiver:
         return {r.req_id: r.n_tokens for r in self._live.values()}
 
     @property
+    def in_progress(self) -> dict:
+        """``req_id -> "pull" / "write" / "copy"`` of the reservations whose transfer started
+        (a READ posted, a grant given): a cancel of one quarantines its pages."""
+        return {r.req_id: r.how for r in self._live.values() if r.writer is not None}
+
+    @property
     def quarantined(self) -> dict:
         """``xfer_id -> (req_id, pages)`` of the ended reservations whose transfer may still
         write their pages (kept out of the free list until it can no longer)."""

@@ -39,6 +39,7 @@ class PendingSend:
         self.bytes = t["n_layers"] * t["n_tokens"] * t["row_bytes"]
         self.descriptors, self.t0, self.deadline = len(t["descs"]), t0, deadline
         self.result, self._ended, self.error, self._released = None, False, None, False
+        self.stale = False  # NIXL failed to reach the receiver (its metadata may be stale)
         self.state = "QUEUED" if kind == "write" else "PROC"
         # queued -> asking (begin sent) -> writing (granted) -> told (waits for the receiver's
         # word); a pull is told from its offer on
@@ -60,6 +61,7 @@ class PendingSend:
             self._say("begin", how=self.kind, digest=self._digest,
                       verify=self._sums is not None, metadata=self._link.conn)
         except Exception as e:
+            self.stale = True
             self.fail(RuntimeError(f"the begin of {self.xfer_id} to {self.agent!r} did not leave "
                                    f"({e!r}): the receiver is gone, or its metadata is stale"))
 
@@ -77,6 +79,7 @@ class PendingSend:
         except Exception as e:
             st = f"ERR ({e!r})"
         if st not in ("PROC", "DONE"):
+            self.stale = True
             self._abort(RuntimeError(f"NIXL transfer {self.xfer_id} to {self.agent!r} failed "
                                      f"({st})"))
 
@@ -115,13 +118,14 @@ class PendingSend:
                 try:  # (a WRITE's done is NIXL's notification, sent once it is complete)
                     self._say("done", digest=self._digest, sums=self._sums)
                 except Exception as e:
-                    self._phase = "told"
+                    self._phase, self.stale = "told", True
                     self.fail(RuntimeError(f"the done of {self.xfer_id} to {self.agent!r} did "
                                            f"not leave ({e!r}): the receiver is gone"))
                     return
             if st == "DONE":
                 self._phase = "told"
             elif st != "PROC":
+                self.stale = True
                 self._abort(RuntimeError(f"NIXL transfer {self.xfer_id} to {self.agent!r} "
                                          f"failed ({st})"))
         if self._phase == "told" and not self._ended:

@@ -312,8 +312,8 @@ class KVSender:
         flight = self._flight.get(p.agent, ())
         if p in flight:
             flight.remove(p)  # (the list stays: _launch may be appending to it)
-            if not ok:  # started and failed: the receiver's metadata may be stale
-                self._forget(p.agent)
+        if p.stale:  # NIXL could not reach the receiver: its metadata is reloaded next ticket
+            self._forget(p.agent)  # (not on the receiver's refusal: its other sends go on)
 
     def _forget(self, name: str) -> None:
         """Drop a receiver's metadata (stale, or its transfer failed): the next ticket reloads."""

@@ -274,6 +274,41 @@ def test_a_cancel_during_a_large_transfer_quarantines_its_pages(tcp_only, push, 
         rx.close()
 
 
+@pytest.mark.parametrize("push", [False, True])
+def test_one_refused_send_leaves_the_others_to_its_receiver_going(push):
+    """Five sends posted together to one receiver; the first is cancelled once granted (or its
+    READ posted): it fails with the receiver's words, and the four others, started before and
+    after its failure, all land byte exact (a refusal is not a stale receiver: the sender keeps
+    its metadata)."""
+    rx, pool, pages = poisoned(128, push=push)
+    tx = KVSender()
+    try:
+        kvs = {r: make_kv(700 + r, L, 30 + 10 * r, RB) for r in range(5)}
+        sends = [tx.send(rx.reserve(r, kv.shape[1]), kv, wait=False) for r, kv in kvs.items()]
+        end = time.monotonic() + 10
+        while 0 not in rx.in_progress:
+            _poll(rx)
+            sends[0].advance()
+            assert time.monotonic() < end
+        rx.cancel(0)
+        with pytest.raises(RuntimeError, match="the receiver cancelled it|reservation ended"):
+            finish(rx, sends[0])
+        got = {}
+        for p in sends[1:]:
+            finish(rx, p)
+        settle(rx)
+        got.update((a.req_id, a) for a in arrivals(rx, 4))
+        assert sorted(got) == [1, 2, 3, 4]
+        for r, a in got.items():
+            np.testing.assert_array_equal(pool[:, rows_of(a.pages, a.n_tokens)], kvs[r])
+            rx.release(a)
+        assert pages.free_pages == 128
+        pages.check()
+    finally:
+        tx.close()
+        rx.close()
+
+
 # ------------------------------------------------------------------- 4. altered tickets
 def _cut(t, n_new):
     """``t`` cut to its first ``n_new`` tokens, its runs and descriptors cut to match."""
