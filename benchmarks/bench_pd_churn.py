@@ -14,7 +14,7 @@ Per setting: the bytes that arrived per second, the share of the pool's pages qu
 checked byte for byte.
 
     python benchmarks/bench_pd_churn.py [--requests 200] [--cancel 0 0.1 0.3] [--push]
-        [--pages 512] [--max-pages 48] [--inflight 6] [--json FILE | --out DIR]
+        [--pages 512] [--max-pages 48] [--inflight 6] [--json FILE | --out DIR] [--quick]
 
 Without NIXL it says so and exits 2.
 """
@@ -124,9 +124,12 @@ def main(argv=None) -> int:
     ap.add_argument("--pages", type=int, default=512, help="the pool's pages (16 tokens)")
     ap.add_argument("--max-pages", type=int, default=48)
     ap.add_argument("--inflight", type=int, default=6)
+    ap.add_argument("--quick", action="store_true", help="60 requests, cancels of 0 and 30 %%")
     ap.add_argument("--json")
     ap.add_argument("--out", help="a directory: bench_pd_churn.json written there")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.requests, a.cancel = 60, [0.0, 0.3]
     try:
         from hisparse_cupy.pd import nixl_api
 

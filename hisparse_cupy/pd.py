@@ -139,7 +139,7 @@ class KVReceiver:
             if not isinstance(v, bool):
                 raise TypeError(f"{k} must be a bool, got {type(v).__name__}")
         self.pool, self.pages, self.page_tokens = arr, pages, pages.page_tokens
-        self._sum_pool = pool  # a HostKVPool: its rows summed on its device (verify)
+        self._sum_pool = pool  # (verify: a HostKVPool's rows are summed on its device)
         self.n_layers, _, self.row_bytes = arr.shape
         if verify:
             _sums.check_row_bytes(self.row_bytes)
@@ -369,8 +369,7 @@ class KVReceiver:
         """The bytes of ``r`` are in place (its READ complete, or its writer done): verified
         when asked, then an arrival."""
         sender, tag = r.writer
-        r.writer, handle = None, r.handle  # its writer is done: nothing more lands
-        r.handle = None
+        r.writer, handle, r.handle = None, r.handle, None  # its writer is done: nothing lands
         if handle is not None:
             self._release(handle)
         if r.verify:

@@ -275,15 +275,16 @@ def test_a_cancel_during_a_large_transfer_quarantines_its_pages(tcp_only, push, 
 
 
 @pytest.mark.parametrize("push", [False, True])
-def test_one_refused_send_leaves_the_others_to_its_receiver_going(push):
-    """Five sends posted together to one receiver; the first is cancelled once granted (or its
-    READ posted): it fails with the receiver's words, and the four others, started before and
-    after its failure, all land byte exact (a refusal is not a stale receiver: the sender keeps
-    its metadata)."""
-    rx, pool, pages = poisoned(128, push=push)
+def test_one_refused_send_leaves_the_others_to_its_receiver_going(tcp_only, push):
+    """Five sends posted together to one receiver (over TCP: each stays in flight a while); the
+    first is cancelled once granted (or its READ posted): it fails with the receiver's words,
+    and the four others, started before and after its failure, all land byte exact (a refusal
+    is not a stale receiver: the sender keeps its metadata)."""
+    rb = 4096
+    rx, pool, pages = poisoned(640, rb, push=push)
     tx = KVSender()
     try:
-        kvs = {r: make_kv(700 + r, L, 30 + 10 * r, RB) for r in range(5)}
+        kvs = {r: make_kv(700 + r, L, 1500 + 100 * r, rb) for r in range(5)}
         sends = [tx.send(rx.reserve(r, kv.shape[1]), kv, wait=False) for r, kv in kvs.items()]
         end = time.monotonic() + 10
         while 0 not in rx.in_progress:
@@ -302,7 +303,7 @@ def test_one_refused_send_leaves_the_others_to_its_receiver_going(push):
         for r, a in got.items():
             np.testing.assert_array_equal(pool[:, rows_of(a.pages, a.n_tokens)], kvs[r])
             rx.release(a)
-        assert pages.free_pages == 128
+        assert pages.free_pages == 640
         pages.check()
     finally:
         tx.close()

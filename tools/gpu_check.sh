@@ -125,11 +125,12 @@ if [ $bench = 1 ]; then
     t0=$SECONDS
     mode=$quick
     case " $full_only " in *" $(basename "$b" .py) "*) mode= ;; esac
-    if [ "$(basename "$b")" = bench_pd.py ] && \
-       ! $PY -c 'from hisparse_cupy.pd import nixl_api; nixl_api()' >/dev/null 2>&1; then
-      summary "bench bench_pd.py not run: NIXL is not installed (carry nixl-cu13 in .whl)"
-      continue
-    fi
+    case $(basename "$b") in bench_pd*.py)  # (bench_pd.py, bench_pd_churn.py)
+      if ! $PY -c 'from hisparse_cupy.pd import nixl_api; nixl_api()' >/dev/null 2>&1; then
+        summary "bench $(basename "$b") not run: NIXL is not installed (carry nixl-cu13 in .whl)"
+        continue
+      fi ;;
+    esac
     echo "=== $b $mode" >>"$OUT/bench.log"
     timeout "${BENCH_TIMEOUT:-900}" $PY "$b" $mode --out "$OUT/results" >>"$OUT/bench.log" 2>&1
     rc=$?
