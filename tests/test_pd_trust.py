@@ -310,6 +310,80 @@ def test_one_refused_send_leaves_the_others_to_its_receiver_going(tcp_only, push
         rx.close()
 
 
+def _heard(agent, rx, want_s=10.0):
+    """The next control message to ``agent`` (a raw agent playing a sender), ``rx`` polled
+    meanwhile: (kind, fields)."""
+    end = time.monotonic() + want_s
+    while time.monotonic() < end:
+        for _, msgs in agent.get_new_notifs().items():
+            for m in msgs:
+                return _nixl.parse(m, _nixl.TO_SENDER)
+        _poll(rx)
+    raise AssertionError("no answer")
+
+
+def test_the_same_node_paths_copies_are_granted_like_writes():
+    """A receiver over a shared pool (a stand-in with a pool's name, identity and array; the
+    sender's copies played by NumPy in this process): a copy's begin with the ticket's digest is
+    granted and its done makes the arrival; a begin for a reservation cancelled and reused, or
+    with a digest of another pool base (an altered ``shm``), is refused and its sender told; a
+    receiver without a shared pool refuses copies."""
+    import types
+
+    from hisparse_cupy import host_shm
+
+    pages = CountingPages(16, P)
+    pool = np.full((L, 16 * P, RB), POISON, np.uint8)
+    ident = (host_shm.node_id(), 1, 2)
+    rx = KVReceiver(types.SimpleNamespace(numpy=pool, name="kv-test", identity=ident), pages)
+    plain, _, _ = poisoned(16)
+    raw = raw_agent()
+    conn = _nixl.metadata(raw, keys=False)
+
+    def begin(t, base, tag, to=rx):
+        say(raw, to, "begin", xfer_id=t["xfer_id"], token=t["token"], tag=tag, how="copy",
+            verify=False, metadata=conn,
+            digest=_nixl.digest(L, t["n_tokens"], RB, np.asarray(t["descs"], np.uint64), base))
+
+    try:
+        ta = rx.reserve("a", 40)
+        base = ta["shm"]["base"]
+        raw.add_remote_agent(base64.b64decode(ta["metadata"]))
+        begin(ta, base, "a/0")
+        assert _heard(raw, rx) == ("grant", {"tag": "a/0"})
+        kv = make_kv(40, L, 40, RB)
+        pool[:, ticket_rows(ta, pool)] = kv  # the sender's copies
+        say(raw, rx, "done", xfer_id=ta["xfer_id"], token=ta["token"], tag="a/0",
+            digest=_nixl.digest(L, 40, RB, np.asarray(ta["descs"], np.uint64), base))
+        assert _heard(raw, rx) == ("ok", {"tag": "a/0"})
+        (a,) = arrivals(rx, 1)
+        tb = rx.reserve("b", 20)
+        rx.cancel("b")
+        tc = rx.reserve("c", 20)  # b's pages, at once
+        assert sorted(ticket_rows(tc, pool)) == sorted(ticket_rows(tb, pool))
+        begin(tb, base, "b/0")
+        kind, f = _heard(raw, rx)
+        assert kind == "fail" and "ended (cancelled)" in f["why"]
+        begin(tc, base + RB, "c/0")  # a digest over another base: an altered shm
+        kind, f = _heard(raw, rx)
+        failed = failures(rx)
+        assert [r for r, _ in failed] == ["c"] and "altered" in failed[0][1]
+        assert kind == "fail" and "altered" in f["why"]
+        tp = plain.reserve("p", 10)  # a receiver without a shared pool takes no copies
+        raw.add_remote_agent(base64.b64decode(tp["metadata"]))
+        begin(tp, 0, "p/0", to=plain)
+        failed = failures(plain)
+        assert [r for r, _ in failed] == ["p"] and "no 'copy' writes" in failed[0][1]
+        assert (pool[:, ticket_rows(tc, pool)] == POISON).all()
+        np.testing.assert_array_equal(pool[:, rows_of(a.pages, 40)], kv)
+        rx.release(a)
+        assert pages.free_pages == 16 and not rx.quarantined
+        pages.check()
+    finally:
+        rx.close()
+        plain.close()
+
+
 # ------------------------------------------------------------------- 4. altered tickets
 def _cut(t, n_new):
     """``t`` cut to its first ``n_new`` tokens, its runs and descriptors cut to match."""
@@ -327,16 +401,28 @@ def _cut(t, n_new):
     return {**t, "n_tokens": n_new, "runs": runs, "descs": descs}
 
 
+def _widen(t, more):
+    """``t`` widened by ``more`` tokens: a run appended to every layer, just past its last."""
+    R, rb, n = len(t["runs"]), t["row_bytes"], t["n_tokens"]
+    descs = []
+    for layer in range(t["n_layers"]):
+        mine = t["descs"][layer * R: (layer + 1) * R]
+        descs += mine + [[mine[-1][0] + mine[-1][1], more * rb]]
+    return {**t, "n_tokens": n + more, "runs": t["runs"] + [[n, more]], "descs": descs}
+
+
 def _alterations(t, other):
     R = len(t["runs"])
+    move = other["descs"][0][0] - t["descs"][0][0]
     return {
         "cut to fewer tokens": _cut(t, t["n_tokens"] - 3),
         "cut to fewer layers": {**t, "n_layers": 2, "descs": t["descs"][: 2 * R]},
+        "widened by a page": _widen(t, P),
         "row_bytes doubled": {**t, "row_bytes": 2 * RB,
                               "descs": [[a, 2 * b] for a, b in t["descs"]]},
         "shifted by a byte": {**t, "descs": [[a + 1, b] for a, b in t["descs"]]},
-        "redirected to another request's pages": {**t, "runs": other["runs"],
-                                                  "descs": other["descs"]},
+        "redirected to another request's pages": {**t, "descs": [[a + move, b]
+                                                                  for a, b in t["descs"]]},
     }
 
 
@@ -370,8 +456,10 @@ def test_altered_tickets_land_nothing_outside_the_reservation(push):
                     rx.cancel(i)
                 ledger.check(free_rows=ticket_rows(t, pool))
                 continue
-            # landed: only a pull, only into its own pages, only when the sizes match
-            assert not push and what == "shifted by a byte", what
+            # landed: only a pull (its READ uses the receiver's own descriptors, whatever the
+            # ticket's addresses say), only into its own pages, only when the sizes match
+            assert not push and what in ("shifted by a byte",
+                                         "redirected to another request's pages"), what
             (a,) = arrivals(rx, 1)
             np.testing.assert_array_equal(pool[:, rows_of(a.pages, 30)], kv)
             ledger.check()
@@ -573,9 +661,10 @@ def test_hostile_traffic_mixed_with_real_requests_at_random(rng):
                     say(raw, rx, "abort", xfer_id=t["xfer_id"], token=t["token"][::-1])
                     say(raw, rx, "done", xfer_id=t["xfer_id"], token=t["token"], tag="z")
                 elif fault == 3:  # an altered ticket (the real one is cancelled after)
-                    what = list(_alterations(t, t))[int(rng.integers(5))]
+                    what = list(_alterations(t, t))[int(rng.integers(6))]
                     bad = _alterations(t, t)[what]
-                    if what != "shifted by a byte":
+                    if what not in ("shifted by a byte",
+                                    "redirected to another request's pages"):
                         kv = make_kv(5, bad["n_layers"], bad["n_tokens"], bad["row_bytes"])
                         with pytest.raises((RuntimeError, ValueError, TimeoutError)):
                             send(tx, rx, bad, kv, timeout_s=5)
