@@ -53,6 +53,11 @@ _NEEDS_CUPY = ("hisparse_cupy needs CuPy for its GPU API. Install the extra that
                "without it.")
 
 
+def __dir__() -> list[str]:
+    """The public names (``__all__``) and ``__version__``: not this module's own imports."""
+    return sorted([*__all__, "__version__"])
+
+
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'hisparse_cupy' has no attribute {name!r}")
@@ -67,6 +72,3 @@ def __getattr__(name: str):
     globals()[name] = value
     return value
 
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))

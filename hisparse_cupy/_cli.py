@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import __version__, _checks
 from ._device import cupy_or_why
 
 
@@ -184,14 +185,31 @@ def cmd_bench(args) -> int:
     return rc
 
 
+def _arg(check, name: str):
+    """An argparse type: an int passed through ``check(name, value)`` (its message on error)."""
+
+    def parse(text: str) -> int:
+        try:
+            return check(name, int(text))
+        except (TypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e) if "must" in str(e) else
+                                             f"{name} must be an int, got {text!r}") from None
+
+    parse.__name__ = name  # (argparse names the type in its messages)
+    return parse
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hisparse_cupy",
                                  description="hierarchical sparse KV caching: CUDA kernels "
                                              "through CuPy")
+    ap.add_argument("--version", action="version", version=f"hisparse_cupy {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="versions, driver, devices, PDL, measured link ceilings")
-    p.add_argument("--row-bytes", type=int, default=656, help="row size of the ceilings")
-    p.add_argument("--device", type=int, default=0, help="device whose ceilings to measure")
+    p.add_argument("--row-bytes", type=_arg(_checks.row_bytes, "--row-bytes"), default=656,
+                   help="row size of the ceilings (a positive multiple of 16)")
+    p.add_argument("--device", type=_arg(lambda n, v: _checks.integer(n, v, 0), "--device"),
+                   default=0, help="device whose ceilings to measure")
     p.set_defaults(fn=cmd_info)
     p = sub.add_parser("check", help="every kernel against the NumPy oracle on this GPU")
     p.add_argument("--seed", type=int, default=0)

@@ -141,3 +141,16 @@ def test_demo_and_bench_arguments():
     assert p.returncode == 2 and "no benchmark named ['nope']" in p.stdout
     p = cli("info", "--bogus")
     assert p.returncode == 2 and "unrecognized arguments: --bogus" in p.stderr
+
+
+def test_version_and_bad_info_arguments_are_refused_by_name():
+    from hisparse_cupy import __version__
+
+    p = cli("--version")
+    assert p.returncode == 0 and p.stdout.strip() == f"hisparse_cupy {__version__}"
+    for args, says in [(("--row-bytes", "-5"), "--row-bytes must be >= 16, got -5"),
+                       (("--row-bytes", "20"), "--row-bytes must be a multiple of 16"),
+                       (("--row-bytes", "x"), "--row-bytes must be an int, got 'x'"),
+                       (("--device", "-1"), "--device must be >= 0, got -1")]:
+        p = cli("info", *args, timeout=60)
+        assert p.returncode == 2 and says in p.stderr, (args, p.stderr)

@@ -28,3 +28,12 @@ def test_oracle_and_abi_need_numpy_only():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["3", "1", "True"]
+
+
+def test_dir_lists_the_public_names_only():
+    import hisparse_cupy as h
+
+    assert dir(h) == sorted([*h.__all__, "__version__"])
+    assert "annotations" not in dir(h) and "importlib" not in dir(h)
+    h.swap_in  # noqa: B018 (a lazy name loaded stays out of dir's extras)
+    assert dir(h) == sorted([*h.__all__, "__version__"])
