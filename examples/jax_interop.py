@@ -29,12 +29,13 @@ import numpy as np  # noqa: E402
 try:
     import jax
     import jax.numpy as jnp
-except ImportError:
-    raise SystemExit("examples/jax_interop.py needs JAX: pip install 'hisparse_cupy[interop]' "
-                     "(or jax[cuda12])") from None
+except ImportError:  # (--help still works; main says what to install)
+    jax = jnp = None
 
 from hisparse_cupy import HotBufferCache  # noqa: E402
 from hisparse_cupy.interop import as_cupy, to_jax  # noqa: E402
+
+NEEDS = "examples/jax_interop.py needs JAX: pip install 'hisparse_cupy[interop]' (or jax[cuda12])"
 
 L, H, K, P, ROW = 4, 1024, 256, 8, 1152
 PROMPTS = (1500, 2600, 3700)  # every context is longer than the hot buffer
@@ -46,7 +47,15 @@ def expect(ok: bool, what: str) -> None:
         raise SystemExit(f"MISMATCH: {what}")
 
 
-@functools.partial(jax.jit, static_argnames="n")
+def _jit(fn=None, **kw):
+    """``jax.jit`` (with ``kw``), or without JAX the function as it is (main says what to
+    install)."""
+    if jax is None:
+        return fn if fn is not None else (lambda f: f)
+    return jax.jit(fn, **kw) if fn is not None else functools.partial(jax.jit, **kw)
+
+
+@_jit(static_argnames="n")
 def indexer(key, lens, n):
     """Top-k positions of random scores over each request's length (< n): int32 [B, K]."""
     scores = jax.random.uniform(key, (B, n))
@@ -55,7 +64,7 @@ def indexer(key, lens, n):
     return jax.lax.top_k(scores, K)[1].astype(jnp.int32)
 
 
-@jax.jit
+@_jit
 def attend(rows, locs):
     """The rows a layer's swap selected (uint8 [B, K, ROW]) and their column sums (uint32)."""
     got = rows[locs]
@@ -66,6 +75,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
     a = ap.parse_args(argv)
+    if jax is None:
+        raise SystemExit(NEEDS)
     if not any(d.platform == "gpu" for d in jax.devices()):
         raise SystemExit(f"this example needs JAX with a GPU (jax[cuda12]); JAX sees "
                          f"{jax.devices()}")

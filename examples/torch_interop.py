@@ -21,12 +21,13 @@ import time
 
 try:
     import torch
-except ImportError:
-    raise SystemExit("examples/torch_interop.py needs PyTorch: pip install "
-                     "'hisparse_cupy[interop]' (or torch)") from None
+except ImportError:  # (--help still works; main says what to install)
+    torch = None
 
 from hisparse_cupy import HotBufferCache
 from hisparse_cupy.interop import as_cupy, to_torch
+
+NEEDS = "examples/torch_interop.py needs PyTorch: pip install 'hisparse_cupy[interop]' (or torch)"
 
 L, H, K, P, ROW = 4, 1024, 256, 8, 1152
 PROMPTS = (2100, 3000, 4500, 6000)  # every context is longer than the hot buffer
@@ -94,6 +95,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="decode steps (the first is eager)")
     a = ap.parse_args(argv)
+    if torch is None:
+        raise SystemExit(NEEDS)
     if not torch.cuda.is_available():
         raise SystemExit("this example needs PyTorch with a CUDA device")
     steps = max(2, a.steps)

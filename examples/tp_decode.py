@@ -61,12 +61,12 @@ BACKENDS = ("auto", "nccl", "gloo")
 def placement(world: int, gpus: int | None, device_count: int, backend: str) -> tuple[int, str]:
     """How ``world`` ranks run: on how many GPUs (rank ``r`` on GPU ``r % gpus``) and with which
     all-reduce backend; a ``ValueError`` naming the argument for what cannot run."""
-    if world < 1:
-        raise ValueError(f"--nproc must be >= 1 (got {world})")
     if backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {', '.join(BACKENDS)} (got {backend!r})")
-    if device_count < 1:
+    if device_count < 1:  # (first: without --nproc, world is the GPUs counted, 0 here)
         raise ValueError("tp_decode needs a CUDA GPU (torch.cuda.device_count() is 0)")
+    if world < 1:
+        raise ValueError(f"--nproc must be >= 1 (got {world})")
     if gpus is None:
         gpus = min(world, device_count)
     if not 1 <= gpus <= device_count:

@@ -154,3 +154,12 @@ def test_version_and_bad_info_arguments_are_refused_by_name():
                        (("--device", "-1"), "--device must be >= 0, got -1")]:
         p = cli("info", *args, timeout=60)
         assert p.returncode == 2 and says in p.stderr, (args, p.stderr)
+
+
+def test_demo_help_states_each_default_once():
+    p = cli("demo", "--help", timeout=120)
+    assert p.returncode == 0, p.stderr
+    text = " ".join(p.stdout.split())
+    assert "(default: 32)" in text  # --batch
+    for doubled in ("(default: False)", "(default: None)", "(default) (default"):
+        assert doubled not in text, doubled

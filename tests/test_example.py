@@ -152,6 +152,16 @@ def test_examples_name_the_missing_extra(example, needs):
     assert p.returncode != 0 and "hisparse_cupy[interop]" in p.stdout + p.stderr
 
 
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
+def test_every_examples_help_works_with_or_without_its_extras(example):
+    """``--help`` prints the usage whether or not torch, JAX or a GPU is there (the missing
+    extra is named when the example runs, not when it is asked for its options)."""
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / example), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "usage:" in p.stdout and "Traceback" not in p.stderr
+
+
 def test_config_memory_and_errors():
     from hisparse_cupy.demo.config import Config, from_args
 

@@ -66,7 +66,8 @@ def test_tp_placement():
                         ((2, 0, 2, "auto"), "--gpus must be in [1, 2]"),
                         ((0, None, 2, "auto"), "--nproc must be >= 1"),
                         ((2, None, 2, "mpi"), "--backend must be one of"),
-                        ((2, None, 0, "auto"), "needs a CUDA GPU")]:
+                        ((2, None, 0, "auto"), "needs a CUDA GPU"),
+                        ((0, None, 0, "auto"), "needs a CUDA GPU")]:  # no flags, no GPU
         with pytest.raises(ValueError, match=re.escape(names)):
             place(*args)
 

@@ -183,6 +183,18 @@ class Config:
                 f"; --resident-layers 0 offloads {'it' if one else 'them'} too")
 
 
+
+class _Defaults(argparse.HelpFormatter):
+    """Help with ``(default: X)`` appended where it says something: not for flags (their
+    default is off), an unset option, or a help that names its default itself."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if "default" in h or action.default in (None, False, argparse.SUPPRESS) or \
+                not action.option_strings:
+            return h
+        return h + " (default: %(default)s)"
+
 def host_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -194,7 +206,7 @@ def parser() -> argparse.ArgumentParser:
     d = Config()
     ap = argparse.ArgumentParser(
         prog="python -m hisparse_cupy demo",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Defaults,
         description="A decode loop over a hierarchical sparse KV cache: a synthetic sparse-"
                     "attention model (MLA rows of 576 bf16 values, 16 heads) run GPU-only, "
                     "offloaded, offloaded with IndexCache overlap, and with overlap and "
