@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from _skipfold import pytest_runtest_makereport  # noqa: F401 (-rs: a line per skip reason)
 
 
 def _device_count() -> tuple[int, str]:

@@ -163,3 +163,26 @@ def test_demo_help_states_each_default_once():
     assert "(default: 32)" in text  # --batch
     for doubled in ("(default: False)", "(default: None)", "(default) (default"):
         assert doubled not in text, doubled
+
+
+def test_skip_lines_are_folded_by_reason(tmp_path):
+    """``-rs`` with the suite's plugin: three skips of one reason at three places and one of
+    another print two lines, with their counts."""
+    (tmp_path / "test_gen.py").write_text(
+        "import pytest\n\n"
+        "def test_a():\n    pytest.skip('no CUDA device (here)')\n\n"
+        "@pytest.mark.skip(reason='no CUDA device (here)')\ndef test_b():\n    pass\n\n"
+        "def test_c():\n    pytest.skip('no CUDA device (here)')\n\n"
+        "def test_d():\n    pytest.skip('needs two GPUs')\n\n"
+        "def test_e():\n    assert True\n")
+    import os
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "_skipfold",
+                        "-p", "no:cacheprovider", str(tmp_path)], capture_output=True,
+                       text=True, timeout=120, env=env, cwd=tmp_path)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("SKIPPED")]
+    assert p.returncode == 0 and len(lines) == 2, p.stdout
+    assert any("[3]" in x and x.endswith("no CUDA device (here)") for x in lines), lines
+    assert any("[1]" in x and x.endswith("needs two GPUs") for x in lines), lines
