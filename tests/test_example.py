@@ -362,3 +362,17 @@ def test_readme_api_snippet_runs():
     got = cupy.asnumpy(locs)
     assert ((got >= 0) & (got < cache.device.shape[1])).all()
     cache.close()
+
+
+def test_the_numpy_loop_refuses_a_size_that_cannot_fit_before_allocating(capsys):
+    """An oversized CPU run ends with a message naming the flags and the memory, before any
+    allocation (not a NumPy traceback); a run that fits says what it sets up first."""
+    from hisparse_cupy.demo.config import cpu_config
+    from hisparse_cupy.demo.cpu import run
+
+    with pytest.raises(SystemExit, match=r"--context 100000000.* needs [0-9.]+ GB of host "
+                                         r"memory; [0-9.]+ GB is available"):
+        run(cpu_config(["--context", "100000000"]))
+    run(cpu_config(["--steps", "1", "--warmup", "0", "--layers", "2"]))
+    out = capsys.readouterr().out
+    assert out.index("setting up: 2 prompts") < out.index("set up in") < out.index("step   0")

@@ -64,6 +64,20 @@ def _stream(cfg, n_full: int, rng):
                       batch=cfg.batch, top_k=cfg.top_k, context=cfg.context, rng=rng)
 
 
+def fits(nbytes: int, what: str) -> None:
+    """``SystemExit`` naming ``what`` when ``nbytes`` exceed the memory this machine has
+    available (``MemAvailable``; not checked where there is no ``/proc/meminfo``)."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return
+    if nbytes > avail:
+        raise SystemExit(f"the NumPy decode loop at {what} needs {nbytes / 1e9:.1f} GB of host "
+                         f"memory; {avail / 1e9:.1f} GB is available: lower --context, --batch "
+                         f"or --layers")
+
+
 def admit_local(cfg, hp: HostPages, host: np.ndarray, host_locs: np.ndarray) -> None:
     """Admission: request ``r``'s prompt KV (:func:`kv_rows` of ``(r, 0..context)``) into its
     pages of ``host`` (float32 ``[L, rows, 576]``), request 0 whole, the others sharing its
@@ -101,10 +115,18 @@ def run(cfg, admit=admit_local) -> dict:
     # the slot layout's rows, and a page to copy a received prompt's partial last page into
     # before its own goes back (examples/pd_decode.py)
     hp = HostPages(R * (-(-max_len // PAGE_TOKENS)) + 1, PAGE_TOKENS)
+    need = 4 * layers * ROW * (hp.n_rows + R * W) + 8 * R * max_len
+    fits(need, f"--layers {layers} --batch {R} --context {context} (the host pool and the "
+               f"device rows, float32)")
+    if not cfg.quiet:
+        print(f"setting up: {R} prompts of {context} tokens x {layers} layers into a host pool "
+              f"of {need / 1e9:.2f} GB (NumPy; the first step follows)", flush=True)
     host = np.zeros((layers, hp.n_rows, ROW), np.float32)  # the pinned pool
     host_locs = np.full((R, max_len), -1, np.int64)
     admit(cfg, hp, host, host_locs)
     device = np.zeros((layers, R * W, ROW), np.float32)
+    if not cfg.quiet:
+        print(f"set up in {time.perf_counter() - t_start:.1f} s", flush=True)
     slot_locs = (np.arange(R)[:, None] * W + np.arange(W)).astype(np.int32)
     tokens = np.full((layers, R, W), -1, np.int32)
     tokens[:, :, hot] = context - 1  # admission: the newest token in slot H
