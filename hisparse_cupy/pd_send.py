@@ -110,11 +110,11 @@ class KVSender:
         limit = _nixl.seconds("timeout_s", timeout_s if timeout_s is not None else
                               float(t.get("timeout_s") or 60.0) / 2)
         pull = t["mode"] == "pull" if self.pull is None else self.pull
-        if not pull and t["mode"] != "push":
+        pool = self._local_pool(t) if mem == "VRAM" and self.pull is not True else None
+        if pool is None and not pull and t["mode"] != "push":  # (copies: any receiver's)
             raise ValueError("ticket's receiver takes pulls only (KVReceiver(push=True) takes "
                              "WRITEs): send it with KVSender(pull=None or True)")
         name = self._connect(t)
-        pool = self._local_pool(t) if mem == "VRAM" and not self.pull else None
         t["digest"] = _nixl.digest(L, n, rb, t["descs"], t["shm"]["base"] if "shm" in t else 0)
         t["tag"] = f"{t['xfer_id']}/{next(self._attempt)}"  # a resend's words told apart
         if any(w.rsplit("/", 1)[0] == t["xfer_id"] for w in self._words):
