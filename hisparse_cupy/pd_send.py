@@ -74,6 +74,7 @@ class KVSender:
         self._abandoned: list = []  # ended sends whose WRITE or copies may still write
         self._others: set = set()  # pulls and copies not ended (WRITEs: _queue, _flight)
         self._words: dict = {}  # tag -> deque of the receiver's words, of the sends not ended
+        self._reading_done = False  # (inside _progress: notifications already read this round)
         self._attempt = itertools.count()
         self.stats: dict = {"late": 0, "unknown": 0, "copied": 0, "not_attached": 0}
 
@@ -176,8 +177,16 @@ class KVSender:
 
     def _word(self, tag: str):
         """The receiver's next word for send ``tag`` (``"grant"``, ``"ok"``, ``"fail: why"``),
-        or None; every new notification read first (a word for no send in flight, or from an
-        agent other than the one it was sent to, is counted and dropped)."""
+        or None; the new notifications read first, unless :meth:`_progress` read them for the
+        sends it is advancing (one NIXL read a round, not one a send)."""
+        if not self._reading_done:
+            self._drain()
+        q = self._words.get(tag)
+        return q.popleft() if q else None
+
+    def _drain(self) -> None:
+        """The new notifications into the words of the sends in flight (a word for none, or from
+        an agent other than the one it was sent to, is counted and dropped)."""
         for sender, kind, f in _nixl.messages(self._agent, _nixl.TO_SENDER, self.stats,
                                               "unknown"):
             x = f.get("tag")
@@ -185,8 +194,6 @@ class KVSender:
                 self.stats["late"] += 1
                 continue
             self._words[x].append(kind if kind != "fail" else f"fail: {str(f.get('why'))[:500]}")
-        q = self._words.get(tag)
-        return q.popleft() if q else None
 
     def _sent_to(self, sender: str) -> set:
         """Transfer ids of the sends in flight to agent ``sender``."""
@@ -228,10 +235,15 @@ class KVSender:
         """Poll every send started but ``caller`` (a granted copy or WRITE starts when its
         grant is seen, whichever send is waited on), let go of the ended sends whose writes
         ended, then start what the queue allows."""
-        for p in [*(p for flight in self._flight.values() for p in flight), *self._others]:
-            if p is not caller:
-                p.advance()
-        self._abandoned = [p for p in self._abandoned if p.advance()]
+        self._drain()
+        self._reading_done = True
+        try:
+            for p in [*(p for flight in self._flight.values() for p in flight), *self._others]:
+                if p is not caller:
+                    p.advance()
+            self._abandoned = [p for p in self._abandoned if p.advance()]
+        finally:
+            self._reading_done = False
         self._launch()
 
     def _local_pool(self, t: dict):
