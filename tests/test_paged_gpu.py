@@ -34,8 +34,7 @@ class Model:
 
     def __init__(self, rng):
         self.rng, self.next = rng, 1
-        self.ids: dict[int, np.ndarray] = {}
-        self.written: dict[int, int] = {}  # tokens a prefix may cover (the cache's rule)
+        self.ids: dict[int, np.ndarray] = {}  # every token's rows written (a fork may cover)
 
     def new(self, n):
         out = np.arange(self.next, self.next + n, dtype=np.int64)
@@ -80,7 +79,6 @@ def _step(c, m, batch, stream, rng, *, grow=True):
             assert e.needed > e.free
             continue
         if grow:
-            m.written[rid] = max(m.written[rid], len(m.ids[rid]))
             m.ids[rid] = np.r_[m.ids[rid], m.new(1)]
         live.append(rid)
     if not live:
@@ -126,7 +124,7 @@ def test_paged_pool_bytes_through_forks_growth_engine_pages_and_churn(rng, strea
             try:
                 if kind == "fork":
                     parent = int(rng.choice(list(m.ids)))
-                    p = int(rng.integers(1, m.written[parent] + 1))
+                    p = int(rng.integers(1, len(m.ids[parent]) + 1))  # every token written
                     n = max(n, p)
                     ids = np.r_[m.ids[parent][:p], m.new(n - p)]
                     rid = c.admit(n, m.kv(ids[p:], rng.random() < 0.5), prefix=(parent, p),
@@ -151,13 +149,23 @@ def test_paged_pool_bytes_through_forks_growth_engine_pages_and_churn(rng, strea
             except PoolExhausted:
                 assert c.pages.free_pages == before - taken
                 continue
-            m.ids[rid], m.written[rid] = ids, n
+            m.ids[rid] = ids
         elif m.ids and op < 0.45:
             rid = int(rng.choice(list(m.ids)))
             c.release(rid, stream=stream)
-            del m.ids[rid], m.written[rid]
+            del m.ids[rid]
         elif held and op < 0.5:
             c.pages.put(held.pop(int(rng.integers(len(held)))))
+        elif m.ids and op < 0.52:  # grown ahead of its steps: a fork past its tokens is refused
+            rid = int(rng.choice(list(m.ids)))
+            n = len(m.ids[rid])
+            try:
+                c.grow(rid, min(MAX_LEN, n + int(rng.integers(1, 2 * PAGE))), stream=stream)
+            except PoolExhausted:
+                continue
+            if free and n + 2 <= MAX_LEN:
+                with pytest.raises(ValueError, match="has not written"):
+                    c.admit(n + 2, m.kv(m.new(1), True), prefix=(rid, n + 1), stream=stream)
         elif m.ids and op < 0.55:  # a few own rows rewritten (the copy kernel's path)
             rid = int(rng.choice(list(m.ids)))
             lo = c.pages.own_from(rid)
@@ -184,7 +192,7 @@ def test_a_fork_never_writes_the_pages_it_shares(rng, stream):
     c, m = _cache(), Model(rng)
     ids = m.new(96)
     parent = c.admit(96, m.kv(ids, False), stream=stream)
-    m.ids[parent], m.written[parent] = ids, 96
+    m.ids[parent] = ids
     child = c.admit(96, prefix=(parent, 96), stream=stream)  # every page shared
     assert c.pages.own_from(child) == 96 and c.pages.own_from(parent) == 96
     with stream:
@@ -203,6 +211,52 @@ def test_a_fork_never_writes_the_pages_it_shares(rng, stream):
     c.close()
 
 
+def test_a_fork_covers_only_the_tokens_its_parent_wrote(rng, stream):
+    """An engine that grows ahead of its steps (pages for tokens not written yet): a fork past
+    the parent's written tokens is refused by name, whatever the pages say, and a fork up to
+    them (a step's backup included) shares exactly the bytes written. The parent's later
+    tokens keep reaching its own host rows: before the bound was the tokens with pages, so the
+    parent's page became shared, its later backups were skipped and the child read rows that
+    were never written."""
+    import cupy
+
+    c, m = _cache(), Model(rng)
+    ids = m.new(10)
+    parent = c.admit(10, m.kv(ids, True), stream=stream)  # one page: tokens 0..15
+    m.ids[parent] = ids
+    c.grow(parent, 40, stream=stream)  # ahead: pages for tokens up to 40, none written
+    for _ in range(3):  # steps write tokens 10, 11, 12
+        m.ids[parent] = np.r_[m.ids[parent], m.new(1)]
+        n = len(m.ids[parent])
+        with stream:
+            step = c.begin_step(cupy.asarray([parent], cupy.int32),
+                                cupy.asarray([n], cupy.int32), stream=stream)
+            rows = step.newest_rows()
+            for layer in range(L):
+                c.device[layer][rows] = cupy.asarray(pattern(layer, m.ids[parent][-1:], ROW))
+            step.backup_newest()
+    for p in (14, 16, 32):  # past token 12: the parent has not written them
+        with pytest.raises(ValueError, match=f"prefix of {p} tokens: .*parent 0.*token 13"):
+            c.admit(p + 4, m.kv(m.new(4), True), prefix=(parent, p), stream=stream)
+        assert sorted(c.active) == [parent] and c.pages.own_from(parent) == 0
+    child_ids = np.r_[m.ids[parent][:13], m.new(7)]
+    child = c.admit(20, m.kv(child_ids[13:], True), prefix=(parent, 13), stream=stream)
+    m.ids[child] = child_ids
+    _check_host(c, m, stream)  # the child's 13 tokens: the parent's, a step's backup included
+    for _ in range(5):  # the parent's tokens 13..17 still go to its own rows
+        m.ids[parent] = np.r_[m.ids[parent], m.new(1)]
+        n = len(m.ids[parent])
+        with stream:
+            step = c.begin_step(cupy.asarray([parent], cupy.int32),
+                                cupy.asarray([n], cupy.int32), stream=stream)
+            rows = step.newest_rows()
+            for layer in range(L):
+                c.device[layer][rows] = cupy.asarray(pattern(layer, m.ids[parent][-1:], ROW))
+            step.backup_newest()
+    _check_host(c, m, stream)
+    c.close()
+
+
 def test_growth_across_pages_inside_a_captured_graph(rng, stream):
     """One step captured once; before each replay the engine grows its requests on the host
     (a page taken every PAGE tokens) and sets the step's lengths: every replay's swaps return
@@ -214,7 +268,7 @@ def test_growth_across_pages_inside_a_captured_graph(rng, stream):
     for _ in range(B):
         ids = m.new(int(rng.integers(40, 60)))
         rid = c.admit(len(ids), m.kv(ids, True), stream=stream)
-        m.ids[rid], m.written[rid] = ids, len(ids)
+        m.ids[rid] = ids
     with stream:
         g_req = cupy.arange(B, dtype=cupy.int32)
         g_len = cupy.zeros(B, cupy.int64)
