@@ -22,6 +22,8 @@ _LAZY = {
     "GPUUnavailableError": "_device",
     "HostKVPool": "host_pool",
     "HotBufferCache": "cache",
+    "SlotsExhausted": "cache",
+    "PoolExhausted": "host_pages",
     "LayerCounters": "counters",
     "Step": "step",
     "MissPlan": "plan",

@@ -43,6 +43,16 @@ from .step import Step
 from .swap import SwapState, check_sizes
 
 
+class SlotsExhausted(RuntimeError):
+    """Every one of the cache's ``max_requests`` request slots is admitted: :meth:`admit` takes
+    nothing until one is released. Not a :class:`~hisparse_cupy.host_pages.PoolExhausted`
+    (a paged pool without the host pages): an engine can catch either alone."""
+
+    def __init__(self, max_requests: int):
+        super().__init__(f"all {max_requests} request slots are in use (release one first)")
+        self.max_requests = max_requests
+
+
 class HotBufferCache:
     """Per-layer hot buffers for ``max_requests`` request slots over a pinned host pool.
 
@@ -152,7 +162,7 @@ class HotBufferCache:
         self.slot_tokens = cupy.full((L, R, W), -1, cupy.int32)
         self.lru = cupy.empty((L, R, H), cupy.int16)
         self.lru[...] = cupy.arange(H, dtype=cupy.int16)
-        self.host_locs = cupy.full((R, self.max_len), -1, cupy.int64)
+        self.host_locs = self.host.locs
         self.token_slot = (cupy.full((L, R, self.max_len), -1, cupy.int16) if token_table
                            else None)
         self.plan = MissPlan(self.max_batch, K * max(1, S))
@@ -257,10 +267,13 @@ class HotBufferCache:
             the hot buffer now (default: start cold). A request of ``n_tokens <= H`` is loaded
             whole in positional layout and refuses ``warm_tokens`` (``ValueError``).
         prefix : (parent, p), paged pools only
-            The first ``p`` tokens are admitted request slot ``parent``'s (at most those its
-            rows hold: its admission's and its steps' before its last :meth:`grow`): whole
-            pages shared (reference-counted; the parent may leave first), a partial last page
-            copied on ``stream``. Neither request writes a shared page again.
+            The first ``p`` tokens are admitted request slot ``parent``'s: whole pages
+            shared (reference-counted; the parent may leave first), a partial last page copied
+            on ``stream``. Neither request writes a shared page again, so ``parent`` must have
+            written all ``p`` (its admission's, :meth:`write_host`'s, its steps' backups
+            queued on ``stream`` before), whatever pages it was grown to; else ``ValueError``
+            naming the first token not written. A prefix past the tokens the host wrote reads
+            the parent's rows on the device: the admission then synchronizes ``stream``.
         pages : sequence of int, paged pools only
             Pages the engine holds and wrote (:attr:`pages` ``.take(k)``, its prefix tree's)
             for the first ``len(pages) * page_tokens`` tokens; not with ``prefix``.
@@ -269,12 +282,13 @@ class HotBufferCache:
             another stream) must be ordered after it by the caller.
 
         Returns the request slot (the lowest free one), to use in ``req_indices``. Raises
-        (nothing taken) :class:`~hisparse_cupy.host_pages.PoolExhausted` (a paged pool
-        without the pages), or ``ValueError`` / ``TypeError`` / ``KeyError`` naming it.
+        (nothing taken) :class:`SlotsExhausted` (every request slot admitted),
+        :class:`~hisparse_cupy.host_pages.PoolExhausted` (a paged pool without the pages),
+        or ``ValueError`` / ``TypeError`` / ``KeyError`` naming it.
         """
         n = _checks.integer("n_tokens", n_tokens, 1, self.max_len)
         if not self._free:
-            raise RuntimeError(f"all {self.max_requests} request slots are in use")
+            raise SlotsExhausted(self.max_requests)
         H = self.hot_size
         warm = _checks.warm_tokens(warm_tokens, n, H)
         s = as_stream(stream)
@@ -401,6 +415,7 @@ class HotBufferCache:
         self.host.write(rows, kv, on_host, s)
         with s:
             self.host_locs[rid, start: start + n] = cupy.asarray(rows)
+        self.host.wrote(rid, start, start + n)
 
     def release(self, rid: int, *, stream=None) -> None:
         """Free request slot ``rid``: its tables and host rows are reset (token -> slot entries,

@@ -84,7 +84,10 @@ class HostRows:
             table = np.full((R, -(-max_len // P)), -1, np.int32)
         self.table = cupy.asarray(table)
         self.own_from = cupy.zeros(R, cupy.int32)
-        self._written: dict[int, int] = {}  # paged: tokens whose rows a step or admit wrote
+        # token -> host row, -1 until the row is written (admission, write_host, a step's
+        # backup records it on the device); the swaps read it
+        self.locs = cupy.full((R, max_len), -1, cupy.int64)
+        self._written: dict[int, int] = {}  # paged: tokens the host knows have rows written
 
     @property
     def paged(self) -> bool:
@@ -133,13 +136,14 @@ class HostRows:
         parent = None
         if prefix is not None:
             parent = int(prefix[0])
-            done = self._written.get(parent)
-            if done is None:
+            if parent not in self._written:
                 raise KeyError(f"prefix's parent {parent} is not admitted (or was released)")
-            if _checks.integer("prefix tokens", prefix[1], 1) > done:
-                raise ValueError(f"prefix of {prefix[1]} tokens: the parent's rows hold "
-                                 f"{done} tokens so far (its later tokens are written by "
-                                 f"steps not yet queued)")
+            p = _checks.integer("prefix tokens", prefix[1], 1)
+            done = self._written_through(parent, p, stream)
+            if p > done:
+                raise ValueError(f"prefix of {p} tokens: request slot {parent} has not written "
+                                 f"token {done} (its host rows hold tokens 0..{done - 1} so "
+                                 f"far; a grow() makes room, a step's backup writes the row)")
         copies = self.pages.admit(rid, n, prefix=prefix, pages=pages)
         self._written[rid] = n
         try:
@@ -163,11 +167,30 @@ class HostRows:
         if n <= before:  # the room is there (e.g. taken for draft tokens)
             return
         new = self.pages.grow(rid, n)
-        self._written[rid] = max(self._written[rid], before)
         if new:  # pages a released request may have held: the step's backup writes them
             self.after_releases(stream, host=False)
             with stream:
                 self._write_pages(rid, self.pages.pages_for(before), new)
+
+    def wrote(self, rid: int, start: int, stop: int) -> None:
+        """The host learnt that ``rid``'s tokens ``[start, stop)`` have rows written."""
+        if rid in self._written and start <= self._written[rid]:
+            self._written[rid] = max(self._written[rid], stop)
+
+    def _written_through(self, rid: int, p: int, stream) -> int:
+        """How many of ``rid``'s first ``p`` tokens have host rows written, in the order of
+        ``stream``: the host knows its admission's and :meth:`wrote`'s; a step's backups are
+        read from ``locs`` on the device, after the work queued on ``stream`` (synchronized:
+        only a fork past what the host knows pays it)."""
+        done = self._written[rid]
+        if p > done:
+            with stream:
+                locs = self.locs[rid, done:p].get(stream=stream)
+            stream.synchronize()
+            unwritten = np.flatnonzero(locs < 0)
+            done += int(unwritten[0]) if unwritten.size else p - done
+            self._written[rid] = done
+        return done
 
     def release(self, rid: int, stream) -> None:
         if self.pages is None:

@@ -125,8 +125,11 @@ def test_cache_errors():
     with pytest.raises(ValueError, match=r"kv must hold the 10 rows being admitted"):
         cache.admit(10, kv=np.zeros((1, 9, 656), np.uint8))  # would leave a row unwritten
     rid = cache.admit(10)
-    with pytest.raises(RuntimeError, match="all 1 request slots are in use"):
+    from hisparse_cupy import PoolExhausted, SlotsExhausted
+
+    with pytest.raises(SlotsExhausted, match="all 1 request slots are in use") as e:
         cache.admit(10)
+    assert e.value.max_requests == 1 and not isinstance(e.value, PoolExhausted)
     cache.release(rid)
     with pytest.raises(ValueError, match="is not admitted"):
         cache.release(rid)
