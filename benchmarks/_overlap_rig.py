@@ -297,7 +297,7 @@ def capture_cc(rig: Rig):
 def skip_io(pf: Prefetcher):
     """Context: the prefetcher's side-stream replays do all their work but move no bytes (the
     overlap's floor; shared layers then read stale rows). Captures inside it keep the probe."""
-    from hisparse_cupy.probe import copy_probe
+    from hisparse_cupy.testing.probe import copy_probe
 
     return copy_probe(dry_run=True, streams=[pf.side])
 

@@ -22,7 +22,7 @@ Modes (each timed eager, one Python-driven step per event pair, and as one captu
 - overlap: full layers swap on the main stream, a side stream replays their plan for the shared
   layers, shared layers wait on their event (``Prefetcher``);
 - overlap, skip IO: the same with replays that move no bytes (the overlap's floor;
-  ``hisparse_cupy.probe.copy_probe(dry_run=True)`` on the side stream);
+  ``hisparse_cupy.testing.probe.copy_probe(dry_run=True)`` on the side stream);
 - overlap, predict: overlap plus prediction mode (``Prefetcher.set_predict``): while a full
   layer computes, a second side stream stages the rows the next full layer will probably miss
   (what the current one just missed and the next one does not hold); the next full layer's

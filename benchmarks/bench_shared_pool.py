@@ -33,7 +33,7 @@ import numpy as np
 
 def _fill(pool) -> None:
     """Every row of the pool: the self-check's pattern of its index (checked after gathers)."""
-    from hisparse_cupy._selfcheck import pattern
+    from hisparse_cupy.testing.selfcheck import pattern
 
     rows = pool.numpy.reshape(-1, pool.row_bytes)
     step = 1 << 16

@@ -40,7 +40,7 @@ from _timing import (  # noqa: E402
     write_json,
 )
 
-from hisparse_cupy import (  # noqa: E402
+from hisparse_cupy import (
     HostKVPool,
     MissPlan,
     MultiStepConfig,

@@ -34,7 +34,9 @@ from _timing import (  # noqa: E402
     write_json,
 )
 
-from hisparse_cupy import HostKVPool, MissPlan, SwapState, _abi, swap_in  # noqa: E402
+from hisparse_cupy import HostKVPool, MissPlan, SwapState, swap_in
+from hisparse_cupy.kernels import _abi  # noqa: E402
+from hisparse_cupy.testing.probe import copy_probe
 
 K, H, P = 2048, 4096, 64
 MAX_LEN = 16384
@@ -93,10 +95,10 @@ def _time_swap(st, snap, per, req, seq, pool, device_rows, plan, out, status, st
 
     ctr = cupy.zeros(_abi.N_LAYER_COUNTERS, cupy.uint64)
 
-    def call(i, dry=False, counters=None):
+    def call(i, counters=None):
         swap_in(per[i % NSETS], req, seq, st, host_rows=pool.device_ptr(0),
                 n_host_rows=pool.n_rows, device_rows=device_rows, plan=plan, out=out,
-                status=status, dry_run=dry, counters=counters, stream=stream)
+                status=status, counters=counters, stream=stream)
 
     eager = summary(time_calls(call, iters=iters, setup=restore, stream=stream))
     graphs = []
@@ -108,8 +110,8 @@ def _time_swap(st, snap, per, req, seq, pool, device_rows, plan, out, status, st
     graphed = summary(time_calls(lambda i: graphs[i % NSETS].launch(stream), iters=iters,
                                  setup=restore, stream=stream))
     chain = time_graph_chain(call, restore, n=CHAIN, iters=iters, stream=stream)
-    dry = time_graph_chain(lambda i: call(i, True), restore, n=CHAIN, iters=iters,
-                           stream=stream)
+    with copy_probe(dry_run=True, streams=[stream]):  # the copy moves no bytes
+        dry = time_graph_chain(call, restore, n=CHAIN, iters=iters, stream=stream)
     # the same chain with the layer counters on (what a HotBufferCache's swaps add), then
     # without again: the two uncounted chains bound the run-to-run spread
     counted = time_graph_chain(lambda i: call(i, counters=ctr), restore, n=CHAIN, iters=iters,

@@ -1,6 +1,6 @@
 """Where the multi-step swap copies its misses: the gather's warps or the commit grid's blocks.
 
-``hisparse_cupy.multistep.copy_blocks(B, S)`` picks, per batch size and step count, how many
+``hisparse_cupy.kernels.multistep.copy_blocks(B, S)`` picks, per batch size and step count, how many
 copy blocks per row the commit grid gets (0: the gather's warps copy). This probe times each
 policy at each point so the switch can be checked: bench_spec's workload (``Case``: K 2048,
 H 4096, a full hot buffer, step 0 with 2 % misses and 3 % new tokens per later step, every call
@@ -28,7 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_spec  # noqa: E402
 from _timing import device_info, memcpy_h2d, time_graph_chain, write_json  # noqa: E402
 
-from hisparse_cupy import HostKVPool, multistep, set_pdl  # noqa: E402
+from hisparse_cupy import HostKVPool, set_pdl
+from hisparse_cupy.kernels import multistep  # noqa: E402
+from hisparse_cupy.testing import knobs  # noqa: E402
 
 ROW = 656
 
@@ -47,35 +49,32 @@ def main() -> None:
     stream = cupy.cuda.Stream(non_blocking=True)
     pool = HostKVPool(1, bench_spec.N_HOST, ROW)
     pool.numpy[...] = rng.integers(0, 256, size=pool.numpy.shape, dtype=np.uint8)
-    chosen = multistep.copy_blocks
     rows = []
     print("| S | batch | unique misses | " + " | ".join(
         "gather copies us" if g == 0 else f"{g} copy blocks us" for g in args.blocks)
         + " | memcpy us | library's choice |", flush=True)
     print("|---" * (len(args.blocks) + 5) + "|", flush=True)
-    try:
+    if True:
         for S in args.steps:
             for B in args.batches:
                 case = bench_spec.Case(rng, B, S, ROW, pool, stream)
                 rec = {"steps": S, "batch": B, "unique_misses": B * bench_spec.unique_misses(S),
-                       "chosen_blocks": chosen(B, S), "us": {}}
+                       "chosen_blocks": multistep.copy_blocks(B, S), "us": {}}
                 for g in args.blocks:
-                    multistep.copy_blocks = lambda batch, steps, g=g: g
-                    case.check()
-                    t = time_graph_chain(case.spec_call, case.restore_spec, n=bench_spec.CHAIN,
-                                         iters=args.iters, stream=stream)
+                    with knobs.copy_blocks(g):
+                        case.check()
+                        t = time_graph_chain(case.spec_call, case.restore_spec,
+                                             n=bench_spec.CHAIN, iters=args.iters, stream=stream)
                     rec["us"][g] = t
-                multistep.copy_blocks = chosen
                 _, rec["memcpy"] = memcpy_h2d(pool.numpy, rec["unique_misses"] * ROW,
                                               iters=args.iters, chain=bench_spec.CHAIN,
                                               stream=stream)
                 rows.append(rec)
                 cells = " | ".join(f"{rec['us'][g]['median_us']:.1f}" for g in args.blocks)
                 print(f"| {S} | {B} | {rec['unique_misses']} | {cells} | "
-                      f"{rec['memcpy']['median_us']:.1f} | {chosen(B, S)} |", flush=True)
+                      f"{rec['memcpy']['median_us']:.1f} | {rec['chosen_blocks']} |",
+                      flush=True)
                 del case
-    finally:
-        multistep.copy_blocks = chosen
     if args.out:
         write_json(args.out, "probe_copy_blocks.json",
                    {"device": device_info(), "row_bytes": ROW, "iters": args.iters,

@@ -53,7 +53,7 @@ def pattern(xp, nbytes: int):
 def descs(addr: int, runs, piece: int, dev: int) -> np.ndarray:
     """``(offset, bytes)`` runs from ``addr``, each cut into pieces of ``piece`` bytes (0: uncut),
     by the sender's own cut."""
-    from hisparse_cupy._nixl import cut
+    from hisparse_cupy.pd._nixl import cut
 
     d = np.array([[addr + off, n, dev] for off, n in runs], np.uint64)
     return cut(d, piece) if piece else d
@@ -87,7 +87,7 @@ def run_xfer(agent, op: str, local, remote, peer: str, timeout: float) -> tuple:
 def prefill(cmds, answers, nbytes: int, runs: list, ucx: dict) -> None:
     import cupy
 
-    from hisparse_cupy import _nixl
+    from hisparse_cupy.pd import _nixl
 
     vram = pattern(cupy, nbytes)
     host = cupy.cuda.alloc_pinned_memory(nbytes)
@@ -116,8 +116,8 @@ def one(mib: int, reps: int, pieces: list, timeout: float, modes: list, n_runs: 
     import cupy
     from _timing import time_calls
 
-    from hisparse_cupy import _nixl
-    from hisparse_cupy.host_pool import HostKVPool
+    from hisparse_cupy.host.pool import HostKVPool
+    from hisparse_cupy.pd import _nixl
 
     runs = layout(mib << 20, n_runs, spread)
     nbytes = runs[-1][0] + runs[-1][1]  # the buffers' size (the bytes moved: sum of the runs)

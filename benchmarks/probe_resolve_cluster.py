@@ -2,7 +2,8 @@
 
 The resolve (``cu/swap.cu``) runs one 1024-thread block per row, or a thread-block cluster of C
 512-thread blocks sharing the row's hash through distributed shared memory;
-``hisparse_cupy.swap.resolve_cluster`` picks 8 or 4 when that many clusters run at once on the
+``hisparse_cupy.kernels.swap.resolve_cluster`` picks 8 or 4 when that many clusters run at once
+on the
 device, else 1. This probe times every C at every batch so the rule can be checked: bench_swap's
 workload (K 2048, H 4096, a full hot buffer, 656 B rows, each call from the same state), the
 marginal time of one swap in a CUDA graph of 8 (median of 20), at 0, 0.5 and 5 % misses; it
@@ -30,8 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_swap  # noqa: E402
 from _timing import device_info, time_graph_chain, write_json  # noqa: E402
 
-from hisparse_cupy import HostKVPool, MissPlan, _abi, _build, swap, swap_in  # noqa: E402
-from hisparse_cupy._launch import max_active_clusters  # noqa: E402
+from hisparse_cupy import HostKVPool, MissPlan, swap_in
+from hisparse_cupy.kernels import _abi, _build, swap  # noqa: E402
+from hisparse_cupy.kernels._launch import max_active_clusters  # noqa: E402
+from hisparse_cupy.testing import knobs  # noqa: E402
 
 RATES = (0.0, 0.005, 0.05)
 CLUSTERS = (1, 2, 4, 8)
@@ -68,12 +71,9 @@ def time_batch(rng, B, pool, dev, plan, key, stream, iters) -> list[dict]:
                         n_host_rows=pool.n_rows, device_rows=rows, plan=plan, out=out,
                         status=status, stream=stream)
 
-            swap.set_resolve_cluster(None if c == "table" else c)
-            try:
+            with knobs.resolve_cluster(None if c == "table" else c):
                 t = time_graph_chain(call, restore, n=bench_swap.CHAIN, iters=iters,
                                      stream=stream)
-            finally:
-                swap.set_resolve_cluster(None)
             stream.synchronize()
             got = int(cupy.asnumpy(plan.count[:B]).sum())
             assert got == B * n_miss, (B, rate, c, got, B * n_miss)

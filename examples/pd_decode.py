@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     from hisparse_cupy.demo import run_gpu
     from hisparse_cupy.demo.config import ROW_BYTES
     from hisparse_cupy.demo.loop import Rig
-    from hisparse_cupy.host_pool import HostKVPool
+    from hisparse_cupy.host.pool import HostKVPool
 
     if cfg.warmup < 1:
         raise SystemExit("pd_decode: the GPU decode loop needs --warmup >= 1")

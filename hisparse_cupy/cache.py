@@ -2,23 +2,23 @@
 
 It owns, for ``n_layers`` layers and ``max_requests`` request slots:
 
-- the host pool (:class:`HostKVPool`) and its map (:class:`~hisparse_cupy.host_rows.HostRows`):
+- the host pool (:class:`HostKVPool`) and its map (:class:`~hisparse_cupy.cache_rows.CacheRows`):
   request slot ``r``'s token ``p`` lives in host row ``r * max_len + p`` of every layer (the
   slot layout), or, with ``page_tokens=P``, in pages taken as the request grows and shared
   with requests forked from it (:meth:`HotBufferCache.admit`'s ``prefix``);
 - the device rows: uint8 ``[n_layers, R * (H + P + C), row_bytes]``; request slot ``r`` owns
   rows ``r * (H + P + C) + [0, H + P + C)`` of every layer: its H + P slots, then C scratch
   rows (C = 0 without multi-step state);
-- per layer: ``slot_tokens`` and ``slot_locs`` int32 ``[R, H + P]`` and ``lru`` int16
-  ``[R, H]``; the token -> hot slot table ``token_slot`` int16 ``[R, max_len]`` (both swaps
-  read and write it); with ``max_steps >= 2`` also the multi-step state (``scratch_locs``,
-  reference epochs, clock: :class:`MultiStepState` views);
-- ``host_locs`` int64 ``[R, max_len]``: -1 until a token's host row is written; the counters.
+- per layer (:attr:`HotBufferCache.tables`, a :class:`~hisparse_cupy.tables.LayerTables`):
+  the slots' tokens and device rows, the LRU order, the token -> hot slot table, and with
+  ``max_steps >= 2`` the multi-step state (:class:`MultiStepState` views);
+- ``host_locs`` int64 ``[R, max_len]`` (the map's): -1 until a token's host row is written;
+  the counters.
 
 Per decode step :meth:`HotBufferCache.begin_step` returns a :class:`~hisparse_cupy.Step`
 (``hisparse_cupy/step.py``), which runs every layer's swap. Request lifecycle: :meth:`admit`,
 :meth:`grow` and a step per token, :meth:`release`, each queued on a stream without host
-synchronization. :meth:`layer_tables` lists the per-layer tables (reset, mirroring, snapshots).
+synchronization.
 """
 
 from __future__ import annotations
@@ -28,24 +28,25 @@ import heapq
 import cupy
 import numpy as np
 
-from . import _abi, _checks, multistep, swap
+from . import _checks
 from ._device import require_gpu
-from ._launch import Structs, as_stream
+from .cache_rows import CacheRows, copy_pool_rows, host_pool, load_rows
 from .counters import LayerCounters
-from .host_pages import HostPages
-from .host_pool import HostKVPool
-from .host_rows import HostRows, copy_pool_rows, host_pool, load_rows
-from .mirror import mirror_rows
-from .multistep import MultiStepConfig, MultiStepState, MultiStepWorkspace, init_states
-from .newest import NewestBuffers
-from .plan import MissPlan, copy_params
+from .host.pages import HostPages
+from .host.pool import HostKVPool
+from .kernels import _abi, multistep, swap
+from .kernels._launch import Structs, as_stream
+from .kernels.multistep import MultiStepConfig, MultiStepState, MultiStepWorkspace
+from .kernels.newest import NewestBuffers
+from .kernels.plan import MissPlan, array_rows, copy_struct, pool_rows
+from .kernels.swap import SwapState, check_sizes
 from .step import Step
-from .swap import SwapState, check_sizes
+from .tables import LayerTables
 
 
 class SlotsExhausted(RuntimeError):
     """Every one of the cache's ``max_requests`` request slots is admitted: :meth:`admit` takes
-    nothing until one is released. Not a :class:`~hisparse_cupy.host_pages.PoolExhausted`
+    nothing until one is released. Not a :class:`~hisparse_cupy.host.pages.PoolExhausted`
     (a paged pool without the host pages): an engine can catch either alone."""
 
     def __init__(self, max_requests: int):
@@ -75,7 +76,7 @@ class HotBufferCache:
         draft steps, with their state for every layer.
     scratch : int, optional
         Scratch rows per request for multi-step admission (default
-        :func:`hisparse_cupy.multistep.default_scratch`).
+        :func:`hisparse_cupy.kernels.multistep.default_scratch`).
     page_tokens, host_rows : int, optional
         Page the host pool: pages of ``page_tokens`` tokens taken as requests are admitted
         and grow (:meth:`grow`), shared by a ``prefix``, given back at :meth:`release`
@@ -151,20 +152,14 @@ class HotBufferCache:
             self.device = dev
         self.pool, self._own_pool = host_pool(L, R * self.max_len, row_bytes, page_tokens,
                                               host_rows, pool)
-        self.host = HostRows(R, self.max_len, self.pool, page_tokens)
+        self.host = CacheRows(R, self.max_len, self.pool, page_tokens)
         self.row_bytes = self.pool.row_bytes
         if self.device is None:
             self.device = cupy.empty((L, D, self.row_bytes), cupy.uint8)
-        base = (np.arange(R, dtype=np.int64) * (W + C)).reshape(R, 1)
-        self._slot_layout = cupy.asarray((base + np.arange(W)).astype(np.int32))
-        self.slot_locs = cupy.empty((L, R, W), cupy.int32)
-        self.slot_locs[...] = self._slot_layout
-        self.slot_tokens = cupy.full((L, R, W), -1, cupy.int32)
-        self.lru = cupy.empty((L, R, H), cupy.int16)
-        self.lru[...] = cupy.arange(H, dtype=cupy.int16)
+        self.tables = t = LayerTables(n_layers=L, max_requests=R, hot_size=H, extra_page=P,
+                                      scratch=C, max_len=self.max_len, token_table=token_table,
+                                      multistep=S >= 2)
         self.host_locs = self.host.locs
-        self.token_slot = (cupy.full((L, R, self.max_len), -1, cupy.int16) if token_table
-                           else None)
         self.plan = MissPlan(self.max_batch, K * max(1, S))
         self.out = cupy.empty((self.max_batch, K), cupy.int32)
         self.status = cupy.empty((self.max_batch, _abi.N_STATUS), cupy.int32)
@@ -172,20 +167,14 @@ class HotBufferCache:
         self._ms: list[MultiStepState] = []
         if S >= 2:
             cfg = self.ms_config
-            self._scratch_layout = cupy.asarray((base + W + np.arange(C)).astype(np.int32))
-            self.scratch_locs = cupy.empty((L, R, C), cupy.int32)
-            self.scratch_locs[...] = self._scratch_layout
-            self.ms_ref = cupy.zeros((L, R, H), cupy.uint32)
-            self.ms_clock = cupy.zeros((L, R, 2), cupy.uint32)
-            self.ms_clock[..., 0] = 1
             self.workspace = MultiStepWorkspace(self.max_batch, cfg.max_tokens)
             self.ms_out = cupy.empty((self.max_batch, S, K), cupy.int32)
             for layer in range(L):
                 self._ms.append(MultiStepState(
-                    cfg, self.host_locs, self.slot_tokens[layer], self.slot_locs[layer],
-                    self.scratch_locs[layer], n_device_rows=D, workspace=self.workspace,
-                    validate=False, token_slot=self.token_slot[layer], ref=self.ms_ref[layer],
-                    clock=self.ms_clock[layer]))
+                    cfg, self.host_locs, t.slot_tokens[layer], t.slot_locs[layer],
+                    t.scratch_locs[layer], n_device_rows=D, workspace=self.workspace,
+                    validate=False, token_slot=t.token_slot[layer], ref=t.ms_ref[layer],
+                    clock=t.ms_clock[layer]))
         self._states = [self._swap_state(layer) for layer in range(L)]
         self.counters = LayerCounters(L, self.row_bytes) if counters else None
         self._templates()
@@ -219,11 +208,10 @@ class HotBufferCache:
                                                   counters=count)
         self.copy_structs = Structs.zeros(_abi.PLANNED_COPY, L)
         for layer in range(L):
-            copy_params(self.plan.src, self.plan.dst, self.plan.count, 0, None,
-                        src_base=int(self.pool.device_ptr(layer)), src_layer_bytes=0,
-                        n_src_rows=n_host, dst_base=self.device[layer].data.ptr,
-                        dst_layer_bytes=0, n_dst_rows=self.device.shape[1],
-                        row_bytes=self.row_bytes, params=self.copy_structs.row(layer))
+            copy_struct(self.plan.src, self.plan.dst, self.plan.count,
+                        src=pool_rows(self.pool, layer), dst=array_rows(self.device[layer]),
+                        row_bytes=self.row_bytes, batch=0,
+                        into=self.copy_structs.row(layer))
         self.multistep_structs = None if not self._ms else multistep.layer_structs(
             self._ms, status=self.status, plan=self.plan,
             host_rows=[self.pool.device_ptr(i) for i in range(L)], n_host_rows=n_host,
@@ -231,14 +219,14 @@ class HotBufferCache:
             counters=count)
 
     def _swap_state(self, layer: int) -> SwapState:
-        return SwapState(self.host_locs, self.slot_tokens[layer], self.slot_locs[layer],
-                         self.lru[layer],
-                         token_slot=None if self.token_slot is None else self.token_slot[layer])
+        t = self.tables
+        return SwapState(self.host_locs, t.slot_tokens[layer], t.slot_locs[layer], t.lru[layer],
+                         token_slot=None if t.token_slot is None else t.token_slot[layer])
 
     @property
     def token_table(self) -> bool:
-        """Whether the cache keeps a token -> hot slot table (``token_slot`` is not None)."""
-        return self.token_slot is not None
+        """Whether the cache keeps a token -> hot slot table (``tables.token_slot``)."""
+        return self.tables.token_slot is not None
 
     # ----------------------------------------------------------------- requests
     @property
@@ -283,7 +271,7 @@ class HotBufferCache:
 
         Returns the request slot (the lowest free one), to use in ``req_indices``. Raises
         (nothing taken) :class:`SlotsExhausted` (every request slot admitted),
-        :class:`~hisparse_cupy.host_pages.PoolExhausted` (a paged pool without the pages),
+        :class:`~hisparse_cupy.host.pages.PoolExhausted` (a paged pool without the pages),
         or ``ValueError`` / ``TypeError`` / ``KeyError`` naming it.
         """
         n = _checks.integer("n_tokens", n_tokens, 1, self.max_len)
@@ -312,25 +300,26 @@ class HotBufferCache:
             rows = self.host.rows(rid, 0, n)
             if kv is not None:
                 self.host.write(rows[shared:], kv, on_host, s)
+            self.tables.reset(rid, s)
+            t = self.tables
             with s:
                 self.host_locs[rid, :n] = cupy.asarray(rows)
                 self.host_locs[rid, n:] = -1
-                self._reset_slot(rid)
                 if n <= H:  # positional layout: slot p is token p's
-                    self.slot_tokens[:, rid, :H] = cupy.arange(H, dtype=cupy.int32)
+                    t.slot_tokens[:, rid, :H] = cupy.arange(H, dtype=cupy.int32)
                     slots = np.arange(n)
                     tokens = np.arange(n)
                 else:  # LRU layout: newest token in slot H, warm tokens in slots 0..w-1
                     w = warm.size
-                    self.slot_tokens[:, rid, :w] = cupy.asarray(warm, dtype=cupy.int32)
-                    self.slot_tokens[:, rid, H] = n - 1
+                    t.slot_tokens[:, rid, :w] = cupy.asarray(warm, dtype=cupy.int32)
+                    t.slot_tokens[:, rid, H] = n - 1
                     order = np.concatenate([np.arange(w, H), np.arange(w)]).astype(np.int16)
-                    self.lru[:, rid] = cupy.asarray(order)
+                    t.lru[:, rid] = cupy.asarray(order)
                     slots = np.concatenate([np.arange(w), [H]])
                     tokens = np.concatenate([warm, [n - 1]])
-                self._init_multistep(rid, s)
+            t.init_multistep(rid, s)
             load_rows(self.pool, rows[tokens], self.device,
-                      rid * self.rows_per_request + slots, s)  # _slot_layout[rid][slots]
+                      rid * self.rows_per_request + slots, s)  # slot_layout[rid][slots]
         except BaseException:
             self.host.release(rid, s)
             ev = cupy.cuda.Event(disable_timing=True)
@@ -348,7 +337,7 @@ class HotBufferCache:
         paged, it takes the pages on the host and writes their table entries on ``stream``
         (when a page is taken), where :meth:`Step.backup_newest` finds the row (a token
         without a page is not backed up; a swap missing it later flags ``nohost``). Raises
-        :class:`~hisparse_cupy.host_pages.PoolExhausted`, nothing taken (the engine can
+        :class:`~hisparse_cupy.host.pages.PoolExhausted`, nothing taken (the engine can
         preempt). A no-op where the rows are there (the slot layout has every row).
         """
         rid = self._admitted(rid)
@@ -356,8 +345,8 @@ class HotBufferCache:
 
     @property
     def pages(self):
-        """The :class:`~hisparse_cupy.host_pages.HostPages` of a paged pool (free pages,
-        engine-held pages: :meth:`~hisparse_cupy.host_pages.HostPages.take`), else None."""
+        """The :class:`~hisparse_cupy.host.pages.HostPages` of a paged pool (free pages,
+        engine-held pages: :meth:`~hisparse_cupy.host.pages.HostPages.take`), else None."""
         return self.host.pages
 
     def _admitted(self, rid) -> int:
@@ -365,20 +354,6 @@ class HotBufferCache:
         if rid not in self._len:
             raise ValueError(f"request slot {rid} is not admitted")
         return rid
-
-    def _reset_slot(self, rid: int) -> None:
-        """Request slot ``rid``'s per-layer tables back to empty (on the current stream)."""
-        self.slot_tokens[:, rid] = -1
-        self.lru[:, rid] = cupy.arange(self.hot_size, dtype=cupy.int16)
-        self.slot_locs[:, rid] = self._slot_layout[rid]  # undo multi-step rotations
-        if self._ms:
-            self.scratch_locs[:, rid] = self._scratch_layout[rid]
-
-    def _init_multistep(self, rid: int, stream) -> None:
-        if self._ms:
-            rows = cupy.full(1, rid, cupy.int32)
-            init_states(rows, None, self.slot_tokens, self.token_slot, self.ms_ref,
-                        self.ms_clock, hot_size=self.hot_size, stream=stream)
 
     def write_host(self, rid: int, start: int, kv, *, stream=None) -> None:
         """Write KV rows of tokens ``start .. start + n`` of request ``rid`` into the host pool.
@@ -423,10 +398,10 @@ class HotBufferCache:
         holds are free again."""
         rid = self._admitted(rid)
         s = as_stream(stream)
+        self.tables.reset(rid, s)
+        self.tables.init_multistep(rid, s)
         with s:
-            self._reset_slot(rid)
             self.host_locs[rid] = -1
-            self._init_multistep(rid, s)
             self.host.release(rid, s)
             ev = cupy.cuda.Event(disable_timing=True)
             ev.record(s)  # later writes into its rows and pages follow this, not the device
@@ -442,16 +417,6 @@ class HotBufferCache:
             return layer
         return _checks.integer("layer", layer, 0, self.n_layers - 1)
 
-    def layer_tables(self) -> dict[str, cupy.ndarray]:
-        """Every per-layer table, ``name -> [n_layers, ...]`` array: a layer's whole state
-        beside its device rows (``host_locs`` is shared by all layers)."""
-        t = {"slot_tokens": self.slot_tokens, "slot_locs": self.slot_locs, "lru": self.lru}
-        if self.token_slot is not None:
-            t["token_slot"] = self.token_slot
-        if self._ms:
-            t.update(scratch_locs=self.scratch_locs, ms_ref=self.ms_ref, ms_clock=self.ms_clock)
-        return t
-
     def mirror_layer(self, src: int, dst: int, *, rows: bool = True, stream=None) -> None:
         """Give layer ``dst`` the state of layer ``src``: every table, and the slot layout.
 
@@ -459,19 +424,15 @@ class HotBufferCache:
         layout: the row where ``src`` holds token t gets ``dst``'s bytes of t, from the row
         where ``dst`` held it (the first such slot) or else from its host row (every token a
         layer holds has one, or is held by every layer at the same row: slot H, the
-        positional layout). Then every table of :meth:`layer_tables` is copied: a page table
-        of ``src`` is then valid for ``dst``'s rows. ``rows=False`` copies the tables only,
-        for equal device layouts (a Prefetcher's group while prefetch is on; multi-step calls
-        make layouts diverge: misses take scratch rows in the gather threads' order). Queued
-        on ``stream`` (no host synchronization; one layer's rows of scratch memory).
+        positional layout). Then every table of :meth:`LayerTables.named` is copied: a page
+        table of ``src`` is then valid for ``dst``'s rows. ``rows=False`` copies the tables
+        only, for equal device layouts (a Prefetcher's group while prefetch is on; multi-step
+        calls make layouts diverge: misses take scratch rows in the gather threads' order).
+        Queued on ``stream`` (no host synchronization; one layer's rows of scratch memory).
         """
         src, dst = self.layer_index(src), self.layer_index(dst)
-        s = as_stream(stream)
-        with s:
-            if rows and src != dst:
-                mirror_rows(self, src, dst, s)
-            for t in self.layer_tables().values():
-                t[dst][...] = t[src]
+        self.tables.mirror(src, dst, rows=self.device[dst] if rows else None,
+                           host_locs=self.host_locs, pool=self.pool, stream=as_stream(stream))
 
     def state(self, layer: int) -> SwapState:
         """The single-step swap tables of ``layer`` (views)."""

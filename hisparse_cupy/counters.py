@@ -25,8 +25,8 @@ import cupy
 import cupyx
 import numpy as np
 
-from . import _abi
-from ._launch import as_stream
+from .kernels import _abi
+from .kernels._launch import as_stream
 
 
 class LayerCounters:

@@ -24,9 +24,10 @@ from typing import NamedTuple
 import cupy
 import numpy as np
 
-from . import _checks, multistep, newest, swap
-from ._launch import as_stream, resolve_pdl
-from .plan import copy_params, default_copy_grid, launch_copy
+from . import _checks
+from .kernels import multistep, newest, swap
+from .kernels._launch import as_stream, resolve_pdl
+from .kernels.plan import array_rows, copy_rows, pool_rows
 
 
 class LayerCall(NamedTuple):
@@ -149,10 +150,10 @@ class Step:
             raise ValueError(f"top_k_tokens must have shape ({B}, K) or ({B}, S, K), got "
                              f"{tuple(topk.shape)}")
         K = topk.shape[1]
-        plan = self._launches.get(("single", K, copy_grid))
-        if plan is None:
-            plan = self._plan_single(K, copy_grid)
-        go, default_out = plan
+        got = self._launches.get(("single", K, copy_grid))
+        if got is None:
+            got = self._launches_single(K, copy_grid)
+        go, default_out = got
         out = self._out_arg(out, default_out, (B, K), hooks_out)
         if check:
             self.check_requests()
@@ -171,16 +172,16 @@ class Step:
             self.raise_on_status(topk)
         return out
 
-    def _plan_single(self, K: int, copy_grid: int | None):
+    def _launches_single(self, K: int, copy_grid: int | None):
         c, B = self.cache, self.batch
         if not 1 <= K <= c.top_k:
             raise ValueError(f"top_k_tokens must have 1..{c.top_k} entries per row (the cache's "
                              f"top_k), got {K}")
         grid = _checks.integer("copy_grid", copy_grid, 1, 2**31 - 1) if copy_grid else None
-        plan = self._launches[("single", K, copy_grid)] = (
+        got = self._launches[("single", K, copy_grid)] = (
             swap.launches(self.dtypes, B, K, c.hot_size, c.token_table, grid, self.pdl),
             c.out[:B, :K])
-        return plan
+        return got
 
     def _out_arg(self, out, default: cupy.ndarray, shape, hooks_out: bool) -> cupy.ndarray:
         """``out`` checked (a foreign array imported on the step's stream), or ``default``;
@@ -201,21 +202,21 @@ class Step:
         if B != self.batch or not 2 <= S <= c.max_steps or not 1 <= K <= c.top_k:
             raise ValueError(f"top_k_tokens must have shape ({self.batch}, 2..{c.max_steps}, "
                              f"1..{c.top_k}), got {tuple(topk.shape)}")
-        plan = self._launches.get(("multi", S, K))
-        if plan is None:
+        got = self._launches.get(("multi", S, K))
+        if got is None:
             if self.lens_step and self.seq_lens.shape[1] < S:
                 raise ValueError(f"seq_lens has {self.seq_lens.shape[1]} step column(s), the "
                                  f"call has {S} steps")
-            plan = self._launches[("multi", S, K)] = (
+            got = self._launches[("multi", S, K)] = (
                 multistep.launches(self.dtypes, B, S, K, c.hot_size, self.pdl),
                 multistep.dense_view(c.ms_out, (B, S, K)))
-        go, default_out = plan
+        go, default_out = got
         out = self._out_arg(out, default_out, (B, S, K), hooks_out)
         if check:
             self.check_requests()
         if self._ms is None:
             self._multi_structs()
-        self._ms_call.write(layer, topk, out, go[0])
+        self._ms_call.write(layer, topk, out, go.copy_blocks)
         multistep.run(self._ms, layer, go, self.stream.ptr)
         if check:
             self.raise_on_status(topk)
@@ -250,8 +251,8 @@ class Step:
         c = self.cache
         return newest.newest_rows(
             c.newest, req=self.req, lens=self.seq_lens, lens_stride=self.lens_stride,
-            num_real=self.num_real, key=self.dtypes, slot_locs=c.slot_locs[0],
-            slot_tokens=c.slot_tokens, host_locs=c.host_locs, host=c.host,
+            num_real=self.num_real, key=self.dtypes, slot_locs=c.tables.slot_locs[0],
+            slot_tokens=c.tables.slot_tokens, host_locs=c.host_locs, host=c.host,
             hot_size=c.hot_size, record=record, stream=self.stream)
 
     def newest_rows(self) -> cupy.ndarray:
@@ -277,13 +278,9 @@ class Step:
         rows = self._newest(True)
         if write_host:
             nb = c.newest
-            cp = copy_params(nb.src, nb.dst, nb.count, B, self.num_real,
-                             src_base=c.device.data.ptr, src_layer_bytes=c.device[0].nbytes,
-                             n_src_rows=c.device.shape[1], dst_base=c.pool.device_ptr(0),
-                             dst_layer_bytes=c.pool.layer_bytes, n_dst_rows=c.pool.n_rows,
-                             row_bytes=c.row_bytes, n_layers=c.n_layers)
-            launch_copy(cp, to_host=True, grid=default_copy_grid(B, 1, c.n_layers),
-                        stream=self.stream, pdl=self.pdl)
+            copy_rows(nb.src, nb.dst, nb.count, src=array_rows(c.device), dst=pool_rows(c.pool),
+                      row_bytes=c.row_bytes, batch=B, num_real=self.num_real,
+                      n_layers=c.n_layers, to_host=True, stream=self.stream, pdl=self.pdl)
         return rows
 
     def finish(self) -> None:

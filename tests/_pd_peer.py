@@ -73,7 +73,7 @@ def partial(tx, t, kv) -> None:
     rows alone with no notification in its place."""
     import numpy as np
 
-    from hisparse_cupy import _nixl
+    from hisparse_cupy.pd import _nixl
 
     p = tx.send(t, kv, wait=False)
     runs = np.asarray(t["runs"], np.uint64).reshape(-1, 2)
@@ -92,7 +92,7 @@ def partial(tx, t, kv) -> None:
 
 
 def bench(mib: int = 256, reps: int = 5) -> None:
-    from hisparse_cupy.host_pages import HostPages
+    from hisparse_cupy.host.pages import HostPages
     from hisparse_cupy.pd import KVReceiver, KVSender
 
     L, rb, P = 4, 4096, 64
@@ -126,7 +126,7 @@ def bench_procs(mib: int = 256, reps: int = 5) -> None:
     import select
     import subprocess
 
-    from hisparse_cupy.host_pages import HostPages
+    from hisparse_cupy.host.pages import HostPages
     from hisparse_cupy.pd import KVReceiver
 
     L, rb, P, n_req = 4, 4096, 64, 8

@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from hisparse_cupy._selfcheck import pattern
+from hisparse_cupy.testing.selfcheck import pattern
 
 CHECKS = ("missing row", "two rows for one token", "wrong bytes", "row for an invalid entry",
           "newest row")
@@ -328,7 +328,7 @@ class Fuzz:
             if t.size:
                 with self._with(view):
                     for layer in range(self.L):
-                        rows = self.c.slot_locs[layer, int(r), xp.asarray(t)]
+                        rows = self.c.tables.slot_locs[layer, int(r), xp.asarray(t)]
                         self.c.device_rows(layer)[rows] = pattern(
                             layer, uid * self.max_len + t, self.row, xp=xp)
 

@@ -12,11 +12,12 @@ Streams, ``pdl`` and graph capture have no meaning here and are accepted and ign
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import numpy as np
 
 from hisparse_cupy import reference as ref
-from hisparse_cupy.multistep import MultiStepConfig
+from hisparse_cupy.kernels.multistep import MultiStepConfig
 from hisparse_cupy.streams.pattern import layer_pattern
 
 
@@ -40,7 +41,8 @@ class ModelCache:
         self._scratch_layout = (np.arange(R)[:, None] * (W + C) + W +
                                 np.arange(C)).astype(np.int32)
         self.slot_locs = np.tile(self._slot_layout, (L, 1, 1))
-        self.tables = [dict(slot_tokens=np.full((R, W), -1, np.int32),
+        self.tables = SimpleNamespace(slot_locs=self.slot_locs)  # the cache's face: .tables
+        self.layer_state = [dict(slot_tokens=np.full((R, W), -1, np.int32),
                             slot_locs=self.slot_locs[layer],
                             lru=np.tile(np.arange(H, dtype=np.int16), (R, 1)),
                             scratch_locs=self._scratch_layout.copy(),
@@ -55,7 +57,7 @@ class ModelCache:
         return self.device[layer]
 
     def _reset(self, rid):
-        for t in self.tables:
+        for t in self.layer_state:
             t["slot_tokens"][rid] = -1
             t["slot_locs"][rid] = self._slot_layout[rid]
             t["lru"][rid] = np.arange(self.hot_size)
@@ -78,12 +80,12 @@ class ModelCache:
         self._reset(rid)
         if n <= H:
             slots = tokens = np.arange(n)
-            for t in self.tables:
+            for t in self.layer_state:
                 t["slot_tokens"][rid, :H] = np.arange(H)
         else:
             warm = np.zeros(0, np.int64) if warm_tokens is None else np.asarray(warm_tokens)
             w = warm.size
-            for t in self.tables:
+            for t in self.layer_state:
                 t["slot_tokens"][rid, :w] = warm
                 t["slot_tokens"][rid, H] = n - 1
                 t["lru"][rid] = np.concatenate([np.arange(w, H), np.arange(w)])
@@ -112,11 +114,11 @@ class ModelCache:
 
     def mirror_layer(self, src, dst, *, rows=True, stream=None):
         if rows and src != dst:
-            ref.mirror_layer(self.tables[src], self.tables[dst], host_locs=self.host_locs,
+            ref.mirror_layer(self.layer_state[src], self.layer_state[dst], host_locs=self.host_locs,
                              dst_device=self.device[dst], dst_host=self.host[dst])
         else:
-            for name, t in self.tables[src].items():
-                self.tables[dst][name][...] = t
+            for name, t in self.layer_state[src].items():
+                self.layer_state[dst][name][...] = t
 
     def begin_step(self, req_indices, seq_lens, num_real=None, *, stream=None, pdl=None,
                    prefetcher=None):
@@ -127,7 +129,7 @@ class ModelCache:
 
     # one swap of one layer: outputs, and the plan (host row, device row pairs per row)
     def _swap(self, layer, topk, req, lens, nr):
-        t = self.tables[layer]
+        t = self.layer_state[layer]
         n_host = self.host.shape[1]
         if topk.ndim == 2:
             r = ref.swap_in(topk, req, lens[:, 0], host_locs=self.host_locs,
@@ -182,11 +184,11 @@ class ModelStep:
         rows = np.full(self.batch, -1, np.int32)
         for b, rid, t in self._real():
             slot = min(t, c.hot_size)
-            rows[b] = c.tables[0]["slot_locs"][rid, slot]
+            rows[b] = c.layer_state[0]["slot_locs"][rid, slot]
             if backup:
                 c.host_locs[rid, t] = rid * c.max_len + t
                 if slot == c.hot_size:
-                    for tb in c.tables:
+                    for tb in c.layer_state:
                         tb["slot_tokens"][rid, slot] = t
                 if write_host:
                     c.host[:, rid * c.max_len + t] = c.device[:, rows[b]]

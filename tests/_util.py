@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 # one copy of each, in the package's test harness (shared with the self-check)
-from hisparse_cupy._twin import lru_state, pattern  # noqa: F401
+from hisparse_cupy.testing.twin import lru_state, pattern  # noqa: F401
 
 
 def stream_kinds(cupy, *, every: bool = False):

@@ -6,13 +6,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hisparse_cupy import _abi, _build
+from hisparse_cupy.kernels import _abi, _build
 
 
 def test_compile_check_covers_every_instance():
     sizes = _build.compile_check()
-    assert set(_build.INSTANCES) == {"swap.cu", "plan.cu", "cache.cu", "multistep.cu",
-                                     "predict.cu", "sums.cu"}
+    assert set(_build.INSTANCES) == {"swap.cu", "plan.cu", "plan_probe.cu", "newest.cu",
+                                     "multistep.cu", "predict.cu", "sums.cu"}
+    # the measuring instances are compiled in a module of their own, never the production one
+    probe = set(_build.COPY_H2D_PROBE.values())
+    assert probe == set(_build.INSTANCES["plan_probe.cu"])
+    assert not probe & {n for f, names in _build.INSTANCES.items() if f != "plan_probe.cu"
+                        for n in names}
     for f in _build.INSTANCES:
         for arch in ("sm_80", "sm_90"):
             assert sizes[(f, arch)] > 1000, (f, arch)
@@ -154,7 +159,9 @@ def test_the_production_copy_has_no_measuring_fields():
     names = _build.INSTANCES["plan.cu"]
     assert sorted(_build.COPY_H2D) == sorted(_build.COPY_H2D_PROBE) == list(
         _build.COPY_ROWS_PER_WARP)
-    assert set(_build.COPY_H2D_PROBE.values()) <= set(names)
+    assert set(_build.COPY_H2D_PROBE.values()) == set(_build.INSTANCES["plan_probe.cu"])
+    assert not set(_build.COPY_H2D_PROBE.values()) & set(names)
+    assert "planned_copy_probe" not in (_build.CU_DIR / "plan.cu").read_text()
     assert not any("thin" in n for n in names)
     src = (_build.CU_DIR / "plan.cu").read_text()
     assert "__global__ void __launch_bounds__(COPY_WARPS * 32) planned_copy(const " \
@@ -179,7 +186,7 @@ def test_the_demo_model_compiles():
 
     from hisparse_cupy.demo.model import Kernels
 
-    path = _build.CU_DIR.parent / "demo" / "model.cu"
+    path = _build.CU_DIR.parents[1] / "demo" / "model.cu"
     assert _build.nvrtc_cubin_size(path, (), ["-std=c++17", "-arch=sm_90"], "model.cu") > 1000
     src = path.read_text()
     for name in Kernels._NAMES:  # every kernel the Model loads is defined there

@@ -94,7 +94,7 @@ def test_request_lifecycle_through_crossing_h(rng):
     assert seq > H + 60
     cache.release(rid)
     assert cache.active == {rid2: 300}
-    assert (cupy.asnumpy(cache.slot_tokens[:, rid]) == -1).all()
+    assert (cupy.asnumpy(cache.tables.slot_tokens[:, rid]) == -1).all()
     assert (cupy.asnumpy(cache.host_locs[rid]) == -1).all()
     assert cache.admit(10, kv=kv_for(0, 0, 10)) == rid  # the slot is reused, reset
     cache.close()
@@ -219,8 +219,9 @@ def test_multistep_with_fewer_entries_than_top_k(rng, prefetch):
 
 
 def test_layer_tables_are_every_table_and_release_resets_them(rng):
-    """``layer_tables()`` is the one list of per-layer tables: it names every ``[L, R, ...]``
-    array of the cache, and a slot released after single- and multi-step swaps holds in every
+    """``tables.named()`` is the one list of per-layer tables: it names every ``[L, R, ...]``
+    array of the cache and of its tables, and a slot released after single- and multi-step swaps
+    holds in every
     one of them what a slot released unused holds (token -> slot entries excepted: they are
     never trusted without the slot table)."""
     import cupy
@@ -233,9 +234,9 @@ def test_layer_tables_are_every_table_and_release_resets_them(rng):
 
     used, unused = build(), build()
     n = 300
-    per_layer = {k for k, v in vars(used).items() if isinstance(v, cupy.ndarray)
-                 and v.ndim >= 2 and v.shape[:2] == (L, R)}
-    assert per_layer == set(used.layer_tables()), "a per-layer table missing from layer_tables"
+    per_layer = {k for obj in (used, used.tables) for k, v in vars(obj).items()
+                 if isinstance(v, cupy.ndarray) and v.ndim >= 2 and v.shape[:2] == (L, R)}
+    assert per_layer == set(used.tables.named()), "a per-layer table missing from named()"
     for c in (used, unused):
         assert c.admit(n, kv=kv_for(0, 0, n)) == 0
     req = cupy.asarray([0], cupy.int32)
@@ -250,15 +251,15 @@ def test_layer_tables_are_every_table_and_release_resets_them(rng):
             out = cupy.asnumpy(step.swap(layer, cupy.asarray(tk), check=True)).reshape(-1)
             check_rows(used, layer, 0, tk.reshape(-1), out)
     cupy.cuda.Device().synchronize()
-    moved = {k: cupy.asnumpy(v[:, 0]) for k, v in used.layer_tables().items()}
+    moved = {k: cupy.asnumpy(v[:, 0]) for k, v in used.tables.named().items()}
     for c in (used, unused):
         c.release(0)
     cupy.cuda.Device().synchronize()
-    assert any((moved[k] != cupy.asnumpy(unused.layer_tables()[k][:, 0])).any()
+    assert any((moved[k] != cupy.asnumpy(unused.tables.named()[k][:, 0])).any()
                for k in moved if k != "token_slot"), "the swaps changed no table"
-    for k, v in used.layer_tables().items():
+    for k, v in used.tables.named().items():
         if k != "token_slot":
             np.testing.assert_array_equal(cupy.asnumpy(v[:, 0]),
-                                          cupy.asnumpy(unused.layer_tables()[k][:, 0]), k)
+                                          cupy.asnumpy(unused.tables.named()[k][:, 0]), k)
     used.close()
     unused.close()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hisparse_cupy import _abi
-from hisparse_cupy._twin import K, L, R, Twin, twin_tables
+from hisparse_cupy.kernels import _abi
+from hisparse_cupy.testing.twin import K, L, R, Twin, twin_tables
 
 pytestmark = pytest.mark.gpu
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hisparse_cupy._twin import MAX_LEN, ROW, K, L, R, Twin, pattern
+from hisparse_cupy.testing.twin import MAX_LEN, ROW, K, L, R, Twin, pattern
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -367,7 +367,7 @@ def test_torch_graph_of_a_step_equals_eager(rng, cupy_current):
     assert not diffs, diffs
     # the rows of every filled slot hold the same bytes (rows of empty slots and scratch rows
     # were never written: cupy.empty memory, which differs between the twins)
-    toks, locs = cupy.asnumpy(eager.c.slot_tokens), cupy.asnumpy(eager.c.slot_locs)
+    toks, locs = cupy.asnumpy(eager.c.tables.slot_tokens), cupy.asnumpy(eager.c.tables.slot_locs)
     dev_e, dev_g = cupy.asnumpy(eager.c.device), cupy.asnumpy(graphed.c.device)
     for layer in range(L):
         rows = locs[layer][toks[layer] >= 0]

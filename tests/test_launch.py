@@ -8,8 +8,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from hisparse_cupy import _abi, _launch
-from hisparse_cupy._launch import Params
+from hisparse_cupy.kernels import _abi, _launch
+from hisparse_cupy.kernels._launch import Params
 
 
 def test_params_hold_the_struct_bytes():
@@ -70,13 +70,15 @@ def test_cluster_dimension_attribute(pdl):
 
 
 def test_resolve_cluster_knob(monkeypatch):
-    from hisparse_cupy import swap
+    from hisparse_cupy.kernels import swap
+    from hisparse_cupy.testing import knobs
 
     for bad in (3, 16, 0, -1, "two"):
         with pytest.raises(ValueError, match="resolve cluster must be 1, 2, 4 or 8"):
-            swap.set_resolve_cluster(bad)
+            knobs.resolve_cluster(bad)
+    assert swap.FIXED["cluster"] is None
     monkeypatch.setattr(swap, "compute_capability", lambda: 90)
-    monkeypatch.setattr(swap, "_cluster_fixed", None)
+    monkeypatch.setitem(swap.FIXED, "cluster", None)
     monkeypatch.setattr(swap._build, "kernel", lambda name: name)
     fits = {8: 15, 4: 31}  # clusters the device runs at once, per size
     seen = set()
@@ -108,10 +110,10 @@ def test_resolve_cluster_knob(monkeypatch):
         assert swap.resolve_launch(key, batch, 2048, 4096, table=True) == (
             ("hs::swap_resolve<int, long long, 1024, true>", 1024,
              swap.resolve_smem_bytes(2048, 4096), False, 1), (batch, 1, 1))
-    swap.set_resolve_cluster(2)
-    assert swap.resolve_launch(key, 1, 2048, 4096, table=True)[1] == (1, 1, 1)
-    assert swap.resolve_cluster(key, 1, 2048, 4096) == 2
-    swap.set_resolve_cluster(None)
+    with knobs.resolve_cluster(2):
+        assert swap.resolve_launch(key, 1, 2048, 4096, table=True)[1] == (1, 1, 1)
+        assert swap.resolve_cluster(key, 1, 2048, 4096) == 2
+    assert swap.FIXED["cluster"] is None and swap.resolve_cluster(key, 1, 2048, 4096) == 8
     monkeypatch.setattr(swap, "compute_capability", lambda: 80)  # no clusters before Hopper
     assert swap.resolve_cluster(key, 1, 2048, 4096) == 1
 
@@ -174,7 +176,7 @@ class _Fake:
 def copy_launches(monkeypatch, no_gpu_streams):
     """plan.launch_copy with the kernels and the driver stubbed: every launch is recorded as
     (instance, block, shared memory, pdl, grid, stream, the struct's bytes at the launch)."""
-    from hisparse_cupy import plan
+    from hisparse_cupy.kernels import plan
 
     seen = []
 
@@ -196,7 +198,7 @@ def _copy_struct(B=3, n_layers=1):
 
 
 def test_launch_copy_picks_the_copy_instance_block_and_shared_memory(copy_launches):
-    from hisparse_cupy import _build, plan
+    from hisparse_cupy.kernels import _build, plan
 
     p = _copy_struct(B=3)
     plan.launch_copy(p, grid=5, stream=_Fake(0x10), pdl=True, rows_per_warp=4)
@@ -219,8 +221,8 @@ def test_launch_copy_picks_the_copy_instance_block_and_shared_memory(copy_launch
 
 
 def test_copy_probe_runs_the_probe_instance_on_its_streams_only(copy_launches):
-    from hisparse_cupy import _build, plan
-    from hisparse_cupy.probe import active_copy_probes, copy_probe
+    from hisparse_cupy.kernels import _build, plan
+    from hisparse_cupy.testing.probe import active_copy_probes, copy_probe
 
     p = _copy_struct(B=3)
     raw = ctypes.string_at(p.addr, _abi.PLANNED_COPY.itemsize)
@@ -252,7 +254,7 @@ def test_copy_probe_runs_the_probe_instance_on_its_streams_only(copy_launches):
 
 
 def test_copy_probe_checks_its_arguments(no_gpu_streams):
-    from hisparse_cupy.probe import active_copy_probes, copy_probe
+    from hisparse_cupy.testing.probe import active_copy_probes, copy_probe
 
     with pytest.raises(ValueError, match="spin_cycles must be >= 0"):
         copy_probe(spin_cycles=-1)

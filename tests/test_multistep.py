@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from hisparse_cupy import reference as ref
-from hisparse_cupy._abi import default_scratch
-from hisparse_cupy._twin import Twin
-from hisparse_cupy.multistep import MultiStepConfig, commit_smem_bytes, table_size
+from hisparse_cupy.kernels._abi import default_scratch
+from hisparse_cupy.kernels.multistep import MultiStepConfig, commit_smem_bytes, table_size
+from hisparse_cupy.testing.twin import Twin
 
 # ============================================================================ CPU: sizing
 
@@ -97,7 +97,7 @@ def test_layout_and_table_checks():
 
 def test_compile_check_covers_multistep():
     import hisparse_cupy as hc
-    from hisparse_cupy import _build
+    from hisparse_cupy.kernels import _build
 
     names = _build.INSTANCES["multistep.cu"]
     assert any("gather" in n for n in names) and any("commit" in n for n in names)
@@ -329,7 +329,8 @@ def test_invariants_detect_damage():
 
 
 # ============================================================================ GPU helpers
-# The GPU tests run on the multi-step twin of the test harness (hisparse_cupy._twin.Twin.multi):
+# The GPU tests run on the multi-step twin of the test harness
+# (hisparse_cupy.testing.twin.Twin.multi):
 # one layer's state over a pinned host pool whose row r * max_len + t holds token t of request
 # r (pattern bytes), and its NumPy twin driven by the oracle.
 
@@ -463,7 +464,7 @@ def test_batches_either_side_of_the_copy_switch(rng, B):
     exactly (outputs, state, plan, bytes), partial admission
     included (misses beyond the scratch rows are copied by the commit blocks in either case:
     test_random_calls_against_oracle covers them)."""
-    from hisparse_cupy.multistep import COPY_IN_COMMIT_MAX_ROWS, copy_blocks
+    from hisparse_cupy.kernels.multistep import COPY_IN_COMMIT_MAX_ROWS, copy_blocks
 
     for S in (2, 3, 4):
         assert (copy_blocks(B, S) > 0) == (B * S <= COPY_IN_COMMIT_MAX_ROWS)
@@ -792,7 +793,7 @@ def test_shared_workspace_and_plan_replay(rng):
     import cupy
 
     from hisparse_cupy import replay_plan
-    from hisparse_cupy.multistep import MultiStepWorkspace
+    from hisparse_cupy.kernels.multistep import MultiStepWorkspace
 
     ws = MultiStepWorkspace(3, 4 * 32)
     envs = [Twin.multi(rng, R=3, H=64, P=8, K=32, S_max=4, workspace=ws) for _ in range(2)]

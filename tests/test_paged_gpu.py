@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hisparse_cupy._twin import pattern
+from hisparse_cupy.testing.twin import pattern
 
 pytestmark = pytest.mark.gpu
 
@@ -68,7 +68,7 @@ def _step(c, m, batch, stream, rng, *, grow=True):
     swap per layer whose output rows are checked byte for byte."""
     import cupy
 
-    from hisparse_cupy.host_pages import PoolExhausted
+    from hisparse_cupy.host.pages import PoolExhausted
 
     live = []
     for rid in batch:
@@ -105,11 +105,11 @@ def _step(c, m, batch, stream, rng, *, grow=True):
 @pytest.mark.parametrize("copies", ["copy engines", "copy kernel"])
 def test_paged_pool_bytes_through_forks_growth_engine_pages_and_churn(rng, stream, copies,
                                                                      monkeypatch):
-    from hisparse_cupy import host_rows
-    from hisparse_cupy.host_pages import PoolExhausted
+    from hisparse_cupy import cache_rows
+    from hisparse_cupy.host.pages import PoolExhausted
 
     # KV from GPU arrays by 2-D copies per run of rows, or by the copy kernel
-    monkeypatch.setattr(host_rows, "MIN_RUN_BYTES", 0 if copies == "copy engines" else 1 << 62)
+    monkeypatch.setattr(cache_rows, "MIN_RUN_BYTES", 0 if copies == "copy engines" else 1 << 62)
 
     c, m = _cache(), Model(rng)
     held: list[list[int]] = []  # the engine's page holds (its prefix tree)
@@ -320,7 +320,7 @@ def test_growth_across_pages_inside_a_captured_graph(rng, stream):
 
 def test_paged_errors_name_the_argument(stream):
     from hisparse_cupy import HotBufferCache
-    from hisparse_cupy.host_pages import PoolExhausted
+    from hisparse_cupy.host.pages import PoolExhausted
 
     c = _cache(host_rows=8 * PAGE)
     kv = np.zeros((L, 100, ROW), np.uint8)

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hisparse_cupy import _nixl
-from hisparse_cupy.host_pages import HostPages, PoolExhausted
+from hisparse_cupy.host.pages import HostPages, PoolExhausted
+from hisparse_cupy.pd import _nixl
 
 try:
     from hisparse_cupy.pd import KVReceiver, KVSender, nixl_api
@@ -294,7 +294,7 @@ def test_a_sender_in_another_process(rng):
 def test_descriptors_cut_into_pieces_land_whole_and_notify_once(rng):
     """KVSender(desc_bytes=): every descriptor cut into pieces (here of 3 rows and 8 bytes:
     pieces end inside rows); each request arrives byte exact, once; bad sizes are refused."""
-    from hisparse_cupy._nixl import cut as _cut
+    from hisparse_cupy.pd._nixl import cut as _cut
 
     d = np.array([[1000, 250, 0], [5000, 100, 0], [9000, 1, 0]], np.uint64)
     got = _cut(d, 100)
@@ -359,7 +359,7 @@ def test_a_shared_pools_ticket_names_it_and_is_checked(tx):
     numpy) puts ``shm`` in its tickets; host memory ``kv`` still goes over NIXL (the same-node
     path is GPU memory's), byte exact; an ``shm`` that is not a pool's, or that does not hold
     every descriptor, is refused naming ``ticket['shm']`` before any transfer."""
-    from hisparse_cupy import host_shm
+    from hisparse_cupy.host import shm as host_shm
 
     pages = CountingPages(8, P)
     pool = np.zeros((L, 8 * P, RB), np.uint8)
@@ -514,7 +514,7 @@ def test_close_fails_the_sends_not_ended():
 
 def test_gpu_arrays_are_read_through_cuda_array_interface():
     """A GPU ``kv`` (here a stand-in: no device) goes the same way, registered as VRAM."""
-    from hisparse_cupy._checks import kv_source as _source
+    from hisparse_cupy.pd._ticket import kv_source as _source
 
     class Dev:
         id = 3
@@ -782,7 +782,7 @@ def test_kv_in_gpu_memory_lands_in_a_pinned_pool_byte_exact(rng, pull, verify):
     its poison."""
     import cupy
 
-    from hisparse_cupy.host_pool import HostKVPool
+    from hisparse_cupy.host.pool import HostKVPool
 
     L, rb, P, n_pages = 3, 656, 16, 48
     sizes = [1, 17, 100, 257, 16]
@@ -830,7 +830,7 @@ def test_the_same_node_path_copies_into_a_shared_pool_byte_exact(rng, monkeypatc
     describe the pool is refused; a pool made anew under that name is attached anew."""
     import cupy
 
-    from hisparse_cupy import host_pool as hp
+    from hisparse_cupy.host import pool as hp
 
     monkeypatch.setattr(hp, "_REGISTER_CHUNK", 1 << 20)
     L, rb, P, n_pages = 3, 656, 16, 200

@@ -17,8 +17,9 @@ import time
 import numpy as np
 import pytest
 
-from hisparse_cupy import _nixl, _sums
-from hisparse_cupy.host_pages import PoolExhausted
+from hisparse_cupy.host.pages import PoolExhausted
+from hisparse_cupy.kernels import sums as _sums
+from hisparse_cupy.pd import _nixl
 
 try:
     from hisparse_cupy.pd import KVReceiver, KVSender, nixl_api
@@ -330,7 +331,7 @@ def test_the_same_node_paths_copies_are_granted_like_writes():
     receiver without a shared pool refuses copies."""
     import types
 
-    from hisparse_cupy import host_shm
+    from hisparse_cupy.host import shm as host_shm
 
     pages = CountingPages(16, P)
     pool = np.full((L, 16 * P, RB), POISON, np.uint8)

@@ -1,5 +1,5 @@
 """MissPlan replay (the planned copy) on the GPU: exact bytes, padding, grids, graphs, and the
-copy's measuring instance (hisparse_cupy.probe: dry run, slowed rows, counted bad rows)."""
+copy's measuring instance (hisparse_cupy.testing.probe: dry run, slowed rows, counted bad rows)."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def test_replay_rows_per_warp_exact(rpw, row, rng, s):
     import cupy as cp
 
     from hisparse_cupy import HostKVPool, MissPlan, replay_plan
-    from hisparse_cupy.probe import copy_probe
+    from hisparse_cupy.testing.probe import copy_probe
 
     n_host, n_dev, B, W = 1500, 900, 7, 60
     pool = HostKVPool(1, n_host, row)
@@ -190,7 +190,7 @@ def test_replay_dry_run_spin_and_bad_rows(rng, s):
     import cupy as cp
 
     from hisparse_cupy import MissPlan, replay_plan
-    from hisparse_cupy.probe import active_copy_probes, copy_probe
+    from hisparse_cupy.testing.probe import active_copy_probes, copy_probe
 
     pool, dev = _setup(s)
     plan = MissPlan(4, 16)
@@ -234,7 +234,7 @@ def test_a_slowed_replay_is_still_running_when_queued_work_after_it_reads(rng, s
     import cupy as cp
 
     from hisparse_cupy import MissPlan, replay_plan
-    from hisparse_cupy.probe import copy_probe
+    from hisparse_cupy.testing.probe import copy_probe
 
     pool, dev = _setup(s)
     plan = MissPlan(2, 8)
@@ -321,7 +321,7 @@ def test_replay_validation(s):
     import cupy as cp
 
     from hisparse_cupy import MissPlan, replay_plan
-    from hisparse_cupy._launch import Ptr
+    from hisparse_cupy.kernels._launch import Ptr
 
     pool, dev = _setup(s)
     plan = MissPlan(4, 8)

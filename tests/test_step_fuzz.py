@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from _stepfuzz import CHECKS, Fuzz
 
-from hisparse_cupy._selfcheck import pattern
+from hisparse_cupy.testing.selfcheck import pattern
 
 
 def test_pattern_takes_one_layer_per_row():

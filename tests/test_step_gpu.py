@@ -16,8 +16,8 @@ import warnings
 import numpy as np
 import pytest
 
-from hisparse_cupy._selfcheck import alternate
-from hisparse_cupy._twin import MAX_LEN, ROW, H, K, L, P, R, Twin, pattern
+from hisparse_cupy.testing.selfcheck import alternate
+from hisparse_cupy.testing.twin import MAX_LEN, ROW, H, K, L, P, R, Twin, pattern
 
 from _util import stream_kinds
 
@@ -33,7 +33,7 @@ def test_single_and_multi_step_alternate_on_one_cache(rng, stream):
     t.c.release(2, stream=stream)
     stream.synchronize()
     for layer in range(L):
-        now = t.snapshot(layer)  # the cache's layer_tables, by the oracle's names
+        now = t.snapshot(layer)  # the cache's tables.named(), by the oracle's names
         assert (now["slot_tokens"][2] == -1).all()
         np.testing.assert_array_equal(now["slot_locs"][2], t.layout["slot_locs"][2])
         np.testing.assert_array_equal(now["scratch_locs"][2], t.layout["scratch_locs"][2])
@@ -189,16 +189,16 @@ def test_probes_state_validation_and_sizes(rng, stream):
     kw = dict(host_rows=c.pool.device_ptr(0), n_host_rows=c.pool.n_rows,
               device_rows=c.device[0], plan=c.plan)
     # slot_locs beyond device_rows: validate_state reports it and launches nothing
-    before = cupy.asnumpy(c.slot_tokens[0])
-    c.slot_locs[0, 1, 5] = c.device.shape[1] + 3
+    before = cupy.asnumpy(c.tables.slot_tokens[0])
+    c.tables.slot_locs[0, 1, 5] = c.device.shape[1] + 3
     with pytest.raises(ValueError, match=r"slot_locs\[1, 5\] = .* is outside the .* device rows"):
         swap_in(topk, req, lens, st, validate_state=True, **kw)
-    np.testing.assert_array_equal(cupy.asnumpy(c.slot_tokens[0]), before)
-    c.slot_locs[0, 1, 5] = int(t.np[0]["slot_locs"][1, 5])  # its value before
-    c.lru[0, 0, 3] = c.lru[0, 0, 4]  # not a permutation any more
+    np.testing.assert_array_equal(cupy.asnumpy(c.tables.slot_tokens[0]), before)
+    c.tables.slot_locs[0, 1, 5] = int(t.np[0]["slot_locs"][1, 5])  # its value before
+    c.tables.lru[0, 0, 3] = c.tables.lru[0, 0, 4]  # not a permutation any more
     with pytest.raises(ValueError, match=r"invalid state: lru\[0\] is not a permutation"):
         swap_in(topk, req, lens, st, validate_state=True, **kw)
-    c.lru[0, 0] = cupy.asarray(t.np[0]["lru"][0])
+    c.tables.lru[0, 0] = cupy.asarray(t.np[0]["lru"][0])
     # empty sizes are named as sizes
     with pytest.raises(ValueError, match=r"top_k_tokens must have K >= 1, got shape \(2, 0\)"):
         swap_in(cupy.zeros((2, 0), cupy.int32), req, lens, st, **kw)
@@ -219,7 +219,7 @@ def test_probes_state_validation_and_sizes(rng, stream):
         c.begin_step(req, lens, stream=stream).swap(0, cupy.asarray(tk), check=True)
     exp = t.expect_single(0, tk, np.array([0, 1]))
     np.testing.assert_array_equal(cupy.asnumpy(c.out[:2]), exp.device_locs)
-    np.testing.assert_array_equal(cupy.asnumpy(c.slot_tokens[0]), t.np[0]["slot_tokens"])
+    np.testing.assert_array_equal(cupy.asnumpy(c.tables.slot_tokens[0]), t.np[0]["slot_tokens"])
     # the step's own checks
     with pytest.raises(ValueError, match=r"batch must be in \[1, max_batch=6\]"):
         c.begin_step(cupy.zeros(7, cupy.int32), cupy.zeros(7, cupy.int32))
@@ -325,7 +325,7 @@ def test_mirror_layer_equals_the_oracle(rng, stream):
                            for n in lens]).astype(np.int32)
             c.begin_step(d_req, cupy.asarray(lens), stream=stream).swap(layer, cupy.asarray(tk))
     stream.synchronize()
-    tabs = {k: cupy.asnumpy(v) for k, v in c.layer_tables().items()}
+    tabs = {k: cupy.asnumpy(v) for k, v in c.tables.named().items()}
     src = {k: v[0] for k, v in tabs.items()}
     dst = {k: v[1].copy() for k, v in tabs.items()}
     assert (src["slot_locs"] != dst["slot_locs"]).any()  # the layouts did diverge
@@ -334,7 +334,7 @@ def test_mirror_layer_equals_the_oracle(rng, stream):
                       dst_host=c.pool.numpy[1])
     c.mirror_layer(0, 1, stream=stream)
     stream.synchronize()
-    for k, v in c.layer_tables().items():
+    for k, v in c.tables.named().items():
         np.testing.assert_array_equal(cupy.asnumpy(v[1]), dst[k], err_msg=k)
     held = src["slot_tokens"] >= 0
     rows = src["slot_locs"][held]

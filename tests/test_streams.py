@@ -124,7 +124,7 @@ def test_default_replay_shape(monkeypatch):
     """The side-stream replays' default: an eighth of the SMs (16 on an H200's 132), at least
     8 blocks, 4 rows in flight per warp (benchmarks/NOTES.md, "The side streams' copy
     shape"), each a choice of the copy kernel (CPU: the SM count stubbed)."""
-    from hisparse_cupy.plan import ROWS_PER_WARP
+    from hisparse_cupy.kernels.plan import ROWS_PER_WARP
     from hisparse_cupy.streams import prefetch
 
     for sms, grid in ((132, 16), (108, 13), (40, 8), (1, 8)):
@@ -320,7 +320,8 @@ def test_replay_equals_full_swap_rows(main):
     snaps = {}
 
     def snap_on(t):
-        snaps[t] = (cp.asnumpy(on.device), cp.asnumpy(on.slot_tokens), cp.asnumpy(on.lru))
+        snaps[t] = (cp.asnumpy(on.device), cp.asnumpy(on.tables.slot_tokens),
+                    cp.asnumpy(on.tables.lru))
 
     # on for 12 steps, off for 6 (switch copies the full layers' tables), on again for 6
     a = _run_steps(pf_on, on, req, lens, gen, 24, main, toggles={12: False, 18: True},
@@ -328,7 +329,8 @@ def test_replay_equals_full_swap_rows(main):
     b_dev = {}
 
     def snap_off(t):
-        b_dev[t] = (cp.asnumpy(off.device), cp.asnumpy(off.slot_tokens), cp.asnumpy(off.lru))
+        b_dev[t] = (cp.asnumpy(off.device), cp.asnumpy(off.tables.slot_tokens),
+                    cp.asnumpy(off.tables.lru))
 
     b = _run_steps(pf_off, off, req, lens, gen, 24, main, record=snap_off)
     p = pf_on.pattern
@@ -460,8 +462,8 @@ def test_graph_replay_equals_eager_with_padding(main, group):
             np.testing.assert_array_equal(cp.asnumpy(caches[0].device),
                                           cp.asnumpy(caches[1].device),
                                           err_msg=f"device rows differ at step {t}")
-            np.testing.assert_array_equal(cp.asnumpy(caches[0].slot_tokens),
-                                          cp.asnumpy(caches[1].slot_tokens))
+            np.testing.assert_array_equal(cp.asnumpy(caches[0].tables.slot_tokens),
+                                          cp.asnumpy(caches[1].tables.slot_tokens))
     for i in range(2):
         assert cp.asnumpy(bufs[i]["err"]).tolist() == [0] * L, f"reader errors ({i})"
 
@@ -479,8 +481,8 @@ def test_negative_control_slowed_replay(main, group):
     """With a spin-slowed replay, a reader sees stale rows without the wait, none with it
     (replays layer by layer, or a group in one launch: group_replay_batch 4 = the batch)."""
     cp = _gpu()
-    from hisparse_cupy.probe import copy_probe
     from hisparse_cupy.streams import Prefetcher
+    from hisparse_cupy.testing.probe import copy_probe
 
     class NoWaitPrefetcher(_NoWait, Prefetcher):
         pass
@@ -623,7 +625,8 @@ def _run_predict_steps(pf, cache, req, lens, gen, steps, main, *, graph=False):
                     g = main.end_capture()
                     continue
             main.synchronize()
-            snaps.append((cp.asnumpy(res), cp.asnumpy(cache.device), cp.asnumpy(cache.slot_tokens)))
+            snaps.append((cp.asnumpy(res), cp.asnumpy(cache.device),
+                          cp.asnumpy(cache.tables.slot_tokens)))
     return snaps, cp.asnumpy(errors)
 
 
@@ -682,8 +685,8 @@ def test_prediction_negative_control_no_wait(main):
     """With the staging copy slowed and the next full layer's wait on it removed, its swap
     reads staging rows before they land (wrong bytes); with the wait, none."""
     cp = _gpu()
-    from hisparse_cupy.probe import copy_probe
     from hisparse_cupy.streams import Prefetcher
+    from hisparse_cupy.testing.probe import copy_probe
 
     class NoStageWait(Prefetcher):  # negative control: the staging is used without its wait
         def _take_stage(self, s, loc=None, batch=0, single_step=False):
@@ -765,12 +768,12 @@ def test_stager_stages_what_the_next_layer_misses(main, width, rule):
         tk = gen.host(6, 0)
         tk[:, 1] = tk[:, 2]  # repeated tokens
         tk[:, 5] = tk[:, 9]
-        held = cp.asnumpy(cache.slot_tokens[1])[:, :H]
-        table = cp.asnumpy(cache.token_slot[1])
+        held = cp.asnumpy(cache.tables.slot_tokens[1])[:, :H]
+        table = cp.asnumpy(cache.tables.token_slot[1])
         for r in range(R):
             loose = np.setdiff1d(np.arange(MAX_LEN), held[r])
             table[r, loose] = rng.integers(0, H, loose.size)
-        cache.token_slot[1][...] = cp.asarray(table)
+        cache.tables.token_slot[1][...] = cp.asarray(table)
         _swap(pf, 0, req, lens, cp.asarray(tk), stream=main)
         main.synchronize()
         pf.predict_side.synchronize()

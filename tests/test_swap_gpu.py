@@ -1,12 +1,12 @@
 """GPU: the single-step swap kernel equals the NumPy oracle exactly, bytes included (over the
-single-step twin of the test harness, :meth:`hisparse_cupy._twin.Twin.single`)."""
+single-step twin of the test harness, :meth:`hisparse_cupy.testing.twin.Twin.single`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from hisparse_cupy._twin import Twin
+from hisparse_cupy.testing.twin import Twin
 
 pytestmark = pytest.mark.gpu
 
@@ -75,21 +75,18 @@ def test_every_cluster_size_equals_oracle(rng, cluster, K, H, R):
     shares, blocks without entries or LRU positions) gives the oracle's result."""
     import cupy
 
-    from hisparse_cupy import swap
+    from hisparse_cupy.testing import knobs
 
     if cluster > 1 and int(cupy.cuda.Device().compute_capability) < 90:
         pytest.skip("thread-block clusters need compute capability >= 9.0")
     h = Twin.single(rng, R=R, K=K, H=H, P=4, row_bytes=576, max_len=3 * H + 17)
-    swap.set_resolve_cluster(cluster)
-    try:
+    with knobs.resolve_cluster(cluster):
         for _ in range(40):
             B = int(rng.integers(1, R + 1))
             nr = B if rng.random() < 0.8 else int(rng.integers(0, B + 1))
             rate = float(rng.choice([0.0, 0.005, 0.05, 0.2, 1.0]))
             req, seq, topk = random_step(h, B, nr, rate)
             h.call(topk, req, seq, num_real=nr, newest=True)
-    finally:
-        swap.set_resolve_cluster(None)
 
 
 @pytest.mark.parametrize("K,H,R", [(2048, 4096, 6), (64, 128, 24)])

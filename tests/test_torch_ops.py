@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from hisparse_cupy._twin import MAX_LEN, ROW, K, L, R, Twin, pattern, twin_tables
+from hisparse_cupy.testing.twin import MAX_LEN, ROW, K, L, R, Twin, pattern, twin_tables
 
 
 def test_without_torch_the_import_names_the_extra(monkeypatch):
@@ -154,11 +154,11 @@ def test_a_copy_of_the_rows_or_a_dead_cache_is_refused(rng):
     tc = TorchCache(t.c)
     req = np.arange(2)
     _, dev = _inputs(torch, t, req, None, 0.2)
-    before = t.c.slot_tokens.get()
+    before = t.c.tables.slot_tokens.get()
     with pytest.raises(RuntimeError, match=r"copy of TorchCache.device_rows"):
         torch.ops.hisparse.swap(tc.id, 0, dev["tk"], dev["req"], dev["lens"], None,
                                 tc.device_rows.clone())
-    np.testing.assert_array_equal(t.c.slot_tokens.get(), before)  # nothing ran
+    np.testing.assert_array_equal(t.c.tables.slot_tokens.get(), before)  # nothing ran
     gone = TorchCache(t.c)
     gone_id = gone.id
     del gone

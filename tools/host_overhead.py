@@ -25,8 +25,9 @@ import time
 import cupy
 import numpy as np
 
-from hisparse_cupy import HotBufferCache, _abi, swap_in
-from hisparse_cupy._launch import launcher
+from hisparse_cupy import HotBufferCache, swap_in
+from hisparse_cupy.kernels import _abi
+from hisparse_cupy.kernels._launch import launcher
 
 ROUNDS, N = 5, 200
 K, H, P, MAX_LEN, ROW = 2048, 4096, 64, 8192, 656

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_spec  # noqa: E402
 import bench_swap  # noqa: E402
 
-from hisparse_cupy import HostKVPool, MissPlan, _build, swap_in  # noqa: E402
+from hisparse_cupy import HostKVPool, MissPlan, swap_in
+from hisparse_cupy.kernels import _build  # noqa: E402
 
 ROW = 656
 # mark -> phase, per kernel (the HS_PHASE(i) marks in cu/swap.cu and cu/multistep.cu)

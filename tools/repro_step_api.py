@@ -20,8 +20,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hisparse_cupy import HotBufferCache  # noqa: E402
-from hisparse_cupy._selfcheck import pattern  # noqa: E402
 from hisparse_cupy.streams import Prefetcher  # noqa: E402
+from hisparse_cupy.testing.selfcheck import pattern  # noqa: E402
 
 from _util import spin  # noqa: E402
 
@@ -67,14 +67,14 @@ def case_b(s, rng) -> bool:
         step.swap(1, None)
         step.finish()
     s.synchronize()
-    t0, t1 = (cupy.asnumpy(c.slot_tokens[i, rid]) for i in range(2))
-    l0, l1 = (cupy.asnumpy(c.slot_locs[i, rid]) for i in range(2))
+    t0, t1 = (cupy.asnumpy(c.tables.slot_tokens[i, rid]) for i in range(2))
+    l0, l1 = (cupy.asnumpy(c.tables.slot_locs[i, rid]) for i in range(2))
     same = (t0 == t1) & (t0 >= 0)
     print(f"B  prefetch off, 3 multi-step steps: the layers hold the same token in "
           f"{int(same.sum())} of 1024 slots, {int((same & (l0 != l1)).sum())} of them on "
           f"different rows")
     pf.set_enabled(True, stream=s)
-    held = cupy.asnumpy(c.slot_tokens[0, rid, :1024])
+    held = cupy.asnumpy(c.tables.slot_tokens[0, rid, :1024])
     tk = rng.choice(held[(held >= 0) & (held < 2999)], 512, replace=False).astype(np.int32)
     step = c.begin_step(req, lens, stream=s, prefetcher=pf)
     outs = [step.swap(0, cupy.asarray(tk[None])), step.swap(1, None)]

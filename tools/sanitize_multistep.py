@@ -17,7 +17,7 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from hisparse_cupy import (  # noqa: E402
+from hisparse_cupy import (
     HostKVPool,
     MissPlan,
     MultiStepConfig,
@@ -26,7 +26,7 @@ from hisparse_cupy import (  # noqa: E402
     reference,
     set_pdl,
 )
-from hisparse_cupy import multistep as ms  # noqa: E402
+from hisparse_cupy.testing import knobs  # noqa: E402
 
 from _util import pattern  # noqa: E402
 
@@ -61,9 +61,7 @@ def main() -> int:
                     clock=np.tile(np.uint32([1, 0]), (R, 1)))
     plan = MissPlan(R, S_MAX * K)
     errors = 0
-    blocks = ms.copy_blocks
     for call in range(6):
-        ms.copy_blocks = blocks if call % 2 == 0 else (lambda batch, steps: 0)
         S = 2 + call % 3
         req = np.array([(call + i) % R for i in range(R)])
         seqs = LENS[req][:, None] + np.arange(S)
@@ -80,10 +78,11 @@ def main() -> int:
                 topk[b, s] = rng.permutation(row)
         num_real = R if call % 2 == 0 else R - 1
         d_nr = cupy.asarray([num_real], cupy.int32)
-        out = multistep_swap_in(cupy.asarray(topk), cupy.asarray(req.astype(np.int32)),
-                           cupy.asarray(seqs.astype(np.int32)), state,
-                           host_rows=pool.device_ptr(0), n_host_rows=pool.n_rows,
-                           device_rows=dev, plan=plan, num_real=d_nr)
+        with knobs.copy_blocks(None if call % 2 == 0 else 0):  # the copy blocks, or none
+            out = multistep_swap_in(cupy.asarray(topk), cupy.asarray(req.astype(np.int32)),
+                                    cupy.asarray(seqs.astype(np.int32)), state,
+                                    host_rows=pool.device_ptr(0), n_host_rows=pool.n_rows,
+                                    device_rows=dev, plan=plan, num_real=d_nr)
         got = cupy.asnumpy(out)
         cnt, src = cupy.asnumpy(plan.count[:R]), cupy.asnumpy(plan.src[:R])
         order = [src[b, : cnt[b]] - req[b] * L for b in range(R)]

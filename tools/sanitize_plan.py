@@ -1,7 +1,7 @@
 """Small run of the planned copy and the IndexCache prefetcher for compute-sanitizer.
 
 Covers replay_plan (several grids and rows per warp, padding via num_real, clamped and
-out-of-range entries) in the production copy and, through hisparse_cupy.probe.copy_probe, in
+out-of-range entries) in the production copy and, through hisparse_cupy.testing.probe.copy_probe, in
 its measuring instance (dry run, spin, bad-row count), and a few decode steps of a Prefetcher over
 "FSSFS" (full swaps on the main stream, replays on the side stream, event waits), with and
 without prediction mode (the stager under both rules, staging copies, staged rows read by the
@@ -19,15 +19,8 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from hisparse_cupy import (  # noqa: E402
-    HostKVPool,
-    HotBufferCache,
-    MissPlan,
-    Prefetcher,
-    SMPartition,
-    replay_plan,
-)
-from hisparse_cupy.probe import copy_probe  # noqa: E402
+from hisparse_cupy import HostKVPool, HotBufferCache, MissPlan, Prefetcher, SMPartition, replay_plan
+from hisparse_cupy.testing.probe import copy_probe  # noqa: E402
 
 from _util import pattern  # noqa: E402
 
@@ -135,7 +128,7 @@ def check_prefetch(s, rng, predict: bool, partition=None, rule: str = "misses") 
 
 def check_sums(rng) -> int:
     """The per-layer transfer checksum on the GPU against NumPy's: mismatching layers."""
-    from hisparse_cupy import _sums
+    from hisparse_cupy.kernels import sums as _sums
 
     bad = 0
     for L, n, rb in [(1, 1, 8), (3, 100, 656), (4, 0, 64), (2, 3000, 1152)]:

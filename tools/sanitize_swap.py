@@ -16,7 +16,8 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from hisparse_cupy import HotBufferCache, swap  # noqa: E402
+from hisparse_cupy import HotBufferCache
+from hisparse_cupy.testing import knobs  # noqa: E402
 
 from _util import pattern  # noqa: E402
 
@@ -24,7 +25,11 @@ L, R, H, K, MAXLEN, ROW = 2, 3, 128, 64, 600, 656
 
 
 def run(cluster, table=False) -> int:
-    swap.set_resolve_cluster(cluster)
+    with knobs.resolve_cluster(cluster):
+        return _run(cluster, table)
+
+
+def _run(cluster, table) -> int:
     rng = np.random.default_rng(7)
     cache = HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN, row_bytes=ROW,
                            hot_size=H, top_k=K, extra_page=4, token_table=table)
@@ -61,7 +66,6 @@ def run(cluster, table=False) -> int:
         lens = [n + 1 for n in lens]
     cupy.cuda.Device().synchronize()
     cache.close()
-    swap.set_resolve_cluster(None)
     what = "token table" if table else f"resolve cluster {cluster or 'auto'}"
     print(f"sanitize_swap ({what}): {errors} wrong entries")
     return errors

@@ -88,7 +88,7 @@ def partition(cfg: Config):
 
 def run_modes(cfg: Config, rig, log) -> list:
     """Every configured mode and exec kind on ``rig`` (a :class:`~.loop.Rig`), in order."""
-    from .. import _launch
+    from ..kernels import _launch
 
     log(f"model: {rig.model.gemm.kind}; attention split in {rig.model.nsplit} x "
         f"{rig.model.chunk} rows; PDL {'on' if _launch.resolve_pdl(None) else 'off'}")

@@ -6,7 +6,7 @@ same softmax(q.k) over the selected rows in NumPy. Every layer runs its own swap
 mode; the IndexCache overlap needs streams), and its attention output must equal, bit for bit,
 the output of the same attention over the true KV of the selected tokens (the GPU-only mode).
 
-The host pool is paged (:class:`hisparse_cupy.host_pages.HostPages`, pages of
+The host pool is paged (:class:`hisparse_cupy.host.pages.HostPages`, pages of
 :data:`PAGE_TOKENS` tokens): each request's pages are taken at admission and as it grows, one
 step ahead of the token written there. With ``--shared-prefix N`` requests 1.. are admitted as
 forks of request 0 at N tokens (its whole pages below N shared, a partial page copied), and a
@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from .. import reference as ref
-from ..host_pages import HostPages
+from ..host.pages import HostPages
 from .config import HEADS, PAGE_TOKENS
 from .config import ROW_VALUES as ROW
 from .config import V_VALUES as ROW_V

@@ -19,8 +19,8 @@ import time
 import cupy
 import numpy as np
 
-from .._abi import LC_MISSES
 from ..cache import HotBufferCache
+from ..kernels._abi import LC_MISSES
 from ..streams import Prefetcher
 from .config import PAGE_TOKENS, ROW_BYTES, Config
 from .model import Kernels, Model

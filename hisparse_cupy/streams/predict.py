@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import cupy
 
-from .. import _abi, _build
-from .._launch import Params, launch, ptr
-from ..plan import copy_params, launch_copy
+from ..kernels import _abi, _build
+from ..kernels._launch import Params, launch, ptr
+from ..kernels.plan import array_rows, copy_struct, launch_copy, pool_rows
 
 
 class Predictor:
@@ -71,8 +71,8 @@ class Predictor:
         if prm is None:
             prm = self._stagers[(B, K, nxt)] = Params(_abi.PREDICT_STAGE).set(
                 topk=ptr(snap), plan_src=ptr(c.plan.src), plan_count=ptr(c.plan.count),
-                host_locs=ptr(c.host_locs), slot_tokens=ptr(c.slot_tokens[nxt]),
-                token_slot=ptr(c.token_slot[nxt]), stage_map=ptr(self.map),
+                host_locs=ptr(c.host_locs), slot_tokens=ptr(c.tables.slot_tokens[nxt]),
+                token_slot=ptr(c.tables.token_slot[nxt]), stage_map=ptr(self.map),
                 stage_src=ptr(self.src), stage_count=ptr(self.count),
                 stage_stats=ptr(self.stats), n_host_rows=c.pool.n_rows,
                 topk_stride=snap.strides[0] // 4, K=K, B=B, R=c.max_requests,
@@ -86,10 +86,9 @@ class Predictor:
         ck = (B, ptr(nr), nxt)
         cp = self._copies.get(ck)
         if cp is None:
-            cp = self._copies[ck] = copy_params(
-                self.src, self.dst, self.count, B, nr, src_base=c.pool.device_ptr(nxt),
-                src_layer_bytes=0, n_src_rows=c.pool.n_rows, dst_base=self.rows.data.ptr,
-                dst_layer_bytes=0, n_dst_rows=self.rows.shape[0], row_bytes=c.row_bytes)
+            cp = self._copies[ck] = copy_struct(
+                self.src, self.dst, self.count, src=pool_rows(c.pool, nxt),
+                dst=array_rows(self.rows), row_bytes=c.row_bytes, batch=B, num_real=nr)
         launch_copy(cp, grid=grid, stream=side, rows_per_warp=rows_per_warp)
         self.done.record(side)
         self.pending = (made_by, nxt, B)

@@ -1,6 +1,7 @@
 """IndexCache shared-layer IO overlap: replay the full layer's miss plan on a side stream.
 
-Every layer of a request starts with the same slot layout (``HotBufferCache.slot_locs[layer]``
+Every layer of a request starts with the same slot layout
+(``HotBufferCache.tables.slot_locs[layer]``
 are equal after admission), so when the layers of a group receive the same copies into the same
 device rows, the full layer's page table and miss plan are valid for each shared layer after it.
 A multi-step call on the full layer rotates rows between its slots and scratch rows; its plan
@@ -30,10 +31,10 @@ from __future__ import annotations
 import cupy
 
 from .. import _checks
-from .._launch import as_stream, sm_count
 from ..cache import HotBufferCache
-from ..multistep import dense_view
-from ..plan import ROWS_PER_WARP, copy_params, launch_copy
+from ..kernels._launch import as_stream, sm_count
+from ..kernels.multistep import dense_view
+from ..kernels.plan import ROWS_PER_WARP, Rows, copy_struct, launch_copy
 from ..step import LayerCall
 from .partition import SMPartition
 from .pattern import LayerPattern, layer_pattern
@@ -83,7 +84,8 @@ class Prefetcher:
         SMs: measured at N = 8 on an H200, 69-71 % of the overhead hidden instead of 60 %
         (``benchmarks/NOTES.md``, "A matmul on fewer SMs").
     replay_rows_per_warp : int, optional
-        Rows each warp of a replay keeps in flight (one of ``hisparse_cupy.plan.ROWS_PER_WARP``;
+        Rows each warp of a replay keeps in flight (one of
+        ``hisparse_cupy.kernels.plan.ROWS_PER_WARP``;
         default :data:`DEFAULT_REPLAY_ROWS_PER_WARP`, with a ``partition``
         :data:`PARTITION_REPLAY_ROWS_PER_WARP`).
     predict : bool
@@ -372,7 +374,7 @@ class Prefetcher:
         (``HotBufferCache(token_table=True)``, the default).
         """
         on = bool(on)
-        if on and self.cache.token_slot is None:
+        if on and self.cache.tables.token_slot is None:
             raise ValueError("prediction needs the cache's token -> slot table: build the "
                              "HotBufferCache with token_table=True (the default)")
         if on and self._predictor is None:
@@ -412,11 +414,10 @@ class Prefetcher:
         key = (batch, 0 if num_real is None else num_real.data.ptr)
         prm = self._replay.get(key)
         if prm is None:
-            prm = self._replay[key] = copy_params(
-                plan.src, plan.dst, plan.count, batch, num_real, src_base=0,
-                src_layer_bytes=c.pool.layer_bytes, n_src_rows=c.pool.n_rows, dst_base=0,
-                dst_layer_bytes=c.device[0].nbytes, n_dst_rows=c.device.shape[1],
-                row_bytes=c.row_bytes)
+            prm = self._replay[key] = copy_struct(  # bases set per group below
+                plan.src, plan.dst, plan.count, src=Rows(0, c.pool.layer_bytes, c.pool.n_rows),
+                dst=Rows(0, c.device[0].nbytes, c.device.shape[1]), row_bytes=c.row_bytes,
+                batch=batch, num_real=num_real)
         # a whole group at once (one event, at its last position), or one layer at a time
         self._whole = whole = self.replays_whole_groups(batch)  # (the waits follow it)
         for p, sl in ([(len(group) - 1, group[0])] if whole else enumerate(group)):

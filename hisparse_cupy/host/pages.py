@@ -29,7 +29,7 @@ import hashlib
 
 import numpy as np
 
-from . import _checks
+from .. import _checks
 
 __all__ = ["HostPages", "PoolExhausted", "consecutive_runs"]
 

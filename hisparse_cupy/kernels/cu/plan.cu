@@ -21,11 +21,8 @@
 //   (single layer), a row that the prediction stager staged is read from its staging row
 //   (device memory) instead of the source (cu/abi.cuh, PlannedCopyParams).
 //
-// planned_copy_probe<SrcT, DstT, R>(PlannedCopyProbeParams): the same body with the measuring
-//   settings compiled in (hisparse_cupy.probe.copy_probe; never launched by an engine's copy):
-//   skipped entries are counted in *bad (when given), dry_run does all the work but moves no
-//   bytes, spin_cycles > 0 delays each row by that many clock cycles (a warp waits R times that
-//   before its R rows).
+// planned_copy_body<..., PROBE = true> is the measuring instance's body (cu/plan_probe.cu, a
+//   RawModule of its own that only hisparse_cupy.testing.probe loads).
 //
 //   Shared memory: _abi.SMEM["PLANNED_COPY"].
 #include "abi.cuh"
@@ -164,13 +161,6 @@ __device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p,
 template <typename SrcT, typename DstT, int R>
 __global__ void __launch_bounds__(COPY_WARPS * 32) planned_copy(const PlannedCopyParams p) {
   planned_copy_body<SrcT, DstT, R, false>(p, CopyProbe{nullptr, 0, false});
-}
-
-template <typename SrcT, typename DstT, int R>
-__global__ void __launch_bounds__(COPY_WARPS * 32)
-    planned_copy_probe(const PlannedCopyProbeParams p) {
-  planned_copy_body<SrcT, DstT, R, true>(p.copy,
-                                         CopyProbe{p.bad, p.spin_cycles, p.dry_run != 0});
 }
 
 }  // namespace hs

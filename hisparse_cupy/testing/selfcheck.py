@@ -1,5 +1,5 @@
 """A self-check of every kernel against the NumPy oracle on this GPU (``python -m hisparse_cupy
-check``), over the cache twin of the GPU test harness (:class:`hisparse_cupy._twin.Twin`).
+check``), over the cache twin of the GPU test harness (:class:`hisparse_cupy.testing.twin.Twin`).
 
 The check drives one :class:`HotBufferCache` with single- and multi-step swaps on random top-k
 (hits, misses, duplicates, -1 entries), the newest-token write and backup, and a plan replay,
@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from ._twin import MAX_LEN, ROW, S_MAX, L, R, Twin, pattern
+from .twin import MAX_LEN, ROW, S_MAX, L, R, Twin, pattern
 
 __all__ = ["alternate", "pattern", "run"]  # pattern: the byte pattern the tests and tools use
 
@@ -54,7 +54,7 @@ def _check_single_multi(rng, stream) -> str:
 def _check_newest_and_replay(rng, stream) -> str:
     import cupy
 
-    from .plan import replay_plan
+    from ..kernels.plan import replay_plan
 
     t = Twin(rng)
     c = t.c
@@ -93,7 +93,7 @@ def run(seed: int = 0, out=print) -> bool:
     """Run every check; print one line each; True when all passed."""
     import cupy
 
-    from ._launch import pdl_supported
+    from ..kernels._launch import pdl_supported
 
     dev = cupy.cuda.Device()
     name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()

@@ -4,7 +4,7 @@
 source file. :func:`kernel` returns the ``cupy.RawKernel`` of one instance: the file's
 RawModule is created on first use and CuPy compiles it lazily (NVRTC, then its disk cache) and
 per device. The options (:func:`options`) carry a digest of every ``.cu``/``.cuh`` source, so an
-edited header changes CuPy's cache key, and the ABI macros of :mod:`hisparse_cupy._abi`
+edited header changes CuPy's cache key, and the ABI macros of :mod:`hisparse_cupy.kernels._abi`
 (struct layouts, constants, shared-memory tables) that the kernels ``static_assert`` against.
 
 :func:`compile_check` compiles every instance through NVRTC (``cuda.bindings.nvrtc``, no GPU)
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .._log import log
 from . import _abi
-from ._log import log
 
 CU_DIR = Path(__file__).resolve().parent / "cu"
 
@@ -58,8 +58,8 @@ RESOLVE = {blk: index_instances(f"hs::swap_resolve<{{req}}, {{len}}, {blk}>")
 # the resolve that looks tokens up in a token -> slot table (SwapState.token_slot), one block a row
 RESOLVE_TABLE = index_instances(f"hs::swap_resolve<{{req}}, {{len}}, {_abi.RESOLVE_BLOCK}, true>")
 COPY_ROWS_PER_WARP = (1, 2, 4, 8)  # rows a warp of the host -> device copy keeps in flight
-# host rows (int64) -> device rows, per rows per warp (cu/plan.cu; hisparse_cupy.plan launches
-# them), and the measuring instance of each (hisparse_cupy.probe)
+# host rows (int64) -> device rows, per rows per warp (cu/plan.cu; kernels.plan launches them),
+# and the measuring instance of each (cu/plan_probe.cu; hisparse_cupy.testing.probe)
 COPY_H2D = {r: f"hs::planned_copy<long long, int, {r}>" for r in COPY_ROWS_PER_WARP}
 COPY_H2D_PROBE = {r: f"hs::planned_copy_probe<long long, int, {r}>" for r in COPY_ROWS_PER_WARP}
 COPY_D2H = "hs::planned_copy<int, long long, 1>"  # device rows -> host rows (int64)
@@ -68,12 +68,13 @@ GATHER = index_instances("hs::ms::gather<{req}, {len}>")
 COMMIT = index_instances("hs::ms::commit<{req}, {len}>")
 MS_INIT = "hs::ms::init"
 PREDICT = index_instances("hs::predict_stage<{req}, {len}>")
-LAYER_SUMS = "hs::layer_sums"  # a transfer's per-layer checksum (hisparse_cupy._sums)
+LAYER_SUMS = "hs::layer_sums"  # a transfer's per-layer checksum (hisparse_cupy.kernels.sums)
 
 INSTANCES: dict[str, tuple[str, ...]] = {
     "swap.cu": (*(n for per in RESOLVE.values() for n in per.values()), *RESOLVE_TABLE.values()),
-    "plan.cu": (*COPY_H2D.values(), COPY_D2H, *COPY_H2D_PROBE.values()),
-    "cache.cu": tuple(NEWEST.values()),
+    "plan.cu": (*COPY_H2D.values(), COPY_D2H),
+    "plan_probe.cu": tuple(COPY_H2D_PROBE.values()),  # measuring only: its own module
+    "newest.cu": tuple(NEWEST.values()),
     "multistep.cu": (*GATHER.values(), *COMMIT.values(), MS_INIT),
     "predict.cu": tuple(PREDICT.values()),
     "sums.cu": (LAYER_SUMS,),
@@ -140,7 +141,7 @@ def kernel(name_expression: str):
     file = _FILE_OF.get(name_expression)
     if file is None:
         raise KeyError(f"{name_expression!r} is not an instance of any kernel source "
-                       f"(see hisparse_cupy._build.INSTANCES)")
+                       f"(see hisparse_cupy.kernels._build.INSTANCES)")
     dev = cupy.cuda.runtime.getDevice()
     k = _kernels.get((dev, name_expression))
     if k is not None:

@@ -1,12 +1,13 @@
 """Sizes of the multi-step (MTP) state, checked without a GPU: :class:`MultiStepConfig`, the
-dedup table's size and the commit's shared memory (the rules :mod:`hisparse_cupy.multistep`
+dedup table's size and the commit's shared memory (the rules :mod:`hisparse_cupy.kernels.multistep`
 launches with)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import _abi, _checks
+from .. import _checks
+from . import _abi
 
 
 def table_size(max_tokens: int) -> int:

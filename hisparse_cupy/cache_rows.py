@@ -1,18 +1,18 @@
 """Where a :class:`~hisparse_cupy.HotBufferCache`'s request slots keep their tokens in the host
 pool, and the row moves between the pool and GPU memory that admission and writes make.
 
-Two layouts, one device table (:class:`HostRows`):
+Two layouts, one device table (:class:`CacheRows`):
 
 - the slot layout (``page_tokens=None``, the default): request slot ``r``'s token ``t`` is host
   row ``r * max_len + t``, reserved whatever the request's length (one page of ``max_len``
   rows per slot, page ``r``);
 - paged (``page_tokens=P``): the pool's ``n_rows // P`` pages are handed out by a
-  :class:`~hisparse_cupy.host_pages.HostPages` as requests are admitted and grow, shared
+  :class:`~hisparse_cupy.host.pages.HostPages` as requests are admitted and grow, shared
   between requests with a common prefix, and given back on release.
 
 On the device, ``table`` (int32 ``[R, max_pages]``: the request's page of every P tokens, -1
 where none was taken) and ``own_from`` (int32 ``[R]``: tokens below it lie in shared pages)
-tell the step's newest-token backup (``cu/cache.cu``) where the newest token goes: row
+tell the step's newest-token backup (``cu/newest.cu``) where the newest token goes: row
 ``table[r, t // P] * P + t % P``, and never into a shared page or a page not taken. Each
 token's row is recorded in ``host_locs`` (which the swaps read) once its bytes are there.
 """
@@ -23,11 +23,11 @@ import cupy
 import numpy as np
 
 from . import _checks
-from .host_pages import HostPages, consecutive_runs
-from .host_pool import HostKVPool
-from .plan import copy_params, default_copy_grid, launch_copy
+from .host.pages import HostPages, consecutive_runs
+from .host.pool import HostKVPool
+from .kernels.plan import array_rows, copy_rows, pool_rows
 
-__all__ = ["HostRows"]
+__all__ = ["CacheRows"]
 
 
 def host_pool(L: int, slot_rows: int, row_bytes: int, page_tokens, host_rows, pool):
@@ -58,7 +58,7 @@ def host_pool(L: int, slot_rows: int, row_bytes: int, page_tokens, host_rows, po
     return pool, False
 
 
-class HostRows:
+class CacheRows:
     """The token -> host row map of ``max_requests`` request slots over ``pool`` (see the
     module docstring), and the writes into its rows. ``pages`` is the :class:`HostPages` of a
     paged map, None in the slot layout; ``released``: events of request releases that writes
@@ -268,12 +268,8 @@ def copy_pool_rows(pool, copies, stream) -> None:
             s = cupy.arange(src, src + cnt, dtype=cupy.int64).reshape(1, cnt)
             d = cupy.arange(dst, dst + cnt, dtype=cupy.int32).reshape(1, cnt)
             c = cupy.full(1, cnt, cupy.int32)
-        p = copy_params(s, d, c, 1, None, src_base=pool.device_ptr(0),
-                        src_layer_bytes=pool.layer_bytes, n_src_rows=pool.n_rows,
-                        dst_base=pool.device_ptr(0), dst_layer_bytes=pool.layer_bytes,
-                        n_dst_rows=pool.n_rows, row_bytes=pool.row_bytes,
-                        n_layers=pool.n_layers)
-        launch_copy(p, grid=default_copy_grid(1, cnt, pool.n_layers), stream=stream)
+        copy_rows(s, d, c, src=pool_rows(pool), dst=pool_rows(pool), row_bytes=pool.row_bytes,
+                  n_layers=pool.n_layers, stream=stream)
 
 
 def load_rows(pool, host_rows: np.ndarray, device, dev_rows: np.ndarray, stream) -> None:
@@ -284,12 +280,8 @@ def load_rows(pool, host_rows: np.ndarray, device, dev_rows: np.ndarray, stream)
         src = cupy.asarray(np.asarray(host_rows, np.int64).reshape(1, n))
         dst = cupy.asarray(np.asarray(dev_rows, np.int32).reshape(1, n))
         cnt = cupy.full(1, n, dtype=cupy.int32)
-    p = copy_params(src, dst, cnt, 1, None, src_base=pool.device_ptr(0),
-                    src_layer_bytes=pool.layer_bytes, n_src_rows=pool.n_rows,
-                    dst_base=device.data.ptr, dst_layer_bytes=device[0].nbytes,
-                    n_dst_rows=device.shape[1], row_bytes=pool.row_bytes,
-                    n_layers=pool.n_layers)
-    launch_copy(p, grid=default_copy_grid(1, n, pool.n_layers), stream=stream)
+    copy_rows(src, dst, cnt, src=pool_rows(pool), dst=array_rows(device),
+              row_bytes=pool.row_bytes, n_layers=pool.n_layers, stream=stream)
 
 
 # KV written in runs of consecutive rows of at least this many bytes (per layer, on average)
@@ -343,11 +335,8 @@ def store_rows(pool, host_rows: np.ndarray, kv: cupy.ndarray, stream) -> None:
         src = cupy.arange(n, dtype=cupy.int32).reshape(1, n)
         dst = cupy.asarray(np.asarray(host_rows, np.int64).reshape(1, n))
         cnt = cupy.full(1, n, dtype=cupy.int32)
-    p = copy_params(src, dst, cnt, 1, None, src_base=kv.data.ptr,
-                    src_layer_bytes=kv.strides[0], n_src_rows=n,
-                    dst_base=pool.device_ptr(0), dst_layer_bytes=pool.layer_bytes,
-                    n_dst_rows=pool.n_rows, row_bytes=pool.row_bytes, n_layers=pool.n_layers)
-    launch_copy(p, to_host=True, grid=default_copy_grid(1, n, pool.n_layers), stream=stream)
+    copy_rows(src, dst, cnt, src=array_rows(kv), dst=pool_rows(pool), row_bytes=pool.row_bytes,
+              n_layers=pool.n_layers, to_host=True, stream=stream)
 
 
 def write_rows_from_host(pool, host_rows: np.ndarray, kv: np.ndarray) -> None:

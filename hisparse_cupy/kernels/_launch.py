@@ -1,6 +1,7 @@
 """The one launch path of the package, and the caller's stream.
 
-Every kernel takes one parameter struct by value (:mod:`hisparse_cupy._abi`): a :class:`Structs`
+Every kernel takes one parameter struct by value (:mod:`hisparse_cupy.kernels._abi`): a
+:class:`Structs`
 holds one or many (one per layer) as bytes, written through word views; a :class:`Params` is one
 of them. :func:`launch` queues a kernel with it through
 the driver's ``cuLaunchKernelEx`` (called with ctypes; the driver copies the struct at the
@@ -34,7 +35,7 @@ import threading
 import cupy
 import numpy as np
 
-from ._log import log
+from .._log import log
 
 _SMEM_DEFAULT_LIMIT = 48 * 1024
 _pdl_enabled = os.environ.get("HISPARSE_CUPY_PDL", "1") not in ("0", "false", "off")

@@ -61,11 +61,10 @@ connection details only (``get_partial_agent_metadata`` with no buffer), so a pe
 can reach none of its memory through NIXL; the receiver reads what the sender's offer names in
 the sender's memory, and the sender's offer carries the keys of ``kv``'s registration only (the
 whole buffer given to :meth:`KVSender.register`, when ``kv`` is inside one). A push receiver's
-tickets carry the keys of its whole pool (NIXL registers per buffer, and UCX over shared memory
-or TCP does not check a key once a peer holds it), so every holder of one of its tickets can
-write any of its pool: push senders are trusted. Likewise a shared pool's file lets every
-process of the node that can open it write the pool. Keep tickets (they hold the token and the
-metadata) on the engines' private control plane.
+tickets carry the keys of its whole pool (NIXL registers per buffer; UCX over shared memory or
+TCP checks no key once a peer holds it): any holder can write any of it, so push senders are
+trusted, as is every process of the node that can open a shared pool's file. Keep tickets
+(they hold the token and the metadata) on the engines' private control plane.
 
 Ordering: NIXL's UCX backend (``nixlUcxEngine::postXfer`` / ``checkXfer``,
 ``src/plugins/ucx/ucx_backend.cpp``) posts the writes, then a flush of each endpoint, and sends
@@ -75,9 +74,8 @@ after transfer completion"): when a WRITE's *done* arrives, the bytes are in the
 check that finds the transfer done sends it: a sender that stops polling (or dies) first never
 notifies (seen here), which ends as the receiver's timeout, its pages quarantined.
 
-One thread drives each object. NIXL logs INFO lines to stdout (``NIXL_LOG_LEVEL=WARN`` silences
-them). UCX_RMA_PPLN_ENABLE is ``y`` unless set: UCX would emulate a WRITE from GPU memory to
-another process over TCP."""
+One thread drives each object. NIXL logs INFO lines to stdout (``NIXL_LOG_LEVEL=WARN``).
+UCX_RMA_PPLN_ENABLE is ``y`` unless set (else UCX emulates a GPU -> remote WRITE over TCP)."""
 
 from __future__ import annotations
 
@@ -88,12 +86,14 @@ import time
 
 import numpy as np
 
-from . import _checks, _nixl, _sums
-from ._nixl import Arrival, Polled, Sent, nixl_api
-from .host_pages import HostPages, consecutive_runs
-from .pd_send import TICKET_VERSION, KVSender, PendingSend
+from .. import _checks
+from ..host.pages import HostPages, consecutive_runs
+from ..kernels import sums as _sums
+from . import _nixl, _ticket
+from ._nixl import Arrival, Polled
+from .send import TICKET_VERSION
 
-__all__ = ["Arrival", "KVReceiver", "KVSender", "PendingSend", "Polled", "Sent", "nixl_api"]
+__all__ = ["KVReceiver"]
 
 _ENDED_KEEP = 1 << 16  # ended transfer ids remembered, to tell late from unknown notifications
 
@@ -315,7 +315,7 @@ class KVReceiver:
         try:
             _nixl.load_peer(self._agent, self._senders, sender, o.get("metadata"),
                             "the offer's metadata")  # first: a refusal is told to the sender
-            remote, mem, dev = _checks.pd_offer(o, sender, r.descs)
+            remote, mem, dev = _ticket.offer(o, sender, r.descs)
             r.sums = self._sums_of(r, o)
             h = self._agent.initialize_xfer(
                 "READ", _nixl.xfer_descs(self._agent, r.descs, 0, "DRAM"),

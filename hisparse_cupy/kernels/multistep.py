@@ -32,13 +32,16 @@ the next call reuses scratch rows.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import cupy
 import numpy as np
 
-from . import _abi, _build, _checks
+from .. import _checks
+from . import _abi, _build
 from ._launch import (
     CallWriter,
+    Launcher,
     Params,
     Ptr,
     Structs,
@@ -59,6 +62,11 @@ default_scratch = _abi.default_scratch  # the sizing rule is shared with the str
 COPY_IN_COMMIT_MAX_ROWS = 64  # batch rows x steps
 
 
+# Measuring overrides, data only (hisparse_cupy.testing.knobs sets them, engines never do):
+# "copy_blocks", the commit's copy blocks per batch row (None: copy_blocks() chooses).
+FIXED: dict[str, int | None] = {"copy_blocks": None}
+
+
 def copy_blocks(batch: int, steps: int) -> int:
     """Copy blocks per batch row in the commit grid: 8 while ``batch * steps <= 64`` (128 warps
     for one row's misses), so the copy runs beside the admission; 0 above it: the gather's warps
@@ -66,6 +74,8 @@ def copy_blocks(batch: int, steps: int) -> int:
     (``benchmarks/probe_copy_blocks.py``, benchmarks/NOTES.md): the copy blocks win up to
     batch x steps 64 and lose 1-8 % above it, where the commit blocks slowed by the copy blocks
     beside them cost more than the overlap gains."""
+    if FIXED["copy_blocks"] is not None:
+        return FIXED["copy_blocks"]
     return 8 if batch * steps <= COPY_IN_COMMIT_MAX_ROWS else 0
 
 
@@ -99,7 +109,7 @@ class MultiStepWorkspace:
 
     def reset(self, stream=None) -> None:
         """Clear every row (only needed if a call was abandoned half-way); queued on ``stream``
-        (any kind :func:`hisparse_cupy._launch.as_stream` accepts)."""
+        (any kind :func:`hisparse_cupy.kernels._launch.as_stream` accepts)."""
         with as_stream(stream):
             self.table.fill(np.uint64(_abi.MS_EMPTY))
             self.meta.fill(_abi.MS_META_INIT)
@@ -372,7 +382,7 @@ def multistep_swap_in(
                                  row_bytes=row_bytes, counters=count),
                    req, lens, lens_stride, lens_step, B, nr)
     go = launches((req.dtype, lens.dtype), B, S, K, cfg.hot_size, resolve_pdl(pdl))
-    CallFields(st).write(0, topk, out, go[0])
+    CallFields(st).write(0, topk, out, go.copy_blocks)
     run(st, 0, go, s.ptr)
     if check:
         _checks.raise_on_status(status, topk, lens, max_len=state.host_locs.shape[1],
@@ -435,17 +445,29 @@ class CallFields(CallWriter):
         i4[b4 + self.G] = blocks
 
 
-_calls: dict[tuple, tuple] = {}
+class MultiStepLaunch(NamedTuple):
+    """A multi-step call's launches: the commit's copy blocks per row, the gather's launcher
+    and grid, the commit's launcher and grid."""
+
+    copy_blocks: int
+    gather: Launcher
+    gather_grid: tuple[int, int, int]
+    commit: Launcher
+    commit_grid: tuple[int, int, int]
 
 
-def launches(key, B: int, S: int, K: int, H: int, pdl: bool) -> tuple:
-    """``(copy blocks per row, gather launcher, its grid, commit launcher, its grid)`` of a call
-    of B rows of S steps of K entries (cached per shape and device)."""
-    ck = (key, B, S, K, H, pdl, cupy.cuda.runtime.getDevice(), copy_blocks)
+_calls: dict[tuple, MultiStepLaunch] = {}
+
+
+def launches(key, B: int, S: int, K: int, H: int, pdl: bool) -> MultiStepLaunch:
+    """The launches of a call of B rows of S steps of K entries (cached per shape, device and
+    copy blocks)."""
+    G = copy_blocks(B, S)
+    ck = (key, B, S, K, H, pdl, cupy.cuda.runtime.getDevice(), G)
     got = _calls.get(ck)
     if got is None:
-        T, G = S * K, copy_blocks(B, S)
-        got = _calls[ck] = (
+        T = S * K
+        got = _calls[ck] = MultiStepLaunch(
             G, launcher(_build.kernel(_build.GATHER[key]), _abi.GATHER_BLOCK),
             (math.ceil(T / _abi.GATHER_BLOCK), B, 1),
             launcher(_build.kernel(_build.COMMIT[key]), _abi.COMMIT_BLOCK,
@@ -454,12 +476,11 @@ def launches(key, B: int, S: int, K: int, H: int, pdl: bool) -> tuple:
     return got
 
 
-def run(st: Structs, layer: int, launch: tuple, stream_ptr: int) -> None:
+def run(st: Structs, layer: int, launch: MultiStepLaunch, stream_ptr: int) -> None:
     """Queue the gather and the commit (PDL) of struct ``layer`` on a stream."""
-    _, la_gather, grid_gather, la_commit, grid_commit = launch
     addr = st.addr(layer)
-    la_gather(grid_gather, stream_ptr, addr)
-    la_commit(grid_commit, stream_ptr, addr)
+    launch.gather(launch.gather_grid, stream_ptr, addr)
+    launch.commit(launch.commit_grid, stream_ptr, addr)
 
 
 def dense_view(buf: cupy.ndarray, shape: tuple[int, ...]) -> cupy.ndarray:

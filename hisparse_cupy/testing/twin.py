@@ -28,7 +28,7 @@ import contextlib
 
 import numpy as np
 
-from . import reference as ref
+from .. import reference as ref
 
 # the cache twin's sizes (layers, request slots, H, P, K, max steps, row bytes, max_len)
 L, R, H, P, K, S_MAX, ROW = 3, 6, 64, 8, 24, 4, 64
@@ -95,14 +95,14 @@ class Twin:
         """The cache twin: lengths in ``[H + 40, MAX_LEN - 1)``, 80 % of each hot set warm."""
         import cupy
 
-        from .cache import HotBufferCache
+        from ..cache import HotBufferCache
 
         self._sizes(rng, n_layers=L, R=R, H=H, P=P, K=K, S=S_MAX, max_len=MAX_LEN, row_bytes=ROW)
         self.c = c = HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,
                                     hot_size=H, top_k=K, extra_page=P, max_steps=S_MAX)
         self.pool, self.plan, self.device = c.pool, c.plan, c.device
         # every request's own rows, where admission and release put them (layer 0's, before any)
-        self.layout = {k: cupy.asnumpy(v[0]) for k, v in c.layer_tables().items()
+        self.layout = {k: cupy.asnumpy(v[0]) for k, v in c.tables.named().items()
                        if k in ("slot_locs", "scratch_locs")}
         for layer in range(L):
             c.pool.layer(layer)[:] = pattern(layer, np.arange(c.pool.n_rows), ROW)
@@ -131,9 +131,9 @@ class Twin:
         repair it). Calls take int32 req and int64 lengths."""
         import cupy
 
-        from .host_pool import HostKVPool
-        from .plan import MissPlan
-        from .swap import SwapState
+        from ..host.pool import HostKVPool
+        from ..kernels.plan import MissPlan
+        from ..kernels.swap import SwapState
 
         self = cls.__new__(cls)
         self._sizes(rng, n_layers=1, R=R, H=H, P=P, K=K, S=1, max_len=max_len,
@@ -177,9 +177,9 @@ class Twin:
         Calls take int64 req and int32 lengths; :meth:`verify` checks resident slots too."""
         import cupy
 
-        from .host_pool import HostKVPool
-        from .multistep import MultiStepConfig, MultiStepState
-        from .plan import MissPlan
+        from ..host.pool import HostKVPool
+        from ..kernels.multistep import MultiStepConfig, MultiStepState
+        from ..kernels.plan import MissPlan
 
         cfg = MultiStepConfig(R, H, P, K, max_steps=S_max, scratch=C, max_batch=max_batch)
         if lens is None:
@@ -251,12 +251,12 @@ class Twin:
 
     def snapshot(self, layer: int) -> dict:
         """Host copies of ``layer``'s tables by the oracle's names: a cache's
-        :meth:`~hisparse_cupy.HotBufferCache.layer_tables`, a stand-alone state's arrays."""
+        :meth:`~hisparse_cupy.tables.LayerTables.named`, a stand-alone state's arrays."""
         import cupy
 
         if self.c is not None:
             return {_ORACLE_NAME.get(k, k): cupy.asnumpy(v[layer])
-                    for k, v in self.c.layer_tables().items()}
+                    for k, v in self.c.tables.named().items()}
         if self._multi is not None:
             return self._multi.to_numpy()
         st = self._single
@@ -366,8 +366,8 @@ class Twin:
         device outputs."""
         import cupy
 
-        from .multistep import multistep_swap_in
-        from .swap import swap_in
+        from ..kernels.multistep import multistep_swap_in
+        from ..kernels.swap import swap_in
 
         if self.c is not None:
             raise TypeError("a cache twin's calls are its steps: t.c.begin_step(...).swap(...)")

@@ -1,5 +1,5 @@
 """CPU: the copy engines' writes of admission KV into a pool registered in several chunks
-(``host_rows._copy_to_pool``) never span an edge between two registrations (the runtime
+(``cache_rows._copy_to_pool``) never span an edge between two registrations (the runtime
 rejects a cudaMemcpy that does: seen on an H200) and put every byte where it belongs. The CUDA
 runtime is replaced by NumPy copies that record each copy's extent."""
 
@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-pytest.importorskip("cupy", reason="host_rows imports CuPy (installed in CI, no GPU needed)")
+pytest.importorskip("cupy", reason="cache_rows imports CuPy (installed in CI, no GPU needed)")
 
 
 def test_copies_into_a_chunked_pool_split_at_registration_edges(monkeypatch):
-    from hisparse_cupy import host_rows
+    from hisparse_cupy import cache_rows
 
     rng = np.random.default_rng(7)
     extents = []
@@ -31,7 +31,7 @@ def test_copies_into_a_chunked_pool_split_at_registration_edges(monkeypatch):
 
     rt = SimpleNamespace(memcpyAsync=memcpy_async, memcpy2DAsync=memcpy_2d_async,
                          memcpyDeviceToHost=2)
-    monkeypatch.setattr(host_rows, "cupy", SimpleNamespace(cuda=SimpleNamespace(runtime=rt)))
+    monkeypatch.setattr(cache_rows, "cupy", SimpleNamespace(cuda=SimpleNamespace(runtime=rt)))
     stream = SimpleNamespace(ptr=0)
     split = 0
     for _ in range(300):
@@ -44,7 +44,7 @@ def test_copies_into_a_chunked_pool_split_at_registration_edges(monkeypatch):
         n = int(rng.integers(1, rows - r0 + 1))
         src = rng.integers(0, 256, (L, n + int(rng.integers(0, 3)), row), dtype=np.uint8)
         extents.clear()
-        host_rows._copy_to_pool(pool, r0 * row, src.ctypes.data, src.strides[0], n * row,
+        cache_rows._copy_to_pool(pool, r0 * row, src.ctypes.data, src.strides[0], n * row,
                                 stream)
         want = np.zeros_like(host)
         want[:, r0: r0 + n] = src[:, :n]
@@ -57,22 +57,23 @@ def test_copies_into_a_chunked_pool_split_at_registration_edges(monkeypatch):
 
 
 def test_the_device_page_table_follows_the_host_pages(monkeypatch):
-    """HostRows' device tables (page table, own_from), written on the stream by admit, grow
+    """CacheRows' device tables (page table, own_from), written on the stream by admit, grow
     and release, equal its HostPages' state after every operation of a random run (forks,
     engine pages, growth of one page and of many, no-op growth, releases), and ``check``
     agrees; CuPy replaced by NumPy (the same writes, without a device)."""
     import contextlib
 
-    from hisparse_cupy import host_rows
-    from hisparse_cupy.host_pages import PoolExhausted
+    from hisparse_cupy import cache_rows
+    from hisparse_cupy.host.pages import PoolExhausted
 
-    shim = SimpleNamespace(asarray=np.asarray, zeros=np.zeros, int32=np.int32,
+    shim = SimpleNamespace(asarray=np.asarray, zeros=np.zeros, full=np.full, int32=np.int32,
+                           int64=np.int64,
                            asnumpy=np.asarray, cuda=SimpleNamespace(Event=object))
-    monkeypatch.setattr(host_rows, "cupy", shim)
+    monkeypatch.setattr(cache_rows, "cupy", shim)
     rng = np.random.default_rng(11)
     R, max_len, P = 6, 300, 8
     pool = SimpleNamespace(n_rows=40 * P)
-    hr = host_rows.HostRows(R, max_len, pool, page_tokens=P)
+    hr = cache_rows.CacheRows(R, max_len, pool, page_tokens=P)
     hr.after_releases = lambda s, host: None  # no release events without a device
     stream = contextlib.nullcontext()
     live: dict[int, int] = {}  # rid -> tokens its steps may have

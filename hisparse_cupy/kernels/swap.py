@@ -7,8 +7,9 @@ same algorithm in NumPy.
 The resolve runs C blocks per batch row, a thread-block cluster sharing the row's hash through
 distributed shared memory (sm_90+): :func:`resolve_cluster` picks the largest C of 1, 2, 4, 8
 for which every row's cluster runs at once on the device, so a small batch is not resolved on
-one SM per request. ``HISPARSE_CUPY_RESOLVE_CLUSTER=N`` (or :func:`set_resolve_cluster`) fixes
-C instead (measuring); the result does not depend on C.
+one SM per request. ``HISPARSE_CUPY_RESOLVE_CLUSTER=N`` (or
+:func:`hisparse_cupy.testing.knobs.resolve_cluster`) fixes C instead (measuring); the result
+does not depend on C.
 
 A state with a token -> slot table (``SwapState.token_slot``, the cache's default) runs the
 table instance instead, one block per row: K lookups replace the hash of the top-k and its probe
@@ -20,11 +21,13 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cupy
 import numpy as np
 
-from . import _abi, _build, _checks
+from .. import _checks
+from . import _abi, _build
 from ._launch import (
     CallWriter,
     Launcher,
@@ -40,8 +43,15 @@ from ._launch import (
     ptr,
     resolve_pdl,
 )
-from .plan import MissPlan, copy_launcher, copy_params, default_copy_grid, launch_copy
-from .probe import copy_probe
+from .plan import (
+    CopyLaunch,
+    MissPlan,
+    Rows,
+    array_rows,
+    copy_launcher,
+    copy_rows,
+    default_copy_grid,
+)
 
 
 def resolve_smem_bytes(top_k: int, hot_size: int, block: int = _abi.RESOLVE_BLOCK) -> int:
@@ -49,7 +59,8 @@ def resolve_smem_bytes(top_k: int, hot_size: int, block: int = _abi.RESOLVE_BLOC
     return _abi.smem_bytes("SWAP_RESOLVE", **_abi.resolve_sizes(top_k, hot_size, block))
 
 
-def _cluster_arg(n) -> int | None:
+def cluster_arg(n) -> int | None:
+    """A fixed cluster size checked: 1, 2, 4 or 8, or None (``"auto"``, ``""``): automatic."""
     if n is None or n == "" or n == "auto":
         return None
     try:
@@ -62,15 +73,10 @@ def _cluster_arg(n) -> int | None:
     return c
 
 
-_cluster_fixed = _cluster_arg(os.environ.get("HISPARSE_CUPY_RESOLVE_CLUSTER"))
-
-
-def set_resolve_cluster(blocks: int | None) -> None:
-    """Fix the resolve's blocks per batch row (1, 2, 4 or 8; sm_90+ for more than 1) for
-    later calls, or None to let :func:`resolve_cluster` choose. A measuring knob: results do
-    not depend on it. Steps already planned keep their choice."""
-    global _cluster_fixed
-    _cluster_fixed = _cluster_arg(blocks)
+# Measuring overrides, data only (hisparse_cupy.testing.knobs sets them, engines never do):
+# "cluster", the resolve's blocks per batch row (None: resolve_cluster chooses).
+FIXED: dict[str, int | None] = {
+    "cluster": cluster_arg(os.environ.get("HISPARSE_CUPY_RESOLVE_CLUSTER"))}
 
 
 def resolve_cluster(key, batch: int, top_k: int, hot_size: int) -> int:
@@ -83,8 +89,8 @@ def resolve_cluster(key, batch: int, top_k: int, hot_size: int) -> int:
     """
     if compute_capability() < 90:
         return 1
-    if _cluster_fixed is not None:
-        return _cluster_fixed
+    if FIXED["cluster"] is not None:
+        return FIXED["cluster"]
     kernel = _build.kernel(_build.RESOLVE[_abi.RESOLVE_CLUSTER_BLOCK][key])
     smem = resolve_smem_bytes(top_k, hot_size, _abi.RESOLVE_CLUSTER_BLOCK)
     for c in (8, 4):
@@ -102,7 +108,7 @@ def resolve_launch(key, B: int, K: int, H: int,
     (req, len) dtypes of the call; ``table``: the state has a token -> slot table, read by one
     block per row); chosen once per shape, device and fixed cluster size, so an eager call pays
     one dictionary lookup."""
-    ck = (key, B, K, H, table, cupy.cuda.runtime.getDevice(), _cluster_fixed)
+    ck = (key, B, K, H, table, cupy.cuda.runtime.getDevice(), FIXED["cluster"])
     got = _launches.get(ck)
     if got is None:
         c = 1 if table else resolve_cluster(key, B, K, H)
@@ -204,7 +210,7 @@ class SwapState:
         :func:`hisparse_cupy.reference.check_invariants` must hold (``lru`` a permutation of
         ``0 .. H-1``, hot tokens held once, device rows owned once).
         """
-        from . import reference
+        from .. import reference
 
         H = self.hot_size
         locs = cupy.asnumpy(self.slot_locs[:, : H + 1])
@@ -273,27 +279,35 @@ class CallFields(CallWriter):
             i4[b4 + self.HASH] = _abi.hash_size(K)
 
 
-_calls: dict[tuple, tuple] = {}
+class SwapLaunch(NamedTuple):
+    """A swap's launches: the resolve's launcher and grid, then its planned copy's."""
+
+    resolve: Launcher
+    resolve_grid: tuple[int, int, int]
+    copy: CopyLaunch
+
+
+_calls: dict[tuple, SwapLaunch] = {}
 
 
 def launches(key, B: int, K: int, H: int, table: bool, copy_grid: int | None,
-             pdl: bool) -> tuple:
-    """``(resolve launcher, its grid, copy launcher, its grid)`` of a swap of B rows of K
-    entries (cached: an eager call pays one dictionary lookup)."""
-    ck = (key, B, K, H, table, copy_grid, pdl, cupy.cuda.runtime.getDevice(), _cluster_fixed)
+             pdl: bool) -> SwapLaunch:
+    """The launches of a swap of B rows of K entries (cached: an eager call pays one
+    dictionary lookup)."""
+    ck = (key, B, K, H, table, copy_grid, pdl, cupy.cuda.runtime.getDevice(), FIXED["cluster"])
     got = _calls.get(ck)
     if got is None:
         la, grid = resolve_launch(key, B, K, H, table)
-        got = _calls[ck] = (la, grid, copy_launcher(B, pdl=pdl),
-                            (copy_grid or default_copy_grid(B, K), 1, 1))
+        got = _calls[ck] = SwapLaunch(la, grid, CopyLaunch(
+            copy_launcher(B, pdl=pdl), (copy_grid or default_copy_grid(B, K), 1, 1)))
     return got
 
 
-def run(resolve: Structs, layer: int, copy: Structs, launch: tuple, stream_ptr: int) -> None:
+def run(resolve: Structs, layer: int, copy: Structs, launch: SwapLaunch,
+        stream_ptr: int) -> None:
     """Queue the resolve of struct ``layer`` and its planned copy (PDL) on a stream."""
-    la_resolve, grid_resolve, la_copy, grid_copy = launch
-    la_resolve(grid_resolve, stream_ptr, resolve.addr(layer))
-    la_copy(grid_copy, stream_ptr, copy.addr(layer))
+    launch.resolve(launch.resolve_grid, stream_ptr, resolve.addr(layer))
+    launch.copy.launcher(launch.copy.grid, stream_ptr, copy.addr(layer))
 
 
 def swap_in(
@@ -312,7 +326,6 @@ def swap_in(
     copy_grid: int | None = None,
     check: bool = False,
     validate_state: bool = False,
-    dry_run: bool = False,
     counters=None,
     stream=None,
     pdl: bool | None = None,
@@ -345,8 +358,6 @@ def swap_in(
         ``ValueError`` if they are not a valid state (``slot_locs`` outside ``device_rows``,
         ``lru`` not a permutation, a token held twice): a debugging mode, it synchronizes.
         Without it the state is trusted (as every kernel of this package leaves it valid).
-    dry_run : resolve and update the state but move no bytes (a measuring option: the copy runs
-        :func:`hisparse_cupy.probe.copy_probe`'s instance).
     counters : uint64 ``[N_LAYER_COUNTERS]`` device array the call adds to
         (:mod:`hisparse_cupy.counters`), or None.
     stream : CuPy, PyTorch or ``__cuda_stream__`` stream, or an int handle (default: CuPy's
@@ -400,17 +411,13 @@ def swap_in(
                                       n_host_rows=n_host_rows, counters=count),
                         req, lens, lens_stride, B, nr)
     CallFields(resolve).write(0, topk, out)
-    copy = copy_params(plan.src, plan.dst, plan.count, B, nr, src_base=host_rows,
-                       src_layer_bytes=0, n_src_rows=n_host_rows, dst_base=dev.data.ptr,
-                       dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes)
-    go = launches((req.dtype, lens.dtype), B, K, H, state.token_slot is not None, copy_grid,
-                  resolve_pdl(pdl))
-    if dry_run:  # the probe applies to copies queued by launch_copy
-        go[0](go[1], s.ptr, resolve.addr(0))
-        with copy_probe(dry_run=True, streams=[s]):
-            launch_copy(copy, grid=go[3][0], stream=s, pdl=resolve_pdl(pdl))
-    else:
-        run(resolve, 0, copy.structs, go, s.ptr)
+    pdl = resolve_pdl(pdl)
+    go = launches((req.dtype, lens.dtype), B, K, H, state.token_slot is not None, copy_grid, pdl)
+    go.resolve(go.resolve_grid, s.ptr, resolve.addr(0))
+    # through launch_copy, so a measuring probe (hisparse_cupy.testing.probe) sees this copy
+    copy_rows(plan.src, plan.dst, plan.count, src=Rows(int(host_rows), 0, n_host_rows),
+              dst=array_rows(dev), row_bytes=row_bytes, batch=B, num_real=nr,
+              grid=go.copy.grid[0], stream=s, pdl=pdl)
     if check:
         _checks.raise_on_status(status, topk, lens, max_len=state.host_locs.shape[1], stream=s)
     return out

@@ -10,7 +10,7 @@ which every bulk row move of the package goes through (swap misses, replays, adm
 backups). This module alone knows the copy's launch: its instances, block, shared memory and
 grid rule (:func:`copy_launcher`, :func:`default_copy_grid`, :func:`full_grid`).
 
-While a :func:`hisparse_cupy.probe.copy_probe` is active, the host -> device copies that
+While a :func:`hisparse_cupy.testing.probe.copy_probe` is active, the host -> device copies that
 :func:`launch_copy` queues on its streams run the copy's measuring instance instead (dry runs,
 slowed rows, counted bad rows); with none active, that costs :func:`launch_copy` the test of an
 empty list. Copies queued straight through a :func:`copy_launcher` are never probed.
@@ -18,15 +18,15 @@ empty list. Copies queued straight through a :func:`copy_launcher` are never pro
 
 from __future__ import annotations
 
-import ctypes
+from typing import NamedTuple
 
 import cupy
 import numpy as np
 
-from . import _abi, _build, _checks
+from .. import _checks
+from ..host.pool import HostKVPool
+from . import _abi, _build
 from ._launch import Launcher, Params, Ptr, as_stream, launcher, ptr, resolve_pdl, sm_count
-from .host_pool import HostKVPool
-from .probe import CopyProbe, active_copy_probes
 
 ROWS_PER_WARP = _build.COPY_ROWS_PER_WARP  # the host -> device copy's choices
 _COPY_BLOCK = _abi.COPY_WARPS * 32  # threads of a copy block
@@ -75,35 +75,70 @@ class MissPlan:
         return [(src[b, : cnt[b]], dst[b, : cnt[b]]) for b in range(batch)]
 
 
-def copy_params(
-    src_idx: cupy.ndarray,
-    dst_idx: cupy.ndarray,
-    count: cupy.ndarray,
-    batch: int,
-    num_real: cupy.ndarray | None,
-    *,
-    src_base: int,
-    src_layer_bytes: int,
-    n_src_rows: int,
-    dst_base: int,
-    dst_layer_bytes: int,
-    n_dst_rows: int,
-    row_bytes: int,
-    n_layers: int = 1,
-    params: Params | None = None,
-) -> Params:
-    """The ``planned_copy`` struct for a plan (arguments already validated by the caller).
+class Rows(NamedTuple):
+    """One side of a planned copy: ``base``, the address of layer 0's row 0 as the device sees
+    it; ``layer_bytes`` between layers (0: one layer); ``n_rows`` per layer (indices outside
+    ``[0, n_rows)`` are skipped)."""
 
-    ``src_idx``/``dst_idx`` are ``[>= batch, stride]`` with one shared row stride; ``params``:
-    a struct to fill instead of a new one.
-    """
-    p = params or Params(_abi.PLANNED_COPY)
+    base: int
+    layer_bytes: int
+    n_rows: int
+
+
+def pool_rows(pool: HostKVPool, layer: int | None = None) -> Rows:
+    """The rows of ``pool`` through its device mapping: every layer, or ``layer``'s."""
+    if layer is None:
+        return Rows(int(pool.device_ptr(0)), pool.layer_bytes, pool.n_rows)
+    return Rows(int(pool.device_ptr(layer)), 0, pool.n_rows)
+
+
+def array_rows(a: cupy.ndarray) -> Rows:
+    """The rows of device array ``a``: uint8 ``[D, row_bytes]`` (one layer) or ``[L, D,
+    row_bytes]`` (every layer, ``strides[0]`` apart)."""
+    if a.ndim == 2:
+        return Rows(a.data.ptr, 0, a.shape[0])
+    return Rows(a.data.ptr, a.strides[0], a.shape[1])
+
+
+def copy_struct(src_idx: cupy.ndarray, dst_idx: cupy.ndarray, count: cupy.ndarray, *,
+                src: Rows, dst: Rows, row_bytes: int, batch: int | None = None,
+                num_real: cupy.ndarray | None = None, n_layers: int = 1,
+                into: Params | None = None) -> Params:
+    """The ``planned_copy`` struct of a plan (arguments already validated by the caller): for
+    each of ``batch`` rows (default ``count``'s), ``count[b]`` entries of ``src_idx`` /
+    ``dst_idx`` (``[>= batch, stride]``, one row stride) from ``src``'s rows to ``dst``'s, in
+    each of ``n_layers`` layers; ``into``: a struct to fill instead of a new one."""
+    p = into or Params(_abi.PLANNED_COPY)
     return p.set(src_idx=ptr(src_idx), dst_idx=ptr(dst_idx), count=ptr(count),
-                 num_real=ptr(num_real), src_base=int(src_base), dst_base=int(dst_base),
-                 src_layer_bytes=src_layer_bytes, n_src_rows=n_src_rows,
-                 dst_layer_bytes=dst_layer_bytes, n_dst_rows=n_dst_rows,
-                 plan_stride=_checks.row_stride(src_idx), B=batch, row_bytes=row_bytes,
+                 num_real=ptr(num_real), src_base=int(src.base), dst_base=int(dst.base),
+                 src_layer_bytes=src.layer_bytes, n_src_rows=src.n_rows,
+                 dst_layer_bytes=dst.layer_bytes, n_dst_rows=dst.n_rows,
+                 plan_stride=_checks.row_stride(src_idx),
+                 B=count.shape[0] if batch is None else batch, row_bytes=row_bytes,
                  n_layers=n_layers)
+
+
+def copy_rows(src_idx: cupy.ndarray, dst_idx: cupy.ndarray, count: cupy.ndarray, *, src: Rows,
+              dst: Rows, row_bytes: int, stream, batch: int | None = None, num_real=None,
+              n_layers: int = 1, to_host: bool = False, grid: int | None = None,
+              pdl: bool = False, rows_per_warp: int = 1) -> None:
+    """Queue the planned copy of :func:`copy_struct`'s arguments on CuPy stream ``stream``
+    (``grid`` default: :func:`default_copy_grid` of the plan's rows; the rest as in
+    :func:`copy_launcher`)."""
+    p = copy_struct(src_idx, dst_idx, count, src=src, dst=dst, row_bytes=row_bytes,
+                    batch=batch, num_real=num_real, n_layers=n_layers)
+    if grid is None:
+        grid = default_copy_grid(int(p["B"]), src_idx.shape[1], n_layers)
+    launch_copy(p, to_host=to_host, grid=grid, stream=stream, pdl=pdl,
+                rows_per_warp=rows_per_warp)
+
+
+class CopyLaunch(NamedTuple):
+    """A planned copy's launch: the :class:`~hisparse_cupy.kernels._launch.Launcher` and its
+    grid (a 3-tuple)."""
+
+    launcher: Launcher
+    grid: tuple[int, int, int]
 
 
 _launchers: dict[tuple, Launcher] = {}
@@ -111,78 +146,64 @@ _launchers: dict[tuple, Launcher] = {}
 
 def copy_launcher(batch: int, *, to_host: bool = False, rows_per_warp: int = 1,
                   pdl: bool = False) -> Launcher:
-    """The cached :class:`~hisparse_cupy._launch.Launcher` of the planned copy of up to
+    """The cached :class:`~hisparse_cupy.kernels._launch.Launcher` of the planned copy of up to
     ``batch`` rows on the current device: ``la((grid, 1, 1), stream_ptr, params.addr)`` queues
-    it with a struct from :func:`copy_params` whose ``B`` is at most ``batch``.
+    it with a struct from :func:`copy_struct` whose ``B`` is at most ``batch``.
 
     ``to_host``: device rows (int32) -> host rows (int64), else host -> device; ``rows_per_warp``:
     rows each warp of a host -> device copy keeps in flight (one of :data:`ROWS_PER_WARP`; more
     let fewer blocks keep the link busy); ``pdl``: already resolved
-    (:func:`hisparse_cupy._launch.resolve_pdl`).
+    (:func:`hisparse_cupy.kernels._launch.resolve_pdl`).
     """
     key = (batch, to_host, rows_per_warp, pdl, cupy.cuda.runtime.getDevice())
     la = _launchers.get(key)
     if la is None:
-        la = _launchers[key] = _new_launcher(_instance(to_host, rows_per_warp, False), batch, pdl)
+        la = _launchers[key] = copy_kernel_launcher(instance(to_host, rows_per_warp), batch, pdl)
     return la
 
 
-def _instance(to_host: bool, rows_per_warp: int, probe: bool) -> str:
+def instance(to_host: bool, rows_per_warp: int, table: dict | None = None) -> str:
+    """The copy instance's name: device -> host, or host -> device with ``rows_per_warp`` from
+    ``table`` (default :data:`hisparse_cupy.kernels._build.COPY_H2D`)."""
     if to_host:
         if rows_per_warp != 1:
             raise ValueError("the device -> host copy moves one row per warp")
         return _build.COPY_D2H
-    table = _build.COPY_H2D_PROBE if probe else _build.COPY_H2D
+    table = _build.COPY_H2D if table is None else table
     if rows_per_warp not in table:
         raise ValueError(f"rows_per_warp must be one of {ROWS_PER_WARP}, got {rows_per_warp}")
     return table[rows_per_warp]
 
 
-def _new_launcher(name: str, batch: int, pdl: bool) -> Launcher:
-    # one block of COPY_WARPS warps; shared memory: the prefix of the batch's counts
+def copy_kernel_launcher(name: str, batch: int, pdl: bool) -> Launcher:
+    """A new launcher of copy instance ``name`` for up to ``batch`` rows: one block of
+    COPY_WARPS warps; shared memory: the prefix of the batch's counts."""
     return launcher(_build.kernel(name), _COPY_BLOCK, _abi.smem_bytes("PLANNED_COPY", B=batch),
                     pdl)
 
 
+def queue_copy(params: Params, B: int, to_host: bool, grid: int, stream_ptr: int, pdl: bool,
+               rows_per_warp: int) -> None:
+    """The production queueing of a copy struct (see :data:`copy_queue`)."""
+    copy_launcher(B, to_host=to_host, rows_per_warp=rows_per_warp, pdl=pdl)(
+        (grid, 1, 1), stream_ptr, params.addr)
+
+
+# What :func:`launch_copy` calls: :func:`queue_copy`, nothing consulted. A measuring probe
+# (hisparse_cupy.testing.probe) puts its own function here while one is active, and puts this
+# one back when the last ends.
+copy_queue = queue_copy
+
+
 def launch_copy(params: Params, *, to_host: bool = False, grid: int, stream,
                 pdl: bool = False, rows_per_warp: int = 1) -> None:
-    """Queue the planned copy of a struct from :func:`copy_params` (``grid`` blocks, ``stream``
+    """Queue the planned copy of a struct from :func:`copy_struct` (``grid`` blocks, ``stream``
     a CuPy stream; the other arguments as in :func:`copy_launcher`). Nothing is queued for a
     struct with no rows or no layers."""
     B = int(params["B"])
     if B == 0 or params["n_layers"] == 0:
         return
-    if active_copy_probes and not to_host:  # measuring only (hisparse_cupy.probe)
-        probe = _probe_of(stream.ptr)
-        if probe is not None:
-            _launch_probe(probe, params, B, grid, stream.ptr, pdl, rows_per_warp)
-            return
-    copy_launcher(B, to_host=to_host, rows_per_warp=rows_per_warp, pdl=pdl)(
-        (grid, 1, 1), stream.ptr, params.addr)
-
-
-def _probe_of(stream_ptr: int) -> CopyProbe | None:
-    """The innermost active probe whose streams hold ``stream_ptr``, if any."""
-    for probe in reversed(active_copy_probes):
-        if probe.covers(stream_ptr):
-            return probe
-    return None
-
-
-def _launch_probe(probe: CopyProbe, params: Params, B: int, grid: int, stream_ptr: int,
-                  pdl: bool, rows_per_warp: int) -> None:
-    """The copy of ``params`` through the measuring instance with the probe's settings (the
-    driver copies the struct at the launch, so a temporary one does)."""
-    st = np.zeros(1, _abi.PLANNED_COPY_PROBE)
-    ctypes.memmove(st.ctypes.data, params.addr, _abi.PLANNED_COPY.itemsize)
-    st["bad"] = probe.bad_ptr
-    st["spin_cycles"] = probe.spin_cycles
-    st["dry_run"] = int(probe.dry_run)
-    key = ("probe", B, rows_per_warp, pdl, cupy.cuda.runtime.getDevice())
-    la = _launchers.get(key)
-    if la is None:
-        la = _launchers[key] = _new_launcher(_instance(False, rows_per_warp, True), B, pdl)
-    la((grid, 1, 1), stream_ptr, st.ctypes.data)
+    copy_queue(params, B, to_host, grid, stream.ptr, pdl, rows_per_warp)
 
 
 def replay_plan(
@@ -208,7 +229,7 @@ def replay_plan(
     spread over the flattened (request, miss) pairs, so any ``grid`` is balanced whatever the
     distribution of misses over requests. Queued on ``stream`` without host synchronization
     and without allocating: safe inside CUDA-graph capture. (Measuring a replay: dry runs,
-    slowed rows and counted bad entries are :func:`hisparse_cupy.probe.copy_probe`'s.)
+    slowed rows and counted bad entries are :func:`hisparse_cupy.testing.probe.copy_probe`'s.)
 
     Parameters
     ----------
@@ -233,7 +254,7 @@ def replay_plan(
         Rows each warp keeps in flight (one of :data:`ROWS_PER_WARP`, default 1): with more,
         fewer blocks keep the link busy.
     stream : optional
-        Any stream kind :func:`hisparse_cupy._launch.as_stream` accepts (CuPy, PyTorch,
+        Any stream kind :func:`hisparse_cupy.kernels._launch.as_stream` accepts (CuPy, PyTorch,
         ``__cuda_stream__``, int handle). Default: CuPy's current stream.
     pdl : bool or None
         Launch with Programmatic Dependent Launch (default: where the device supports it): the
@@ -274,7 +295,6 @@ def replay_plan(
     else:
         grid = _checks.integer("grid", grid, 1, 2**31 - 1)
     rows_per_warp = _checks.one_of("rows_per_warp", rows_per_warp, ROWS_PER_WARP)
-    p = copy_params(plan.src, plan.dst, plan.count, batch, nr, src_base=host_rows,
-                    src_layer_bytes=0, n_src_rows=n_host_rows, dst_base=dev.data.ptr,
-                    dst_layer_bytes=0, n_dst_rows=dev.shape[0], row_bytes=row_bytes)
-    launch_copy(p, grid=grid, stream=s, pdl=resolve_pdl(pdl), rows_per_warp=rows_per_warp)
+    copy_rows(plan.src, plan.dst, plan.count, src=Rows(int(host_rows), 0, n_host_rows),
+              dst=array_rows(dev), row_bytes=row_bytes, batch=batch, num_real=nr, grid=grid,
+              stream=s, pdl=resolve_pdl(pdl), rows_per_warp=rows_per_warp)

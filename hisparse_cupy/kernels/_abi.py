@@ -158,7 +158,8 @@ PLANNED_COPY = _struct([
     ("stage_width", "i4"), ("pad", "i4"),
 ])
 
-# the measuring instance of the planned copy (hisparse_cupy.probe): the copy's struct, then the
+# the measuring instance of the planned copy (hisparse_cupy.testing.probe): the copy's struct,
+# then the
 # probe's settings
 PLANNED_COPY_PROBE = _struct([
     ("copy", PLANNED_COPY),

@@ -1,9 +1,10 @@
 """Measuring instruments for the planned copy (tests, benchmarks, sanitizer runs; not for engines).
 
 :func:`copy_probe` is a context manager: while it is active, every host -> device planned copy
-that :func:`hisparse_cupy.plan.launch_copy` queues on one of its streams (swap misses queued
-through it, replays, the Prefetcher's replays and staging copies, admission loads) runs the
-copy's measuring instance, ``planned_copy_probe`` (``cu/plan.cu``), with its settings:
+that :func:`hisparse_cupy.kernels.plan.launch_copy` queues on one of its streams (the stateless
+:func:`~hisparse_cupy.swap_in`'s copy, replays, the Prefetcher's replays and staging copies,
+admission loads) runs the copy's measuring instance, ``planned_copy_probe``
+(``cu/plan_probe.cu``, a module of its own compiled on a probe's first use), with its settings:
 
 - ``dry_run``: all the work (plan reads, prefix, indexing, staging lookups), no bytes moved;
 - ``spin_cycles``: each row delayed by that many SM clock cycles (an artificially slow copy:
@@ -11,10 +12,13 @@ copy's measuring instance, ``planned_copy_probe`` (``cu/plan.cu``), with its set
 - ``bad``: an int32 device scalar incremented once per entry whose source or destination row is
   outside its array (the copy skips those rows, probed or not).
 
-The production instances take a struct without these fields and have no such code. Device ->
-host copies (backups) are never probed, nor copies launched through a
-:func:`hisparse_cupy.plan.copy_launcher` directly (the Step's swap path). A copy queued while
-a CUDA graph is captured is captured with the instance and settings in force then.
+The production instances take a struct without these fields and have no such code, and the
+production path consults nothing: while the first probe is active this module puts its own
+function in :data:`hisparse_cupy.kernels.plan.copy_queue` (what ``launch_copy`` calls), and
+puts the production one back when the last ends. Device -> host copies (backups) are never
+probed, nor copies launched through a :func:`hisparse_cupy.kernels.plan.copy_launcher` directly
+(the Step's swap path). A copy queued while a CUDA graph is captured is captured with the
+instance and settings in force then.
 
 The active probes are one list of this process (:data:`active_copy_probes`, innermost last),
 shared by every thread: enter and leave probes from one thread at a time.
@@ -25,14 +29,43 @@ shared by every thread: enter and leave probes from one thread at a time.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable
 
-from . import _checks
-from ._launch import as_stream, ptr
+import cupy
+import numpy as np
 
-# The probes now in force, innermost last (hisparse_cupy.plan.launch_copy reads it; only
-# CopyProbe changes it).
+from .. import _checks
+from ..kernels import _abi, _build, plan
+from ..kernels._launch import Launcher, Params, as_stream, ptr
+
+# The probes now in force, innermost last (only CopyProbe changes it).
 active_copy_probes: list[CopyProbe] = []
+_launchers: dict[tuple, Launcher] = {}
+
+
+def _queue(params: Params, B: int, to_host: bool, grid: int, stream_ptr: int, pdl: bool,
+           rows_per_warp: int) -> None:
+    """:data:`hisparse_cupy.kernels.plan.copy_queue` while a probe is active: a host -> device
+    copy on a probed stream runs the measuring instance with the innermost such probe's
+    settings (the driver copies the struct at the launch, so a temporary one does); any other
+    copy the production queueing."""
+    probe = None if to_host else next(
+        (p for p in reversed(active_copy_probes) if p.covers(stream_ptr)), None)
+    if probe is None:
+        plan.queue_copy(params, B, to_host, grid, stream_ptr, pdl, rows_per_warp)
+        return
+    st = np.zeros(1, _abi.PLANNED_COPY_PROBE)
+    ctypes.memmove(st.ctypes.data, params.addr, _abi.PLANNED_COPY.itemsize)
+    st["bad"] = probe.bad_ptr
+    st["spin_cycles"] = probe.spin_cycles
+    st["dry_run"] = int(probe.dry_run)
+    key = (B, rows_per_warp, pdl, cupy.cuda.runtime.getDevice())
+    la = _launchers.get(key)
+    if la is None:
+        name = plan.instance(False, rows_per_warp, _build.COPY_H2D_PROBE)
+        la = _launchers[key] = plan.copy_kernel_launcher(name, B, pdl)
+    la((grid, 1, 1), stream_ptr, st.ctypes.data)
 
 
 class CopyProbe:
@@ -58,6 +91,7 @@ class CopyProbe:
 
     def __enter__(self) -> CopyProbe:
         active_copy_probes.append(self)
+        plan.copy_queue = _queue
         return self
 
     def __exit__(self, *exc) -> None:
@@ -65,6 +99,8 @@ class CopyProbe:
             if active_copy_probes[i] is self:
                 del active_copy_probes[i]
                 break
+        if not active_copy_probes:
+            plan.copy_queue = plan.queue_copy
 
     def __repr__(self) -> str:
         on = "every stream" if self.streams is None else f"{len(self.streams)} stream(s)"
@@ -87,7 +123,8 @@ def copy_probe(*, dry_run: bool = False, spin_cycles: int = 0, bad=None,
         Incremented once per entry whose source or destination row is outside its array.
     streams : iterable of streams, optional
         The streams whose copies are probed, each of any kind
-        :func:`hisparse_cupy._launch.as_stream` takes (CuPy, PyTorch, ``__cuda_stream__``, int
+        :func:`hisparse_cupy.kernels._launch.as_stream` takes (CuPy, PyTorch,
+        ``__cuda_stream__``, int
         handle); None: every stream.
 
     The arguments are checked here, before the ``with`` block; see the module docstring for

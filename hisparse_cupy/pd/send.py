@@ -13,10 +13,13 @@ import time
 import cupy
 import numpy as np
 
-from . import _checks, _nixl, _sums, host_shm
-from .host_pool import HostKVPool
-from .host_rows import store_rows
-from .pd_pending import GRACE_S, Link, PendingSend
+from .. import _checks
+from ..cache_rows import store_rows
+from ..host import shm as host_shm
+from ..host.pool import HostKVPool
+from ..kernels import sums as _sums
+from . import _nixl, _ticket
+from .pending import GRACE_S, Link, PendingSend
 
 __all__ = ["KVSender", "PendingSend"]
 
@@ -83,7 +86,7 @@ class KVSender:
         lifetime: a ``kv`` inside it is then sent without registering it again (a pull's
         receiver can then read all of ``buf``)."""
         self._open()
-        if (where := _checks.memory_of(buf)) is None or not buf.nbytes:
+        if (where := _ticket.memory_of(buf)) is None or not buf.nbytes:
             raise TypeError(f"buf must be a non-empty NumPy or GPU array, got {buf!r:.80}")
         lo, mem, dev = where
         reg = self._agent.register_memory([(lo, int(buf.nbytes), dev, "")], mem)
@@ -105,9 +108,9 @@ class KVSender:
         ends (the ticket's ``timeout_s`` after it was made): keep ``kv`` until then."""
         self._open()
         t0 = time.perf_counter()
-        t = _checks.pd_ticket(ticket, TICKET_VERSION)
+        t = _ticket.ticket(ticket, TICKET_VERSION)
         L, n, rb = t["n_layers"], t["n_tokens"], t["row_bytes"]
-        ptr, stride, mem, dev = _checks.kv_source(kv, L, n, rb)
+        ptr, stride, mem, dev = _ticket.kv_source(kv, L, n, rb)
         limit = _nixl.seconds("timeout_s", timeout_s if timeout_s is not None else
                               float(t.get("timeout_s") or 60.0) / 2)
         pull = t["mode"] == "pull" if self.pull is None else self.pull

@@ -11,12 +11,11 @@ Three ways to get a :class:`HostKVPool`:
   memory (``/dev/shm/<name>`` or ``host_shm.directory()``, mode 0600, and unnamed segments;
   attaching needs the creator alive in the same PID namespace unless ``segments=1``), which
   processes on a host map, each registering it for its GPUs: tensor-parallel ranks holding
-  the same (MLA) KV keep one host copy (and a prefill process on the host copies into it:
-  ``pd``). The creator sets it up unnamed (``O_TMPFILE``) and links the name once it is
-  touched and registered: a creator killed on the way leaves nothing in ``/dev/shm``. It owns
-  the name and unlinks it at :meth:`close` (or at its exit); a crashed attacher leaves nothing
-  (its mapping and registration die with it). A header before the rows records the shape, so
-  an attach with other sizes fails with both shapes in the message;
+  the same (MLA) KV keep one host copy (and a same-node prefill copies into it). The
+  creator sets it up unnamed (``O_TMPFILE``) and links the name once it is touched and
+  registered: a creator killed on the way leaves nothing in ``/dev/shm``. It owns the name and
+  unlinks it at :meth:`close` (or at its exit); a crashed attacher leaves nothing. A header
+  before the rows records the shape: an attach with other sizes names both shapes;
 - ``HostKVPool.from_buffer(array)``: host memory the engine allocated (a NumPy view of it),
   registered pinned and mapped in place; :meth:`close` unregisters it and frees nothing.
 
@@ -38,10 +37,11 @@ from concurrent.futures import ThreadPoolExecutor
 import cupy
 import numpy as np
 
-from . import _checks, host_shm
-from ._device import require_gpu
-from ._launch import Ptr
-from ._log import log
+from .. import _checks
+from .._device import require_gpu
+from .._log import log
+from ..kernels._launch import Ptr
+from . import shm as host_shm
 
 _REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2  # cudaHostRegisterPortable, cudaHostRegisterMapped
 _HEADER = 4096  # bytes before the rows of a shared pool (page aligned rows)
@@ -207,7 +207,7 @@ class HostKVPool:
     huge_pages : bool
         Ask for transparent huge pages (``MADV_HUGEPAGE``; default True; where offered).
     segments : int, optional
-        A shared pool's files (default ``threads``; :mod:`hisparse_cupy.host_shm`): attaching
+        A shared pool's files (default ``threads``; :mod:`hisparse_cupy.host.shm`): attaching
         needs its creator alive in the same PID namespace unless ``segments=1``.
 
     ``segments``, ``identity``: a shared pool's files, and its named file's ``(boot id, device,

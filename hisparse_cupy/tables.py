@@ -1,0 +1,117 @@
+"""Every per-layer table of a :class:`~hisparse_cupy.HotBufferCache`'s request slots, in one
+owner: allocated, named, reset per request slot, and copied (mirrored) from layer to layer.
+
+For ``L`` layers, ``R`` request slots of ``W = H + P`` slots and ``C`` scratch rows each:
+
+- ``slot_tokens`` int32 ``[L, R, W]``: the token each slot holds (-1: none);
+- ``slot_locs`` int32 ``[L, R, W]``: each slot's device row (request slot ``r`` owns rows
+  ``r * (W + C) + [0, W + C)``; multi-step swaps rotate them with the scratch rows);
+- ``lru`` int16 ``[L, R, H]``: the hot slots, least recently used first;
+- ``token_slot`` int16 ``[L, R, max_len]`` (``token_table=True``): token -> hot slot;
+- multi-step state (``max_steps >= 2``): ``scratch_locs`` int32 ``[L, R, C]``, reference epochs
+  ``ms_ref`` uint32 ``[L, R, H]`` and the clock ``ms_clock`` uint32 ``[L, R, 2]``.
+
+The cache's token -> host row map (``host_locs``) is shared by all layers and lives with the
+host pool's map (:class:`~hisparse_cupy.cache_rows.CacheRows`).
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from .kernels.multistep import init_states
+from .kernels.plan import array_rows, copy_rows, pool_rows
+
+
+class LayerTables:
+    """The tables above, filled on CuPy's current stream (see the module docstring)."""
+
+    def __init__(self, *, n_layers: int, max_requests: int, hot_size: int, extra_page: int,
+                 scratch: int, max_len: int, token_table: bool, multistep: bool):
+        L, R, H, W, C = n_layers, max_requests, hot_size, hot_size + extra_page, scratch
+        self.hot_size, self.max_len = H, max_len
+        base = (np.arange(R, dtype=np.int64) * (W + C)).reshape(R, 1)
+        self.slot_layout = cupy.asarray((base + np.arange(W)).astype(np.int32))  # [R, W]
+        self.slot_locs = cupy.empty((L, R, W), cupy.int32)
+        self.slot_locs[...] = self.slot_layout
+        self.slot_tokens = cupy.full((L, R, W), -1, cupy.int32)
+        self.lru = cupy.empty((L, R, H), cupy.int16)
+        self.lru[...] = cupy.arange(H, dtype=cupy.int16)
+        self.token_slot = cupy.full((L, R, max_len), -1, cupy.int16) if token_table else None
+        self.scratch_layout = self.scratch_locs = self.ms_ref = self.ms_clock = None
+        if multistep:
+            self.scratch_layout = cupy.asarray((base + W + np.arange(C)).astype(np.int32))
+            self.scratch_locs = cupy.empty((L, R, C), cupy.int32)
+            self.scratch_locs[...] = self.scratch_layout
+            self.ms_ref = cupy.zeros((L, R, H), cupy.uint32)
+            self.ms_clock = cupy.zeros((L, R, 2), cupy.uint32)
+            self.ms_clock[..., 0] = 1
+
+    @property
+    def multistep(self) -> bool:
+        return self.ms_ref is not None
+
+    def named(self) -> dict[str, cupy.ndarray]:
+        """Every table, ``name -> [n_layers, ...]`` array: a layer's whole state beside its
+        device rows."""
+        t = {"slot_tokens": self.slot_tokens, "slot_locs": self.slot_locs, "lru": self.lru}
+        if self.token_slot is not None:
+            t["token_slot"] = self.token_slot
+        if self.multistep:
+            t.update(scratch_locs=self.scratch_locs, ms_ref=self.ms_ref, ms_clock=self.ms_clock)
+        return t
+
+    def reset(self, rid: int, stream) -> None:
+        """Request slot ``rid``'s tables back to empty on ``stream`` (token -> slot entries,
+        never trusted without the slot table, stay); :meth:`init_multistep` after the slots
+        are filled."""
+        with stream:
+            self.slot_tokens[:, rid] = -1
+            self.lru[:, rid] = cupy.arange(self.hot_size, dtype=cupy.int16)
+            self.slot_locs[:, rid] = self.slot_layout[rid]  # undo multi-step rotations
+            if self.multistep:
+                self.scratch_locs[:, rid] = self.scratch_layout[rid]
+
+    def init_multistep(self, rid: int, stream) -> None:
+        """The multi-step state of ``rid`` (reference epochs, clock, token -> slot entries)
+        made to agree with its slots, on ``stream`` (nothing without multi-step state)."""
+        if self.multistep:
+            init_states(cupy.full(1, rid, cupy.int32), None, self.slot_tokens, self.token_slot,
+                        self.ms_ref, self.ms_clock, hot_size=self.hot_size, stream=stream)
+
+    def mirror(self, src: int, dst: int, *, rows, host_locs, pool, stream) -> None:
+        """Layer ``dst`` takes layer ``src``'s state on ``stream``: with ``rows`` (``dst``'s
+        device rows, uint8 ``[D, row_bytes]``) first rearranged into ``src``'s layout
+        (:meth:`_rearrange`), then every table of :meth:`named` copied."""
+        with stream:
+            if rows is not None and src != dst:
+                self._rearrange(src, dst, rows, host_locs, pool, stream)
+            for t in self.named().values():
+                t[dst][...] = t[src]
+
+    def _rearrange(self, src: int, dst: int, dev, host_locs, pool, s) -> None:
+        """The row where ``src`` holds token t gets ``dst``'s own bytes of t, from the row where
+        ``dst`` held it (its first such slot) or else from ``dst``'s host row: one layer's rows
+        of scratch memory, no host synchronization (CuPy's current stream is ``s``)."""
+        R, W = self.slot_tokens.shape[1:]
+        n = self.max_len
+        span = max(n, W) + 1  # above every token a slot can name (positional ones < H)
+        base = cupy.arange(R, dtype=cupy.int64).reshape(R, 1) * span
+        tok_s, loc_s = self.slot_tokens[src], self.slot_locs[src]
+        tok_d, loc_d = self.slot_tokens[dst], self.slot_locs[dst]
+        # where dst holds each (request, token): its keys sorted, src's keys searched
+        key_d = cupy.where(tok_d >= 0, base + tok_d, -1).reshape(-1)
+        order = cupy.argsort(key_d)  # stable: a token held twice matches its first slot
+        key_s = (base + tok_s).reshape(-1)
+        at = cupy.minimum(cupy.searchsorted(key_d[order], key_s), key_s.size - 1)
+        wanted = tok_s.reshape(-1) >= 0
+        held = wanted & (key_d[order[at]] == key_s)
+        to = loc_s.reshape(-1)
+        dev[to] = dev[cupy.where(held, loc_d.reshape(-1)[order[at]], to)]  # gathered first
+        # the tokens dst did not hold: its host rows (the copy skips -1 sources)
+        tok = cupy.clip(tok_s, 0, n - 1)
+        hl = host_locs[cupy.arange(R).reshape(R, 1), tok]
+        hl = cupy.where((wanted & ~held).reshape(R, W) & (tok_s < n), hl, -1)
+        copy_rows(hl, loc_s, cupy.full(R, W, cupy.int32), src=pool_rows(pool, dst),
+                  dst=array_rows(dev), row_bytes=pool.row_bytes, stream=s)
