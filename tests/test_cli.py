@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.metadata as md
+import json
+import platform
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
+
+import hisparse_cupy
 
 
 def cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -23,7 +30,9 @@ def test_info_reports_versions_and_the_device_or_why_not():
     p = cli("info")
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("hisparse_cupy 0.1.0")
-    from hisparse_cupy import host_shm  # where shared pools go (HISPARSE_CUPY_SHM_DIR, /dev/shm)
+    from hisparse_cupy.host import (
+        shm as host_shm,  # where shared pools go (HISPARSE_CUPY_SHM_DIR, /dev/shm)
+    )
 
     assert f"\nshared pools in {host_shm.directory()} (tmpfs at " in p.stdout
     if _have_gpu():
@@ -32,15 +41,55 @@ def test_info_reports_versions_and_the_device_or_why_not():
         assert "no NVIDIA driver found" in p.stdout or "CUDA device" in p.stdout
 
 
+def test_info_json_is_one_object_with_the_versions_and_the_device_or_why_not():
+    p = cli("info", "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)  # the whole of stdout: one object
+    from hisparse_cupy import __version__
+    from hisparse_cupy.host import shm as host_shm
+
+    assert doc["hisparse_cupy"] == __version__ and doc["python"] == platform.python_version()
+    assert doc["numpy"] == np.__version__
+    assert set(doc["distributions"]) == {"cupy-cuda12x", "cupy-cuda13x", "cuda-bindings"}
+    for dist, v in doc["distributions"].items():
+        assert v == (md.version(dist) if list(md.distributions(name=dist)) else None), dist
+    assert doc["shm"].startswith(f"shared pools in {host_shm.directory()} (tmpfs at ")
+    if doc["distributions"]["cuda-bindings"]:  # a CUDA extra: its NVRTC wheel too
+        assert doc["nvrtc"].split(".")[0] in ("12", "13"), doc["nvrtc"]
+    if not _have_gpu():
+        assert doc["gpu"] is None and doc["why"] == _why() and doc["host_pool_setup"] is None
+        return
+    assert doc["why"] is None and doc["gpu"]["driver"] and doc["gpu"]["cupy"]
+    devices = doc["gpu"]["devices"]
+    assert [d["index"] for d in devices] == list(range(len(devices)))
+    for d in devices:
+        assert {"name", "compute_capability", "sms", "memory_bytes", "pdl"} <= set(d)
+        assert isinstance(d["pdl"], bool) and d["memory_bytes"] > 0
+    c = devices[0]["ceilings"]  # --device 0, --row-bytes 656: measured
+    assert c["row_bytes"] == 656 and c["memcpy_gb_per_s"] > 0 and c["gather_gb_per_s"] > 0
+    assert all("ceilings" not in d for d in devices[1:]) and doc["host_pool_setup"]["gb"] == 2.0
+
+
 def test_check_without_a_gpu_compiles_and_self_checks_and_bench_says_it_needs_one(tmp_path):
     if _have_gpu():
         pytest.skip("a GPU is present: test_check_on_gpu runs the check")
-    p = cli("check")  # without a device: the compile check and the oracle's self-check
+    # without a device: the compile check and the oracle's self-check; --json: one object on
+    # stdout, the text that check prints without it on stderr
+    p = cli("check", "--json")
     assert p.returncode == 0, p.stdout + p.stderr
-    lines = p.stdout.splitlines()
+    doc = json.loads(p.stdout)
+    assert doc["ok"] is True and doc["gpu"] is False and doc["why"] == _why()
+    assert "error" not in doc and 0 < doc["seconds"] < 600
+    cu = sorted(x.name for x in (Path(hisparse_cupy.__file__).parent / "kernels/cu").glob("*.cu"))
+    assert doc["kernel_sources"] == cu and doc["archs"] == ["sm_80", "sm_90"]
+    compiled, oracle = doc["checked"]
+    assert compiled.startswith(f"compile: every kernel instance of {len(cu)} sources x sm_80, ")
+    assert oracle.startswith("oracle: the NumPy decode loop's swaps and attention outputs")
+    assert doc["not_checked"] and doc["not_checked"][0].startswith("the kernels' results")
+    lines = p.stderr.splitlines()
     assert lines[0].startswith("no CUDA device (") and "checking what runs without one" in lines[0]
-    assert "compile check: 6 kernel sources" in p.stdout and "sm_80, sm_90" in p.stdout
-    assert "self-check passed" in p.stdout and "passed their self-check" in p.stdout
+    assert f"compile check: {len(cu)} kernel sources" in p.stderr and "sm_80, sm_90" in p.stderr
+    assert "self-check passed" in p.stderr and "passed their self-check" in p.stderr
     assert lines[-1].startswith("not checked without a device: the kernels' results")
     out = tmp_path / "bench_out"
     p = cli("bench", "--out", str(out))
@@ -125,10 +174,15 @@ def test_device_check_names_each_case(monkeypatch, fake, runtime, why):
 
 @pytest.mark.gpu
 def test_check_on_gpu():
-    p = cli("check")
+    p = cli("check", "--json")  # the text on stderr
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "every kernel agrees with the oracle" in p.stdout
-    assert p.stdout.count("  ok    ") == 2
+    assert "every kernel agrees with the oracle" in p.stderr
+    assert p.stderr.count("  ok    ") == 2
+    doc = json.loads(p.stdout)
+    assert doc["ok"] is True and doc["gpu"] is True and doc["not_checked"] == []
+    assert doc["checked"] == ["single- and multi-step swaps vs the oracle",
+                              "newest-row backup and plan replay"]
+    assert doc["device"].startswith("self-check on device ") and "error" not in doc
 
 
 SMALL_DEMO = ("--layers", "4", "--batch", "2", "--context", "2048", "--hot", "1024",
@@ -181,7 +235,6 @@ def test_skip_lines_are_folded_by_reason(tmp_path):
         "def test_d():\n    pytest.skip('needs two GPUs')\n\n"
         "def test_e():\n    assert True\n")
     import os
-    from pathlib import Path
 
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent))
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "_skipfold",
