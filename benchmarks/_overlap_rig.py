@@ -2,7 +2,7 @@
 cache, its :class:`~hisparse_cupy.Prefetcher`, the synthetic decode step and its modes.
 
 The step's own kernels (the "indexer" that slides each request's top-k window, the stand-in
-attention) are here; the layer's matmul is :class:`hisparse_cupy.demo.compute.LayerCompute`.
+attention) are here; the layer's matmul is :class:`hisparse_cupy.demo._compute.LayerCompute`.
 Every offloaded step runs through the Prefetcher itself (``cache.begin_step(...,
 prefetcher=pf).swap(layer, topk)`` per layer, ``pf.finish``). Two measurements the Prefetcher
 does not expose time :func:`hisparse_cupy.replay_plan` calls with its public settings
@@ -22,8 +22,8 @@ import numpy as np
 from _timing import summary, time_calls
 
 from hisparse_cupy import HotBufferCache, LayerPattern, Prefetcher, SMPartition, replay_plan
-from hisparse_cupy.demo.compute import LayerCompute
-from hisparse_cupy.demo.loop import coprime
+from hisparse_cupy.demo._compute import LayerCompute
+from hisparse_cupy.demo._loop import coprime
 
 K, H, P, ROW = 2048, 4096, 64, 656
 MAX_LEN = 6656  # token window U = 6655 >= H + K: a token coming back was evicted long ago

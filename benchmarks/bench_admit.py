@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     s.synchronize()
     nbytes = L * n * row
     res = {}
-    from hisparse_cupy import cache_rows
+    from hisparse_cupy import _cache_rows as cache_rows
 
     runs = cache_rows.MIN_RUN_BYTES
     for name, kw in (("admit paged", {"page_tokens": 64}),

@@ -5,7 +5,7 @@ A step runs L layers with GLM-5.2's IndexShare pattern (78 layers, freq 4, offse
 stand-in attention kernel that reads every selected 656-byte row of the batch, then a cuBLAS
 fp16 matmul sized so that the no-offload layer costs about 0.2 ms (issued through PyTorch on
 the same stream, because CuPy refuses cuBLAS calls during graph capture; see
-``hisparse_cupy.demo.compute``).
+``hisparse_cupy.demo._compute``).
 K 2048, H 4096 (+64), every request 6656 tokens long; each step an "indexer" kernel slides
 every request's top-k window by M tokens (M = miss rate x K new tokens per request per step,
 all misses; the window runs over a fixed random permutation of the request's tokens, so host
@@ -44,7 +44,7 @@ hidden 49.6-51.4 %, against 58.0-60.1 % at 3840 rows. Pin ``--matmul-m`` to comp
 
 Every offloaded step runs through the ``Prefetcher`` itself; the workload (its kernels, the
 cache, the steps) is ``_overlap_rig.py``, the tables and the plot ``_overlap_report.py``, the
-layer's matmul ``hisparse_cupy.demo.compute.LayerCompute`` (the decode loop's backends).
+layer's matmul ``hisparse_cupy.demo._compute.LayerCompute`` (the decode loop's backends).
 
     python benchmarks/bench_overlap.py [--quick] [--out DIR] [--only L:B:RATE ... [--predict-sweep]]
         [--node-priority]

@@ -107,8 +107,8 @@ def one(mib: int, n_req: int, reps: int, tokens: int | None, opts: dict,
     import cupy
     from _timing import time_calls
 
-    from hisparse_cupy.host.pages import HostPages
-    from hisparse_cupy.host.pool import HostKVPool
+    from hisparse_cupy.host._pages import HostPages
+    from hisparse_cupy.host._pool import HostKVPool
     from hisparse_cupy.pd import KVReceiver
 
     n_tok = tokens or max(P, (mib << 20) // (L * RB * n_req) // P * P)

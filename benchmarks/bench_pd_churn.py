@@ -37,7 +37,7 @@ L, RB, P = 4, 4096, 16
 
 
 def one(a, cancel: float, push: bool, seed: int = 0) -> dict:
-    from hisparse_cupy.host.pages import HostPages, PoolExhausted
+    from hisparse_cupy.host._pages import HostPages, PoolExhausted
     from hisparse_cupy.pd import KVReceiver, KVSender
 
     rng = np.random.default_rng(seed)

@@ -10,7 +10,7 @@ in turn, each freed before the next (a 64 GB pool fits on a 128 GB host):
   at most ``_REGISTER_CHUNK``;
 - ``mmap-4k``: the same without huge pages (what a kernel without THP gets);
 - ``shared``: ``HostKVPool(shared_name=...)``: ``/dev/shm`` files, one segment per thread
-  (``hisparse_cupy.host.shm``), the same first touch and registration, named once set up;
+  (``hisparse_cupy.host._shm``), the same first touch and registration, named once set up;
 - ``shared-1``: the same in one file (``segments=1``, the path before segments);
 - ``touch``: no pool, no CUDA: anonymous memory with huge pages asked, first-touched by the
   same threads and unmapped (run first on a freshly started machine, it tells the machine's
@@ -46,8 +46,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import device_info, write_json  # noqa: E402
 
-from hisparse_cupy.host import pool as hp  # noqa: E402
-from hisparse_cupy.host import shm as host_shm  # noqa: E402
+from hisparse_cupy.host import _pool as hp  # noqa: E402
+from hisparse_cupy.host import _shm as host_shm  # noqa: E402
 
 LAYERS, ROW = 78, 656
 PATHS = ("cuda", "mmap", "shared", "mmap-4k", "shared-1", "touch")

@@ -47,9 +47,9 @@ from hisparse_cupy import (
     MultiStepState,
     SwapState,
     multistep_swap_in,
-    set_pdl,
     swap_in,
 )
+from hisparse_cupy.testing import knobs  # noqa: E402
 
 K, H, P = 2048, 4096, 64
 SEQ = 40000  # every step's length (no token is the newest)
@@ -210,13 +210,12 @@ def run(quick: bool, out_dir: str) -> dict:
                        "unique_misses": B * unique_misses(S)}
                 rec["bytes"] = nbytes = rec["unique_misses"] * row_bytes
                 for pdl in (True, False):
-                    set_pdl(pdl)
                     tag = "pdl" if pdl else "nopdl"
-                    rec[f"spec_{tag}"] = measure(case.spec_call, case.restore_spec, stream,
-                                                 iters)
-                    rec[f"seq_{tag}"] = measure(case.swap_call, case.restore_swap, stream,
-                                                iters)
-                set_pdl(True)
+                    with knobs.pdl(pdl):
+                        rec[f"spec_{tag}"] = measure(case.spec_call, case.restore_spec, stream,
+                                                     iters)
+                        rec[f"seq_{tag}"] = measure(case.swap_call, case.restore_swap, stream,
+                                                    iters)
                 single, chained = memcpy_h2d(pool.numpy, nbytes, iters=iters, chain=CHAIN,
                                              stream=stream)
                 rec["memcpy"], rec["memcpy_chain"] = single, chained

@@ -26,7 +26,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from hisparse_cupy.demo.topk_model import TopKStream, shape_for  # noqa: E402
+from hisparse_cupy.demo._topk_model import TopKStream, shape_for  # noqa: E402
 
 
 def model(batch: int, steps: int, hot: int, context: int, layer_overlap: float,

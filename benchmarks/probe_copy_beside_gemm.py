@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import device_info, write_json  # noqa: E402
 
 from hisparse_cupy import HostKVPool
-from hisparse_cupy.kernels import _build  # noqa: E402
+from hisparse_cupy._kernels import _build  # noqa: E402
 
 _SRC = r"""
 #include "common.cuh"

@@ -1,7 +1,7 @@
 """Where the multi-step swap copies its misses: the gather's warps or the commit grid's blocks.
 
-``hisparse_cupy.kernels.multistep.copy_blocks(B, S)`` picks, per batch size and step count, how many
-copy blocks per row the commit grid gets (0: the gather's warps copy). This probe times each
+``hisparse_cupy._kernels.multistep.copy_blocks(B, S)`` picks, per batch size and step count, how
+many copy blocks per row the commit grid gets (0: the gather's warps copy). This probe times each
 policy at each point so the switch can be checked: bench_spec's workload (``Case``: K 2048,
 H 4096, a full hot buffer, step 0 with 2 % misses and 3 % new tokens per later step, every call
 from the same state), 656 B rows, the marginal time of one call in a CUDA graph of 8 (median of
@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_spec  # noqa: E402
 from _timing import device_info, memcpy_h2d, time_graph_chain, write_json  # noqa: E402
 
-from hisparse_cupy import HostKVPool, set_pdl
-from hisparse_cupy.kernels import multistep  # noqa: E402
+from hisparse_cupy import HostKVPool
+from hisparse_cupy._kernels import multistep  # noqa: E402
 from hisparse_cupy.testing import knobs  # noqa: E402
 
 ROW = 656
@@ -44,7 +44,6 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    set_pdl(True)
     rng = np.random.default_rng(5)
     stream = cupy.cuda.Stream(non_blocking=True)
     pool = HostKVPool(1, bench_spec.N_HOST, ROW)
@@ -82,4 +81,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with knobs.pdl(True):  # the commit with PDL, whatever HISPARSE_CUPY_PDL says
+        main()

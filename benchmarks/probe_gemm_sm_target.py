@@ -1,6 +1,6 @@
 """Does cuBLAS honour an SM-count target? Time of one bf16 matmul per target.
 
-The decode loop's matmul (``hisparse_cupy.demo.model.Gemm``: ``cublasGemmEx`` through ctypes,
+The decode loop's matmul (``hisparse_cupy.demo._model.Gemm``: ``cublasGemmEx`` through ctypes,
 its own handle) with ``cublasSetSmCountTarget`` = 0 (every SM), 124, 100, 66 and 0 again:
 ``[2880, 4096] x [4096, 4096]``, 10 warm-up calls, then the median over 5 event pairs of the
 mean of 50 back-to-back calls. A target that is honoured shows as time growing like
@@ -20,7 +20,7 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hisparse_cupy.demo.model import Gemm  # noqa: E402
+from hisparse_cupy.demo._model import Gemm  # noqa: E402
 
 
 def main() -> int:

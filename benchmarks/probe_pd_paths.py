@@ -116,7 +116,7 @@ def one(mib: int, reps: int, pieces: list, timeout: float, modes: list, n_runs: 
     import cupy
     from _timing import time_calls
 
-    from hisparse_cupy.host.pool import HostKVPool
+    from hisparse_cupy.host._pool import HostKVPool
     from hisparse_cupy.pd import _nixl
 
     runs = layout(mib << 20, n_runs, spread)

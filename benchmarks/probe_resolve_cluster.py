@@ -2,7 +2,7 @@
 
 The resolve (``cu/swap.cu``) runs one 1024-thread block per row, or a thread-block cluster of C
 512-thread blocks sharing the row's hash through distributed shared memory;
-``hisparse_cupy.kernels.swap.resolve_cluster`` picks 8 or 4 when that many clusters run at once
+``hisparse_cupy._kernels.swap.resolve_cluster`` picks 8 or 4 when that many clusters run at once
 on the
 device, else 1. This probe times every C at every batch so the rule can be checked: bench_swap's
 workload (K 2048, H 4096, a full hot buffer, 656 B rows, each call from the same state), the
@@ -32,8 +32,8 @@ import bench_swap  # noqa: E402
 from _timing import device_info, time_graph_chain, write_json  # noqa: E402
 
 from hisparse_cupy import HostKVPool, MissPlan, swap_in
-from hisparse_cupy.kernels import _abi, _build, swap  # noqa: E402
-from hisparse_cupy.kernels._launch import max_active_clusters  # noqa: E402
+from hisparse_cupy._kernels import _abi, _build, swap  # noqa: E402
+from hisparse_cupy._kernels._launch import max_active_clusters  # noqa: E402
 from hisparse_cupy.testing import knobs  # noqa: E402
 
 RATES = (0.0, 0.005, 0.05)

@@ -52,9 +52,9 @@ def prefill(argv, gpu: bool, tickets, results) -> None:
         if gpu:
             import cupy
 
-            from hisparse_cupy.demo.config import ROW_BYTES, from_args
-            from hisparse_cupy.demo.loop import prompt_kv
-            from hisparse_cupy.demo.model import Kernels
+            from hisparse_cupy.demo._config import ROW_BYTES, from_args
+            from hisparse_cupy.demo._loop import prompt_kv
+            from hisparse_cupy.demo._model import Kernels
 
             cfg, k, s = from_args(argv), Kernels(), cupy.cuda.Stream(non_blocking=True)
             with s:
@@ -69,7 +69,7 @@ def prefill(argv, gpu: bool, tickets, results) -> None:
                 s.synchronize()
                 return buf[:, :t["n_tokens"]]
         else:
-            from hisparse_cupy.demo.cpu import kv_rows
+            from hisparse_cupy.demo._cpu import kv_rows
 
             def make(t):
                 n, r = t["n_tokens"], t["req_id"]
@@ -137,7 +137,7 @@ class Receiving:
 
 
 def admit_over_nixl(cfg, hp, host, host_locs, argv=()) -> None:
-    """The NumPy decode loop's admission (``hisparse_cupy.demo.cpu.admit_local``'s duties),
+    """The NumPy decode loop's admission (``hisparse_cupy.demo._cpu.admit_local``'s duties),
     the prompts' KV received from the prefill process."""
     rec = Receiving(list(argv), False, host.view(np.uint8), hp)
     try:
@@ -155,7 +155,7 @@ def admit_over_nixl(cfg, hp, host, host_locs, argv=()) -> None:
 
 
 class GpuAdmission:
-    """The GPU decode loop's admission (``hisparse_cupy.demo.loop.Rig``'s ``admission``): each
+    """The GPU decode loop's admission (``hisparse_cupy.demo._loop.Rig``'s ``admission``): each
     offloaded run's requests admitted on pages the prefill process wrote from its VRAM."""
 
     def __init__(self, argv, rig):
@@ -174,7 +174,7 @@ class GpuAdmission:
 
 def main(argv=None) -> int:
     from hisparse_cupy._device import cupy_or_why
-    from hisparse_cupy.demo.config import cpu_config, from_args
+    from hisparse_cupy.demo._config import cpu_config, from_args
     from hisparse_cupy.pd import nixl_api
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -196,14 +196,14 @@ def main(argv=None) -> int:
         raise SystemExit("pd_decode: --shared-prefix is the local admission's (forks of "
                          "request 0); every prompt here arrives whole")
     if cpu:
-        from hisparse_cupy.demo.cpu import run
+        from hisparse_cupy.demo._cpu import run
 
         run(cfg, admit=lambda *a: admit_over_nixl(*a, argv=argv))
         return 0
     from hisparse_cupy.demo import run_gpu
-    from hisparse_cupy.demo.config import ROW_BYTES
-    from hisparse_cupy.demo.loop import Rig
-    from hisparse_cupy.host.pool import HostKVPool
+    from hisparse_cupy.demo._config import ROW_BYTES
+    from hisparse_cupy.demo._loop import Rig
+    from hisparse_cupy.host._pool import HostKVPool
 
     if cfg.warmup < 1:
         raise SystemExit("pd_decode: the GPU decode loop needs --warmup >= 1")

@@ -20,32 +20,48 @@ __version__ = "0.1.0"
 # public name -> module that defines it (imported on first access: PEP 562; None: a submodule)
 _LAZY = {
     "GPUUnavailableError": "_device",
-    "HostKVPool": "host.pool",
-    "PoolExhausted": "host.pages",
+    "HostKVPool": "host._pool",
+    "PoolExhausted": "host._pages",
     "HotBufferCache": "cache",
     "SlotsExhausted": "cache",
     "LayerCounters": "counters",
     "Step": "step",
-    "MissPlan": "kernels.plan",
-    "replay_plan": "kernels.plan",
-    "MultiStepConfig": "kernels.multistep",
-    "MultiStepState": "kernels.multistep",
-    "MultiStepWorkspace": "kernels.multistep",
-    "multistep_swap_in": "kernels.multistep",
+    "MissPlan": "_kernels.plan",
+    "replay_plan": "_kernels.plan",
+    "MultiStepConfig": "_kernels.multistep",
+    "MultiStepState": "_kernels.multistep",
+    "MultiStepWorkspace": "_kernels.multistep",
+    "multistep_swap_in": "_kernels.multistep",
     "LayerPattern": "streams",
     "Prefetcher": "streams",
     "SMPartition": "streams",
     "layer_pattern": "streams",
-    "SwapState": "kernels.swap",
-    "swap_in": "kernels.swap",
-    "Ptr": "kernels._launch",
-    "pdl_enabled": "kernels._launch",
-    "pdl_supported": "kernels._launch",
-    "set_pdl": "kernels._launch",
-    "compile_check": "kernels._build",
+    "SwapState": "_kernels.swap",
+    "swap_in": "_kernels.swap",
+    "Ptr": "_kernels._launch",
+    "pdl_supported": "_kernels._launch",
+    "compile_check": "_kernels._build",
     "interop": None,
     "reference": None,
 }
 
 __all__ = sorted(_LAZY)
-__getattr__, __dir__ = lazy(__name__, _LAZY, extra=("__version__",))
+
+
+def _set_pdl(enabled: bool) -> None:
+    from ._kernels import _launch
+
+    _launch.FIXED["pdl"] = bool(enabled)
+
+
+def _pdl_enabled() -> bool:
+    from ._kernels import _launch
+
+    return _launch.FIXED["pdl"]
+
+
+_PDL = ("PDL is each call's pdl= and HISPARSE_CUPY_PDL=0 for the process "
+        "(measurements: hisparse_cupy.testing.knobs.pdl)")
+__getattr__, __dir__ = lazy(__name__, _LAZY, extra=("__version__",),
+                            deprecated={"set_pdl": (_set_pdl, _PDL),
+                                        "pdl_enabled": (_pdl_enabled, _PDL)})

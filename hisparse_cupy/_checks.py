@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -17,7 +18,7 @@ try:
 except ImportError:  # the integer checks serve NumPy-only code too (layer patterns, the demo)
     cupy = None
 
-from .kernels import _abi
+from ._kernels import _abi
 
 
 def _dtype_names(dtypes) -> str:
@@ -208,7 +209,7 @@ def sizes(name: str, arr, names: str) -> None:
                              f"({names[0]}{''.join(', ' + c for c in names[1:])})")
 
 
-def counters(x) -> tuple[int, ...]:
+def counter_addresses(x) -> tuple[int, ...]:
     """A stand-alone call's ``counters=``: ``()`` for None, else the address of a uint64
     ``[N_LAYER_COUNTERS]`` device array (what the kernel structs take, one per layer)."""
     if x is None:
@@ -301,3 +302,61 @@ def raise_on_status(status, top_k_tokens, seq_lens, *, max_len: int, what: str =
                      + "; ".join(msg))
     more = f" (and {bad.size - 8} more rows)" if bad.size > 8 else ""
     raise ValueError(f"{what} found invalid input: " + " | ".join(lines) + more)
+
+
+# ---------------------------------------------------------------- the stateless ops' calls
+class OpArgs(NamedTuple):
+    """A stateless op's arguments checked (:func:`op_args`)."""
+
+    topk: cupy.ndarray
+    req: cupy.ndarray
+    lens: cupy.ndarray
+    lens_stride: int
+    lens_step: int
+    dev: cupy.ndarray
+    row_bytes: int
+    n_host_rows: int
+    num_real: cupy.ndarray | None
+    out: cupy.ndarray
+    status: cupy.ndarray
+    counters: tuple[int, ...]
+
+
+def op_args(top_k_tokens, req_indices, seq_lens, *, dims: str, sizes_ok, host_rows,
+            n_host_rows, device_rows, plan, plan_width, out, status, num_real, counters,
+            ptr_cls: type, plan_cls: type) -> OpArgs:
+    """The one validation of ``swap_in`` (``dims="BK"``) and ``multistep_swap_in``
+    (``"BSK"``), on CuPy's current stream (DLPack imports order there): the top-k (int32, rows
+    may be strided), then ``sizes_ok(shape)`` (the op's own limits, raising by name), the
+    request slots and lengths, the device rows, the host rows (a ``ptr_cls`` address and its
+    row count), ``num_real``, ``out`` / ``status`` (allocated when None), the plan (a
+    ``plan_cls`` with room for ``plan_width(shape)`` entries per row; None allowed where
+    ``plan_width`` is None for it) and the counters."""
+    topk = array("top_k_tokens", top_k_tokens, np.int32, ndim=len(dims), contiguous=False,
+                 inner_contiguous=True)
+    sizes("top_k_tokens", topk, dims)
+    sizes_ok(topk.shape)
+    B = topk.shape[0]
+    req = index_vector("req_indices", req_indices, B)
+    lens, lens_stride, lens_step = lengths(seq_lens, B, topk.shape[1] if dims == "BSK" else None)
+    dev = array("device_rows", device_rows, np.uint8, ndim=2)
+    rb = row_bytes("device_rows row size", dev.shape[1])
+    n_host_rows = integer("n_host_rows", n_host_rows, 0)
+    if not isinstance(host_rows, ptr_cls):
+        raise TypeError("host_rows must be a Ptr (HostKVPool.device_ptr(layer))")
+    if plan is not None or plan_width is not None:
+        if not isinstance(plan, plan_cls):
+            raise TypeError(f"plan must be a MissPlan, got {type(plan).__name__}")
+        plan.check_batch(B, plan_width(topk.shape))
+    nr = None if num_real is None else device_scalar("num_real", num_real)
+    if out is None:
+        out = cupy.empty(topk.shape, cupy.int32)
+    else:
+        out = array("out", out, np.int32, shape=topk.shape, contiguous=False,
+                    inner_contiguous=True)
+    if status is None:
+        status = cupy.empty((B, _abi.N_STATUS), cupy.int32)
+    else:
+        status = array("status", status, np.int32, shape=(B, _abi.N_STATUS))
+    return OpArgs(topk, req, lens, lens_stride, lens_step, dev, rb, n_host_rows, nr, out,
+                  status, counter_addresses(counters))

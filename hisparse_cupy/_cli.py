@@ -44,8 +44,8 @@ def _ceilings(cupy, row_bytes: int, rows: int = 65536, iters: int = 10) -> tuple
     rows of ``row_bytes`` (this package's planned copy), from one pinned mapped pool."""
     import numpy as np
 
-    from .host.pool import HostKVPool
-    from .kernels.plan import MissPlan, replay_plan
+    from ._kernels.plan import MissPlan, replay_plan
+    from .host._pool import HostKVPool
 
     n_pool = rows * 8
     s = cupy.cuda.Stream(non_blocking=True)
@@ -83,7 +83,7 @@ def _pool_setup(gb: float = 2.0) -> dict:
     """How fast this machine sets up (and tears down) a private host pool of ``gb`` GB
     (anonymous mmap, parallel first touch, chunked cudaHostRegister): rates and seconds, or the
     error that stopped it."""
-    from .host.pool import HostKVPool, default_threads
+    from .host._pool import HostKVPool, default_threads
 
     try:
         pool = HostKVPool(1, int(gb * 1e9) // 656, 656, alloc="mmap")
@@ -142,7 +142,7 @@ def _info(args, say) -> dict:
     """What ``info`` reports, as a dict; ``say`` gets the human lines as they come."""
     import numpy as np
 
-    from .host.shm import describe
+    from .host._shm import describe
 
     doc: dict = {"hisparse_cupy": __version__,
                  "python": platform.python_version(), "numpy": np.__version__}
@@ -170,7 +170,7 @@ def _info(args, say) -> dict:
     say(f"CUDA driver {gpu['driver']}, CuPy {gpu['cupy']}")
     say(f"NVRTC {doc['nvrtc']}" if doc["nvrtc"] else
         f"NVRTC not found ({nvrtc_error}): kernels cannot compile")
-    from .kernels._launch import pdl_supported
+    from ._kernels._launch import pdl_supported
 
     for i in range(rt.getDeviceCount()):
         p = rt.getDeviceProperties(i)
@@ -213,9 +213,9 @@ def _check_cpu(why: str, seed: int, doc: dict) -> int:
     """``check`` without a device: every kernel compiled through NVRTC for sm_80 and sm_90,
     and the NumPy decode loop's bit-for-bit self-check over the oracle; says what it skipped.
     ``doc`` gets what ran, what did not and the error (``check --json``)."""
-    from .demo.config import cpu_config
-    from .demo.cpu import run
-    from .kernels._build import CompileError, compile_check
+    from ._kernels._build import CompileError, compile_check
+    from .demo._config import cpu_config
+    from .demo._cpu import run
 
     oracle = "oracle: the NumPy decode loop's swaps and attention outputs (self-check)"
     doc.update(why=why, checked=[], not_checked=[oracle, NOT_CHECKED_WITHOUT_GPU])

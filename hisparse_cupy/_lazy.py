@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 from collections.abc import Callable
 
 NEEDS_CUPY = ("hisparse_cupy needs CuPy for its GPU API. Install the extra that matches your "
@@ -13,12 +14,18 @@ NEEDS_CUPY = ("hisparse_cupy needs CuPy for its GPU API. Install the extra that 
               "without it.")
 
 
-def lazy(package: str, names: dict[str, str | None],
-         extra: tuple[str, ...] = ()) -> tuple[Callable, Callable]:
+def lazy(package: str, names: dict[str, str | None], extra: tuple[str, ...] = (),
+         deprecated: dict[str, tuple[object, str]] | None = None) -> tuple[Callable, Callable]:
     """``(__getattr__, __dir__)`` for ``package`` whose public ``names`` map to the submodule
-    that defines each (None: the name is a submodule); ``__dir__`` lists them and ``extra``."""
+    that defines each (None: the name is a submodule); ``__dir__`` lists them and ``extra``.
+    ``deprecated``: old names -> ``(value, what to use instead)``, given with a warning."""
 
     def __getattr__(name: str):
+        if deprecated and name in deprecated:
+            value, instead = deprecated[name]
+            warnings.warn(f"{package}.{name} is deprecated and goes in 0.3: {instead}",
+                          DeprecationWarning, stacklevel=2)
+            return value
         if name not in names:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         mod = names[name]

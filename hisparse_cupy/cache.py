@@ -2,14 +2,14 @@
 
 It owns, for ``n_layers`` layers and ``max_requests`` request slots:
 
-- the host pool (:class:`HostKVPool`) and its map (:class:`~hisparse_cupy.cache_rows.CacheRows`):
+- the host pool (:class:`HostKVPool`) and its map (:class:`~hisparse_cupy._cache_rows.CacheRows`):
   request slot ``r``'s token ``p`` lives in host row ``r * max_len + p`` of every layer (the
   slot layout), or, with ``page_tokens=P``, in pages taken as the request grows and shared
   with requests forked from it (:meth:`HotBufferCache.admit`'s ``prefix``);
 - the device rows: uint8 ``[n_layers, R * (H + P + C), row_bytes]``; request slot ``r`` owns
   rows ``r * (H + P + C) + [0, H + P + C)`` of every layer: its H + P slots, then C scratch
   rows (C = 0 without multi-step state);
-- per layer (:attr:`HotBufferCache.tables`, a :class:`~hisparse_cupy.tables.LayerTables`):
+- per layer (:attr:`HotBufferCache.tables`, a :class:`~hisparse_cupy._tables.LayerTables`):
   the slots' tokens and device rows, the LRU order, the token -> hot slot table, and with
   ``max_steps >= 2`` the multi-step state (:class:`MultiStepState` views);
 - ``host_locs`` int64 ``[R, max_len]`` (the map's): -1 until a token's host row is written;
@@ -29,24 +29,26 @@ import cupy
 import numpy as np
 
 from . import _checks
+from ._cache_rows import CacheRows, copy_pool_rows, host_pool, load_rows
 from ._device import require_gpu
-from .cache_rows import CacheRows, copy_pool_rows, host_pool, load_rows
+from ._kernels import _abi, multistep, swap
+from ._kernels._launch import Structs, as_stream
+from ._kernels.multistep import MultiStepConfig, MultiStepState, MultiStepWorkspace
+from ._kernels.newest import NewestBuffers
+from ._kernels.plan import MissPlan, array_rows, copy_struct, pool_rows
+from ._kernels.swap import SwapState, check_sizes
+from ._tables import LayerTables
 from .counters import LayerCounters
-from .host.pages import HostPages
-from .host.pool import HostKVPool
-from .kernels import _abi, multistep, swap
-from .kernels._launch import Structs, as_stream
-from .kernels.multistep import MultiStepConfig, MultiStepState, MultiStepWorkspace
-from .kernels.newest import NewestBuffers
-from .kernels.plan import MissPlan, array_rows, copy_struct, pool_rows
-from .kernels.swap import SwapState, check_sizes
+from .host._pages import HostPages
+from .host._pool import HostKVPool
 from .step import Step
-from .tables import LayerTables
+
+__all__ = ["HotBufferCache", "SlotsExhausted"]
 
 
 class SlotsExhausted(RuntimeError):
     """Every one of the cache's ``max_requests`` request slots is admitted: :meth:`admit` takes
-    nothing until one is released. Not a :class:`~hisparse_cupy.host.pages.PoolExhausted`
+    nothing until one is released. Not a :class:`~hisparse_cupy.host._pages.PoolExhausted`
     (a paged pool without the host pages): an engine can catch either alone."""
 
     def __init__(self, max_requests: int):
@@ -76,11 +78,11 @@ class HotBufferCache:
         draft steps, with their state for every layer.
     scratch : int, optional
         Scratch rows per request for multi-step admission (default
-        :func:`hisparse_cupy.kernels.multistep.default_scratch`).
-    page_tokens, host_rows : int, optional
+        :func:`hisparse_cupy._kernels.multistep.default_scratch`).
+    page_tokens, pool_rows : int, optional
         Page the host pool: pages of ``page_tokens`` tokens taken as requests are admitted
         and grow (:meth:`grow`), shared by a ``prefix``, given back at :meth:`release`
-        (:attr:`pages`); the pool the cache allocates holds ``host_rows`` rows per layer
+        (:attr:`pages`); the pool the cache allocates holds ``pool_rows`` rows per layer
         (whole pages; default ``max_requests * max_len``; :meth:`host_bytes_needed`).
         Default: the slot layout, request slot ``r``'s token ``p`` in row ``r * max_len + p``.
     pool : HostKVPool, optional
@@ -110,7 +112,7 @@ class HotBufferCache:
     def __init__(self, *, n_layers: int, max_requests: int, max_len: int, row_bytes: int,
                  hot_size: int = 4096, top_k: int = 2048, extra_page: int = 64,
                  max_batch: int | None = None, max_steps: int = 1, scratch: int | None = None,
-                 page_tokens: int | None = None, host_rows: int | None = None,
+                 page_tokens: int | None = None, pool_rows: int | None = None,
                  pool: HostKVPool | None = None, device_rows=None, token_table: bool = True,
                  counters: bool = True):
         self.n_layers = L = _checks.integer("n_layers", n_layers, 1)
@@ -151,7 +153,7 @@ class HotBufferCache:
                                  f"{W + C} = {D}")
             self.device = dev
         self.pool, self._own_pool = host_pool(L, R * self.max_len, row_bytes, page_tokens,
-                                              host_rows, pool)
+                                              pool_rows, pool)
         self.host = CacheRows(R, self.max_len, self.pool, page_tokens)
         self.row_bytes = self.pool.row_bytes
         if self.device is None:
@@ -271,7 +273,7 @@ class HotBufferCache:
 
         Returns the request slot (the lowest free one), to use in ``req_indices``. Raises
         (nothing taken) :class:`SlotsExhausted` (every request slot admitted),
-        :class:`~hisparse_cupy.host.pages.PoolExhausted` (a paged pool without the pages),
+        :class:`~hisparse_cupy.host._pages.PoolExhausted` (a paged pool without the pages),
         or ``ValueError`` / ``TypeError`` / ``KeyError`` naming it.
         """
         n = _checks.integer("n_tokens", n_tokens, 1, self.max_len)
@@ -299,7 +301,7 @@ class HotBufferCache:
             copy_pool_rows(self.pool, copies, s)
             rows = self.host.rows(rid, 0, n)
             if kv is not None:
-                self.host.write(rows[shared:], kv, on_host, s)
+                self.host.store(rows[shared:], kv, on_host, s)
             self.tables.reset(rid, s)
             t = self.tables
             with s:
@@ -337,7 +339,7 @@ class HotBufferCache:
         paged, it takes the pages on the host and writes their table entries on ``stream``
         (when a page is taken), where :meth:`Step.backup_newest` finds the row (a token
         without a page is not backed up; a swap missing it later flags ``nohost``). Raises
-        :class:`~hisparse_cupy.host.pages.PoolExhausted`, nothing taken (the engine can
+        :class:`~hisparse_cupy.host._pages.PoolExhausted`, nothing taken (the engine can
         preempt). A no-op where the rows are there (the slot layout has every row).
         """
         rid = self._admitted(rid)
@@ -345,8 +347,8 @@ class HotBufferCache:
 
     @property
     def pages(self):
-        """The :class:`~hisparse_cupy.host.pages.HostPages` of a paged pool (free pages,
-        engine-held pages: :meth:`~hisparse_cupy.host.pages.HostPages.take`), else None."""
+        """The :class:`~hisparse_cupy.host._pages.HostPages` of a paged pool (free pages,
+        engine-held pages: :meth:`~hisparse_cupy.host._pages.HostPages.take`), else None."""
         return self.host.pages
 
     def _admitted(self, rid) -> int:
@@ -387,7 +389,7 @@ class HotBufferCache:
         if n == 0:
             return
         rows = self.host.rows(rid, start, start + n)
-        self.host.write(rows, kv, on_host, s)
+        self.host.store(rows, kv, on_host, s)
         with s:
             self.host_locs[rid, start: start + n] = cupy.asarray(rows)
         self.host.wrote(rid, start, start + n)

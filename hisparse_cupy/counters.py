@@ -25,8 +25,10 @@ import cupy
 import cupyx
 import numpy as np
 
-from .kernels import _abi
-from .kernels._launch import as_stream
+from ._kernels import _abi
+from ._kernels._launch import as_stream
+
+__all__ = ["LayerCounters"]
 
 
 class LayerCounters:

@@ -1,9 +1,9 @@
 """Zero-copy interop with PyTorch and JAX: DLPack views both ways, ordered on the right stream.
 
 Every op of the package already takes PyTorch tensors, JAX arrays and any other DLPack exporter
-as arguments, and any stream kind as ``stream=`` (:func:`hisparse_cupy.kernels._launch.as_stream`: a
-``torch.cuda.Stream`` or ``torch.cuda.current_stream()`` is passed as it is). This module adds
-the way back and makes the order across libraries explicit:
+as arguments, and any stream kind as ``stream=`` (a ``torch.cuda.Stream`` or
+``torch.cuda.current_stream()`` is passed as it is). This module adds the way back and makes
+the order across libraries explicit:
 
 - :func:`as_cupy`: a CuPy view of a GPU tensor (torch, JAX, CuPy), made ready for ``stream``;
 - :func:`to_torch`, :func:`to_jax`: a torch tensor / JAX array over a CuPy array (a swap's
@@ -65,7 +65,7 @@ import cupy
 import numpy as np
 
 from . import _checks
-from .kernels._launch import as_stream
+from ._kernels._launch import as_stream
 
 __all__ = ["as_cupy", "cupy_stream", "to_jax", "to_torch", "torch_stream"]
 

@@ -25,9 +25,11 @@ import cupy
 import numpy as np
 
 from . import _checks
-from .kernels import multistep, newest, swap
-from .kernels._launch import as_stream, resolve_pdl
-from .kernels.plan import array_rows, copy_rows, pool_rows
+from ._kernels import multistep, newest, swap
+from ._kernels._launch import as_stream, resolve_pdl
+from ._kernels.plan import array_rows, copy_rows, pool_rows
+
+__all__ = ["LayerCall", "Step"]
 
 
 class LayerCall(NamedTuple):
@@ -159,7 +161,7 @@ class Step:
             self.check_requests()
         if self._resolve is None:
             self._single_structs()
-        self._resolve_call.write(layer, topk, out)
+        self._resolve_call.fill(layer, topk, out)
         if stage is None:
             swap.run(self._resolve, layer, self._copy, go, self.stream.ptr)
         else:
@@ -216,7 +218,7 @@ class Step:
             self.check_requests()
         if self._ms is None:
             self._multi_structs()
-        self._ms_call.write(layer, topk, out, go.copy_blocks)
+        self._ms_call.fill(layer, topk, out, go.copy_blocks)
         multistep.run(self._ms, layer, go, self.stream.ptr)
         if check:
             self.raise_on_status(topk)

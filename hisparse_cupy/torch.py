@@ -70,13 +70,13 @@ except ImportError as e:  # pragma: no cover - the message is what a user sees
                       "torch.version.cuda)") from e
 
 import cupy
+from torch import Tensor
 
 from .cache import HotBufferCache
 from .interop import to_torch
 
 __all__ = ["TorchCache"]
 
-Tensor = torch.Tensor
 _caches = weakref.WeakValueDictionary()  # id -> TorchCache
 _ids = itertools.count(1)
 

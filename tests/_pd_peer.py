@@ -92,7 +92,7 @@ def partial(tx, t, kv) -> None:
 
 
 def bench(mib: int = 256, reps: int = 5) -> None:
-    from hisparse_cupy.host.pages import HostPages
+    from hisparse_cupy.host._pages import HostPages
     from hisparse_cupy.pd import KVReceiver, KVSender
 
     L, rb, P = 4, 4096, 64
@@ -126,7 +126,7 @@ def bench_procs(mib: int = 256, reps: int = 5) -> None:
     import select
     import subprocess
 
-    from hisparse_cupy.host.pages import HostPages
+    from hisparse_cupy.host._pages import HostPages
     from hisparse_cupy.pd import KVReceiver
 
     L, rb, P, n_req = 4, 4096, 64, 8

@@ -132,7 +132,7 @@ class Fuzz:
         rule = ("misses", "selection")[int(rng.integers(2))]
         group = int(rng.choice([0, 2, 4, 64]))  # group_replay_batch: batches mix the two ways
         self.pf = be.prefetcher(c, cfg["pattern"], rule, group) if cfg["prefetch"] else None
-        from hisparse_cupy.streams.pattern import layer_pattern
+        from hisparse_cupy.streams._pattern import layer_pattern
 
         self.full = layer_pattern(cfg["pattern"]).full if self.pf else (True,) * self.L
         self.graphs = graphs and gpu

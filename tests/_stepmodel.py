@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from hisparse_cupy import reference as ref
-from hisparse_cupy.kernels.multistep import MultiStepConfig
-from hisparse_cupy.streams.pattern import layer_pattern
+from hisparse_cupy._kernels.multistep import MultiStepConfig
+from hisparse_cupy.streams._pattern import layer_pattern
 
 
 class ModelCache:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hisparse_cupy.kernels import _abi, _build
+from hisparse_cupy._kernels import _abi, _build
 
 
 def test_compile_check_covers_every_instance():
@@ -184,7 +184,7 @@ def test_the_demo_model_compiles():
     through NVRTC for sm_90 with the demo's options (no GPU needed)."""
     import re
 
-    from hisparse_cupy.demo.model import Kernels
+    from hisparse_cupy.demo._model import Kernels
 
     path = _build.CU_DIR.parents[1] / "demo" / "model.cu"
     assert _build.nvrtc_cubin_size(path, (), ["-std=c++17", "-arch=sm_90"], "model.cu") > 1000

@@ -15,7 +15,7 @@ pytest.importorskip("cupy", reason="cache_rows imports CuPy (installed in CI, no
 
 
 def test_copies_into_a_chunked_pool_split_at_registration_edges(monkeypatch):
-    from hisparse_cupy import cache_rows
+    from hisparse_cupy import _cache_rows as cache_rows
 
     rng = np.random.default_rng(7)
     extents = []
@@ -63,8 +63,8 @@ def test_the_device_page_table_follows_the_host_pages(monkeypatch):
     agrees; CuPy replaced by NumPy (the same writes, without a device)."""
     import contextlib
 
-    from hisparse_cupy import cache_rows
-    from hisparse_cupy.host.pages import PoolExhausted
+    from hisparse_cupy import _cache_rows as cache_rows
+    from hisparse_cupy.host._pages import PoolExhausted
 
     shim = SimpleNamespace(asarray=np.asarray, zeros=np.zeros, full=np.full, int32=np.int32,
                            int64=np.int64,

@@ -30,9 +30,7 @@ def test_info_reports_versions_and_the_device_or_why_not():
     p = cli("info")
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("hisparse_cupy 0.1.0")
-    from hisparse_cupy.host import (
-        shm as host_shm,  # where shared pools go (HISPARSE_CUPY_SHM_DIR, /dev/shm)
-    )
+    from hisparse_cupy.host import _shm as host_shm
 
     assert f"\nshared pools in {host_shm.directory()} (tmpfs at " in p.stdout
     if _have_gpu():
@@ -46,7 +44,7 @@ def test_info_json_is_one_object_with_the_versions_and_the_device_or_why_not():
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)  # the whole of stdout: one object
     from hisparse_cupy import __version__
-    from hisparse_cupy.host import shm as host_shm
+    from hisparse_cupy.host import _shm as host_shm
 
     assert doc["hisparse_cupy"] == __version__ and doc["python"] == platform.python_version()
     assert doc["numpy"] == np.__version__
@@ -80,7 +78,7 @@ def test_check_without_a_gpu_compiles_and_self_checks_and_bench_says_it_needs_on
     doc = json.loads(p.stdout)
     assert doc["ok"] is True and doc["gpu"] is False and doc["why"] == _why()
     assert "error" not in doc and 0 < doc["seconds"] < 600
-    cu = sorted(x.name for x in (Path(hisparse_cupy.__file__).parent / "kernels/cu").glob("*.cu"))
+    cu = sorted(x.name for x in (Path(hisparse_cupy.__file__).parent / "_kernels/cu").glob("*.cu"))
     assert doc["kernel_sources"] == cu and doc["archs"] == ["sm_80", "sm_90"]
     compiled, oracle = doc["checked"]
     assert compiled.startswith(f"compile: every kernel instance of {len(cu)} sources x sm_80, ")

@@ -19,7 +19,7 @@ def _f32(b: np.ndarray) -> np.ndarray:
 def test_gemm_sm_target(rng):
     import cupy
 
-    from hisparse_cupy.demo.model import Gemm
+    from hisparse_cupy.demo._model import Gemm
 
     g = Gemm(None)
     if g._lib is None:
@@ -50,7 +50,7 @@ def test_torch_gemm_matches_the_product_on_the_callers_stream(rng):
     import cupy
 
     torch = pytest.importorskip("torch", reason="--matmul torch needs torch")
-    from hisparse_cupy.demo.compute import TorchGemm
+    from hisparse_cupy.demo._compute import TorchGemm
 
     g = TorchGemm()
     M, Kd, N = 300, 512, 384

@@ -1,4 +1,4 @@
-"""The decode loop's report on the CPU (``hisparse_cupy.demo.report``): the share hidden, the
+"""The decode loop's report on the CPU (``hisparse_cupy.demo._report``): the share hidden, the
 table, the prediction lines, the self-check and its counter checks, the JSON, on made-up runs
 whose figures are known."""
 
@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from hisparse_cupy.demo import report
-from hisparse_cupy.demo.config import Config
-from hisparse_cupy.demo.loop import RunResult
+from hisparse_cupy.demo import _report as report
+from hisparse_cupy.demo._config import Config
+from hisparse_cupy.demo._loop import RunResult
 
 STEPS, L = 5, 4
 FULL = np.array([True, False, True, False])

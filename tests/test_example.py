@@ -42,7 +42,7 @@ def test_example_runs_on_the_reference_backend_without_a_gpu():
 
 def test_reference_backend_self_check_catches_a_dropped_copy(monkeypatch):
     """Negative control: one missed row not copied -> the self-check fails (exit, not warn)."""
-    from hisparse_cupy.demo import cpu
+    from hisparse_cupy.demo import _cpu as cpu
 
     real = cpu.ref.swap_in
     calls = []
@@ -55,7 +55,7 @@ def test_reference_backend_self_check_catches_a_dropped_copy(monkeypatch):
         return res
 
     monkeypatch.setattr(cpu.ref, "swap_in", lossy)
-    from hisparse_cupy.demo.config import cpu_config
+    from hisparse_cupy.demo._config import cpu_config
 
     with pytest.raises(SystemExit, match="SELF-CHECK FAILED"):
         cpu.run(cpu_config(["--steps", "4"]))
@@ -65,8 +65,8 @@ def test_reference_backend_on_pages_shared_by_a_prefix(monkeypatch):
     """The NumPy backend's host pool is paged: requests 1.. fork request 0 at 1000 tokens (15
     whole pages shared, a partial page of 40 tokens copied), every output checked against the
     true KV; without the copy of the partial page the self-check fails."""
-    from hisparse_cupy.demo import cpu
-    from hisparse_cupy.demo.config import cpu_config
+    from hisparse_cupy.demo import _cpu as cpu
+    from hisparse_cupy.demo._config import cpu_config
 
     cfg = cpu_config(["--batch", "3", "--shared-prefix", "1000", "--steps", "4", "--quiet"])
     res = cpu.run(cfg)
@@ -85,8 +85,8 @@ def test_reference_backend_on_pages_shared_by_a_prefix(monkeypatch):
 def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
     """On the NumPy backend every flag given is used or refused with a message; flags not
     given take its small values."""
-    from hisparse_cupy.demo import cpu
-    from hisparse_cupy.demo.config import CPU_DEFAULTS, CPU_REFUSED, cpu_config
+    from hisparse_cupy.demo import _cpu as cpu
+    from hisparse_cupy.demo._config import CPU_DEFAULTS, CPU_REFUSED, cpu_config
 
     cfg = cpu_config(["--batch", "3", "--context", "2048", "--warmup", "0", "--steps", "2",
                       "--json", str(tmp_path / "r.json"), "--quiet", "--pattern", "FSFFSSFS"])
@@ -163,7 +163,7 @@ def test_every_examples_help_works_with_or_without_its_extras(example):
 
 
 def test_config_memory_and_errors():
-    from hisparse_cupy.demo.config import Config, from_args
+    from hisparse_cupy.demo._config import Config, from_args
 
     c = Config()
     m = c.memory()
@@ -187,8 +187,8 @@ def test_config_memory_and_errors():
                      (["--group-replay-batch", "-1"], "--group-replay-batch must be >= 0")):
         with pytest.raises(SystemExit, match=msg):
             from_args(bad)
-    from hisparse_cupy.demo.config import REPLAY_ROWS_PER_WARP, Config
-    from hisparse_cupy.kernels._build import COPY_ROWS_PER_WARP
+    from hisparse_cupy._kernels._build import COPY_ROWS_PER_WARP
+    from hisparse_cupy.demo._config import REPLAY_ROWS_PER_WARP, Config
 
     with pytest.raises(SystemExit, match=r"--replay-rows-per-warp must be one of \(1, 2, 4, 8\)"):
         Config(replay_rows_per_warp=3).check()
@@ -200,8 +200,8 @@ def test_resident_layers_default_memory_and_refusals():
     """--resident-layers: the lru default keeps the generator's low-overlap layers (GLM-5.2's
     0 and 1) on the GPU, drift none; the memory moves from the host pool to the GPU; a given
     pool or admission hook (every layer in the pool) and the NumPy backend refuse it."""
-    from hisparse_cupy.demo.config import Config, cpu_config, from_args
-    from hisparse_cupy.demo.loop import Rig
+    from hisparse_cupy.demo._config import Config, cpu_config, from_args
+    from hisparse_cupy.demo._loop import Rig
 
     c = from_args([])
     assert c.resident_layers == 2 and "layers 0-1 keep their KV" in c.describe_resident()
@@ -335,7 +335,7 @@ def test_gpu_self_check_catches_a_missing_backup(monkeypatch, capsys):
     """Negative control: without the newest token's host write (its slot-H record kept), a
     later step misses on a host row that was never written; the self-check must fail."""
     from hisparse_cupy.demo import run_gpu
-    from hisparse_cupy.demo.config import from_args
+    from hisparse_cupy.demo._config import from_args
     from hisparse_cupy.step import Step
 
     keep = Step.backup_newest
@@ -367,8 +367,8 @@ def test_readme_api_snippet_runs():
 def test_the_numpy_loop_refuses_a_size_that_cannot_fit_before_allocating(capsys):
     """An oversized CPU run ends with a message naming the flags and the memory, before any
     allocation (not a NumPy traceback); a run that fits says what it sets up first."""
-    from hisparse_cupy.demo.config import cpu_config
-    from hisparse_cupy.demo.cpu import run
+    from hisparse_cupy.demo._config import cpu_config
+    from hisparse_cupy.demo._cpu import run
 
     with pytest.raises(SystemExit, match=r"--context 100000000.* needs [0-9.]+ GB of host "
                                          r"memory; [0-9.]+ GB is available"):

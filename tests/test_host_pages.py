@@ -1,4 +1,4 @@
-"""The host pool's pages (``hisparse_cupy.host.pages``): rows, prefix sharing, engine-held pages,
+"""The host pool's pages (``hisparse_cupy.host._pages``): rows, prefix sharing, engine-held pages,
 bad input, and a randomized run of 100k operations against a model of the page counts and of
 every row's contents (a page two holders share is never written)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hisparse_cupy.host.pages import HostPages, PoolExhausted
+from hisparse_cupy.host._pages import HostPages, PoolExhausted
 
 
 def test_rows_follow_the_pages():
@@ -51,7 +51,7 @@ def test_pages_given_back_come_out_again_as_the_runs_they_were():
     """Pages freed (a request released, or the engine's put back) are handed out again in
     the order they were held: a run of consecutive pages stays one run (a transfer or copy per
     run, not one per page), round after round."""
-    from hisparse_cupy.host.pages import consecutive_runs
+    from hisparse_cupy.host._pages import consecutive_runs
 
     hp = HostPages(3 * 32, 4)
     for _ in range(3):

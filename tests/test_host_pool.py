@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from hisparse_cupy.host import pool as hp
+from hisparse_cupy.host import _pool as hp
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_a_pool_of_segments_is_one_range_one_name_and_attaches_from_another_proc
     a.numpy[:] = rng.integers(0, 256, a.numpy.shape, dtype=np.uint8)
     b = hp.HostKVPool.attach(name, L, R, RB)
     assert b.segments == 5 and (b.numpy == a.numpy).all()
-    code = ("import numpy as np; from hisparse_cupy.host import pool as hp; "
+    code = ("import numpy as np; from hisparse_cupy.host import _pool as hp; "
             "hp._register = lambda p, n: p; hp._unregister = lambda p: None; "
             "hp.require_gpu = lambda: None; hp._synchronize = lambda: None\n"
             f"p = hp.HostKVPool.attach({name!r})\n"
@@ -116,7 +116,7 @@ def test_errors_name_the_problem(no_cuda, name):
 def test_an_attacher_that_crashes_leaks_nothing_and_its_writes_stay(no_cuda, name):
     pool = hp.HostKVPool(1, 4, 16, shared_name=name)
     before = set(os.listdir(_shm()))
-    code = ("import os, numpy as np; from hisparse_cupy.host import pool as hp; "
+    code = ("import os, numpy as np; from hisparse_cupy.host import _pool as hp; "
             "hp._register = lambda p, n: p; hp.require_gpu = lambda: None; "
             f"p = hp.HostKVPool.attach({name!r}); p.numpy[0, 2] = 7; os._exit(3)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -127,7 +127,7 @@ def test_an_attacher_that_crashes_leaks_nothing_and_its_writes_stay(no_cuda, nam
 
 
 def test_a_creator_that_exits_without_close_unlinks(name):
-    code = ("from hisparse_cupy.host import pool as hp; hp._register = lambda p, n: p; "
+    code = ("from hisparse_cupy.host import _pool as hp; hp._register = lambda p, n: p; "
             "hp.require_gpu = lambda: None; "
             "hp._unregister = lambda p: None; "
             f"p = hp.HostKVPool(1, 4, 16, shared_name={name!r})")
@@ -280,7 +280,7 @@ def test_first_touch_writes_every_page_from_several_threads(no_cuda, monkeypatch
 
 def test_a_creator_killed_during_setup_leaves_no_shared_memory(name):
     path = os.path.join(_shm(), name)
-    code = ("import time; from hisparse_cupy.host import pool as hp; "
+    code = ("import time; from hisparse_cupy.host import _pool as hp; "
             "hp._register = lambda p, n: p; hp._unregister = lambda p: None; "
             "hp.require_gpu = lambda: None; touch = hp._first_touch\n"
             "def slow(rows, threads):\n"
@@ -470,7 +470,7 @@ def test_a_reservation_is_trimmed_to_a_huge_page_aligned_span():
     assert hp.host_shm.aligned(4096 * 3, 4096, 0) == (4096 * 3, [])  # small: no padding
 
 
-_STUBS = ("import numpy as np, os, sys, threading; from hisparse_cupy.host import pool as hp; "
+_STUBS = ("import numpy as np, os, sys, threading; from hisparse_cupy.host import _pool as hp; "
           "hp._register = lambda p, n: p; hp._unregister = lambda p: None; "
           "hp.require_gpu = lambda: None; hp._synchronize = lambda: None\n")
 

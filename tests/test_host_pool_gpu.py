@@ -11,7 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from hisparse_cupy.host import shm as host_shm
+from hisparse_cupy.host import _shm as host_shm
 
 from _util import pattern
 
@@ -109,7 +109,7 @@ def test_a_pool_registered_in_chunks_reads_right_across_their_edges(rng, monkeyp
     import cupy
 
     from hisparse_cupy import HotBufferCache
-    from hisparse_cupy.host import pool as hp
+    from hisparse_cupy.host import _pool as hp
 
     monkeypatch.setattr(hp, "_REGISTER_CHUNK", 1 << 20)  # the pool: 1.34 MB
     sizes, register = [], hp._register

@@ -360,7 +360,7 @@ def test_torch_graph_of_a_step_equals_eager(rng, cupy_current):
         assert (e_io["locs"] >= 0).sum() > L * K  # real rows were compared
     diffs = {}
     for name in ("slot_tokens", "slot_locs", "lru"):
-        a, b = cupy.asnumpy(getattr(eager.c, name)), cupy.asnumpy(getattr(graphed.c, name))
+        a, b = (cupy.asnumpy(getattr(x.c.tables, name)) for x in (eager, graphed))
         if not np.array_equal(a, b):
             at = np.argwhere(a != b)
             diffs[name] = (len(at), at[:6].tolist())

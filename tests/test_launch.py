@@ -8,8 +8,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from hisparse_cupy.kernels import _abi, _launch
-from hisparse_cupy.kernels._launch import Params
+from hisparse_cupy._kernels import _abi, _launch
+from hisparse_cupy._kernels._launch import Params
 
 
 def test_params_hold_the_struct_bytes():
@@ -70,7 +70,7 @@ def test_cluster_dimension_attribute(pdl):
 
 
 def test_resolve_cluster_knob(monkeypatch):
-    from hisparse_cupy.kernels import swap
+    from hisparse_cupy._kernels import swap
     from hisparse_cupy.testing import knobs
 
     for bad in (3, 16, 0, -1, "two"):
@@ -176,7 +176,7 @@ class _Fake:
 def copy_launches(monkeypatch, no_gpu_streams):
     """plan.launch_copy with the kernels and the driver stubbed: every launch is recorded as
     (instance, block, shared memory, pdl, grid, stream, the struct's bytes at the launch)."""
-    from hisparse_cupy.kernels import plan
+    from hisparse_cupy._kernels import plan
 
     seen = []
 
@@ -198,7 +198,7 @@ def _copy_struct(B=3, n_layers=1):
 
 
 def test_launch_copy_picks_the_copy_instance_block_and_shared_memory(copy_launches):
-    from hisparse_cupy.kernels import _build, plan
+    from hisparse_cupy._kernels import _build, plan
 
     p = _copy_struct(B=3)
     plan.launch_copy(p, grid=5, stream=_Fake(0x10), pdl=True, rows_per_warp=4)
@@ -221,7 +221,7 @@ def test_launch_copy_picks_the_copy_instance_block_and_shared_memory(copy_launch
 
 
 def test_copy_probe_runs_the_probe_instance_on_its_streams_only(copy_launches):
-    from hisparse_cupy.kernels import _build, plan
+    from hisparse_cupy._kernels import _build, plan
     from hisparse_cupy.testing.probe import active_copy_probes, copy_probe
 
     p = _copy_struct(B=3)

@@ -3,7 +3,11 @@
 - no module reads another module's private names (``from .m import _x``, ``obj._x`` on anything
   but ``self`` / ``cls``; the package's private *modules*, ``from . import _abi``, are its own);
 - no import circle between the package's modules;
-- no module over the line budget.
+- no module over the line budget; at most 16 modules in the package's root;
+- a public module (no ``_`` in its dotted path) shows only its ``__all__``, and all of them
+  together stay within a public-name budget;
+- the measuring code (``hisparse_cupy.testing``: the probe, the knobs) is imported by nothing on
+  a launch path.
 """
 
 from __future__ import annotations
@@ -97,8 +101,8 @@ def test_no_private_names_of_other_modules(mod):
 
 def test_the_rule_catches_a_private_read():
     tree = ast.parse("from ..cache import _dense_view\nx = step._swap\ny = self._ok\n"
-                     "from ..kernels import _abi\n")
-    assert sorted(private_reads("hisparse_cupy.streams.prefetch", tree)) == [
+                     "from .._kernels import _abi\n")
+    assert sorted(private_reads("hisparse_cupy.streams._prefetch", tree)) == [
         "line 1: from hisparse_cupy.cache import _dense_view", "line 2: step._swap"]
 
 
@@ -127,9 +131,97 @@ def test_the_circle_check_sees_the_graph():
     assert "hisparse_cupy.step" in imports("hisparse_cupy.cache", TREES["hisparse_cupy.cache"])
 
 
-@pytest.mark.parametrize("path", MODULES + sorted((PKG / "kernels" / "cu").glob("*.c*")),
+@pytest.mark.parametrize("path", MODULES + sorted((PKG / "_kernels" / "cu").glob("*.c*")),
                          ids=lambda p: str(p.relative_to(PKG)))
 def test_module_length(path):
     n = len(path.read_text().splitlines())
     budget = MAX_LINES if path.suffix == ".py" else 700
     assert n <= budget, f"{path.name}: {n} lines (budget {budget})"
+
+
+# ----------------------------------------------------------------------------- the face
+MAX_ROOT_MODULES = 16
+# Names the package shows: the union of the public modules' __all__ (a module is public when no
+# part of its dotted path starts with "_"). Raise it in the commit that adds a public name.
+PUBLIC_NAME_BUDGET = 93
+
+
+def _public(mod: str) -> bool:
+    return not any(_private(p) for p in mod.split(".")[1:])
+
+
+def _face(mod: str) -> set[str] | None:
+    """The names a module shows: its literal ``__all__``, or the keys of the name -> module
+    table an ``__init__`` passes to its lazy loader (``_LAZY`` / ``_NAMES``)."""
+    found = None
+    for node in TREES[mod].body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            if name == "__all__" and isinstance(node.value, (ast.List, ast.Tuple)):
+                return set(ast.literal_eval(node.value))
+            if name in ("_LAZY", "_NAMES") and isinstance(node.value, ast.Dict):
+                found = set(ast.literal_eval(node.value))
+    return found
+
+
+def _defined(mod: str) -> set[str]:
+    out = set()
+    for node in TREES[mod].body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign):
+            out.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out.add(node.target.id)
+    return {n for n in out if not n.startswith("_")}
+
+
+def test_the_root_holds_few_modules():
+    root = [p.name for p in PKG.glob("*.py")]
+    assert len(root) <= MAX_ROOT_MODULES, sorted(root)
+
+
+PUBLIC = sorted(m for m in NAMES if _public(m) and m != "hisparse_cupy.__main__")
+
+
+@pytest.mark.parametrize("mod", PUBLIC)
+def test_a_public_module_shows_only_its_all(mod):
+    face = _face(mod)
+    assert face is not None, f"{mod} is public but has no __all__"
+    assert _defined(mod) <= face, f"{mod} defines public names outside __all__: " \
+        f"{sorted(_defined(mod) - face)} (underscore them, or move them to a private module)"
+
+
+def test_the_public_names_stay_within_the_budget():
+    names = {(m, n) for m in PUBLIC for n in (_face(m) or ())}
+    assert len(names) <= PUBLIC_NAME_BUDGET, sorted(names)
+
+
+def test_the_probe_stays_off_the_production_path():
+    """Only the measuring code and the CLI's ``check`` (lazily) import ``hisparse_cupy.testing``;
+    nothing on a launch path does, at any depth."""
+    users = set()
+    for mod, tree in TREES.items():
+        if mod.startswith("hisparse_cupy.testing"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                src = _resolve(mod, node)
+                full = {f"{src}.{a.name}" for a in node.names} | {src}
+                if any(f == "hisparse_cupy.testing" or f.startswith("hisparse_cupy.testing.")
+                       for f in full):
+                    users.add(mod)
+    assert users <= {"hisparse_cupy._cli"}, sorted(users)
+
+
+def test_the_face_rules_catch_a_stray_name_and_a_probe_import(monkeypatch):
+    fake = "hisparse_cupy.fake"
+    monkeypatch.setitem(TREES, fake, ast.parse(
+        "from .testing.probe import copy_probe\n__all__ = ['shown']\ndef shown(): pass\n"
+        "def stray(): pass\n_hidden = 1\n"))
+    monkeypatch.setitem(NAMES, fake, PKG / "fake.py")
+    assert _face(fake) == {"shown"} and _defined(fake) == {"shown", "stray"}
+    with pytest.raises(AssertionError, match="stray"):
+        test_a_public_module_shows_only_its_all(fake)
+    with pytest.raises(AssertionError, match="hisparse_cupy.fake"):
+        test_the_probe_stays_off_the_production_path()

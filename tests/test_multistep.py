@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from hisparse_cupy import reference as ref
-from hisparse_cupy.kernels._abi import default_scratch
-from hisparse_cupy.kernels.multistep import MultiStepConfig, commit_smem_bytes, table_size
+from hisparse_cupy._kernels._abi import default_scratch
+from hisparse_cupy._kernels.multistep import MultiStepConfig, commit_smem_bytes, table_size
 from hisparse_cupy.testing.twin import Twin
 
 # ============================================================================ CPU: sizing
@@ -97,7 +97,7 @@ def test_layout_and_table_checks():
 
 def test_compile_check_covers_multistep():
     import hisparse_cupy as hc
-    from hisparse_cupy.kernels import _build
+    from hisparse_cupy._kernels import _build
 
     names = _build.INSTANCES["multistep.cu"]
     assert any("gather" in n for n in names) and any("commit" in n for n in names)
@@ -418,12 +418,10 @@ def random_calls(env, rng, n_calls, B):
 
 @pytest.fixture
 def pdl_mode(request):
-    from hisparse_cupy import pdl_enabled, set_pdl
+    from hisparse_cupy.testing import knobs
 
-    old = pdl_enabled()
-    set_pdl(request.param)
-    yield request.param
-    set_pdl(old)
+    with knobs.pdl(request.param):
+        yield request.param
 
 
 # ============================================================================ GPU tests
@@ -464,7 +462,7 @@ def test_batches_either_side_of_the_copy_switch(rng, B):
     exactly (outputs, state, plan, bytes), partial admission
     included (misses beyond the scratch rows are copied by the commit blocks in either case:
     test_random_calls_against_oracle covers them)."""
-    from hisparse_cupy.kernels.multistep import COPY_IN_COMMIT_MAX_ROWS, copy_blocks
+    from hisparse_cupy._kernels.multistep import COPY_IN_COMMIT_MAX_ROWS, copy_blocks
 
     for S in (2, 3, 4):
         assert (copy_blocks(B, S) > 0) == (B * S <= COPY_IN_COMMIT_MAX_ROWS)
@@ -793,7 +791,7 @@ def test_shared_workspace_and_plan_replay(rng):
     import cupy
 
     from hisparse_cupy import replay_plan
-    from hisparse_cupy.kernels.multistep import MultiStepWorkspace
+    from hisparse_cupy._kernels.multistep import MultiStepWorkspace
 
     ws = MultiStepWorkspace(3, 4 * 32)
     envs = [Twin.multi(rng, R=3, H=64, P=8, K=32, S_max=4, workspace=ws) for _ in range(2)]

@@ -11,6 +11,8 @@ requests or a row lost on growth shows as a wrong byte.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -21,12 +23,12 @@ pytestmark = pytest.mark.gpu
 L, R, MAX_LEN, ROW, H, K, EXTRA, PAGE = 3, 6, 512, 64, 64, 16, 16, 16
 
 
-def _cache(host_rows=R * 160):
+def _cache(pool_rows=R * 160):
     from hisparse_cupy import HotBufferCache
 
     return HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,
                           hot_size=H, top_k=K, extra_page=EXTRA, page_tokens=PAGE,
-                          host_rows=host_rows)
+                          pool_rows=pool_rows)
 
 
 class Model:
@@ -68,7 +70,7 @@ def _step(c, m, batch, stream, rng, *, grow=True):
     swap per layer whose output rows are checked byte for byte."""
     import cupy
 
-    from hisparse_cupy.host.pages import PoolExhausted
+    from hisparse_cupy.host._pages import PoolExhausted
 
     live = []
     for rid in batch:
@@ -105,8 +107,8 @@ def _step(c, m, batch, stream, rng, *, grow=True):
 @pytest.mark.parametrize("copies", ["copy engines", "copy kernel"])
 def test_paged_pool_bytes_through_forks_growth_engine_pages_and_churn(rng, stream, copies,
                                                                      monkeypatch):
-    from hisparse_cupy import cache_rows
-    from hisparse_cupy.host.pages import PoolExhausted
+    from hisparse_cupy import _cache_rows as cache_rows
+    from hisparse_cupy.host._pages import PoolExhausted
 
     # KV from GPU arrays by 2-D copies per run of rows, or by the copy kernel
     monkeypatch.setattr(cache_rows, "MIN_RUN_BYTES", 0 if copies == "copy engines" else 1 << 62)
@@ -214,45 +216,51 @@ def test_a_fork_never_writes_the_pages_it_shares(rng, stream):
 def test_a_fork_covers_only_the_tokens_its_parent_wrote(rng, stream):
     """An engine that grows ahead of its steps (pages for tokens not written yet): a fork past
     the parent's written tokens is refused by name, whatever the pages say, and a fork up to
-    them (a step's backup included) shares exactly the bytes written. The parent's later
-    tokens keep reaching its own host rows: before the bound was the tokens with pages, so the
-    parent's page became shared, its later backups were skipped and the child read rows that
-    were never written."""
+    them (a step's backup included) shares exactly the bytes written; the parent's later tokens
+    keep reaching its own host rows. (Before, the bound was the tokens with pages at the last
+    grow: after a second grow the fork of 32 was taken, the page became shared, the parent's
+    later backups were skipped and the child read rows never written.)"""
     import cupy
+
+    def step_parent(k):
+        for _ in range(k):
+            m.ids[parent] = np.r_[m.ids[parent], m.new(1)]
+            n = len(m.ids[parent])
+            with stream:
+                step = c.begin_step(cupy.asarray([parent], cupy.int32),
+                                    cupy.asarray([n], cupy.int32), stream=stream)
+                rows = step.newest_rows()
+                for layer in range(L):
+                    c.device[layer][rows] = cupy.asarray(pattern(layer, m.ids[parent][-1:], ROW))
+                step.backup_newest()
 
     c, m = _cache(), Model(rng)
     ids = m.new(10)
     parent = c.admit(10, m.kv(ids, True), stream=stream)  # one page: tokens 0..15
     m.ids[parent] = ids
     c.grow(parent, 40, stream=stream)  # ahead: pages for tokens up to 40, none written
-    for _ in range(3):  # steps write tokens 10, 11, 12
-        m.ids[parent] = np.r_[m.ids[parent], m.new(1)]
-        n = len(m.ids[parent])
-        with stream:
-            step = c.begin_step(cupy.asarray([parent], cupy.int32),
-                                cupy.asarray([n], cupy.int32), stream=stream)
-            rows = step.newest_rows()
-            for layer in range(L):
-                c.device[layer][rows] = cupy.asarray(pattern(layer, m.ids[parent][-1:], ROW))
-            step.backup_newest()
-    for p in (14, 16, 32):  # past token 12: the parent has not written them
-        with pytest.raises(ValueError, match=f"prefix of {p} tokens: .*parent 0.*token 13"):
-            c.admit(p + 4, m.kv(m.new(4), True), prefix=(parent, p), stream=stream)
-        assert sorted(c.active) == [parent] and c.pages.own_from(parent) == 0
+    step_parent(3)  # tokens 10, 11, 12
+    c.grow(parent, 41, stream=stream)  # the engine grows again, still ahead
+    refused = {}
+    for p in (32, 16, 14):  # past token 12: the parent has not written them
+        new = m.new(4)
+        try:
+            child = c.admit(p + 4, m.kv(new, True), prefix=(parent, p), stream=stream)
+        except ValueError as e:
+            refused[p] = str(e)
+        else:  # taken: the child holds the parent's tokens 0..p-1 (as the engine believes)
+            m.ids[child] = np.r_[m.ids[parent][:p], new]
+    step_parent(5)  # the parent's tokens 13..17
+    _check_host(c, m, stream)  # every live request's host rows hold its tokens' bytes
+    for p in (32, 16, 14):
+        assert re.match(rf"prefix of {p} tokens: request slot {parent} has not written token "
+                        r"13 ", refused.get(p, "taken")), (p, refused.get(p))
+    assert sorted(c.active) == [parent]
     child_ids = np.r_[m.ids[parent][:13], m.new(7)]
     child = c.admit(20, m.kv(child_ids[13:], True), prefix=(parent, 13), stream=stream)
     m.ids[child] = child_ids
     _check_host(c, m, stream)  # the child's 13 tokens: the parent's, a step's backup included
-    for _ in range(5):  # the parent's tokens 13..17 still go to its own rows
-        m.ids[parent] = np.r_[m.ids[parent], m.new(1)]
-        n = len(m.ids[parent])
-        with stream:
-            step = c.begin_step(cupy.asarray([parent], cupy.int32),
-                                cupy.asarray([n], cupy.int32), stream=stream)
-            rows = step.newest_rows()
-            for layer in range(L):
-                c.device[layer][rows] = cupy.asarray(pattern(layer, m.ids[parent][-1:], ROW))
-            step.backup_newest()
+    step_parent(5)
     _check_host(c, m, stream)
     c.close()
 
@@ -320,9 +328,9 @@ def test_growth_across_pages_inside_a_captured_graph(rng, stream):
 
 def test_paged_errors_name_the_argument(stream):
     from hisparse_cupy import HotBufferCache
-    from hisparse_cupy.host.pages import PoolExhausted
+    from hisparse_cupy.host._pages import PoolExhausted
 
-    c = _cache(host_rows=8 * PAGE)
+    c = _cache(pool_rows=8 * PAGE)
     kv = np.zeros((L, 100, ROW), np.uint8)
     rid = c.admit(40, kv[:, :40], stream=stream)  # 3 pages of 8
     for call, exc, match in [
@@ -361,7 +369,7 @@ def test_paged_errors_name_the_argument(stream):
     assert c.pages.tokens(rid) == 40 and c.pages.free_pages == 5
     c.pages.check()
     c.close()
-    for kw, exc, match in [(dict(host_rows=10), ValueError, "host_rows applies to a paged"),
+    for kw, exc, match in [(dict(pool_rows=10), ValueError, "pool_rows applies to a paged"),
                            (dict(page_tokens=0), ValueError, "page_tokens")]:
         with pytest.raises(exc, match=match):
             HotBufferCache(n_layers=L, max_requests=R, max_len=MAX_LEN, row_bytes=ROW,

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hisparse_cupy.host.pages import HostPages, PoolExhausted
+from hisparse_cupy.host._pages import HostPages, PoolExhausted
 from hisparse_cupy.pd import _nixl
 
 try:
@@ -359,7 +359,7 @@ def test_a_shared_pools_ticket_names_it_and_is_checked(tx):
     numpy) puts ``shm`` in its tickets; host memory ``kv`` still goes over NIXL (the same-node
     path is GPU memory's), byte exact; an ``shm`` that is not a pool's, or that does not hold
     every descriptor, is refused naming ``ticket['shm']`` before any transfer."""
-    from hisparse_cupy.host import shm as host_shm
+    from hisparse_cupy.host import _shm as host_shm
 
     pages = CountingPages(8, P)
     pool = np.zeros((L, 8 * P, RB), np.uint8)
@@ -750,8 +750,8 @@ def test_the_pd_example_decodes_on_kv_that_came_over_nixl(capsys, how):
     to read into its pool's pages (or, ``--push``, writes it there once granted); the decode
     loop (NumPy backend) then passes its bit-for-bit self-check, and fails it when one
     request's received rows are altered (the check sees the transfer)."""
-    from hisparse_cupy.demo.config import cpu_config
-    from hisparse_cupy.demo.cpu import run
+    from hisparse_cupy.demo._config import cpu_config
+    from hisparse_cupy.demo._cpu import run
 
     ex = _pd_example()
     assert ex.main(["--cpu", "--batch", "3", "--context", "1000", "--steps", "3",
@@ -782,7 +782,7 @@ def test_kv_in_gpu_memory_lands_in_a_pinned_pool_byte_exact(rng, pull, verify):
     its poison."""
     import cupy
 
-    from hisparse_cupy.host.pool import HostKVPool
+    from hisparse_cupy.host._pool import HostKVPool
 
     L, rb, P, n_pages = 3, 656, 16, 48
     sizes = [1, 17, 100, 257, 16]
@@ -830,7 +830,7 @@ def test_the_same_node_path_copies_into_a_shared_pool_byte_exact(rng, monkeypatc
     describe the pool is refused; a pool made anew under that name is attached anew."""
     import cupy
 
-    from hisparse_cupy.host import pool as hp
+    from hisparse_cupy.host import _pool as hp
 
     monkeypatch.setattr(hp, "_REGISTER_CHUNK", 1 << 20)
     L, rb, P, n_pages = 3, 656, 16, 200

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from hisparse_cupy.host.pages import PoolExhausted
-from hisparse_cupy.kernels import sums as _sums
+from hisparse_cupy._kernels import sums as _sums
+from hisparse_cupy.host._pages import PoolExhausted
 from hisparse_cupy.pd import _nixl
 
 try:
@@ -331,7 +331,7 @@ def test_the_same_node_paths_copies_are_granted_like_writes():
     receiver without a shared pool refuses copies."""
     import types
 
-    from hisparse_cupy.host import shm as host_shm
+    from hisparse_cupy.host import _shm as host_shm
 
     pages = CountingPages(16, P)
     pool = np.full((L, 16 * P, RB), POISON, np.uint8)

@@ -321,7 +321,7 @@ def test_replay_validation(s):
     import cupy as cp
 
     from hisparse_cupy import MissPlan, replay_plan
-    from hisparse_cupy.kernels._launch import Ptr
+    from hisparse_cupy._kernels._launch import Ptr
 
     pool, dev = _setup(s)
     plan = MissPlan(4, 8)

@@ -124,8 +124,8 @@ def test_default_replay_shape(monkeypatch):
     """The side-stream replays' default: an eighth of the SMs (16 on an H200's 132), at least
     8 blocks, 4 rows in flight per warp (benchmarks/NOTES.md, "The side streams' copy
     shape"), each a choice of the copy kernel (CPU: the SM count stubbed)."""
-    from hisparse_cupy.kernels.plan import ROWS_PER_WARP
-    from hisparse_cupy.streams import prefetch
+    from hisparse_cupy._kernels.plan import ROWS_PER_WARP
+    from hisparse_cupy.streams import _prefetch as prefetch
 
     for sms, grid in ((132, 16), (108, 13), (40, 8), (1, 8)):
         monkeypatch.setattr(prefetch, "sm_count", lambda n=sms: n)

@@ -1,4 +1,4 @@
-"""The per-layer checksum of a prefill -> decode transfer (``hisparse_cupy.kernels.sums``): it
+"""The per-layer checksum of a prefill -> decode transfer (``hisparse_cupy._kernels.sums``): it
 sees a
 changed byte and a moved row, a receiver's sum over any split of the rows into runs equals the
 sender's, and the GPU kernel (``cu/sums.cu``) equals NumPy's on random shapes, strided views
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hisparse_cupy.kernels import sums as _sums
+from hisparse_cupy._kernels import sums as _sums
 
 
 def test_checksums_see_a_changed_byte_a_moved_row_and_any_split():
@@ -59,7 +59,7 @@ def test_the_gpu_sum_equals_numpys(rng):
 def test_a_mapped_pools_runs_are_summed_on_the_gpu_as_on_the_host(rng):
     """A ``HostKVPool``'s runs, summed by the kernel through the pool's device mapping (a
     launch per run, at its word offset), equal the host threads' sums of the same rows."""
-    from hisparse_cupy.host.pool import HostKVPool
+    from hisparse_cupy.host._pool import HostKVPool
 
     with HostKVPool(4, 3000, 1152) as pool:
         pool.numpy[:] = rng.integers(0, 256, pool.numpy.shape, dtype=np.uint8)

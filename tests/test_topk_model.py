@@ -1,4 +1,4 @@
-"""The top-k stream generator (``hisparse_cupy.demo.topk_model``): the shape it promises,
+"""The top-k stream generator (``hisparse_cupy.demo._topk_model``): the shape it promises,
 measured on what it generated (exact-LRU miss rate per hot size, step and layer overlap)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hisparse_cupy.demo.topk_model import DEFAULT_CURVE, StreamShape, TopKStream, measure
+from hisparse_cupy.demo._topk_model import DEFAULT_CURVE, StreamShape, TopKStream, measure
 
 K, B, N_FULL, STEPS = 256, 2, 5, 40
 CONTEXT = 16 * K
@@ -95,8 +95,8 @@ def test_bad_sizes_name_the_argument():
 
 
 def test_the_numpy_demo_runs_on_the_streams_and_reports_their_shape(capsys):
-    from hisparse_cupy.demo.config import cpu_config
-    from hisparse_cupy.demo.cpu import run
+    from hisparse_cupy.demo._config import cpu_config
+    from hisparse_cupy.demo._cpu import run
 
     cfg = cpu_config(["--topk-model", "lru", "--layers", "12", "--steps", "8",
                       "--step-overlap", "0.6", "--quiet"])
@@ -107,7 +107,7 @@ def test_the_numpy_demo_runs_on_the_streams_and_reports_their_shape(capsys):
 
 
 def test_the_demo_flags_of_the_streams_are_checked():
-    from hisparse_cupy.demo.config import from_args
+    from hisparse_cupy.demo._config import from_args
 
     assert from_args([]).topk_model == "lru"  # the default, on the GPU loop too
     with pytest.raises(SystemExit, match="--step-overlap must be in"):
@@ -123,7 +123,7 @@ def test_the_demo_flags_of_the_streams_are_checked():
 
 
 def test_generate_in_parallel_equals_the_stream_step_by_step():
-    from hisparse_cupy.demo.topk_model import generate
+    from hisparse_cupy.demo._topk_model import generate
 
     shape = StreamShape()
     lens = np.stack([np.array([CONTEXT + t, CONTEXT + 3 + t, CONTEXT + 7 + t])

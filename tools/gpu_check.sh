@@ -30,6 +30,7 @@
 #                                [--full=bench_NAME ...]   (that benchmark in full, others quick)
 #                                [--peer=DIR] [--peer-full] [--tests=PYTEST_ARGS] [--no-demo]
 #                                [--demo=ARGS] [--fuzz-steps=N] [--fuzz-procs=N] [--shm-huge=GB]
+#                                [--sanitize=swap,plan,...]   (those tools/sanitize_*.py only)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
@@ -38,9 +39,11 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 tests=1 sanitize=1 bench=1 quick=--quick full_only= peer= peer_mode=--quick test_args=tests demo=1
 demo_args="--steps 100 --warmup 20 --eager-and-graph" fuzz_steps=100000 fuzz_procs=12 shm_huge=
+sanitize_only=
 for a in "$@"; do
   case $a in
     --no-tests) tests=0 ;; --no-sanitize) sanitize=0 ;; --no-bench) bench=0 ;;
+    --sanitize=*) sanitize_only=${a#--sanitize=} ;;
     --full-bench) quick= ;;
     --full=*) full_only="$full_only ${a#--full=}" ;;
     --peer=*) peer=${a#--peer=} ;;
@@ -69,7 +72,7 @@ if [ -n "$shm_huge" ]; then  # shared pools on 2 MiB pages (needs root to mount)
   d=/tmp/hisparse-shm-huge
   mkdir -p "$d" && { mountpoint -q "$d" || mount -t tmpfs -o "huge=always,size=${shm_huge}g" tmpfs "$d"; } \
     && export HISPARSE_CUPY_SHM_DIR=$d || { summary "--shm-huge: could not mount a tmpfs at $d"; fail=1; }
-  summary "$($PY -c 'from hisparse_cupy.host import shm; print(shm.describe())' 2>&1)"
+  summary "$($PY -c 'from hisparse_cupy.host import _shm; print(_shm.describe())' 2>&1)"
 fi
 
 if [ $tests = 1 ]; then
@@ -95,6 +98,7 @@ if [ $sanitize = 1 ]; then
     summary "compute-sanitizer not found"; fail=1
   else
     for s in tools/sanitize_*.py; do
+      case ",$sanitize_only," in ",,"|*",$(basename "$s" .py | sed 's/^sanitize_//'),"*) ;; *) continue ;; esac
       for tool in memcheck racecheck synccheck; do
         t0=$SECONDS
         echo "=== $tool $s" >>"$OUT/sanitize.log"
@@ -150,9 +154,22 @@ summary "host_overhead rc=$rc ($((SECONDS - t0)) s)"
 [ $rc = 0 ] || fail=1
 
 if [ -n "$peer" ]; then
+  # The peer probe calls 0.1's API for ours: swap_in(dry_run=) and set_pdl(True). A copy is
+  # adapted to today's, same work: the dry chain runs under copy_probe(dry_run=True) on the
+  # benchmark's stream, and PDL stays the default (on where supported, as set_pdl(True) set).
+  adapted=$(mktemp -d) && cp -r "$peer"/. "$adapted"/
+  sed -i -e 's/out=self.out, status=self.status, dry_run=dry, stream=self.stream)/out=self.out, status=self.status, stream=self.stream)/' \
+    -e 's/^\( *\)rec\["ours_dry"\] = chain(/\1with copy_probe(dry_run=True, streams=[stream]): rec["ours_dry"] = chain(/' \
+    -e 's/^from hisparse_cupy import HostKVPool, MissPlan, swap_in  # noqa: E402$/&\nfrom hisparse_cupy.testing.probe import copy_probe  # noqa: E402/' \
+    "$adapted/bench_peer.py"
+  sed -i -e 's/^from hisparse_cupy import HostKVPool, set_pdl  # noqa: E402$/from hisparse_cupy import HostKVPool  # noqa: E402/' \
+    -e 's/^\( *\)set_pdl(True)$/\1pass  # PDL: the default where supported/' "$adapted/bench_peer_spec.py" \
+    "$adapted/bench_peer.py"
+  grep -q "dry_run=dry\|set_pdl" "$adapted"/bench_peer*.py && summary "peer: adapting the copy failed"
+  peer=$adapted
   for b in bench_peer bench_peer_spec; do
     t0=$SECONDS
-    timeout "${BENCH_TIMEOUT:-900}" $PY "$peer/$b.py" $peer_mode --out "$OUT/peer" >"$OUT/$b.log" 2>&1
+    HS_REPO=$PWD timeout "${BENCH_TIMEOUT:-900}" $PY "$peer/$b.py" $peer_mode --out "$OUT/peer" >"$OUT/$b.log" 2>&1
     rc=$?
     summary "peer $b ${peer_mode:-full} rc=$rc ($((SECONDS - t0)) s)"
     [ $rc = 0 ] || fail=1

@@ -26,8 +26,8 @@ import cupy
 import numpy as np
 
 from hisparse_cupy import HotBufferCache, swap_in
-from hisparse_cupy.kernels import _abi
-from hisparse_cupy.kernels._launch import launcher
+from hisparse_cupy._kernels import _abi
+from hisparse_cupy._kernels._launch import launcher
 
 ROUNDS, N = 5, 200
 K, H, P, MAX_LEN, ROW = 2048, 4096, 64, 8192, 656

@@ -34,7 +34,7 @@ import bench_spec  # noqa: E402
 import bench_swap  # noqa: E402
 
 from hisparse_cupy import HostKVPool, MissPlan, swap_in
-from hisparse_cupy.kernels import _build  # noqa: E402
+from hisparse_cupy._kernels import _build  # noqa: E402
 
 ROW = 656
 # mark -> phase, per kernel (the HS_PHASE(i) marks in cu/swap.cu and cu/multistep.cu)

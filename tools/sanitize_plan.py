@@ -128,7 +128,7 @@ def check_prefetch(s, rng, predict: bool, partition=None, rule: str = "misses") 
 
 def check_sums(rng) -> int:
     """The per-layer transfer checksum on the GPU against NumPy's: mismatching layers."""
-    from hisparse_cupy.kernels import sums as _sums
+    from hisparse_cupy._kernels import sums as _sums
 
     bad = 0
     for L, n, rb in [(1, 1, 8), (3, 100, 656), (4, 0, 64), (2, 3000, 1152)]:

@@ -1,6 +1,6 @@
 """The decode loop's captured step on the GPU's timeline: where each layer's time goes.
 
-Runs the demo's rig (``hisparse_cupy.demo.loop.Rig``) for a few graph-captured steps per mode
+Runs the demo's rig (``hisparse_cupy.demo._loop.Rig``) for a few graph-captured steps per mode
 under ``torch.profiler`` (CUPTI's kernel records: every kernel of the process, CuPy's and
 cuBLAS's included, with its start and end on the device) and splits each step by layer:
 
@@ -119,8 +119,8 @@ def main(argv=None) -> int:
     import torch  # noqa: F401  (its profiler records CuPy's kernels too: CUPTI is per process)
     from torch.profiler import ProfilerActivity, profile
 
-    from hisparse_cupy.demo.config import from_args
-    from hisparse_cupy.demo.loop import Rig
+    from hisparse_cupy.demo._config import from_args
+    from hisparse_cupy.demo._loop import Rig
 
     cfg = from_args(["--batch", str(ns.batch), "--warmup", "2", "--steps", str(ns.steps),
                      "--quiet", *ns.demo])

@@ -6,7 +6,7 @@
 
 A synthetic sparse-attention model with realistic shapes (GLM-5.2's 78 layers and IndexCache
 pattern, MLA rows of 576 bf16 values, 16 heads, K 2048, H 4096) decodes a batch of long requests
-on top-k lists of a published shape (:mod:`hisparse_cupy.demo.topk_model`, their measured
+on top-k lists of a published shape (:mod:`hisparse_cupy.demo._topk_model`, their measured
 shape printed; ``--topk-model drift`` for the older drifting lists) in four modes, one after
 another on the same inputs:
 
@@ -28,7 +28,7 @@ of one swap call (eager), prediction's precision and recall, and the device coun
 ``--json`` and ``--png`` write the results and an ITL-per-step plot.
 
 Without a CUDA device it runs the same algorithm on the NumPy reference backend, small, and
-says so in its first line (:mod:`hisparse_cupy.demo.cpu`).
+says so in its first line (:mod:`hisparse_cupy.demo._cpu`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import sys
 import time
 
 from .._device import cupy_or_why
-from .config import Config, cpu_config, from_args, host_memory_bytes
+from ._config import Config, cpu_config, from_args, host_memory_bytes
 
 __all__ = ["Config", "describe", "main", "partition", "report_results", "run_gpu", "run_modes"]
 
@@ -88,7 +88,7 @@ def partition(cfg: Config):
 
 def run_modes(cfg: Config, rig, log) -> list:
     """Every configured mode and exec kind on ``rig`` (a :class:`~.loop.Rig`), in order."""
-    from ..kernels import _launch
+    from .._kernels import _launch
 
     log(f"model: {rig.model.gemm.kind}; attention split in {rig.model.nsplit} x "
         f"{rig.model.chunk} rows; PDL {'on' if _launch.resolve_pdl(None) else 'off'}")
@@ -105,7 +105,7 @@ def run_modes(cfg: Config, rig, log) -> list:
 
 def report_results(cfg: Config, results, extra: dict, title: str) -> int:
     """The table, the self-check, JSON and PNG; returns the exit status (1: check failed)."""
-    from . import report
+    from . import _report as report
 
     rows = report.summarize(cfg, results, len(cfg.pattern_obj().full_layers))
     print()
@@ -146,7 +146,7 @@ def run_gpu(cfg: Config, admission=None, pool=None) -> int:
     pool for the cache to page (:meth:`~.loop.Rig.paged_rows` rows; the caller closes it)."""
     import cupy
 
-    from .loop import Rig
+    from ._loop import Rig
 
     log = (lambda msg: None) if cfg.quiet else (lambda msg: print(msg, flush=True))
     why = describe(cfg)
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
               f"{cfg.layers} layers, {cfg.batch} requests, context {cfg.context}, K "
               f"{cfg.top_k}, H {cfg.hot}, {cfg.warmup} + {cfg.steps} steps (flags not given "
               f"take the small values `demo --help` lists)", flush=True)
-        from .cpu import run
+        from ._cpu import run
 
         run(cfg)
         return 0

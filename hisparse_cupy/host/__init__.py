@@ -1,16 +1,15 @@
 """The host tier: the pinned, device-mapped pool that holds every token's KV.
 
-- :mod:`.pool`: :class:`HostKVPool` (``[n_layers, n_rows, row_bytes]``: allocated, attached to
-  a shared segment, or registered in place);
-- :mod:`.shm`: shared segments (named, file-backed, huge pages) other processes attach;
-- :mod:`.pages`: :class:`HostPages`, the page allocator of a paged pool (shared prefixes,
+- :class:`HostKVPool` (``_pool.py``): ``[n_layers, n_rows, row_bytes]``, allocated, attached
+  to a shared segment (``_shm.py``: named, file-backed, huge pages) or registered in place;
+- :class:`HostPages` (``_pages.py``): the page allocator of a paged pool (shared prefixes,
   engine-held pages), and :class:`PoolExhausted`.
 
-Names are imported on first use: :mod:`.pages` needs NumPy only.
+Names are imported on first use: :class:`HostPages` needs NumPy only.
 """
 
 from .._lazy import lazy
 
-_NAMES = {"HostKVPool": "pool", "HostPages": "pages", "PoolExhausted": "pages"}
+_NAMES = {"HostKVPool": "_pool", "HostPages": "_pages", "PoolExhausted": "_pages"}
 __all__ = sorted(_NAMES)
 __getattr__, __dir__ = lazy(__name__, _NAMES)

@@ -8,3 +8,5 @@ path, and nothing on that path imports them.
 
 The public oracle is :mod:`hisparse_cupy.reference`.
 """
+
+__all__ = ["knobs", "probe", "selfcheck", "twin"]

@@ -6,6 +6,8 @@ its family's ``FIXED`` table (data the family reads when it plans a launch) and 
         swap_in(...)
     with knobs.copy_blocks(0):          # the multi-step commit: no copy blocks
         multistep_swap_in(...)
+    with knobs.pdl(False):              # calls with pdl=None launch plainly
+        ...
 
 Launches already planned (a :class:`~hisparse_cupy.Step`'s, a captured graph) keep theirs.
 """
@@ -16,7 +18,9 @@ import contextlib
 from collections.abc import Iterator
 
 from .. import _checks
-from ..kernels import multistep, swap
+from .._kernels import _launch, multistep, swap
+
+__all__ = ["copy_blocks", "pdl", "resolve_cluster"]
 
 
 @contextlib.contextmanager
@@ -31,13 +35,22 @@ def _fixed(table: dict, key: str, value) -> Iterator[None]:
 
 def resolve_cluster(blocks: int | None):
     """The single-step resolve's blocks per batch row: 1, 2, 4 or 8 (sm_90+ for more than 1),
-    or None (:func:`hisparse_cupy.kernels.swap.resolve_cluster` chooses)."""
+    or None (:func:`hisparse_cupy._kernels.swap.resolve_cluster` chooses)."""
     return _fixed(swap.FIXED, "cluster", swap.cluster_arg(blocks))
 
 
 def copy_blocks(blocks: int | None):
     """The multi-step commit's copy blocks per batch row (0 .. 64), or None
-    (:func:`hisparse_cupy.kernels.multistep.copy_blocks` chooses)."""
+    (:func:`hisparse_cupy._kernels.multistep.copy_blocks` chooses)."""
     if blocks is not None:
         blocks = _checks.integer("copy_blocks", blocks, 0, 64)
     return _fixed(multistep.FIXED, "copy_blocks", blocks)
+
+
+def pdl(enabled: bool):
+    """What a call's ``pdl=None`` means on a device that has PDL (sm_90+): launch the dependent
+    kernels with Programmatic Dependent Launch, or plainly (the process default comes from
+    ``HISPARSE_CUPY_PDL``)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    return _fixed(_launch.FIXED, "pdl", enabled)

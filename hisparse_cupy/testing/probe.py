@@ -1,7 +1,7 @@
 """Measuring instruments for the planned copy (tests, benchmarks, sanitizer runs; not for engines).
 
 :func:`copy_probe` is a context manager: while it is active, every host -> device planned copy
-that :func:`hisparse_cupy.kernels.plan.launch_copy` queues on one of its streams (the stateless
+that :func:`hisparse_cupy._kernels.plan.launch_copy` queues on one of its streams (the stateless
 :func:`~hisparse_cupy.swap_in`'s copy, replays, the Prefetcher's replays and staging copies,
 admission loads) runs the copy's measuring instance, ``planned_copy_probe``
 (``cu/plan_probe.cu``, a module of its own compiled on a probe's first use), with its settings:
@@ -14,9 +14,9 @@ admission loads) runs the copy's measuring instance, ``planned_copy_probe``
 
 The production instances take a struct without these fields and have no such code, and the
 production path consults nothing: while the first probe is active this module puts its own
-function in :data:`hisparse_cupy.kernels.plan.copy_queue` (what ``launch_copy`` calls), and
+function in :data:`hisparse_cupy._kernels.plan.copy_queue` (what ``launch_copy`` calls), and
 puts the production one back when the last ends. Device -> host copies (backups) are never
-probed, nor copies launched through a :func:`hisparse_cupy.kernels.plan.copy_launcher` directly
+probed, nor copies launched through a :func:`hisparse_cupy._kernels.plan.copy_launcher` directly
 (the Step's swap path). A copy queued while a CUDA graph is captured is captured with the
 instance and settings in force then.
 
@@ -36,8 +36,10 @@ import cupy
 import numpy as np
 
 from .. import _checks
-from ..kernels import _abi, _build, plan
-from ..kernels._launch import Launcher, Params, as_stream, ptr
+from .._kernels import _abi, _build, plan
+from .._kernels._launch import Launcher, Params, as_stream, ptr
+
+__all__ = ["CopyProbe", "active_copy_probes", "copy_probe"]
 
 # The probes now in force, innermost last (only CopyProbe changes it).
 active_copy_probes: list[CopyProbe] = []
@@ -46,7 +48,7 @@ _launchers: dict[tuple, Launcher] = {}
 
 def _queue(params: Params, B: int, to_host: bool, grid: int, stream_ptr: int, pdl: bool,
            rows_per_warp: int) -> None:
-    """:data:`hisparse_cupy.kernels.plan.copy_queue` while a probe is active: a host -> device
+    """:data:`hisparse_cupy._kernels.plan.copy_queue` while a probe is active: a host -> device
     copy on a probed stream runs the measuring instance with the innermost such probe's
     settings (the driver copies the struct at the launch, so a temporary one does); any other
     copy the production queueing."""
@@ -123,7 +125,7 @@ def copy_probe(*, dry_run: bool = False, spin_cycles: int = 0, bad=None,
         Incremented once per entry whose source or destination row is outside its array.
     streams : iterable of streams, optional
         The streams whose copies are probed, each of any kind
-        :func:`hisparse_cupy.kernels._launch.as_stream` takes (CuPy, PyTorch,
+        :func:`hisparse_cupy._kernels._launch.as_stream` takes (CuPy, PyTorch,
         ``__cuda_stream__``, int
         handle); None: every stream.
 

@@ -54,7 +54,7 @@ def _check_single_multi(rng, stream) -> str:
 def _check_newest_and_replay(rng, stream) -> str:
     import cupy
 
-    from ..kernels.plan import replay_plan
+    from .._kernels.plan import replay_plan
 
     t = Twin(rng)
     c = t.c
@@ -93,7 +93,7 @@ def run(seed: int = 0, out=print) -> bool:
     """Run every check; print one line each; True when all passed."""
     import cupy
 
-    from ..kernels._launch import pdl_supported
+    from .._kernels._launch import pdl_supported
 
     dev = cupy.cuda.Device()
     name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()

@@ -30,6 +30,9 @@ import numpy as np
 
 from .. import reference as ref
 
+__all__ = ["MAX_LEN", "POISON", "TWIN_TABLES", "Twin", "UNTWINNED", "lru_state", "pattern",
+           "twin_tables"]
+
 # the cache twin's sizes (layers, request slots, H, P, K, max steps, row bytes, max_len)
 L, R, H, P, K, S_MAX, ROW = 3, 6, 64, 8, 24, 4, 64
 MAX_LEN = 600
@@ -131,9 +134,9 @@ class Twin:
         repair it). Calls take int32 req and int64 lengths."""
         import cupy
 
-        from ..host.pool import HostKVPool
-        from ..kernels.plan import MissPlan
-        from ..kernels.swap import SwapState
+        from .._kernels.plan import MissPlan
+        from .._kernels.swap import SwapState
+        from ..host._pool import HostKVPool
 
         self = cls.__new__(cls)
         self._sizes(rng, n_layers=1, R=R, H=H, P=P, K=K, S=1, max_len=max_len,
@@ -177,9 +180,9 @@ class Twin:
         Calls take int64 req and int32 lengths; :meth:`verify` checks resident slots too."""
         import cupy
 
-        from ..host.pool import HostKVPool
-        from ..kernels.multistep import MultiStepConfig, MultiStepState
-        from ..kernels.plan import MissPlan
+        from .._kernels.multistep import MultiStepConfig, MultiStepState
+        from .._kernels.plan import MissPlan
+        from ..host._pool import HostKVPool
 
         cfg = MultiStepConfig(R, H, P, K, max_steps=S_max, scratch=C, max_batch=max_batch)
         if lens is None:
@@ -251,7 +254,7 @@ class Twin:
 
     def snapshot(self, layer: int) -> dict:
         """Host copies of ``layer``'s tables by the oracle's names: a cache's
-        :meth:`~hisparse_cupy.tables.LayerTables.named`, a stand-alone state's arrays."""
+        :meth:`~hisparse_cupy._tables.LayerTables.named`, a stand-alone state's arrays."""
         import cupy
 
         if self.c is not None:
@@ -366,8 +369,8 @@ class Twin:
         device outputs."""
         import cupy
 
-        from ..kernels.multistep import multistep_swap_in
-        from ..kernels.swap import swap_in
+        from .._kernels.multistep import multistep_swap_in
+        from .._kernels.swap import swap_in
 
         if self.c is not None:
             raise TypeError("a cache twin's calls are its steps: t.c.begin_step(...).swap(...)")

@@ -31,14 +31,14 @@ from __future__ import annotations
 import cupy
 
 from .. import _checks
+from .._kernels._launch import as_stream, sm_count
+from .._kernels.multistep import dense_view
+from .._kernels.plan import ROWS_PER_WARP, Rows, copy_struct, launch_copy
 from ..cache import HotBufferCache
-from ..kernels._launch import as_stream, sm_count
-from ..kernels.multistep import dense_view
-from ..kernels.plan import ROWS_PER_WARP, Rows, copy_struct, launch_copy
 from ..step import LayerCall
-from .partition import SMPartition
-from .pattern import LayerPattern, layer_pattern
-from .predict import Predictor
+from ._partition import SMPartition
+from ._pattern import LayerPattern, layer_pattern
+from ._predict import Predictor
 
 __all__ = ["DEFAULT_GROUP_REPLAY_BATCH", "DEFAULT_REPLAY_ROWS_PER_WARP",
            "PARTITION_REPLAY_ROWS_PER_WARP", "Prefetcher", "default_replay_grid"]
@@ -85,7 +85,7 @@ class Prefetcher:
         (``benchmarks/NOTES.md``, "A matmul on fewer SMs").
     replay_rows_per_warp : int, optional
         Rows each warp of a replay keeps in flight (one of
-        ``hisparse_cupy.kernels.plan.ROWS_PER_WARP``;
+        ``hisparse_cupy._kernels.plan.ROWS_PER_WARP``;
         default :data:`DEFAULT_REPLAY_ROWS_PER_WARP`, with a ``partition``
         :data:`PARTITION_REPLAY_ROWS_PER_WARP`).
     predict : bool

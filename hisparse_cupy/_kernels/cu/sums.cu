@@ -1,4 +1,4 @@
-// hisparse_cupy: the per-layer checksum of a prefill -> decode transfer (hisparse_cupy.kernels.sums).
+// hisparse_cupy: the per-layer checksum of a prefill -> decode transfer (hisparse_cupy._kernels.sums).
 //
 // layer_sums(base, layer_stride_words, words, first, out): blockIdx.y is the layer. Its `words`
 // 64-bit words start at base + layer * layer_stride_words; the one at i is word first + i of the

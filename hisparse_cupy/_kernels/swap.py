@@ -266,7 +266,7 @@ class CallFields(CallWriter):
     TOPK, OUT, TOPK_STRIDE = _RW["topk"][1], _RW["out"][1], _RW["topk_stride"][1]
     OUT_STRIDE, K, HASH = _RW["out_stride"][1], _RW["K"][1], _RW["hash_size"][1]
 
-    def write(self, layer: int, topk: cupy.ndarray, out: cupy.ndarray) -> None:
+    def fill(self, layer: int, topk: cupy.ndarray, out: cupy.ndarray) -> None:
         i8, i4 = self.i8, self.i4
         b8, b4 = layer * self.n8, layer * self.n4
         i8[b8 + self.TOPK] = topk.data.ptr
@@ -369,48 +369,34 @@ def swap_in(
     cupy.ndarray
         ``out``: int32 ``[B, K]``, the device row of each entry, -1 for unused or invalid.
     """
+    H = state.hot_size
+
+    def sizes_ok(shape) -> None:
+        if shape[1] > H:
+            raise ValueError(f"top_k_tokens has K={shape[1]} entries per row, more than "
+                             f"hot_size H={H}")
+        check_sizes(shape[1], H)
+
     s = as_stream(stream)
     with s:  # DLPack imports order on the stream the kernels run on
-        topk = _checks.array("top_k_tokens", top_k_tokens, np.int32, ndim=2, contiguous=False,
-                             inner_contiguous=True)
-        _checks.sizes("top_k_tokens", topk, "BK")
-        B, K = topk.shape
-        H = state.hot_size
-        R = state.lru.shape[0]
-        if K > H:
-            raise ValueError(f"top_k_tokens has K={K} entries per row, more than hot_size H={H}")
-        check_sizes(K, H)
-        req = _checks.index_vector("req_indices", req_indices, B)
-        lens, lens_stride, _ = _checks.lengths(seq_lens, B)
-        dev = _checks.array("device_rows", device_rows, np.uint8, ndim=2)
-        row_bytes = _checks.row_bytes("device_rows row size", dev.shape[1])
-        n_host_rows = _checks.integer("n_host_rows", n_host_rows, 0)
-        if not isinstance(host_rows, Ptr):
-            raise TypeError("host_rows must be a Ptr (HostKVPool.device_ptr(layer))")
-        if not isinstance(plan, MissPlan):
-            raise TypeError(f"plan must be a MissPlan, got {type(plan).__name__}")
-        plan.check_batch(B, K)
-        nr = None if num_real is None else _checks.device_scalar("num_real", num_real)
-        if out is None:
-            out = cupy.empty((B, K), cupy.int32)
-        else:
-            out = _checks.array("out", out, np.int32, shape=(B, K), contiguous=False,
-                                inner_contiguous=True)
-        if status is None:
-            status = cupy.empty((B, _abi.N_STATUS), cupy.int32)
-        else:
-            status = _checks.array("status", status, np.int32, shape=(B, _abi.N_STATUS))
-        count = _checks.counters(counters)
+        a = _checks.op_args(top_k_tokens, req_indices, seq_lens, dims="BK", sizes_ok=sizes_ok,
+                            host_rows=host_rows, n_host_rows=n_host_rows,
+                            device_rows=device_rows, plan=plan, plan_width=lambda sh: sh[1],
+                            out=out, status=status, num_real=num_real, counters=counters,
+                            ptr_cls=Ptr, plan_cls=MissPlan)
+    topk, req, lens, dev, nr, out, status = a.topk, a.req, a.lens, a.dev, a.num_real, a.out, \
+        a.status
+    (B, K), row_bytes, n_host_rows = topk.shape, a.row_bytes, a.n_host_rows
     if validate_state:
         s.synchronize()
         state.check_on_host(dev.shape[0])
     if check:
-        _checks.unique_requests(req, nr, R)
+        _checks.unique_requests(req, nr, state.lru.shape[0])
 
     resolve = for_batch(layer_structs([state], status=status, plan=plan,
-                                      n_host_rows=n_host_rows, counters=count),
-                        req, lens, lens_stride, B, nr)
-    CallFields(resolve).write(0, topk, out)
+                                      n_host_rows=n_host_rows, counters=a.counters),
+                        req, lens, a.lens_stride, B, nr)
+    CallFields(resolve).fill(0, topk, out)
     pdl = resolve_pdl(pdl)
     go = launches((req.dtype, lens.dtype), B, K, H, state.token_slot is not None, copy_grid, pdl)
     go.resolve(go.resolve_grid, s.ptr, resolve.addr(0))

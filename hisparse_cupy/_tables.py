@@ -12,7 +12,7 @@ For ``L`` layers, ``R`` request slots of ``W = H + P`` slots and ``C`` scratch r
   ``ms_ref`` uint32 ``[L, R, H]`` and the clock ``ms_clock`` uint32 ``[L, R, 2]``.
 
 The cache's token -> host row map (``host_locs``) is shared by all layers and lives with the
-host pool's map (:class:`~hisparse_cupy.cache_rows.CacheRows`).
+host pool's map (:class:`~hisparse_cupy._cache_rows.CacheRows`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from .kernels.multistep import init_states
-from .kernels.plan import array_rows, copy_rows, pool_rows
+from ._kernels.multistep import init_states
+from ._kernels.plan import array_rows, copy_rows, pool_rows
 
 
 class LayerTables:

@@ -24,7 +24,7 @@ import cupy
 import numpy as np
 
 from .. import _checks
-from ..host.pool import HostKVPool
+from ..host._pool import HostKVPool
 from . import _abi, _build
 from ._launch import Launcher, Params, Ptr, as_stream, launcher, ptr, resolve_pdl, sm_count
 
@@ -134,7 +134,7 @@ def copy_rows(src_idx: cupy.ndarray, dst_idx: cupy.ndarray, count: cupy.ndarray,
 
 
 class CopyLaunch(NamedTuple):
-    """A planned copy's launch: the :class:`~hisparse_cupy.kernels._launch.Launcher` and its
+    """A planned copy's launch: the :class:`~hisparse_cupy._kernels._launch.Launcher` and its
     grid (a 3-tuple)."""
 
     launcher: Launcher
@@ -146,14 +146,14 @@ _launchers: dict[tuple, Launcher] = {}
 
 def copy_launcher(batch: int, *, to_host: bool = False, rows_per_warp: int = 1,
                   pdl: bool = False) -> Launcher:
-    """The cached :class:`~hisparse_cupy.kernels._launch.Launcher` of the planned copy of up to
+    """The cached :class:`~hisparse_cupy._kernels._launch.Launcher` of the planned copy of up to
     ``batch`` rows on the current device: ``la((grid, 1, 1), stream_ptr, params.addr)`` queues
     it with a struct from :func:`copy_struct` whose ``B`` is at most ``batch``.
 
     ``to_host``: device rows (int32) -> host rows (int64), else host -> device; ``rows_per_warp``:
     rows each warp of a host -> device copy keeps in flight (one of :data:`ROWS_PER_WARP`; more
     let fewer blocks keep the link busy); ``pdl``: already resolved
-    (:func:`hisparse_cupy.kernels._launch.resolve_pdl`).
+    (:func:`hisparse_cupy._kernels._launch.resolve_pdl`).
     """
     key = (batch, to_host, rows_per_warp, pdl, cupy.cuda.runtime.getDevice())
     la = _launchers.get(key)
@@ -164,7 +164,7 @@ def copy_launcher(batch: int, *, to_host: bool = False, rows_per_warp: int = 1,
 
 def instance(to_host: bool, rows_per_warp: int, table: dict | None = None) -> str:
     """The copy instance's name: device -> host, or host -> device with ``rows_per_warp`` from
-    ``table`` (default :data:`hisparse_cupy.kernels._build.COPY_H2D`)."""
+    ``table`` (default :data:`hisparse_cupy._kernels._build.COPY_H2D`)."""
     if to_host:
         if rows_per_warp != 1:
             raise ValueError("the device -> host copy moves one row per warp")
@@ -254,7 +254,7 @@ def replay_plan(
         Rows each warp keeps in flight (one of :data:`ROWS_PER_WARP`, default 1): with more,
         fewer blocks keep the link busy.
     stream : optional
-        Any stream kind :func:`hisparse_cupy.kernels._launch.as_stream` accepts (CuPy, PyTorch,
+        Any stream kind :func:`hisparse_cupy._kernels._launch.as_stream` accepts (CuPy, PyTorch,
         ``__cuda_stream__``, int handle). Default: CuPy's current stream.
     pdl : bool or None
         Launch with Programmatic Dependent Launch (default: where the device supports it): the

@@ -1,7 +1,7 @@
 // hisparse_cupy: single-step swap-in, resolve half.
 //
 // swap_resolve<ReqT, LenT, BLOCK>(SwapResolveParams): C blocks of BLOCK threads per batch row (a
-// thread-block cluster, C = 1, 2, 4 or 8: hisparse_cupy.kernels.swap.resolve_cluster picks it; BLOCK is
+// thread-block cluster, C = 1, 2, 4 or 8: hisparse_cupy._kernels.swap.resolve_cluster picks it; BLOCK is
 // RESOLVE_BLOCK for C = 1, RESOLVE_CLUSTER_BLOCK otherwise).
 // swap_resolve<ReqT, LenT, RESOLVE_BLOCK, true> (the token-table instance, one block per row):
 // each entry's token is looked up in the request's token -> slot table (p.token_slot) and

@@ -39,9 +39,9 @@ import numpy as np
 
 from .. import _checks
 from .._device import require_gpu
+from .._kernels._launch import Ptr
 from .._log import log
-from ..kernels._launch import Ptr
-from . import shm as host_shm
+from . import _shm as host_shm
 
 _REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2  # cudaHostRegisterPortable, cudaHostRegisterMapped
 _HEADER = 4096  # bytes before the rows of a shared pool (page aligned rows)
@@ -207,7 +207,7 @@ class HostKVPool:
     huge_pages : bool
         Ask for transparent huge pages (``MADV_HUGEPAGE``; default True; where offered).
     segments : int, optional
-        A shared pool's files (default ``threads``; :mod:`hisparse_cupy.host.shm`): attaching
+        A shared pool's files (default ``threads``; :mod:`hisparse_cupy.host._shm`): attaching
         needs its creator alive in the same PID namespace unless ``segments=1``.
 
     ``segments``, ``identity``: a shared pool's files, and its named file's ``(boot id, device,

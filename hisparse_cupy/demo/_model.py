@@ -1,5 +1,5 @@
 """The decode loop's synthetic model on the GPU: its kernels (``model.cu``) and its weights and
-buffers; the matmuls run on :class:`hisparse_cupy.demo.compute.Gemm` (its fallback kernel is
+buffers; the matmuls run on :class:`hisparse_cupy.demo._compute.Gemm` (its fallback kernel is
 ``model.cu``'s ``gemm_bf16``).
 
 Per layer the model does what a sparse-attention (MLA + DSA-like) decoder layer costs: a sparse
@@ -17,8 +17,8 @@ from pathlib import Path
 import cupy
 import numpy as np
 
-from .compute import Gemm, TorchGemm
-from .config import HEADS, ROW_VALUES, V_VALUES
+from ._compute import Gemm, TorchGemm
+from ._config import HEADS, ROW_VALUES, V_VALUES
 
 TILE = 16  # rows per attention tile (TR in model.cu)
 _QS = 580
@@ -51,7 +51,7 @@ class Model:
     ``sms``: the SMs the step's stream may use (an SM partition's main group; default every
     SM of the device): the attention is split for them and the matmuls' cuBLAS SM-count target
     set to them (the fallback matmul kernel has none). ``matmul``: ``"cublas"`` (:class:`Gemm`)
-    or ``"torch"`` (:class:`~hisparse_cupy.demo.compute.TorchGemm`).
+    or ``"torch"`` (:class:`~hisparse_cupy.demo._compute.TorchGemm`).
     """
 
     def __init__(self, kernels: Kernels, *, queries: int, top_k: int, hidden: int,

@@ -109,7 +109,7 @@ class MultiStepWorkspace:
 
     def reset(self, stream=None) -> None:
         """Clear every row (only needed if a call was abandoned half-way); queued on ``stream``
-        (any kind :func:`hisparse_cupy.kernels._launch.as_stream` accepts)."""
+        (any kind :func:`hisparse_cupy._kernels._launch.as_stream` accepts)."""
         with as_stream(stream):
             self.table.fill(np.uint64(_abi.MS_EMPTY))
             self.meta.fill(_abi.MS_META_INIT)
@@ -335,54 +335,41 @@ def multistep_swap_in(
         statistics of the call.
     """
     cfg = state.config
-    s = as_stream(stream)
-    with s:  # DLPack imports order on the stream the kernels run on
-        topk = _checks.array("top_k_tokens", top_k_tokens, np.int32, ndim=3, contiguous=False,
-                             inner_contiguous=True)
-        _checks.sizes("top_k_tokens", topk, "BSK")
-        B, S, K = topk.shape
+
+    def sizes_ok(shape) -> None:
+        B, S, K = shape
         if not _abi.MS_MIN_STEPS <= S <= cfg.max_steps:
             raise ValueError(f"top_k_tokens must have {_abi.MS_MIN_STEPS}-{cfg.max_steps} steps "
                              f"(dim 1), got {S}")
         if K > cfg.top_k:
             raise ValueError(f"top_k_tokens must have 1..{cfg.top_k} entries per step (dim 2), "
                              f"got {K}")
-        ws = state.workspace
-        if B > ws.max_batch:
-            raise ValueError(f"batch must be in [1, {ws.max_batch}] (workspace rows), got {B}")
-        req = _checks.index_vector("req_indices", req_indices, B)
-        lens, lens_stride, lens_step = _checks.lengths(seq_lens, B, S)
-        dev = _checks.array("device_rows", device_rows, np.uint8, ndim=2)
-        row_bytes = _checks.row_bytes("device_rows row size", dev.shape[1])
-        if dev.shape[0] < state.n_device_rows:
-            raise ValueError(f"device_rows has {dev.shape[0]} rows, the state indexes "
-                             f"{state.n_device_rows}")
-        n_host_rows = _checks.integer("n_host_rows", n_host_rows, 0)
-        if not isinstance(host_rows, Ptr):
-            raise TypeError("host_rows must be a Ptr (HostKVPool.device_ptr(layer))")
-        nr = None if num_real is None else _checks.device_scalar("num_real", num_real)
-        if out is None:
-            out = cupy.empty((B, S, K), cupy.int32)
-        else:
-            out = _checks.array("out", out, np.int32, shape=(B, S, K), contiguous=False,
-                                inner_contiguous=True)
-        if status is None:
-            status = cupy.empty((B, _abi.N_STATUS), cupy.int32)
-        else:
-            status = _checks.array("status", status, np.int32, shape=(B, _abi.N_STATUS))
-        if plan is not None:
-            if not isinstance(plan, MissPlan):
-                raise TypeError("plan must be a MissPlan")
-            plan.check_batch(B, S * K)
-        count = _checks.counters(counters)
+        if B > state.workspace.max_batch:
+            raise ValueError(f"batch must be in [1, {state.workspace.max_batch}] (workspace "
+                             f"rows), got {B}")
+
+    s = as_stream(stream)
+    with s:  # DLPack imports order on the stream the kernels run on
+        a = _checks.op_args(top_k_tokens, req_indices, seq_lens, dims="BSK", sizes_ok=sizes_ok,
+                            host_rows=host_rows, n_host_rows=n_host_rows,
+                            device_rows=device_rows, plan=plan,
+                            plan_width=None if plan is None else lambda sh: sh[1] * sh[2],
+                            out=out, status=status, num_real=num_real, counters=counters,
+                            ptr_cls=Ptr, plan_cls=MissPlan)
+    topk, req, lens, dev, nr, out, status = a.topk, a.req, a.lens, a.dev, a.num_real, a.out, \
+        a.status
+    B, S, K = topk.shape
+    if dev.shape[0] < state.n_device_rows:
+        raise ValueError(f"device_rows has {dev.shape[0]} rows, the state indexes "
+                         f"{state.n_device_rows}")
     if check:
         _checks.unique_requests(req, nr, cfg.n_requests)
     st = for_batch(layer_structs([state], status=status, plan=plan, host_rows=[int(host_rows)],
-                                 n_host_rows=n_host_rows, device_rows=[dev.data.ptr],
-                                 row_bytes=row_bytes, counters=count),
-                   req, lens, lens_stride, lens_step, B, nr)
+                                 n_host_rows=a.n_host_rows, device_rows=[dev.data.ptr],
+                                 row_bytes=a.row_bytes, counters=a.counters),
+                   req, lens, a.lens_stride, a.lens_step, B, nr)
     go = launches((req.dtype, lens.dtype), B, S, K, cfg.hot_size, resolve_pdl(pdl))
-    CallFields(st).write(0, topk, out, go.copy_blocks)
+    CallFields(st).fill(0, topk, out, go.copy_blocks)
     run(st, 0, go, s.ptr)
     if check:
         _checks.raise_on_status(status, topk, lens, max_len=state.host_locs.shape[1],
@@ -433,7 +420,7 @@ class CallFields(CallWriter):
     OUT_STRIDE, S, K, G = (_MW["out_stride"][1], _MW["S"][1], _MW["K"][1],
                            _MW["copy_blocks"][1])
 
-    def write(self, layer: int, topk, out, blocks: int) -> None:
+    def fill(self, layer: int, topk, out, blocks: int) -> None:
         i8, i4 = self.i8, self.i4
         b8, b4 = layer * self.n8, layer * self.n4
         i8[b8 + self.TOPK] = topk.data.ptr

@@ -7,7 +7,7 @@ Two layouts, one device table (:class:`CacheRows`):
   row ``r * max_len + t``, reserved whatever the request's length (one page of ``max_len``
   rows per slot, page ``r``);
 - paged (``page_tokens=P``): the pool's ``n_rows // P`` pages are handed out by a
-  :class:`~hisparse_cupy.host.pages.HostPages` as requests are admitted and grow, shared
+  :class:`~hisparse_cupy.host._pages.HostPages` as requests are admitted and grow, shared
   between requests with a common prefix, and given back on release.
 
 On the device, ``table`` (int32 ``[R, max_pages]``: the request's page of every P tokens, -1
@@ -23,31 +23,31 @@ import cupy
 import numpy as np
 
 from . import _checks
-from .host.pages import HostPages, consecutive_runs
-from .host.pool import HostKVPool
-from .kernels.plan import array_rows, copy_rows, pool_rows
+from ._kernels.plan import array_rows, copy_rows, pool_rows
+from .host._pages import HostPages, consecutive_runs
+from .host._pool import HostKVPool
 
 __all__ = ["CacheRows"]
 
 
-def host_pool(L: int, slot_rows: int, row_bytes: int, page_tokens, host_rows, pool):
+def host_pool(L: int, slot_rows: int, row_bytes: int, page_tokens, pool_rows, pool):
     """The cache's host pool and whether the cache made it: ``pool`` checked (``L`` layers of
     ``row_bytes`` rows: ``slot_rows`` of them in the slot layout, a page's when paged), or a
-    new one (``host_rows`` rounded up to pages when paged, default ``slot_rows``)."""
+    new one (``pool_rows`` rounded up to pages when paged, default ``slot_rows``)."""
     need = slot_rows
     if page_tokens is None:
-        if host_rows is not None:
-            raise ValueError("host_rows applies to a paged pool (page_tokens=P)")
+        if pool_rows is not None:
+            raise ValueError("pool_rows applies to a paged pool (page_tokens=P)")
     else:
         P = _checks.integer("page_tokens", page_tokens, 1, 2**20)
-        rows = slot_rows if host_rows is None else _checks.integer("host_rows", host_rows, 1)
+        rows = slot_rows if pool_rows is None else _checks.integer("pool_rows", pool_rows, 1)
         need = -(-rows // P) * P if pool is None else P
     if pool is None:
         return HostKVPool(L, need, row_bytes), True
     if not isinstance(pool, HostKVPool):
         raise TypeError(f"pool must be a HostKVPool, got {type(pool).__name__}")
-    if host_rows is not None:
-        raise ValueError("give host_rows or pool, not both")
+    if pool_rows is not None:
+        raise ValueError("give pool_rows or pool, not both")
     if (pool.n_layers, pool.row_bytes) != (L, row_bytes) or pool.n_rows < need:
         raise ValueError(f"pool holds {pool.n_layers} layers of {pool.n_rows} rows of "
                          f"{pool.row_bytes} bytes; the cache needs {L} layers of at least "
@@ -218,7 +218,7 @@ class CacheRows:
                 raise ValueError(f"request slot {r}: the device page table disagrees with "
                                  f"its host pages")
 
-    def write(self, rows: np.ndarray, kv, on_host: bool, s) -> None:
+    def store(self, rows: np.ndarray, kv, on_host: bool, s) -> None:
         """Write ``kv`` (``[L, n, row_bytes]``) into host ``rows``, after earlier releases: a
         GPU array with one launch on stream ``s``; a host array by the CPU, after the work
         queued on ``s`` (synchronized)."""
@@ -272,12 +272,12 @@ def copy_pool_rows(pool, copies, stream) -> None:
                   n_layers=pool.n_layers, stream=stream)
 
 
-def load_rows(pool, host_rows: np.ndarray, device, dev_rows: np.ndarray, stream) -> None:
-    """Queue the copy of host rows ``host_rows`` into device rows ``dev_rows`` of ``device``
+def load_rows(pool, rows: np.ndarray, device, dev_rows: np.ndarray, stream) -> None:
+    """Queue the copy of host rows ``rows`` into device rows ``dev_rows`` of ``device``
     (uint8 ``[L, D, row_bytes]``), every layer, on ``stream``."""
-    n = len(host_rows)
+    n = len(rows)
     with stream:
-        src = cupy.asarray(np.asarray(host_rows, np.int64).reshape(1, n))
+        src = cupy.asarray(np.asarray(rows, np.int64).reshape(1, n))
         dst = cupy.asarray(np.asarray(dev_rows, np.int32).reshape(1, n))
         cnt = cupy.full(1, n, dtype=cupy.int32)
     copy_rows(src, dst, cnt, src=pool_rows(pool), dst=array_rows(device),
@@ -319,29 +319,29 @@ def _copy_to_pool(pool, off: int, src: int, pitch: int, width: int, stream) -> N
         layer = stop
 
 
-def store_rows(pool, host_rows: np.ndarray, kv: cupy.ndarray, stream) -> None:
+def store_rows(pool, rows: np.ndarray, kv: cupy.ndarray, stream) -> None:
     """Queue the copy of GPU array ``kv`` (uint8 ``[L, n, row_bytes]``, rows contiguous) into
-    host rows ``host_rows`` of every layer on ``stream``, without synchronizing: one 2-D
+    host rows ``rows`` of every layer on ``stream``, without synchronizing: one 2-D
     ``cudaMemcpyAsync`` (all layers) per run of consecutive rows where the runs are long
     (:data:`MIN_RUN_BYTES`), else one launch of the package's device -> host copy."""
     n, row = kv.shape[1], pool.row_bytes
-    runs = _runs(host_rows)
+    runs = _runs(rows)
     if n * row >= len(runs) * MIN_RUN_BYTES and kv.strides[0] >= n * row:  # 2-D: pitch >= width
         for a, b in runs:
-            _copy_to_pool(pool, int(host_rows[a]) * row, kv.data.ptr + a * row, kv.strides[0],
+            _copy_to_pool(pool, int(rows[a]) * row, kv.data.ptr + a * row, kv.strides[0],
                           (b - a) * row, stream)
         return
     with stream:
         src = cupy.arange(n, dtype=cupy.int32).reshape(1, n)
-        dst = cupy.asarray(np.asarray(host_rows, np.int64).reshape(1, n))
+        dst = cupy.asarray(np.asarray(rows, np.int64).reshape(1, n))
         cnt = cupy.full(1, n, dtype=cupy.int32)
     copy_rows(src, dst, cnt, src=array_rows(kv), dst=pool_rows(pool), row_bytes=pool.row_bytes,
               n_layers=pool.n_layers, to_host=True, stream=stream)
 
 
-def write_rows_from_host(pool, host_rows: np.ndarray, kv: np.ndarray) -> None:
-    """The CPU writes host array ``kv`` (``[L, n, row_bytes]``) into ``host_rows``, a
+def write_rows_from_host(pool, rows: np.ndarray, kv: np.ndarray) -> None:
+    """The CPU writes host array ``kv`` (``[L, n, row_bytes]``) into host ``rows``, a
     contiguous run of rows at a time (the caller ordered it after the device's reads)."""
-    for a, b in _runs(host_rows):
-        r = int(host_rows[a])
+    for a, b in _runs(rows):
+        r = int(rows[a])
         pool.numpy[:, r: r + (b - a)] = kv[:, a:b]

@@ -19,11 +19,11 @@ import time
 import cupy
 import numpy as np
 
+from .._kernels._abi import LC_MISSES
 from ..cache import HotBufferCache
-from ..kernels._abi import LC_MISSES
 from ..streams import Prefetcher
-from .config import PAGE_TOKENS, ROW_BYTES, Config
-from .model import Kernels, Model
+from ._config import PAGE_TOKENS, ROW_BYTES, Config
+from ._model import Kernels, Model
 
 
 @dataclasses.dataclass
@@ -148,7 +148,7 @@ class Rig:
         own on the device (:attr:`table`, int32 ``[steps, n_full, B, K]``)."""
         import os
 
-        from .topk_model import generate, shape_for, shape_report
+        from ._topk_model import generate, shape_for, shape_report
 
         c = self.cfg
         shape = shape_for(c.step_overlap, c.layer_overlap, c.recent)
@@ -241,7 +241,7 @@ class Rig:
                                  "host pool; this one is in the slot layout")
             paged = {} if not self.paged else {"page_tokens": PAGE_TOKENS} \
                 if self.pool is not None else \
-                {"page_tokens": PAGE_TOKENS, "host_rows": self.paged_rows(c)}
+                {"page_tokens": PAGE_TOKENS, "pool_rows": self.paged_rows(c)}
             self.cache = HotBufferCache(n_layers=len(self.cached), max_requests=c.batch,
                                         max_len=c.max_len, row_bytes=ROW_BYTES, hot_size=c.hot,
                                         top_k=c.top_k, extra_page=c.extra_page,

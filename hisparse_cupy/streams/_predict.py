@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import cupy
 
-from ..kernels import _abi, _build
-from ..kernels._launch import Params, launch, ptr
-from ..kernels.plan import array_rows, copy_struct, launch_copy, pool_rows
+from .._kernels import _abi, _build
+from .._kernels._launch import Params, launch, ptr
+from .._kernels.plan import array_rows, copy_struct, launch_copy, pool_rows
 
 
 class Predictor:

@@ -1,5 +1,5 @@
 """A send of :mod:`hisparse_cupy.pd` in flight (:class:`PendingSend`), driven through the
-:class:`Link` its :class:`~hisparse_cupy.pd.send.KVSender` gives it."""
+:class:`Link` its :class:`~hisparse_cupy.pd._send.KVSender` gives it."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ROW_BYTES, Config
+from ._config import ROW_BYTES, Config
 
 
 def self_check(results) -> list[str]:

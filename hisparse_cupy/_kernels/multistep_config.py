@@ -1,5 +1,5 @@
 """Sizes of the multi-step (MTP) state, checked without a GPU: :class:`MultiStepConfig`, the
-dedup table's size and the commit's shared memory (the rules :mod:`hisparse_cupy.kernels.multistep`
+dedup table's size and the commit's shared memory (the rules :mod:`hisparse_cupy._kernels.multistep`
 launches with)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ One ``.py`` beside one ``cu/*.cu`` per family: :mod:`.swap` (the single-step res
 :mod:`.multistep_config`), :mod:`.plan` (the planned copy every bulk row move goes through,
 ``cu/plan.cu``), :mod:`.newest` (the newest token's rows and backup plan, ``cu/newest.cu``),
 :mod:`.sums` (a transfer's per-layer checksum, ``cu/sums.cu``); the Prefetcher's staging kernel
-``cu/predict.cu`` is launched by :mod:`hisparse_cupy.streams.predict`. Shared: :mod:`._abi` (the
+``cu/predict.cu`` is launched by :mod:`hisparse_cupy.streams._predict`. Shared: :mod:`._abi` (the
 C++ structs mirrored as NumPy dtypes), :mod:`._build` (one RawModule per source, the name
 expressions, :func:`compile_check`), :mod:`._launch` (structs, streams, PDL, launches).
 """

@@ -3,7 +3,7 @@ can be captured in a CUDA graph, and a stand-in for when no cuBLAS can.
 
 - :class:`Gemm`: bf16 ``C = A @ B`` through cuBLAS's ``cublasGemmEx`` (ctypes, its own handle
   and workspace), optionally on fewer SMs (``cublasSetSmCountTarget``); the decode loop's
-  matmuls (:class:`hisparse_cupy.demo.model.Model`).
+  matmuls (:class:`hisparse_cupy.demo._model.Model`).
 - :class:`TorchGemm`: the same interface as :class:`Gemm` through ``torch.matmul`` on the
   caller's stream (``demo --matmul torch``: an engine whose layer matmuls are PyTorch ops).
 - :class:`TorchMatmul`: fp16 ``y = x @ w`` through PyTorch's cuBLAS on a given stream.
@@ -30,7 +30,7 @@ class Gemm:
     cuBLAS's ``cublasGemmEx`` called through ctypes with its own handle and a fixed workspace,
     so that it can be captured in a CUDA graph (CuPy's cuBLAS wrappers refuse to run while a
     stream is captured). Without a loadable cuBLAS a simple kernel stands in (``kernels``: the
-    decode loop's :class:`hisparse_cupy.demo.model.Kernels`, whose ``gemm_bf16`` it launches;
+    decode loop's :class:`hisparse_cupy.demo._model.Kernels`, whose ``gemm_bf16`` it launches;
     None: no stand-in); :attr:`kind` says which runs, :attr:`available` whether cuBLAS does.
     """
 

@@ -30,7 +30,7 @@
    - **same node**: a ticket with ``shm`` whose pool is on the sender's node (same boot id,
      same file) and GPU ``kv``: after the same begin and grant the sender attaches the pool
      once (``HostKVPool.attach``), stores ``kv`` into the ticket's rows as the cache's
-     admission does (``host_rows.store_rows``: one 2-D ``cudaMemcpyAsync`` of every layer per
+     admission does (``_cache_rows.store_rows``: one 2-D ``cudaMemcpyAsync`` of every layer per
      run of pages, at a D2H memcpy's rate) and sends *done* once the copies are complete.
 4. **poll** (decode): :meth:`KVReceiver.poll` reads the messages, posts and progresses the
    READs and answers grants; a reservation whose bytes are in place is an :class:`Arrival`; one
@@ -87,11 +87,11 @@ import time
 import numpy as np
 
 from .. import _checks
-from ..host.pages import HostPages, consecutive_runs
-from ..kernels import sums as _sums
+from .._kernels import sums as _sums
+from ..host._pages import HostPages, consecutive_runs
 from . import _nixl, _ticket
 from ._nixl import Arrival, Polled
-from .send import TICKET_VERSION
+from ._send import TICKET_VERSION
 
 __all__ = ["KVReceiver"]
 

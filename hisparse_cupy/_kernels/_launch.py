@@ -1,6 +1,6 @@
 """The one launch path of the package, and the caller's stream.
 
-Every kernel takes one parameter struct by value (:mod:`hisparse_cupy.kernels._abi`): a
+Every kernel takes one parameter struct by value (:mod:`hisparse_cupy._kernels._abi`): a
 :class:`Structs`
 holds one or many (one per layer) as bytes, written through word views; a :class:`Params` is one
 of them. :func:`launch` queues a kernel with it through
@@ -21,8 +21,8 @@ handle with ``cupy.cuda.Stream.from_external`` and cached, so the per-call cost 
 lookup. The wrapper does not own the stream: keep the original alive while work is queued.
 
 :func:`resolve_pdl` turns a per-call ``pdl: bool | None`` into what the launch does (None: use
-PDL where the device supports it and it is not turned off with ``HISPARSE_CUPY_PDL=0`` or
-:func:`set_pdl`).
+PDL where the device supports it and ``HISPARSE_CUPY_PDL=0`` does not turn it off; a
+measurement may fix it for a while: :func:`hisparse_cupy.testing.knobs.pdl`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ import numpy as np
 from .._log import log
 
 _SMEM_DEFAULT_LIMIT = 48 * 1024
-_pdl_enabled = os.environ.get("HISPARSE_CUPY_PDL", "1") not in ("0", "false", "off")
+# Measuring overrides, data only (hisparse_cupy.testing.knobs sets them, engines never do):
+# "pdl", what a call's pdl=None means on a device that has PDL (from HISPARSE_CUPY_PDL).
+FIXED: dict[str, bool] = {
+    "pdl": os.environ.get("HISPARSE_CUPY_PDL", "1") not in ("0", "false", "off")}
 
 
 class Ptr(int):
@@ -165,16 +168,6 @@ def ptr(x) -> int:
 
 
 # ----------------------------------------------------------------------------- PDL switch
-def set_pdl(enabled: bool) -> None:
-    """Turn Programmatic Dependent Launch on or off for later launches that do not choose."""
-    global _pdl_enabled
-    _pdl_enabled = bool(enabled)
-
-
-def pdl_enabled() -> bool:
-    return _pdl_enabled
-
-
 @functools.cache
 def _compute_capability(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).compute_capability)
@@ -189,7 +182,7 @@ def pdl_supported(device_id: int | None = None) -> bool:
     """Whether PDL launches will be used on this device by default (sm_90+ and enabled)."""
     if device_id is None:
         device_id = cupy.cuda.runtime.getDevice()
-    return _pdl_enabled and _compute_capability(device_id) >= 90
+    return FIXED["pdl"] and _compute_capability(device_id) >= 90
 
 
 def resolve_pdl(pdl: bool | None) -> bool:

@@ -6,7 +6,7 @@ same softmax(q.k) over the selected rows in NumPy. Every layer runs its own swap
 mode; the IndexCache overlap needs streams), and its attention output must equal, bit for bit,
 the output of the same attention over the true KV of the selected tokens (the GPU-only mode).
 
-The host pool is paged (:class:`hisparse_cupy.host.pages.HostPages`, pages of
+The host pool is paged (:class:`hisparse_cupy.host._pages.HostPages`, pages of
 :data:`PAGE_TOKENS` tokens): each request's pages are taken at admission and as it grows, one
 step ahead of the token written there. With ``--shared-prefix N`` requests 1.. are admitted as
 forks of request 0 at N tokens (its whole pages below N shared, a partial page copied), and a
@@ -22,10 +22,10 @@ import time
 import numpy as np
 
 from .. import reference as ref
-from ..host.pages import HostPages
-from .config import HEADS, PAGE_TOKENS
-from .config import ROW_VALUES as ROW
-from .config import V_VALUES as ROW_V
+from ..host._pages import HostPages
+from ._config import HEADS, PAGE_TOKENS
+from ._config import ROW_VALUES as ROW
+from ._config import V_VALUES as ROW_V
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -58,7 +58,7 @@ def _stream(cfg, n_full: int, rng):
     """``--topk-model lru``'s generator (None for the drift model)."""
     if cfg.topk_model != "lru":
         return None
-    from .topk_model import TopKStream, shape_for
+    from ._topk_model import TopKStream, shape_for
 
     return TopKStream(shape_for(cfg.step_overlap, cfg.layer_overlap, cfg.recent), n_full=n_full,
                       batch=cfg.batch, top_k=cfg.top_k, context=cfg.context, rng=rng)
@@ -96,8 +96,8 @@ def admit_local(cfg, hp: HostPages, host: np.ndarray, host_locs: np.ndarray) -> 
 
 
 def run(cfg, admit=admit_local) -> dict:
-    """The decode loop of ``cfg`` (a :class:`hisparse_cupy.demo.config.Config`, see
-    :func:`hisparse_cupy.demo.config.cpu_config`) on the NumPy backend: ``warmup + steps`` steps,
+    """The decode loop of ``cfg`` (a :class:`hisparse_cupy.demo._config.Config`, see
+    :func:`hisparse_cupy.demo._config.cpu_config`) on the NumPy backend: ``warmup + steps`` steps,
     every layer's attention checked bit for bit against gpu-only; returns the per-step record
     (also written to ``cfg.json`` when set). A failed check raises ``SystemExit``. ``admit``:
     how the prompts' KV gets into the pool (:func:`admit_local`'s signature and duties;
@@ -192,7 +192,7 @@ def run(cfg, admit=admit_local) -> dict:
     result = {"backend": "numpy", "config": dataclasses.asdict(cfg), "wall_s": wall,
               "self_check": "passed", "steps": record, "host_pages_used": used}
     if stream is not None:
-        from .topk_model import shape_report
+        from ._topk_model import shape_report
 
         result["topk_shape"] = shape_report(stream.shape, drawn, stream.initial, cfg.hot)
     if cfg.json:

@@ -31,7 +31,7 @@ def newest_rows(out: NewestBuffers, *, req, lens, lens_stride: int, num_real, ke
     layer's (slot H's row is the same in every layer), ``slot_tokens`` all layers'
     (``record``: slot H of every layer is marked as holding the newest token past H, and the
     backup plan to the token's host row, from ``host``'s page table
-    (:class:`~hisparse_cupy.cache_rows.CacheRows`), is written). Returns ``out.rows[:B]``."""
+    (:class:`~hisparse_cupy._cache_rows.CacheRows`), is written). Returns ``out.rows[:B]``."""
     B = req.shape[0]
     L, R, W = slot_tokens.shape
     p = Params(_abi.NEWEST_ROWS).set(

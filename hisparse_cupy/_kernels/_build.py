@@ -4,7 +4,7 @@
 source file. :func:`kernel` returns the ``cupy.RawKernel`` of one instance: the file's
 RawModule is created on first use and CuPy compiles it lazily (NVRTC, then its disk cache) and
 per device. The options (:func:`options`) carry a digest of every ``.cu``/``.cuh`` source, so an
-edited header changes CuPy's cache key, and the ABI macros of :mod:`hisparse_cupy.kernels._abi`
+edited header changes CuPy's cache key, and the ABI macros of :mod:`hisparse_cupy._kernels._abi`
 (struct layouts, constants, shared-memory tables) that the kernels ``static_assert`` against.
 
 :func:`compile_check` compiles every instance through NVRTC (``cuda.bindings.nvrtc``, no GPU)
@@ -68,7 +68,7 @@ GATHER = index_instances("hs::ms::gather<{req}, {len}>")
 COMMIT = index_instances("hs::ms::commit<{req}, {len}>")
 MS_INIT = "hs::ms::init"
 PREDICT = index_instances("hs::predict_stage<{req}, {len}>")
-LAYER_SUMS = "hs::layer_sums"  # a transfer's per-layer checksum (hisparse_cupy.kernels.sums)
+LAYER_SUMS = "hs::layer_sums"  # a transfer's per-layer checksum (hisparse_cupy._kernels.sums)
 
 INSTANCES: dict[str, tuple[str, ...]] = {
     "swap.cu": (*(n for per in RESOLVE.values() for n in per.values()), *RESOLVE_TABLE.values()),
@@ -141,7 +141,7 @@ def kernel(name_expression: str):
     file = _FILE_OF.get(name_expression)
     if file is None:
         raise KeyError(f"{name_expression!r} is not an instance of any kernel source "
-                       f"(see hisparse_cupy.kernels._build.INSTANCES)")
+                       f"(see hisparse_cupy._kernels._build.INSTANCES)")
     dev = cupy.cuda.runtime.getDevice()
     k = _kernels.get((dev, name_expression))
     if k is not None:

@@ -61,7 +61,7 @@ class Config:
         return self.batch * self.mtp
 
     def pattern_obj(self):
-        from ..streams.pattern import LayerPattern
+        from ..streams._pattern import LayerPattern
 
         if self.pattern:
             p = LayerPattern.from_string(self.pattern)
@@ -132,7 +132,7 @@ class Config:
         need(not bad, f"unknown --mode {sorted(bad)}")
 
     def scratch(self) -> int:
-        from ..kernels._abi import default_scratch
+        from .._kernels._abi import default_scratch
 
         return 0 if self.mtp < 2 else default_scratch(self.hot, self.top_k, self.mtp)
 
@@ -232,7 +232,7 @@ def parser() -> argparse.ArgumentParser:
       help="drift: each full layer's top-k keeps its tokens but --new-share a step; lru: "
            "drawn by LRU stack depth on the published miss curve (30 / 13.4 / 6.7 %% at H = K "
            "/ 2K / 4K), --layer-overlap between full layers, low-overlap first layers, the "
-           "measured shape printed (hisparse_cupy.demo.topk_model)")
+           "measured shape printed (hisparse_cupy.demo._topk_model)")
     a("--seed", type=int, default=None, help=f"lru: the streams' random seed (default {d.seed})")
     a("--step-overlap", type=float, default=d.step_overlap,
       help="lru: share of a top-k the previous step selected (sets the curve at H = K; "
@@ -342,7 +342,7 @@ def cpu_config(argv=None) -> Config:
 def auto_resident(cfg: Config) -> int:
     """``--resident-layers``' default: with lru streams, the layers before the first full layer
     past the generator's low-overlap ones (GLM-5.2's pattern: layers 0 and 1); else 0."""
-    from .topk_model import StreamShape
+    from ._topk_model import StreamShape
 
     if cfg.topk_model != "lru":
         return 0
