@@ -34,8 +34,13 @@ from _timing import (  # noqa: E402
     write_json,
 )
 
-from hisparse_cupy import HostKVPool, MissPlan, SwapState, swap_in
-from hisparse_cupy._kernels import _abi  # noqa: E402
+from hisparse_cupy import (
+    HostKVPool,
+    MissPlan,
+    SwapState,
+    _abi,  # noqa: E402
+    swap_in,
+)
 from hisparse_cupy.testing.probe import copy_probe
 
 K, H, P = 2048, 4096, 64

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_swap  # noqa: E402
 from _timing import device_info, time_graph_chain, write_json  # noqa: E402
 
-from hisparse_cupy import HostKVPool, MissPlan, swap_in
-from hisparse_cupy._kernels import _abi, _build, swap  # noqa: E402
+from hisparse_cupy import HostKVPool, MissPlan, _abi, swap_in
+from hisparse_cupy._kernels import _build, swap  # noqa: E402
 from hisparse_cupy._kernels._launch import max_active_clusters  # noqa: E402
 from hisparse_cupy.testing import knobs  # noqa: E402
 

@@ -38,7 +38,7 @@ _LAZY = {
     "layer_pattern": "streams",
     "SwapState": "_kernels.swap",
     "swap_in": "_kernels.swap",
-    "Ptr": "_kernels._launch",
+    "Ptr": "_device",
     "pdl_supported": "_kernels._launch",
     "compile_check": "_kernels._build",
     "interop": None,

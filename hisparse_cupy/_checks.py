@@ -18,7 +18,7 @@ try:
 except ImportError:  # the integer checks serve NumPy-only code too (layer patterns, the demo)
     cupy = None
 
-from ._kernels import _abi
+from . import _abi
 
 
 def _dtype_names(dtypes) -> str:

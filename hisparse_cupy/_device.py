@@ -12,12 +12,16 @@ from __future__ import annotations
 import ctypes
 import functools
 
-__all__ = ["GPUUnavailableError", "cupy_or_why", "require_gpu", "why_no_gpu"]
+__all__ = ["GPUUnavailableError", "Ptr", "cupy_or_why", "require_gpu", "why_no_gpu"]
 
 _NO_DEVICE = 100  # CUDA_ERROR_NO_DEVICE
 _STUB_LIBRARY = 34  # CUDA_ERROR_STUB_LIBRARY: the toolkit's stub libcuda, no driver behind it
 _INSUFFICIENT_DRIVER = 35  # CUDA_ERROR_INSUFFICIENT_DRIVER
 _LIBCUDA = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")
+
+
+class Ptr(int):
+    """A raw device (or device-mapped host) address."""
 
 
 class GPUUnavailableError(RuntimeError):

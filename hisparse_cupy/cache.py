@@ -28,10 +28,10 @@ import heapq
 import cupy
 import numpy as np
 
-from . import _checks
+from . import _abi, _checks
 from ._cache_rows import CacheRows, copy_pool_rows, host_pool, load_rows
 from ._device import require_gpu
-from ._kernels import _abi, multistep, swap
+from ._kernels import multistep, swap
 from ._kernels._launch import Structs, as_stream
 from ._kernels.multistep import MultiStepConfig, MultiStepState, MultiStepWorkspace
 from ._kernels.newest import NewestBuffers

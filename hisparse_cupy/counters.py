@@ -25,7 +25,7 @@ import cupy
 import cupyx
 import numpy as np
 
-from ._kernels import _abi
+from . import _abi
 from ._kernels._launch import as_stream
 
 __all__ = ["LayerCounters"]

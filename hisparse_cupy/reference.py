@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._kernels import _abi
-from ._kernels._abi import N_STATUS, ST_BADROW, ST_NOHOST, ST_RANGE
+from . import _abi
+from ._abi import N_STATUS, ST_BADROW, ST_NOHOST, ST_RANGE
 
 __all__ = [
     "InvariantError", "MULTISTEP_KINDS", "MultiStepResult", "N_STATUS", "ST_BADROW",

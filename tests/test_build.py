@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hisparse_cupy._kernels import _abi, _build
+from hisparse_cupy import _abi
+from hisparse_cupy._kernels import _build
 
 
 def test_compile_check_covers_every_instance():

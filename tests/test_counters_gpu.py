@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hisparse_cupy._kernels import _abi
+from hisparse_cupy import _abi
 from hisparse_cupy.testing.twin import K, L, R, Twin, twin_tables
 
 pytestmark = pytest.mark.gpu

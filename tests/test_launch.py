@@ -8,7 +8,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from hisparse_cupy._kernels import _abi, _launch
+from hisparse_cupy import _abi
+from hisparse_cupy._kernels import _launch
 from hisparse_cupy._kernels._launch import Params
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hisparse_cupy import reference as ref
-from hisparse_cupy._kernels._abi import default_scratch
+from hisparse_cupy._abi import default_scratch
 from hisparse_cupy._kernels.multistep import MultiStepConfig, commit_smem_bytes, table_size
 from hisparse_cupy.testing.twin import Twin
 

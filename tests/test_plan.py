@@ -320,8 +320,7 @@ def test_replay_reproduces_the_swap_rows(rng, s):
 def test_replay_validation(s):
     import cupy as cp
 
-    from hisparse_cupy import MissPlan, replay_plan
-    from hisparse_cupy._kernels._launch import Ptr
+    from hisparse_cupy import MissPlan, Ptr, replay_plan
 
     pool, dev = _setup(s)
     plan = MissPlan(4, 8)

@@ -25,8 +25,7 @@ import time
 import cupy
 import numpy as np
 
-from hisparse_cupy import HotBufferCache, swap_in
-from hisparse_cupy._kernels import _abi
+from hisparse_cupy import HotBufferCache, _abi, swap_in
 from hisparse_cupy._kernels._launch import launcher
 
 ROUNDS, N = 5, 200

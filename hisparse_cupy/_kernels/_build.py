@@ -4,7 +4,7 @@
 source file. :func:`kernel` returns the ``cupy.RawKernel`` of one instance: the file's
 RawModule is created on first use and CuPy compiles it lazily (NVRTC, then its disk cache) and
 per device. The options (:func:`options`) carry a digest of every ``.cu``/``.cuh`` source, so an
-edited header changes CuPy's cache key, and the ABI macros of :mod:`hisparse_cupy._kernels._abi`
+edited header changes CuPy's cache key, and the ABI macros of :mod:`hisparse_cupy._abi`
 (struct layouts, constants, shared-memory tables) that the kernels ``static_assert`` against.
 
 :func:`compile_check` compiles every instance through NVRTC (``cuda.bindings.nvrtc``, no GPU)
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import _abi
 from .._log import log
-from . import _abi
 
 CU_DIR = Path(__file__).resolve().parent / "cu"
 

@@ -1,6 +1,6 @@
 """The one launch path of the package, and the caller's stream.
 
-Every kernel takes one parameter struct by value (:mod:`hisparse_cupy._kernels._abi`): a
+Every kernel takes one parameter struct by value (:mod:`hisparse_cupy._abi`): a
 :class:`Structs`
 holds one or many (one per layer) as bytes, written through word views; a :class:`Params` is one
 of them. :func:`launch` queues a kernel with it through
@@ -42,10 +42,6 @@ _SMEM_DEFAULT_LIMIT = 48 * 1024
 # "pdl", what a call's pdl=None means on a device that has PDL (from HISPARSE_CUPY_PDL).
 FIXED: dict[str, bool] = {
     "pdl": os.environ.get("HISPARSE_CUPY_PDL", "1") not in ("0", "false", "off")}
-
-
-class Ptr(int):
-    """A raw device (or device-mapped host) address."""
 
 
 def _address(raw: np.ndarray) -> int:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _checks
-from . import _abi
+from .. import _abi, _checks
 
 
 def table_size(max_tokens: int) -> int:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import cupy
 
-from . import _abi, _build
+from .. import _abi
+from . import _build
 from ._launch import Params, launch, ptr
 
 

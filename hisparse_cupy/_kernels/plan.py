@@ -23,10 +23,11 @@ from typing import NamedTuple
 import cupy
 import numpy as np
 
-from .. import _checks
+from .. import _abi, _checks
+from .._device import Ptr
 from ..host._pool import HostKVPool
-from . import _abi, _build
-from ._launch import Launcher, Params, Ptr, as_stream, launcher, ptr, resolve_pdl, sm_count
+from . import _build
+from ._launch import Launcher, Params, as_stream, launcher, ptr, resolve_pdl, sm_count
 
 ROWS_PER_WARP = _build.COPY_ROWS_PER_WARP  # the host -> device copy's choices
 _COPY_BLOCK = _abi.COPY_WARPS * 32  # threads of a copy block

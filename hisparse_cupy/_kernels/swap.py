@@ -26,13 +26,13 @@ from typing import NamedTuple
 import cupy
 import numpy as np
 
-from .. import _checks
-from . import _abi, _build
+from .. import _abi, _checks
+from .._device import Ptr
+from . import _build
 from ._launch import (
     CallWriter,
     Launcher,
     Params,
-    Ptr,
     Structs,
     as_stream,
     compute_capability,

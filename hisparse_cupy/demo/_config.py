@@ -132,7 +132,7 @@ class Config:
         need(not bad, f"unknown --mode {sorted(bad)}")
 
     def scratch(self) -> int:
-        from .._kernels._abi import default_scratch
+        from .._abi import default_scratch
 
         return 0 if self.mtp < 2 else default_scratch(self.hot, self.top_k, self.mtp)
 

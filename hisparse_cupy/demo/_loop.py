@@ -19,7 +19,7 @@ import time
 import cupy
 import numpy as np
 
-from .._kernels._abi import LC_MISSES
+from .._abi import LC_MISSES
 from ..cache import HotBufferCache
 from ..streams import Prefetcher
 from ._config import PAGE_TOKENS, ROW_BYTES, Config

@@ -38,8 +38,7 @@ import cupy
 import numpy as np
 
 from .. import _checks
-from .._device import require_gpu
-from .._kernels._launch import Ptr
+from .._device import Ptr, require_gpu
 from .._log import log
 from . import _shm as host_shm
 

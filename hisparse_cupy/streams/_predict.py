@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import cupy
 
-from .._kernels import _abi, _build
+from .. import _abi
+from .._kernels import _build
 from .._kernels._launch import Params, launch, ptr
 from .._kernels.plan import array_rows, copy_struct, launch_copy, pool_rows
 

@@ -35,8 +35,8 @@ from collections.abc import Iterable
 import cupy
 import numpy as np
 
-from .. import _checks
-from .._kernels import _abi, _build, plan
+from .. import _abi, _checks
+from .._kernels import _build, plan
 from .._kernels._launch import Launcher, Params, as_stream, ptr
 
 __all__ = ["CopyProbe", "active_copy_probes", "copy_probe"]

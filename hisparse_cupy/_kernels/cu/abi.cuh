@@ -1,6 +1,6 @@
 // hisparse_cupy: the kernel ABI. One parameter struct per kernel family, taken by value.
 //
-// hisparse_cupy/_kernels/_abi.py mirrors every struct as a NumPy structured dtype and defines, for each
+// hisparse_cupy/_abi.py mirrors every struct as a NumPy structured dtype and defines, for each
 // compile, HS_ABI_<Struct>_SIZE and HS_ABI_<Struct>_FIELDS (name and size of every field, in
 // order): the checks below fail the compile (CPU CI runs it) if the two sides disagree. The constants and the
 // shared-memory layouts (X-macros HS_SMEM_<KERNEL>) come from the same module.
@@ -17,7 +17,7 @@
     !defined(HS_COMMIT_BLOCK) || !defined(HS_GATHER_BLOCK) || !defined(HS_INIT_BLOCK) ||        \
     !defined(HS_PREDICT_BLOCK) || !defined(HS_RESOLVE_MAX_CLUSTER) ||                           \
     !defined(HS_RESOLVE_CLUSTER_BLOCK) || !defined(HS_MS_C_COPY) || !defined(HS_MS_KEY_EMPTY)
-#error "compile with the -D macros of hisparse_cupy._kernels._abi.defines()"
+#error "compile with the -D macros of hisparse_cupy._abi.defines()"
 #endif
 
 namespace hs {
