@@ -178,11 +178,6 @@ def main(argv=None) -> int:
     from hisparse_cupy.pd import nixl_api
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        nixl_api()
-    except ImportError as e:
-        print(f"pd_decode: {e}", file=sys.stderr)
-        return 2
     cpu = "--cpu" in argv or isinstance(cupy_or_why(), str)
     shared = "--shared-pool" in argv
     argv = [a for a in argv if a != "--cpu"]
@@ -191,7 +186,12 @@ def main(argv=None) -> int:
     # every layer's prompt arrives over NIXL into the pool: none is kept on the GPU
     model_argv = ["--resident-layers", "0"] + [a for a in argv
                                                if a not in _FLAGS]
-    cfg = cpu_config(model_argv) if cpu else from_args(model_argv)
+    cfg = cpu_config(model_argv) if cpu else from_args(model_argv)  # --help ends here
+    try:
+        nixl_api()
+    except ImportError as e:
+        print(f"pd_decode: {e}", file=sys.stderr)
+        return 2
     if cfg.shared_prefix:
         raise SystemExit("pd_decode: --shared-prefix is the local admission's (forks of "
                          "request 0); every prompt here arrives whole")

@@ -152,12 +152,20 @@ def test_examples_name_the_missing_extra(example, needs):
     assert p.returncode != 0 and "hisparse_cupy[interop]" in p.stdout + p.stderr
 
 
+_EXTRAS = ("torch", "jax", "nixl", "nixl_cu12", "nixl_cu13")  # each example's optional import
+
+
+@pytest.mark.parametrize("blocked", [False, True], ids=["as installed", "extras blocked"])
 @pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
-def test_every_examples_help_works_with_or_without_its_extras(example):
-    """``--help`` prints the usage whether or not torch, JAX or a GPU is there (the missing
-    extra is named when the example runs, not when it is asked for its options)."""
-    p = subprocess.run([sys.executable, str(ROOT / "examples" / example), "--help"],
-                       capture_output=True, text=True, timeout=120)
+def test_every_examples_help_works_with_or_without_its_extras(example, blocked):
+    """``--help`` prints the usage whether or not torch, JAX, NIXL or a GPU is there (the
+    missing extra is named when the example runs, not when it is asked for its options): as
+    installed here, and with every optional import blocked in the child."""
+    block = "".join(f"sys.modules[{m!r}] = None; " for m in _EXTRAS) if blocked else ""
+    code = (f"import runpy, sys; {block}sys.argv = [{example!r}, '--help']; "
+            f"runpy.run_path({str(ROOT / 'examples' / example)!r}, run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "usage:" in p.stdout and "Traceback" not in p.stderr
 
