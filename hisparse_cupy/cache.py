@@ -41,7 +41,7 @@ from ._tables import LayerTables
 from .counters import LayerCounters
 from .host._pages import HostPages
 from .host._pool import HostKVPool
-from .step import Step
+from .step import Step, StepParts
 
 __all__ = ["HotBufferCache", "SlotsExhausted"]
 
@@ -163,23 +163,20 @@ class HotBufferCache:
                                       multistep=S >= 2)
         self.host_locs = self.host.locs
         self.plan = MissPlan(self.max_batch, K * max(1, S))
-        self.out = cupy.empty((self.max_batch, K), cupy.int32)
         self.status = cupy.empty((self.max_batch, _abi.N_STATUS), cupy.int32)
-        self.newest = NewestBuffers(self.max_batch)
         self._ms: list[MultiStepState] = []
         if S >= 2:
             cfg = self.ms_config
-            self.workspace = MultiStepWorkspace(self.max_batch, cfg.max_tokens)
-            self.ms_out = cupy.empty((self.max_batch, S, K), cupy.int32)
+            ws = MultiStepWorkspace(self.max_batch, cfg.max_tokens)  # the layers' calls share it
             for layer in range(L):
                 self._ms.append(MultiStepState(
                     cfg, self.host_locs, t.slot_tokens[layer], t.slot_locs[layer],
-                    t.scratch_locs[layer], n_device_rows=D, workspace=self.workspace,
+                    t.scratch_locs[layer], n_device_rows=D, workspace=ws,
                     validate=False, token_slot=t.token_slot[layer], ref=t.ms_ref[layer],
                     clock=t.ms_clock[layer]))
         self._states = [self._swap_state(layer) for layer in range(L)]
         self.counters = LayerCounters(L, self.row_bytes) if counters else None
-        self._templates()
+        self.step_parts = self._step_parts()
         self._free = list(range(R))  # a heap: admissions take the lowest free slot
         self._len: dict[int, int] = {}
         # The tables were filled on CuPy's current stream; later calls take any stream (often a
@@ -199,26 +196,30 @@ class HotBufferCache:
                                 scratch=scratch).scratch
         return max_requests * (hot_size + extra_page + C)
 
-    def _templates(self) -> None:
-        """Every layer's kernel structs with the fields that do not depend on the step: each
-        kernel family's per-layer stage. A :class:`Step` copies them and fills the batch's
-        fields for all layers at once, so a swap only writes its top-k's (plan/run)."""
-        L, n_host = self.n_layers, self.pool.n_rows
+    def _step_parts(self) -> StepParts:
+        """Every layer's kernel structs with the fields that do not depend on the step (each
+        kernel family's per-layer stage; a :class:`Step` copies them and fills the batch's
+        fields for all layers at once, so a swap only writes its top-k's), and the buffers
+        every step uses."""
+        L, n_host, B, K = self.n_layers, self.pool.n_rows, self.max_batch, self.top_k
         count = [self.counters.address(i) for i in range(L)] if self.counters else ()
-        self.resolve_structs = swap.layer_structs(self._states, status=self.status,
-                                                  plan=self.plan, n_host_rows=n_host,
-                                                  counters=count)
-        self.copy_structs = Structs.zeros(_abi.PLANNED_COPY, L)
+        copy = Structs.zeros(_abi.PLANNED_COPY, L)
         for layer in range(L):
             copy_struct(self.plan.src, self.plan.dst, self.plan.count,
                         src=pool_rows(self.pool, layer), dst=array_rows(self.device[layer]),
-                        row_bytes=self.row_bytes, batch=0,
-                        into=self.copy_structs.row(layer))
-        self.multistep_structs = None if not self._ms else multistep.layer_structs(
-            self._ms, status=self.status, plan=self.plan,
-            host_rows=[self.pool.device_ptr(i) for i in range(L)], n_host_rows=n_host,
-            device_rows=[self.device[i].data.ptr for i in range(L)], row_bytes=self.row_bytes,
-            counters=count)
+                        row_bytes=self.row_bytes, batch=0, into=copy.row(layer))
+        return StepParts(
+            swap.layer_structs(self._states, status=self.status, plan=self.plan,
+                               n_host_rows=n_host, counters=count),
+            copy,
+            None if not self._ms else multistep.layer_structs(
+                self._ms, status=self.status, plan=self.plan,
+                host_rows=[self.pool.device_ptr(i) for i in range(L)], n_host_rows=n_host,
+                device_rows=[self.device[i].data.ptr for i in range(L)],
+                row_bytes=self.row_bytes, counters=count),
+            cupy.empty((B, K), cupy.int32),
+            None if not self._ms else cupy.empty((B, self.max_steps, K), cupy.int32),
+            NewestBuffers(B))
 
     def _swap_state(self, layer: int) -> SwapState:
         t = self.tables

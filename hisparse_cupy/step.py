@@ -26,10 +26,27 @@ import numpy as np
 
 from . import _checks
 from ._kernels import multistep, newest, swap
-from ._kernels._launch import as_stream, resolve_pdl
+from ._kernels._launch import Structs, as_stream, resolve_pdl
+from ._kernels.newest import NewestBuffers
 from ._kernels.plan import array_rows, copy_rows, pool_rows
 
-__all__ = ["LayerCall", "Step"]
+__all__ = ["LayerCall", "Step", "StepParts"]
+
+
+class StepParts(NamedTuple):
+    """What a :class:`~hisparse_cupy.HotBufferCache` builds once for its steps
+    (``cache.step_parts``): every layer's kernel structs with the fields that do not depend on
+    the step (``resolve``, ``copy``, ``multistep``: each family's per-layer stage), the default
+    outputs (``out`` int32 ``[max_batch, K]``, ``ms_out`` ``[max_batch, S, K]``) and the newest
+    token's buffers (``newest``). A :class:`Step` copies the structs and fills its batch's
+    fields."""
+
+    resolve: Structs
+    copy: Structs
+    multistep: Structs | None
+    out: cupy.ndarray
+    ms_out: cupy.ndarray | None
+    newest: NewestBuffers
 
 
 class LayerCall(NamedTuple):
@@ -86,14 +103,14 @@ class Step:
 
     def _single_structs(self) -> None:
         c, nr = self.cache, self.num_real
-        self._resolve = swap.for_batch(c.resolve_structs, self.req, self.seq_lens,
+        self._resolve = swap.for_batch(c.step_parts.resolve, self.req, self.seq_lens,
                                        self.lens_stride, self.batch, nr)
         self._resolve_call = swap.CallFields(self._resolve)
-        self._copy = c.copy_structs.copy()
+        self._copy = c.step_parts.copy.copy()
         self._copy.put_all(B=self.batch, num_real=0 if nr is None else nr.data.ptr)
 
     def _multi_structs(self) -> None:
-        self._ms = multistep.for_batch(self.cache.multistep_structs, self.req, self.seq_lens,
+        self._ms = multistep.for_batch(self.cache.step_parts.multistep, self.req, self.seq_lens,
                                        self.lens_stride, self.lens_step, self.batch,
                                        self.num_real)
         self._ms_call = multistep.CallFields(self._ms)
@@ -182,7 +199,7 @@ class Step:
         grid = _checks.integer("copy_grid", copy_grid, 1, 2**31 - 1) if copy_grid else None
         got = self._launches[("single", K, copy_grid)] = (
             swap.launches(self.dtypes, B, K, c.hot_size, c.token_table, grid, self.pdl),
-            c.out[:B, :K])
+            c.step_parts.out[:B, :K])
         return got
 
     def _out_arg(self, out, default: cupy.ndarray, shape, hooks_out: bool) -> cupy.ndarray:
@@ -211,7 +228,7 @@ class Step:
                                  f"call has {S} steps")
             got = self._launches[("multi", S, K)] = (
                 multistep.launches(self.dtypes, B, S, K, c.hot_size, self.pdl),
-                multistep.dense_view(c.ms_out, (B, S, K)))
+                multistep.dense_view(c.step_parts.ms_out, (B, S, K)))
         go, default_out = got
         out = self._out_arg(out, default_out, (B, S, K), hooks_out)
         if check:
@@ -252,7 +269,7 @@ class Step:
     def _newest(self, record: bool) -> cupy.ndarray:
         c = self.cache
         return newest.newest_rows(
-            c.newest, req=self.req, lens=self.seq_lens, lens_stride=self.lens_stride,
+            c.step_parts.newest, req=self.req, lens=self.seq_lens, lens_stride=self.lens_stride,
             num_real=self.num_real, key=self.dtypes, slot_locs=c.tables.slot_locs[0],
             slot_tokens=c.tables.slot_tokens, host_locs=c.host_locs, host=c.host,
             hot_size=c.hot_size, record=record, stream=self.stream)
@@ -279,7 +296,7 @@ class Step:
         c, B = self.cache, self.batch
         rows = self._newest(True)
         if write_host:
-            nb = c.newest
+            nb = c.step_parts.newest
             copy_rows(nb.src, nb.dst, nb.count, src=array_rows(c.device), dst=pool_rows(c.pool),
                       row_bytes=c.row_bytes, batch=B, num_real=self.num_real,
                       n_layers=c.n_layers, to_host=True, stream=self.stream, pdl=self.pdl)

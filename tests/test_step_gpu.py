@@ -218,7 +218,7 @@ def test_probes_state_validation_and_sizes(rng, stream):
     with pytest.raises(ValueError, match=r"row 1 .*outside"):
         c.begin_step(req, lens, stream=stream).swap(0, cupy.asarray(tk), check=True)
     exp = t.expect_single(0, tk, np.array([0, 1]))
-    np.testing.assert_array_equal(cupy.asnumpy(c.out[:2]), exp.device_locs)
+    np.testing.assert_array_equal(cupy.asnumpy(c.step_parts.out[:2]), exp.device_locs)
     np.testing.assert_array_equal(cupy.asnumpy(c.tables.slot_tokens[0]), t.np[0]["slot_tokens"])
     # the step's own checks
     with pytest.raises(ValueError, match=r"batch must be in \[1, max_batch=6\]"):

@@ -155,7 +155,7 @@ def per_batch(B: int, stream, rng, prof: bool = False) -> dict:
     r["swap_in"] = per_call_us(lambda: swap_in(
         topk, req, lens, st, host_rows=cache.pool.device_ptr(0),
         n_host_rows=cache.pool.n_rows, device_rows=cache.device[0], plan=cache.plan,
-        out=cache.out[:B], status=cache.status[:B], stream=stream), stream)
+        out=cache.step_parts.out[:B], status=cache.status[:B], stream=stream), stream)
     r["begin_step"] = per_call_us(
         lambda: cache.begin_step(req, lens, stream=stream), stream)
     # a step's fixed cost: the batch's validation, and its structs filled by its first swap
