@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -19,6 +19,10 @@ except ImportError:  # the integer checks serve NumPy-only code too (layer patte
     cupy = None
 
 from . import _abi
+
+# What the public calls accept (for type checkers; the checks below say exactly what passes):
+ArrayLike = Any  # a CuPy array, or a GPU array of another library (DLPack, CUDA array interface)
+StreamLike = Any  # a CuPy, PyTorch or ``__cuda_stream__`` stream, or an int handle
 
 
 def _dtype_names(dtypes) -> str:

@@ -30,6 +30,7 @@ import numpy as np
 
 from . import _abi, _checks
 from ._cache_rows import CacheRows, copy_pool_rows, host_pool, load_rows
+from ._checks import ArrayLike, StreamLike
 from ._device import require_gpu
 from ._kernels import multistep, swap
 from ._kernels._launch import Structs, as_stream
@@ -113,8 +114,8 @@ class HotBufferCache:
                  hot_size: int = 4096, top_k: int = 2048, extra_page: int = 64,
                  max_batch: int | None = None, max_steps: int = 1, scratch: int | None = None,
                  page_tokens: int | None = None, pool_rows: int | None = None,
-                 pool: HostKVPool | None = None, device_rows=None, token_table: bool = True,
-                 counters: bool = True):
+                 pool: HostKVPool | None = None, device_rows: ArrayLike | None = None,
+                 token_table: bool = True, counters: bool = True):
         self.n_layers = L = _checks.integer("n_layers", n_layers, 1)
         self.max_requests = R = _checks.integer("max_requests", max_requests, 1)
         self.max_len = _checks.integer("max_len", max_len, 1)
@@ -238,8 +239,8 @@ class HotBufferCache:
         return dict(self._len)
 
     def admit(self, n_tokens: int, kv: np.ndarray | None = None,
-              warm_tokens=None, *, prefix: tuple[int, int] | None = None, pages=None,
-              stream=None) -> int:
+              warm_tokens: ArrayLike | None = None, *, prefix: tuple[int, int] | None = None,
+              pages: ArrayLike | None = None, stream: StreamLike | None = None) -> int:
         """Admit a request of ``n_tokens`` tokens whose KV is (or is now) in the host pool.
 
         Parameters
@@ -333,7 +334,7 @@ class HotBufferCache:
         self._len[rid] = n
         return rid
 
-    def grow(self, rid: int, n_tokens: int, *, stream=None) -> None:
+    def grow(self, rid: int, n_tokens: int, *, stream: StreamLike | None = None) -> None:
         """Make room in the host pool for request slot ``rid``'s tokens up to ``n_tokens``.
 
         Call it before the step (or graph replay) whose newest token is ``n_tokens - 1``:
@@ -358,7 +359,8 @@ class HotBufferCache:
             raise ValueError(f"request slot {rid} is not admitted")
         return rid
 
-    def write_host(self, rid: int, start: int, kv, *, stream=None) -> None:
+    def write_host(self, rid: int, start: int, kv: ArrayLike, *,
+                   stream: StreamLike | None = None) -> None:
         """Write KV rows of tokens ``start .. start + n`` of request ``rid`` into the host pool.
 
         Parameters
@@ -395,7 +397,7 @@ class HotBufferCache:
             self.host_locs[rid, start: start + n] = cupy.asarray(rows)
         self.host.wrote(rid, start, start + n)
 
-    def release(self, rid: int, *, stream=None) -> None:
+    def release(self, rid: int, *, stream: StreamLike | None = None) -> None:
         """Free request slot ``rid``: its tables and host rows are reset (token -> slot entries,
         never trusted without the slot table, stay); a paged pool's pages no other request
         holds are free again."""
@@ -420,7 +422,8 @@ class HotBufferCache:
             return layer
         return _checks.integer("layer", layer, 0, self.n_layers - 1)
 
-    def mirror_layer(self, src: int, dst: int, *, rows: bool = True, stream=None) -> None:
+    def mirror_layer(self, src: int, dst: int, *, rows: bool = True,
+                     stream: StreamLike | None = None) -> None:
         """Give layer ``dst`` the state of layer ``src``: every table, and the slot layout.
 
         ``rows=True`` (default): ``dst``'s device rows are first rearranged into ``src``'s
@@ -453,7 +456,8 @@ class HotBufferCache:
         return self.device[self.layer_index(layer)]
 
     # ----------------------------------------------------------------- per step
-    def begin_step(self, req_indices, seq_lens, num_real=None, *, stream=None,
+    def begin_step(self, req_indices: ArrayLike, seq_lens: ArrayLike,
+                   num_real: ArrayLike | None = None, *, stream: StreamLike | None = None,
                    pdl: bool | None = None, prefetcher=None) -> Step:
         """Validate a decode step's batch once; the returned :class:`Step` runs every layer.
 

@@ -26,6 +26,7 @@ import cupyx
 import numpy as np
 
 from . import _abi
+from ._checks import StreamLike
 from ._kernels._launch import as_stream
 
 __all__ = ["LayerCounters"]
@@ -50,7 +51,7 @@ class LayerCounters:
         """Device address of ``layer``'s counters (the kernel structs' field)."""
         return self.device.data.ptr + layer * self.device.strides[0]
 
-    def snapshot(self, stream=None) -> bool:
+    def snapshot(self, stream: StreamLike | None = None) -> bool:
         """Queue a copy of the counters into pinned host memory on ``stream`` (any stream kind;
         default: CuPy's current), after the work queued there; no wait. Returns False, queuing
         nothing, while the previous snapshot is still in flight. Not inside a graph capture."""
@@ -77,7 +78,7 @@ class LayerCounters:
             self._take()
         return self._last
 
-    def read(self, stream=None) -> dict:
+    def read(self, stream: StreamLike | None = None) -> dict:
         """A snapshot taken now on ``stream``, waited for (synchronizes that copy only)."""
         if self._event is not None:
             self._event.synchronize()
@@ -87,7 +88,7 @@ class LayerCounters:
         self._take()
         return self._last
 
-    def reset(self, stream=None) -> None:
+    def reset(self, stream: StreamLike | None = None) -> None:
         """Zero every counter, queued on ``stream``; a snapshot in flight is waited for and
         dropped, so :meth:`latest` returns nothing from before the reset."""
         if self._event is not None:

@@ -65,6 +65,7 @@ import cupy
 import numpy as np
 
 from . import _checks
+from ._checks import ArrayLike, StreamLike
 from ._kernels._launch import as_stream
 
 __all__ = ["as_cupy", "cupy_stream", "to_jax", "to_torch", "torch_stream"]
@@ -93,7 +94,7 @@ def _cupy_array(name: str, a) -> cupy.ndarray:
     return a
 
 
-def cupy_stream(stream=None):
+def cupy_stream(stream: StreamLike | None = None):
     """The CuPy stream object of any stream kind the ops take (a torch stream, a raw handle,
     ``__cuda_stream__``...); ``None``: CuPy's current stream.
 
@@ -105,7 +106,7 @@ def cupy_stream(stream=None):
     return as_stream(stream)
 
 
-def torch_stream(stream=None):
+def torch_stream(stream: StreamLike | None = None):
     """``stream`` (any kind the ops take; ``None``: CuPy's current stream) as a torch stream
     on the same handle, e.g. to run torch work on a step's stream:
     ``with torch.cuda.stream(torch_stream(step.stream)): ...``.
@@ -126,7 +127,7 @@ def torch_stream(stream=None):
     return torch.cuda.ExternalStream(s.ptr, device=dev)
 
 
-def as_cupy(x, *, stream=None, name: str = "x") -> cupy.ndarray:
+def as_cupy(x: ArrayLike, *, stream: StreamLike | None = None, name: str = "x") -> cupy.ndarray:
     """A CuPy view of the GPU array ``x`` (a torch tensor, a JAX array, a CuPy array or any
     DLPack exporter) on the current device, without a copy (the data pointers are equal).
 
@@ -149,7 +150,7 @@ def as_cupy(x, *, stream=None, name: str = "x") -> cupy.ndarray:
         return _checks.as_device_array(name, x)
 
 
-def to_torch(a: cupy.ndarray, *, stream=None):
+def to_torch(a: cupy.ndarray, *, stream: StreamLike | None = None):
     """A torch tensor over the CuPy array ``a`` (same memory, same shape and strides).
 
     ``stream`` (any stream kind; default: CuPy's current stream) is where ``a`` was written (the
@@ -172,7 +173,7 @@ def _compact(a: cupy.ndarray) -> bool:
     return True
 
 
-def to_jax(a: cupy.ndarray, *, stream=None):
+def to_jax(a: cupy.ndarray, *, stream: StreamLike | None = None):
     """A JAX array over the CuPy array ``a`` (same memory: ``unsafe_buffer_pointer()`` equals
     ``a.data.ptr``), for eager JAX code or as an argument of a jitted function.
 

@@ -25,6 +25,7 @@ import cupy
 import numpy as np
 
 from . import _checks
+from ._checks import ArrayLike, StreamLike
 from ._kernels import multistep, newest, swap
 from ._kernels._launch import Structs, as_stream, resolve_pdl
 from ._kernels.newest import NewestBuffers
@@ -77,7 +78,8 @@ class Step:
     device : the CUDA device id the step's arrays are on.
     """
 
-    def __init__(self, cache, req_indices, seq_lens, num_real=None, *, stream=None,
+    def __init__(self, cache, req_indices: ArrayLike, seq_lens: ArrayLike,
+                 num_real: ArrayLike | None = None, *, stream: StreamLike | None = None,
                  pdl: bool | None = None, prefetcher=None):
         self.cache = c = cache
         self.stream = as_stream(stream)
@@ -116,7 +118,8 @@ class Step:
         self._ms_call = multistep.CallFields(self._ms)
 
     # ----------------------------------------------------------------- swaps
-    def swap(self, layer: int, top_k_tokens=None, *, out=None, copy_grid: int | None = None,
+    def swap(self, layer: int, top_k_tokens: ArrayLike | None = None, *,
+             out: ArrayLike | None = None, copy_grid: int | None = None,
              check: bool = False) -> cupy.ndarray:
         """Swap in ``layer``'s top-k: int32 ``[B, K]`` (single-step) or ``[B, S, K]``
         (multi-step, ``2 <= S <= max_steps``); returns the device rows (same shape) of
@@ -255,7 +258,7 @@ class Step:
             lens = cupy.asnumpy(self.seq_lens[:nr]).reshape(nr, -1)
             self.cache.host.check(cupy.asnumpy(self.req[:nr]), lens.max(axis=1, initial=0))
 
-    def raise_on_status(self, top_k_tokens) -> None:
+    def raise_on_status(self, top_k_tokens: ArrayLike) -> None:
         """``check=True``'s second half: synchronize the step's stream and raise ``ValueError``
         naming every row and entry the last swap flagged (``top_k_tokens``: that swap's)."""
         with self.stream:  # a foreign array imports on the step's stream

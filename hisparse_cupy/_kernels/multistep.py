@@ -38,6 +38,7 @@ import cupy
 import numpy as np
 
 from .. import _abi, _checks
+from .._checks import ArrayLike, StreamLike
 from .._device import Ptr
 from . import _build
 from ._launch import (
@@ -107,7 +108,7 @@ class MultiStepWorkspace:
         self.stats = cupy.zeros((B, _abi.MS_N_STATS), cupy.int32)
         self.reset()
 
-    def reset(self, stream=None) -> None:
+    def reset(self, stream: StreamLike | None = None) -> None:
         """Clear every row (only needed if a call was abandoned half-way); queued on ``stream``
         (any kind :func:`hisparse_cupy._kernels._launch.as_stream` accepts)."""
         with as_stream(stream):
@@ -131,10 +132,11 @@ class MultiStepState:
     name would be taken for a miss and admitted twice.
     """
 
-    def __init__(self, config: MultiStepConfig, host_locs, slot_tokens, slot_locs, scratch_locs,
-                 *,
-                 n_device_rows: int, workspace: MultiStepWorkspace | None = None,
-                 validate: bool = True, token_slot=None, ref=None, clock=None):
+    def __init__(self, config: MultiStepConfig, host_locs: ArrayLike, slot_tokens: ArrayLike,
+                 slot_locs: ArrayLike, scratch_locs: ArrayLike, *, n_device_rows: int,
+                 workspace: MultiStepWorkspace | None = None, validate: bool = True,
+                 token_slot: ArrayLike | None = None, ref: ArrayLike | None = None,
+                 clock: ArrayLike | None = None):
         cfg = self.config = config
         R, H, W, C = cfg.n_requests, cfg.hot_size, cfg.slots, cfg.scratch
         self.host_locs = _checks.array("host_locs", host_locs, np.int64, ndim=2)
@@ -177,9 +179,10 @@ class MultiStepState:
         self.reset()
 
     @classmethod
-    def create(cls, host_locs, slot_tokens, slot_locs, scratch_locs, *, hot_size: int,
-               top_k: int, n_device_rows: int, max_steps: int = _abi.MS_MAX_STEPS,
-               max_batch: int | None = None, workspace: MultiStepWorkspace | None = None,
+    def create(cls, host_locs: ArrayLike, slot_tokens: ArrayLike, slot_locs: ArrayLike,
+               scratch_locs: ArrayLike, *, hot_size: int, top_k: int, n_device_rows: int,
+               max_steps: int = _abi.MS_MAX_STEPS, max_batch: int | None = None,
+               workspace: MultiStepWorkspace | None = None,
                validate: bool = True) -> MultiStepState:
         """Build the state of one layer from its slot tables (sizes taken from the arrays).
 
@@ -206,7 +209,7 @@ class MultiStepState:
     def hot_size(self) -> int:
         return self.config.hot_size
 
-    def reset(self, requests=None, *, stream=None) -> None:
+    def reset(self, requests: ArrayLike | None = None, *, stream: StreamLike | None = None) -> None:
         """(Re)initialise the token -> slot table, epochs and cursor of ``requests`` (default:
         all) from their current slot tables. Queued on ``stream``; no host synchronisation."""
         R = self.config.n_requests
@@ -242,7 +245,7 @@ class MultiStepState:
             counters=ptr(ws.counters), stats=ptr(ws.stats), R=cfg.n_requests, H=cfg.hot_size,
             P=cfg.extra_page, C=cfg.scratch)
 
-    def swap_state(self, lru) -> SwapState:
+    def swap_state(self, lru: ArrayLike) -> SwapState:
         """The single-step state over this state's slot tables and token -> slot table (``lru``:
         int16 ``[R, H]``, the single-step recency order): its calls run the table resolve,
         which records every admission in the table, so single- and multi-step calls can
@@ -279,21 +282,21 @@ def init_states(rows: cupy.ndarray, num_real: cupy.ndarray | None, slot_tokens: 
 
 
 def multistep_swap_in(
-    top_k_tokens,
-    req_indices,
-    seq_lens,
+    top_k_tokens: ArrayLike,
+    req_indices: ArrayLike,
+    seq_lens: ArrayLike,
     state: MultiStepState,
     *,
     host_rows: Ptr,
     n_host_rows: int,
-    device_rows,
+    device_rows: ArrayLike,
     plan: MissPlan | None = None,
-    out=None,
-    status=None,
-    num_real=None,
+    out: ArrayLike | None = None,
+    status: ArrayLike | None = None,
+    num_real: ArrayLike | None = None,
     check: bool = False,
-    counters=None,
-    stream=None,
+    counters: ArrayLike | None = None,
+    stream: StreamLike | None = None,
     pdl: bool | None = None,
 ) -> cupy.ndarray:
     """Resolve the top-k of S draft steps for a batch, copying each unique miss once.

@@ -24,6 +24,7 @@ import cupy
 import numpy as np
 
 from .. import _abi, _checks
+from .._checks import ArrayLike, StreamLike
 from .._device import Ptr
 from ..host._pool import HostKVPool
 from . import _build
@@ -211,15 +212,15 @@ def replay_plan(
     plan: MissPlan,
     batch: int,
     *,
-    device_rows,
+    device_rows: ArrayLike,
     pool: HostKVPool | None = None,
     layer: int | None = None,
     host_rows: Ptr | None = None,
     n_host_rows: int | None = None,
-    num_real=None,
+    num_real: ArrayLike | None = None,
     grid: int | None = None,
     rows_per_warp: int = 1,
-    stream=None,
+    stream: StreamLike | None = None,
     pdl: bool | None = None,
 ) -> None:
     """Replay a recorded miss plan on one layer: host row ``src[b, m]`` -> device row ``dst[b, m]``.

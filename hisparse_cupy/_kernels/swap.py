@@ -27,6 +27,7 @@ import cupy
 import numpy as np
 
 from .. import _abi, _checks
+from .._checks import ArrayLike, StreamLike
 from .._device import Ptr
 from . import _build
 from ._launch import (
@@ -167,8 +168,8 @@ class SwapState:
         return self.lru.shape[1]
 
     @classmethod
-    def validated(cls, host_locs, slot_tokens, slot_locs, lru, *,
-                  token_slot=None) -> SwapState:
+    def validated(cls, host_locs: ArrayLike, slot_tokens: ArrayLike, slot_locs: ArrayLike,
+                  lru: ArrayLike, *, token_slot: ArrayLike | None = None) -> SwapState:
         host_locs = _checks.array("host_locs", host_locs, np.int64, ndim=2)
         lru = _checks.array("lru", lru, np.int16, ndim=2, contiguous=False, inner_contiguous=True)
         R, H = lru.shape
@@ -311,23 +312,23 @@ def run(resolve: Structs, layer: int, copy: Structs, launch: SwapLaunch,
 
 
 def swap_in(
-    top_k_tokens,
-    req_indices,
-    seq_lens,
+    top_k_tokens: ArrayLike,
+    req_indices: ArrayLike,
+    seq_lens: ArrayLike,
     state: SwapState,
     *,
     host_rows: Ptr,
     n_host_rows: int,
     device_rows: cupy.ndarray,
     plan: MissPlan,
-    out=None,
-    status=None,
-    num_real=None,
+    out: ArrayLike | None = None,
+    status: ArrayLike | None = None,
+    num_real: ArrayLike | None = None,
     copy_grid: int | None = None,
     check: bool = False,
     validate_state: bool = False,
-    counters=None,
-    stream=None,
+    counters: ArrayLike | None = None,
+    stream: StreamLike | None = None,
     pdl: bool | None = None,
 ) -> cupy.ndarray:
     """Resolve one step's top-k for a batch and move the misses into the hot buffer.

@@ -30,6 +30,7 @@ import hashlib
 import numpy as np
 
 from .. import _checks
+from .._checks import ArrayLike
 
 __all__ = ["HostPages", "PoolExhausted", "consecutive_runs"]
 
@@ -89,7 +90,8 @@ class HostPages:
         return -(-int(n_tokens) // self.page_tokens)
 
     @staticmethod
-    def host_bytes_needed(lengths, *, page_tokens: int, n_layers: int, row_bytes: int) -> int:
+    def host_bytes_needed(lengths: ArrayLike, *, page_tokens: int, n_layers: int,
+                          row_bytes: int) -> int:
         """Host bytes a paged pool needs for requests of ``lengths`` tokens (none shared):
         at most one page per request more than the tokens held (the slot layout reserves
         ``max_len`` rows for every request slot)."""
@@ -138,7 +140,7 @@ class HostPages:
 
     # ------------------------------------------------------------------ requests
     def admit(self, rid: int, n_tokens: int, *, prefix: tuple[int, int] | None = None,
-              pages=None) -> list[tuple[int, int, int]]:
+              pages: ArrayLike | None = None) -> list[tuple[int, int, int]]:
         """Pages for request ``rid``'s first ``n_tokens`` tokens.
 
         ``prefix=(parent, p)``: its first ``p`` tokens are the live request ``parent``'s
@@ -235,7 +237,7 @@ class HostPages:
         self.held[got] = 1
         return got
 
-    def put(self, pages) -> None:
+    def put(self, pages: ArrayLike) -> None:
         """Drop the engine's hold on ``pages`` (each one the engine holds, once each)."""
         got = [int(g) for g in np.asarray(pages, np.int64).reshape(-1)]
         if len(set(got)) != len(got):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import cupy
 
 from .. import _checks
+from .._checks import ArrayLike, StreamLike
 from .._kernels._launch import as_stream, sm_count
 from .._kernels.multistep import dense_view
 from .._kernels.plan import ROWS_PER_WARP, Rows, copy_struct, launch_copy
@@ -282,7 +283,7 @@ class Prefetcher:
             self._joined = self._queued
 
     # ------------------------------------------------------------------ the Step's hooks
-    def before_layer(self, step, layer: int, top_k_tokens=None) -> LayerCall:
+    def before_layer(self, step, layer: int, top_k_tokens: ArrayLike | None = None) -> LayerCall:
         """Called by ``step.swap(layer, top_k)`` (model ``layer``, in layer order, once per
         step): a shared layer with prefetch on waits for its replay and is served its full
         layer's page table; otherwise the swap to run (a shared layer with prefetch off runs
@@ -356,7 +357,7 @@ class Prefetcher:
         return out
 
     # ------------------------------------------------------------------ prediction
-    def set_predict(self, on: bool, stream=None) -> None:
+    def set_predict(self, on: bool, stream: StreamLike | None = None) -> None:
         """Prediction mode on or off (between steps; queued on ``stream``, no host sync).
 
         On (with prefetch on; single-step swaps): after each full layer's swap a side stream
@@ -441,7 +442,7 @@ class Prefetcher:
         s.wait_event(self.events[p])
         self._joined = p + 1
 
-    def finish(self, stream=None) -> None:
+    def finish(self, stream: StreamLike | None = None) -> None:
         """End a decode step: join any replay no shared layer waited on (and a prediction no
         full layer used) into the main stream.
 
@@ -456,7 +457,7 @@ class Prefetcher:
         self._take_stage(s)
         self._reset_step()
 
-    def set_enabled(self, enabled: bool, stream=None) -> None:
+    def set_enabled(self, enabled: bool, stream: StreamLike | None = None) -> None:
         """Turn prefetch on or off between steps (queued on ``stream``, which must not be the
         legacy default stream; no host sync).
 
