@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import types
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -98,20 +99,22 @@ def ticket_rows(t, pool):
                            for a, n in t["descs"][: len(t["runs"])]])
 
 
-_SEEN: dict = {}  # id(receiver) -> what its polls inside send() / finish() found
+# receiver -> what its polls inside send() / finish() found (weak: a receiver gone takes its
+# entry along; keyed by id(), a later receiver at the same address read an earlier one's)
+_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _poll(rx):
     """One poll of ``rx``; what it found is kept for :func:`arrivals` and :func:`failures`."""
     polled = rx.poll()
-    seen = _SEEN.setdefault(id(rx), {"done": [], "failed": [], "timed_out": []})
+    seen = _SEEN.setdefault(rx, {"done": [], "failed": [], "timed_out": []})
     for k in seen:
         seen[k] += getattr(polled, k)
     return polled
 
 
 def _take(rx, what):
-    seen = _SEEN.get(id(rx), {})
+    seen = _SEEN.get(rx, {})
     got, seen[what] = seen.get(what, []), []
     return got
 
