@@ -319,7 +319,7 @@ def swap_in(
     *,
     host_rows: Ptr,
     n_host_rows: int,
-    device_rows: cupy.ndarray,
+    device_rows: ArrayLike,
     plan: MissPlan,
     out: ArrayLike | None = None,
     status: ArrayLike | None = None,
