@@ -5,15 +5,16 @@ A :class:`MissPlan` records the copies a swap made: for batch row ``b``, entries
 of a request are the same in every layer, so a full layer's plan can be replayed for other
 layers (IndexCache shared layers) with :func:`replay_plan`.
 
-:func:`copy_params` + :func:`launch_copy` are the one launcher of the ``planned_copy`` kernel,
-which every bulk row move of the package goes through (swap misses, replays, admission loads,
-backups). This module alone knows the copy's launch: its instances, block, shared memory and
-grid rule (:func:`copy_launcher`, :func:`default_copy_grid`, :func:`full_grid`).
+The planned copy is the one kernel every bulk row move of the package goes through (swap misses,
+replays, admission loads, backups), in stages: its two sides named as :class:`Rows`
+(:func:`pool_rows`, :func:`array_rows`), a struct from :func:`copy_struct` (a per-layer
+template, or a one-off), queued by :func:`launch_copy` (:func:`copy_rows` does both). This module
+alone knows the copy's launch: its instances, block, shared memory and grid rule
+(:func:`copy_launcher`, :func:`default_copy_grid`, :func:`full_grid`).
 
-While a :func:`hisparse_cupy.testing.probe.copy_probe` is active, the host -> device copies that
-:func:`launch_copy` queues on its streams run the copy's measuring instance instead (dry runs,
-slowed rows, counted bad rows); with none active, that costs :func:`launch_copy` the test of an
-empty list. Copies queued straight through a :func:`copy_launcher` are never probed.
+:func:`launch_copy` calls :data:`copy_queue`, the production :func:`queue_copy`, which consults
+nothing; a measuring probe (:mod:`hisparse_cupy.testing.probe`) replaces it while it is active.
+Copies queued straight through a :func:`copy_launcher` (the Step's swaps) are never probed.
 """
 
 from __future__ import annotations

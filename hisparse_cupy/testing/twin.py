@@ -78,7 +78,7 @@ def twin_tables(snapshot: dict) -> dict:
     unknown = sorted(set(snapshot) - set(TWIN_TABLES) - set(UNTWINNED))
     if unknown:
         raise AssertionError(f"per-layer table(s) {unknown} have no NumPy twin: model them in "
-                             f"hisparse_cupy.reference and list them in _twin.TWIN_TABLES")
+                             f"hisparse_cupy.reference and list them in testing.twin.TWIN_TABLES")
     return {k: v.copy() for k, v in snapshot.items() if k in TWIN_TABLES}
 
 
