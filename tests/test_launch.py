@@ -232,8 +232,9 @@ def test_copy_probe_runs_the_probe_instance_on_its_streams_only(copy_launches):
         st = np.frombuffer(launch[6], _abi.PLANNED_COPY_PROBE)[0]
         return st["copy"].tobytes(), int(st["bad"]), int(st["spin_cycles"]), int(st["dry_run"])
 
+    assert plan.copy_queue is plan.queue_copy  # production: nothing consulted per copy
     with copy_probe(dry_run=True, spin_cycles=7, streams=[0x10]) as probe:
-        assert active_copy_probes == [probe]
+        assert active_copy_probes == [probe] and plan.copy_queue is not plan.queue_copy
         plan.launch_copy(p, grid=5, stream=_Fake(0x10), rows_per_warp=2)
         plan.launch_copy(p, grid=5, stream=_Fake(0x20), rows_per_warp=2)  # not its stream
         plan.launch_copy(p, to_host=True, grid=5, stream=_Fake(0x10))  # backups: never
@@ -241,7 +242,7 @@ def test_copy_probe_runs_the_probe_instance_on_its_streams_only(copy_launches):
             plan.launch_copy(p, grid=5, stream=_Fake(0x10))
             plan.launch_copy(p, grid=5, stream=_Fake(0x20))
         plan.launch_copy(p, grid=5, stream=_Fake(0x10))
-    assert active_copy_probes == []
+    assert active_copy_probes == [] and plan.copy_queue is plan.queue_copy  # put back
     plan.launch_copy(p, grid=5, stream=_Fake(0x10))
     names = [launch[0] for launch in copy_launches]
     assert names == [_build.COPY_H2D_PROBE[2], _build.COPY_H2D[2], _build.COPY_D2H,
