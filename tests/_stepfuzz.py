@@ -117,8 +117,11 @@ class Fuzz:
     """One seeded run over one cache (see the module docstring)."""
 
     def __init__(self, gpu: bool, seed: int, cfg: dict | None = None, *, graphs: bool = True,
-                 sync_every: int = 200):
+                 sync_every: int = 200, detail: bool = False):
         self.seed = seed
+        # detail: every check also read on the host (synchronizes), and the first offending
+        # entries described (the call, the row, the token, its rows, where the tables hold it)
+        self.detail, self.details, self.kind = detail, [], "eager"
         self.rng = rng = np.random.default_rng(seed)
         self.cfg = cfg = dict(cfg or draw_config(rng))
         self.be = be = Backend(gpu)
@@ -289,6 +292,7 @@ class Fuzz:
         else:
             lens = np.repeat(n[:, None] + 1, S, axis=1)
         use_graph = self.graphs and rng.random() < 0.3
+        self.kind = "graph" if use_graph else "eager"
         if use_graph:
             self._graph_step(req, lens, S)
         else:
@@ -423,10 +427,42 @@ class Fuzz:
                 want = pattern(layer, ids, self.row, xp=xp)
                 errs[2] = errs[2] + ((got != want).any(axis=1) & (o >= 0)).sum()
             errs[3] = errs[3] + (flat[xp.asarray(neg)] != -1).sum()
+            if self.detail and len(self.details) < 20:
+                self._describe(layer, tk, req, lens, nr, flat, idx, canon)
         e = xp.stack([xp.asarray(v, dtype=xp.int64) for v in errs])
         self.errors += e
         here = xp.where(e.sum() > 0, self.steps, 2**62)
         self.first_bad[...] = xp.minimum(self.first_bad, here)
+
+    def _describe(self, layer, tk, req, lens, nr, flat, idx, canon) -> None:
+        """The entries of this call whose row is not their token's first entry's row."""
+        host = self.xp.asnumpy if self.be.gpu else np.asarray
+        f = host(flat)
+        bad = np.nonzero(f[idx] != f[canon])[0]
+        if not bad.size:
+            return
+        t3 = np.asarray(tk).reshape(tk.shape[0], -1, tk.shape[-1])
+        S, K = t3.shape[1], t3.shape[2]
+        for j in bad[:4]:
+            b, s, k = np.unravel_index(int(idx[j]), (t3.shape[0], S, K))
+            _, s0, k0 = np.unravel_index(int(canon[j]), (t3.shape[0], S, K))
+            rid, t = int(req[b]), int(t3[b, s, k])
+            st = self._slot_tokens(layer, rid)
+            self.details.append(dict(
+                step=self.steps, kind=self.kind, layer=layer, row=int(b), num_real=int(nr),
+                request=rid, lens=[int(x) for x in np.asarray(lens[b]).reshape(-1)], S=S,
+                token=t, at=(int(s), int(k)), first_at=(int(s0), int(k0)),
+                rows=(int(f[idx[j]]), int(f[canon[j]])),
+                slots_holding=[int(x) for x in np.nonzero(st == t)[0]] if st is not None else None,
+                hot_size=self.H))
+
+    def _slot_tokens(self, layer: int, rid: int):
+        """Layer ``layer``'s slot tokens of request slot ``rid`` after the call, on the host."""
+        tabs = getattr(self.c, "tables", None)
+        if getattr(tabs, "slot_tokens", None) is not None:  # the cache
+            return self.xp.asnumpy(tabs.slot_tokens[layer, rid])
+        state = getattr(self.c, "layer_state", None)  # the NumPy model
+        return None if state is None else np.asarray(state[layer]["slot_tokens"][rid])
 
     # ------------------------------------------------------------------ graphs
     def _graph_step(self, req, lens, S) -> None:
@@ -526,13 +562,16 @@ class Fuzz:
                     graph_steps=self.graph_steps, toggles=self.toggles,
                     streams=sorted(self.kinds_used),
                     errors=dict(zip(CHECKS, errs, strict=True)),
-                    first_bad_step=None if first >= 2**62 else first)
+                    first_bad_step=None if first >= 2**62 else first,
+                    **({"details": self.details} if self.details else {}))
 
     def raise_if_bad(self) -> None:
         s = self.summary()
         if any(s["errors"].values()):
             raise AssertionError(f"seed {self.seed}: {s['errors']} (first at step "
-                                 f"{s['first_bad_step']}); config {s['config']}")
+                                 f"{s['first_bad_step']}); config {s['config']}"
+                                 + (f"; first offending entry {self.details[0]}"
+                                    if self.details else ""))
 
     def run(self, steps: int) -> dict:
         for _ in range(steps):
@@ -542,8 +581,8 @@ class Fuzz:
 
 
 def _one(args) -> dict:
-    gpu, seed, steps = args
-    f = Fuzz(gpu, seed)
+    gpu, seed, steps, detail = args
+    f = Fuzz(gpu, seed, detail=detail)
     try:
         return f.run(steps)
     except AssertionError as e:
@@ -560,9 +599,12 @@ def main(argv=None) -> int:
     ap.add_argument("--procs", type=int, default=1, help="processes sharing the GPU")
     ap.add_argument("--cpu", action="store_true", help="the NumPy model instead of the GPU")
     ap.add_argument("--json", help="write the summaries here")
+    ap.add_argument("--detail", action="store_true",
+                    help="check every call on the host too (slow) and describe the first "
+                         "offending entries (for a failing seed)")
     a = ap.parse_args(argv)
     n_seeds = -(-a.steps // a.per_seed)
-    jobs = [(not a.cpu, a.seed + i, a.per_seed) for i in range(n_seeds)]
+    jobs = [(not a.cpu, a.seed + i, a.per_seed, a.detail) for i in range(n_seeds)]
     t0 = time.perf_counter()
     if a.procs > 1:
         import multiprocessing as mp

@@ -50,6 +50,38 @@ def test_the_fuzz_checks_catch_a_wrong_row():
         f.run(20)
 
 
+def test_the_fuzz_describes_a_token_given_two_rows():
+    """Negative control of ``detail``: a call that gives a repeated token a second row is
+    counted as "two rows for one token" and described (the call, the row, the token, both
+    rows), so a failing GPU seed can be read without a debugger."""
+    f = Fuzz(False, 5, detail=True)
+    f.run(5)
+    real = f.c._swap
+
+    def split(layer, topk, req, lens, nr):
+        out, plan = real(layer, topk, req, lens, nr)
+        flat_t, out = np.asarray(topk).reshape(len(out), -1), out.copy()
+        flat_o = out.reshape(len(out), -1)
+        for b in range(min(int(nr), len(out))):
+            seen = {}
+            for j, t in enumerate(flat_t[b]):
+                if t >= 0 and flat_o[b, j] >= 0:
+                    if t in seen and flat_o[b, seen[t]] == flat_o[b, j]:
+                        flat_o[b, j] = (flat_o[b, j] + 1) % f.c.device.shape[1]
+                        return out, plan
+                    seen.setdefault(t, j)
+        return out, plan
+
+    f.c._swap = split
+    with pytest.raises(AssertionError, match="two rows for one token.*first offending entry"):
+        f.run(60)
+    assert f.summary()["errors"]["two rows for one token"] > 0
+    d = f.details[0]
+    assert d["rows"][0] != d["rows"][1] and d["token"] >= 0 and d["kind"] == "eager"
+    assert set(d) >= {"step", "layer", "row", "request", "lens", "S", "at", "first_at",
+                      "slots_holding"}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(4))
 def test_step_fuzz_gpu(seed):
