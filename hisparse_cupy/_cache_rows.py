@@ -184,8 +184,7 @@ class CacheRows:
         only a fork past what the host knows pays it)."""
         done = self._written[rid]
         if p > done:
-            with stream:
-                locs = self.locs[rid, done:p].get(stream=stream)
+            locs = self.locs[rid, done:p].get(stream=stream)
             stream.synchronize()
             unwritten = np.flatnonzero(locs < 0)
             done += int(unwritten[0]) if unwritten.size else p - done

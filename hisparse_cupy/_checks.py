@@ -8,6 +8,7 @@ PyTorch, JAX or anything else that speaks DLPack are imported without a copy.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -19,6 +20,7 @@ except ImportError:  # the integer checks serve NumPy-only code too (layer patte
     cupy = None
 
 from . import _abi
+from ._device import Ptr
 
 # What the public calls accept (for type checkers; the checks below say exactly what passes):
 ArrayLike = Any  # a CuPy array, or a GPU array of another library (DLPack, CUDA array interface)
@@ -327,15 +329,15 @@ class OpArgs(NamedTuple):
 
 
 def op_args(top_k_tokens, req_indices, seq_lens, *, dims: str, sizes_ok, host_rows,
-            n_host_rows, device_rows, plan, plan_width, out, status, num_real, counters,
-            ptr_cls: type, plan_cls: type) -> OpArgs:
+            n_host_rows, device_rows, plan, plan_cls: type, plan_required: bool, out, status,
+            num_real, counters) -> OpArgs:
     """The one validation of ``swap_in`` (``dims="BK"``) and ``multistep_swap_in``
     (``"BSK"``), on CuPy's current stream (DLPack imports order there): the top-k (int32, rows
     may be strided), then ``sizes_ok(shape)`` (the op's own limits, raising by name), the
-    request slots and lengths, the device rows, the host rows (a ``ptr_cls`` address and its
-    row count), ``num_real``, ``out`` / ``status`` (allocated when None), the plan (a
-    ``plan_cls`` with room for ``plan_width(shape)`` entries per row; None allowed where
-    ``plan_width`` is None for it) and the counters."""
+    request slots and lengths, the device rows, the host rows (a :class:`Ptr` and its row
+    count), ``num_real``, ``out`` / ``status`` (allocated when None), the plan (a ``plan_cls``,
+    the :class:`MissPlan`, with room for every entry of a row; None only where not
+    ``plan_required``) and the counters."""
     topk = array("top_k_tokens", top_k_tokens, np.int32, ndim=len(dims), contiguous=False,
                  inner_contiguous=True)
     sizes("top_k_tokens", topk, dims)
@@ -346,12 +348,12 @@ def op_args(top_k_tokens, req_indices, seq_lens, *, dims: str, sizes_ok, host_ro
     dev = array("device_rows", device_rows, np.uint8, ndim=2)
     rb = row_bytes("device_rows row size", dev.shape[1])
     n_host_rows = integer("n_host_rows", n_host_rows, 0)
-    if not isinstance(host_rows, ptr_cls):
+    if not isinstance(host_rows, Ptr):
         raise TypeError("host_rows must be a Ptr (HostKVPool.device_ptr(layer))")
-    if plan is not None or plan_width is not None:
+    if plan is not None or plan_required:
         if not isinstance(plan, plan_cls):
             raise TypeError(f"plan must be a MissPlan, got {type(plan).__name__}")
-        plan.check_batch(B, plan_width(topk.shape))
+        plan.check_batch(B, math.prod(topk.shape[1:]))
     nr = None if num_real is None else device_scalar("num_real", num_real)
     if out is None:
         out = cupy.empty(topk.shape, cupy.int32)

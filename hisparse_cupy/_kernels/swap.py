@@ -382,9 +382,9 @@ def swap_in(
     with s:  # DLPack imports order on the stream the kernels run on
         a = _checks.op_args(top_k_tokens, req_indices, seq_lens, dims="BK", sizes_ok=sizes_ok,
                             host_rows=host_rows, n_host_rows=n_host_rows,
-                            device_rows=device_rows, plan=plan, plan_width=lambda sh: sh[1],
-                            out=out, status=status, num_real=num_real, counters=counters,
-                            ptr_cls=Ptr, plan_cls=MissPlan)
+                            device_rows=device_rows, plan=plan, plan_cls=MissPlan,
+                            plan_required=True, out=out, status=status, num_real=num_real,
+                            counters=counters)
     topk, req, lens, dev, nr, out, status = a.topk, a.req, a.lens, a.dev, a.num_real, a.out, \
         a.status
     (B, K), row_bytes, n_host_rows = topk.shape, a.row_bytes, a.n_host_rows
