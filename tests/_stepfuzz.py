@@ -117,8 +117,12 @@ class Fuzz:
     """One seeded run over one cache (see the module docstring)."""
 
     def __init__(self, gpu: bool, seed: int, cfg: dict | None = None, *, graphs: bool = True,
-                 sync_every: int = 200, detail: bool = False):
+                 sync_every: int = 200, detail: bool = False, record: str | None = None):
         self.seed = seed
+        # record: a flight recorder (GPU, no synchronization): every step's tables, outputs
+        # and error counts kept on the device; the steps around the first bad one are written
+        # to this JSON path when the run fails
+        self.record, self.tape = record, []
         # detail: every check also read on the host (synchronizes), and the first offending
         # entries described (the call, the row, the token, its rows, where the tables hold it)
         self.detail, self.details, self.kind = detail, [], "eager"
@@ -149,6 +153,7 @@ class Fuzz:
         self.steps = self.calls = self.graph_steps = self.toggles = 0
         self.kinds_used: set = set()
         self.stream_obj, self.stream = None, None  # the last step's (argument, CuPy view)
+        self.stream_name = None
         self._graph = None
 
     # ------------------------------------------------------------------ streams
@@ -157,6 +162,7 @@ class Fuzz:
         if self.pf is not None and self.pf.enabled:
             kinds = [k for k in kinds if k[0] != "legacy default"]
         name, obj, view = kinds[int(self.rng.integers(len(kinds)))]
+        self.stream_name = name
         self._order(view)
         self.kinds_used.add(name)
         self.stream_obj, self.stream = obj, view
@@ -369,6 +375,7 @@ class Fuzz:
         step.finish()
         with self._with(view):
             self._check(outs, tks, greq, np.asarray(glens).reshape(B, -1), nr, rows)
+            self._tape(outs, tks, greq, glens, nr)
 
     def _write_newest(self, req, lens, rows, nr) -> None:
         xp = self.xp
@@ -464,6 +471,38 @@ class Fuzz:
         state = getattr(self.c, "layer_state", None)  # the NumPy model
         return None if state is None else np.asarray(state[layer]["slot_tokens"][rid])
 
+    def _tape(self, outs, tks, req, lens, nr) -> None:
+        """The flight recorder's entry for this step (queued on the current stream)."""
+        if not (self.record and self.be.gpu):
+            return
+        pf = self.pf
+        self.tape.append(dict(
+            step=self.steps, kind=self.kind, stream=self.stream_name, num_real=int(nr),
+            req=np.asarray(req).tolist(), lens=np.asarray(lens).tolist(),
+            prefetch=None if pf is None else [bool(pf.enabled), bool(pf.predict)],
+            top_k=[None if t is None else np.asarray(t).tolist() for t in tks],
+            dev=dict(outs=[o.copy() for o in outs], errors=self.errors.copy(),
+                     tables={k: v.copy() for k, v in self.c.tables.named().items()},
+                     host_locs=self.c.host_locs.copy())))
+
+    def dump_tape(self, first: int) -> None:
+        """Write the recorded steps first - 2 .. first + 1 (host copies) to ``self.record``."""
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+        keep = []
+        for e in self.tape:
+            if first - 2 <= e["step"] <= first + 1:
+                d = e.pop("dev")
+                e["outs"] = [cupy.asnumpy(o).tolist() for o in d["outs"]]
+                e["errors"] = cupy.asnumpy(d["errors"]).tolist()
+                e["tables"] = {k: cupy.asnumpy(v).tolist() for k, v in d["tables"].items()}
+                e["host_locs"] = cupy.asnumpy(d["host_locs"]).tolist()
+                keep.append(e)
+        with open(self.record, "w") as fh:
+            json.dump(dict(seed=self.seed, config=self.cfg, first_bad_step=first,
+                           steps=keep), fh)
+
     # ------------------------------------------------------------------ graphs
     def _graph_step(self, req, lens, S) -> None:
         """A captured step (shapes fixed per graph) replayed with this batch."""
@@ -472,7 +511,7 @@ class Fuzz:
         rng = self.rng
         obj, view = self._pick_stream()
         if view.ptr == 0:  # no capture on the legacy stream: take a non-blocking one
-            obj, view = self.be.streams[0][1], self.be.streams[0][2]
+            self.stream_name, obj, view = self.be.streams[0]
             self._order(view)
             self.stream_obj, self.stream = obj, view
         self._grow(req, lens, obj)
@@ -510,6 +549,7 @@ class Fuzz:
             self._write_newest(req, lens, rows, nr)
             g["graph"].launch(view)
             self._check(g["outs"], tks, greq, glens, nr, g["rows"])
+            self._tape(g["outs"], tks, greq, glens, nr)
         self.graph_steps += 1
         self.calls += self.L
 
@@ -568,6 +608,8 @@ class Fuzz:
     def raise_if_bad(self) -> None:
         s = self.summary()
         if any(s["errors"].values()):
+            if self.record and self.be.gpu and s["first_bad_step"] is not None:
+                self.dump_tape(s["first_bad_step"])
             raise AssertionError(f"seed {self.seed}: {s['errors']} (first at step "
                                  f"{s['first_bad_step']}); config {s['config']}"
                                  + (f"; first offending entry {self.details[0]}"
@@ -581,8 +623,9 @@ class Fuzz:
 
 
 def _one(args) -> dict:
-    gpu, seed, steps, detail = args
-    f = Fuzz(gpu, seed, detail=detail)
+    gpu, seed, steps, detail, record = args
+    f = Fuzz(gpu, seed, detail=detail,
+             record=None if record is None else f"{record}/seed_{seed}.json")
     try:
         return f.run(steps)
     except AssertionError as e:
@@ -602,9 +645,14 @@ def main(argv=None) -> int:
     ap.add_argument("--detail", action="store_true",
                     help="check every call on the host too (slow) and describe the first "
                          "offending entries (for a failing seed)")
+    ap.add_argument("--record", metavar="DIR",
+                    help="GPU: keep every step's tables and outputs on the device and write "
+                         "the steps around a failing seed's first bad one to DIR/seed_N.json")
     a = ap.parse_args(argv)
+    if a.record:
+        __import__("os").makedirs(a.record, exist_ok=True)
     n_seeds = -(-a.steps // a.per_seed)
-    jobs = [(not a.cpu, a.seed + i, a.per_seed, a.detail) for i in range(n_seeds)]
+    jobs = [(not a.cpu, a.seed + i, a.per_seed, a.detail, a.record) for i in range(n_seeds)]
     t0 = time.perf_counter()
     if a.procs > 1:
         import multiprocessing as mp

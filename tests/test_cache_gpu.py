@@ -263,3 +263,60 @@ def test_layer_tables_are_every_table_and_release_resets_them(rng):
                                           cupy.asnumpy(unused.tables.named()[k][:, 0]), k)
     used.close()
     unused.close()
+
+
+def test_calls_on_a_stream_ignore_cupys_current_stream(rng):
+    """A cache call given a non-blocking stream queues everything it needs there. With CuPy's
+    current stream held busy and the memory pool's free blocks holding garbage, an admission
+    (positional, and warm) sets up the multi-step token -> slot table, and a multi-step swap
+    whose shortest step is positional finds every token below H in its slot in every step.
+    (Seed 131 of the 100k step fuzz: the admission's request-slot array was made on the
+    current stream, so the table's initialisation read a stale pool block.)"""
+    import cupy
+
+    from hisparse_cupy import HotBufferCache
+    from hisparse_cupy.reference import check_multistep_invariants
+
+    from _util import spin
+
+    cache = HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN, row_bytes=ROW,
+                           hot_size=H, top_k=K, extra_page=P, max_steps=2)
+    s = cupy.cuda.Stream(non_blocking=True)
+    cache.release(cache.admit(H, kv=kv_for(0, 0, H), stream=s), stream=s)  # kernels built
+    keep = cache.admit(2 * H, kv=kv_for(1, 0, 2 * H), stream=s)  # slot 0 stays taken
+    cupy.cuda.Device().synchronize()
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    junk = [cupy.full(128, -7, cupy.int32) for _ in range(64)]  # 512-byte blocks of garbage
+    cupy.cuda.Device().synchronize()
+    del junk
+    spin(cupy, 2_000_000_000)  # the current stream (the legacy default) busy for ~1 s
+    pos = cache.admit(H, kv=kv_for(2, 0, H), stream=s)
+    n = 3 * H
+    warm = rng.choice(n - 1, H // 2, replace=False)
+    lru = cache.admit(n, kv=kv_for(3, 0, n), warm_tokens=warm, stream=s)
+    assert len({keep, pos, lru}) == 3
+    cache.write_host(pos, H, kv_for(2, H, 1), stream=s)  # the draft token's host row
+    req = cupy.asarray([pos], cupy.int32)
+    lens = cupy.asarray([[H, H + 1]], cupy.int32)
+    topk = np.stack([rng.choice(H, K, replace=False) for _ in range(2)])[None].astype(np.int32)
+    step = cache.begin_step(req, lens, stream=s)
+    outs = []
+    for layer in range(L):
+        with s:
+            outs.append(step.swap(layer, cupy.asarray(topk)).copy())
+    step.finish()
+    s.synchronize()
+    t = {k: cupy.asnumpy(v) for k, v in cache.tables.named().items()}
+    for layer in range(L):
+        check_multistep_invariants(
+            t["slot_tokens"][layer], t["slot_locs"][layer], t["scratch_locs"][layer],
+            t["token_slot"][layer], t["ms_ref"][layer], t["ms_clock"][layer], H,
+            requests=[pos, lru])
+        out = cupy.asnumpy(outs[layer])[0]
+        want = t["slot_locs"][layer, pos][topk[0]]
+        assert (out == want).all(), (f"layer {layer}: tokens below H not read from their "
+                                     f"slots in every step: {out.tolist()} vs {want.tolist()}")
+        for st in range(2):
+            check_rows(cache, layer, 2, topk[0, st], out[st])
+    cache.close()
