@@ -77,8 +77,10 @@ class LayerTables:
         """The multi-step state of ``rid`` (reference epochs, clock, token -> slot entries)
         made to agree with its slots, on ``stream`` (nothing without multi-step state)."""
         if self.multistep:
-            init_states(cupy.full(1, rid, cupy.int32), None, self.slot_tokens, self.token_slot,
-                        self.ms_ref, self.ms_clock, hot_size=self.hot_size, stream=stream)
+            with stream:  # the kernel on ``stream`` reads it: made there, not on CuPy's current
+                rows = cupy.full(1, rid, cupy.int32)
+            init_states(rows, None, self.slot_tokens, self.token_slot, self.ms_ref,
+                        self.ms_clock, hot_size=self.hot_size, stream=stream)
 
     def mirror(self, src: int, dst: int, *, rows, host_locs, pool, stream) -> None:
         """Layer ``dst`` takes layer ``src``'s state on ``stream``: with ``rows`` (``dst``'s
