@@ -47,6 +47,17 @@ def stream_kinds(cupy, *, every: bool = False):
 _SPIN = {}
 
 
+def stale_pool(cupy) -> None:
+    """Fill CuPy's memory pool with garbage for CuPy's current stream: every unused block
+    freed, then blocks of 512 B .. 4 MiB (four of each size) filled with 0xF9 bytes (-7 as
+    int8, a negative int32) and freed. The next allocations on that stream get them back, so
+    an array read on another stream before its fill there has run reads garbage, not zeros."""
+    cupy.get_default_memory_pool().free_all_blocks()
+    junk = [cupy.full(1 << e, -7, cupy.int8) for e in range(9, 23) for _ in range(4)]
+    cupy.cuda.get_current_stream().synchronize()
+    del junk
+
+
 def spin(cupy, cycles: int) -> None:
     """Queue one thread spinning ``cycles`` clock cycles on CuPy's current stream (a stream
     held busy, so that work queued after it visibly waits)."""

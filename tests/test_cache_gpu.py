@@ -277,7 +277,7 @@ def test_calls_on_a_stream_ignore_cupys_current_stream(rng):
     from hisparse_cupy import HotBufferCache
     from hisparse_cupy.reference import check_multistep_invariants
 
-    from _util import spin
+    from _util import spin, stale_pool
 
     cache = HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN, row_bytes=ROW,
                            hot_size=H, top_k=K, extra_page=P, max_steps=2)
@@ -285,12 +285,8 @@ def test_calls_on_a_stream_ignore_cupys_current_stream(rng):
     cache.release(cache.admit(H, kv=kv_for(0, 0, H), stream=s), stream=s)  # kernels built
     keep = cache.admit(2 * H, kv=kv_for(1, 0, 2 * H), stream=s)  # slot 0 stays taken
     cupy.cuda.Device().synchronize()
-    pool = cupy.get_default_memory_pool()
-    pool.free_all_blocks()
-    junk = [cupy.full(128, -7, cupy.int32) for _ in range(64)]  # 512-byte blocks of garbage
-    cupy.cuda.Device().synchronize()
-    del junk
-    spin(cupy, 2_000_000_000)  # the current stream (the legacy default) busy for ~1 s
+    stale_pool(cupy)
+    spin(cupy, 4_000_000_000)  # the current stream (the legacy default) busy for ~2 s
     pos = cache.admit(H, kv=kv_for(2, 0, H), stream=s)
     n = 3 * H
     warm = rng.choice(n - 1, H // 2, replace=False)

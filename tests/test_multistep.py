@@ -864,3 +864,47 @@ def test_graph_capture_and_replay(rng, pdl_mode):
         graph.launch(stream)
         stream.synchronize()
         env.check_call(*args, out, status)
+
+
+@pytest.mark.gpu
+def test_a_new_state_is_ready_for_a_call_on_any_stream(rng):
+    """``MultiStepState.create`` with another stream current, held busy, its pool's free
+    blocks garbage: read on a non-blocking stream right after construction, the token -> slot
+    table, epochs, clock and workspace hold their initial values."""
+    import cupy
+
+    from hisparse_cupy._kernels.multistep import MultiStepState
+
+    from _util import spin, stale_pool
+
+    R, H, P, C, max_len = 3, 16, 2, 16, 64
+    W = H + P
+    base = (np.arange(R) * (W + C))[:, None]
+    busy = cupy.cuda.Stream(non_blocking=True)
+    s = cupy.cuda.Stream(non_blocking=True)
+    with busy:
+        host_locs = cupy.full((R, max_len), -1, cupy.int64)
+        slot_tokens = cupy.full((R, W), -1, cupy.int32)
+        slot_locs = cupy.asarray((base + np.arange(W)).astype(np.int32))
+        scratch = cupy.asarray((base + W + np.arange(C)).astype(np.int32))
+        MultiStepState.create(host_locs, slot_tokens, slot_locs, scratch, hot_size=H, top_k=8,
+                              n_device_rows=R * (W + C), max_steps=2)  # kernels built
+        busy.synchronize()
+        stale_pool(cupy)
+        spin(cupy, 4_000_000_000)  # ~2 s
+        st = MultiStepState.create(host_locs, slot_tokens, slot_locs, scratch, hot_size=H,
+                                   top_k=8, n_device_rows=R * (W + C), max_steps=2,
+                                   validate=False)
+    ws = st.workspace
+    with s:
+        got = {k: v.copy() for k, v in (("token_slot", st.token_slot), ("ref", st.ref),
+                                         ("clock", st.clock), ("table", ws.table),
+                                         ("meta", ws.meta), ("counters", ws.counters))}
+    cupy.cuda.Device().synchronize()
+    from hisparse_cupy import _abi
+
+    want = {"token_slot": -1, "ref": 0, "table": np.uint64(_abi.MS_EMPTY),
+            "meta": _abi.MS_META_INIT, "counters": 0}
+    for k, v in want.items():
+        assert (cupy.asnumpy(got[k]) == v).all(), f"{k} not initialised before the call"
+    assert cupy.asnumpy(got["clock"]).tolist() == [[1, 0]] * R

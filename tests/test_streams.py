@@ -712,6 +712,40 @@ def test_prediction_negative_control_no_wait(main):
 
 
 @pytest.mark.gpu
+def test_prediction_switched_on_while_cupys_current_stream_is_busy(main):
+    """``set_predict(True, stream=main)`` called with another stream current, that stream held
+    busy and its pool's free blocks garbage: the stager's index arrays and counters are ready
+    before its side stream reads them (every row's bytes right, the staging used, its
+    counters consistent)."""
+    cp = _gpu()
+    from hisparse_cupy.streams import Prefetcher
+
+    from _util import spin, stale_pool
+
+    pat = "FFFF"  # full layers back to back: the next swap follows at once
+    L, R, B = 4, 4, 4
+    cache, req = _make_cache(L, R, stream=main)
+    with main:
+        lens = cp.full(B, MAX_LEN, cp.int32)
+    warm_cache, _ = _make_cache(L, R, stream=main)  # every kernel built before the spin
+    warm = Prefetcher(warm_cache, pat, replay_grid=1, predict=True)
+    _run_predict_steps(warm, warm_cache, req, lens, _LayerTopK(B, 5, 14, L), 2, main)
+    pf = Prefetcher(cache, pat, replay_grid=1)
+    gen = _LayerTopK(B, 5, 13, L, overlap=0.9)
+    cp.cuda.Device().synchronize()
+    busy = cp.cuda.Stream(non_blocking=True)
+    with busy:
+        stale_pool(cp)
+        spin(cp, 4_000_000_000)  # ~2 s
+        pf.set_predict(True, stream=main)
+    _, errors = _run_predict_steps(pf, cache, req, lens, gen, 12, main)
+    cp.cuda.Device().synchronize()
+    assert errors.tolist() == [0] * L, "rows with wrong bytes"
+    s = pf.predict_summary()
+    assert 0 < s["used"] <= min(s["rows"], s["staged"]), s
+
+
+@pytest.mark.gpu
 def test_prediction_errors(main):
     cp = _gpu()
     from hisparse_cupy.streams import Prefetcher
