@@ -255,13 +255,14 @@ def lengths(x, B: int, steps: int | None = None) -> tuple[cupy.ndarray, int, int
     return arr, int(arr.strides[0] // arr.itemsize), 1
 
 
-def unique_requests(req: cupy.ndarray, num_real: cupy.ndarray | None, R: int) -> None:
-    """Raise if a valid request slot (in ``[0, R)``) repeats among the real rows (synchronizes).
+def unique_requests(req: cupy.ndarray, num_real: cupy.ndarray | None, R: int, stream) -> None:
+    """Raise if a valid request slot (in ``[0, R)``) repeats among the real rows; read after
+    the work queued on ``stream`` (the call's: it synchronizes).
 
     Invalid slots are not judged here: they get a defined per-row status (bad row).
     """
-    r = cupy.asnumpy(req)
-    n = r.size if num_real is None else int(cupy.asnumpy(num_real)[0])
+    r = cupy.asnumpy(req, stream=stream)
+    n = r.size if num_real is None else int(cupy.asnumpy(num_real, stream=stream)[0])
     real = r[: max(0, min(n, r.size))]
     real = real[(real >= 0) & (real < R)]
     vals, cnt = np.unique(real, return_counts=True)

@@ -251,7 +251,7 @@ class Step:
         pages for its tokens or its device page table disagrees with the host's
         (synchronizes; other rows get their per-row status)."""
         self.stream.synchronize()  # the reads below run on CuPy's current stream
-        _checks.unique_requests(self.req, self.num_real, self.cache.max_requests)
+        _checks.unique_requests(self.req, self.num_real, self.cache.max_requests, self.stream)
         if self.cache.host.paged:
             nr = self.batch if self.num_real is None else \
                 min(self.batch, max(0, int(cupy.asnumpy(self.num_real)[0])))

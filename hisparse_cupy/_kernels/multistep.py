@@ -107,6 +107,7 @@ class MultiStepWorkspace:
         self.counters = cupy.empty((B, _abi.MS_N_COUNTERS), cupy.int32)
         self.stats = cupy.zeros((B, _abi.MS_N_STATS), cupy.int32)
         self.reset()
+        cupy.cuda.get_current_stream().synchronize()  # ready for a call on any stream
 
     def reset(self, stream: StreamLike | None = None) -> None:
         """Clear every row (only needed if a call was abandoned half-way); queued on ``stream``
@@ -177,6 +178,7 @@ class MultiStepState:
         self.ref = cupy.zeros((R, H), cupy.uint32)
         self.clock = cupy.zeros((R, 2), cupy.uint32)
         self.reset()
+        cupy.cuda.get_current_stream().synchronize()  # ready for a call on any stream
 
     @classmethod
     def create(cls, host_locs: ArrayLike, slot_tokens: ArrayLike, slot_locs: ArrayLike,
@@ -365,7 +367,7 @@ def multistep_swap_in(
         raise ValueError(f"device_rows has {dev.shape[0]} rows, the state indexes "
                          f"{state.n_device_rows}")
     if check:
-        _checks.unique_requests(req, nr, cfg.n_requests)
+        _checks.unique_requests(req, nr, cfg.n_requests, s)
     st = for_batch(layer_structs([state], status=status, plan=plan, host_rows=[int(host_rows)],
                                  n_host_rows=a.n_host_rows, device_rows=[dev.data.ptr],
                                  row_bytes=a.row_bytes, counters=a.counters),

@@ -392,7 +392,7 @@ def swap_in(
         s.synchronize()
         state.check_on_host(dev.shape[0])
     if check:
-        _checks.unique_requests(req, nr, state.lru.shape[0])
+        _checks.unique_requests(req, nr, state.lru.shape[0], s)
 
     resolve = for_batch(layer_structs([state], status=status, plan=plan,
                                       n_host_rows=n_host_rows, counters=a.counters),

@@ -45,6 +45,9 @@ class Predictor:
         self.map = cupy.full(c.pool.n_rows, -1, cupy.int32)
         self.topk = cupy.empty((c.max_batch, c.top_k), cupy.int32)  # the stager's own copy
         self.stats = cupy.zeros(3, cupy.uint64)
+        # those fills ran on CuPy's current stream: the side stream waits for them, and every
+        # other reader of these arrays waits for the side stream (``done``)
+        stream.wait_event(cupy.cuda.get_current_stream().record())
         self.done = cupy.cuda.Event(disable_timing=True)
         self._stagers: dict = {}  # (batch, K, next layer) -> stager Params
         self._copies: dict = {}  # (batch, num_real, next layer) -> copy Params
