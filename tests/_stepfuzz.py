@@ -16,7 +16,9 @@ pool of 1-16 tokens a page, its pages handed out in random order) and then decod
 - prefetch and prediction toggled between steps, a group's replays in one launch or layer by
   layer as the step's batch decides (``group_replay_batch`` drawn per run), any stream kind
   per step (ordered after the previous step's stream with an event, as an engine orders its
-  streams), and on the GPU captured steps replayed with new batches and ``num_real``.
+  streams), on the GPU one step in ten with CuPy's current stream another one held busy (every
+  call must queue what it needs on the stream it is given), and captured steps replayed with
+  new batches and ``num_real``.
 
 After every step every output entry is checked: -1 exactly where the semantics say (padding
 rows and columns, -1, out of range), a row elsewhere, one row per token within a call, and the
@@ -71,6 +73,7 @@ class Backend:
             from _util import stream_kinds
 
             self.streams = stream_kinds(cupy, every=True)
+            self.busy = cupy.cuda.Stream(non_blocking=True)  # CuPy's current one, at times
         else:
             self.streams = [("none", None, None)]
 
@@ -150,7 +153,8 @@ class Fuzz:
         xp = self.xp
         self.errors = xp.zeros(len(CHECKS), xp.int64)
         self.first_bad = xp.full(1, 2**62, xp.int64)
-        self.steps = self.calls = self.graph_steps = self.toggles = 0
+        self.steps = self.calls = self.graph_steps = self.toggles = self.busy_steps = 0
+        self.busy_now = False
         self.kinds_used: set = set()
         self.stream_obj, self.stream = None, None  # the last step's (argument, CuPy view)
         self.stream_name = None
@@ -161,6 +165,8 @@ class Fuzz:
         kinds = self.be.streams
         if self.pf is not None and self.pf.enabled:
             kinds = [k for k in kinds if k[0] != "legacy default"]
+        if self.busy_now:  # a call given None would take the busy stream: the engine's own
+            kinds = [k for k in kinds if k[1] is not None]
         name, obj, view = kinds[int(self.rng.integers(len(kinds)))]
         self.stream_name = name
         self._order(view)
@@ -283,6 +289,24 @@ class Fuzz:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
+        """One step; on the GPU one in ten with CuPy's current stream another, busy one (a
+        library call must queue everything on the stream it is given)."""
+        if not (self.be.gpu and self.rng.random() < 0.1):
+            return self._step()
+        import cupy
+
+        from _util import spin
+
+        with self.be.busy:
+            spin(cupy, 2_000_000)  # ~1 ms
+            self.busy_now = True
+            try:
+                self._step()
+            finally:
+                self.busy_now = False
+        self.busy_steps += 1
+
+    def _step(self) -> None:
         rng = self.rng
         self._churn()
         if self.pf is not None and rng.random() < 0.08:
@@ -596,10 +620,13 @@ class Fuzz:
     # ------------------------------------------------------------------ results
     def summary(self) -> dict:
         xp = self.xp
+        if self.be.gpu:  # the checks ran on the steps' streams
+            xp.cuda.Device().synchronize()
         errs = [int(v) for v in (xp.asnumpy(self.errors) if self.be.gpu else self.errors)]
         first = int((xp.asnumpy if self.be.gpu else np.asarray)(self.first_bad)[0])
         return dict(seed=self.seed, config=self.cfg, steps=self.steps, calls=self.calls,
                     graph_steps=self.graph_steps, toggles=self.toggles,
+                    busy_steps=self.busy_steps,
                     streams=sorted(self.kinds_used),
                     errors=dict(zip(CHECKS, errs, strict=True)),
                     first_bad_step=None if first >= 2**62 else first,
@@ -663,11 +690,13 @@ def main(argv=None) -> int:
         res = [_one(j) for j in jobs]
     wall = time.perf_counter() - t0
     bad = [r for r in res if "failure" in r]
-    tot = {k: sum(r[k] for r in res) for k in ("steps", "calls", "graph_steps", "toggles")}
+    tot = {k: sum(r[k] for r in res)
+           for k in ("steps", "calls", "graph_steps", "toggles", "busy_steps")}
     kinds = sorted(set().union(*(r["streams"] for r in res)))
     print(f"step fuzz ({'CPU model' if a.cpu else 'GPU'}): {len(res)} seeds, {tot['steps']} "
           f"steps, {tot['calls']} swap calls, {tot['graph_steps']} graph replays, "
-          f"{tot['toggles']} prefetch toggles, streams {kinds}, {wall:.0f} s: "
+          f"{tot['toggles']} prefetch toggles, {tot['busy_steps']} steps with CuPy's current "
+          f"stream busy, streams {kinds}, {wall:.0f} s: "
           f"{len(bad)} seed(s) failed")
     for r in bad[:10]:
         print("  FAIL", r["failure"])
