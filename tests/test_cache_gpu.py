@@ -293,8 +293,9 @@ def test_calls_on_a_stream_ignore_cupys_current_stream(rng):
     lru = cache.admit(n, kv=kv_for(3, 0, n), warm_tokens=warm, stream=s)
     assert len({keep, pos, lru}) == 3
     cache.write_host(pos, H, kv_for(2, H, 1), stream=s)  # the draft token's host row
-    req = cupy.asarray([pos], cupy.int32)
-    lens = cupy.asarray([[H, H + 1]], cupy.int32)
+    with s:  # the step's inputs are the engine's: made on the step's stream
+        req = cupy.asarray([pos], cupy.int32)
+        lens = cupy.asarray([[H, H + 1]], cupy.int32)
     topk = np.stack([rng.choice(H, K, replace=False) for _ in range(2)])[None].astype(np.int32)
     step = cache.begin_step(req, lens, stream=s)
     outs = []

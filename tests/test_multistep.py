@@ -868,12 +868,15 @@ def test_graph_capture_and_replay(rng, pdl_mode):
 
 @pytest.mark.gpu
 def test_a_new_state_is_ready_for_a_call_on_any_stream(rng):
-    """``MultiStepState.create`` with another stream current, held busy, its pool's free
-    blocks garbage: read on a non-blocking stream right after construction, the token -> slot
-    table, epochs, clock and workspace hold their initial values."""
+    """``MultiStepWorkspace`` and ``MultiStepState.create`` with another stream current, held
+    busy, its pool's free blocks garbage: read on a non-blocking stream right after
+    construction, the workspace and the token -> slot table, epochs and clock hold their
+    initial values. (The state's own reset uploads its request rows from pageable memory,
+    which already waits for the current stream; a workspace built alone has no such wait.)"""
     import cupy
 
-    from hisparse_cupy._kernels.multistep import MultiStepState
+    from hisparse_cupy import _abi
+    from hisparse_cupy._kernels.multistep import MultiStepState, MultiStepWorkspace
 
     from _util import spin, stale_pool
 
@@ -887,22 +890,24 @@ def test_a_new_state_is_ready_for_a_call_on_any_stream(rng):
         slot_tokens = cupy.full((R, W), -1, cupy.int32)
         slot_locs = cupy.asarray((base + np.arange(W)).astype(np.int32))
         scratch = cupy.asarray((base + W + np.arange(C)).astype(np.int32))
-        MultiStepState.create(host_locs, slot_tokens, slot_locs, scratch, hot_size=H, top_k=8,
-                              n_device_rows=R * (W + C), max_steps=2)  # kernels built
+
+        def build():
+            ws = MultiStepWorkspace(R, 2 * 8)
+            return ws, MultiStepState.create(host_locs, slot_tokens, slot_locs, scratch,
+                                             hot_size=H, top_k=8, n_device_rows=R * (W + C),
+                                             max_steps=2, workspace=ws, validate=False)
+
+        build()  # kernels built
         busy.synchronize()
         stale_pool(cupy)
         spin(cupy, 4_000_000_000)  # ~2 s
-        st = MultiStepState.create(host_locs, slot_tokens, slot_locs, scratch, hot_size=H,
-                                   top_k=8, n_device_rows=R * (W + C), max_steps=2,
-                                   validate=False)
-    ws = st.workspace
-    with s:
-        got = {k: v.copy() for k, v in (("token_slot", st.token_slot), ("ref", st.ref),
-                                         ("clock", st.clock), ("table", ws.table),
-                                         ("meta", ws.meta), ("counters", ws.counters))}
+        ws = MultiStepWorkspace(R, 2 * 8)
+        with s:
+            got = {k: getattr(ws, k).copy() for k in ("table", "meta", "counters")}
+        ws, st = build()
+        with s:
+            got.update({k: getattr(st, k).copy() for k in ("token_slot", "ref", "clock")})
     cupy.cuda.Device().synchronize()
-    from hisparse_cupy import _abi
-
     want = {"token_slot": -1, "ref": 0, "table": np.uint64(_abi.MS_EMPTY),
             "meta": _abi.MS_META_INIT, "counters": 0}
     for k, v in want.items():
