@@ -44,11 +44,12 @@ def consecutive_runs(values) -> tuple[np.ndarray, np.ndarray]:
 
 
 class PoolExhausted(RuntimeError):
-    """Not enough free pages; ``needed`` and ``free`` say how many. Nothing was taken."""
+    """Not enough free pages; ``needed`` and ``free`` say how many, ``kind`` of which pool
+    (``"host"``, or ``"device"`` for a cache's device budget). Nothing was taken."""
 
-    def __init__(self, what: str, needed: int, free: int):
-        super().__init__(f"{what} needs {needed} free host pages, {free} are free")
-        self.needed, self.free = needed, free
+    def __init__(self, what: str, needed: int, free: int, kind: str = "host"):
+        super().__init__(f"{what} needs {needed} free {kind} pages, {free} are free")
+        self.needed, self.free, self.kind = needed, free, kind
 
 
 class HostPages:
@@ -64,6 +65,8 @@ class HostPages:
     Requests are keyed by any int (the cache's request slots). :meth:`check` verifies every
     invariant (tests call it).
     """
+
+    kind = "host"  # which pool the pages are (the errors say it)
 
     def __init__(self, n_pages: int, page_tokens: int):
         self.n_pages = _checks.integer("n_pages", n_pages, 1, 2**40)
@@ -192,7 +195,7 @@ class HostPages:
             own = len(shared) * P
         need = self.pages_for(n) - len(shared)
         if need > len(self._free):
-            raise PoolExhausted(f"admit of {n} tokens", need, len(self._free))
+            raise PoolExhausted(f"admit of {n} tokens", need, len(self._free), self.kind)
         new = [self._free.pop() for _ in range(need)]
         for g in shared:
             self.refs[g] += 1
@@ -211,7 +214,8 @@ class HostPages:
         n = _checks.integer("n_tokens", n_tokens, self._tokens[rid])
         need = self.pages_for(n) - len(self._pages[rid])
         if need > len(self._free):
-            raise PoolExhausted(f"rid {rid} growing to {n} tokens", need, len(self._free))
+            raise PoolExhausted(f"rid {rid} growing to {n} tokens", need, len(self._free),
+                                self.kind)
         new = [self._free.pop() for _ in range(max(0, need))]
         self.refs[new] = 1
         self._pages[rid] += new
@@ -231,7 +235,7 @@ class HostPages:
         after that release's device work (``HotBufferCache.host.wait_releases()``)."""
         n = _checks.integer("n", n, 0)
         if n > len(self._free):
-            raise PoolExhausted(f"take({n})", n, len(self._free))
+            raise PoolExhausted(f"take({n})", n, len(self._free), self.kind)
         got = [self._free.pop() for _ in range(n)]
         self.refs[got] = 1
         self.held[got] = 1

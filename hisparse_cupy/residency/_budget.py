@@ -1,0 +1,327 @@
+"""A cache's device rows as a budget of pages: which requests are resident, which sparse.
+
+The device rows of a cache (the same row indices in every layer) are cut into pages of
+``page_tokens`` rows. Each admitted request is in one of three states:
+
+- **resident**: it holds one page per ``page_tokens`` of its tokens, and its token ``t`` lives
+  in row ``pages[t // P] * P + t % P``. Every token has a device row, so a swap maps each
+  selected token to its row, with no lookup, no eviction and no host read.
+- **sparse**: it holds a *block* of ``block_pages`` pages for its hot slots, its extra page and
+  its scratch rows (``H + P + C`` rows, as in a cache without a budget). Misses come from the
+  host pool.
+- **promoting**: still sparse, and it also holds the pages of its tokens, which a side stream
+  fills from the host pool. :meth:`DeviceBudget.finish_promotion` switches it to resident at a
+  step boundary, and its block returns to the budget.
+
+:meth:`DeviceBudget.demote` is the way back. The request takes a block, its hot slots take
+tokens from its pages (copied device to device on the step's stream), and then its pages
+return. Every call checks its arguments and the budget before changing anything. When there is
+no room it raises :class:`~hisparse_cupy.host.PoolExhausted` with ``kind="device"``, and
+nothing is taken.
+
+The default policy is replaceable: an engine may call :meth:`~DeviceBudget.demote` and
+:meth:`~DeviceBudget.promote` itself.
+
+- :meth:`~DeviceBudget.admit` makes a request resident when its pages fit, else sparse.
+- :meth:`~DeviceBudget.room_for` names the resident requests to demote so that some pages fit,
+  longest idle first (steps since :meth:`~DeviceBudget.touch`), then the ones that hold the
+  most pages.
+- :meth:`~DeviceBudget.promotable` names the sparse requests whose pages fit now, most recently
+  used first.
+
+A prefix shared on the host is resident in each child separately; the device pages are never
+shared.
+
+This module needs NumPy only, so an engine's scheduler can run it anywhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _checks
+from .._checks import ArrayLike
+from ..host import HostPages, PoolExhausted
+
+__all__ = ["DeviceBudget"]
+
+RESIDENT, SPARSE, PROMOTING = "resident", "sparse", "promoting"
+
+
+class _DevicePages(HostPages):
+    """The page allocator over device pages: the host pool's allocator, whose errors say
+    "device". A resident request's token pages are its request's pages; a block is pages the
+    budget holds (:meth:`HostPages.take`)."""
+
+    kind = "device"
+
+
+class DeviceBudget:
+    """The device pages of a cache's rows, and the residency of each request.
+
+    Parameters
+    ----------
+    n_pages : int
+        Pages in the budget (device rows per layer: ``n_pages * page_tokens``).
+    page_tokens : int
+        Rows per page (``P``): a resident request holds a page per ``P`` tokens.
+    block_rows : int
+        Rows a sparse request holds (hot slots, extra page and scratch rows: ``H + P + C``),
+        rounded up to whole pages.
+
+    Requests are keyed by any int (the cache's request slots). :meth:`check` verifies every
+    invariant; the tests call it.
+    """
+
+    def __init__(self, n_pages: int, page_tokens: int, block_rows: int):
+        self._pages = _DevicePages(n_pages, page_tokens)
+        self.page_tokens = self._pages.page_tokens
+        self.block_rows = _checks.integer("block_rows", block_rows, 1)
+        self.block_pages = self._pages.pages_for(self.block_rows)
+        if self.block_pages > self._pages.n_pages:
+            raise ValueError(f"a budget of {n_pages} pages of {page_tokens} rows cannot hold "
+                             f"one sparse request ({self.block_rows} rows)")
+        self._state: dict[int, str] = {}
+        self._block: dict[int, list[int]] = {}  # rid -> its block (sparse, promoting)
+        self._tokens: dict[int, int] = {}  # rid -> tokens (all states)
+        self._used: dict[int, int] = {}  # rid -> the clock at its last touch
+        self._clock = 0
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def n_pages(self) -> int:
+        return self._pages.n_pages
+
+    @property
+    def n_rows(self) -> int:
+        """Device rows per layer the budget covers."""
+        return self._pages.n_rows
+
+    @property
+    def free_pages(self) -> int:
+        return self._pages.free_pages
+
+    def pages_for(self, n_tokens: int) -> int:
+        """Pages a resident request of ``n_tokens`` tokens holds."""
+        return self._pages.pages_for(n_tokens)
+
+    @staticmethod
+    def rows_needed(resident_lengths: ArrayLike = (), n_sparse: int = 0, *, page_tokens: int,
+                    block_rows: int) -> int:
+        """Device rows per layer a budget needs for resident requests of ``resident_lengths``
+        tokens and ``n_sparse`` sparse requests of ``block_rows`` rows each, in pages of
+        ``page_tokens`` (the twin of ``HotBufferCache.host_bytes_needed``; multiply by
+        ``n_layers * row_bytes`` for bytes)."""
+        P = _checks.integer("page_tokens", page_tokens, 1)
+        n = np.asarray(resident_lengths, np.int64).reshape(-1)
+        if (n < 1).any():
+            raise ValueError("resident_lengths must be >= 1")
+        block = -(-_checks.integer("block_rows", block_rows, 1) // P)
+        pages = int((-(-n // P)).sum()) + _checks.integer("n_sparse", n_sparse, 0) * block
+        return pages * P
+
+    # ------------------------------------------------------------------ queries
+    def __contains__(self, rid) -> bool:
+        return rid in self._state
+
+    def state(self, rid: int) -> str:
+        """``"resident"``, ``"sparse"`` or ``"promoting"``."""
+        return self._state[self._live(rid)]
+
+    def tokens(self, rid: int) -> int:
+        return self._tokens[self._live(rid)]
+
+    def block(self, rid: int) -> np.ndarray:
+        """int64 device rows of a sparse or promoting request's block (``block_rows`` of them:
+        its hot slots, extra page and scratch rows, in that order)."""
+        rid = self._live(rid)
+        if rid not in self._block:
+            raise ValueError(f"rid {rid} is resident: it has no block")
+        pg = np.asarray(self._block[rid], np.int64)
+        P = self.page_tokens
+        return (pg[:, None] * P + np.arange(P)).reshape(-1)[: self.block_rows]
+
+    def rows(self, rid: int) -> np.ndarray:
+        """int64 device rows of a resident or promoting request's tokens, in token order."""
+        rid = self._live(rid)
+        if self._state[rid] == SPARSE:
+            raise ValueError(f"rid {rid} is sparse: its tokens have no device pages")
+        return self._pages.rows(rid)
+
+    def page_table(self, rid: int, width: int) -> np.ndarray:
+        """int32 ``[width]``: a resident or promoting request's device pages, then -1 (the row
+        of the device page table the kernels read)."""
+        rid = self._live(rid)
+        out = np.full(_checks.integer("width", width, 1), -1, np.int32)
+        if self._state[rid] != SPARSE:
+            pg = self._pages.pages(rid)
+            if len(pg) > width:
+                raise ValueError(f"width {width}: rid {rid} holds {len(pg)} pages")
+            out[: len(pg)] = pg
+        return out
+
+    # ------------------------------------------------------------------ requests
+    def admit(self, rid: int, n_tokens: int, *, resident: bool | None = None) -> str:
+        """Admit ``rid`` with ``n_tokens`` tokens: resident when its pages fit, else sparse
+        (``resident=True`` / ``False`` asks for one state, and raises if it does not fit).
+        Returns the state. Raises :class:`PoolExhausted` (``kind="device"``), nothing taken."""
+        rid = int(rid)
+        if rid in self._state:
+            raise ValueError(f"rid {rid} is already admitted")
+        n = _checks.integer("n_tokens", n_tokens, 1)
+        fits = self.pages_for(n) <= self.free_pages
+        if resident is None:
+            resident = fits
+        if resident:
+            self._pages.admit(rid, n)  # raises PoolExhausted when it does not fit
+            self._state[rid] = RESIDENT
+        else:
+            self._block[rid] = self._take_block(f"admit of rid {rid} (sparse)")
+            self._state[rid] = SPARSE
+        self._tokens[rid] = n
+        self.touch([rid])
+        return self._state[rid]
+
+    def grow(self, rid: int, n_tokens: int) -> list[int]:
+        """``rid``'s tokens up to ``n_tokens`` (at least its tokens now); a resident or
+        promoting request takes the pages they need (returned). Raises :class:`PoolExhausted`
+        with nothing taken: the engine makes room (:meth:`room_for`, :meth:`demote`) and
+        grows again."""
+        rid = self._live(rid)
+        n = _checks.integer("n_tokens", n_tokens, self._tokens[rid])
+        new = [] if self._state[rid] == SPARSE else self._pages.grow(rid, n)
+        self._tokens[rid] = n
+        return new
+
+    def release(self, rid: int) -> None:
+        """Drop ``rid``: its pages and its block return to the budget."""
+        rid = self._live(rid)
+        if self._state[rid] != SPARSE:
+            self._pages.release(rid)
+        if rid in self._block:
+            self._pages.put(self._block.pop(rid))
+        del self._state[rid], self._tokens[rid], self._used[rid]
+
+    def demote(self, rid: int) -> tuple[np.ndarray, list[int]]:
+        """Resident -> sparse: ``rid`` takes a block, and returns ``(block rows, the pages it
+        gives back)``. The caller copies the tokens its hot slots keep from the pages into
+        the block, on the step's stream, before anything writes those pages again. Raises
+        :class:`PoolExhausted` (no room for the block, nothing changed) or ``ValueError``
+        (``rid`` is not resident: a promoting request is demoted with
+        :meth:`cancel_promotion`)."""
+        rid = self._live(rid)
+        if self._state[rid] != RESIDENT:
+            raise ValueError(f"rid {rid} is {self._state[rid]}, not resident: only a resident "
+                             f"request is demoted")
+        self._block[rid] = self._take_block(f"demotion of rid {rid}")
+        freed = self._pages.pages(rid)
+        self._pages.release(rid)
+        self._state[rid] = SPARSE
+        return self.block(rid), freed
+
+    def promote(self, rid: int) -> np.ndarray:
+        """Sparse -> promoting: ``rid`` takes the pages of its tokens and returns their device
+        rows (token order), which the caller fills from the host pool off the step's path; it
+        stays sparse until :meth:`finish_promotion`. Raises :class:`PoolExhausted` (nothing
+        taken) or ``ValueError`` (not sparse)."""
+        rid = self._live(rid)
+        if self._state[rid] != SPARSE:
+            raise ValueError(f"rid {rid} is {self._state[rid]}, not sparse: only a sparse "
+                             f"request is promoted")
+        self._pages.admit(rid, self._tokens[rid])
+        self._state[rid] = PROMOTING
+        return self._pages.rows(rid)
+
+    def finish_promotion(self, rid: int) -> list[int]:
+        """Promoting -> resident (at a step boundary, after the fill has landed): its block
+        returns to the budget (the pages of the block are returned)."""
+        rid = self._live(rid)
+        if self._state[rid] != PROMOTING:
+            raise ValueError(f"rid {rid} is {self._state[rid]}, not promoting")
+        block = self._block.pop(rid)
+        self._pages.put(block)
+        self._state[rid] = RESIDENT
+        return block
+
+    def cancel_promotion(self, rid: int) -> list[int]:
+        """Promoting -> sparse: the pages it took return (returned); its block stays."""
+        rid = self._live(rid)
+        if self._state[rid] != PROMOTING:
+            raise ValueError(f"rid {rid} is {self._state[rid]}, not promoting")
+        freed = self._pages.pages(rid)
+        self._pages.release(rid)
+        self._state[rid] = SPARSE
+        return freed
+
+    # ------------------------------------------------------------------ the default policy
+    def touch(self, rids: ArrayLike) -> None:
+        """Mark ``rids`` used by the step now (the policy's idleness is steps since)."""
+        self._clock += 1
+        for r in np.asarray(rids, np.int64).reshape(-1).tolist():
+            self._used[self._live(r)] = self._clock
+
+    def room_for(self, pages: int, *, keep: ArrayLike = ()) -> list[int]:
+        """The resident requests to demote, in order, so that ``pages`` more pages are free
+        afterwards: longest idle first, then those holding the most pages; never one of
+        ``keep``. Empty when they fit already. Raises :class:`PoolExhausted` when demoting
+        every other resident request would not make the room (nothing is demoted here)."""
+        need = _checks.integer("pages", pages, 0)
+        kept = {int(r) for r in np.asarray(keep, np.int64).reshape(-1).tolist()}
+        free = self.free_pages
+        cands = sorted((r for r, st in self._state.items() if st == RESIDENT and r not in kept),
+                       key=lambda r: (self._used[r], -len(self._pages.pages(r)), r))
+        out = []
+        for r in cands:
+            if free >= need:
+                break
+            gain = len(self._pages.pages(r)) - self.block_pages
+            if gain > 0:  # a request shorter than a block frees nothing by moving
+                free += gain
+                out.append(r)
+        if free < need:
+            raise PoolExhausted(f"room for {need} pages (demoting every resident request "
+                                f"not kept)", need, free, "device")
+        return out
+
+    def promotable(self) -> list[int]:
+        """Sparse requests whose pages fit now, most recently used first, taken greedily."""
+        free = self.free_pages
+        out = []
+        for r in sorted((r for r, st in self._state.items() if st == SPARSE),
+                        key=lambda r: (-self._used[r], r)):
+            need = self.pages_for(self._tokens[r])
+            if need <= free:
+                free -= need
+                out.append(r)
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _live(self, rid) -> int:
+        rid = int(rid)
+        if rid not in self._state:
+            raise KeyError(f"rid {rid} is not admitted (or was released)")
+        return rid
+
+    def _take_block(self, what: str) -> list[int]:
+        if self.block_pages > self.free_pages:
+            raise PoolExhausted(what, self.block_pages, self.free_pages, "device")
+        return self._pages.take(self.block_pages)
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` unless every invariant holds: the allocator's; a resident
+        request holds the pages of its tokens and no block; a sparse one a block and no
+        pages; a promoting one both; the blocks are exactly the pages the budget holds."""
+        self._pages.check()
+        held = []
+        for rid, st in self._state.items():
+            has_pages = rid in self._pages
+            assert has_pages == (st != SPARSE), (rid, st)
+            assert (rid in self._block) == (st != RESIDENT), (rid, st)
+            if has_pages:
+                assert self._pages.tokens(rid) == self._tokens[rid], rid
+            if rid in self._block:
+                assert len(self._block[rid]) == self.block_pages, rid
+                held += self._block[rid]
+        assert len(set(held)) == len(held)
+        assert sorted(held) == sorted(np.flatnonzero(self._pages.held).tolist())
+        assert set(self._used) == set(self._state)

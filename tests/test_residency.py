@@ -1,0 +1,223 @@
+"""The device budget (``hisparse_cupy.residency``): pages of resident requests, blocks of sparse
+ones, promotion and demotion, the default policy, bad input, and a randomized run against a
+model of the page counts and of which request holds every device row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hisparse_cupy.host import PoolExhausted
+from hisparse_cupy.residency import DeviceBudget
+
+
+def _snapshot(b: DeviceBudget):
+    rids = sorted(r for r in range(64) if r in b)
+    return (b.free_pages, [(r, b.state(r), b.tokens(r)) for r in rids])
+
+
+def test_admission_picks_resident_while_it_fits_then_sparse():
+    b = DeviceBudget(20, 4, block_rows=10)  # a block is 3 pages
+    assert (b.n_rows, b.block_pages) == (80, 3)
+    assert b.admit(0, 30) == "resident" and b.free_pages == 12  # 8 pages
+    assert b.admit(1, 40) == "resident" and b.free_pages == 2  # 10 pages
+    assert b.admit(2, 5) == "resident" and b.free_pages == 0  # 2 pages: the last ones
+    b.release(1)
+    assert b.admit(3, 400) == "sparse" and b.free_pages == 7  # 100 pages do not fit
+    b.check()
+    t = np.arange(30)
+    pg = np.asarray(b.page_table(0, 10)[:8], np.int64)
+    np.testing.assert_array_equal(b.rows(0), pg[t // 4] * 4 + t % 4)
+    assert (b.page_table(0, 10)[8:] == -1).all()
+
+
+def test_a_sparse_request_holds_a_block_of_whole_pages():
+    b = DeviceBudget(10, 4, block_rows=10)
+    assert b.admit(3, 500) == "sparse"  # 125 pages do not fit
+    rows = b.block(3)
+    assert rows.size == 10 and len(set(rows.tolist())) == 10 and b.free_pages == 7
+    with pytest.raises(ValueError, match="rid 3 is sparse"):
+        b.rows(3)
+    assert (b.page_table(3, 4) == -1).all()
+    b.grow(3, 900)  # a sparse request grows without pages
+    assert b.free_pages == 7 and b.tokens(3) == 900
+    b.release(3)
+    assert b.free_pages == 10 and 3 not in b
+    b.check()
+
+
+def test_demotion_and_promotion_round_trip():
+    b = DeviceBudget(32, 4, block_rows=12)  # block: 3 pages
+    b.admit(0, 40)  # 10 pages
+    b.admit(1, 20)  # 5 pages
+    free = b.free_pages
+    block, freed = b.demote(0)
+    assert b.state(0) == "sparse" and len(freed) == 10 and block.size == 12
+    assert b.free_pages == free + 10 - 3
+    assert not set(block.tolist()) & {g * 4 + i for g in freed for i in range(4)}
+    b.check()
+    b.grow(0, 44)  # the steps go on while it is sparse
+    rows = b.promote(0)
+    assert b.state(0) == "promoting" and rows.size == 44
+    assert not set(rows.tolist()) & set(block.tolist())  # the block stays while it fills
+    b.check()
+    b.grow(0, 46)  # a promoting request grows its pages
+    assert b.rows(0).size == 46
+    back = b.finish_promotion(0)
+    assert b.state(0) == "resident" and len(back) == 3
+    b.check()
+    b.demote(0)
+    b.promote(0)
+    b.cancel_promotion(0)
+    assert b.state(0) == "sparse"
+    b.check()
+
+
+def test_bad_input_and_exhaustion_change_nothing():
+    with pytest.raises(ValueError, match="cannot hold one sparse request"):
+        DeviceBudget(2, 4, block_rows=12)
+    with pytest.raises(ValueError, match="block_rows"):
+        DeviceBudget(8, 4, block_rows=0)
+    b = DeviceBudget(8, 4, block_rows=8)  # block: 2 pages
+    b.admit(0, 16)  # 4 pages
+    b.admit(1, 100, resident=False)  # sparse: 2 pages; 2 free
+    cases = [
+        (lambda: b.admit(0, 4), ValueError, "already admitted"),
+        (lambda: b.admit(2, 0), ValueError, "n_tokens"),
+        (lambda: b.admit(2, 40, resident=True), PoolExhausted, "needs 10 free device pages"),
+        (lambda: b.grow(0, 30), PoolExhausted, "free device pages"),
+        (lambda: b.grow(0, 3), ValueError, "n_tokens"),
+        (lambda: b.grow(9, 3), KeyError, "rid 9 is not admitted"),
+        (lambda: b.demote(1), ValueError, "rid 1 is sparse, not resident"),
+        (lambda: b.promote(0), ValueError, "rid 0 is resident, not sparse"),
+        (lambda: b.promote(1), PoolExhausted, "needs 25 free device pages"),
+        (lambda: b.finish_promotion(1), ValueError, "not promoting"),
+        (lambda: b.cancel_promotion(0), ValueError, "not promoting"),
+        (lambda: b.release(5), KeyError, "rid 5"),
+        (lambda: b.room_for(-1), ValueError, "pages"),
+        (lambda: b.room_for(6), PoolExhausted, "room for 6 pages"),
+        (lambda: b.page_table(0, 3), ValueError, "holds 4 pages"),
+    ]
+    for call, exc, msg in cases:
+        before = _snapshot(b)
+        with pytest.raises(exc, match=msg) as e:
+            call()
+        if exc is PoolExhausted:
+            assert e.value.kind == "device"
+        assert _snapshot(b) == before, msg
+        b.check()
+    b.admit(2, 4)  # one page: resident
+    b.admit(3, 4)  # the last page
+    with pytest.raises(PoolExhausted, match="admit of rid 4 .sparse. needs 2"):
+        b.admit(4, 400)  # neither fits
+    b.check()
+
+
+def test_room_for_demotes_the_longest_idle_then_the_largest():
+    b = DeviceBudget(64, 4, block_rows=8)  # block: 2 pages
+    for rid, n in ((0, 40), (1, 80), (2, 40), (3, 4)):
+        b.admit(rid, n)  # 10, 20, 10, 1 pages: 23 free
+    b.touch([0, 3])
+    b.touch([0])  # idle longest: 1 (admitted first), 2, then 3, then 0
+    assert b.room_for(20) == []
+    assert b.room_for(30) == [1]  # +18 (20 pages for a block of 2)
+    assert b.room_for(45) == [1, 2]  # +18 +8
+    assert b.room_for(38, keep=[1]) == [2, 0]  # 3 is shorter than a block: skipped
+    with pytest.raises(PoolExhausted, match="room for 38 pages"):
+        b.room_for(38, keep=[1, 2])
+    for r in b.room_for(45):
+        b.demote(r)
+    assert b.free_pages >= 45
+    b.check()
+    b.release(0)
+    assert b.promotable() == [2, 1]  # most recently used first, both fit
+    b.check()
+
+
+def test_rows_needed_is_what_a_budget_takes():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        P, block = int(rng.integers(1, 9)), int(rng.integers(1, 40))
+        lens = rng.integers(1, 200, int(rng.integers(0, 6)))
+        n_sparse = int(rng.integers(0, 4))
+        rows = DeviceBudget.rows_needed(lens, n_sparse, page_tokens=P, block_rows=block)
+        b = DeviceBudget(max(1, rows // P), P, block_rows=block) if rows else None
+        if b is None:
+            assert lens.size == 0 and n_sparse == 0
+            continue
+        for i, n in enumerate(lens):
+            assert b.admit(i, int(n), resident=True) == "resident"
+        for j in range(n_sparse):
+            assert b.admit(100 + j, 1000, resident=False) == "sparse"
+        assert b.free_pages == 0
+        b.check()
+    with pytest.raises(ValueError, match="resident_lengths"):
+        DeviceBudget.rows_needed([0], page_tokens=4, block_rows=8)
+
+
+MOVES = [(0.55, "demote", "sparse"), (0.65, "promote", "promoting"),
+         (0.72, "finish_promotion", "resident"), (0.76, "cancel_promotion", "sparse")]
+
+
+def test_randomized_against_a_model():
+    """50k operations at random (admit in any state, grow, demote, promote, finish, cancel,
+    release, the policy's picks carried out): after each the budget's invariants hold, the
+    free pages equal the model's count, and no device row is held by two requests."""
+    rng = np.random.default_rng(47)
+    n_pages, P, block_rows = 96, 4, 14
+    b = DeviceBudget(n_pages, P, block_rows)
+    model: dict[int, list] = {}  # rid -> [state, tokens]
+    bp = -(-block_rows // P)
+
+    def expected_free():
+        used = 0
+        for st, n in model.values():
+            used += (-(-n // P)) if st != "sparse" else 0
+            used += bp if st != "resident" else 0
+        return n_pages - used
+
+    for i in range(50_000):
+        op = rng.random()
+        live = list(model)
+        rid = int(rng.choice(live)) if live and rng.random() < 0.9 else int(rng.integers(16))
+        try:
+            if op < 0.2 and rid not in model:
+                n = int(rng.integers(1, 120))
+                want = [None, True, False][int(rng.integers(3))]
+                model[rid] = [b.admit(rid, n, resident=want), n]
+            elif op < 0.45 and rid in model:
+                n = model[rid][1] + int(rng.integers(0, 9))
+                b.grow(rid, n)
+                model[rid][1] = n
+            elif op < 0.76 and rid in model:  # a move between states
+                name, after = next(m[1:] for m in MOVES if op < m[0])
+                getattr(b, name)(rid)
+                model[rid][0] = after
+            elif op < 0.84 and rid in model:
+                b.release(rid)
+                del model[rid]
+            elif op < 0.9 and live:
+                b.touch(rng.choice(live, int(rng.integers(1, len(live) + 1)), replace=False))
+            elif op < 0.95:
+                for r in b.room_for(int(rng.integers(0, 40))):
+                    b.demote(r)
+                    model[r][0] = "sparse"
+            else:
+                for r in b.promotable():
+                    b.promote(r)
+                    model[r][0] = "promoting"
+        except (PoolExhausted, ValueError, KeyError):
+            pass
+        assert b.free_pages == expected_free(), i
+        if i % 97 == 0:
+            b.check()
+            rows = []
+            for r, (st, n) in model.items():
+                assert b.state(r) == st and b.tokens(r) == n
+                if st != "sparse":
+                    rows += b.rows(r).tolist()
+                if st != "resident":
+                    rows += b.block(r).tolist()
+            assert len(rows) == len(set(rows)), i
+            assert all(0 <= x < b.n_rows for x in rows)
+    b.check()
