@@ -5,7 +5,8 @@ Prefetcher, request slots, H, K, P, max_steps, row bytes, and on the GPU mostly 
 pool of 1-16 tokens a page, its pages handed out in random order) and then decode steps:
 
 - lifecycle churn: requests admitted (short ones in positional layout, long ones cold or warm,
-  prefill KV from the host or the device) and released at random, slots reused;
+  prefill KV from the host or the device; on paged pools often a fork of a live request's
+  written prefix, ``admit(prefix=...)``) and released at random, slots reused;
 - per step a random batch (real rows then graph-style padding rows with garbage slots and
   lengths past ``num_real``), its pages grown first (``grow``), lengths ``[B]`` or per draft
   step ``[B, S]`` (equal, or ``L, L+1, ...`` with the draft tokens' host rows written
@@ -148,12 +149,14 @@ class Fuzz:
         self.graphs = graphs and gpu
         self.sync_every = sync_every
         self.active: dict[int, list] = {}  # rid -> [uid, n (tokens held, newest n - 1)]
+        self.origin: dict[int, list] = {}  # rid -> [(bound, uid)]: tokens a fork shares
         self.uid = 0
         self.hist: dict[int, np.ndarray] = {}  # rid -> tokens selected last
         xp = self.xp
         self.errors = xp.zeros(len(CHECKS), xp.int64)
         self.first_bad = xp.full(1, 2**62, xp.int64)
         self.steps = self.calls = self.graph_steps = self.toggles = self.busy_steps = 0
+        self.forks = 0
         self.busy_now = False
         self.kinds_used: set = set()
         self.stream_obj, self.stream = None, None  # the last step's (argument, CuPy view)
@@ -207,23 +210,46 @@ class Fuzz:
             if rng.random() < 0.03 or n + self.S + 2 > self.max_len:
                 obj, view = self._pick_stream()
                 c.release(rid, stream=obj)
-                del self.active[rid]
+                del self.active[rid], self.origin[rid]
+        top = self.max_len - 2 * self.S - 4  # room to grow
         while len(self.active) < self.R and (not self.active or rng.random() < 0.4):
             obj, view = self._pick_stream()
             H = self.H
             if rng.random() < 0.35:
                 n = int(rng.integers(1, H + 1))
             else:
-                n = int(rng.integers(H + 1, self.max_len - 2 * self.S - 4))
+                n = int(rng.integers(H + 1, top))
+            fork = None  # (parent, p): a paged pool's fork of a prefix the parent wrote
+            if self.cfg.get("page_tokens") and self.active and rng.random() < 0.3:
+                parent = int(rng.choice(list(self.active)))
+                p = int(rng.integers(1, min(self.active[parent][1], top - 1) + 1))
+                fork, n = (parent, p), max(n, p)
             warm = None
             if n > H and rng.random() < 0.5:
                 warm = rng.choice(n - 1, size=int(rng.integers(0, min(H, n - 1) + 1)),
                                   replace=False)
             self.uid += 1
-            kv = self._kv(self.uid, 0, n, view)
-            rid = c.admit(n, kv=kv, warm_tokens=warm, stream=obj)
+            start = 0 if fork is None else fork[1]
+            kv = self._kv(self.uid, start, n - start, view) if n > start else None
+            rid = c.admit(n, kv=kv, warm_tokens=warm, prefix=fork, stream=obj)
             self.active[rid] = [self.uid, n]
+            self.origin[rid] = [] if fork is None else self._fork_origin(*fork)
+            self.forks += fork is not None
             self.hist[rid] = np.arange(max(0, n - H), n)
+
+    def _fork_origin(self, parent: int, p: int) -> list[tuple[int, int]]:
+        """A fork's tokens below ``p`` are its parent's: the parent's origin cut at ``p``, then
+        the parent's own tokens up to ``p``."""
+        cut = [(min(lim, p), u) for lim, u in self.origin[parent]]
+        return [(lim, u) for lim, u in cut if lim > 0] + [(p, self.active[parent][0])]
+
+    def _ids(self, rid: int, tok: np.ndarray) -> np.ndarray:
+        """The pattern ids of request slot ``rid``'s tokens ``tok``: its own instance's, below
+        a fork point the instance that wrote them."""
+        ids = self.active[rid][0] * self.max_len + tok
+        for lim, u in reversed(self.origin[rid]):  # the lowest bound decides last
+            ids = np.where(tok < lim, u * self.max_len + tok, ids)
+        return ids
 
     # ------------------------------------------------------------------ top-k
     def _row(self, rid: int, seq: int, k: int, newest: list) -> np.ndarray:
@@ -272,13 +298,13 @@ class Fuzz:
         seq = seqs[:, :, None]
         ok = (t3 >= 0) & (t3 < seq) & (t3 < self.max_len) & ~((seq <= self.H) & (col >= seq))
         ok[nr:] = False
-        uid = np.array([self.active[int(r)][0] if b < nr else 0 for b, r in enumerate(req)],
-                       np.int64)
         flat_ok = ok.reshape(-1)
         idx = np.nonzero(flat_ok)[0]
         bb = idx // (S * K)
         tok = t3.reshape(-1)[idx].astype(np.int64)
-        ids = uid[bb] * self.max_len + tok
+        ids = np.empty_like(tok)
+        for b in np.unique(bb):
+            ids[bb == b] = self._ids(int(req[b]), tok[bb == b])
         key = bb * (4 * self.max_len) + tok
         order = np.argsort(key, kind="stable")
         ks = key[order]
@@ -626,7 +652,7 @@ class Fuzz:
         first = int((xp.asnumpy if self.be.gpu else np.asarray)(self.first_bad)[0])
         return dict(seed=self.seed, config=self.cfg, steps=self.steps, calls=self.calls,
                     graph_steps=self.graph_steps, toggles=self.toggles,
-                    busy_steps=self.busy_steps,
+                    busy_steps=self.busy_steps, forks=self.forks,
                     streams=sorted(self.kinds_used),
                     errors=dict(zip(CHECKS, errs, strict=True)),
                     first_bad_step=None if first >= 2**62 else first,
@@ -691,11 +717,12 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t0
     bad = [r for r in res if "failure" in r]
     tot = {k: sum(r[k] for r in res)
-           for k in ("steps", "calls", "graph_steps", "toggles", "busy_steps")}
+           for k in ("steps", "calls", "graph_steps", "toggles", "busy_steps", "forks")}
     kinds = sorted(set().union(*(r["streams"] for r in res)))
     print(f"step fuzz ({'CPU model' if a.cpu else 'GPU'}): {len(res)} seeds, {tot['steps']} "
           f"steps, {tot['calls']} swap calls, {tot['graph_steps']} graph replays, "
-          f"{tot['toggles']} prefetch toggles, {tot['busy_steps']} steps with CuPy's current "
+          f"{tot['toggles']} prefetch toggles, {tot['forks']} forks, {tot['busy_steps']} steps "
+          f"with CuPy's current "
           f"stream busy, streams {kinds}, {wall:.0f} s: "
           f"{len(bad)} seed(s) failed")
     for r in bad[:10]:

@@ -65,16 +65,27 @@ class ModelCache:
             t["ref"][rid] = 0
             t["clock"][rid] = (1, 0)
 
-    def admit(self, n_tokens, kv=None, warm_tokens=None, *, stream=None):
+    def admit(self, n_tokens, kv=None, warm_tokens=None, *, prefix=None, stream=None):
+        """``prefix=(parent, p)``: the first ``p`` tokens are the parent's (their bytes are
+        copied: the model keeps the slot layout, where the GPU shares whole pages); ``kv``
+        holds the rest."""
         if not self._free:
             raise RuntimeError("all request slots are in use")
         n, H = int(n_tokens), self.hot_size
         if n <= H and warm_tokens is not None:
             raise ValueError("warm_tokens applies only to requests longer than hot_size")
+        p = 0
+        if prefix is not None:
+            parent, p = int(prefix[0]), int(prefix[1])
+            if parent not in self._len or not 1 <= p <= n or \
+                    (self.host_locs[parent, :p] < 0).any():  # every token written
+                raise ValueError(f"prefix {prefix}")
         rid = self._free.pop()
         base = rid * self.max_len
+        if p:
+            self.host[:, base: base + p] = self.host[:, self.host_locs[parent, :p]]
         if kv is not None:
-            self.host[:, base: base + n] = kv
+            self.host[:, base + p: base + n] = kv
         self.host_locs[rid, :n] = base + np.arange(n)
         self.host_locs[rid, n:] = -1
         self._reset(rid)

@@ -82,6 +82,27 @@ def test_the_fuzz_describes_a_token_given_two_rows():
                       "slots_holding"}
 
 
+def test_the_fuzz_forks_and_checks_a_forks_shared_tokens(monkeypatch):
+    """Paged configurations fork requests (``admit(prefix=...)``), and a fork's tokens below
+    its fork point are checked against the bytes of the instance that wrote them. Negative
+    control: a driver that forgets what a fork shares expects the fork's own bytes there and
+    fails."""
+    runs = [Fuzz(False, seed) for seed in range(12)]
+    got = [f.run(300) for f in runs]
+    assert sum(r["forks"] for r in got) > 0
+    assert all(r["errors"] == dict.fromkeys(CHECKS, 0) for r in got)
+    monkeypatch.setattr(Fuzz, "_fork_origin", lambda self, parent, p: [])
+    failed = 0
+    for seed in range(12):
+        f = Fuzz(False, seed)
+        try:
+            f.run(300)
+        except AssertionError as e:
+            failed += 1
+            assert "wrong bytes" in str(e)
+    assert failed > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(4))
 def test_step_fuzz_gpu(seed):
