@@ -143,7 +143,7 @@ def test_module_length(path):
 MAX_ROOT_MODULES = 16
 # Names the package shows: the union of the public modules' __all__ (a module is public when no
 # part of its dotted path starts with "_"). Raise it in the commit that adds a public name.
-PUBLIC_NAME_BUDGET = 95  # + residency.DeviceBudget (issue 47)
+PUBLIC_NAME_BUDGET = 97  # + DeviceBudget, resident_swap, ResidentResult (issue 47)
 
 
 def _public(mod: str) -> bool:
