@@ -95,25 +95,26 @@ class LayerTables:
     def _rearrange(self, src: int, dst: int, dev, host_locs, pool, s) -> None:
         """The row where ``src`` holds token t gets ``dst``'s own bytes of t, from the row where
         ``dst`` held it (its first such slot) or else from ``dst``'s host row: one layer's rows
-        of scratch memory, no host synchronization (CuPy's current stream is ``s``)."""
-        R, W = self.slot_tokens.shape[1:]
-        n = self.max_len
-        span = max(n, W) + 1  # above every token a slot can name (positional ones < H)
-        base = cupy.arange(R, dtype=cupy.int64).reshape(R, 1) * span
-        tok_s, loc_s = self.slot_tokens[src], self.slot_locs[src]
-        tok_d, loc_d = self.slot_tokens[dst], self.slot_locs[dst]
-        # where dst holds each (request, token): its keys sorted, src's keys searched
-        key_d = cupy.where(tok_d >= 0, base + tok_d, -1).reshape(-1)
-        order = cupy.argsort(key_d)  # stable: a token held twice matches its first slot
-        key_s = (base + tok_s).reshape(-1)
-        at = cupy.minimum(cupy.searchsorted(key_d[order], key_s), key_s.size - 1)
-        wanted = tok_s.reshape(-1) >= 0
-        held = wanted & (key_d[order[at]] == key_s)
-        to = loc_s.reshape(-1)
-        dev[to] = dev[cupy.where(held, loc_d.reshape(-1)[order[at]], to)]  # gathered first
-        # the tokens dst did not hold: its host rows (the copy skips -1 sources)
-        tok = cupy.clip(tok_s, 0, n - 1)
-        hl = host_locs[cupy.arange(R).reshape(R, 1), tok]
-        hl = cupy.where((wanted & ~held).reshape(R, W) & (tok_s < n), hl, -1)
-        copy_rows(hl, loc_s, cupy.full(R, W, cupy.int32), src=pool_rows(pool, dst),
-                  dst=array_rows(dev), row_bytes=pool.row_bytes, stream=s)
+        of scratch memory, no host synchronization, on ``s``."""
+        with s:
+            R, W = self.slot_tokens.shape[1:]
+            n = self.max_len
+            span = max(n, W) + 1  # above every token a slot can name (positional ones < H)
+            base = cupy.arange(R, dtype=cupy.int64).reshape(R, 1) * span
+            tok_s, loc_s = self.slot_tokens[src], self.slot_locs[src]
+            tok_d, loc_d = self.slot_tokens[dst], self.slot_locs[dst]
+            # where dst holds each (request, token): its keys sorted, src's keys searched
+            key_d = cupy.where(tok_d >= 0, base + tok_d, -1).reshape(-1)
+            order = cupy.argsort(key_d)  # stable: a token held twice matches its first slot
+            key_s = (base + tok_s).reshape(-1)
+            at = cupy.minimum(cupy.searchsorted(key_d[order], key_s), key_s.size - 1)
+            wanted = tok_s.reshape(-1) >= 0
+            held = wanted & (key_d[order[at]] == key_s)
+            to = loc_s.reshape(-1)
+            dev[to] = dev[cupy.where(held, loc_d.reshape(-1)[order[at]], to)]  # gathered first
+            # the tokens dst did not hold: its host rows (the copy skips -1 sources)
+            tok = cupy.clip(tok_s, 0, n - 1)
+            hl = host_locs[cupy.arange(R).reshape(R, 1), tok]
+            hl = cupy.where((wanted & ~held).reshape(R, W) & (tok_s < n), hl, -1)
+            copy_rows(hl, loc_s, cupy.full(R, W, cupy.int32), src=pool_rows(pool, dst),
+                      dst=array_rows(dev), row_bytes=pool.row_bytes, stream=s)

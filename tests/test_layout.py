@@ -7,7 +7,8 @@
 - a public module (no ``_`` in its dotted path) shows only its ``__all__``, and all of them
   together stay within a public-name budget;
 - the measuring code (``hisparse_cupy.testing``: the probe, the knobs) is imported by nothing on
-  a launch path.
+  a launch path;
+- a function given a stream makes the CuPy arrays its work reads with that stream current.
 """
 
 from __future__ import annotations
@@ -195,6 +196,64 @@ def test_a_public_module_shows_only_its_all(mod):
 def test_the_public_names_stay_within_the_budget():
     names = {(m, n) for m in PUBLIC for n in (_face(m) or ())}
     assert len(names) <= PUBLIC_NAME_BUDGET, sorted(names)
+
+
+# ----------------------------------------------------------------------------- streams
+# A function that takes the stream its work runs on (a parameter named ``stream`` or ``s``)
+# makes the arrays that work reads with that stream current: made on CuPy's current stream,
+# an array's fill and the kernel reading it on another stream are unordered, and the memory
+# pool may hand it a block another array left (the step fuzz's "two rows for one token",
+# benchmarks/NOTES.md "An array made on the wrong stream"). The functions allowed otherwise,
+# and why:
+STREAM_ALLOWED = {
+    # the stager's arrays are filled on the current stream and its side stream (``stream``)
+    # waits for them with an event; every other reader follows the side stream
+    ("hisparse_cupy.streams._predict", "__init__"),
+}
+ALLOCATORS = {"arange", "array", "asarray", "ascontiguousarray", "concatenate", "empty",
+              "empty_like", "full", "full_like", "ones", "stack", "where", "zeros",
+              "zeros_like"}
+
+
+def arrays_off_stream(tree: ast.AST) -> list[tuple[str, str]]:
+    """``(function, "line N: cupy.f")`` for each CuPy array made outside a ``with`` block in a
+    function that takes ``stream`` or ``s``."""
+    out = []
+
+    def visit(fn, node, in_with):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            f = getattr(child, "func", None)
+            if (isinstance(child, ast.Call) and isinstance(f, ast.Attribute) and not in_with
+                    and isinstance(f.value, ast.Name) and f.value.id == "cupy"
+                    and f.attr in ALLOCATORS):
+                out.append((fn.name, f"line {child.lineno}: cupy.{f.attr}"))
+            visit(fn, child, in_with or isinstance(child, ast.With))
+
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            params = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+            if params & {"stream", "s"}:
+                visit(fn, fn, False)
+    return out
+
+
+@pytest.mark.parametrize("mod", sorted(m for m in NAMES
+                                       if not m.startswith(("hisparse_cupy.demo",
+                                                            "hisparse_cupy.testing"))))
+def test_arrays_a_call_makes_are_made_on_its_stream(mod):
+    bad = [(f, w) for f, w in arrays_off_stream(TREES[mod]) if (mod, f) not in STREAM_ALLOWED]
+    assert bad == []
+
+
+def test_the_stream_rule_catches_an_array_made_off_the_stream():
+    tree = ast.parse("def init(rid, stream):\n    run(cupy.full(1, rid), stream=stream)\n"
+                     "def ok(rid, s):\n    with s:\n        x = cupy.full(1, rid)\n"
+                     "def other(rid):\n    return cupy.full(1, rid)\n")
+    assert arrays_off_stream(tree) == [("init", "line 2: cupy.full")]
+    for mod, fn in STREAM_ALLOWED:  # the allowance is not stale: each one still needs it
+        assert fn in {f for f, _ in arrays_off_stream(TREES[mod])}, (mod, fn)
 
 
 def test_the_probe_stays_off_the_production_path():
