@@ -141,10 +141,12 @@ SWAP_RESOLVE = _struct([
     ("topk", _P), ("req", _P), ("lens", _P), ("num_real", _P), ("host_locs", _P),
     ("slot_tokens", _P), ("slot_locs", _P), ("lru", _P), ("out", _P), ("plan_src", _P),
     ("plan_dst", _P), ("plan_count", _P), ("status", _P), ("token_slot", _P), ("counters", _P),
+    ("resident", _P), ("page_table", _P),
     ("n_host_rows", "i8"),
     ("topk_stride", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"), ("host_stride", "i4"),
     ("slot_stride", "i4"), ("lru_stride", "i4"), ("H", "i4"), ("hash_size", "i4"),
     ("out_stride", "i4"), ("plan_stride", "i4"), ("lens_stride", "i4"),
+    ("page_stride", "i4"), ("page_tokens", "i4"),
 ])
 
 PLANNED_COPY = _struct([

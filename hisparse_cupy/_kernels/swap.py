@@ -162,6 +162,11 @@ class SwapState:
     slot_locs: cupy.ndarray
     lru: cupy.ndarray
     token_slot: cupy.ndarray | None = None
+    # residency (docs/design.md section 10): a request with resident[r] != 0 has every token's
+    # row in the device page table (uint8 [R]; int32 [R, n], rows contiguous; P tokens a page)
+    resident: cupy.ndarray | None = None
+    page_table: cupy.ndarray | None = None
+    page_tokens: int = 0
 
     @property
     def hot_size(self) -> int:
@@ -169,7 +174,9 @@ class SwapState:
 
     @classmethod
     def validated(cls, host_locs: ArrayLike, slot_tokens: ArrayLike, slot_locs: ArrayLike,
-                  lru: ArrayLike, *, token_slot: ArrayLike | None = None) -> SwapState:
+                  lru: ArrayLike, *, token_slot: ArrayLike | None = None,
+                  resident: ArrayLike | None = None, page_table: ArrayLike | None = None,
+                  page_tokens: int | None = None) -> SwapState:
         host_locs = _checks.array("host_locs", host_locs, np.int64, ndim=2)
         lru = _checks.array("lru", lru, np.int16, ndim=2, contiguous=False, inner_contiguous=True)
         R, H = lru.shape
@@ -192,7 +199,21 @@ class SwapState:
         if token_slot is not None:
             token_slot = _checks.array("token_slot", token_slot, np.int16,
                                        shape=host_locs.shape)
-        return cls(host_locs, slot_tokens, slot_locs, lru, token_slot)
+        given = [a is not None for a in (resident, page_table, page_tokens)]
+        if any(given) and not all(given):
+            raise ValueError("give resident, page_table and page_tokens together, or none")
+        if resident is not None:
+            resident = _checks.array("resident", resident, np.uint8, shape=(R,))
+            page_tokens = _checks.integer("page_tokens", page_tokens, 1)
+            pages = -(-host_locs.shape[1] // page_tokens)
+            page_table = _checks.array("page_table", page_table, np.int32, ndim=2,
+                                       contiguous=False, inner_contiguous=True)
+            if page_table.shape[0] != R or page_table.shape[1] < pages:
+                raise ValueError(f"page_table must have shape ({R}, >= {pages}) (a page per "
+                                 f"{page_tokens} of max_len {host_locs.shape[1]} tokens), got "
+                                 f"{tuple(page_table.shape)}")
+        return cls(host_locs, slot_tokens, slot_locs, lru, token_slot, resident, page_table,
+                   page_tokens or 0)
 
     def params(self, p: Params | None = None) -> Params:
         """The layer's fields of the resolve struct (the batch's and the call's come later)."""
@@ -202,7 +223,9 @@ class SwapState:
             slot_tokens=ptr(self.slot_tokens), slot_locs=ptr(self.slot_locs),
             slot_stride=_checks.row_stride(self.slot_locs), lru=ptr(self.lru),
             lru_stride=_checks.row_stride(self.lru), R=self.lru.shape[0], H=self.hot_size,
-            token_slot=ptr(self.token_slot))
+            token_slot=ptr(self.token_slot), resident=ptr(self.resident),
+            page_table=ptr(self.page_table), page_tokens=self.page_tokens,
+            page_stride=0 if self.page_table is None else _checks.row_stride(self.page_table))
 
     def check_on_host(self, n_device_rows: int) -> None:
         """Raise ``ValueError`` if the tables are not a valid state (synchronizes).

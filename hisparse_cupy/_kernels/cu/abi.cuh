@@ -88,10 +88,14 @@ struct SwapResolveParams {
   i32* status;             // [B, N_STATUS]
   i16* token_slot;         // [R, host_stride] token -> hot slot (swap_resolve<.., true>), or null
   u64* counters;           // [N_LAYER_COUNTERS] the layer's counters (count_row), or null
+  const u8* resident;      // [R] nonzero: the request is resident (its rows through
+                           // page_table; docs/design.md section 10), or null: none is
+  const i32* page_table;   // [R, page_stride]: device page of each page_tokens tokens, -1 none
   i64 n_host_rows;         // host rows of the layer: rows outside [0, n_host_rows) are missing
   i32 topk_stride, K, B, R, host_stride, slot_stride, lru_stride, H;
   i32 hash_size;           // shared hash slots (power of two >= 64)
   i32 out_stride, plan_stride, lens_stride;
+  i32 page_stride, page_tokens;
 };
 
 // ---- planned copy (plan.cu). Grid: any, block COPY_WARPS * 32.
