@@ -197,13 +197,14 @@ MULTISTEP = _struct([  # gather and commit take the same struct
     ("pending", _P), ("miss_src", _P), ("miss_dst", _P), ("counters", _P), ("out", _P),
     ("host_base", _P), ("dev_base", _P),
     ("plan_src", _P), ("plan_dst", _P), ("plan_count", _P), ("status", _P), ("stats", _P),
-    ("layer_counters", _P),
+    ("layer_counters", _P), ("resident", _P), ("page_table", _P),
     ("n_host_rows", "i8"),
     ("topk_stride", "i4"), ("S", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"),
     ("host_stride", "i4"), ("slot_stride", "i4"), ("H", "i4"), ("P", "i4"),
     ("scratch_stride", "i4"), ("C", "i4"), ("ref_stride", "i4"),
     ("table_size", "i4"), ("compact_stride", "i4"), ("out_stride", "i4"), ("row_bytes", "i4"),
     ("plan_stride", "i4"), ("lens_stride", "i4"), ("lens_step", "i4"), ("copy_blocks", "i4"),
+    ("page_stride", "i4"), ("page_tokens", "i4"),
 ])
 
 MULTISTEP_INIT = _struct([

@@ -47,6 +47,35 @@ def test_every_cluster_size_serves_resident_rows(rng, cluster):
             h.call(topk, req, seq, newest=True)
 
 
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_multistep_mixed_batches_equal_the_oracles(rng, share):
+    """Multi-step calls of 2-4 steps (lengths L, L + 1, ... or equal), tokens repeated across
+    steps, -1, out of range, the newest and draft tokens: resident rows through the page
+    table, the others through the hot buffers and scratch rows, state and bytes checked."""
+    import numpy as np
+
+    from hisparse_cupy.testing._resident_twin import ResidentTwin
+
+    R, H, K = 6, 64, 32
+    h = ResidentTwin.multi_resident(rng, share=share, page_tokens=16, R=R, H=H, P=8, K=K,
+                                    S_max=4)
+    for _ in range(40):
+        B, S = int(rng.integers(1, R + 1)), int(rng.integers(2, 5))
+        req = rng.permutation(R)[:B]
+        steps = np.arange(S) if rng.random() < 0.5 else np.zeros(S, np.int64)
+        seqs = h.lens[req][:, None] + steps[None]  # [B, S]
+        base = np.stack([rng.integers(0, s0, K) for s0 in seqs[:, 0]])
+        topk = np.repeat(base[:, None], S, axis=1)
+        fresh = rng.random(topk.shape) < 0.3
+        topk[fresh] = rng.integers(0, seqs.min(), fresh.sum())
+        u = rng.random(topk.shape)
+        topk[u < 0.05] = -1
+        topk[(u >= 0.05) & (u < 0.08)] = seqs.max() + 5  # out of range
+        newest = (u >= 0.08) & (u < 0.12)  # each step's newest token (the draft tokens)
+        topk[newest] = np.broadcast_to(seqs[:, :, None] - 1, topk.shape)[newest]
+        h.call(topk.astype(np.int32), req, seqs.astype(np.int32))
+
+
 def test_bad_residency_arguments():
     import cupy
 

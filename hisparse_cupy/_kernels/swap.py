@@ -199,21 +199,8 @@ class SwapState:
         if token_slot is not None:
             token_slot = _checks.array("token_slot", token_slot, np.int16,
                                        shape=host_locs.shape)
-        given = [a is not None for a in (resident, page_table, page_tokens)]
-        if any(given) and not all(given):
-            raise ValueError("give resident, page_table and page_tokens together, or none")
-        if resident is not None:
-            resident = _checks.array("resident", resident, np.uint8, shape=(R,))
-            page_tokens = _checks.integer("page_tokens", page_tokens, 1)
-            pages = -(-host_locs.shape[1] // page_tokens)
-            page_table = _checks.array("page_table", page_table, np.int32, ndim=2,
-                                       contiguous=False, inner_contiguous=True)
-            if page_table.shape[0] != R or page_table.shape[1] < pages:
-                raise ValueError(f"page_table must have shape ({R}, >= {pages}) (a page per "
-                                 f"{page_tokens} of max_len {host_locs.shape[1]} tokens), got "
-                                 f"{tuple(page_table.shape)}")
-        return cls(host_locs, slot_tokens, slot_locs, lru, token_slot, resident, page_table,
-                   page_tokens or 0)
+        res = _checks.residency(resident, page_table, page_tokens, R, host_locs.shape[1])
+        return cls(host_locs, slot_tokens, slot_locs, lru, token_slot, *res)
 
     def params(self, p: Params | None = None) -> Params:
         """The layer's fields of the resolve struct (the batch's and the call's come later)."""
@@ -223,9 +210,15 @@ class SwapState:
             slot_tokens=ptr(self.slot_tokens), slot_locs=ptr(self.slot_locs),
             slot_stride=_checks.row_stride(self.slot_locs), lru=ptr(self.lru),
             lru_stride=_checks.row_stride(self.lru), R=self.lru.shape[0], H=self.hot_size,
-            token_slot=ptr(self.token_slot), resident=ptr(self.resident),
-            page_table=ptr(self.page_table), page_tokens=self.page_tokens,
-            page_stride=0 if self.page_table is None else _checks.row_stride(self.page_table))
+            token_slot=ptr(self.token_slot), **residency_fields(self))
+
+
+def residency_fields(state) -> dict:
+    """A state's residency fields of its kernel struct (the resolve's or the multi-step one's:
+    the same names)."""
+    t = state.page_table
+    return dict(resident=ptr(state.resident), page_table=ptr(t), page_tokens=state.page_tokens,
+                page_stride=0 if t is None else _checks.row_stride(t))
 
     def check_on_host(self, n_device_rows: int) -> None:
         """Raise ``ValueError`` if the tables are not a valid state (synchronizes).

@@ -215,11 +215,14 @@ struct MultiStepParams {
   i32* status;             // [B, N_STATUS]
   i32* stats;              // [B, MS_N_STATS]
   u64* layer_counters;     // [N_LAYER_COUNTERS] the layer's counters (count_row), or null
+  const u8* resident;      // [R] or null: as SwapResolveParams.resident
+  const i32* page_table;   // [R, page_stride]: as SwapResolveParams.page_table
   i64 n_host_rows;
   i32 topk_stride, S, K, B, R, host_stride, slot_stride, H, P, scratch_stride, C;
   i32 ref_stride, table_size, compact_stride, out_stride, row_bytes, plan_stride;
   i32 lens_stride, lens_step;
   i32 copy_blocks;         // commit grid: B commit blocks, then copy_blocks copy blocks per row
+  i32 page_stride, page_tokens;
 };
 
 // ---- multi-step state (re)initialisation (multistep.cu). Grid: (B, L), block INIT_BLOCK.
