@@ -39,6 +39,29 @@ import numpy as np
 _FLAGS = ("--push", "--shared-pool")  # this example's own flags (the rest: the demo's)
 
 
+def own_help() -> str:
+    """This example's own flags, printed before the decode loop's by ``--help``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="pd_decode.py", add_help=False,
+        description="Prefill in one process, decode in another; each prompt's KV reaches the "
+                    "decode pool over NIXL (pip install --no-deps nixl-cu12 or nixl-cu13).",
+        epilog="Every other flag is the decode loop's (python -m hisparse_cupy demo): they "
+               "follow.")
+    ap.add_argument("--cpu", action="store_true",
+                    help="the NumPy decode loop, KV made and sent from host memory (the "
+                         "default without a CUDA device)")
+    ap.add_argument("--push", action="store_true",
+                    help="the prefill process WRITEs each prompt once granted "
+                         "(KVReceiver(push=True), KVSender(pull=False)); default: the decode "
+                         "process READs")
+    ap.add_argument("--shared-pool", action="store_true",
+                    help="GPU: the decode pool is a shared HostKVPool and the prefill process "
+                         "copies each prompt into its pages on this node")
+    return ap.format_help()
+
+
 def prefill(argv, gpu: bool, tickets, results) -> None:
     """The prefill process: for each ticket, the request's prompt KV written into the decode
     pool's pages (on the GPU: made in VRAM by the model's kernel, sent from there; else float32
@@ -178,6 +201,8 @@ def main(argv=None) -> int:
     from hisparse_cupy.pd import nixl_api
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(own_help())  # then the decode loop's flags, from its parser (which exits)
     cpu = "--cpu" in argv or isinstance(cupy_or_why(), str)
     shared = "--shared-pool" in argv
     argv = [a for a in argv if a != "--cpu"]

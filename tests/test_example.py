@@ -170,6 +170,16 @@ def test_every_examples_help_works_with_or_without_its_extras(example, blocked):
     assert "usage:" in p.stdout and "Traceback" not in p.stderr
 
 
+def test_pd_decode_help_shows_its_own_flags_then_the_loops():
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "pd_decode.py"), "--help"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = " ".join(p.stdout.split())
+    for want in ("usage: pd_decode.py", "--push", "--shared-pool", "--cpu", "(default: 78)"):
+        assert want in out, want
+    assert out.index("--shared-pool") < out.index("(default: 78)")
+
+
 def test_config_memory_and_errors():
     from hisparse_cupy.demo._config import Config, from_args
 
