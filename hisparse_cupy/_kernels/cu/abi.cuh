@@ -157,6 +157,7 @@ struct PredictStageParams {
   i64* stage_src;          // [B * stage_width]
   i32* stage_count;        // [B]
   u64* stage_stats;        // [3] or null: [2] += rows staged
+  const u8* resident;      // [R] or null: a resident request stages nothing
   i64 n_host_rows;
   i32 topk_stride, K, B, R, host_stride, slot_stride, H, stage_width, lens_stride;
   i32 plan_stride, miss_hash_size, rule;  // rule: 0 F's misses, PREDICT_RULE_SELECTION F's top-k
@@ -176,11 +177,14 @@ struct NewestRowsParams {
   i32* plan_count;         // [>= B]
   const i32* host_pages;   // [R, pages_stride]: the request's host pages (-1: none taken yet)
   const i32* own_from;     // [R]: tokens below it are in pages other requests share (read only)
+  const u8* resident;      // [R] or null: a resident request's newest row is its page row
+  const i32* dev_pages;    // [R, dev_page_stride]: device pages of resident requests
   i64 slot_layer_stride;
   i64 n_host_rows;         // rows per layer of the host pool: a backup never writes past them
   i32 B, R, max_len, slot_stride, H, host_stride, lens_stride, n_layers;
   i32 record;              // 1: record host_locs, slot tokens and the backup plan
   i32 page_tokens, pages_stride;  // token t's host row: page[t / page_tokens] * page_tokens + ...
+  i32 dev_page_tokens, dev_page_stride;  // the same for a resident request's device row
   i32 pad;
 };
 
