@@ -95,3 +95,50 @@ def test_bad_residency_arguments():
         SwapState.validated(*args, **dict(ok, page_tokens=0))
     with pytest.raises((TypeError, ValueError), match="resident"):
         SwapState.validated(*args, **dict(ok, resident=cupy.zeros(R, cupy.int32)))
+
+
+def test_newest_rows_of_resident_requests(rng):
+    """The newest-row kernel: a resident request's newest token is its device page's row (-1
+    and no backup without a page), its slot H is not marked; a sparse request's is as before
+    (slot min(t, H), slot H marked past H); every backup names the token's host row."""
+    from types import SimpleNamespace
+
+    import cupy
+    import numpy as np
+
+    from hisparse_cupy._kernels.newest import NewestBuffers, newest_rows
+
+    L, R, H, W, max_len, HP, DP = 2, 6, 8, 10, 64, 4, 16
+    slot_locs = cupy.asarray(rng.permutation(R * W).reshape(R, W).astype(np.int32))
+    slot_tokens = cupy.full((L, R, W), -1, cupy.int32)
+    host_locs = cupy.full((R, max_len), -1, cupy.int64)
+    host_pages = rng.permutation(R * (max_len // HP)).reshape(R, -1).astype(np.int32)
+    host = SimpleNamespace(table=cupy.asarray(host_pages), own_from=cupy.zeros(R, cupy.int32),
+                           n_rows=R * max_len, page_tokens=HP)
+    dev_pages = (rng.permutation(R * (max_len // DP)).reshape(R, -1) + 50).astype(np.int32)
+    dev_pages[1, 2] = -1  # request 1 has no page for tokens 32..47
+    resident = np.array([1, 1, 0, 0, 1, 0], np.uint8)
+    req = np.array([0, 1, 2, 3, 4, 5], np.int32)
+    lens = np.array([40, 40, 40, 5, 3, 0], np.int32)  # the last: invalid (no token)
+    out = NewestBuffers(R)
+    rows = newest_rows(out, req=cupy.asarray(req), lens=cupy.asarray(lens), lens_stride=1,
+                       num_real=None, key=(np.dtype(np.int32), np.dtype(np.int32)),
+                       slot_locs=slot_locs, slot_tokens=slot_tokens, host_locs=host_locs,
+                       host=host, hot_size=H, record=True, stream=cupy.cuda.Stream.null,
+                       resident=cupy.asarray(resident), dev_pages=cupy.asarray(dev_pages),
+                       dev_page_tokens=DP)
+    got, cnt = cupy.asnumpy(rows), cupy.asnumpy(out.count)
+    sl = cupy.asnumpy(slot_locs)
+    t = lens - 1
+    assert got[0] == dev_pages[0, 39 // DP] * DP + 39 % DP
+    assert got[1] == -1 and cnt[1] == 0  # no page: nothing written, nothing backed up
+    assert got[2] == sl[2, H] and got[3] == sl[3, 4]
+    assert got[4] == dev_pages[4, 0] * DP + 2
+    assert got[5] == -1 and cnt[5] == 0
+    marks = cupy.asnumpy(slot_tokens[:, :, H])
+    assert (marks[:, 2] == 39).all() and (marks[:, [0, 1, 3, 4]] == -1).all()
+    hl = cupy.asnumpy(host_locs)
+    src, dst = cupy.asnumpy(out.src[:, 0]), cupy.asnumpy(out.dst[:, 0])
+    for b in (0, 2, 3, 4):
+        want = host_pages[b, t[b] // HP] * HP + t[b] % HP
+        assert cnt[b] == 1 and dst[b] == want and src[b] == got[b] and hl[b, t[b]] == want
