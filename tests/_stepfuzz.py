@@ -6,7 +6,8 @@ pool of 1-16 tokens a page, its pages handed out in random order) and then decod
 
 - lifecycle churn: requests admitted (short ones in positional layout, long ones cold or warm,
   prefill KV from the host or the device; on paged pools often a fork of a live request's
-  written prefix, ``admit(prefix=...)``) and released at random, slots reused;
+  written prefix, ``admit(prefix=...)``, and at times one past it, which must be refused) and
+  released at random, slots reused; on paged pools requests grown ahead of their steps;
 - per step a random batch (real rows then graph-style padding rows with garbage slots and
   lengths past ``num_real``), its pages grown first (``grow``), lengths ``[B]`` or per draft
   step ``[B, S]`` (equal, or ``L, L+1, ...`` with the draft tokens' host rows written
@@ -150,13 +151,14 @@ class Fuzz:
         self.sync_every = sync_every
         self.active: dict[int, list] = {}  # rid -> [uid, n (tokens held, newest n - 1)]
         self.origin: dict[int, list] = {}  # rid -> [(bound, uid)]: tokens a fork shares
+        self.grown: dict[int, int] = {}  # rid -> the tokens it has pages for (grown ahead)
         self.uid = 0
         self.hist: dict[int, np.ndarray] = {}  # rid -> tokens selected last
         xp = self.xp
         self.errors = xp.zeros(len(CHECKS), xp.int64)
         self.first_bad = xp.full(1, 2**62, xp.int64)
         self.steps = self.calls = self.graph_steps = self.toggles = self.busy_steps = 0
-        self.forks = 0
+        self.forks = self.refused_forks = 0
         self.busy_now = False
         self.kinds_used: set = set()
         self.stream_obj, self.stream = None, None  # the last step's (argument, CuPy view)
@@ -210,7 +212,7 @@ class Fuzz:
             if rng.random() < 0.03 or n + self.S + 2 > self.max_len:
                 obj, view = self._pick_stream()
                 c.release(rid, stream=obj)
-                del self.active[rid], self.origin[rid]
+                del self.active[rid], self.origin[rid], self.grown[rid]
         top = self.max_len - 2 * self.S - 4  # room to grow
         while len(self.active) < self.R and (not self.active or rng.random() < 0.4):
             obj, view = self._pick_stream()
@@ -222,6 +224,8 @@ class Fuzz:
             fork = None  # (parent, p): a paged pool's fork of a prefix the parent wrote
             if self.cfg.get("page_tokens") and self.active and rng.random() < 0.3:
                 parent = int(rng.choice(list(self.active)))
+                if rng.random() < 0.2:
+                    self._fork_past_written(parent, obj, view)
                 p = int(rng.integers(1, min(self.active[parent][1], top - 1) + 1))
                 fork, n = (parent, p), max(n, p)
             warm = None
@@ -233,9 +237,44 @@ class Fuzz:
             kv = self._kv(self.uid, start, n - start, view) if n > start else None
             rid = c.admit(n, kv=kv, warm_tokens=warm, prefix=fork, stream=obj)
             self.active[rid] = [self.uid, n]
+            self.grown[rid] = n
             self.origin[rid] = [] if fork is None else self._fork_origin(*fork)
             self.forks += fork is not None
             self.hist[rid] = np.arange(max(0, n - H), n)
+
+    def _fork_past_written(self, parent: int, obj, view) -> None:
+        """A fork over tokens the parent has pages for (grown ahead) but has not written: it
+        must be refused (``ValueError`` naming the prefix), with nothing taken."""
+        lo = self.active[parent][1] + self.S + 2  # past every token a step or a draft wrote
+        if self.grown[parent] < lo:
+            return
+        p = int(self.rng.integers(lo, self.grown[parent] + 1))
+        admitted = self._admitted()
+        try:
+            self.c.admit(p, prefix=(parent, p), stream=obj)
+        except ValueError as e:
+            if "prefix" not in str(e):
+                raise
+            self.refused_forks += 1
+        else:
+            raise AssertionError(f"seed {self.seed}: a fork of {p} tokens over request slot "
+                                 f"{parent}, which wrote {self.active[parent][1]}, was taken")
+        assert self._admitted() == admitted, "a refused fork took a request slot"
+
+    def _admitted(self) -> int:
+        """Request slots the cache holds (the GPU cache's ``active``, the model's lengths)."""
+        c = self.c
+        return len(c.active) if hasattr(c, "active") else len(c._len)
+
+    def _grow_ahead(self) -> None:
+        """The engine takes pages ahead of its steps (a paged pool): a request grown to more
+        tokens than it has written."""
+        rid = int(self.rng.choice(list(self.active)))
+        n = self.active[rid][1]
+        m = min(n + int(self.rng.integers(1, 4 * self.S + 8)), self.max_len)
+        obj, view = self._pick_stream()
+        self.c.grow(rid, m, stream=obj)
+        self.grown[rid] = max(self.grown[rid], m)
 
     def _fork_origin(self, parent: int, p: int) -> list[tuple[int, int]]:
         """A fork's tokens below ``p`` are its parent's: the parent's origin cut at ``p``, then
@@ -335,6 +374,8 @@ class Fuzz:
     def _step(self) -> None:
         rng = self.rng
         self._churn()
+        if self.cfg.get("page_tokens") and rng.random() < 0.1:
+            self._grow_ahead()
         if self.pf is not None and rng.random() < 0.08:
             self._toggle()
         rids = list(self.active)
@@ -402,6 +443,7 @@ class Fuzz:
         """The engine's part before a step: room in the host pool for its tokens."""
         for b, r in enumerate(req):
             self.c.grow(int(r), int(lens[b].max()), stream=obj)
+            self.grown[int(r)] = max(self.grown[int(r)], int(lens[b].max()))
 
     def _eager_step(self, req, lens, S, pad) -> None:
         rng, c, xp = self.rng, self.c, self.xp
@@ -653,6 +695,7 @@ class Fuzz:
         return dict(seed=self.seed, config=self.cfg, steps=self.steps, calls=self.calls,
                     graph_steps=self.graph_steps, toggles=self.toggles,
                     busy_steps=self.busy_steps, forks=self.forks,
+                    refused_forks=self.refused_forks,
                     streams=sorted(self.kinds_used),
                     errors=dict(zip(CHECKS, errs, strict=True)),
                     first_bad_step=None if first >= 2**62 else first,
@@ -717,11 +760,13 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t0
     bad = [r for r in res if "failure" in r]
     tot = {k: sum(r[k] for r in res)
-           for k in ("steps", "calls", "graph_steps", "toggles", "busy_steps", "forks")}
+           for k in ("steps", "calls", "graph_steps", "toggles", "busy_steps", "forks",
+                     "refused_forks")}
     kinds = sorted(set().union(*(r["streams"] for r in res)))
     print(f"step fuzz ({'CPU model' if a.cpu else 'GPU'}): {len(res)} seeds, {tot['steps']} "
           f"steps, {tot['calls']} swap calls, {tot['graph_steps']} graph replays, "
-          f"{tot['toggles']} prefetch toggles, {tot['forks']} forks, {tot['busy_steps']} steps "
+          f"{tot['toggles']} prefetch toggles, {tot['forks']} forks ({tot['refused_forks']} "
+          f"past the written tokens refused), {tot['busy_steps']} steps "
           f"with CuPy's current "
           f"stream busy, streams {kinds}, {wall:.0f} s: "
           f"{len(bad)} seed(s) failed")

@@ -90,6 +90,7 @@ def test_the_fuzz_forks_and_checks_a_forks_shared_tokens(monkeypatch):
     runs = [Fuzz(False, seed) for seed in range(12)]
     got = [f.run(300) for f in runs]
     assert sum(r["forks"] for r in got) > 0
+    assert sum(r["refused_forks"] for r in got) > 0  # past the written tokens: refused
     assert all(r["errors"] == dict.fromkeys(CHECKS, 0) for r in got)
     monkeypatch.setattr(Fuzz, "_fork_origin", lambda self, parent, p: [])
     failed = 0
@@ -101,6 +102,29 @@ def test_the_fuzz_forks_and_checks_a_forks_shared_tokens(monkeypatch):
             failed += 1
             assert "wrong bytes" in str(e)
     assert failed > 0
+
+
+def test_the_fuzz_catches_a_fork_past_the_written_tokens(monkeypatch):
+    """Negative control of the refused forks: a model that forgets the written bound (it takes
+    every grown token as written) lets such a fork through, and the fuzz says so."""
+    import _stepmodel
+
+    real = _stepmodel.ModelCache.admit
+
+    def lax(self, *args, prefix=None, **kw):
+        if prefix is not None:
+            locs = self.host_locs[prefix[0], : prefix[1]]
+            locs[locs < 0] = 0
+        return real(self, *args, prefix=prefix, **kw)
+
+    monkeypatch.setattr(_stepmodel.ModelCache, "admit", lax)
+    taken = 0
+    for seed in range(12):
+        try:
+            Fuzz(False, seed).run(300)
+        except AssertionError as e:
+            taken += "was taken" in str(e)
+    assert taken > 0
 
 
 @pytest.mark.gpu
