@@ -38,10 +38,11 @@ from ._kernels.multistep import MultiStepConfig, MultiStepState, MultiStepWorksp
 from ._kernels.newest import NewestBuffers
 from ._kernels.plan import MissPlan, array_rows, copy_struct, pool_rows
 from ._kernels.swap import SwapState, check_sizes
-from ._tables import LayerTables
+from ._tables import LayerTables, rows_needed
 from .counters import LayerCounters
 from .host._pages import HostPages
 from .host._pool import HostKVPool
+from .residency._arena import DeviceArena
 from .step import Step, StepParts
 
 __all__ = ["HotBufferCache", "SlotsExhausted"]
@@ -115,7 +116,8 @@ class HotBufferCache:
                  max_batch: int | None = None, max_steps: int = 1, scratch: int | None = None,
                  page_tokens: int | None = None, pool_rows: int | None = None,
                  pool: HostKVPool | None = None, device_rows: ArrayLike | None = None,
-                 token_table: bool = True, counters: bool = True):
+                 token_table: bool = True, counters: bool = True,
+                 device_budget: int | None = None, device_page: int = 64):
         self.n_layers = L = _checks.integer("n_layers", n_layers, 1)
         self.max_requests = R = _checks.integer("max_requests", max_requests, 1)
         self.max_len = _checks.integer("max_len", max_len, 1)
@@ -142,6 +144,13 @@ class HotBufferCache:
         self.rows_per_request = W + C
         row_bytes = _checks.row_bytes("row_bytes", row_bytes)
         D = R * (W + C)
+        self.arena = None
+        if device_budget is not None:  # docs/design.md section 10
+            self.arena = DeviceArena(max_requests=R, max_len=self.max_len,
+                                     n_rows=_checks.integer("device_budget", device_budget, 1),
+                                     page_tokens=_checks.integer("device_page", device_page, 1),
+                                     block_rows=W + C)
+            D = self.arena.n_rows
         # the engine's device rows are checked before a host pool is pinned
         if device_rows is None:
             self.device = None
@@ -161,7 +170,7 @@ class HotBufferCache:
             self.device = cupy.empty((L, D, self.row_bytes), cupy.uint8)
         self.tables = t = LayerTables(n_layers=L, max_requests=R, hot_size=H, extra_page=P,
                                       scratch=C, max_len=self.max_len, token_table=token_table,
-                                      multistep=S >= 2)
+                                      multistep=S >= 2, placed=self.arena is not None)
         self.host_locs = self.host.locs
         self.plan = MissPlan(self.max_batch, K * max(1, S))
         self.status = cupy.empty((self.max_batch, _abi.N_STATUS), cupy.int32)
@@ -175,6 +184,8 @@ class HotBufferCache:
                     t.scratch_locs[layer], n_device_rows=D, workspace=ws,
                     validate=False, token_slot=t.token_slot[layer], ref=t.ms_ref[layer],
                     clock=t.ms_clock[layer]))
+                if self.arena is not None:
+                    self._ms[-1].set_residency(**self.arena.fields())
         self._states = [self._swap_state(layer) for layer in range(L)]
         self.counters = LayerCounters(L, self.row_bytes) if counters else None
         self.step_parts = self._step_parts()
@@ -186,16 +197,7 @@ class HotBufferCache:
 
     host_bytes_needed = staticmethod(HostPages.host_bytes_needed)
 
-    @staticmethod
-    def rows_needed(*, max_requests: int, hot_size: int = 4096, top_k: int = 2048,
-                    extra_page: int = 64, max_steps: int = 1, scratch: int | None = None) -> int:
-        """Device rows per layer a cache of these sizes uses (for ``device_rows=``):
-        ``max_requests * (hot_size + extra_page + scratch rows)``."""
-        C = 0
-        if max_steps >= 2:
-            C = MultiStepConfig(max_requests, hot_size, extra_page, top_k, max_steps=max_steps,
-                                scratch=scratch).scratch
-        return max_requests * (hot_size + extra_page + C)
+    rows_needed = staticmethod(rows_needed)
 
     def _step_parts(self) -> StepParts:
         """Every layer's kernel structs with the fields that do not depend on the step (each
@@ -224,8 +226,9 @@ class HotBufferCache:
 
     def _swap_state(self, layer: int) -> SwapState:
         t = self.tables
+        a = {} if self.arena is None else self.arena.fields()
         return SwapState(self.host_locs, t.slot_tokens[layer], t.slot_locs[layer], t.lru[layer],
-                         token_slot=None if t.token_slot is None else t.token_slot[layer])
+                         token_slot=None if t.token_slot is None else t.token_slot[layer], **a)
 
     @property
     def token_table(self) -> bool:
@@ -240,7 +243,8 @@ class HotBufferCache:
 
     def admit(self, n_tokens: int, kv: np.ndarray | None = None,
               warm_tokens: ArrayLike | None = None, *, prefix: tuple[int, int] | None = None,
-              pages: ArrayLike | None = None, stream: StreamLike | None = None) -> int:
+              pages: ArrayLike | None = None, resident: bool | None = None,
+              stream: StreamLike | None = None) -> int:
         """Admit a request of ``n_tokens`` tokens whose KV is (or is now) in the host pool.
 
         Parameters
@@ -293,10 +297,15 @@ class HotBufferCache:
                              f"{n}): uint8 [{self.n_layers}, {need}, {self.row_bytes}], got "
                              f"{None if kv is None else tuple(kv.shape)}")
         rid = heapq.heappop(self._free)
+        block = None
         try:
             self.host.after_releases(s, host=False)  # the tables' and pages' last readers
+            if self.arena is not None:  # the device budget first: it refuses taking nothing
+                block = self.arena.admit(rid, n, resident, s)
             copies = self.host.admit(rid, n, prefix, pages, s)
         except BaseException:
+            if self.arena is not None and rid in self.arena.budget:
+                self.arena.release(rid, s)
             heapq.heappush(self._free, rid)
             raise
         try:
@@ -304,27 +313,24 @@ class HotBufferCache:
             rows = self.host.rows(rid, 0, n)
             if kv is not None:
                 self.host.store(rows[shared:], kv, on_host, s)
-            self.tables.reset(rid, s)
             t = self.tables
+            if self.arena is not None:
+                t.place(rid, block, s)
+            t.reset(rid, s)
             with s:
                 self.host_locs[rid, :n] = cupy.asarray(rows)
                 self.host_locs[rid, n:] = -1
-                if n <= H:  # positional layout: slot p is token p's
-                    t.slot_tokens[:, rid, :H] = cupy.arange(H, dtype=cupy.int32)
-                    slots = np.arange(n)
-                    tokens = np.arange(n)
-                else:  # LRU layout: newest token in slot H, warm tokens in slots 0..w-1
-                    w = warm.size
-                    t.slot_tokens[:, rid, :w] = cupy.asarray(warm, dtype=cupy.int32)
-                    t.slot_tokens[:, rid, H] = n - 1
-                    order = np.concatenate([np.arange(w, H), np.arange(w)]).astype(np.int16)
-                    t.lru[:, rid] = cupy.asarray(order)
-                    slots = np.concatenate([np.arange(w), [H]])
-                    tokens = np.concatenate([warm, [n - 1]])
-            t.init_multistep(rid, s)
-            load_rows(self.pool, rows[tokens], self.device,
-                      rid * self.rows_per_request + slots, s)  # slot_layout[rid][slots]
+            if self.arena is not None and block is None:  # resident: every row in its pages
+                t.init_multistep(rid, s)
+                load_rows(self.pool, rows, self.device, self.arena.rows(rid, 0, n), s)
+            else:
+                slots, tokens = t.fill_admitted(rid, n, warm, s)
+                t.init_multistep(rid, s)
+                dev = rid * self.rows_per_request + slots if block is None else block[slots]
+                load_rows(self.pool, rows[tokens], self.device, dev, s)
         except BaseException:
+            if self.arena is not None:
+                self.arena.release(rid, s)
             self.host.release(rid, s)
             ev = cupy.cuda.Event(disable_timing=True)
             ev.record(s)  # what was queued for it lands before the slot's next admission
@@ -345,7 +351,12 @@ class HotBufferCache:
         preempt). A no-op where the rows are there (the slot layout has every row).
         """
         rid = self._admitted(rid)
-        self.host.grow(rid, n_tokens, as_stream(stream))
+        s = as_stream(stream)
+        if self.arena is not None:
+            self.arena.budget.check_grow(rid, n_tokens)  # before the host takes pages
+        self.host.grow(rid, n_tokens, s)
+        if self.arena is not None:
+            self.arena.grow(rid, n_tokens, s)
 
     @property
     def pages(self):
@@ -395,6 +406,8 @@ class HotBufferCache:
         self.host.store(rows, kv, on_host, s)
         with s:
             self.host_locs[rid, start: start + n] = cupy.asarray(rows)
+        if self.arena is not None and self.arena.is_resident(rid):  # its pages too
+            load_rows(self.pool, rows, self.device, self.arena.rows(rid, start, start + n), s)
         self.host.wrote(rid, start, start + n)
 
     def release(self, rid: int, *, stream: StreamLike | None = None) -> None:
@@ -403,6 +416,9 @@ class HotBufferCache:
         holds are free again."""
         rid = self._admitted(rid)
         s = as_stream(stream)
+        if self.arena is not None:
+            self.arena.release(rid, s)
+            self.tables.place(rid, None, s)
         self.tables.reset(rid, s)
         self.tables.init_multistep(rid, s)
         with s:

@@ -275,7 +275,10 @@ class Step:
             c.step_parts.newest, req=self.req, lens=self.seq_lens, lens_stride=self.lens_stride,
             num_real=self.num_real, key=self.dtypes, slot_locs=c.tables.slot_locs[0],
             slot_tokens=c.tables.slot_tokens, host_locs=c.host_locs, host=c.host,
-            hot_size=c.hot_size, record=record, stream=self.stream)
+            hot_size=c.hot_size, record=record, stream=self.stream,
+            **({} if c.arena is None else dict(resident=c.arena.resident,
+                                               dev_pages=c.arena.page_table,
+                                               dev_page_tokens=c.arena.page_tokens)))
 
     def newest_rows(self) -> cupy.ndarray:
         """Device row (in every layer) of each row's newest token ``seq_len - 1``: int32

@@ -1,0 +1,75 @@
+"""The device side of a cache's budget (``docs/design.md`` section 10): the
+:class:`~hisparse_cupy.residency.DeviceBudget`, and the residency flags and device page table
+that every layer's kernels read (uint8 ``[R]``, int32 ``[R, ceil(max_len / P)]``). The same row
+indices serve every layer.
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from ._budget import RESIDENT, DeviceBudget
+
+__all__ = ["DeviceArena"]
+
+
+class DeviceArena:
+    """A cache's device rows as a budget: ``n_rows`` rows per layer in pages of
+    ``page_tokens``, a sparse request's block ``block_rows`` rows."""
+
+    def __init__(self, *, max_requests: int, max_len: int, n_rows: int, page_tokens: int,
+                 block_rows: int):
+        self.budget = DeviceBudget(n_rows // page_tokens, page_tokens, block_rows)
+        self.page_tokens = P = self.budget.page_tokens
+        self.resident = cupy.zeros(max_requests, cupy.uint8)
+        self.page_table = cupy.full((max_requests, -(-max_len // P)), -1, cupy.int32)
+
+    @property
+    def n_rows(self) -> int:
+        return self.budget.n_rows
+
+    def fields(self) -> dict:
+        """The residency arguments of a layer's states (``SwapState.validated``,
+        ``MultiStepState.set_residency``) and of the newest-row kernel."""
+        return dict(resident=self.resident, page_table=self.page_table,
+                    page_tokens=self.page_tokens)
+
+    def admit(self, rid: int, n: int, resident: bool | None, stream) -> np.ndarray | None:
+        """Admit ``rid`` (resident when its pages fit, or as asked): returns its block's rows
+        (sparse) or None (resident: its page table row and flag written on ``stream``). Raises
+        :class:`~hisparse_cupy.host.PoolExhausted` (``kind="device"``), nothing taken."""
+        state = self.budget.admit(rid, n, resident=resident)
+        with stream:
+            self.resident[rid] = 1 if state == RESIDENT else 0
+            self.page_table[rid] = -1
+            if state == RESIDENT:
+                self._write_pages(rid)
+        return None if state == RESIDENT else self.budget.block(rid)
+
+    def grow(self, rid: int, n: int, stream) -> None:
+        """Pages for a resident request's tokens up to ``n`` (checked first with
+        :meth:`DeviceBudget.check_grow`); their table entries written on ``stream``."""
+        if self.budget.grow(rid, n):
+            with stream:
+                self._write_pages(rid)
+
+    def rows(self, rid: int, start: int, stop: int) -> np.ndarray:
+        """Device rows of a resident request's tokens ``[start, stop)``."""
+        return self.budget.rows(rid)[start:stop]
+
+    def is_resident(self, rid: int) -> bool:
+        return rid in self.budget and self.budget.state(rid) == RESIDENT
+
+    def release(self, rid: int, stream) -> None:
+        """``rid``'s pages and block back to the budget; its flag and table row cleared on
+        ``stream`` (the caller records the event later users of the rows wait for)."""
+        self.budget.release(rid)
+        with stream:
+            self.resident[rid] = 0
+            self.page_table[rid] = -1
+
+    def _write_pages(self, rid: int) -> None:
+        """``rid``'s page table row from the budget (current stream)."""
+        table = self.budget.page_table(rid, self.page_table.shape[1])
+        self.page_table[rid] = cupy.asarray(table)

@@ -1,0 +1,134 @@
+"""GPU: a HotBufferCache with a device budget (issue 47, ``docs/design.md`` section 10): requests
+resident while the budget holds them, sparse beyond; single- and multi-step swaps over mixed
+batches, the newest token's rows and backups, growth, write_host, release and reuse, bytes
+checked; refusals take nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_cache_gpu import check_rows, kv_for
+
+pytestmark = pytest.mark.gpu
+
+L, R, H, K, P, MAXLEN, ROW, PAGE = 3, 4, 64, 32, 4, 512, 656, 16
+
+
+def _block():
+    """A sparse request's rows: hot slots, extra page, scratch (max_steps 2)."""
+    from hisparse_cupy import HotBufferCache
+
+    return HotBufferCache.rows_needed(max_requests=1, hot_size=H, top_k=K, extra_page=P,
+                                      max_steps=2)
+
+
+def _cache(budget_rows, max_steps=2):
+    from hisparse_cupy import HotBufferCache
+
+    return HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN, row_bytes=ROW,
+                          hot_size=H, top_k=K, extra_page=P, max_steps=max_steps,
+                          device_budget=budget_rows, device_page=PAGE)
+
+
+def _run_steps(rng, cache, ids, lens, steps):
+    """Decode steps over every admitted request: grow, the newest token's KV written where
+    ``newest_rows`` says and backed up, then each layer swapped single- or multi-step with
+    the newest token among the selections; every entry's bytes checked."""
+    import cupy
+
+    rids = sorted(ids)
+    req = cupy.asarray(rids, cupy.int32)
+    for t in range(steps):
+        n = np.array([lens[r] for r in rids])
+        for r in rids:
+            cache.grow(r, lens[r] + 1)
+        seq = cupy.asarray(n + 1, cupy.int32)
+        step = cache.begin_step(req, seq)
+        rows = cupy.asnumpy(step.newest_rows())
+        assert (rows >= 0).all()
+        for layer in range(L):
+            for b, r in enumerate(rids):
+                cache.device_rows(layer)[int(rows[b])] = cupy.asarray(
+                    kv_for(ids[r], int(n[b]), 1)[layer, 0])
+        step.backup_newest()
+        S = 2 if t % 2 else 1
+        for layer in range(L):
+            tk = np.stack([np.stack([rng.choice(int(n[b]) + 1, K, replace=False)
+                                     for _ in range(S)]) for b in range(len(rids))])
+            tk[:, :, 0] = n[:, None]  # the newest token in every step
+            tk = tk.astype(np.int32) if S > 1 else tk[:, 0].astype(np.int32)
+            out = cupy.asnumpy(step.swap(layer, cupy.asarray(tk)))
+            for b, r in enumerate(rids):
+                check_rows(cache, layer, ids[r], tk[b].reshape(-1), out[b].reshape(-1))
+        step.finish()
+        for r in rids:
+            lens[r] += 1
+
+
+@pytest.mark.parametrize("budget", ["all", "mixed"])
+def test_resident_and_sparse_requests_through_steps(rng, budget):
+    from hisparse_cupy.residency import DeviceBudget
+
+    n = [300, 100, 40, 450]
+    block = _block()
+    if budget == "all":
+        rows = DeviceBudget.rows_needed([m + 40 for m in n], page_tokens=PAGE,
+                                        block_rows=block)
+    else:  # requests 0 and 1 resident, 2 and 3 sparse
+        rows = DeviceBudget.rows_needed([n[0] + 40, n[1] + 40], 2, page_tokens=PAGE,
+                                        block_rows=block)
+    cache = _cache(rows)
+    ids, lens = {}, {}
+    for i, m in enumerate(n):
+        r = cache.admit(m, kv=kv_for(i, 0, m), resident=None if budget == "all" or i < 2
+                        else False)
+        ids[r], lens[r] = i, m
+    states = [cache.arena.budget.state(r) for r in sorted(ids)]
+    assert states == (["resident"] * 4 if budget == "all" else
+                      ["resident", "resident", "sparse", "sparse"])
+    _run_steps(rng, cache, ids, lens, 12)
+    # release and reuse: the slot's pages back, a new request on them
+    r0 = sorted(ids)[0]
+    free = cache.arena.budget.free_pages
+    cache.release(r0)
+    assert cache.arena.budget.free_pages > free
+    del ids[r0], lens[r0]
+    r = cache.admit(200, kv=kv_for(9, 0, 200))
+    ids[r], lens[r] = 9, 200
+    _run_steps(rng, cache, ids, lens, 4)
+    cache.close()
+
+
+def test_write_host_reaches_a_resident_requests_pages(rng):
+    import cupy
+
+    cache = _cache(R * (MAXLEN + 96))
+    rid = cache.admit(100, kv=kv_for(0, 0, 100))
+    assert cache.arena.budget.state(rid) == "resident"
+    cache.grow(rid, 140)
+    cache.write_host(rid, 100, cupy.asarray(kv_for(0, 100, 40)))
+    rows = cache.arena.rows(rid, 100, 140)
+    for layer in range(L):
+        check_rows(cache, layer, 0, np.arange(100, 140), rows)
+    cache.close()
+
+
+def test_refusals_take_nothing():
+    from hisparse_cupy import PoolExhausted
+
+    with pytest.raises(ValueError, match="cannot hold one sparse request"):
+        _cache(PAGE * 2)
+    block_pages = -(-_block() // PAGE)
+    cache = _cache(PAGE * (2 * block_pages + 8))
+    rid = cache.admit(100, kv=kv_for(0, 0, 100))  # resident: 7 pages
+    assert cache.arena.budget.state(rid) == "resident"
+    free, active = cache.arena.budget.free_pages, dict(cache.active)
+    assert free == 2 * block_pages + 1
+    with pytest.raises(PoolExhausted, match="device pages") as e:
+        cache.grow(rid, 100 + PAGE * (free + 1))
+    assert e.value.kind == "device"
+    assert (cache.arena.budget.free_pages, cache.active) == (free, active)
+    with pytest.raises(PoolExhausted, match="device pages"):
+        cache.admit(PAGE * (free + 1), kv=kv_for(1, 0, PAGE * (free + 1)), resident=True)
+    assert (cache.arena.budget.free_pages, cache.active) == (free, active)
+    cache.close()
