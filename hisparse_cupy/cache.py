@@ -32,11 +32,9 @@ from . import _abi, _checks
 from ._cache_rows import CacheRows, copy_pool_rows, host_pool, load_rows
 from ._checks import ArrayLike, StreamLike
 from ._device import require_gpu
-from ._kernels import multistep, swap
-from ._kernels._launch import Structs, as_stream
+from ._kernels._launch import as_stream
 from ._kernels.multistep import MultiStepConfig, MultiStepState, MultiStepWorkspace
-from ._kernels.newest import NewestBuffers
-from ._kernels.plan import MissPlan, array_rows, copy_struct, pool_rows
+from ._kernels.plan import MissPlan
 from ._kernels.swap import SwapState, check_sizes
 from ._tables import LayerTables, rows_needed
 from .counters import LayerCounters
@@ -188,7 +186,7 @@ class HotBufferCache:
                     self._ms[-1].set_residency(**self.arena.fields())
         self._states = [self._swap_state(layer) for layer in range(L)]
         self.counters = LayerCounters(L, self.row_bytes) if counters else None
-        self.step_parts = self._step_parts()
+        self.step_parts = StepParts.build(self)
         self._free = list(range(R))  # a heap: admissions take the lowest free slot
         self._len: dict[int, int] = {}
         # The tables were filled on CuPy's current stream; later calls take any stream (often a
@@ -198,31 +196,6 @@ class HotBufferCache:
     host_bytes_needed = staticmethod(HostPages.host_bytes_needed)
 
     rows_needed = staticmethod(rows_needed)
-
-    def _step_parts(self) -> StepParts:
-        """Every layer's kernel structs with the fields that do not depend on the step (each
-        kernel family's per-layer stage; a :class:`Step` copies them and fills the batch's
-        fields for all layers at once, so a swap only writes its top-k's), and the buffers
-        every step uses."""
-        L, n_host, B, K = self.n_layers, self.pool.n_rows, self.max_batch, self.top_k
-        count = [self.counters.address(i) for i in range(L)] if self.counters else ()
-        copy = Structs.zeros(_abi.PLANNED_COPY, L)
-        for layer in range(L):
-            copy_struct(self.plan.src, self.plan.dst, self.plan.count,
-                        src=pool_rows(self.pool, layer), dst=array_rows(self.device[layer]),
-                        row_bytes=self.row_bytes, batch=0, into=copy.row(layer))
-        return StepParts(
-            swap.layer_structs(self._states, status=self.status, plan=self.plan,
-                               n_host_rows=n_host, counters=count),
-            copy,
-            None if not self._ms else multistep.layer_structs(
-                self._ms, status=self.status, plan=self.plan,
-                host_rows=[self.pool.device_ptr(i) for i in range(L)], n_host_rows=n_host,
-                device_rows=[self.device[i].data.ptr for i in range(L)],
-                row_bytes=self.row_bytes, counters=count),
-            cupy.empty((B, K), cupy.int32),
-            None if not self._ms else cupy.empty((B, self.max_steps, K), cupy.int32),
-            NewestBuffers(B))
 
     def _swap_state(self, layer: int) -> SwapState:
         t = self.tables
@@ -332,9 +305,7 @@ class HotBufferCache:
             if self.arena is not None:
                 self.arena.release(rid, s)
             self.host.release(rid, s)
-            ev = cupy.cuda.Event(disable_timing=True)
-            ev.record(s)  # what was queued for it lands before the slot's next admission
-            self.host.released.append(ev)
+            self.host.record_release(s)  # what was queued for it lands before the slot's reuse
             heapq.heappush(self._free, rid)
             raise
         self._len[rid] = n
@@ -424,11 +395,22 @@ class HotBufferCache:
         with s:
             self.host_locs[rid] = -1
             self.host.release(rid, s)
-            ev = cupy.cuda.Event(disable_timing=True)
-            ev.record(s)  # later writes into its rows and pages follow this, not the device
-        self.host.released.append(ev)
+        self.host.record_release(s)  # later writes into its rows and pages follow this
         del self._len[rid]
         heapq.heappush(self._free, rid)
+
+    def demote(self, rid: int, n_tokens: int, *, stream: StreamLike | None = None) -> None:
+        """Resident -> sparse (a device budget's request, ``n_tokens`` its length with the
+        newest token), at a step boundary, on ``stream``, no host synchronization: its hot
+        slots take its newest H tokens, copied from its pages, which return to the budget
+        (``docs/design.md`` section 10). Raises ``ValueError`` (no budget, not resident) or
+        :class:`~hisparse_cupy.host.PoolExhausted` (no room for its block), nothing changed."""
+        rid = self._admitted(rid)
+        if self.arena is None:
+            raise ValueError("demote needs a device budget (HotBufferCache(device_budget=))")
+        s = as_stream(stream)
+        self.arena.demote(rid, n_tokens, self.tables, self.device, s)
+        self.host.record_release(s)
 
     # ----------------------------------------------------------------- per layer
     def layer_index(self, layer) -> int:

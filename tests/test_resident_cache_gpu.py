@@ -132,3 +132,45 @@ def test_refusals_take_nothing():
         cache.admit(PAGE * (free + 1), kv=kv_for(1, 0, PAGE * (free + 1)), resident=True)
     assert (cache.arena.budget.free_pages, cache.active) == (free, active)
     cache.close()
+
+
+def test_demotion_at_a_step_boundary(rng):
+    """A resident request demoted between steps (on another stream, no host synchronization):
+    its hot slots hold its newest H tokens (their bytes copied from its pages), its pages
+    return to the budget, and the steps after it read every selected token's bytes through
+    the sparse path (misses from the host copy the backups kept current)."""
+    import cupy
+
+    n = [300, 40]
+    cache = _cache(R * (MAXLEN + 2 * _block()))  # room for everyone resident
+    ids, lens = {}, {}
+    for i, m in enumerate(n):
+        r = cache.admit(m, kv=kv_for(i, 0, m))
+        ids[r], lens[r] = i, m
+    _run_steps(rng, cache, ids, lens, 5)
+    s = cupy.cuda.Stream(non_blocking=True)
+    s.wait_event(cupy.cuda.get_current_stream().record())
+    for r in sorted(ids):
+        free = cache.arena.budget.free_pages
+        pages = cache.arena.budget.pages_for(cache.arena.budget.tokens(r))
+        cache.demote(r, lens[r], stream=s)
+        assert cache.arena.budget.state(r) == "sparse"
+        assert cache.arena.budget.free_pages == free + pages - cache.arena.budget.block_pages
+    s.synchronize()
+    for r in sorted(ids):  # the hot slots: the newest H tokens, the newest in slot H
+        m = lens[r]
+        toks = cupy.asnumpy(cache.tables.slot_tokens[0, r])
+        locs = cupy.asnumpy(cache.tables.slot_locs[0, r])
+        if m > H:  # slots 0..H-1: tokens m-1-H .. m-2; slot H: the newest
+            assert (np.sort(toks[:H]) == np.arange(m - 1 - H, m - 1)).all()
+            assert toks[H] == m - 1
+            tokens, rows = toks[: H + 1], locs[: H + 1]
+        else:  # positional: slot p holds token p
+            assert (toks[:m] == np.arange(m)).all()
+            tokens, rows = np.arange(m), locs[:m]
+        for layer in range(L):
+            check_rows(cache, layer, ids[r], tokens, rows)
+    with pytest.raises(ValueError, match="not resident"):
+        cache.demote(sorted(ids)[0], lens[sorted(ids)[0]])
+    _run_steps(rng, cache, ids, lens, 6)
+    cache.close()

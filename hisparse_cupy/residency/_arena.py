@@ -9,6 +9,8 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
+from .. import _checks
+from .._kernels.plan import array_rows, copy_rows
 from ._budget import RESIDENT, DeviceBudget
 
 __all__ = ["DeviceArena"]
@@ -68,6 +70,32 @@ class DeviceArena:
         with stream:
             self.resident[rid] = 0
             self.page_table[rid] = -1
+
+    def demote(self, rid: int, n: int, tables, device, stream) -> None:
+        """Resident -> sparse on ``stream``. The block's hot slots take the newest H tokens (the
+        newest in slot H; positional while ``n <= H``): the same for every layer, and no record
+        is needed on the resident path. They are copied from the pages device -> device in
+        every layer, the tables are built, and the flag and table row are cleared. The caller
+        records the event after which the pages may be written again."""
+        if not self.is_resident(rid):
+            raise ValueError(f"request slot {rid} is not resident")
+        n = _checks.integer("n_tokens", n, 1, self.budget.tokens(rid))
+        H = tables.hot_size
+        warm = np.arange(max(0, n - 1 - H), n - 1) if n > H else np.zeros(0, np.int64)
+        pages = self.budget.rows(rid)  # read before the pages go back
+        block, _ = self.budget.demote(rid)  # raises PoolExhausted with nothing changed
+        tables.place(rid, block, stream)
+        tables.reset(rid, stream)
+        slots, tokens = tables.fill_admitted(rid, n, warm, stream)
+        tables.init_multistep(rid, stream)
+        with stream:
+            src = cupy.asarray(pages[tokens].astype(np.int64).reshape(1, -1))
+            dst = cupy.asarray(block[slots].astype(np.int32).reshape(1, -1))
+            count = cupy.full(1, len(tokens), cupy.int32)
+            self.resident[rid] = 0
+            self.page_table[rid] = -1
+        copy_rows(src, dst, count, src=array_rows(device), dst=array_rows(device),
+                  row_bytes=device.shape[2], n_layers=device.shape[0], stream=stream)
 
     def _write_pages(self, rid: int) -> None:
         """``rid``'s page table row from the budget (current stream)."""
