@@ -335,6 +335,11 @@ class HotBufferCache:
         engine-held pages: :meth:`~hisparse_cupy.host._pages.HostPages.take`), else None."""
         return self.host.pages
 
+    def _arena(self, what: str) -> DeviceArena:
+        if self.arena is None:
+            raise ValueError(f"{what} needs a device budget (HotBufferCache(device_budget=))")
+        return self.arena
+
     def _admitted(self, rid) -> int:
         rid = _checks.integer("rid", rid, 0, self.max_requests - 1)
         if rid not in self._len:
@@ -400,17 +405,30 @@ class HotBufferCache:
         heapq.heappush(self._free, rid)
 
     def demote(self, rid: int, n_tokens: int, *, stream: StreamLike | None = None) -> None:
-        """Resident -> sparse (a device budget's request, ``n_tokens`` its length with the
-        newest token), at a step boundary, on ``stream``, no host synchronization: its hot
-        slots take its newest H tokens, copied from its pages, which return to the budget
-        (``docs/design.md`` section 10). Raises ``ValueError`` (no budget, not resident) or
-        :class:`~hisparse_cupy.host.PoolExhausted` (no room for its block), nothing changed."""
-        rid = self._admitted(rid)
-        if self.arena is None:
-            raise ValueError("demote needs a device budget (HotBufferCache(device_budget=))")
+        """Resident -> sparse at a step boundary on ``stream`` (``n_tokens``: its length): its
+        hot slots take its newest H tokens, its pages return (``docs/design.md`` section 10);
+        a promotion in flight is cancelled. ``ValueError`` / ``PoolExhausted``: nothing done."""
         s = as_stream(stream)
-        self.arena.demote(rid, n_tokens, self.tables, self.device, s)
+        self._arena("demote").demote(self._admitted(rid), n_tokens, self.tables, self.device, s)
         self.host.record_release(s)
+
+    def promote(self, rid: int, n_tokens: int, *, stream: StreamLike | None = None) -> None:
+        """Sparse -> resident: pages now, its first ``n_tokens`` rows loaded from the host on a
+        side stream after ``stream``'s work; resident from the next step boundary after that
+        (:meth:`switch_promoted`). ``ValueError`` / ``PoolExhausted``: nothing taken."""
+        self._arena("promote").promote(self._admitted(rid), n_tokens, self.pool,
+                                       self.host.rows, self.device, as_stream(stream))
+
+    def switch_promoted(self, stream: StreamLike | None = None) -> list[int]:
+        """Every promotion whose fill has landed becomes resident, on ``stream``, no wait (in
+        ``begin_step`` outside a capture; between graph replays, the engine's call)."""
+        if self.arena is None or not self.arena.promoting:
+            return []
+        s = as_stream(stream)
+        done = self.arena.switch(self.pool, self.host.rows, self.device, s)
+        if done:
+            self.host.record_release(s)  # their blocks, after the switch
+        return done
 
     # ----------------------------------------------------------------- per layer
     def layer_index(self, layer) -> int:
@@ -475,6 +493,8 @@ class HotBufferCache:
         The arrays are used in place (no copy): do not change them while the step's work is
         queued. The step holds no device memory of its own; create one per decode step.
         """
+        if self.arena is not None and not as_stream(stream).is_capturing():
+            self.switch_promoted(stream)
         return Step(self, req_indices, seq_lens, num_real, stream=stream, pdl=pdl,
                     prefetcher=prefetcher)
 

@@ -174,3 +174,39 @@ def test_demotion_at_a_step_boundary(rng):
         cache.demote(sorted(ids)[0], lens[sorted(ids)[0]])
     _run_steps(rng, cache, ids, lens, 6)
     cache.close()
+
+
+def test_promotion_switches_at_a_step_boundary(rng):
+    """A sparse request promoted: its pages filled from the host on a side stream while steps
+    go on; at the first step boundary after the fill (here: waited for) it is resident, the
+    tokens written meanwhile copied in, and every byte stays right. A promotion released or
+    demoted before its switch gives its pages back once."""
+    n = [300, 150]
+    cache = _cache(R * (MAXLEN + 2 * _block()))
+    ids, lens = {}, {}
+    for i, m in enumerate(n):
+        r = cache.admit(m, kv=kv_for(i, 0, m), resident=False)
+        ids[r], lens[r] = i, m
+    assert {cache.arena.budget.state(r) for r in ids} == {"sparse"}
+    _run_steps(rng, cache, ids, lens, 3)
+    r0, r1 = sorted(ids)
+    cache.promote(r0, lens[r0])
+    assert cache.arena.budget.state(r0) == "promoting"
+    _run_steps(rng, cache, ids, lens, 2)  # steps while it fills (it may switch in them)
+    if r0 in cache.arena.promoting:
+        cache.arena.promoting[r0][0].synchronize()
+    _run_steps(rng, cache, ids, lens, 3)  # the first begin_step switches it
+    assert cache.arena.budget.state(r0) == "resident" and r0 not in cache.arena.promoting
+    free = cache.arena.budget.free_pages
+    cache.promote(r1, lens[r1])
+    cache.demote(r1, lens[r1])  # cancelled: its pages back, its block kept
+    assert cache.arena.budget.state(r1) == "sparse"
+    assert cache.arena.budget.free_pages == free
+    cache.promote(r1, lens[r1])
+    cache.release(r1)
+    del ids[r1], lens[r1]
+    assert cache.arena.budget.free_pages == free + cache.arena.budget.block_pages
+    with pytest.raises(ValueError, match="not sparse"):
+        cache.promote(r0, lens[r0])
+    _run_steps(rng, cache, ids, lens, 3)
+    cache.close()

@@ -10,8 +10,9 @@ import cupy
 import numpy as np
 
 from .. import _checks
+from .._cache_rows import load_rows
 from .._kernels.plan import array_rows, copy_rows
-from ._budget import RESIDENT, DeviceBudget
+from ._budget import PROMOTING, RESIDENT, DeviceBudget
 
 __all__ = ["DeviceArena"]
 
@@ -26,6 +27,8 @@ class DeviceArena:
         self.page_tokens = P = self.budget.page_tokens
         self.resident = cupy.zeros(max_requests, cupy.uint8)
         self.page_table = cupy.full((max_requests, -(-max_len // P)), -1, cupy.int32)
+        self.promoting: dict[int, tuple[cupy.cuda.Event, int]] = {}  # rid -> (fill, tokens)
+        self._side: cupy.cuda.Stream | None = None  # the fills' stream
 
     @property
     def n_rows(self) -> int:
@@ -65,7 +68,9 @@ class DeviceArena:
 
     def release(self, rid: int, stream) -> None:
         """``rid``'s pages and block back to the budget; its flag and table row cleared on
-        ``stream`` (the caller records the event later users of the rows wait for)."""
+        ``stream`` (after a promotion's fill; the caller records the event later users of the
+        rows wait for)."""
+        self._drop_fill(rid, stream)
         self.budget.release(rid)
         with stream:
             self.resident[rid] = 0
@@ -77,6 +82,10 @@ class DeviceArena:
         is needed on the resident path. They are copied from the pages device -> device in
         every layer, the tables are built, and the flag and table row are cleared. The caller
         records the event after which the pages may be written again."""
+        if rid in self.budget and self.budget.state(rid) == PROMOTING:  # cancelled: the
+            self._drop_fill(rid, stream)                                # fill's pages back
+            self.budget.cancel_promotion(rid)
+            return
         if not self.is_resident(rid):
             raise ValueError(f"request slot {rid} is not resident")
         n = _checks.integer("n_tokens", n, 1, self.budget.tokens(rid))
@@ -96,6 +105,48 @@ class DeviceArena:
             self.page_table[rid] = -1
         copy_rows(src, dst, count, src=array_rows(device), dst=array_rows(device),
                   row_bytes=device.shape[2], n_layers=device.shape[0], stream=stream)
+
+    def promote(self, rid: int, n: int, pool, host_rows, device, stream) -> None:
+        """Sparse -> promoting: pages for its tokens, its first ``n`` (written) tokens' host
+        rows loaded into them on a side stream after the work queued on ``stream``;
+        :meth:`switch` makes it resident once that fill has landed."""
+        if rid not in self.budget or self.budget.state(rid) != "sparse":
+            raise ValueError(f"request slot {rid} is not sparse: only a sparse request is "
+                             f"promoted")
+        n = _checks.integer("n_tokens", n, 1, self.budget.tokens(rid))
+        rows = self.budget.promote(rid)  # raises PoolExhausted, nothing taken
+        if self._side is None:
+            self._side = cupy.cuda.Stream(non_blocking=True)
+        side = self._side
+        side.wait_event(stream.record())
+        with side:
+            self._write_pages(rid)  # read only once the flag is set
+        load_rows(pool, host_rows(rid, 0, n), device, rows[:n], side)
+        self.promoting[rid] = (side.record(), n)
+
+    def switch(self, pool, host_rows, device, stream) -> list[int]:
+        """At a step boundary, on ``stream`` (no wait): every promoting request whose fill has
+        landed gets the rows of the tokens written since it began (from the host copy the
+        backups keep current), then its flag; its block returns to the budget (the caller
+        records the release event). Returns those request slots."""
+        done = [r for r, (ev, _) in self.promoting.items() if ev.done]
+        for r in done:
+            ev, n0 = self.promoting.pop(r)
+            stream.wait_event(ev)
+            n = self.budget.tokens(r)
+            if n > n0:
+                load_rows(pool, host_rows(r, n0, n), device, self.budget.rows(r)[n0:n], stream)
+            with stream:
+                self.resident[r] = 1
+            self.budget.finish_promotion(r)
+        return done
+
+    def _drop_fill(self, rid: int, stream) -> None:
+        """A promotion's fill that will not be switched: ``stream`` waits for it, so the pages
+        it writes return only after it."""
+        got = self.promoting.pop(rid, None)
+        if got is not None:
+            stream.wait_event(got[0])
 
     def _write_pages(self, rid: int) -> None:
         """``rid``'s page table row from the budget (current stream)."""
