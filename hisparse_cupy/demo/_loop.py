@@ -188,7 +188,7 @@ class Rig:
         there."""
         c, s, cache = self.cfg, self.s, self.cache
         if cache.pages is None:
-            return [cache.admit(c.context, stream=s) for _ in range(c.batch)]
+            return self._residency([cache.admit(c.context, stream=s) for _ in range(c.batch)])
         if self.kv_buf is None:
             with s:
                 self.kv_buf = cupy.empty((len(self.cached), c.context, ROW_BYTES), cupy.uint8)
@@ -212,6 +212,15 @@ class Rig:
                  f"the GPU and copied into host pages in {ms:.0f} ms ({nbytes / ms / 1e6:.1f} "
                  f"GB/s with the KV kernel)" + (f", requests 1.. sharing request 0's first "
                                                 f"{N} tokens" if N else ""))
+        return self._residency(rids)
+
+    def _residency(self, rids: list[int]) -> list[int]:
+        """With a device budget: how many requests it holds resident (logged)."""
+        arena = self.cache.arena
+        if arena is not None:
+            st = [arena.budget.state(r) for r in rids]
+            self.log(f"device budget: {arena.n_rows} rows a layer ({self.cfg.device_budget} GB)"
+                     f", {st.count('resident')} of {len(rids)} requests resident")
         return rids
 
     def use_resident(self) -> None:
@@ -242,6 +251,9 @@ class Rig:
             paged = {} if not self.paged else {"page_tokens": PAGE_TOKENS} \
                 if self.pool is not None else \
                 {"page_tokens": PAGE_TOKENS, "pool_rows": self.paged_rows(c)}
+            if c.device_budget is not None:  # rows per layer of the cached layers
+                paged["device_budget"] = int(c.device_budget * 1e9) // (
+                    len(self.cached) * ROW_BYTES)
             self.cache = HotBufferCache(n_layers=len(self.cached), max_requests=c.batch,
                                         max_len=c.max_len, row_bytes=ROW_BYTES, hot_size=c.hot,
                                         top_k=c.top_k, extra_page=c.extra_page,
