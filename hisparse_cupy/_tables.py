@@ -46,7 +46,7 @@ class LayerTables:
         device budget's blocks); until then every slot's row is -1. Else request slot ``r``
         owns rows ``r * (W + C) + [0, W + C)``."""
         L, R, H, W, C = n_layers, max_requests, hot_size, hot_size + extra_page, scratch
-        self.hot_size, self.max_len, self.slots = H, max_len, W
+        self.hot_size, self.max_len, self.slots, self.placed = H, max_len, W, placed
         base = (np.arange(R, dtype=np.int64) * (W + C)).reshape(R, 1)
         self.slot_layout = cupy.asarray((base + np.arange(W)).astype(np.int32))  # [R, W]
         if placed:
@@ -85,7 +85,9 @@ class LayerTables:
     def place(self, rid: int, rows, stream) -> None:
         """Request slot ``rid``'s rows (a device budget's block: its ``W`` slot rows, then its
         scratch rows), or None (a resident request: no slot rows, -1), written on ``stream``;
-        :meth:`reset` then puts them in its tables."""
+        :meth:`reset` then puts them in its tables. Nothing without ``placed``."""
+        if not self.placed:
+            return
         with stream:
             if rows is None:
                 self.slot_layout[rid] = -1

@@ -287,15 +287,15 @@ class HotBufferCache:
             if kv is not None:
                 self.host.store(rows[shared:], kv, on_host, s)
             t = self.tables
-            if self.arena is not None:
-                t.place(rid, block, s)
+            t.place(rid, block, s)  # (a budget's block; nothing without one)
             t.reset(rid, s)
             with s:
                 self.host_locs[rid, :n] = cupy.asarray(rows)
                 self.host_locs[rid, n:] = -1
             if self.arena is not None and block is None:  # resident: every row in its pages
                 t.init_multistep(rid, s)
-                load_rows(self.pool, rows, self.device, self.arena.rows(rid, 0, n), s)
+                gpu_kv = None if kv is None or on_host else kv
+                self.arena.load(rid, n, rows, gpu_kv, shared, self.pool, self.device, s)
             else:
                 slots, tokens = t.fill_admitted(rid, n, warm, s)
                 t.init_multistep(rid, s)

@@ -100,11 +100,15 @@ def test_resident_and_sparse_requests_through_steps(rng, budget):
 
 
 def test_write_host_reaches_a_resident_requests_pages(rng):
+    """write_host into a resident request's tokens reaches its pages; a prompt given on the
+    GPU is copied device -> device into them at admission."""
     import cupy
 
     cache = _cache(R * (MAXLEN + 96))
-    rid = cache.admit(100, kv=kv_for(0, 0, 100))
+    rid = cache.admit(100, kv=cupy.asarray(kv_for(0, 0, 100)))  # on the GPU
     assert cache.arena.budget.state(rid) == "resident"
+    for layer in range(L):
+        check_rows(cache, layer, 0, np.arange(100), cache.arena.rows(rid, 0, 100))
     cache.grow(rid, 140)
     cache.write_host(rid, 100, cupy.asarray(kv_for(0, 100, 40)))
     rows = cache.arena.rows(rid, 100, 140)

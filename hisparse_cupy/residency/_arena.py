@@ -52,6 +52,24 @@ class DeviceArena:
                 self._write_pages(rid)
         return None if state == RESIDENT else self.budget.block(rid)
 
+    def load(self, rid: int, n: int, host_rows: np.ndarray, kv, shared: int, pool, device,
+             stream) -> None:
+        """A resident admission's rows into its pages on ``stream``: a prompt ``kv`` on the GPU
+        (its tokens ``shared..n``; None: none) device -> device, every other row from the host
+        pool."""
+        dst = self.budget.rows(rid)
+        if kv is None:
+            load_rows(pool, host_rows, device, dst[:n], stream)
+            return
+        if shared:  # a prefix: the parent's rows, from the host
+            load_rows(pool, host_rows[:shared], device, dst[:shared], stream)
+        with stream:
+            src = cupy.arange(n - shared, dtype=cupy.int64).reshape(1, -1)
+            to = cupy.asarray(dst[shared:n].astype(np.int32).reshape(1, -1))
+            count = cupy.full(1, n - shared, cupy.int32)
+        copy_rows(src, to, count, src=array_rows(kv), dst=array_rows(device),
+                  row_bytes=device.shape[2], n_layers=device.shape[0], stream=stream)
+
     def grow(self, rid: int, n: int, stream) -> None:
         """Pages for a resident request's tokens up to ``n`` (checked first with
         :meth:`DeviceBudget.check_grow`); their table entries written on ``stream``."""
