@@ -324,7 +324,7 @@ class HotBufferCache:
         rid = self._admitted(rid)
         s = as_stream(stream)
         if self.arena is not None:
-            self.arena.budget.check_grow(rid, n_tokens)  # before the host takes pages
+            self.arena.check_grow(rid, n_tokens)  # before the host takes pages
         self.host.grow(rid, n_tokens, s)
         if self.arena is not None:
             self.arena.grow(rid, n_tokens, s)

@@ -70,10 +70,15 @@ class DeviceArena:
         copy_rows(src, to, count, src=array_rows(kv), dst=array_rows(device),
                   row_bytes=device.shape[2], n_layers=device.shape[0], stream=stream)
 
+    def check_grow(self, rid: int, n: int) -> None:
+        """Raise what :meth:`grow` would (``PoolExhausted``), taking nothing."""
+        if n > self.budget.tokens(rid):
+            self.budget.check_grow(rid, n)
+
     def grow(self, rid: int, n: int, stream) -> None:
-        """Pages for a resident request's tokens up to ``n`` (checked first with
-        :meth:`DeviceBudget.check_grow`); their table entries written on ``stream``."""
-        if self.budget.grow(rid, n):
+        """Pages for a resident (or promoting) request's tokens up to ``n``, nothing where it
+        has them; their table entries written on ``stream``."""
+        if n > self.budget.tokens(rid) and self.budget.grow(rid, n):
             with stream:
                 self._write_pages(rid)
 
