@@ -212,6 +212,34 @@ class SwapState:
             lru_stride=_checks.row_stride(self.lru), R=self.lru.shape[0], H=self.hot_size,
             token_slot=ptr(self.token_slot), **residency_fields(self))
 
+    def check_on_host(self, n_device_rows: int) -> None:
+        """Raise ``ValueError`` if the tables are not a valid state (synchronizes).
+
+        ``slot_locs`` of every hot slot and of slot H must lie in ``[0, n_device_rows)``, and
+        :func:`hisparse_cupy.reference.check_invariants` must hold (``lru`` a permutation of
+        ``0 .. H-1``, hot tokens held once, device rows owned once). A resident request's
+        slot tables are not read by the swaps and are not checked.
+        """
+        from .. import reference
+
+        H = self.hot_size
+        locs = cupy.asnumpy(self.slot_locs[:, : H + 1])
+        sparse = np.ones(locs.shape[0], bool)
+        if self.resident is not None:  # resident requests' slot rows are unused
+            sparse = cupy.asnumpy(self.resident) == 0
+            locs[~sparse] = -1
+        bad = np.argwhere(((locs < 0) | (locs >= n_device_rows)) & sparse[:, None])
+        if bad.size:
+            r, s = bad[0]
+            raise ValueError(f"invalid state: slot_locs[{r}, {s}] = {locs[r, s]} is outside the "
+                             f"{n_device_rows} device rows ({len(bad)} such slot(s))")
+        try:
+            reference.check_invariants(cupy.asnumpy(self.slot_tokens), locs,
+                                       cupy.asnumpy(self.lru), H,
+                                       requests=np.flatnonzero(sparse))
+        except reference.InvariantError as e:
+            raise ValueError(f"invalid state: {e}") from None
+
 
 def residency_fields(state) -> dict:
     """A state's residency fields of its kernel struct (the resolve's or the multi-step one's:
@@ -219,28 +247,6 @@ def residency_fields(state) -> dict:
     t = state.page_table
     return dict(resident=ptr(state.resident), page_table=ptr(t), page_tokens=state.page_tokens,
                 page_stride=0 if t is None else _checks.row_stride(t))
-
-    def check_on_host(self, n_device_rows: int) -> None:
-        """Raise ``ValueError`` if the tables are not a valid state (synchronizes).
-
-        ``slot_locs`` of every hot slot and of slot H must lie in ``[0, n_device_rows)``, and
-        :func:`hisparse_cupy.reference.check_invariants` must hold (``lru`` a permutation of
-        ``0 .. H-1``, hot tokens held once, device rows owned once).
-        """
-        from .. import reference
-
-        H = self.hot_size
-        locs = cupy.asnumpy(self.slot_locs[:, : H + 1])
-        bad = np.argwhere((locs < 0) | (locs >= n_device_rows))
-        if bad.size:
-            r, s = bad[0]
-            raise ValueError(f"invalid state: slot_locs[{r}, {s}] = {locs[r, s]} is outside the "
-                             f"{n_device_rows} device rows ({len(bad)} such slot(s))")
-        try:
-            reference.check_invariants(cupy.asnumpy(self.slot_tokens), locs,
-                                       cupy.asnumpy(self.lru), H)
-        except reference.InvariantError as e:
-            raise ValueError(f"invalid state: {e}") from None
 
 
 # ------------------------------------------------------------------ the struct, in stages
