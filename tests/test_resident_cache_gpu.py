@@ -214,3 +214,66 @@ def test_promotion_switches_at_a_step_boundary(rng):
         cache.promote(r0, lens[r0])
     _run_steps(rng, cache, ids, lens, 3)
     cache.close()
+
+
+def test_mirror_skips_slots_without_a_row(rng):
+    """mirror_layer(rows=True) with a budget: request slots with no rows (not admitted, or
+    resident) have slot rows -1, which the rearrangement must skip. Here the sparse request's
+    slot 0 sits on the last device row, and the two layers hold its first two tokens in
+    swapped slots: the last row must get the destination layer's bytes of its token, not
+    keep its own."""
+    import cupy
+
+    cache = _cache(R * (MAXLEN + 96))
+    rid = cache.admit(300, kv=kv_for(0, 0, 300), resident=False)
+    D = cache.arena.n_rows
+    t = cache.tables
+    locs = cupy.asnumpy(t.slot_locs[0, rid])
+    k = np.nonzero(locs == D - 1)[0]
+    if k.size:  # the last row is the request's: give slot 0 that row
+        locs[[0, k[0]]] = locs[[k[0], 0]]
+    else:  # a row no slot uses (scratch or spare): slot 0 takes it
+        assert D - 1 not in cupy.asnumpy(t.scratch_locs[0, rid])
+        locs[0] = D - 1
+    toks = cupy.asnumpy(t.slot_tokens[0, rid])
+    assert (toks[:2] >= 0).all()
+    swapped = toks.copy()
+    swapped[[0, 1]] = toks[[1, 0]]
+    for layer, tk in ((0, toks), (1, swapped)):
+        t.slot_locs[layer, rid] = cupy.asarray(locs)
+        t.slot_tokens[layer, rid] = cupy.asarray(tk)
+        if t.token_slot is not None:
+            t.token_slot[layer, rid] = -1
+        # the device rows hold each slot's token, in this layer's bytes
+        cache.device_rows(layer)[cupy.asarray(locs[tk >= 0])] = cupy.asarray(
+            kv_for(0, 0, 300)[layer][tk[tk >= 0]])
+    cache.mirror_layer(0, 1, rows=True)
+    for layer in (0, 1):
+        check_rows(cache, layer, 0, toks[toks >= 0], locs[toks >= 0])
+    cache.close()
+
+
+def test_a_promotions_page_table_survives_growth_during_its_fill(rng):
+    """Growth while a promotion fills (its side stream held busy here, as a loaded GPU may):
+    the page taken by the growth stays in the request's device page table after the switch,
+    so the newest token's row is its page row."""
+    import cupy
+
+    from _util import spin
+
+    cache = _cache(R * (MAXLEN + 2 * _block()))
+    n = 4 * PAGE  # a page boundary: the next token needs a new page
+    rid = cache.admit(n, kv=kv_for(0, 0, n), resident=False)
+    ids, lens = {rid: 0}, {rid: n}
+    side = cache.arena._side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        spin(cupy, 200_000_000)  # ~0.1 s
+    cache.promote(rid, n)
+    cache.grow(rid, n + 1)  # a new page, while the fill waits
+    side.synchronize()
+    _run_steps(rng, cache, ids, lens, 3)  # switches at the first begin_step
+    assert cache.arena.budget.state(rid) == "resident"
+    table = cupy.asnumpy(cache.arena.page_table[rid])
+    want = cache.arena.budget.page_table(rid, table.size)
+    assert (table == want).all(), (table, want)
+    cache.close()
