@@ -165,11 +165,17 @@ class LayerTables:
             at = cupy.minimum(cupy.searchsorted(key_d[order], key_s), key_s.size - 1)
             wanted = tok_s.reshape(-1) >= 0
             held = wanted & (key_d[order[at]] == key_s)
+            # gathered first, then scattered; slots without a row (-1: a request slot not
+            # admitted, or resident) are skipped (the copy skips -1 sources)
             to = loc_s.reshape(-1)
-            dev[to] = dev[cupy.where(held, loc_d.reshape(-1)[order[at]], to)]  # gathered first
-            # the tokens dst did not hold: its host rows (the copy skips -1 sources)
+            moved = dev[cupy.where(held, loc_d.reshape(-1)[order[at]], cupy.maximum(to, 0))]
+            pick = cupy.where(to >= 0, cupy.arange(to.size, dtype=cupy.int64), -1)
+            count = cupy.full(R, W, cupy.int32)
+            copy_rows(pick.reshape(R, W), loc_s, count, src=array_rows(moved),
+                      dst=array_rows(dev), row_bytes=dev.shape[1], stream=s)
+            # the tokens dst did not hold: its host rows
             tok = cupy.clip(tok_s, 0, n - 1)
             hl = host_locs[cupy.arange(R).reshape(R, 1), tok]
             hl = cupy.where((wanted & ~held).reshape(R, W) & (tok_s < n), hl, -1)
-            copy_rows(hl, loc_s, cupy.full(R, W, cupy.int32), src=pool_rows(pool, dst),
+            copy_rows(hl, loc_s, count, src=pool_rows(pool, dst),
                       dst=array_rows(dev), row_bytes=pool.row_bytes, stream=s)

@@ -77,8 +77,9 @@ class DeviceArena:
 
     def grow(self, rid: int, n: int, stream) -> None:
         """Pages for a resident (or promoting) request's tokens up to ``n``, nothing where it
-        has them; their table entries written on ``stream``."""
-        if n > self.budget.tokens(rid) and self.budget.grow(rid, n):
+        has them; a resident request's table entries written on ``stream`` (a promoting one's
+        whole row is written at its switch)."""
+        if n > self.budget.tokens(rid) and self.budget.grow(rid, n) and self.is_resident(rid):
             with stream:
                 self._write_pages(rid)
 
@@ -132,7 +133,9 @@ class DeviceArena:
     def promote(self, rid: int, n: int, pool, host_rows, device, stream) -> None:
         """Sparse -> promoting: pages for its tokens, its first ``n`` (written) tokens' host
         rows loaded into them on a side stream after the work queued on ``stream``;
-        :meth:`switch` makes it resident once that fill has landed."""
+        :meth:`switch` makes it resident once that fill has landed. The side stream writes
+        the pages' rows only: the page table row is written at the switch, on the step's
+        stream, so no growth meanwhile races with it."""
         if rid not in self.budget or self.budget.state(rid) != "sparse":
             raise ValueError(f"request slot {rid} is not sparse: only a sparse request is "
                              f"promoted")
@@ -142,8 +145,6 @@ class DeviceArena:
             self._side = cupy.cuda.Stream(non_blocking=True)
         side = self._side
         side.wait_event(stream.record())
-        with side:
-            self._write_pages(rid)  # read only once the flag is set
         load_rows(pool, host_rows(rid, 0, n), device, rows[:n], side)
         self.promoting[rid] = (side.record(), n)
 
@@ -159,7 +160,8 @@ class DeviceArena:
             n = self.budget.tokens(r)
             if n > n0:
                 load_rows(pool, host_rows(r, n0, n), device, self.budget.rows(r)[n0:n], stream)
-            with stream:
+            with stream:  # the table written here only: a growth's entries are in it
+                self._write_pages(r)
                 self.resident[r] = 1
             self.budget.finish_promotion(r)
         return done
