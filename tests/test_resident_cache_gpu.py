@@ -201,6 +201,12 @@ def test_promotion_switches_at_a_step_boundary(rng):
         cache.arena.promoting[r0][0].synchronize()
     _run_steps(rng, cache, ids, lens, 3)  # the first begin_step switches it
     assert cache.arena.budget.state(r0) == "resident" and r0 not in cache.arena.promoting
+    # its block went back: no slot of any layer names a row or a token any more (a later
+    # mirror_layer would otherwise move rows its block's next owner holds)
+    import cupy
+
+    assert (cupy.asnumpy(cache.tables.slot_locs[:, r0]) == -1).all()
+    assert (cupy.asnumpy(cache.tables.slot_tokens[:, r0]) == -1).all()
     free = cache.arena.budget.free_pages
     cache.promote(r1, lens[r1])
     cache.demote(r1, lens[r1])  # cancelled: its pages back, its block kept
@@ -225,7 +231,8 @@ def test_mirror_skips_slots_without_a_row(rng):
     import cupy
 
     cache = _cache(R * (MAXLEN + 96))
-    rid = cache.admit(300, kv=kv_for(0, 0, 300), resident=False)
+    rid = cache.admit(300, kv=kv_for(0, 0, 300), resident=False,
+                      warm_tokens=np.arange(200, 200 + H))
     D = cache.arena.n_rows
     t = cache.tables
     locs = cupy.asnumpy(t.slot_locs[0, rid])
