@@ -66,7 +66,7 @@ def run(tokens: int, n_layers: int, row_bytes: int, reps: int) -> dict:
     cupy.get_default_memory_pool().free_all_blocks()
     arena, H = cache.arena, cache.hot_size
     nbytes = tokens * row_bytes * n_layers
-    host = cache.pool.numpy()  # [L, rows, row_bytes], pinned: the ceiling's source
+    host = cache.pool.numpy  # [L, rows, row_bytes], pinned: the ceiling's source
     dst = cupy.empty(nbytes, cupy.uint8)
     demote_gpu, demote_host, fill, ceiling = [], [], [], []
     for _ in range(reps + 1):  # the first rep is a warm-up

@@ -425,7 +425,7 @@ class HotBufferCache:
         if self.arena is None or not self.arena.promoting:
             return []
         s = as_stream(stream)
-        done = self.arena.switch(self.pool, self.host.rows, self.device, s)
+        done = self.arena.switch(self.pool, self.host.rows, self.device, self.tables, s)
         if done:
             self.host.record_release(s)  # their blocks, after the switch
         return done

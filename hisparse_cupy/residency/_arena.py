@@ -148,11 +148,13 @@ class DeviceArena:
         load_rows(pool, host_rows(rid, 0, n), device, rows[:n], side)
         self.promoting[rid] = (side.record(), n)
 
-    def switch(self, pool, host_rows, device, stream) -> list[int]:
+    def switch(self, pool, host_rows, device, tables, stream) -> list[int]:
         """At a step boundary, on ``stream`` (no wait): every promoting request whose fill has
         landed gets the rows of the tokens written since it began (from the host copy the
-        backups keep current), then its flag; its block returns to the budget (the caller
-        records the release event). Returns those request slots."""
+        backups keep current), then its flag; its slot tables are emptied (no slot names a
+        row of its block, which is its next owner's: a ``mirror_layer`` reads every slot) and
+        its block returns to the budget (the caller records the release event). Returns those
+        request slots."""
         done = [r for r, (ev, _) in self.promoting.items() if ev.done]
         for r in done:
             ev, n0 = self.promoting.pop(r)
@@ -163,6 +165,9 @@ class DeviceArena:
             with stream:  # the table written here only: a growth's entries are in it
                 self._write_pages(r)
                 self.resident[r] = 1
+            tables.place(r, None, stream)
+            tables.reset(r, stream)
+            tables.init_multistep(r, stream)
             self.budget.finish_promotion(r)
         return done
 
