@@ -141,10 +141,12 @@ SWAP_RESOLVE = _struct([
     ("topk", _P), ("req", _P), ("lens", _P), ("num_real", _P), ("host_locs", _P),
     ("slot_tokens", _P), ("slot_locs", _P), ("lru", _P), ("out", _P), ("plan_src", _P),
     ("plan_dst", _P), ("plan_count", _P), ("status", _P), ("token_slot", _P), ("counters", _P),
+    ("resident", _P), ("page_table", _P),
     ("n_host_rows", "i8"),
     ("topk_stride", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"), ("host_stride", "i4"),
     ("slot_stride", "i4"), ("lru_stride", "i4"), ("H", "i4"), ("hash_size", "i4"),
     ("out_stride", "i4"), ("plan_stride", "i4"), ("lens_stride", "i4"),
+    ("page_stride", "i4"), ("page_tokens", "i4"),
 ])
 
 PLANNED_COPY = _struct([
@@ -172,6 +174,7 @@ PREDICT_STAGE = _struct([
     ("topk", _P), ("plan_src", _P), ("plan_count", _P), ("req", _P), ("lens", _P),
     ("num_real", _P), ("host_locs", _P), ("slot_tokens", _P), ("token_slot", _P),
     ("stage_map", _P), ("stage_src", _P), ("stage_count", _P), ("stage_stats", _P),
+    ("resident", _P),
     ("n_host_rows", "i8"),
     ("topk_stride", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"), ("host_stride", "i4"),
     ("slot_stride", "i4"), ("H", "i4"), ("stage_width", "i4"),
@@ -181,11 +184,13 @@ PREDICT_STAGE = _struct([
 NEWEST_ROWS = _struct([
     ("req", _P), ("lens", _P), ("num_real", _P), ("slot_locs", _P), ("slot_tokens", _P),
     ("host_locs", _P), ("rows_out", _P), ("plan_src", _P), ("plan_dst", _P),
-    ("plan_count", _P), ("host_pages", _P), ("own_from", _P),
+    ("plan_count", _P), ("host_pages", _P), ("own_from", _P), ("resident", _P),
+    ("dev_pages", _P),
     ("slot_layer_stride", "i8"), ("n_host_rows", "i8"),
     ("B", "i4"), ("R", "i4"), ("max_len", "i4"), ("slot_stride", "i4"), ("H", "i4"),
     ("host_stride", "i4"), ("lens_stride", "i4"), ("n_layers", "i4"), ("record", "i4"),
-    ("page_tokens", "i4"), ("pages_stride", "i4"), ("pad", "i4"),
+    ("page_tokens", "i4"), ("pages_stride", "i4"), ("dev_page_tokens", "i4"),
+    ("dev_page_stride", "i4"), ("pad", "i4"),
 ])
 
 MULTISTEP = _struct([  # gather and commit take the same struct
@@ -195,13 +200,14 @@ MULTISTEP = _struct([  # gather and commit take the same struct
     ("pending", _P), ("miss_src", _P), ("miss_dst", _P), ("counters", _P), ("out", _P),
     ("host_base", _P), ("dev_base", _P),
     ("plan_src", _P), ("plan_dst", _P), ("plan_count", _P), ("status", _P), ("stats", _P),
-    ("layer_counters", _P),
+    ("layer_counters", _P), ("resident", _P), ("page_table", _P),
     ("n_host_rows", "i8"),
     ("topk_stride", "i4"), ("S", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"),
     ("host_stride", "i4"), ("slot_stride", "i4"), ("H", "i4"), ("P", "i4"),
     ("scratch_stride", "i4"), ("C", "i4"), ("ref_stride", "i4"),
     ("table_size", "i4"), ("compact_stride", "i4"), ("out_stride", "i4"), ("row_bytes", "i4"),
     ("plan_stride", "i4"), ("lens_stride", "i4"), ("lens_step", "i4"), ("copy_blocks", "i4"),
+    ("page_stride", "i4"), ("page_tokens", "i4"),
 ])
 
 MULTISTEP_INIT = _struct([

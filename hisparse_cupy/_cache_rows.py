@@ -230,6 +230,13 @@ class CacheRows:
         else:
             store_rows(self.pool, rows, kv, s)
 
+    def record_release(self, stream) -> None:
+        """An event after the work queued on ``stream`` so far: the rows and pages a release
+        (or a demotion) gave back are written again only after it (:meth:`after_releases`)."""
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record(stream)
+        self.released.append(ev)
+
     def wait_releases(self) -> None:
         """Block until every earlier release's queued work is done: before the CPU or another
         process (:mod:`hisparse_cupy.pd`) writes pages taken from the pool

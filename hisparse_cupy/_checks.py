@@ -255,6 +255,26 @@ def lengths(x, B: int, steps: int | None = None) -> tuple[cupy.ndarray, int, int
     return arr, int(arr.strides[0] // arr.itemsize), 1
 
 
+def residency(resident, page_table, page_tokens, R: int, max_len: int) -> tuple:
+    """``(resident, page_table, page_tokens)`` checked: uint8 ``[R]``, int32 ``[R, >= pages]``
+    (rows contiguous), ``page_tokens >= 1``; all three or none (``(None, None, 0)``)."""
+    given = [a is not None for a in (resident, page_table, page_tokens)]
+    if not any(given):
+        return None, None, 0
+    if not all(given):
+        raise ValueError("give resident, page_table and page_tokens together, or none")
+    resident = array("resident", resident, np.uint8, shape=(R,))
+    page_tokens = integer("page_tokens", page_tokens, 1)
+    pages = -(-max_len // page_tokens)
+    page_table = array("page_table", page_table, np.int32, ndim=2, contiguous=False,
+                       inner_contiguous=True)
+    if page_table.shape[0] != R or page_table.shape[1] < pages:
+        raise ValueError(f"page_table must have shape ({R}, >= {pages}) (a page per "
+                         f"{page_tokens} of max_len {max_len} tokens), got "
+                         f"{tuple(page_table.shape)}")
+    return resident, page_table, page_tokens
+
+
 def unique_requests(req: cupy.ndarray, num_real: cupy.ndarray | None, R: int, stream) -> None:
     """Raise if a valid request slot (in ``[0, R)``) repeats among the real rows; read after
     the work queued on ``stream`` (the call's: it synchronizes).

@@ -20,19 +20,37 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from ._kernels.multistep import init_states
+from ._kernels.multistep import MultiStepConfig, init_states
 from ._kernels.plan import array_rows, copy_rows, pool_rows
+
+
+def rows_needed(*, max_requests: int, hot_size: int = 4096, top_k: int = 2048,
+                extra_page: int = 64, max_steps: int = 1, scratch: int | None = None) -> int:
+    """Device rows per layer a cache of these sizes uses (for ``device_rows=``):
+    ``max_requests * (hot_size + extra_page + scratch rows)`` (``HotBufferCache.rows_needed``;
+    with a device budget, the budget's rows)."""
+    C = 0
+    if max_steps >= 2:
+        C = MultiStepConfig(max_requests, hot_size, extra_page, top_k, max_steps=max_steps,
+                            scratch=scratch).scratch
+    return max_requests * (hot_size + extra_page + C)
 
 
 class LayerTables:
     """The tables above, filled on CuPy's current stream (see the module docstring)."""
 
     def __init__(self, *, n_layers: int, max_requests: int, hot_size: int, extra_page: int,
-                 scratch: int, max_len: int, token_table: bool, multistep: bool):
+                 scratch: int, max_len: int, token_table: bool, multistep: bool,
+                 placed: bool = False):
+        """``placed``: the request slots' rows are placed at admission (:meth:`place`, a
+        device budget's blocks); until then every slot's row is -1. Else request slot ``r``
+        owns rows ``r * (W + C) + [0, W + C)``."""
         L, R, H, W, C = n_layers, max_requests, hot_size, hot_size + extra_page, scratch
-        self.hot_size, self.max_len = H, max_len
+        self.hot_size, self.max_len, self.slots, self.placed = H, max_len, W, placed
         base = (np.arange(R, dtype=np.int64) * (W + C)).reshape(R, 1)
         self.slot_layout = cupy.asarray((base + np.arange(W)).astype(np.int32))  # [R, W]
+        if placed:
+            self.slot_layout[...] = -1
         self.slot_locs = cupy.empty((L, R, W), cupy.int32)
         self.slot_locs[...] = self.slot_layout
         self.slot_tokens = cupy.full((L, R, W), -1, cupy.int32)
@@ -42,6 +60,8 @@ class LayerTables:
         self.scratch_layout = self.scratch_locs = self.ms_ref = self.ms_clock = None
         if multistep:
             self.scratch_layout = cupy.asarray((base + W + np.arange(C)).astype(np.int32))
+            if placed:
+                self.scratch_layout[...] = -1
             self.scratch_locs = cupy.empty((L, R, C), cupy.int32)
             self.scratch_locs[...] = self.scratch_layout
             self.ms_ref = cupy.zeros((L, R, H), cupy.uint32)
@@ -61,6 +81,41 @@ class LayerTables:
         if self.multistep:
             t.update(scratch_locs=self.scratch_locs, ms_ref=self.ms_ref, ms_clock=self.ms_clock)
         return t
+
+    def place(self, rid: int, rows, stream) -> None:
+        """Request slot ``rid``'s rows (a device budget's block: its ``W`` slot rows, then its
+        scratch rows), or None (a resident request: no slot rows, -1), written on ``stream``;
+        :meth:`reset` then puts them in its tables. Nothing without ``placed``."""
+        if not self.placed:
+            return
+        with stream:
+            if rows is None:
+                self.slot_layout[rid] = -1
+                if self.scratch_layout is not None:
+                    self.scratch_layout[rid] = -1
+                return
+            rows = cupy.asarray(np.asarray(rows, np.int32))
+            self.slot_layout[rid] = rows[: self.slots]
+            if self.scratch_layout is not None:
+                self.scratch_layout[rid] = rows[self.slots: self.slots +
+                                                self.scratch_layout.shape[1]]
+
+    def fill_admitted(self, rid: int, n: int, warm: np.ndarray, stream):
+        """The slot tables of a request admitted with ``n`` tokens (after :meth:`reset`):
+        positional while ``n <= H`` (slot p holds token p), else the ``warm`` tokens in slots
+        ``0..w-1`` (least recent last) and the newest in slot H. Returns ``(slots, tokens)``:
+        the slots whose rows the admission loads, and their tokens."""
+        H = self.hot_size
+        with stream:
+            if n <= H:
+                self.slot_tokens[:, rid, :H] = cupy.arange(H, dtype=cupy.int32)
+                return np.arange(n), np.arange(n)
+            w = warm.size
+            self.slot_tokens[:, rid, :w] = cupy.asarray(warm, dtype=cupy.int32)
+            self.slot_tokens[:, rid, H] = n - 1
+            order = np.concatenate([np.arange(w, H), np.arange(w)]).astype(np.int16)
+            self.lru[:, rid] = cupy.asarray(order)
+        return np.concatenate([np.arange(w), [H]]), np.concatenate([warm, [n - 1]])
 
     def reset(self, rid: int, stream) -> None:
         """Request slot ``rid``'s tables back to empty on ``stream`` (token -> slot entries,
@@ -110,11 +165,17 @@ class LayerTables:
             at = cupy.minimum(cupy.searchsorted(key_d[order], key_s), key_s.size - 1)
             wanted = tok_s.reshape(-1) >= 0
             held = wanted & (key_d[order[at]] == key_s)
+            # gathered first, then scattered; slots without a row (-1: a request slot not
+            # admitted, or resident) are skipped (the copy skips -1 sources)
             to = loc_s.reshape(-1)
-            dev[to] = dev[cupy.where(held, loc_d.reshape(-1)[order[at]], to)]  # gathered first
-            # the tokens dst did not hold: its host rows (the copy skips -1 sources)
+            moved = dev[cupy.where(held, loc_d.reshape(-1)[order[at]], cupy.maximum(to, 0))]
+            pick = cupy.where(to >= 0, cupy.arange(to.size, dtype=cupy.int64), -1)
+            count = cupy.full(R, W, cupy.int32)
+            copy_rows(pick.reshape(R, W), loc_s, count, src=array_rows(moved),
+                      dst=array_rows(dev), row_bytes=dev.shape[1], stream=s)
+            # the tokens dst did not hold: its host rows
             tok = cupy.clip(tok_s, 0, n - 1)
             hl = host_locs[cupy.arange(R).reshape(R, 1), tok]
             hl = cupy.where((wanted & ~held).reshape(R, W) & (tok_s < n), hl, -1)
-            copy_rows(hl, loc_s, cupy.full(R, W, cupy.int32), src=pool_rows(pool, dst),
+            copy_rows(hl, loc_s, count, src=pool_rows(pool, dst),
                       dst=array_rows(dev), row_bytes=pool.row_bytes, stream=s)

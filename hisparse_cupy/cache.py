@@ -32,16 +32,15 @@ from . import _abi, _checks
 from ._cache_rows import CacheRows, copy_pool_rows, host_pool, load_rows
 from ._checks import ArrayLike, StreamLike
 from ._device import require_gpu
-from ._kernels import multistep, swap
-from ._kernels._launch import Structs, as_stream
+from ._kernels._launch import as_stream
 from ._kernels.multistep import MultiStepConfig, MultiStepState, MultiStepWorkspace
-from ._kernels.newest import NewestBuffers
-from ._kernels.plan import MissPlan, array_rows, copy_struct, pool_rows
+from ._kernels.plan import MissPlan
 from ._kernels.swap import SwapState, check_sizes
-from ._tables import LayerTables
+from ._tables import LayerTables, rows_needed
 from .counters import LayerCounters
 from .host._pages import HostPages
 from .host._pool import HostKVPool
+from .residency._arena import DeviceArena
 from .step import Step, StepParts
 
 __all__ = ["HotBufferCache", "SlotsExhausted"]
@@ -115,7 +114,8 @@ class HotBufferCache:
                  max_batch: int | None = None, max_steps: int = 1, scratch: int | None = None,
                  page_tokens: int | None = None, pool_rows: int | None = None,
                  pool: HostKVPool | None = None, device_rows: ArrayLike | None = None,
-                 token_table: bool = True, counters: bool = True):
+                 token_table: bool = True, counters: bool = True,
+                 device_budget: int | None = None, device_page: int = 64):
         self.n_layers = L = _checks.integer("n_layers", n_layers, 1)
         self.max_requests = R = _checks.integer("max_requests", max_requests, 1)
         self.max_len = _checks.integer("max_len", max_len, 1)
@@ -142,6 +142,13 @@ class HotBufferCache:
         self.rows_per_request = W + C
         row_bytes = _checks.row_bytes("row_bytes", row_bytes)
         D = R * (W + C)
+        self.arena = None
+        if device_budget is not None:  # docs/design.md section 10
+            self.arena = DeviceArena(max_requests=R, max_len=self.max_len,
+                                     n_rows=_checks.integer("device_budget", device_budget, 1),
+                                     page_tokens=_checks.integer("device_page", device_page, 1),
+                                     block_rows=W + C)
+            D = self.arena.n_rows
         # the engine's device rows are checked before a host pool is pinned
         if device_rows is None:
             self.device = None
@@ -161,7 +168,7 @@ class HotBufferCache:
             self.device = cupy.empty((L, D, self.row_bytes), cupy.uint8)
         self.tables = t = LayerTables(n_layers=L, max_requests=R, hot_size=H, extra_page=P,
                                       scratch=C, max_len=self.max_len, token_table=token_table,
-                                      multistep=S >= 2)
+                                      multistep=S >= 2, placed=self.arena is not None)
         self.host_locs = self.host.locs
         self.plan = MissPlan(self.max_batch, K * max(1, S))
         self.status = cupy.empty((self.max_batch, _abi.N_STATUS), cupy.int32)
@@ -175,9 +182,11 @@ class HotBufferCache:
                     t.scratch_locs[layer], n_device_rows=D, workspace=ws,
                     validate=False, token_slot=t.token_slot[layer], ref=t.ms_ref[layer],
                     clock=t.ms_clock[layer]))
+                if self.arena is not None:
+                    self._ms[-1].set_residency(**self.arena.fields())
         self._states = [self._swap_state(layer) for layer in range(L)]
         self.counters = LayerCounters(L, self.row_bytes) if counters else None
-        self.step_parts = self._step_parts()
+        self.step_parts = StepParts.build(self)
         self._free = list(range(R))  # a heap: admissions take the lowest free slot
         self._len: dict[int, int] = {}
         # The tables were filled on CuPy's current stream; later calls take any stream (often a
@@ -186,46 +195,13 @@ class HotBufferCache:
 
     host_bytes_needed = staticmethod(HostPages.host_bytes_needed)
 
-    @staticmethod
-    def rows_needed(*, max_requests: int, hot_size: int = 4096, top_k: int = 2048,
-                    extra_page: int = 64, max_steps: int = 1, scratch: int | None = None) -> int:
-        """Device rows per layer a cache of these sizes uses (for ``device_rows=``):
-        ``max_requests * (hot_size + extra_page + scratch rows)``."""
-        C = 0
-        if max_steps >= 2:
-            C = MultiStepConfig(max_requests, hot_size, extra_page, top_k, max_steps=max_steps,
-                                scratch=scratch).scratch
-        return max_requests * (hot_size + extra_page + C)
-
-    def _step_parts(self) -> StepParts:
-        """Every layer's kernel structs with the fields that do not depend on the step (each
-        kernel family's per-layer stage; a :class:`Step` copies them and fills the batch's
-        fields for all layers at once, so a swap only writes its top-k's), and the buffers
-        every step uses."""
-        L, n_host, B, K = self.n_layers, self.pool.n_rows, self.max_batch, self.top_k
-        count = [self.counters.address(i) for i in range(L)] if self.counters else ()
-        copy = Structs.zeros(_abi.PLANNED_COPY, L)
-        for layer in range(L):
-            copy_struct(self.plan.src, self.plan.dst, self.plan.count,
-                        src=pool_rows(self.pool, layer), dst=array_rows(self.device[layer]),
-                        row_bytes=self.row_bytes, batch=0, into=copy.row(layer))
-        return StepParts(
-            swap.layer_structs(self._states, status=self.status, plan=self.plan,
-                               n_host_rows=n_host, counters=count),
-            copy,
-            None if not self._ms else multistep.layer_structs(
-                self._ms, status=self.status, plan=self.plan,
-                host_rows=[self.pool.device_ptr(i) for i in range(L)], n_host_rows=n_host,
-                device_rows=[self.device[i].data.ptr for i in range(L)],
-                row_bytes=self.row_bytes, counters=count),
-            cupy.empty((B, K), cupy.int32),
-            None if not self._ms else cupy.empty((B, self.max_steps, K), cupy.int32),
-            NewestBuffers(B))
+    rows_needed = staticmethod(rows_needed)
 
     def _swap_state(self, layer: int) -> SwapState:
         t = self.tables
+        a = {} if self.arena is None else self.arena.fields()
         return SwapState(self.host_locs, t.slot_tokens[layer], t.slot_locs[layer], t.lru[layer],
-                         token_slot=None if t.token_slot is None else t.token_slot[layer])
+                         token_slot=None if t.token_slot is None else t.token_slot[layer], **a)
 
     @property
     def token_table(self) -> bool:
@@ -240,7 +216,8 @@ class HotBufferCache:
 
     def admit(self, n_tokens: int, kv: np.ndarray | None = None,
               warm_tokens: ArrayLike | None = None, *, prefix: tuple[int, int] | None = None,
-              pages: ArrayLike | None = None, stream: StreamLike | None = None) -> int:
+              pages: ArrayLike | None = None, resident: bool | None = None,
+              stream: StreamLike | None = None) -> int:
         """Admit a request of ``n_tokens`` tokens whose KV is (or is now) in the host pool.
 
         Parameters
@@ -293,10 +270,15 @@ class HotBufferCache:
                              f"{n}): uint8 [{self.n_layers}, {need}, {self.row_bytes}], got "
                              f"{None if kv is None else tuple(kv.shape)}")
         rid = heapq.heappop(self._free)
+        block = None
         try:
             self.host.after_releases(s, host=False)  # the tables' and pages' last readers
+            if self.arena is not None:  # the device budget first: it refuses taking nothing
+                block = self.arena.admit(rid, n, resident, s)
             copies = self.host.admit(rid, n, prefix, pages, s)
         except BaseException:
+            if self.arena is not None and rid in self.arena.budget:
+                self.arena.release(rid, s)
             heapq.heappush(self._free, rid)
             raise
         try:
@@ -304,31 +286,26 @@ class HotBufferCache:
             rows = self.host.rows(rid, 0, n)
             if kv is not None:
                 self.host.store(rows[shared:], kv, on_host, s)
-            self.tables.reset(rid, s)
             t = self.tables
+            t.place(rid, block, s)  # (a budget's block; nothing without one)
+            t.reset(rid, s)
             with s:
                 self.host_locs[rid, :n] = cupy.asarray(rows)
                 self.host_locs[rid, n:] = -1
-                if n <= H:  # positional layout: slot p is token p's
-                    t.slot_tokens[:, rid, :H] = cupy.arange(H, dtype=cupy.int32)
-                    slots = np.arange(n)
-                    tokens = np.arange(n)
-                else:  # LRU layout: newest token in slot H, warm tokens in slots 0..w-1
-                    w = warm.size
-                    t.slot_tokens[:, rid, :w] = cupy.asarray(warm, dtype=cupy.int32)
-                    t.slot_tokens[:, rid, H] = n - 1
-                    order = np.concatenate([np.arange(w, H), np.arange(w)]).astype(np.int16)
-                    t.lru[:, rid] = cupy.asarray(order)
-                    slots = np.concatenate([np.arange(w), [H]])
-                    tokens = np.concatenate([warm, [n - 1]])
-            t.init_multistep(rid, s)
-            load_rows(self.pool, rows[tokens], self.device,
-                      rid * self.rows_per_request + slots, s)  # slot_layout[rid][slots]
+            if self.arena is not None and block is None:  # resident: every row in its pages
+                t.init_multistep(rid, s)
+                gpu_kv = None if kv is None or on_host else kv
+                self.arena.load(rid, n, rows, gpu_kv, shared, self.pool, self.device, s)
+            else:
+                slots, tokens = t.fill_admitted(rid, n, warm, s)
+                t.init_multistep(rid, s)
+                dev = rid * self.rows_per_request + slots if block is None else block[slots]
+                load_rows(self.pool, rows[tokens], self.device, dev, s)
         except BaseException:
+            if self.arena is not None:
+                self.arena.release(rid, s)
             self.host.release(rid, s)
-            ev = cupy.cuda.Event(disable_timing=True)
-            ev.record(s)  # what was queued for it lands before the slot's next admission
-            self.host.released.append(ev)
+            self.host.record_release(s)  # what was queued for it lands before the slot's reuse
             heapq.heappush(self._free, rid)
             raise
         self._len[rid] = n
@@ -345,13 +322,23 @@ class HotBufferCache:
         preempt). A no-op where the rows are there (the slot layout has every row).
         """
         rid = self._admitted(rid)
-        self.host.grow(rid, n_tokens, as_stream(stream))
+        s = as_stream(stream)
+        if self.arena is not None:
+            self.arena.check_grow(rid, n_tokens)  # before the host takes pages
+        self.host.grow(rid, n_tokens, s)
+        if self.arena is not None:
+            self.arena.grow(rid, n_tokens, s)
 
     @property
     def pages(self):
         """The :class:`~hisparse_cupy.host._pages.HostPages` of a paged pool (free pages,
         engine-held pages: :meth:`~hisparse_cupy.host._pages.HostPages.take`), else None."""
         return self.host.pages
+
+    def _arena(self, what: str) -> DeviceArena:
+        if self.arena is None:
+            raise ValueError(f"{what} needs a device budget (HotBufferCache(device_budget=))")
+        return self.arena
 
     def _admitted(self, rid) -> int:
         rid = _checks.integer("rid", rid, 0, self.max_requests - 1)
@@ -395,6 +382,8 @@ class HotBufferCache:
         self.host.store(rows, kv, on_host, s)
         with s:
             self.host_locs[rid, start: start + n] = cupy.asarray(rows)
+        if self.arena is not None and self.arena.is_resident(rid):  # its pages too
+            load_rows(self.pool, rows, self.device, self.arena.rows(rid, start, start + n), s)
         self.host.wrote(rid, start, start + n)
 
     def release(self, rid: int, *, stream: StreamLike | None = None) -> None:
@@ -403,16 +392,43 @@ class HotBufferCache:
         holds are free again."""
         rid = self._admitted(rid)
         s = as_stream(stream)
+        if self.arena is not None:
+            self.arena.release(rid, s)
+            self.tables.place(rid, None, s)
         self.tables.reset(rid, s)
         self.tables.init_multistep(rid, s)
         with s:
             self.host_locs[rid] = -1
             self.host.release(rid, s)
-            ev = cupy.cuda.Event(disable_timing=True)
-            ev.record(s)  # later writes into its rows and pages follow this, not the device
-        self.host.released.append(ev)
+        self.host.record_release(s)  # later writes into its rows and pages follow this
         del self._len[rid]
         heapq.heappush(self._free, rid)
+
+    def demote(self, rid: int, n_tokens: int, *, stream: StreamLike | None = None) -> None:
+        """Resident -> sparse at a step boundary on ``stream`` (``n_tokens``: its length): its
+        hot slots take its newest H tokens, its pages return (``docs/design.md`` section 10);
+        a promotion in flight is cancelled. ``ValueError`` / ``PoolExhausted``: nothing done."""
+        s = as_stream(stream)
+        self._arena("demote").demote(self._admitted(rid), n_tokens, self.tables, self.device, s)
+        self.host.record_release(s)
+
+    def promote(self, rid: int, n_tokens: int, *, stream: StreamLike | None = None) -> None:
+        """Sparse -> resident: pages now, its first ``n_tokens`` rows loaded from the host on a
+        side stream after ``stream``'s work; resident from the next step boundary after that
+        (:meth:`switch_promoted`). ``ValueError`` / ``PoolExhausted``: nothing taken."""
+        self._arena("promote").promote(self._admitted(rid), n_tokens, self.pool,
+                                       self.host.rows, self.device, as_stream(stream))
+
+    def switch_promoted(self, stream: StreamLike | None = None) -> list[int]:
+        """Every promotion whose fill has landed becomes resident, on ``stream``, no wait (in
+        ``begin_step`` outside a capture; between graph replays, the engine's call)."""
+        if self.arena is None or not self.arena.promoting:
+            return []
+        s = as_stream(stream)
+        done = self.arena.switch(self.pool, self.host.rows, self.device, self.tables, s)
+        if done:
+            self.host.record_release(s)  # their blocks, after the switch
+        return done
 
     # ----------------------------------------------------------------- per layer
     def layer_index(self, layer) -> int:
@@ -477,6 +493,8 @@ class HotBufferCache:
         The arrays are used in place (no copy): do not change them while the step's work is
         queued. The step holds no device memory of its own; create one per decode step.
         """
+        if self.arena is not None and not as_stream(stream).is_capturing():
+            self.switch_promoted(stream)
         return Step(self, req_indices, seq_lens, num_real, stream=stream, pdl=pdl,
                     prefetcher=prefetcher)
 

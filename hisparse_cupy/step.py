@@ -24,12 +24,12 @@ from typing import NamedTuple
 import cupy
 import numpy as np
 
-from . import _checks
+from . import _abi, _checks
 from ._checks import ArrayLike, StreamLike
 from ._kernels import multistep, newest, swap
 from ._kernels._launch import Structs, as_stream, resolve_pdl
 from ._kernels.newest import NewestBuffers
-from ._kernels.plan import array_rows, copy_rows, pool_rows
+from ._kernels.plan import array_rows, copy_rows, copy_struct, pool_rows
 
 __all__ = ["LayerCall", "Step", "StepParts"]
 
@@ -48,6 +48,33 @@ class StepParts(NamedTuple):
     out: cupy.ndarray
     ms_out: cupy.ndarray | None
     newest: NewestBuffers
+
+    @classmethod
+    def build(cls, c) -> StepParts:
+        """Every layer's structs of cache ``c`` with the fields that do not depend on the step
+        (each kernel family's per-layer stage; a :class:`Step` copies them and fills the
+        batch's fields for all layers at once, so a swap only writes its top-k's), and the
+        buffers every step uses."""
+        L, n_host, B, K = c.n_layers, c.pool.n_rows, c.max_batch, c.top_k
+        count = [c.counters.address(i) for i in range(L)] if c.counters else ()
+        copy = Structs.zeros(_abi.PLANNED_COPY, L)
+        for layer in range(L):
+            copy_struct(c.plan.src, c.plan.dst, c.plan.count, src=pool_rows(c.pool, layer),
+                        dst=array_rows(c.device[layer]), row_bytes=c.row_bytes, batch=0,
+                        into=copy.row(layer))
+        ms = c.max_steps >= 2
+        return cls(
+            swap.layer_structs([c.state(i) for i in range(L)], status=c.status, plan=c.plan,
+                               n_host_rows=n_host, counters=count),
+            copy,
+            None if not ms else multistep.layer_structs(
+                [c.multistep_state(i) for i in range(L)], status=c.status, plan=c.plan,
+                host_rows=[c.pool.device_ptr(i) for i in range(L)], n_host_rows=n_host,
+                device_rows=[c.device[i].data.ptr for i in range(L)],
+                row_bytes=c.row_bytes, counters=count),
+            cupy.empty((B, K), cupy.int32),
+            None if not ms else cupy.empty((B, c.max_steps, K), cupy.int32),
+            NewestBuffers(B))
 
 
 class LayerCall(NamedTuple):
@@ -275,7 +302,10 @@ class Step:
             c.step_parts.newest, req=self.req, lens=self.seq_lens, lens_stride=self.lens_stride,
             num_real=self.num_real, key=self.dtypes, slot_locs=c.tables.slot_locs[0],
             slot_tokens=c.tables.slot_tokens, host_locs=c.host_locs, host=c.host,
-            hot_size=c.hot_size, record=record, stream=self.stream)
+            hot_size=c.hot_size, record=record, stream=self.stream,
+            **({} if c.arena is None else dict(resident=c.arena.resident,
+                                               dev_pages=c.arena.page_table,
+                                               dev_page_tokens=c.arena.page_tokens)))
 
     def newest_rows(self) -> cupy.ndarray:
         """Device row (in every layer) of each row's newest token ``seq_len - 1``: int32

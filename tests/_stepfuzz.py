@@ -4,6 +4,9 @@ One run (a seed) draws a cache configuration (layers, a full/shared pattern and 
 Prefetcher, request slots, H, K, P, max_steps, row bytes, and on the GPU mostly a paged host
 pool of 1-16 tokens a page, its pages handed out in random order) and then decode steps:
 
+- on the GPU, often a device budget: requests admitted resident or sparse, demoted, promoted
+  and switched between steps, grown with a demotion first where their pages would take the
+  room kept for blocks;
 - lifecycle churn: requests admitted (short ones in positional layout, long ones cold or warm,
   prefill KV from the host or the device; on paged pools often a fork of a live request's
   written prefix, ``admit(prefix=...)``, and at times one past it, which must be refused) and
@@ -55,7 +58,10 @@ def draw_config(rng) -> dict:
                 extra_page=int(rng.choice([1, 2, 4])), max_steps=int(rng.choice([1, 2, 3, 4])),
                 row_bytes=int(rng.choice([16, 32, 64])), max_len=int(H * rng.choice([4, 8])),
                 pattern=str(rng.choice(pats)), prefetch=bool(rng.random() < 0.75),
-                page_tokens=None if rng.random() < 0.4 else int(rng.choice([1, 3, 8, 16])))
+                page_tokens=None if rng.random() < 0.4 else int(rng.choice([1, 3, 8, 16])),
+                # GPU: a device budget, a share of what every request resident would take
+                device_budget=None if rng.random() < 0.5 else float(rng.choice([0.25, 0.6, 1.2])),
+                device_page=int(rng.choice([4, 8, 16])))
 
 
 class Backend:
@@ -95,6 +101,15 @@ class Backend:
 
         if cfg.get("page_tokens"):
             kw["page_tokens"] = cfg["page_tokens"]
+        if cfg.get("device_budget"):  # a block for every request slot, then a share of the rest
+            page = cfg["device_page"]
+            block = HotBufferCache.rows_needed(
+                max_requests=1, hot_size=kw["hot_size"], top_k=kw["top_k"],
+                extra_page=kw["extra_page"], max_steps=kw["max_steps"])
+            R = kw["max_requests"]
+            kw["device_budget"] = R * (block + page) + int(cfg["device_budget"] * R *
+                                                           kw["max_len"])
+            kw["device_page"] = page
         if busy_stream:  # construction queued behind a long kernel on a non-blocking stream
             busy = cupy.cuda.Stream(non_blocking=True)  # (defect C)
             with busy:
@@ -158,7 +173,7 @@ class Fuzz:
         self.errors = xp.zeros(len(CHECKS), xp.int64)
         self.first_bad = xp.full(1, 2**62, xp.int64)
         self.steps = self.calls = self.graph_steps = self.toggles = self.busy_steps = 0
-        self.forks = self.refused_forks = 0
+        self.forks = self.refused_forks = self.moves = 0
         self.busy_now = False
         self.kinds_used: set = set()
         self.stream_obj, self.stream = None, None  # the last step's (argument, CuPy view)
@@ -235,7 +250,11 @@ class Fuzz:
             self.uid += 1
             start = 0 if fork is None else fork[1]
             kv = self._kv(self.uid, start, n - start, view) if n > start else None
-            rid = c.admit(n, kv=kv, warm_tokens=warm, prefix=fork, stream=obj)
+            res = {}
+            if self._budget() is not None:  # resident when its pages leave the blocks' room
+                res["resident"] = self._room(self._budget().pages_for(n)) and \
+                    rng.random() < 0.8
+            rid = c.admit(n, kv=kv, warm_tokens=warm, prefix=fork, stream=obj, **res)
             self.active[rid] = [self.uid, n]
             self.grown[rid] = n
             self.origin[rid] = [] if fork is None else self._fork_origin(*fork)
@@ -250,8 +269,9 @@ class Fuzz:
             return
         p = int(self.rng.integers(lo, self.grown[parent] + 1))
         admitted = self._admitted()
+        res = {} if self._budget() is None else {"resident": False}
         try:
-            self.c.admit(p, prefix=(parent, p), stream=obj)
+            self.c.admit(p, prefix=(parent, p), stream=obj, **res)
         except ValueError as e:
             if "prefix" not in str(e):
                 raise
@@ -266,6 +286,45 @@ class Fuzz:
         c = self.c
         return len(c.active) if hasattr(c, "active") else len(c._len)
 
+    # ------------------------------------------------------------------ residency (GPU)
+    def _budget(self):
+        arena = getattr(self.c, "arena", None)
+        return None if arena is None else arena.budget
+
+    def _room(self, pages: int) -> bool:
+        """The fuzz's engine keeps a block free for every request slot that holds none, so a
+        sparse admission or a demotion always fits: may ``pages`` more be taken?"""
+        b = self._budget()
+        holders = sum(1 for r in self.active if b.state(r) != "resident")
+        return b.free_pages - pages >= b.block_pages * (self.R - holders)
+
+    def _grow_to(self, rid: int, m: int, obj) -> None:
+        """``grow``, a request with pages demoted first when its pages would eat the room
+        kept for blocks (a promotion in flight is cancelled so)."""
+        b = self._budget()
+        if b is not None and b.state(rid) != "sparse":
+            need = b.pages_for(m) - b.pages_for(b.tokens(rid))
+            if need > 0 and not self._room(need):
+                self.c.demote(rid, self.active[rid][1], stream=obj)
+                self.moves += 1
+        self.c.grow(rid, m, stream=obj)
+        self.grown[rid] = max(self.grown[rid], m)
+
+    def _move(self) -> None:
+        """A residency change between steps: a resident request demoted, a sparse one
+        promoted when its pages fit, or the promotions that landed switched."""
+        b = self._budget()
+        rid = int(self.rng.choice(list(self.active)))
+        obj, view = self._pick_stream()
+        st = b.state(rid)
+        if st == "resident":
+            self.c.demote(rid, self.active[rid][1], stream=obj)
+        elif st == "sparse" and self._room(b.pages_for(b.tokens(rid))):
+            self.c.promote(rid, self.active[rid][1], stream=obj)
+        else:
+            self.c.switch_promoted(stream=obj)
+        self.moves += 1
+
     def _grow_ahead(self) -> None:
         """The engine takes pages ahead of its steps (a paged pool): a request grown to more
         tokens than it has written."""
@@ -273,8 +332,7 @@ class Fuzz:
         n = self.active[rid][1]
         m = min(n + int(self.rng.integers(1, 4 * self.S + 8)), self.max_len)
         obj, view = self._pick_stream()
-        self.c.grow(rid, m, stream=obj)
-        self.grown[rid] = max(self.grown[rid], m)
+        self._grow_to(rid, m, obj)
 
     def _fork_origin(self, parent: int, p: int) -> list[tuple[int, int]]:
         """A fork's tokens below ``p`` are its parent's: the parent's origin cut at ``p``, then
@@ -376,6 +434,8 @@ class Fuzz:
         self._churn()
         if self.cfg.get("page_tokens") and rng.random() < 0.1:
             self._grow_ahead()
+        if self._budget() is not None and rng.random() < 0.08:
+            self._move()
         if self.pf is not None and rng.random() < 0.08:
             self._toggle()
         rids = list(self.active)
@@ -426,7 +486,9 @@ class Fuzz:
             uid = self.active[int(r)][0]
             self.c.write_host(int(r), lo, self._kv(uid, lo, hi - lo + 1, view), stream=obj)
             t = np.arange(lo, min(hi + 1, self.H))
-            if t.size:
+            b = self._budget()
+            if t.size and not (b is not None and b.state(int(r)) == "resident"):  # (pages:
+                # write_host reached them)
                 with self._with(view):
                     for layer in range(self.L):
                         rows = self.c.tables.slot_locs[layer, int(r), xp.asarray(t)]
@@ -442,8 +504,7 @@ class Fuzz:
     def _grow(self, req, lens, obj) -> None:
         """The engine's part before a step: room in the host pool for its tokens."""
         for b, r in enumerate(req):
-            self.c.grow(int(r), int(lens[b].max()), stream=obj)
-            self.grown[int(r)] = max(self.grown[int(r)], int(lens[b].max()))
+            self._grow_to(int(r), int(lens[b].max()), obj)
 
     def _eager_step(self, req, lens, S, pad) -> None:
         rng, c, xp = self.rng, self.c, self.xp
@@ -479,7 +540,15 @@ class Fuzz:
 
     def _expected_newest(self, req, lens) -> np.ndarray:
         t = lens[:, 0] - 1
-        return (req * self.rows_per_request + np.minimum(t, self.H)).astype(np.int32)
+        b = self._budget()
+        if b is None:
+            return (req * self.rows_per_request + np.minimum(t, self.H)).astype(np.int32)
+        # a budget places every request's rows: a resident one's page row, else its slot's
+        locs = self.xp.asnumpy(self.c.tables.slot_locs[0])
+        return np.array([b.rows(int(r))[int(tt)] if b.state(int(r)) == "resident" else
+                         locs[int(r), min(int(tt), self.H)] for r, tt in zip(req, t,
+                                                                           strict=True)],
+                        np.int32)
 
     def _layers(self, step, B, nr, req, lens, S, glens):
         xp, rng = self.xp, self.rng
@@ -695,7 +764,7 @@ class Fuzz:
         return dict(seed=self.seed, config=self.cfg, steps=self.steps, calls=self.calls,
                     graph_steps=self.graph_steps, toggles=self.toggles,
                     busy_steps=self.busy_steps, forks=self.forks,
-                    refused_forks=self.refused_forks,
+                    refused_forks=self.refused_forks, moves=self.moves,
                     streams=sorted(self.kinds_used),
                     errors=dict(zip(CHECKS, errs, strict=True)),
                     first_bad_step=None if first >= 2**62 else first,
@@ -761,12 +830,13 @@ def main(argv=None) -> int:
     bad = [r for r in res if "failure" in r]
     tot = {k: sum(r[k] for r in res)
            for k in ("steps", "calls", "graph_steps", "toggles", "busy_steps", "forks",
-                     "refused_forks")}
+                     "refused_forks", "moves")}
     kinds = sorted(set().union(*(r["streams"] for r in res)))
     print(f"step fuzz ({'CPU model' if a.cpu else 'GPU'}): {len(res)} seeds, {tot['steps']} "
           f"steps, {tot['calls']} swap calls, {tot['graph_steps']} graph replays, "
           f"{tot['toggles']} prefetch toggles, {tot['forks']} forks ({tot['refused_forks']} "
-          f"past the written tokens refused), {tot['busy_steps']} steps "
+          f"past the written tokens refused), {tot['moves']} residency moves, "
+          f"{tot['busy_steps']} steps "
           f"with CuPy's current "
           f"stream busy, streams {kinds}, {wall:.0f} s: "
           f"{len(bad)} seed(s) failed")

@@ -221,3 +221,28 @@ def test_randomized_against_a_model():
             assert len(rows) == len(set(rows)), i
             assert all(0 <= x < b.n_rows for x in rows)
     b.check()
+
+
+def test_the_demos_resident_plan_leaves_a_block_for_every_other_request():
+    """The demo's admission plan under a device budget: the first k requests resident (pages
+    for every token the run grows to), the rest sparse, k the largest that leaves a block for
+    each of the others; greedy admission would starve the last requests of blocks."""
+    from types import SimpleNamespace
+
+    from hisparse_cupy.demo._loop import Rig
+
+    P, block, B, max_len = 64, 4224, 8, 8242
+    per = DeviceBudget.rows_needed([max_len], page_tokens=P, block_rows=block)
+    blk = DeviceBudget.rows_needed([], 1, page_tokens=P, block_rows=block)
+    for rows, k in ((B * per, B), (4 * per + 4 * blk, 4), (4 * per + 4 * blk - 1, 3),
+                    (B * blk, 0)):
+        budget = DeviceBudget(rows // P, P, block)
+        rig = SimpleNamespace(cfg=SimpleNamespace(batch=B, max_len=max_len),
+                              cache=SimpleNamespace(arena=SimpleNamespace(
+                                  budget=budget, n_rows=budget.n_rows)))
+        plan = Rig._resident_plan(rig)
+        assert plan == [True] * k + [False] * (B - k), (rows, plan)
+        for i, r in enumerate(plan):  # and the admissions it plans all fit
+            budget.admit(i, max_len, resident=r)
+    rig.cache.arena = None
+    assert Rig._resident_plan(rig) == [None] * B

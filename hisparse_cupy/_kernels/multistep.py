@@ -55,7 +55,7 @@ from ._launch import (
 )
 from .multistep_config import MultiStepConfig, commit_smem_bytes, table_size
 from .plan import MissPlan
-from .swap import SwapState
+from .swap import SwapState, residency_fields
 
 default_scratch = _abi.default_scratch  # the sizing rule is shared with the struct checks
 
@@ -162,6 +162,8 @@ class MultiStepState:
             raise ValueError(f"workspace holds {workspace.max_tokens} occurrences per row, the "
                              f"config needs {cfg.max_tokens}")
         self.workspace = workspace
+        self.resident = self.page_table = None  # set_residency: no request is resident
+        self.page_tokens = 0
         if validate:
             cfg.check_tables(cupy.asnumpy(self.slot_tokens), cupy.asnumpy(self.slot_locs),
                              cupy.asnumpy(self.scratch_locs), self.n_device_rows)
@@ -245,7 +247,15 @@ class MultiStepState:
             pending=ptr(ws.pending), miss_src=ptr(ws.miss_src), miss_dst=ptr(ws.miss_dst),
             compact_stride=_checks.row_stride(ws.compact),
             counters=ptr(ws.counters), stats=ptr(ws.stats), R=cfg.n_requests, H=cfg.hot_size,
-            P=cfg.extra_page, C=cfg.scratch)
+            P=cfg.extra_page, C=cfg.scratch, **residency_fields(self))
+
+    def set_residency(self, resident: ArrayLike | None, page_table: ArrayLike | None,
+                      page_tokens: int | None) -> None:
+        """Which requests are resident (docs/design.md section 10): uint8 ``[R]``, their device
+        page table int32 ``[R, >= ceil(max_len / page_tokens)]``; all None: none is. Calls
+        made after it read them (the arrays are read on the device at each call)."""
+        self.resident, self.page_table, self.page_tokens = _checks.residency(
+            resident, page_table, page_tokens, self.config.n_requests, self.host_locs.shape[1])
 
     def swap_state(self, lru: ArrayLike) -> SwapState:
         """The single-step state over this state's slot tables and token -> slot table (``lru``:
@@ -254,7 +264,9 @@ class MultiStepState:
         alternate. (A single-step state over these slot tables without this table would admit
         tokens the multi-step lookups do not see.)"""
         return SwapState.validated(self.host_locs, self.slot_tokens, self.slot_locs, lru,
-                                   token_slot=self.token_slot)
+                                   token_slot=self.token_slot, resident=self.resident,
+                                   page_table=self.page_table,
+                                   page_tokens=self.page_tokens or None)
 
     def to_numpy(self) -> dict[str, np.ndarray]:
         """Host copies of every state array (for tests and debugging; synchronises)."""

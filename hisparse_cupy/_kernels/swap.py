@@ -162,6 +162,11 @@ class SwapState:
     slot_locs: cupy.ndarray
     lru: cupy.ndarray
     token_slot: cupy.ndarray | None = None
+    # residency (docs/design.md section 10): a request with resident[r] != 0 has every token's
+    # row in the device page table (uint8 [R]; int32 [R, n], rows contiguous; P tokens a page)
+    resident: cupy.ndarray | None = None
+    page_table: cupy.ndarray | None = None
+    page_tokens: int = 0
 
     @property
     def hot_size(self) -> int:
@@ -169,7 +174,9 @@ class SwapState:
 
     @classmethod
     def validated(cls, host_locs: ArrayLike, slot_tokens: ArrayLike, slot_locs: ArrayLike,
-                  lru: ArrayLike, *, token_slot: ArrayLike | None = None) -> SwapState:
+                  lru: ArrayLike, *, token_slot: ArrayLike | None = None,
+                  resident: ArrayLike | None = None, page_table: ArrayLike | None = None,
+                  page_tokens: int | None = None) -> SwapState:
         host_locs = _checks.array("host_locs", host_locs, np.int64, ndim=2)
         lru = _checks.array("lru", lru, np.int16, ndim=2, contiguous=False, inner_contiguous=True)
         R, H = lru.shape
@@ -192,7 +199,8 @@ class SwapState:
         if token_slot is not None:
             token_slot = _checks.array("token_slot", token_slot, np.int16,
                                        shape=host_locs.shape)
-        return cls(host_locs, slot_tokens, slot_locs, lru, token_slot)
+        res = _checks.residency(resident, page_table, page_tokens, R, host_locs.shape[1])
+        return cls(host_locs, slot_tokens, slot_locs, lru, token_slot, *res)
 
     def params(self, p: Params | None = None) -> Params:
         """The layer's fields of the resolve struct (the batch's and the call's come later)."""
@@ -202,29 +210,43 @@ class SwapState:
             slot_tokens=ptr(self.slot_tokens), slot_locs=ptr(self.slot_locs),
             slot_stride=_checks.row_stride(self.slot_locs), lru=ptr(self.lru),
             lru_stride=_checks.row_stride(self.lru), R=self.lru.shape[0], H=self.hot_size,
-            token_slot=ptr(self.token_slot))
+            token_slot=ptr(self.token_slot), **residency_fields(self))
 
     def check_on_host(self, n_device_rows: int) -> None:
         """Raise ``ValueError`` if the tables are not a valid state (synchronizes).
 
         ``slot_locs`` of every hot slot and of slot H must lie in ``[0, n_device_rows)``, and
         :func:`hisparse_cupy.reference.check_invariants` must hold (``lru`` a permutation of
-        ``0 .. H-1``, hot tokens held once, device rows owned once).
+        ``0 .. H-1``, hot tokens held once, device rows owned once). A resident request's
+        slot tables are not read by the swaps and are not checked.
         """
         from .. import reference
 
         H = self.hot_size
         locs = cupy.asnumpy(self.slot_locs[:, : H + 1])
-        bad = np.argwhere((locs < 0) | (locs >= n_device_rows))
+        sparse = np.ones(locs.shape[0], bool)
+        if self.resident is not None:  # resident requests' slot rows are unused
+            sparse = cupy.asnumpy(self.resident) == 0
+            locs[~sparse] = -1
+        bad = np.argwhere(((locs < 0) | (locs >= n_device_rows)) & sparse[:, None])
         if bad.size:
             r, s = bad[0]
             raise ValueError(f"invalid state: slot_locs[{r}, {s}] = {locs[r, s]} is outside the "
                              f"{n_device_rows} device rows ({len(bad)} such slot(s))")
         try:
             reference.check_invariants(cupy.asnumpy(self.slot_tokens), locs,
-                                       cupy.asnumpy(self.lru), H)
+                                       cupy.asnumpy(self.lru), H,
+                                       requests=np.flatnonzero(sparse))
         except reference.InvariantError as e:
             raise ValueError(f"invalid state: {e}") from None
+
+
+def residency_fields(state) -> dict:
+    """A state's residency fields of its kernel struct (the resolve's or the multi-step one's:
+    the same names)."""
+    t = state.page_table
+    return dict(resident=ptr(state.resident), page_table=ptr(t), page_tokens=state.page_tokens,
+                page_stride=0 if t is None else _checks.row_stride(t))
 
 
 # ------------------------------------------------------------------ the struct, in stages

@@ -43,6 +43,7 @@ class Config:
     predict_rule: str = "selection"  # the prediction stager's rule (Prefetcher(predict_rule=))
     matmul: str = "cublas"  # the layer matmuls: cuBLAS through ctypes, or torch.matmul
     shared_prefix: int = 0  # requests 1.. share request 0's first N tokens (host pages)
+    device_budget: float | None = None  # GB of device rows for the cache (None: no budget)
     resident_layers: int = 0  # layers 0 .. N-1 keep their KV on the GPU (from_args: auto)
     json: str | None = None
     png: str | None = None
@@ -76,6 +77,8 @@ class Config:
 
         need(self.layers >= 1, f"--layers must be >= 1, got {self.layers}")
         need(self.batch >= 1, f"--batch must be >= 1, got {self.batch}")
+        need(self.device_budget is None or self.device_budget > 0,
+             f"--device-budget must be > 0 GB, got {self.device_budget}")
         need(self.steps >= 1 and self.warmup >= 0,
              f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
         need(1 <= self.top_k <= self.hot, f"--top-k must be in [1, --hot={self.hot}]")
@@ -275,6 +278,10 @@ def parser() -> argparse.ArgumentParser:
            "wait once (default: the Prefetcher's, 2); 0: layer by layer")
     a("--shared-prefix", type=int, default=d.shared_prefix, metavar="N",
       help="requests 1.. are forks of request 0 sharing the host pages of its first N tokens")
+    a("--device-budget", type=float, default=d.device_budget, metavar="GB",
+      help="the offloaded modes' device rows as a budget of GB (docs/design.md section 10): "
+           "requests resident (all their KV on the GPU) while it holds them, sparse beyond "
+           "(default: no budget, every request sparse)")
     a("--resident-layers", type=int, default=None, metavar="N",
       help="layers 0 .. N-1 keep their whole KV on the GPU in every mode, the cache holds the "
            "rest (default: lru, the generator's low-overlap layers, whose top-k shares about "
@@ -290,7 +297,7 @@ CPU_DEFAULTS = {"layers": 8, "batch": 2, "context": 1536, "steps": 12, "warmup":
                 "top_k": 128, "hot": 512, "extra_page": 8, "recent": 4, "resident_layers": 0}
 CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hidden",
                "--side-sms", "--predict-rule", "--matmul", "--resident-layers", "--replay-grid",
-               "--replay-rows-per-warp", "--group-replay-batch")
+               "--replay-rows-per-warp", "--group-replay-batch", "--device-budget")
 # (--mtp 1, --mode gpu-only / offload, --eager, --no-predict and --no-partition are what the
 # NumPy backend runs: accepted)
 
@@ -384,7 +391,7 @@ def from_args(argv=None, *, check: bool = True) -> Config:
                  replay_rows_per_warp=ns.replay_rows_per_warp,
                  group_replay_batch=ns.group_replay_batch, predict_rule=ns.predict_rule,
                  matmul=ns.matmul,
-                 shared_prefix=ns.shared_prefix,
+                 shared_prefix=ns.shared_prefix, device_budget=ns.device_budget,
                  execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)
     cfg.resident_layers = auto_resident(cfg) if ns.resident_layers is None else \
         ns.resident_layers

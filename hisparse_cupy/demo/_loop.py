@@ -187,8 +187,10 @@ class Rig:
         ``--shared-prefix`` tokens); in a given pool's slot layout from the rows written
         there."""
         c, s, cache = self.cfg, self.s, self.cache
+        res = self._resident_plan()
         if cache.pages is None:
-            return [cache.admit(c.context, stream=s) for _ in range(c.batch)]
+            return self._residency([cache.admit(c.context, stream=s, resident=res[b])
+                                    for b in range(c.batch)])
         if self.kv_buf is None:
             with s:
                 self.kv_buf = cupy.empty((len(self.cached), c.context, ROW_BYTES), cupy.uint8)
@@ -202,7 +204,8 @@ class Rig:
                 self._prefill(buf.data.ptr, buf[0].nbytes, self.req[b:b + 1], p0, 0,
                               self.cached)
             kv = buf[:, :c.context - p0]
-            rids.append(cache.admit(c.context, kv, prefix=(0, N) if p0 else None, stream=s))
+            rids.append(cache.admit(c.context, kv, prefix=(0, N) if p0 else None, stream=s,
+                                    resident=res[b]))
             nbytes += kv.size
         t1 = cupy.cuda.Event()
         t1.record(s)
@@ -212,6 +215,28 @@ class Rig:
                  f"the GPU and copied into host pages in {ms:.0f} ms ({nbytes / ms / 1e6:.1f} "
                  f"GB/s with the KV kernel)" + (f", requests 1.. sharing request 0's first "
                                                 f"{N} tokens" if N else ""))
+        return self._residency(rids)
+
+    def _resident_plan(self) -> list[bool | None]:
+        """With a device budget: the first k requests resident, the rest sparse, for the
+        largest k whose pages (for every token the run grows to) leave a block for each of
+        the others (``DeviceBudget.rows_needed``); without one, None each."""
+        c, arena = self.cfg, self.cache.arena
+        if arena is None:
+            return [None] * c.batch
+        b = arena.budget
+        k = max(k for k in range(c.batch + 1) if k == 0 or b.rows_needed(
+            [c.max_len] * k, c.batch - k, page_tokens=b.page_tokens,
+            block_rows=b.block_rows) <= arena.n_rows)
+        return [i < k for i in range(c.batch)]
+
+    def _residency(self, rids: list[int]) -> list[int]:
+        """With a device budget: how many requests it holds resident (logged)."""
+        arena = self.cache.arena
+        if arena is not None:
+            st = [arena.budget.state(r) for r in rids]
+            self.log(f"device budget: {arena.n_rows} rows a layer ({self.cfg.device_budget} GB)"
+                     f", {st.count('resident')} of {len(rids)} requests resident")
         return rids
 
     def use_resident(self) -> None:
@@ -242,6 +267,9 @@ class Rig:
             paged = {} if not self.paged else {"page_tokens": PAGE_TOKENS} \
                 if self.pool is not None else \
                 {"page_tokens": PAGE_TOKENS, "pool_rows": self.paged_rows(c)}
+            if c.device_budget is not None:  # rows per layer of the cached layers
+                paged["device_budget"] = int(c.device_budget * 1e9) // (
+                    len(self.cached) * ROW_BYTES)
             self.cache = HotBufferCache(n_layers=len(self.cached), max_requests=c.batch,
                                         max_len=c.max_len, row_bytes=ROW_BYTES, hot_size=c.hot,
                                         top_k=c.top_k, extra_page=c.extra_page,

@@ -182,6 +182,17 @@ class DeviceBudget:
         self.touch([rid])
         return self._state[rid]
 
+    def check_grow(self, rid: int, n_tokens: int) -> None:
+        """Raise what :meth:`grow` would raise, taking nothing (a cache checks its device
+        budget before its host pool takes pages, so a refusal leaves both as they were)."""
+        rid = self._live(rid)
+        n = _checks.integer("n_tokens", n_tokens, self._tokens[rid])
+        if self._state[rid] != SPARSE:
+            need = self.pages_for(n) - len(self._pages.pages(rid))
+            if need > self.free_pages:
+                raise PoolExhausted(f"rid {rid} growing to {n} tokens", need, self.free_pages,
+                                    "device")
+
     def grow(self, rid: int, n_tokens: int) -> list[int]:
         """``rid``'s tokens up to ``n_tokens`` (at least its tokens now); a resident or
         promoting request takes the pages they need (returned). Raises :class:`PoolExhausted`

@@ -82,7 +82,7 @@ class Predictor:
                 topk_stride=snap.strides[0] // 4, K=K, B=B, R=c.max_requests,
                 host_stride=c.max_len, slot_stride=c.slots, H=c.hot_size,
                 stage_width=self.width, plan_stride=c.plan.width, miss_hash_size=hash_slots,
-                rule=self.rule)
+                rule=self.rule, resident=0 if c.arena is None else ptr(c.arena.resident))
         prm.set(req=ptr(step.req), lens=ptr(step.seq_lens), num_real=ptr(nr),
                 lens_stride=step.lens_stride)  # the step's batch (any buffers)
         launch(_build.kernel(_build.PREDICT[step.dtypes]), min(B, grid), _abi.PREDICT_BLOCK,

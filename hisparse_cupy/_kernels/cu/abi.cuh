@@ -88,10 +88,14 @@ struct SwapResolveParams {
   i32* status;             // [B, N_STATUS]
   i16* token_slot;         // [R, host_stride] token -> hot slot (swap_resolve<.., true>), or null
   u64* counters;           // [N_LAYER_COUNTERS] the layer's counters (count_row), or null
+  const u8* resident;      // [R] nonzero: the request is resident (its rows through
+                           // page_table; docs/design.md section 10), or null: none is
+  const i32* page_table;   // [R, page_stride]: device page of each page_tokens tokens, -1 none
   i64 n_host_rows;         // host rows of the layer: rows outside [0, n_host_rows) are missing
   i32 topk_stride, K, B, R, host_stride, slot_stride, lru_stride, H;
   i32 hash_size;           // shared hash slots (power of two >= 64)
   i32 out_stride, plan_stride, lens_stride;
+  i32 page_stride, page_tokens;
 };
 
 // ---- planned copy (plan.cu). Grid: any, block COPY_WARPS * 32.
@@ -153,6 +157,7 @@ struct PredictStageParams {
   i64* stage_src;          // [B * stage_width]
   i32* stage_count;        // [B]
   u64* stage_stats;        // [3] or null: [2] += rows staged
+  const u8* resident;      // [R] or null: a resident request stages nothing
   i64 n_host_rows;
   i32 topk_stride, K, B, R, host_stride, slot_stride, H, stage_width, lens_stride;
   i32 plan_stride, miss_hash_size, rule;  // rule: 0 F's misses, PREDICT_RULE_SELECTION F's top-k
@@ -172,11 +177,14 @@ struct NewestRowsParams {
   i32* plan_count;         // [>= B]
   const i32* host_pages;   // [R, pages_stride]: the request's host pages (-1: none taken yet)
   const i32* own_from;     // [R]: tokens below it are in pages other requests share (read only)
+  const u8* resident;      // [R] or null: a resident request's newest row is its page row
+  const i32* dev_pages;    // [R, dev_page_stride]: device pages of resident requests
   i64 slot_layer_stride;
   i64 n_host_rows;         // rows per layer of the host pool: a backup never writes past them
   i32 B, R, max_len, slot_stride, H, host_stride, lens_stride, n_layers;
   i32 record;              // 1: record host_locs, slot tokens and the backup plan
   i32 page_tokens, pages_stride;  // token t's host row: page[t / page_tokens] * page_tokens + ...
+  i32 dev_page_tokens, dev_page_stride;  // the same for a resident request's device row
   i32 pad;
 };
 
@@ -211,11 +219,14 @@ struct MultiStepParams {
   i32* status;             // [B, N_STATUS]
   i32* stats;              // [B, MS_N_STATS]
   u64* layer_counters;     // [N_LAYER_COUNTERS] the layer's counters (count_row), or null
+  const u8* resident;      // [R] or null: as SwapResolveParams.resident
+  const i32* page_table;   // [R, page_stride]: as SwapResolveParams.page_table
   i64 n_host_rows;
   i32 topk_stride, S, K, B, R, host_stride, slot_stride, H, P, scratch_stride, C;
   i32 ref_stride, table_size, compact_stride, out_stride, row_bytes, plan_stride;
   i32 lens_stride, lens_step;
   i32 copy_blocks;         // commit grid: B commit blocks, then copy_blocks copy blocks per row
+  i32 page_stride, page_tokens;
 };
 
 // ---- multi-step state (re)initialisation (multistep.cu). Grid: (B, L), block INIT_BLOCK.

@@ -168,9 +168,24 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   int o = -1;
   bool miss = false;
   i64 hl = -1;
+  const bool resident = p.resident != nullptr && p.resident[rid];  // uniform over the block
   if (active && tok != -1) {
     const i64 seq = step_len<LenT>(p, b, step);
-    if (seq <= H) {  // positional layout: token p in slot p
+    if (resident) {  // every token in its page's row, the sparse paths' -1 rules
+      const i64 lim = seq <= H ? seq : (seq < host_stride ? seq : host_stride);
+      if (seq > H || pos < seq) {
+        if (tok < 0 || tok >= lim) {
+          atomicAdd(&s_cnt[C_RANGE], 1);
+        } else {
+          const int PT = p.page_tokens;
+          const int pg = tok / PT < p.page_stride
+                             ? p.page_table[rid * static_cast<i64>(p.page_stride) + tok / PT]
+                             : -1;
+          if (pg >= 0) o = pg * PT + tok % PT;
+          else atomicAdd(&s_cnt[C_NOHOST], 1);
+        }
+      }
+    } else if (seq <= H) {  // positional layout: token p in slot p
       if (pos < seq) {
         if (tok >= 0 && tok < seq) {
           o = sloc[tok];
@@ -383,6 +398,16 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
   const int n_range = cnt[C_RANGE];
   const int n_nohost = cnt[C_NOHOST];
   const int n_pending = cnt[C_PENDING];
+  if (p.resident != nullptr && p.resident[rid]) {  // the gather wrote every output: no miss,
+    if (tid == 0) {                                // no admission, the state untouched
+      write_status(st, n_range, n_nohost, 0);
+      count_row(p.layer_counters, S * K, 0, n_range + n_nohost);
+      if (plan_count) plan_count[b] = 0;
+      for (int i = 0; i < MS_N_STATS; ++i) xs[i] = 0;
+      for (int i = 0; i < C_DONE; ++i) cnt[i] = 0;
+    }
+    return;
+  }
   const u32 epoch = clock[0];
   const int cursor = static_cast<int>(clock[1] % static_cast<u32>(H));
 

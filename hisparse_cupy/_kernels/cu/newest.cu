@@ -12,7 +12,9 @@
 // = host_pages[rid][t / page_tokens] (the slot layout: one page of max_len rows per request).
 // No backup (count 0) where t is below own_from (a shared page: never written, it holds t
 // already), where no page was taken for t (host_locs keeps -1: a swap that misses t flags it)
-// or where the row lies outside the pool. Padding or invalid rows: -1, count 0.
+// or where the row lies outside the pool. Padding or invalid rows: -1, count 0. A resident
+// request (resident[rid], docs/design.md section 10): its newest row is its device page's row,
+// slot H is not marked, and the backup is the same.
 #include "abi.cuh"
 
 namespace hs {
@@ -31,16 +33,24 @@ __global__ void __launch_bounds__(NEWEST_BLOCK) newest_rows(const NewestRowsPara
   }
   const i64 t = seq - 1;
   const int slot = t < p.H ? static_cast<int>(t) : p.H;
-  const int row = slot_locs_row(p, rid)[slot];
+  const bool resident = p.resident != nullptr && p.resident[rid];
+  int row;
+  if (resident) {  // its page's row (-1: no page taken for t, nothing written or backed up)
+    const i64 g = t / p.dev_page_tokens;
+    const i32 pg = g < p.dev_page_stride ? row_at(p.dev_pages, rid, p.dev_page_stride)[g] : -1;
+    row = pg < 0 ? -1 : pg * p.dev_page_tokens + static_cast<int>(t % p.dev_page_tokens);
+  } else {
+    row = slot_locs_row(p, rid)[slot];
+  }
   p.rows_out[b] = row;
   if (p.record) {
-    if (slot == p.H && p.slot_tokens) {
+    if (!resident && slot == p.H && p.slot_tokens) {
       for (int l = 0; l < p.n_layers; ++l) slot_tokens_row(p, l, rid)[slot] = static_cast<i32>(t);
     }
     const i64 g = t / p.page_tokens;
     const i32 page = g < p.pages_stride ? row_at(p.host_pages, rid, p.pages_stride)[g] : -1;
     const i64 host = page < 0 ? -1 : static_cast<i64>(page) * p.page_tokens + t % p.page_tokens;
-    const bool backup = host >= 0 && host < p.n_host_rows && t >= p.own_from[rid];
+    const bool backup = row >= 0 && host >= 0 && host < p.n_host_rows && t >= p.own_from[rid];
     if (backup) {
       host_locs_row(p, rid)[t] = host;
       p.plan_src[b] = row;

@@ -41,7 +41,8 @@ __device__ __forceinline__ void stage_row(const PredictStageParams& p, const Sme
   const int MS = p.miss_hash_size, K = p.K, H = p.H;
   const i64 rid = b < nr ? request_of<ReqT>(p, b) : -1;
   const i64 len = b < nr ? length_of<LenT>(p, b) : 0;
-  if (rid < 0 || rid >= p.R || len <= H) {  // padding, bad slot, positional: nothing to stage
+  if (rid < 0 || rid >= p.R || len <= H ||  // padding, bad slot, positional, resident:
+      (p.resident != nullptr && p.resident[rid])) {  // nothing to stage
     if (threadIdx.x == 0) p.stage_count[b] = 0;
     return;  // (uniform over the block)
   }

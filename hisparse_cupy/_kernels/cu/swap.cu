@@ -187,6 +187,34 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
 
   if (tid < 4) s_cnt[tid] = 0;
 
+  if (p.resident != nullptr && p.resident[rid]) {  // resident: token t in its page's row
+    sync_row(C);  // rank 0's counters are zero before anyone adds
+    const int PT = p.page_tokens;
+    const i32* pages = p.page_table + rid * static_cast<i64>(p.page_stride);
+    const i64 lim = seq <= H ? seq : (seq < host_stride ? seq : host_stride);
+    for (int i = kb + tid; i < ke; i += BLOCK) {
+      const int tok = tk[i];
+      int r = -1;
+      if (tok != -1 && (seq > H || i < seq)) {  // the sparse paths' -1 rules
+        if (tok < 0 || tok >= lim) {
+          atomicAdd(&cnt0[ST_RANGE], 1);
+        } else {
+          const int pg = tok / PT < p.page_stride ? pages[tok / PT] : -1;
+          if (pg >= 0) r = pg * PT + tok % PT;
+          else atomicAdd(&cnt0[ST_NOHOST], 1);
+        }
+      }
+      o[i] = r;
+    }
+    sync_row(C);
+    if (rank == 0 && tid == 0) {
+      plan_count[b] = 0;
+      write_status(st, s_cnt[ST_RANGE], s_cnt[ST_NOHOST], 0);
+      count_row(p.counters, K, 0, s_cnt[ST_RANGE] + s_cnt[ST_NOHOST]);
+    }
+    return;
+  }
+
   if (seq <= H) {  // positional fast path: token p lives in slot p
     sync_row(C);   // rank 0's counters are zero before anyone adds
     for (int i = kb + tid; i < ke; i += BLOCK) {

@@ -1,0 +1,286 @@
+"""GPU: a HotBufferCache with a device budget (issue 47, ``docs/design.md`` section 10): requests
+resident while the budget holds them, sparse beyond; single- and multi-step swaps over mixed
+batches, the newest token's rows and backups, growth, write_host, release and reuse, bytes
+checked; refusals take nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_cache_gpu import check_rows, kv_for
+
+pytestmark = pytest.mark.gpu
+
+L, R, H, K, P, MAXLEN, ROW, PAGE = 3, 4, 64, 32, 4, 512, 656, 16
+
+
+def _block():
+    """A sparse request's rows: hot slots, extra page, scratch (max_steps 2)."""
+    from hisparse_cupy import HotBufferCache
+
+    return HotBufferCache.rows_needed(max_requests=1, hot_size=H, top_k=K, extra_page=P,
+                                      max_steps=2)
+
+
+def _cache(budget_rows, max_steps=2):
+    from hisparse_cupy import HotBufferCache
+
+    return HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN, row_bytes=ROW,
+                          hot_size=H, top_k=K, extra_page=P, max_steps=max_steps,
+                          device_budget=budget_rows, device_page=PAGE)
+
+
+def _run_steps(rng, cache, ids, lens, steps):
+    """Decode steps over every admitted request: grow, the newest token's KV written where
+    ``newest_rows`` says and backed up, then each layer swapped single- or multi-step with
+    the newest token among the selections; every entry's bytes checked."""
+    import cupy
+
+    rids = sorted(ids)
+    req = cupy.asarray(rids, cupy.int32)
+    for t in range(steps):
+        n = np.array([lens[r] for r in rids])
+        for r in rids:
+            cache.grow(r, lens[r] + 1)
+        seq = cupy.asarray(n + 1, cupy.int32)
+        step = cache.begin_step(req, seq)
+        rows = cupy.asnumpy(step.newest_rows())
+        assert (rows >= 0).all()
+        for layer in range(L):
+            for b, r in enumerate(rids):
+                cache.device_rows(layer)[int(rows[b])] = cupy.asarray(
+                    kv_for(ids[r], int(n[b]), 1)[layer, 0])
+        step.backup_newest()
+        S = 2 if t % 2 else 1
+        for layer in range(L):
+            tk = np.stack([np.stack([rng.choice(int(n[b]) + 1, K, replace=False)
+                                     for _ in range(S)]) for b in range(len(rids))])
+            tk[:, :, 0] = n[:, None]  # the newest token in every step
+            tk = tk.astype(np.int32) if S > 1 else tk[:, 0].astype(np.int32)
+            out = cupy.asnumpy(step.swap(layer, cupy.asarray(tk)))
+            for b, r in enumerate(rids):
+                check_rows(cache, layer, ids[r], tk[b].reshape(-1), out[b].reshape(-1))
+        step.finish()
+        for r in rids:
+            lens[r] += 1
+
+
+@pytest.mark.parametrize("budget", ["all", "mixed"])
+def test_resident_and_sparse_requests_through_steps(rng, budget):
+    from hisparse_cupy.residency import DeviceBudget
+
+    n = [300, 100, 40, 450]
+    block = _block()
+    if budget == "all":
+        rows = DeviceBudget.rows_needed([m + 40 for m in n], page_tokens=PAGE,
+                                        block_rows=block)
+    else:  # requests 0 and 1 resident, 2 and 3 sparse
+        rows = DeviceBudget.rows_needed([n[0] + 40, n[1] + 40], 2, page_tokens=PAGE,
+                                        block_rows=block)
+    cache = _cache(rows)
+    ids, lens = {}, {}
+    for i, m in enumerate(n):
+        r = cache.admit(m, kv=kv_for(i, 0, m), resident=None if budget == "all" or i < 2
+                        else False)
+        ids[r], lens[r] = i, m
+    states = [cache.arena.budget.state(r) for r in sorted(ids)]
+    assert states == (["resident"] * 4 if budget == "all" else
+                      ["resident", "resident", "sparse", "sparse"])
+    _run_steps(rng, cache, ids, lens, 12)
+    # release and reuse: the slot's pages back, a new request on them
+    r0 = sorted(ids)[0]
+    free = cache.arena.budget.free_pages
+    cache.release(r0)
+    assert cache.arena.budget.free_pages > free
+    del ids[r0], lens[r0]
+    r = cache.admit(200, kv=kv_for(9, 0, 200))
+    ids[r], lens[r] = 9, 200
+    _run_steps(rng, cache, ids, lens, 4)
+    cache.close()
+
+
+def test_write_host_reaches_a_resident_requests_pages(rng):
+    """write_host into a resident request's tokens reaches its pages; a prompt given on the
+    GPU is copied device -> device into them at admission."""
+    import cupy
+
+    cache = _cache(R * (MAXLEN + 96))
+    rid = cache.admit(100, kv=cupy.asarray(kv_for(0, 0, 100)))  # on the GPU
+    assert cache.arena.budget.state(rid) == "resident"
+    for layer in range(L):
+        check_rows(cache, layer, 0, np.arange(100), cache.arena.rows(rid, 0, 100))
+    cache.grow(rid, 140)
+    cache.write_host(rid, 100, cupy.asarray(kv_for(0, 100, 40)))
+    rows = cache.arena.rows(rid, 100, 140)
+    for layer in range(L):
+        check_rows(cache, layer, 0, np.arange(100, 140), rows)
+    cache.close()
+
+
+def test_refusals_take_nothing():
+    from hisparse_cupy import PoolExhausted
+
+    with pytest.raises(ValueError, match="cannot hold one sparse request"):
+        _cache(PAGE * 2)
+    block_pages = -(-_block() // PAGE)
+    cache = _cache(PAGE * (2 * block_pages + 8))
+    rid = cache.admit(100, kv=kv_for(0, 0, 100))  # resident: 7 pages
+    assert cache.arena.budget.state(rid) == "resident"
+    free, active = cache.arena.budget.free_pages, dict(cache.active)
+    assert free == 2 * block_pages + 1
+    with pytest.raises(PoolExhausted, match="device pages") as e:
+        cache.grow(rid, 100 + PAGE * (free + 1))
+    assert e.value.kind == "device"
+    assert (cache.arena.budget.free_pages, cache.active) == (free, active)
+    with pytest.raises(PoolExhausted, match="device pages"):
+        cache.admit(PAGE * (free + 1), kv=kv_for(1, 0, PAGE * (free + 1)), resident=True)
+    assert (cache.arena.budget.free_pages, cache.active) == (free, active)
+    cache.close()
+
+
+def test_demotion_at_a_step_boundary(rng):
+    """A resident request demoted between steps (on another stream, no host synchronization):
+    its hot slots hold its newest H tokens (their bytes copied from its pages), its pages
+    return to the budget, and the steps after it read every selected token's bytes through
+    the sparse path (misses from the host copy the backups kept current)."""
+    import cupy
+
+    n = [300, 40]
+    cache = _cache(R * (MAXLEN + 2 * _block()))  # room for everyone resident
+    ids, lens = {}, {}
+    for i, m in enumerate(n):
+        r = cache.admit(m, kv=kv_for(i, 0, m))
+        ids[r], lens[r] = i, m
+    _run_steps(rng, cache, ids, lens, 5)
+    s = cupy.cuda.Stream(non_blocking=True)
+    s.wait_event(cupy.cuda.get_current_stream().record())
+    for r in sorted(ids):
+        free = cache.arena.budget.free_pages
+        pages = cache.arena.budget.pages_for(cache.arena.budget.tokens(r))
+        cache.demote(r, lens[r], stream=s)
+        assert cache.arena.budget.state(r) == "sparse"
+        assert cache.arena.budget.free_pages == free + pages - cache.arena.budget.block_pages
+    s.synchronize()
+    for r in sorted(ids):  # the hot slots: the newest H tokens, the newest in slot H
+        m = lens[r]
+        toks = cupy.asnumpy(cache.tables.slot_tokens[0, r])
+        locs = cupy.asnumpy(cache.tables.slot_locs[0, r])
+        if m > H:  # slots 0..H-1: tokens m-1-H .. m-2; slot H: the newest
+            assert (np.sort(toks[:H]) == np.arange(m - 1 - H, m - 1)).all()
+            assert toks[H] == m - 1
+            tokens, rows = toks[: H + 1], locs[: H + 1]
+        else:  # positional: slot p holds token p
+            assert (toks[:m] == np.arange(m)).all()
+            tokens, rows = np.arange(m), locs[:m]
+        for layer in range(L):
+            check_rows(cache, layer, ids[r], tokens, rows)
+    with pytest.raises(ValueError, match="not resident"):
+        cache.demote(sorted(ids)[0], lens[sorted(ids)[0]])
+    _run_steps(rng, cache, ids, lens, 6)
+    cache.close()
+
+
+def test_promotion_switches_at_a_step_boundary(rng):
+    """A sparse request promoted: its pages filled from the host on a side stream while steps
+    go on; at the first step boundary after the fill (here: waited for) it is resident, the
+    tokens written meanwhile copied in, and every byte stays right. A promotion released or
+    demoted before its switch gives its pages back once."""
+    n = [300, 150]
+    cache = _cache(R * (MAXLEN + 2 * _block()))
+    ids, lens = {}, {}
+    for i, m in enumerate(n):
+        r = cache.admit(m, kv=kv_for(i, 0, m), resident=False)
+        ids[r], lens[r] = i, m
+    assert {cache.arena.budget.state(r) for r in ids} == {"sparse"}
+    _run_steps(rng, cache, ids, lens, 3)
+    r0, r1 = sorted(ids)
+    cache.promote(r0, lens[r0])
+    assert cache.arena.budget.state(r0) == "promoting"
+    _run_steps(rng, cache, ids, lens, 2)  # steps while it fills (it may switch in them)
+    if r0 in cache.arena.promoting:
+        cache.arena.promoting[r0][0].synchronize()
+    _run_steps(rng, cache, ids, lens, 3)  # the first begin_step switches it
+    assert cache.arena.budget.state(r0) == "resident" and r0 not in cache.arena.promoting
+    # its block went back: no slot of any layer names a row or a token any more (a later
+    # mirror_layer would otherwise move rows its block's next owner holds)
+    import cupy
+
+    assert (cupy.asnumpy(cache.tables.slot_locs[:, r0]) == -1).all()
+    assert (cupy.asnumpy(cache.tables.slot_tokens[:, r0]) == -1).all()
+    free = cache.arena.budget.free_pages
+    cache.promote(r1, lens[r1])
+    cache.demote(r1, lens[r1])  # cancelled: its pages back, its block kept
+    assert cache.arena.budget.state(r1) == "sparse"
+    assert cache.arena.budget.free_pages == free
+    cache.promote(r1, lens[r1])
+    cache.release(r1)
+    del ids[r1], lens[r1]
+    assert cache.arena.budget.free_pages == free + cache.arena.budget.block_pages
+    with pytest.raises(ValueError, match="not sparse"):
+        cache.promote(r0, lens[r0])
+    _run_steps(rng, cache, ids, lens, 3)
+    cache.close()
+
+
+def test_mirror_skips_slots_without_a_row(rng):
+    """mirror_layer(rows=True) with a budget: request slots with no rows (not admitted, or
+    resident) have slot rows -1, which the rearrangement must skip. Here the sparse request's
+    slot 0 sits on the last device row, and the two layers hold its first two tokens in
+    swapped slots: the last row must get the destination layer's bytes of its token, not
+    keep its own."""
+    import cupy
+
+    cache = _cache(R * (MAXLEN + 96))
+    rid = cache.admit(300, kv=kv_for(0, 0, 300), resident=False,
+                      warm_tokens=np.arange(200, 200 + H))
+    D = cache.arena.n_rows
+    t = cache.tables
+    locs = cupy.asnumpy(t.slot_locs[0, rid])
+    k = np.nonzero(locs == D - 1)[0]
+    if k.size:  # the last row is the request's: give slot 0 that row
+        locs[[0, k[0]]] = locs[[k[0], 0]]
+    else:  # a row no slot uses (scratch or spare): slot 0 takes it
+        assert D - 1 not in cupy.asnumpy(t.scratch_locs[0, rid])
+        locs[0] = D - 1
+    toks = cupy.asnumpy(t.slot_tokens[0, rid])
+    assert (toks[:2] >= 0).all()
+    swapped = toks.copy()
+    swapped[[0, 1]] = toks[[1, 0]]
+    for layer, tk in ((0, toks), (1, swapped)):
+        t.slot_locs[layer, rid] = cupy.asarray(locs)
+        t.slot_tokens[layer, rid] = cupy.asarray(tk)
+        if t.token_slot is not None:
+            t.token_slot[layer, rid] = -1
+        # the device rows hold each slot's token, in this layer's bytes
+        cache.device_rows(layer)[cupy.asarray(locs[tk >= 0])] = cupy.asarray(
+            kv_for(0, 0, 300)[layer][tk[tk >= 0]])
+    cache.mirror_layer(0, 1, rows=True)
+    for layer in (0, 1):
+        check_rows(cache, layer, 0, toks[toks >= 0], locs[toks >= 0])
+    cache.close()
+
+
+def test_a_promotions_page_table_survives_growth_during_its_fill(rng):
+    """Growth while a promotion fills (its side stream held busy here, as a loaded GPU may):
+    the page taken by the growth stays in the request's device page table after the switch,
+    so the newest token's row is its page row."""
+    import cupy
+
+    from _util import spin
+
+    cache = _cache(R * (MAXLEN + 2 * _block()))
+    n = 4 * PAGE  # a page boundary: the next token needs a new page
+    rid = cache.admit(n, kv=kv_for(0, 0, n), resident=False)
+    ids, lens = {rid: 0}, {rid: n}
+    side = cache.arena._side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        spin(cupy, 200_000_000)  # ~0.1 s
+    cache.promote(rid, n)
+    cache.grow(rid, n + 1)  # a new page, while the fill waits
+    side.synchronize()
+    _run_steps(rng, cache, ids, lens, 3)  # switches at the first begin_step
+    assert cache.arena.budget.state(rid) == "resident"
+    table = cupy.asnumpy(cache.arena.page_table[rid])
+    want = cache.arena.budget.page_table(rid, table.size)
+    assert (table == want).all(), (table, want)
+    cache.close()
