@@ -246,3 +246,21 @@ def test_the_demos_resident_plan_leaves_a_block_for_every_other_request():
             budget.admit(i, max_len, resident=r)
     rig.cache.arena = None
     assert Rig._resident_plan(rig) == [None] * B
+
+
+def test_max_resident_against_every_split(rng):
+    """DeviceBudget.max_resident: the largest k whose first k requests resident and the rest
+    sparse fit, by brute force over every k (short requests take fewer pages than a block, so
+    the rows needed do not grow with k), -1 when none fits; bad input named."""
+    P, block = 16, 100  # a block: 7 pages
+    for _ in range(300):
+        n = rng.integers(1, 400, int(rng.integers(0, 9)))
+        rows = int(rng.integers(0, 3000))
+        want = max((k for k in range(n.size + 1) if DeviceBudget.rows_needed(
+            n[:k], n.size - k, page_tokens=P, block_rows=block) <= rows), default=-1)
+        assert DeviceBudget.max_resident(n, rows, page_tokens=P, block_rows=block) == want
+    assert DeviceBudget.max_resident([], 0, page_tokens=P, block_rows=block) == 0
+    with pytest.raises(ValueError, match="lengths"):
+        DeviceBudget.max_resident([5, 0], 100, page_tokens=P, block_rows=block)
+    with pytest.raises(ValueError, match="n_rows"):
+        DeviceBudget.max_resident([5], -1, page_tokens=P, block_rows=block)

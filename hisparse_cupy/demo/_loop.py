@@ -225,9 +225,8 @@ class Rig:
         if arena is None:
             return [None] * c.batch
         b = arena.budget
-        k = max(k for k in range(c.batch + 1) if k == 0 or b.rows_needed(
-            [c.max_len] * k, c.batch - k, page_tokens=b.page_tokens,
-            block_rows=b.block_rows) <= arena.n_rows)
+        k = max(0, b.max_resident([c.max_len] * c.batch, arena.n_rows,
+                                  page_tokens=b.page_tokens, block_rows=b.block_rows))
         return [i < k for i in range(c.batch)]
 
     def _residency(self, rids: list[int]) -> list[int]:

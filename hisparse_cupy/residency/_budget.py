@@ -120,6 +120,25 @@ class DeviceBudget:
         pages = int((-(-n // P)).sum()) + _checks.integer("n_sparse", n_sparse, 0) * block
         return pages * P
 
+    @staticmethod
+    def max_resident(lengths: ArrayLike, n_rows: int, *, page_tokens: int,
+                     block_rows: int) -> int:
+        """How many requests of ``lengths`` tokens (in order) can be resident with every other
+        one sparse in a budget of ``n_rows`` rows: the largest ``k`` with
+        ``rows_needed(lengths[:k], len(lengths) - k) <= n_rows``, or -1 when not even all
+        sparse fit. An engine admitting a batch at once uses it so that a greedy resident
+        admission does not leave the last requests without a block."""
+        P = _checks.integer("page_tokens", page_tokens, 1)
+        n = np.asarray(lengths, np.int64).reshape(-1)
+        if (n < 1).any():
+            raise ValueError("lengths must be >= 1")
+        rows = _checks.integer("n_rows", n_rows, 0)
+        block = -(-_checks.integer("block_rows", block_rows, 1) // P)
+        k = np.arange(n.size + 1)
+        pages = np.concatenate([[0], np.cumsum(-(-n // P))]) + (n.size - k) * block
+        fit = np.nonzero(pages * P <= rows)[0]
+        return int(fit[-1]) if fit.size else -1
+
     # ------------------------------------------------------------------ queries
     def __contains__(self, rid) -> bool:
         return rid in self._state
