@@ -1,0 +1,147 @@
+"""The load sweep's plan: which concurrencies fit which memory, in each mode.
+
+A sweep decodes ``n`` requests of one context at a time, for ``n`` from 1 up to what the host
+memory holds, and compares three modes under one GPU budget for KV (the bytes an engine leaves
+for KV after the model):
+
+- **gpu-only**: every layer's KV and the indexer's key cache on the GPU;
+- **managed**: the indexer's key cache and the always-resident layers on the GPU, and a
+  :class:`~hisparse_cupy.HotBufferCache` device budget of the rest: the first ``k`` requests
+  resident, the others sparse (:meth:`~hisparse_cupy.residency.DeviceBudget.max_resident`);
+- **sparse**: the same with every request sparse (a hot buffer each).
+
+The indexer's key cache (``indexer_bytes`` per token, FP8 keys and a scale) is kept on the GPU
+for the full layers only: the shared layers reuse their full layer's top-k. Every request
+grows to ``context + steps`` tokens, and the plan holds room for that. This module plans; it
+measures nothing and needs no GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import _checks
+from .._tables import rows_needed
+from ..residency import DeviceBudget
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model's memory per token: ``layers`` layers of ``row_bytes`` KV rows, of which
+    ``full_layers`` run the indexer (``indexer_bytes`` of key cache per token each) and the
+    first ``resident_layers`` keep their KV on the GPU in every mode; the hot buffer's sizes;
+    ``page_tokens`` rows a device page."""
+
+    layers: int = 78
+    full_layers: int = 21
+    row_bytes: int = 656
+    indexer_bytes: int = 132
+    resident_layers: int = 0
+    hot: int = 4096
+    top_k: int = 2048
+    extra_page: int = 64
+    max_steps: int = 1
+    page_tokens: int = 64
+
+    def __post_init__(self):
+        L = _checks.integer("layers", self.layers, 1)
+        _checks.integer("full_layers", self.full_layers, 0, L)
+        _checks.integer("resident_layers", self.resident_layers, 0, L - 1)
+        for name in ("row_bytes", "hot", "top_k", "extra_page", "max_steps", "page_tokens"):
+            _checks.integer(name, getattr(self, name), 1)
+        _checks.integer("indexer_bytes", self.indexer_bytes, 0)
+
+    @property
+    def cached_layers(self) -> int:
+        """Layers whose KV the cache holds (the host pool and the device budget)."""
+        return self.layers - self.resident_layers
+
+    def block_rows(self) -> int:
+        """Device rows a sparse request holds (hot slots, extra page, scratch)."""
+        return rows_needed(max_requests=1, hot_size=self.hot, top_k=self.top_k,
+                           extra_page=self.extra_page, max_steps=self.max_steps)
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One concurrency: GPU GB each mode needs (gpu-only, managed at its ``resident`` count,
+    sparse) and whether it fits the budget; the host pool's GB and whether it fits."""
+
+    concurrency: int
+    gpu_only_gb: float
+    gpu_only_fits: bool
+    resident: int  # requests the managed mode keeps resident; -1: no split fits
+    managed_gb: float  # at ``resident`` (at all sparse where nothing fits)
+    sparse_gb: float
+    sparse_fits: bool
+    host_gb: float
+    host_fits: bool
+
+
+def _per_request(T: int, s: Shape) -> tuple[int, int, int, int]:
+    """Bytes one request of ``T`` tokens needs: gpu-only (every layer's KV and the indexer's
+    key cache), fixed on the GPU in the cache's modes (the key cache, the resident layers),
+    the host pool's pages; and one device row of every cached layer."""
+    row_layer = s.cached_layers * s.row_bytes
+    pages = -(-T // s.page_tokens)
+    gpu_only = T * (s.layers * s.row_bytes + s.full_layers * s.indexer_bytes)
+    fixed = T * (s.full_layers * s.indexer_bytes + s.resident_layers * s.row_bytes)
+    return gpu_only, fixed, pages * s.page_tokens * row_layer, row_layer
+
+
+def plan(context: int, steps: int, concurrencies, *, gpu_budget_gb: float, host_gb: float,
+         shape: Shape = Shape()) -> list[PlanRow]:
+    """The plan of each concurrency (see the module docstring)."""
+    T = _tokens(context, steps)
+    budget, host_cap = _gb("gpu_budget_gb", gpu_budget_gb), _gb("host_gb", host_gb)
+    s, P = shape, shape.page_tokens
+    gpu_only, fixed, host, row_layer = _per_request(T, s)
+    pages, block = -(-T // P), -(-s.block_rows() // P)
+    out = []
+    for n in concurrencies:
+        n = _checks.integer("concurrency", n, 1)
+        room = max(0, budget - n * fixed) // row_layer  # device rows the budget leaves
+        k = DeviceBudget.max_resident([T] * n, room, page_tokens=P, block_rows=s.block_rows())
+        k0 = max(k, 0)
+        managed = n * fixed + (k0 * pages + (n - k0) * block) * P * row_layer
+        sparse = n * fixed + n * block * P * row_layer
+        out.append(PlanRow(n, n * gpu_only / GB, n * gpu_only <= budget, k, managed / GB,
+                           sparse / GB, sparse <= budget, n * host / GB, n * host <= host_cap))
+    return out
+
+
+def host_max(context: int, steps: int, *, host_gb: float, shape: Shape = Shape()) -> int:
+    """The most requests of ``context + steps`` tokens whose cached layers' KV the host
+    memory holds (pages of ``page_tokens``)."""
+    return _gb("host_gb", host_gb) // _per_request(_tokens(context, steps), shape)[2]
+
+
+def gpu_only_max(context: int, steps: int, *, gpu_budget_gb: float,
+                 shape: Shape = Shape()) -> int:
+    """The most requests gpu-only fits in the budget (KV and the indexer's key cache)."""
+    return _gb("gpu_budget_gb", gpu_budget_gb) // _per_request(_tokens(context, steps),
+                                                                shape)[0]
+
+
+def concurrencies(context: int, steps: int, *, host_gb: float, gpu_budget_gb: float,
+                  shape: Shape = Shape()) -> list[int]:
+    """The sweep's rows: 1, 2, 4, ... below :func:`host_max`, then it, and gpu-only's
+    maximum (:func:`gpu_only_max`) where it lies below."""
+    top = host_max(context, steps, host_gb=host_gb, shape=shape)
+    if top < 1:
+        raise ValueError(f"host_gb {host_gb}: not even one request of {context} tokens fits")
+    ns = {1 << i for i in range(top.bit_length())} | {top}
+    g = gpu_only_max(context, steps, gpu_budget_gb=gpu_budget_gb, shape=shape)
+    return sorted(n for n in ns | ({g} if g >= 1 else set()) if n <= top)
+
+
+def _tokens(context: int, steps: int) -> int:
+    return _checks.integer("context", context, 1) + _checks.integer("steps", steps, 0)
+
+
+def _gb(name: str, value: float) -> int:
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"{name} must be a number > 0 (GB), got {value!r}")
+    return int(value * GB)

@@ -1,0 +1,83 @@
+"""CPU: the load sweep's plan (``hisparse_cupy.demo._sweep``): which concurrencies fit which
+GPU budget in each mode, and which the host memory holds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hisparse_cupy.demo import _sweep as sw
+
+GB = 1e9
+
+
+def test_128k_at_40_gb_by_hand():
+    """128k-token requests (+64 steps) of the default shape (78 layers of 656 B rows, 21 full
+    layers with 132 B of indexer keys a token): 7.07 GB each on the GPU, so 5 fit a 40 GB
+    budget; 6.71 GB each in the host pool, so 16 fit 110 GB."""
+    T = 131072 + 64
+    per_gpu = T * (78 * 656 + 21 * 132)
+    per_host = T * 78 * 656  # T is a whole number of 64-token pages
+    assert sw.gpu_only_max(131072, 64, gpu_budget_gb=40) == int(40e9 // per_gpu) == 5
+    assert sw.host_max(131072, 64, host_gb=110) == int(110e9 // per_host) == 16
+    assert sw.concurrencies(131072, 64, host_gb=110, gpu_budget_gb=40) == [1, 2, 4, 5, 8, 16]
+    rows = {r.concurrency: r for r in sw.plan(131072, 64, [5, 6, 16], gpu_budget_gb=40,
+                                              host_gb=110)}
+    assert rows[5].gpu_only_fits and not rows[6].gpu_only_fits
+    assert rows[5].gpu_only_gb == pytest.approx(5 * per_gpu / GB)
+    # 16 requests: the indexer's keys of all 16, then the most resident that leave a block
+    # (4096 + 64 rows, 65 pages) for each of the others
+    idx, row = T * 21 * 132, 78 * 656
+    block = 65 * 64
+    k = max(k for k in range(17) if 16 * idx + (k * T + (16 - k) * block) * row <= 40e9)
+    assert rows[16].resident == k == 4
+    assert rows[16].managed_gb == pytest.approx((16 * idx + (k * T + (16 - k) * block) * row)
+                                                / GB)
+    assert rows[16].sparse_fits and rows[16].host_fits
+
+
+def test_invariants_over_random_shapes(rng):
+    for _ in range(200):
+        L = int(rng.integers(2, 100))
+        shape = sw.Shape(layers=L, full_layers=int(rng.integers(0, L + 1)),
+                         row_bytes=int(rng.choice([576, 656, 1152])),
+                         resident_layers=int(rng.integers(0, min(L, 3))),
+                         hot=int(rng.choice([512, 2048, 4096])), top_k=256,
+                         extra_page=int(rng.choice([16, 64])), page_tokens=int(rng.choice([16,
+                                                                                          64])))
+        ctx, steps = int(rng.integers(1000, 200_000)), int(rng.integers(0, 300))
+        budget, host = float(rng.uniform(1, 80)), float(rng.uniform(5, 200))
+        T, P = ctx + steps, shape.page_tokens
+        g = sw.gpu_only_max(ctx, steps, gpu_budget_gb=budget, shape=shape)
+        h = sw.host_max(ctx, steps, host_gb=host, shape=shape)
+        ns = sorted({1, 2, 3, g, g + 1, h, h + 1, int(rng.integers(1, 64))} - {0})
+        row_layer = shape.cached_layers * shape.row_bytes
+        fixed = T * (shape.full_layers * 132 + shape.resident_layers * shape.row_bytes)
+        pages, block = -(-T // P), -(-shape.block_rows() // P)
+        for r in sw.plan(ctx, steps, ns, gpu_budget_gb=budget, host_gb=host, shape=shape):
+            n = r.concurrency
+            assert r.gpu_only_fits == (n <= g) and r.host_fits == (n <= h)
+            fits = [k for k in range(n + 1) if n * fixed + (k * pages + (n - k) * block) * P
+                    * row_layer <= int(budget * GB)]
+            assert r.resident == (max(fits) if fits else -1)
+            assert r.sparse_fits == (0 in fits)
+            if r.resident >= 0:
+                assert r.managed_gb * GB <= int(budget * GB) + 1
+            if r.gpu_only_fits and n * (fixed + pages * P * row_layer) <= int(budget * GB):
+                assert r.resident == n  # what gpu-only fits, the managed mode keeps resident
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="context"):
+        sw.plan(0, 10, [1], gpu_budget_gb=40, host_gb=100)
+    with pytest.raises(ValueError, match="gpu_budget_gb"):
+        sw.plan(1000, 10, [1], gpu_budget_gb=0, host_gb=100)
+    with pytest.raises(ValueError, match="host_gb"):
+        sw.host_max(1000, 10, host_gb=True)
+    with pytest.raises(ValueError, match="concurrency"):
+        sw.plan(1000, 10, [0], gpu_budget_gb=40, host_gb=100)
+    with pytest.raises(ValueError, match="full_layers"):
+        sw.Shape(layers=4, full_layers=5)
+    with pytest.raises(ValueError, match="not even one request"):
+        sw.concurrencies(131072, 0, host_gb=1, gpu_budget_gb=40)
+    assert np.isfinite(sw.plan(1000, 0, [1], gpu_budget_gb=1, host_gb=1)[0].managed_gb)
