@@ -18,6 +18,9 @@ def test_rows_follow_the_pages():
     t = np.arange(9)
     np.testing.assert_array_equal(hp.rows(7), np.asarray(pg)[t // 4] * 4 + t % 4)
     np.testing.assert_array_equal(hp.rows(7, 5, 8), hp.rows(7)[5:8])
+    for a in range(10):  # every range, empty ones and page edges too
+        for b in range(a, 10):
+            np.testing.assert_array_equal(hp.rows(7, a, b), hp.rows(7)[a:b])
     tab = hp.table(7, 12)
     assert (tab[:9] == hp.rows(7)).all() and (tab[9:] == -1).all()
     assert hp.grow(7, 12) == [] and hp.tokens(7) == 12  # the third page holds them
