@@ -28,6 +28,7 @@ def test_admission_picks_resident_while_it_fits_then_sparse():
     t = np.arange(30)
     pg = np.asarray(b.page_table(0, 10)[:8], np.int64)
     np.testing.assert_array_equal(b.rows(0), pg[t // 4] * 4 + t % 4)
+    np.testing.assert_array_equal(b.rows(0, 3, 9), b.rows(0)[3:9])
     assert (b.page_table(0, 10)[8:] == -1).all()
 
 

@@ -160,12 +160,13 @@ class DeviceBudget:
         P = self.page_tokens
         return (pg[:, None] * P + np.arange(P)).reshape(-1)[: self.block_rows]
 
-    def rows(self, rid: int) -> np.ndarray:
-        """int64 device rows of a resident or promoting request's tokens, in token order."""
+    def rows(self, rid: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """int64 device rows of a resident or promoting request's tokens ``[start, stop)``
+        (default: every token), in token order."""
         rid = self._live(rid)
         if self._state[rid] == SPARSE:
             raise ValueError(f"rid {rid} is sparse: its tokens have no device pages")
-        return self._pages.rows(rid)
+        return self._pages.rows(rid, start, stop)
 
     def page_table(self, rid: int, width: int) -> np.ndarray:
         """int32 ``[width]``: a resident or promoting request's device pages, then -1 (the row
