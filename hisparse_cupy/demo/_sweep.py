@@ -96,17 +96,16 @@ def plan(context: int, steps: int, concurrencies, *, gpu_budget_gb: float, host_
     """The plan of each concurrency (see the module docstring)."""
     T = _tokens(context, steps)
     budget, host_cap = _gb("gpu_budget_gb", gpu_budget_gb), _gb("host_gb", host_gb)
-    s, P = shape, shape.page_tokens
-    gpu_only, fixed, host, row_layer = _per_request(T, s)
-    pages, block = -(-T // P), -(-s.block_rows() // P)
+    gpu_only, fixed, host, row_layer = _per_request(T, shape)
+    sizes = dict(page_tokens=shape.page_tokens, block_rows=shape.block_rows())
     out = []
     for n in concurrencies:
         n = _checks.integer("concurrency", n, 1)
         room = max(0, budget - n * fixed) // row_layer  # device rows the budget leaves
-        k = DeviceBudget.max_resident([T] * n, room, page_tokens=P, block_rows=s.block_rows())
+        k = DeviceBudget.max_resident([T] * n, room, **sizes)
         k0 = max(k, 0)
-        managed = n * fixed + (k0 * pages + (n - k0) * block) * P * row_layer
-        sparse = n * fixed + n * block * P * row_layer
+        managed = n * fixed + DeviceBudget.rows_needed([T] * k0, n - k0, **sizes) * row_layer
+        sparse = n * fixed + DeviceBudget.rows_needed([], n, **sizes) * row_layer
         out.append(PlanRow(n, n * gpu_only / GB, n * gpu_only <= budget, k, managed / GB,
                            sparse / GB, sparse <= budget, n * host / GB, n * host <= host_cap))
     return out
