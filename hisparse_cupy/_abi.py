@@ -32,7 +32,9 @@ import numpy as np
 # status columns (per batch row, int32 [B, N_STATUS]), shared by both swaps
 ST_RANGE = 0  # entries outside [0, seq_len) (or beyond the host_locs width)
 ST_NOHOST = 1  # misses whose token has no valid host row
-ST_BADROW = 2  # request slot outside [0, R), a negative seq_len, or no room (multi-step)
+ST_BADROW = 2  # request slot outside [0, R), a negative seq_len, or no room (multi-step);
+#               the value BADROW_NOT_RESIDENT: a sparse request in a lean step (docs/design.md 10)
+BADROW_NOT_RESIDENT = 2
 N_STATUS = 3
 STATUS_NAMES = ("range", "nohost", "badrow")
 
@@ -93,6 +95,7 @@ PREDICT_RULES = {"misses": 0, "selection": 1}
 
 CONSTANTS = {
     "ST_RANGE": ST_RANGE, "ST_NOHOST": ST_NOHOST, "ST_BADROW": ST_BADROW, "N_STATUS": N_STATUS,
+    "BADROW_NOT_RESIDENT": BADROW_NOT_RESIDENT,
     "LC_ROWS": LC_ROWS, "LC_SELECTED": LC_SELECTED, "LC_MISSES": LC_MISSES,
     "LC_FLAGGED": LC_FLAGGED, "N_LAYER_COUNTERS": N_LAYER_COUNTERS,
     "MAX_HOT": MAX_HOT, "RESOLVE_BLOCK": RESOLVE_BLOCK,
@@ -146,7 +149,7 @@ SWAP_RESOLVE = _struct([
     ("topk_stride", "i4"), ("K", "i4"), ("B", "i4"), ("R", "i4"), ("host_stride", "i4"),
     ("slot_stride", "i4"), ("lru_stride", "i4"), ("H", "i4"), ("hash_size", "i4"),
     ("out_stride", "i4"), ("plan_stride", "i4"), ("lens_stride", "i4"),
-    ("page_stride", "i4"), ("page_tokens", "i4"),
+    ("page_stride", "i4"), ("page_tokens", "i4"), ("lean", "i4"), ("pad", "i4"),
 ])
 
 PLANNED_COPY = _struct([

@@ -312,7 +312,10 @@ def raise_on_status(status, top_k_tokens, seq_lens, *, max_len: int, what: str =
     lines = []
     for b in bad[:8]:
         msg = []
-        if st[b, _abi.ST_BADROW]:
+        if st[b, _abi.ST_BADROW] == _abi.BADROW_NOT_RESIDENT:
+            msg.append("its request is not resident, in a lean step (capture a lean graph "
+                       "again after a demotion or a sparse admission)")
+        elif st[b, _abi.ST_BADROW]:
             msg.append("request slot out of range, a negative seq_len, or (multi-step) no room")
         if st[b, _abi.ST_RANGE]:
             where = []

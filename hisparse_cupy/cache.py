@@ -41,6 +41,7 @@ from .counters import LayerCounters
 from .host._pages import HostPages
 from .host._pool import HostKVPool
 from .residency._arena import DeviceArena
+from .residency._moves import ResidencyMoves
 from .step import Step, StepParts
 
 __all__ = ["HotBufferCache", "SlotsExhausted"]
@@ -56,7 +57,7 @@ class SlotsExhausted(RuntimeError):
         self.max_requests = max_requests
 
 
-class HotBufferCache:
+class HotBufferCache(ResidencyMoves):
     """Per-layer hot buffers for ``max_requests`` request slots over a pinned host pool.
 
     Parameters
@@ -404,32 +405,6 @@ class HotBufferCache:
         del self._len[rid]
         heapq.heappush(self._free, rid)
 
-    def demote(self, rid: int, n_tokens: int, *, stream: StreamLike | None = None) -> None:
-        """Resident -> sparse at a step boundary on ``stream`` (``n_tokens``: its length): its
-        hot slots take its newest H tokens, its pages return (``docs/design.md`` section 10);
-        a promotion in flight is cancelled. ``ValueError`` / ``PoolExhausted``: nothing done."""
-        s = as_stream(stream)
-        self._arena("demote").demote(self._admitted(rid), n_tokens, self.tables, self.device, s)
-        self.host.record_release(s)
-
-    def promote(self, rid: int, n_tokens: int, *, stream: StreamLike | None = None) -> None:
-        """Sparse -> resident: pages now, its first ``n_tokens`` rows loaded from the host on a
-        side stream after ``stream``'s work; resident from the next step boundary after that
-        (:meth:`switch_promoted`). ``ValueError`` / ``PoolExhausted``: nothing taken."""
-        self._arena("promote").promote(self._admitted(rid), n_tokens, self.pool,
-                                       self.host.rows, self.device, as_stream(stream))
-
-    def switch_promoted(self, stream: StreamLike | None = None) -> list[int]:
-        """Every promotion whose fill has landed becomes resident, on ``stream``, no wait (in
-        ``begin_step`` outside a capture; between graph replays, the engine's call)."""
-        if self.arena is None or not self.arena.promoting:
-            return []
-        s = as_stream(stream)
-        done = self.arena.switch(self.pool, self.host.rows, self.device, self.tables, s)
-        if done:
-            self.host.record_release(s)  # their blocks, after the switch
-        return done
-
     # ----------------------------------------------------------------- per layer
     def layer_index(self, layer) -> int:
         """``layer`` checked: an int in ``[0, n_layers)``, else a ``TypeError`` / ``ValueError``
@@ -474,7 +449,7 @@ class HotBufferCache:
     # ----------------------------------------------------------------- per step
     def begin_step(self, req_indices: ArrayLike, seq_lens: ArrayLike,
                    num_real: ArrayLike | None = None, *, stream: StreamLike | None = None,
-                   pdl: bool | None = None, prefetcher=None) -> Step:
+                   pdl: bool | None = None, prefetcher=None, lean: bool | None = None) -> Step:
         """Validate a decode step's batch once; the returned :class:`Step` runs every layer.
 
         Parameters
@@ -489,6 +464,8 @@ class HotBufferCache:
         pdl : Programmatic Dependent Launch for the dependent kernels (default: where supported).
         prefetcher : :class:`hisparse_cupy.Prefetcher` driving this cache, optional: then
             :meth:`Step.swap` runs each layer through it (IndexCache shared-layer overlap).
+        lean : run the step lean (:meth:`lean_step`: by default when every admitted request is
+            resident; ``Step.lean`` says which ran).
 
         The arrays are used in place (no copy): do not change them while the step's work is
         queued. The step holds no device memory of its own; create one per decode step.
@@ -496,7 +473,7 @@ class HotBufferCache:
         if self.arena is not None and not as_stream(stream).is_capturing():
             self.switch_promoted(stream)
         return Step(self, req_indices, seq_lens, num_real, stream=stream, pdl=pdl,
-                    prefetcher=prefetcher)
+                    prefetcher=prefetcher, lean=self.lean_step(lean))
 
     def close(self) -> None:
         """Free the host pool the cache made (after the device finished with it)."""

@@ -101,14 +101,17 @@ class Step:
     seq_lens : ``[B]`` or ``[B, S]`` lengths; ``lens_stride`` its row stride in elements,
         ``lens_step`` 1 if it has a column per step, else 0.
     num_real : int32 device scalar or None.
+    lean : whether the step runs lean (``HotBufferCache.lean_step``): single-step swaps launch
+        their resolve only and a prefetcher serves shared layers without replays.
     dtypes : ``(req dtype, seq_lens dtype)``: the kernel instances the step runs.
     device : the CUDA device id the step's arrays are on.
     """
 
     def __init__(self, cache, req_indices: ArrayLike, seq_lens: ArrayLike,
                  num_real: ArrayLike | None = None, *, stream: StreamLike | None = None,
-                 pdl: bool | None = None, prefetcher=None):
+                 pdl: bool | None = None, prefetcher=None, lean: bool = False):
         self.cache = c = cache
+        self.lean = bool(lean)
         self.stream = as_stream(stream)
         with self.stream:  # DLPack imports order on the step's stream (and stay capturable)
             self.req = _checks.index_vector("req_indices", req_indices)
@@ -133,7 +136,7 @@ class Step:
     def _single_structs(self) -> None:
         c, nr = self.cache, self.num_real
         self._resolve = swap.for_batch(c.step_parts.resolve, self.req, self.seq_lens,
-                                       self.lens_stride, self.batch, nr)
+                                       self.lens_stride, self.batch, nr, lean=self.lean)
         self._resolve_call = swap.CallFields(self._resolve)
         self._copy = c.step_parts.copy.copy()
         self._copy.put_all(B=self.batch, num_real=0 if nr is None else nr.data.ptr)
@@ -209,7 +212,9 @@ class Step:
         if self._resolve is None:
             self._single_structs()
         self._resolve_call.fill(layer, topk, out)
-        if stage is None:
+        if self.lean:  # every row resident: nothing to copy (a sparse row is refused)
+            go.resolve(go.resolve_grid, self.stream.ptr, self._resolve.addr(layer))
+        elif stage is None:
             swap.run(self._resolve, layer, self._copy, go, self.stream.ptr)
         else:
             self._copy.put(layer, **stage)

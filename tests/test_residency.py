@@ -163,7 +163,8 @@ MOVES = [(0.55, "demote", "sparse"), (0.65, "promote", "promoting"),
 def test_randomized_against_a_model():
     """50k operations at random (admit in any state, grow, demote, promote, finish, cancel,
     release, the policy's picks carried out): after each the budget's invariants hold, the
-    free pages equal the model's count, and no device row is held by two requests."""
+    free pages equal the model's count, the requests not resident are the model's (a lean
+    step's rule), and no device row is held by two requests."""
     rng = np.random.default_rng(47)
     n_pages, P, block_rows = 96, 4, 14
     b = DeviceBudget(n_pages, P, block_rows)
@@ -210,6 +211,8 @@ def test_randomized_against_a_model():
         except (PoolExhausted, ValueError, KeyError):
             pass
         assert b.free_pages == expected_free(), i
+        moving = sorted(r for r, (st, _) in model.items() if st != "resident")
+        assert b.sparse() == moving and b.all_resident() == (not moving), i
         if i % 97 == 0:
             b.check()
             rows = []

@@ -30,7 +30,7 @@ def _cache(budget_rows, max_steps=2):
                           device_budget=budget_rows, device_page=PAGE)
 
 
-def _run_steps(rng, cache, ids, lens, steps):
+def _run_steps(rng, cache, ids, lens, steps, lean=None):
     """Decode steps over every admitted request: grow, the newest token's KV written where
     ``newest_rows`` says and backed up, then each layer swapped single- or multi-step with
     the newest token among the selections; every entry's bytes checked."""
@@ -43,7 +43,8 @@ def _run_steps(rng, cache, ids, lens, steps):
         for r in rids:
             cache.grow(r, lens[r] + 1)
         seq = cupy.asarray(n + 1, cupy.int32)
-        step = cache.begin_step(req, seq)
+        step = cache.begin_step(req, seq, lean=lean)
+        assert step.lean == (cache.arena.budget.all_resident() if lean is None else lean)
         rows = cupy.asnumpy(step.newest_rows())
         assert (rows >= 0).all()
         for layer in range(L):
@@ -65,8 +66,8 @@ def _run_steps(rng, cache, ids, lens, steps):
             lens[r] += 1
 
 
-@pytest.mark.parametrize("budget", ["all", "mixed"])
-def test_resident_and_sparse_requests_through_steps(rng, budget):
+@pytest.mark.parametrize("budget,lean", [("all", None), ("all", False), ("mixed", None)])
+def test_resident_and_sparse_requests_through_steps(rng, budget, lean):
     from hisparse_cupy.residency import DeviceBudget
 
     n = [300, 100, 40, 450]
@@ -86,7 +87,7 @@ def test_resident_and_sparse_requests_through_steps(rng, budget):
     states = [cache.arena.budget.state(r) for r in sorted(ids)]
     assert states == (["resident"] * 4 if budget == "all" else
                       ["resident", "resident", "sparse", "sparse"])
-    _run_steps(rng, cache, ids, lens, 12)
+    _run_steps(rng, cache, ids, lens, 12, lean)
     # release and reuse: the slot's pages back, a new request on them
     r0 = sorted(ids)[0]
     free = cache.arena.budget.free_pages
@@ -95,7 +96,7 @@ def test_resident_and_sparse_requests_through_steps(rng, budget):
     del ids[r0], lens[r0]
     r = cache.admit(200, kv=kv_for(9, 0, 200))
     ids[r], lens[r] = 9, 200
-    _run_steps(rng, cache, ids, lens, 4)
+    _run_steps(rng, cache, ids, lens, 4, lean)
     cache.close()
 
 
@@ -283,4 +284,130 @@ def test_a_promotions_page_table_survives_growth_during_its_fill(rng):
     table = cupy.asnumpy(cache.arena.page_table[rid])
     want = cache.arena.budget.page_table(rid, table.size)
     assert (table == want).all(), (table, want)
+    cache.close()
+
+
+def _lean_rig(rng, n):
+    """An all-resident cache over requests of lengths ``n`` (prompts written), its batch."""
+    import cupy
+
+    cache = _cache(R * (MAXLEN + 2 * _block()))
+    rids = [cache.admit(m, kv=kv_for(i, 0, m)) for i, m in enumerate(n)]
+    return cache, cupy.asarray(rids, cupy.int32), cupy.asarray(n, cupy.int32)
+
+
+def _topk(rng, n):
+    return np.stack([rng.choice(m, K, replace=False) for m in n]).astype(np.int32)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_lean_step_through_a_prefetcher_eager_and_captured(rng, prefetch):
+    """Every request resident: the step runs lean by default, its full layer's resolve alone,
+    and the prefetcher serves the shared layers the full layer's rows with no replay (prefetch
+    on or off), bytes checked in every layer, eager and from a graph replayed with new
+    top-k; the same top-k through a step begun ``lean=False`` gives the same rows."""
+    import cupy
+
+    from hisparse_cupy import Prefetcher
+
+    n = [300, 100, 40]
+    cache, req, seq = _lean_rig(rng, n)
+    pf = Prefetcher(cache, "FSS", enabled=prefetch)
+    s = cupy.cuda.Stream(non_blocking=True)
+    tk_dev = cupy.empty((len(n), K), cupy.int32)
+    outs = cupy.full((L, len(n), K), -7, cupy.int32)
+
+    def step(lean=None):
+        with s:  # the copies into outs too
+            st = cache.begin_step(req, seq, prefetcher=pf, lean=lean)
+            for layer in range(L):
+                outs[layer] = st.swap(layer, tk_dev if layer == 0 else None)
+            st.finish()
+        return st
+
+    for captured in (False, True):
+        tk = _topk(rng, n)
+        tk_dev.set(tk, stream=s)
+        if captured:
+            s.begin_capture()
+            st = step()
+            graph = s.end_capture()
+            tk = _topk(rng, n)
+            tk_dev.set(tk, stream=s)
+            outs.fill(-7)
+            graph.launch(s)
+        else:
+            st = step()
+        assert st.lean
+        s.synchronize()
+        got = cupy.asnumpy(outs)
+        for layer in range(L):
+            assert (got[layer] == got[0]).all()
+            for b in range(len(n)):
+                check_rows(cache, layer, b, tk[b], got[layer, b])
+        assert (cupy.asnumpy(cache.plan.count[:len(n)]) == 0).all()
+    step(lean=False)
+    s.synchronize()
+    assert (cupy.asnumpy(outs) == got).all()
+    cache.close()
+
+
+def test_a_lean_graph_refuses_a_request_demoted_after_its_capture(rng):
+    """A graph captured lean and replayed after a demotion: the demoted request's row is
+    refused (-1 entries, status BADROW_NOT_RESIDENT; nothing planned, no other row touched),
+    never served stale rows; raise_on_status names it; ``lean=True`` now raises."""
+    import cupy
+
+    from hisparse_cupy import _abi
+
+    n = [300, 100]
+    cache, req, seq = _lean_rig(rng, n)
+    s = cupy.cuda.Stream(non_blocking=True)
+    tk = _topk(rng, n)
+    tk_dev = cupy.asarray(tk)
+    out = cupy.full((len(n), K), -7, cupy.int32)
+    s.begin_capture()
+    with s:
+        st = cache.begin_step(req, seq)
+        out[...] = st.swap(1, tk_dev)
+    graph = s.end_capture()
+    assert st.lean
+    cache.demote(int(req[1]), n[1], stream=s)
+    s.synchronize()
+    before = cupy.asnumpy(cache.device_rows(1))
+    graph.launch(s)
+    s.synchronize()
+    got = cupy.asnumpy(out)
+    check_rows(cache, 1, 0, tk[0], got[0])
+    assert (got[1] == -1).all()
+    status = cupy.asnumpy(cache.status[:2])
+    assert status[1, _abi.ST_BADROW] == _abi.BADROW_NOT_RESIDENT and not status[0].any()
+    assert int(cache.plan.count[1]) == 0
+    assert (cupy.asnumpy(cache.device_rows(1)) == before).all()
+    with pytest.raises(ValueError, match="not resident, in a lean step"):
+        st.raise_on_status(tk_dev)
+    with pytest.raises(ValueError, match=r"lean=True needs every admitted request resident"):
+        cache.begin_step(req, seq, stream=s, lean=True)
+    st = cache.begin_step(req, seq, stream=s)
+    assert not st.lean
+    got = cupy.asnumpy(st.swap(1, tk_dev, check=True))
+    for b in range(2):
+        check_rows(cache, 1, b, tk[b], got[b])
+    cache.close()
+
+
+def test_lean_needs_a_budget_and_a_bool(rng):
+    import cupy
+
+    from hisparse_cupy import HotBufferCache
+
+    cache = HotBufferCache(n_layers=L, max_requests=R, max_len=MAXLEN, row_bytes=ROW,
+                           hot_size=H, top_k=K, extra_page=P)
+    r = cache.admit(50, kv=kv_for(0, 0, 50))
+    req, seq = cupy.asarray([r], cupy.int32), cupy.asarray([50], cupy.int32)
+    assert not cache.begin_step(req, seq).lean
+    with pytest.raises(ValueError, match="no device budget"):
+        cache.begin_step(req, seq, lean=True)
+    with pytest.raises(TypeError, match="lean must be"):
+        cache.begin_step(req, seq, lean=1)
     cache.close()

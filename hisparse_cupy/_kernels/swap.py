@@ -272,10 +272,12 @@ def layer_structs(states, *, status: cupy.ndarray, plan: MissPlan,
 
 
 def for_batch(layers: Structs, req: cupy.ndarray, lens: cupy.ndarray, lens_stride: int, B: int,
-              num_real: cupy.ndarray | None) -> Structs:
-    """A copy of the per-layer structs with the batch's fields in every layer."""
+              num_real: cupy.ndarray | None, *, lean: bool = False) -> Structs:
+    """A copy of the per-layer structs with the batch's fields in every layer (``lean``: a
+    lean step's, which refuses a row whose request is not resident)."""
     st = layers.copy()
-    st.put_all(req=ptr(req), lens=ptr(lens), lens_stride=lens_stride, B=B, num_real=ptr(num_real))
+    st.put_all(req=ptr(req), lens=ptr(lens), lens_stride=lens_stride, B=B, num_real=ptr(num_real),
+               lean=int(lean))
     return st
 
 

@@ -147,6 +147,15 @@ class DeviceBudget:
         """``"resident"``, ``"sparse"`` or ``"promoting"``."""
         return self._state[self._live(rid)]
 
+    def all_resident(self) -> bool:
+        """Whether every admitted request is resident (none sparse or promoting): a step may
+        then run lean (``HotBufferCache.begin_step(lean=)``)."""
+        return all(st == RESIDENT for st in self._state.values())
+
+    def sparse(self) -> list[int]:
+        """The admitted requests that are not resident (sparse or promoting), in slot order."""
+        return sorted(r for r, st in self._state.items() if st != RESIDENT)
+
     def tokens(self, rid: int) -> int:
         return self._tokens[self._live(rid)]
 

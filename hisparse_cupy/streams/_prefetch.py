@@ -18,6 +18,10 @@ full layer's page table, still hold the same bytes at the same rows. Per decode 
   replay: the first shared layer waits on its one event, the others on nothing) and gets the
   full layer's page table back. No hashing, no LRU, no host synchronization.
 
+In a lean step (``HotBufferCache.begin_step(lean=)``: every request resident) a single-step full
+layer forks nothing: each shared layer gets its page table back at once, prefetch on or off,
+since a resident request's rows are the same in every layer.
+
 With prefetch off (:meth:`Prefetcher.set_enabled`), every layer, shared ones included, runs
 the full swap-in on the main stream with its full layer's top-k: the "no overlap" mode.
 
@@ -243,6 +247,7 @@ class Prefetcher:
         self._anchor_batch = 0
         self._anchor_topk = None
         self._anchor_out = None
+        self._lean = False  # the anchor's swap ran lean
         self._queued = 0  # replays queued for the current group
         self._whole = False  # ... in one launch (one event, at its last position)
         self._joined = 0  # leading positions the main stream has waited on
@@ -304,6 +309,8 @@ class Prefetcher:
             if step.batch != self._anchor_batch:
                 raise ValueError(f"shared layer {layer} has batch {step.batch}, its full layer "
                                  f"had {self._anchor_batch}")
+            if self._lean:  # hazard 17: every row resident, the full layer's rows are its
+                return LayerCall(loc, self._anchor_topk, served=True, out=self._anchor_out)
             if self._enabled:
                 self._wait_position(self.pattern.position(loc), s)
                 return LayerCall(loc, self._anchor_topk, served=True, out=self._anchor_out)
@@ -325,6 +332,11 @@ class Prefetcher:
             return
         self._anchor, self._anchor_batch = loc, step.batch
         self._anchor_topk, self._anchor_out = call.top_k, out
+        # a lean step's single-step swap: every row resident, its rows serve every layer of
+        # the group as they are (no replay, no staging; hazard 17)
+        self._lean = step.lean and len(getattr(call.top_k, "shape", ())) == 2
+        if self._lean:
+            return
         group = self.pattern.groups[loc] if self._enabled else ()
         nxt = None
         if self._enabled and self._predict and len(getattr(call.top_k, "shape", ())) == 2:

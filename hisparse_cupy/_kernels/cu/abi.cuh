@@ -30,6 +30,7 @@ constexpr int LC_FLAGGED = HS_LC_FLAGGED;
 constexpr int ST_RANGE = HS_ST_RANGE;
 constexpr int ST_NOHOST = HS_ST_NOHOST;
 constexpr int ST_BADROW = HS_ST_BADROW;
+constexpr int BADROW_NOT_RESIDENT = HS_BADROW_NOT_RESIDENT;
 constexpr int N_STATUS = HS_N_STATUS;
 constexpr int MAX_HOT = HS_MAX_HOT;
 constexpr int RESOLVE_BLOCK = HS_RESOLVE_BLOCK;
@@ -96,6 +97,9 @@ struct SwapResolveParams {
   i32 hash_size;           // shared hash slots (power of two >= 64)
   i32 out_stride, plan_stride, lens_stride;
   i32 page_stride, page_tokens;
+  i32 lean;                // a lean step (every request resident when it began): a sparse row
+                           // is refused (status ST_BADROW = BADROW_NOT_RESIDENT), not planned
+  i32 pad;
 };
 
 // ---- planned copy (plan.cu). Grid: any, block COPY_WARPS * 32.

@@ -214,6 +214,15 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
     }
     return;
   }
+  if (p.lean) {  // a lean step serves resident rows only: no copy follows, no replay (a graph
+                 // captured lean, replayed after a demotion); refused, nothing touched
+    for (int i = kb + tid; i < ke; i += BLOCK) o[i] = -1;
+    if (rank == 0 && tid == 0) {
+      plan_count[b] = 0;
+      write_status(st, 0, 0, BADROW_NOT_RESIDENT);
+    }
+    return;
+  }
 
   if (seq <= H) {  // positional fast path: token p lives in slot p
     sync_row(C);   // rank 0's counters are zero before anyone adds
