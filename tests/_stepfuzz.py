@@ -6,7 +6,9 @@ pool of 1-16 tokens a page, its pages handed out in random order) and then decod
 
 - on the GPU, often a device budget: requests admitted resident or sparse, demoted, promoted
   and switched between steps, grown with a demotion first where their pages would take the
-  room kept for blocks;
+  room kept for blocks; steps begun lean by default while every request is resident, at times
+  ``lean=False`` or ``lean=True`` where it may be, and a graph captured lean captured again once
+  a request is not resident (docs/overlap_hazards.md, hazard 17);
 - lifecycle churn: requests admitted (short ones in positional layout, long ones cold or warm,
   prefill KV from the host or the device; on paged pools often a fork of a live request's
   written prefix, ``admit(prefix=...)``, and at times one past it, which must be refused) and
@@ -174,6 +176,7 @@ class Fuzz:
         self.first_bad = xp.full(1, 2**62, xp.int64)
         self.steps = self.calls = self.graph_steps = self.toggles = self.busy_steps = 0
         self.forks = self.refused_forks = self.moves = 0
+        self.lean_steps = self.lean_asked = 0
         self.busy_now = False
         self.kinds_used: set = set()
         self.stream_obj, self.stream = None, None  # the last step's (argument, CuPy view)
@@ -461,6 +464,17 @@ class Fuzz:
         if self.steps % self.sync_every == 0:
             self.raise_if_bad()
 
+    def _draw_lean(self) -> dict:
+        """``begin_step``'s lean: mostly the default (lean while every request is resident),
+        sometimes forced off, sometimes demanded when it may be (a budget's cache only)."""
+        b, u = self._budget(), self.rng.random()
+        if b is None or u < 0.6:
+            return {}
+        if u < 0.8 or not b.all_resident():
+            return {"lean": False}
+        self.lean_asked += 1
+        return {"lean": True}
+
     def _toggle(self) -> None:
         """Prefetch and/or prediction flipped between steps, on any stream it accepts."""
         rng, pf = self.rng, self.pf
@@ -519,7 +533,9 @@ class Fuzz:
         with self._with(view):
             d_req, d_lens = xp.asarray(greq), xp.asarray(glens)
             d_nr = xp.asarray(np.array([nr], np.int32)) if pad or rng.random() < 0.2 else None
-        step = c.begin_step(d_req, d_lens, d_nr, stream=obj, prefetcher=self.pf)
+        step = c.begin_step(d_req, d_lens, d_nr, stream=obj, prefetcher=self.pf,
+                            **self._draw_lean())
+        self.lean_steps += getattr(step, "lean", False)
         with self._with(view):
             rows = step.newest_rows()
             self._write_newest(req, lens, rows, nr)
@@ -679,7 +695,8 @@ class Fuzz:
         self._drafts(req, lens, obj, view)
         B = self.R
         g = self._graph
-        if g is None or g["S"] != S or g["view"] is not view:
+        if g is None or g["S"] != S or g["view"] is not view or (
+                g["lean"] and not self._budget().all_resident()):  # hazard 17
             g = self._capture(S, obj, view)
         nr = len(req)
         greq = np.concatenate([req, rng.integers(-2, self.R + 3, B - nr)]).astype(np.int32)
@@ -709,6 +726,7 @@ class Fuzz:
             rows = cupy.asarray(self._expected_newest(req, lens))
             self._write_newest(req, lens, rows, nr)
             g["graph"].launch(view)
+            self.lean_steps += g["lean"]
             self._check(g["outs"], tks, greq, glens, nr, g["rows"])
             self._tape(g["outs"], tks, greq, glens, nr)
         self.graph_steps += 1
@@ -728,7 +746,9 @@ class Fuzz:
             shape = (B, S, self.K) if S > 1 else (B, self.K)
             g["rows"] = cupy.empty(B, cupy.int32)
             g["outs"] = [cupy.empty(shape, cupy.int32) for _ in range(self.L)]
-        step = c.begin_step(g["req"], g["lens"], g["nr"], stream=obj, prefetcher=self.pf)
+        step = c.begin_step(g["req"], g["lens"], g["nr"], stream=obj, prefetcher=self.pf,
+                            **self._draw_lean())
+        g["lean"] = getattr(step, "lean", False)
 
         def body():
             rows = step.newest_rows()
@@ -765,6 +785,7 @@ class Fuzz:
                     graph_steps=self.graph_steps, toggles=self.toggles,
                     busy_steps=self.busy_steps, forks=self.forks,
                     refused_forks=self.refused_forks, moves=self.moves,
+                    lean_steps=self.lean_steps, lean_asked=self.lean_asked,
                     streams=sorted(self.kinds_used),
                     errors=dict(zip(CHECKS, errs, strict=True)),
                     first_bad_step=None if first >= 2**62 else first,
@@ -830,12 +851,13 @@ def main(argv=None) -> int:
     bad = [r for r in res if "failure" in r]
     tot = {k: sum(r[k] for r in res)
            for k in ("steps", "calls", "graph_steps", "toggles", "busy_steps", "forks",
-                     "refused_forks", "moves")}
+                     "refused_forks", "moves", "lean_steps", "lean_asked")}
     kinds = sorted(set().union(*(r["streams"] for r in res)))
     print(f"step fuzz ({'CPU model' if a.cpu else 'GPU'}): {len(res)} seeds, {tot['steps']} "
           f"steps, {tot['calls']} swap calls, {tot['graph_steps']} graph replays, "
           f"{tot['toggles']} prefetch toggles, {tot['forks']} forks ({tot['refused_forks']} "
           f"past the written tokens refused), {tot['moves']} residency moves, "
+          f"{tot['lean_steps']} lean steps ({tot['lean_asked']} asked lean=True), "
           f"{tot['busy_steps']} steps "
           f"with CuPy's current "
           f"stream busy, streams {kinds}, {wall:.0f} s: "
