@@ -103,12 +103,13 @@ def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
                          "--predict-rule": ["misses"], "--matmul": ["torch"],
                          "--resident-layers": ["2"], "--replay-grid": ["8"],
                          "--replay-rows-per-warp": ["8"],
-                         "--group-replay-batch": ["0"], "--device-budget": ["4"]}.get(flag, []))
+                         "--group-replay-batch": ["0"], "--device-budget": ["4"],
+                         "--resident-requests": ["1"]}.get(flag, []))
         with pytest.raises(SystemExit, match=f"{flag} needs the GPU decode loop"):
             cpu_config(arg)
     assert cpu_config(["--mtp", "1"]).mtp == 1  # off: nothing to refuse
     for off in (["--eager"], ["--no-predict"], ["--no-partition"], ["--side-sms", "0"],
-                ["--predict-rule", "selection"], ["--matmul", "cublas"]):
+                ["--predict-rule", "selection"], ["--matmul", "cublas"], ["--no-lean"]):
         cpu_config(off)  # what the NumPy backend runs anyway: accepted
     assert cpu_config(["--mode", "offload"]).modes == ("gpu-only", "offload")
     # one flag given: the small values of the others follow it

@@ -44,6 +44,8 @@ class Config:
     matmul: str = "cublas"  # the layer matmuls: cuBLAS through ctypes, or torch.matmul
     shared_prefix: int = 0  # requests 1.. share request 0's first N tokens (host pages)
     device_budget: float | None = None  # GB of device rows for the cache (None: no budget)
+    lean: bool = True  # steps run lean while every request is resident (begin_step(lean=None))
+    resident_requests: int | None = None  # a budget sized for this many resident, the rest sparse
     resident_layers: int = 0  # layers 0 .. N-1 keep their KV on the GPU (from_args: auto)
     json: str | None = None
     png: str | None = None
@@ -79,6 +81,10 @@ class Config:
         need(self.batch >= 1, f"--batch must be >= 1, got {self.batch}")
         need(self.device_budget is None or self.device_budget > 0,
              f"--device-budget must be > 0 GB, got {self.device_budget}")
+        need(self.resident_requests is None or 0 <= self.resident_requests <= self.batch,
+             f"--resident-requests must be in [0, --batch], got {self.resident_requests}")
+        need(self.resident_requests is None or self.device_budget is None,
+             "--resident-requests sizes the device budget itself: give it or --device-budget")
         need(self.steps >= 1 and self.warmup >= 0,
              f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
         need(1 <= self.top_k <= self.hot, f"--top-k must be in [1, --hot={self.hot}]")
@@ -282,6 +288,14 @@ def parser() -> argparse.ArgumentParser:
       help="the offloaded modes' device rows as a budget of GB (docs/design.md section 10): "
            "requests resident (all their KV on the GPU) while it holds them, sparse beyond "
            "(default: no budget, every request sparse)")
+    a("--resident-requests", type=int, default=d.resident_requests, metavar="K",
+      help="a device budget sized for K requests resident at their longest and a sparse "
+           "block for each of the others (DeviceBudget.rows_needed): K = --batch runs every "
+           "request resident, K = 0 every one sparse")
+    a("--no-lean", dest="lean", action="store_false",
+      help="with a device budget holding every request resident, run the steps as a mixed "
+           "batch would (begin_step(lean=False): full layers' copy launches, shared layers' "
+           "replays) instead of lean (the default)")
     a("--resident-layers", type=int, default=None, metavar="N",
       help="layers 0 .. N-1 keep their whole KV on the GPU in every mode, the cache holds the "
            "rest (default: lru, the generator's low-overlap layers, whose top-k shares about "
@@ -297,9 +311,10 @@ CPU_DEFAULTS = {"layers": 8, "batch": 2, "context": 1536, "steps": 12, "warmup":
                 "top_k": 128, "hot": 512, "extra_page": 8, "recent": 4, "resident_layers": 0}
 CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hidden",
                "--side-sms", "--predict-rule", "--matmul", "--resident-layers", "--replay-grid",
-               "--replay-rows-per-warp", "--group-replay-batch", "--device-budget")
-# (--mtp 1, --mode gpu-only / offload, --eager, --no-predict and --no-partition are what the
-# NumPy backend runs: accepted)
+               "--replay-rows-per-warp", "--group-replay-batch", "--device-budget",
+               "--resident-requests")
+# (--mtp 1, --mode gpu-only / offload, --eager, --no-predict, --no-partition and --no-lean are
+# what the NumPy backend runs: accepted)
 
 
 def given(argv=None) -> set[str]:
@@ -392,6 +407,7 @@ def from_args(argv=None, *, check: bool = True) -> Config:
                  group_replay_batch=ns.group_replay_batch, predict_rule=ns.predict_rule,
                  matmul=ns.matmul,
                  shared_prefix=ns.shared_prefix, device_budget=ns.device_budget,
+                 resident_requests=ns.resident_requests, lean=ns.lean,
                  execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)
     cfg.resident_layers = auto_resident(cfg) if ns.resident_layers is None else \
         ns.resident_layers

@@ -21,9 +21,12 @@ import numpy as np
 
 from .._abi import LC_MISSES
 from ..cache import HotBufferCache
+from ..residency import DeviceBudget
 from ..streams import Prefetcher
 from ._config import PAGE_TOKENS, ROW_BYTES, Config
 from ._model import Kernels, Model
+
+DEVICE_PAGE = 64  # tokens a device page of the budget holds (--device-budget, --resident-requests)
 
 
 @dataclasses.dataclass
@@ -40,6 +43,8 @@ class RunResult:
     # with "full" (the full-layer mask) and "batch" for the self-check
     counters: dict | None = None
     predict: dict | None = None  # predict mode: Prefetcher.predict_summary() over every step
+    resident: int | None = None  # offloaded runs with a device budget: requests resident
+    lean: bool | None = None  # offloaded runs: whether the steps ran lean (Step.lean)
 
 
 def coprime(n: int) -> int:
@@ -141,6 +146,7 @@ class Rig:
         self.swap_s = 0.0
         self.swap_n = 0
         self.time_host = False
+        self.lean = False  # the last offloaded step ran lean
 
     def _generate(self) -> None:
         """``--topk-model lru``: every step's top-k of every full layer, made on the CPUs
@@ -229,12 +235,28 @@ class Rig:
                                   page_tokens=b.page_tokens, block_rows=b.block_rows))
         return [i < k for i in range(c.batch)]
 
+    def _budget_rows(self) -> int | None:
+        """Device rows per cached layer: ``--device-budget`` GB over the cached layers, or a
+        budget for ``--resident-requests`` K requests resident at their longest and a block
+        for each of the others; None: no budget."""
+        c = self.cfg
+        if c.resident_requests is not None:
+            block = HotBufferCache.rows_needed(max_requests=1, hot_size=c.hot, top_k=c.top_k,
+                                               extra_page=c.extra_page, max_steps=c.mtp)
+            k = c.resident_requests
+            return DeviceBudget.rows_needed([c.max_len] * k, c.batch - k,
+                                            page_tokens=DEVICE_PAGE, block_rows=block)
+        if c.device_budget is not None:
+            return int(c.device_budget * 1e9) // (len(self.cached) * ROW_BYTES)
+        return None
+
     def _residency(self, rids: list[int]) -> list[int]:
         """With a device budget: how many requests it holds resident (logged)."""
         arena = self.cache.arena
         if arena is not None:
             st = [arena.budget.state(r) for r in rids]
-            self.log(f"device budget: {arena.n_rows} rows a layer ({self.cfg.device_budget} GB)"
+            gb = arena.n_rows * len(self.cached) * ROW_BYTES / 1e9
+            self.log(f"device budget: {arena.n_rows} rows a layer ({gb:.2f} GB)"
                      f", {st.count('resident')} of {len(rids)} requests resident")
         return rids
 
@@ -266,9 +288,9 @@ class Rig:
             paged = {} if not self.paged else {"page_tokens": PAGE_TOKENS} \
                 if self.pool is not None else \
                 {"page_tokens": PAGE_TOKENS, "pool_rows": self.paged_rows(c)}
-            if c.device_budget is not None:  # rows per layer of the cached layers
-                paged["device_budget"] = int(c.device_budget * 1e9) // (
-                    len(self.cached) * ROW_BYTES)
+            rows = self._budget_rows()
+            if rows is not None:
+                paged.update(device_budget=rows, device_page=DEVICE_PAGE)
             self.cache = HotBufferCache(n_layers=len(self.cached), max_requests=c.batch,
                                         max_len=c.max_len, row_bytes=ROW_BYTES, hot_size=c.hot,
                                         top_k=c.top_k, extra_page=c.extra_page,
@@ -362,7 +384,9 @@ class Rig:
                                                    np.int32(c.max_len), np.int32(0)), stream=s)
         if not gpu_only:
             cache = self.cache
-            st = cache.begin_step(self.req, self.lens, stream=s, prefetcher=self.pf)
+            st = cache.begin_step(self.req, self.lens, stream=s, prefetcher=self.pf,
+                                  lean=None if c.lean else False)
+            self.lean = st.lean
             rows = st.newest_rows()  # the model writes this step's KV there
             k.kv_newest((B, len(self.cached)), (96,),
                         (cache.device, np.int64(cache.device[0].nbytes), self.req, self.lens,
@@ -460,9 +484,12 @@ class Rig:
         if mode != "gpu-only":
             ctr = {**self.cache.counters.read(s),
                    "full": np.asarray(self.full[self.R:], bool), "batch": c.batch}
+        arena = None if mode == "gpu-only" else self.cache.arena
+        resident = None if arena is None else sum(
+            arena.budget.state(r) == "resident" for r in range(c.batch))
         return RunResult(mode, exec_, step_ms, cupy.asnumpy(self.digest),
                          moved[w:, 0], moved[w:, 1], swap_us,
-                         ctr, pred)
+                         ctr, pred, resident, None if mode == "gpu-only" else self.lean)
 
     def close(self) -> None:
         self.free_cache()

@@ -90,7 +90,9 @@ def summarize(cfg: Config, results, n_full: int) -> list[dict]:
                        hit_rate=1.0 - float(r.misses.mean()) / entries,
                        mb_per_step=nbytes / 1e6,
                        gbps=(nbytes / (over * 1e-3) / 1e9) if over and over > 0 else None,
-                       swap_call_us=r.swap_call_us)
+                       swap_call_us=r.swap_call_us, lean=r.lean)
+            if r.resident is not None:
+                row["resident"] = r.resident
             if r.mode in ("overlap", "predict") and g is not None and off.get(r.exec, 0) > g:
                 row["hidden_pct"] = 100 * (off[r.exec] - mean) / (off[r.exec] - g)
             if r.predict is not None:
@@ -103,9 +105,16 @@ def _fmt(v, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
+def _resident(row: dict) -> str:
+    """Requests resident under a device budget, "lean" when the steps ran lean."""
+    n = row.get("resident")
+    return "-" if n is None else f"{n}{' lean' if row.get('lean') else ''}"
+
+
 def table(rows: list[dict]) -> str:
     head = (f"{'mode':<9}{'exec':<6}{'mean ms':>9}{'p50':>8}{'p99':>8}{'overhead':>10}"
-            f"{'':>8}{'hidden':>8}{'hit rate':>10}{'MB/step':>9}{'GB/s':>7}{'swap us':>11}")
+            f"{'':>8}{'hidden':>8}{'hit rate':>10}{'MB/step':>9}{'GB/s':>7}{'swap us':>11}"
+            f"{'resident':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
         over = r.get("overhead_ms")
@@ -117,7 +126,8 @@ def table(rows: list[dict]) -> str:
             f"{r['p99_ms']:>8.3f}{over_s:>10}{_fmt(r.get('overhead_pct'), '+.1f'):>7}%"
             f"{hid_s:>8}"
             f"{_fmt(r.get('hit_rate'), '.4f'):>10}{_fmt(r.get('mb_per_step'), '.1f'):>9}"
-            f"{_fmt(r.get('gbps'), '.1f'):>7}{_fmt(r.get('swap_call_us'), '.1f'):>11}")
+            f"{_fmt(r.get('gbps'), '.1f'):>7}{_fmt(r.get('swap_call_us'), '.1f'):>11}"
+            f"{_resident(r):>10}")
     return "\n".join(lines)
 
 
