@@ -5,8 +5,9 @@ holds one request of ``--tokens`` tokens (``--layers`` layers of ``--row-bytes``
 prompt made on the GPU and admitted resident: host pool and device pages). Per rep:
 
 - **demote** on the step's stream: the device time of the work it queues (CUDA events around
-  the call: tables built, the newest H tokens copied from its pages into its block in every
-  layer) and the host time of the call;
+  the call, the stream held busy by a 20 ms spin before them, so the host has queued it all
+  before the device starts: tables built, the newest H tokens copied from its pages into its
+  block in every layer) and the host time of the call;
 - **promote**: its pages taken and every written token's rows loaded from the host pool on the
   cache's side stream; the fill's time from an event recorded just before the call to the
   fill's own event, against ``cudaMemcpyAsync`` host -> device of the same bytes from the same
@@ -36,6 +37,7 @@ from _timing import device_info, write_json  # noqa: E402
 
 from hisparse_cupy import HotBufferCache  # noqa: E402
 from hisparse_cupy.residency import DeviceBudget  # noqa: E402
+from hisparse_cupy.testing._spin import spin_ms  # noqa: E402
 from hisparse_cupy.testing.selfcheck import pattern  # noqa: E402
 
 PAGE = 64
@@ -71,6 +73,7 @@ def run(tokens: int, n_layers: int, row_bytes: int, reps: int) -> dict:
     demote_gpu, demote_host, fill, ceiling = [], [], [], []
     for _ in range(reps + 1):  # the first rep is a warm-up
         e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        spin_ms(20, s)  # the device starts the demotion's work after the host queued it all
         e0.record(s)
         t0 = time.perf_counter()
         cache.demote(rid, tokens, stream=s)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 # one copy of each, in the package's test harness (shared with the self-check)
 from hisparse_cupy.testing.twin import lru_state, pattern  # noqa: F401
 
@@ -44,7 +42,6 @@ def stream_kinds(cupy, *, every: bool = False):
     return kinds
 
 
-_SPIN = {}
 
 
 def stale_pool(cupy) -> None:
@@ -61,11 +58,6 @@ def stale_pool(cupy) -> None:
 def spin(cupy, cycles: int) -> None:
     """Queue one thread spinning ``cycles`` clock cycles on CuPy's current stream (a stream
     held busy, so that work queued after it visibly waits)."""
-    k = _SPIN.get("k")
-    if k is None:
-        k = _SPIN["k"] = cupy.RawKernel(r'''
-extern "C" __global__ void spin(long long cycles) {
-  long long t0 = clock64();
-  while (clock64() - t0 < cycles) { }
-}''', "spin")
-    k((1,), (1,), (np.int64(cycles),))
+    from hisparse_cupy.testing._spin import spin as queue
+
+    queue(cycles)
