@@ -208,9 +208,10 @@ def main(argv=None) -> int:
     argv = [a for a in argv if a != "--cpu"]
     if shared and cpu:
         raise SystemExit("pd_decode: --shared-pool is the GPU decode loop's (a shared HostKVPool)")
-    # every layer's prompt arrives over NIXL into the pool: none is kept on the GPU
-    model_argv = ["--resident-layers", "0"] + [a for a in argv
-                                               if a not in _FLAGS]
+    # every layer's prompt arrives over NIXL into the pool: none is kept on the GPU, and no
+    # device budget (every request sparse) unless the flags give one
+    model_argv = ["--resident-layers", "0", "--device-budget", "0"] + [a for a in argv
+                                                                       if a not in _FLAGS]
     cfg = cpu_config(model_argv) if cpu else from_args(model_argv)  # --help ends here
     try:
         nixl_api()

@@ -223,7 +223,9 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str =
                             **({"device_id": torch.device("cuda", gpu)} if backend == "nccl"
                                else {}))
     # every layer in the ranks' shared pool (--resident-layers N > 0: Rig refuses a given pool)
-    cfg = from_args(["--resident-layers", "0"] + argv + (["--quiet"] if rank else []))
+    # every request sparse (no device budget): the ranks share one host pool's rows
+    cfg = from_args(["--resident-layers", "0", "--device-budget", "0"] + argv +
+                    (["--quiet"] if rank else []))
     cfg.execs = ("eager",)  # the all-reduce goes through torch: eager steps only (main()
     # refuses --graph, --eager-and-graph and --side-sms)
     log = (lambda msg: None) if cfg.quiet else (lambda msg: print(f"[rank {rank}] {msg}",

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "decode_loop.py"
 SMALL = ["--layers", "8", "--batch", "3", "--context", "2304", "--hot", "1024", "--top-k",
-         "256", "--steps", "6", "--warmup", "3"]
+         "256", "--steps", "6", "--warmup", "3", "--device-budget", "0"]  # the sparse path
 
 
 def _run(*args: str) -> str:
@@ -289,6 +289,31 @@ def test_example_on_gpu_default_configuration(tmp_path, partition):
 
 
 @pytest.mark.gpu
+def test_example_on_gpu_device_budgets(tmp_path):
+    """The default budget (auto) holds every request resident: the steps run lean, nothing is
+    copied; --resident-requests 1 forces a mix (one resident, two sparse: not lean, rows
+    copied); --resident-requests 3 --no-lean runs every request resident as a mixed batch
+    would. Every mode of every run bit-identical to gpu-only."""
+    base = [a for a in SMALL if a not in ("--device-budget", "0")]
+    want = {(): (3, True), ("--resident-requests", "1"): (1, False),
+            ("--resident-requests", "3", "--no-lean"): (3, False)}
+    for extra, (resident, lean) in want.items():
+        js = tmp_path / f"r{len(extra)}.json"
+        out = _run(*base, "--topk-model", "drift", "--graph", "--json", str(js), *extra)
+        assert "self-check passed" in out, extra
+        doc = json.loads(js.read_text())
+        assert doc["self_check"] == "passed"
+        for r in doc["summary"]:
+            if r["mode"] == "gpu-only":
+                continue
+            assert (r["resident"], r["lean"]) == (resident, lean), (extra, r)
+            if resident == 3:  # every token selected has its device row: no copy
+                assert r["hit_rate"] == 1.0 and r["mb_per_step"] == 0, (extra, r)
+            else:
+                assert r["hit_rate"] < 1.0 and r["mb_per_step"] > 0, (extra, r)
+
+
+@pytest.mark.gpu
 def test_example_on_gpu_torch_matmuls_and_the_misses_rule(tmp_path):
     """--matmul torch (the layer matmuls are PyTorch ops on the step's stream) with graphs and
     eager steps, and prediction's other rule (misses only): every mode bit-identical to
@@ -395,3 +420,22 @@ def test_the_numpy_loop_refuses_a_size_that_cannot_fit_before_allocating(capsys)
     run(cpu_config(["--steps", "1", "--warmup", "0", "--layers", "2"]))
     out = capsys.readouterr().out
     assert out.index("setting up: 2 prompts") < out.index("set up in") < out.index("step   0")
+
+
+def test_device_budget_flags_parse():
+    """--device-budget: auto (the default), 0 (no budget) or GB > 0; anything else refused,
+    naming the flag; --resident-requests sizes a budget itself and refuses a GB beside it."""
+    from hisparse_cupy.demo._config import from_args
+
+    assert from_args([]).device_budget == "auto"
+    assert from_args(["--device-budget", "0"]).device_budget is None
+    assert from_args(["--device-budget", "2.5"]).device_budget == 2.5
+    assert from_args(["--resident-requests", "1"]).resident_requests == 1
+    assert from_args(["--no-lean"]).lean is False and from_args([]).lean is True
+    for bad in ("-1", "lots"):
+        with pytest.raises(SystemExit):
+            from_args(["--device-budget", bad])
+    with pytest.raises(SystemExit, match="--resident-requests sizes the device budget itself"):
+        from_args(["--resident-requests", "1", "--device-budget", "4"])
+    with pytest.raises(SystemExit, match=r"--resident-requests must be in \[0, --batch\]"):
+        from_args(["--batch", "2", "--resident-requests", "3"])

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The decode loop's figures: GLM-5.2's 78-layer pattern, every mode eager and graph-captured,
+# The decode loop's figures (the sparse path: no device budget): GLM-5.2's 78-layer pattern,
+# every mode eager and graph-captured,
 # on the lru top-k streams (the default) and on the drift model at 1 % and 5 % new tokens per
 # step, at the given batch:context pairs. One process per configuration (each pins its own
 # host pool); JSON, PNG and logs under $OUT/demo_figures.
@@ -40,7 +41,7 @@ if [ $residency = 1 ]; then
   for bc in "$@"; do
     b=${bc%%:*} ctx=${bc##*:}
     base=(--batch "$b" --context "$ctx" --graph)
-    run "b${b}_ctx${ctx}_sparse" "${base[@]}"
+    run "b${b}_ctx${ctx}_sparse" "${base[@]}" --device-budget 0
     run "b${b}_ctx${ctx}_resident" "${base[@]}" --resident-requests "$b"
     run "b${b}_ctx${ctx}_resident_nolean" "${base[@]}" --resident-requests "$b" --no-lean
     [ "$b" -gt 1 ] && run "b${b}_ctx${ctx}_half" "${base[@]}" --resident-requests $((b / 2))
@@ -53,7 +54,7 @@ for bc in "$@"; do
     if [ $share = lru ]; then name="b${b}_ctx${ctx}_lru" topk=()
     else name="b${b}_ctx${ctx}_new${share}" topk=(--topk-model drift --new-share "$share"); fi
     t0=$SECONDS
-    $PY -m hisparse_cupy demo --batch "$b" --context "$ctx" ${topk[@]+"${topk[@]}"} \
+    $PY -m hisparse_cupy demo --batch "$b" --context "$ctx" ${topk[@]+"${topk[@]}"} --device-budget 0 \
       --warmup "$warmup" --steps "$steps" --eager-and-graph --quiet \
       --json "$dir/$name.json" --png "$dir/$name.png" >"$dir/$name.log" 2>&1
     rc=$?

@@ -122,8 +122,9 @@ def main(argv=None) -> int:
     from hisparse_cupy.demo._config import from_args
     from hisparse_cupy.demo._loop import Rig
 
+    # no device budget unless the demo flags give one: the sparse path's timeline
     cfg = from_args(["--batch", str(ns.batch), "--warmup", "2", "--steps", str(ns.steps),
-                     "--quiet", *ns.demo])
+                     "--quiet", "--device-budget", "0", *ns.demo])
     s = cupy.cuda.Stream(non_blocking=True)
     rig = Rig(cfg, s, lambda *_: None)
     full = rig.pattern.full

@@ -43,7 +43,9 @@ class Config:
     predict_rule: str = "selection"  # the prediction stager's rule (Prefetcher(predict_rule=))
     matmul: str = "cublas"  # the layer matmuls: cuBLAS through ctypes, or torch.matmul
     shared_prefix: int = 0  # requests 1.. share request 0's first N tokens (host pages)
-    device_budget: float | None = None  # GB of device rows for the cache (None: no budget)
+    # GB of device rows for the cache, "auto" (every request resident while the GPU holds
+    # it: the command line's default) or None (no budget: every request sparse)
+    device_budget: float | str | None = None
     lean: bool = True  # steps run lean while every request is resident (begin_step(lean=None))
     resident_requests: int | None = None  # a budget sized for this many resident, the rest sparse
     resident_layers: int = 0  # layers 0 .. N-1 keep their KV on the GPU (from_args: auto)
@@ -79,11 +81,11 @@ class Config:
 
         need(self.layers >= 1, f"--layers must be >= 1, got {self.layers}")
         need(self.batch >= 1, f"--batch must be >= 1, got {self.batch}")
-        need(self.device_budget is None or self.device_budget > 0,
-             f"--device-budget must be > 0 GB, got {self.device_budget}")
+        need(self.device_budget in (None, "auto") or self.device_budget > 0,
+             f"--device-budget must be auto, 0 or > 0 GB, got {self.device_budget}")
         need(self.resident_requests is None or 0 <= self.resident_requests <= self.batch,
              f"--resident-requests must be in [0, --batch], got {self.resident_requests}")
-        need(self.resident_requests is None or self.device_budget is None,
+        need(self.resident_requests is None or self.device_budget in (None, "auto"),
              "--resident-requests sizes the device budget itself: give it or --device-budget")
         need(self.steps >= 1 and self.warmup >= 0,
              f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
@@ -284,10 +286,12 @@ def parser() -> argparse.ArgumentParser:
            "wait once (default: the Prefetcher's, 2); 0: layer by layer")
     a("--shared-prefix", type=int, default=d.shared_prefix, metavar="N",
       help="requests 1.. are forks of request 0 sharing the host pages of its first N tokens")
-    a("--device-budget", type=float, default=d.device_budget, metavar="GB",
-      help="the offloaded modes' device rows as a budget of GB (docs/design.md section 10): "
-           "requests resident (all their KV on the GPU) while it holds them, sparse beyond "
-           "(default: no budget, every request sparse)")
+    a("--device-budget", type=_budget, default="auto", metavar="GB",
+      help="the offloaded modes' device rows as a budget (docs/design.md section 10): requests "
+           "resident (all their KV on the GPU) while it holds them, sparse beyond; auto (the "
+           "default): every request resident if the GPU's free memory holds them, else as "
+           "many as it holds; GB: that many; 0: no budget, every request sparse (the hot "
+           "buffer path alone)")
     a("--resident-requests", type=int, default=d.resident_requests, metavar="K",
       help="a device budget sized for K requests resident at their longest and a sparse "
            "block for each of the others (DeviceBudget.rows_needed): K = --batch runs every "
@@ -308,13 +312,27 @@ def parser() -> argparse.ArgumentParser:
 
 # the NumPy backend's values for flags not given, and the flags it cannot honour
 CPU_DEFAULTS = {"layers": 8, "batch": 2, "context": 1536, "steps": 12, "warmup": 0,
-                "top_k": 128, "hot": 512, "extra_page": 8, "recent": 4, "resident_layers": 0}
+                "top_k": 128, "hot": 512, "extra_page": 8, "recent": 4, "resident_layers": 0,
+                "device_budget": None}
 CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hidden",
                "--side-sms", "--predict-rule", "--matmul", "--resident-layers", "--replay-grid",
                "--replay-rows-per-warp", "--group-replay-batch", "--device-budget",
                "--resident-requests")
-# (--mtp 1, --mode gpu-only / offload, --eager, --no-predict, --no-partition and --no-lean are
-# what the NumPy backend runs: accepted)
+# (--mtp 1, --mode gpu-only / offload, --eager, --no-predict, --no-partition, --no-lean and
+# --device-budget 0 are what the NumPy backend runs: accepted)
+
+
+def _budget(value: str) -> float | str | None:
+    """``--device-budget``: "auto", 0 (None: no budget) or GB > 0."""
+    if value == "auto":
+        return value
+    try:
+        gb = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"auto or a number of GB, got {value!r}") from None
+    if gb < 0:
+        raise argparse.ArgumentTypeError(f"must be auto, 0 or > 0 GB, got {value}")
+    return gb or None
 
 
 def given(argv=None) -> set[str]:
@@ -340,7 +358,8 @@ def cpu_config(argv=None) -> Config:
                and (f != "--side-sms" or bool(cfg.side_sms))
                and (f != "--predict-rule" or cfg.predict_rule != "selection")
                and (f != "--matmul" or cfg.matmul != "cublas")
-               and (f != "--resident-layers" or cfg.resident_layers > 0)]
+               and (f != "--resident-layers" or cfg.resident_layers > 0)
+               and (f != "--device-budget" or cfg.device_budget is not None)]
     if refused:
         raise SystemExit(f"demo: {' and '.join(refused)} need{'s' if len(refused) == 1 else ''} "
                          f"the GPU decode loop; the NumPy reference backend runs single-step "

@@ -27,6 +27,7 @@ from ._config import PAGE_TOKENS, ROW_BYTES, Config
 from ._model import Kernels, Model
 
 DEVICE_PAGE = 64  # tokens a device page of the budget holds (--device-budget, --resident-requests)
+AUTO_RESERVE = 4 << 30  # --device-budget auto leaves this much GPU memory free (buffers, tables)
 
 
 @dataclasses.dataclass
@@ -236,16 +237,26 @@ class Rig:
         return [i < k for i in range(c.batch)]
 
     def _budget_rows(self) -> int | None:
-        """Device rows per cached layer: ``--device-budget`` GB over the cached layers, or a
-        budget for ``--resident-requests`` K requests resident at their longest and a block
-        for each of the others; None: no budget."""
+        """Device rows per cached layer: a budget for ``--resident-requests`` K requests
+        resident at their longest and a block for each of the others; ``--device-budget``
+        auto: every request resident if the free GPU memory (less :data:`AUTO_RESERVE` and
+        the resident layers' KV) holds them, else what it holds; GB over the cached layers;
+        None: no budget."""
         c = self.cfg
-        if c.resident_requests is not None:
-            block = HotBufferCache.rows_needed(max_requests=1, hot_size=c.hot, top_k=c.top_k,
-                                               extra_page=c.extra_page, max_steps=c.mtp)
-            k = c.resident_requests
+        block = HotBufferCache.rows_needed(max_requests=1, hot_size=c.hot, top_k=c.top_k,
+                                           extra_page=c.extra_page, max_steps=c.mtp)
+
+        def rows(k: int) -> int:  # k requests resident at their longest, a block each other
             return DeviceBudget.rows_needed([c.max_len] * k, c.batch - k,
                                             page_tokens=DEVICE_PAGE, block_rows=block)
+
+        if c.resident_requests is not None:
+            return rows(c.resident_requests)
+        if c.device_budget == "auto":  # every request resident if the free memory holds it
+            row = len(self.cached) * ROW_BYTES  # a row in every cached layer
+            low = self.R * c.batch * c.max_len * ROW_BYTES  # resident layers, made after
+            free = cupy.cuda.runtime.memGetInfo()[0] - low - AUTO_RESERVE
+            return max(rows(0), min(rows(c.batch), free // row))
         if c.device_budget is not None:
             return int(c.device_budget * 1e9) // (len(self.cached) * ROW_BYTES)
         return None
