@@ -30,6 +30,12 @@ The operators (``torch.ops.hisparse.*``):
   newest-token rows (:meth:`Step.newest_rows`, :meth:`Step.backup_newest`);
 - ``finish(cache) -> ()``: :meth:`Step.finish`.
 
+A cache with a device budget (``docs/design.md`` section 10): the operators' steps run lean
+while every request is resident (``HotBufferCache.lean_step``) and a new step begins after a
+demotion or an admission that is not resident; promotions switch at the first call after a
+``finish``. Demote and promote between steps; a graph captured lean is captured again once a
+request is not resident (as for ``begin_step``).
+
 Order. The operators change state that torch does not hold (the cache's tables, its device
 rows, the host pool), so they are registered as *ordered effects*: torch.compile threads an
 effect token through them, which keeps them in program order and never drops one (``finish``
@@ -133,14 +139,22 @@ class TorchCache:
         """The :class:`~hisparse_cupy.Step` of this batch on torch's current stream (the last
         one again when the buffers and the stream are the same)."""
         s = torch.cuda.current_stream()
+        # with a device budget, whether the step runs lean (a demotion between steps makes a
+        # new, not lean, Step: the cached one would refuse the demoted request's rows)
+        lean = self.cache.arena is not None and self.cache.lean_step()
         key = (_layout(req), _layout(seq_lens), None if num_real is None else _layout(num_real),
-               s.cuda_stream)
+               s.cuda_stream, lean)
         if self._step is None or self._step[0] != key:
             st = self.cache.begin_step(
                 _view(req), _view(seq_lens), None if num_real is None else _view(num_real),
                 stream=s, prefetcher=self.prefetcher)
             self._step = (key, st)
         return self._step[1]
+
+    def forget_step(self) -> None:
+        """Make the next operator call begin a new :class:`~hisparse_cupy.Step` (``finish``
+        does, while a promotion is in flight: its switch happens at a step's beginning)."""
+        self._step = None
 
     def anchor_top_k(self, layer: int, top_k: Tensor, stream):
         """With a prefetcher: a full layer's top-k copied into the TorchCache's own buffer. Its
@@ -242,6 +256,8 @@ def _finish(cache: int) -> None:
     tc = _cache(cache)
     if tc.prefetcher is not None:
         tc.prefetcher.finish(torch.cuda.current_stream())
+    if tc.cache.arena is not None and tc.cache.arena.promoting:
+        tc.forget_step()  # the next step's begin_step switches the promotions that landed
 
 
 @_finish.register_fake

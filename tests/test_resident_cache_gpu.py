@@ -411,3 +411,41 @@ def test_lean_needs_a_budget_and_a_bool(rng):
     with pytest.raises(TypeError, match="lean must be"):
         cache.begin_step(req, seq, lean=1)
     cache.close()
+
+
+def test_torch_operators_follow_residency_changes(rng):
+    """The torch operators over a budget's cache: steps lean while every request is resident,
+    a new (not lean) step after a demotion between steps, the promotion switched at the first
+    call after ``finish``; every selected token's bytes checked through the operators."""
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    from hisparse_cupy.torch import TorchCache
+
+    n = [300, 100]
+    cache, _, _ = _lean_rig(rng, n)
+    tc = TorchCache(cache)
+    lens = list(n)
+    req = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+
+    def step():
+        seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        tk = _topk(rng, lens)
+        for layer in range(L):
+            got = tc.swap(layer, torch.as_tensor(tk, device="cuda"), req, seq)
+            torch.cuda.synchronize()
+            for b in range(2):
+                check_rows(cache, layer, b, tk[b], got[b].cpu().numpy())
+        tc.finish()
+        return tc.step(req, seq, None)
+
+    assert step().lean
+    cupy.cuda.get_current_stream().synchronize()
+    cache.demote(1, lens[1], stream=torch.cuda.current_stream())
+    assert not step().lean  # the demoted request's rows through the sparse path
+    cache.promote(1, lens[1], stream=torch.cuda.current_stream())
+    cache.arena.promoting[1][0].synchronize()  # the fill landed
+    step()  # finish() forgets the step: the next call's begin_step switches the promotion
+    assert cache.arena.budget.state(1) == "resident" and not cache.arena.promoting
+    assert step().lean
+    cache.close()
