@@ -115,14 +115,15 @@ class DeviceArena:
         n = _checks.integer("n_tokens", n, 1, self.budget.tokens(rid))
         H = tables.hot_size
         warm = np.arange(max(0, n - 1 - H), n - 1) if n > H else np.zeros(0, np.int64)
-        pages = self.budget.rows(rid)  # read before the pages go back
+        lo = n - 1 - H if n > H else 0  # the kept tokens are lo .. n - 1
+        pages = self.budget.rows(rid, lo, n)  # their rows, read before the pages go back
         block, _ = self.budget.demote(rid)  # raises PoolExhausted with nothing changed
         tables.place(rid, block, stream)
         tables.reset(rid, stream)
         slots, tokens = tables.fill_admitted(rid, n, warm, stream)
         tables.init_multistep(rid, stream)
         with stream:
-            src = cupy.asarray(pages[tokens].astype(np.int64).reshape(1, -1))
+            src = cupy.asarray(pages[tokens - lo].astype(np.int64).reshape(1, -1))
             dst = cupy.asarray(block[slots].astype(np.int32).reshape(1, -1))
             count = cupy.full(1, len(tokens), cupy.int32)
             self.resident[rid] = 0
