@@ -45,6 +45,7 @@ import time
 
 import numpy as np
 
+from hisparse_cupy import PoolExhausted
 from hisparse_cupy.testing.selfcheck import pattern
 
 CHECKS = ("missing row", "two rows for one token", "wrong bytes", "row for an invalid entry",
@@ -315,10 +316,25 @@ class Fuzz:
 
     def _move(self) -> None:
         """A residency change between steps: a resident request demoted, a sparse one
-        promoted when its pages fit, or the promotions that landed switched."""
+        promoted when its pages fit, or the promotions that landed switched; or the cache's
+        default policy (``make_room`` for more pages than are free, ``promote_ready`` keeping
+        the blocks the fuzz's engine keeps)."""
         b = self._budget()
         rid = int(self.rng.choice(list(self.active)))
         obj, view = self._pick_stream()
+        if self.rng.random() < 0.3:  # the cache's default policy
+            written = {r: v[1] for r, v in self.active.items()}
+            if self.rng.random() < 0.5:
+                try:
+                    self.moves += len(self.c.make_room(
+                        b.free_pages + int(self.rng.integers(1, 64)), written, stream=obj))
+                except PoolExhausted:  # nothing demoted
+                    pass
+            else:
+                holders = sum(1 for r in self.active if b.state(r) != "resident")
+                self.moves += len(self.c.promote_ready(
+                    written, keep_free=b.block_pages * (self.R - holders), stream=obj))
+            return
         st = b.state(rid)
         if st == "resident":
             self.c.demote(rid, self.active[rid][1], stream=obj)

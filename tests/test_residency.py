@@ -135,6 +135,20 @@ def test_room_for_demotes_the_longest_idle_then_the_largest():
     b.check()
 
 
+def test_room_for_refuses_when_the_first_demotion_has_no_block():
+    """A demotion takes its block before its pages return: with fewer free pages than a
+    block, no demotion can start, and room_for says so rather than name victims."""
+    b = DeviceBudget(10, 4, block_rows=8)  # block: 2 pages
+    b.admit(0, 32)  # 8 pages
+    b.admit(1, 5)  # 2 pages: none free
+    assert b.free_pages == 0 and b.room_for(0) == []
+    with pytest.raises(PoolExhausted, match="a demotion first takes a block of 2"):
+        b.room_for(1)
+    assert b.state(0) == b.state(1) == "resident" and b.free_pages == 0
+    b.release(1)  # 2 free: the block fits, demoting 0 frees 8 - 2
+    assert b.room_for(8) == [0]
+
+
 def test_rows_needed_is_what_a_budget_takes():
     rng = np.random.default_rng(0)
     for _ in range(50):

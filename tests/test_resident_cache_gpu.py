@@ -449,3 +449,39 @@ def test_torch_operators_follow_residency_changes(rng):
     assert cache.arena.budget.state(1) == "resident" and not cache.arena.promoting
     assert step().lean
     cache.close()
+
+
+def test_the_default_policy_makes_room_and_promotes_when_it_returns(rng):
+    """make_room demotes the longest idle resident request (bytes checked through steps
+    after it), refuses with nothing changed when no demotion makes the room or a count is
+    missing; promote_ready promotes once room returns, keep_free respected."""
+    from hisparse_cupy import PoolExhausted
+
+    n = [300, 200, 100]
+    block = _block()
+    from hisparse_cupy.residency import DeviceBudget
+
+    cache = _cache(DeviceBudget.rows_needed([m + 40 for m in n], 1, page_tokens=PAGE,
+                                            block_rows=block))
+    b = cache.arena.budget
+    ids, lens = {}, {}
+    for i, m in enumerate(n):
+        r = cache.admit(m, kv=kv_for(i, 0, m))
+        ids[r], lens[r] = i, m
+    assert all(b.state(r) == "resident" for r in ids)
+    b.touch([1, 2])  # request 0 idle longest
+    free = b.free_pages
+    with pytest.raises(ValueError, match="written has no token count for request slot 0"):
+        cache.make_room(free + 1, {1: lens[1]})
+    with pytest.raises(PoolExhausted):
+        cache.make_room(10**6, lens)
+    assert all(b.state(r) == "resident" for r in ids) and b.free_pages == free
+    assert cache.make_room(free + 1, lens) == [0]
+    assert b.state(0) == "sparse" and b.free_pages >= free + 1
+    _run_steps(rng, cache, ids, lens, 3)  # request 0 through the sparse path
+    assert cache.promote_ready(lens, keep_free=b.free_pages) == []  # would eat the reserve
+    assert cache.promote_ready(lens) == [0]
+    cache.arena.promoting[0][0].synchronize()
+    _run_steps(rng, cache, ids, lens, 3)  # its begin_step switches it
+    assert b.state(0) == "resident"
+    cache.close()

@@ -304,12 +304,16 @@ class DeviceBudget:
         """The resident requests to demote, in order, so that ``pages`` more pages are free
         afterwards: longest idle first, then those holding the most pages; never one of
         ``keep``. Empty when they fit already. Raises :class:`PoolExhausted` when demoting
-        every other resident request would not make the room (nothing is demoted here)."""
+        every other resident request would not make the room, or when fewer pages are free
+        than the block the first demotion takes (nothing is demoted here)."""
         need = _checks.integer("pages", pages, 0)
         kept = {int(r) for r in np.asarray(keep, np.int64).reshape(-1).tolist()}
         free = self.free_pages
         cands = sorted((r for r, st in self._state.items() if st == RESIDENT and r not in kept),
                        key=lambda r: (self._used[r], -len(self._pages.pages(r)), r))
+        if free < need and free < self.block_pages:  # a demotion takes its block first
+            raise PoolExhausted(f"room for {need} pages (a demotion first takes a block of "
+                                f"{self.block_pages})", need, free, "device")
         out = []
         for r in cands:
             if free >= need:

@@ -1,12 +1,16 @@
 """A cache's residency moves (``docs/design.md`` section 10), mixed into
 :class:`~hisparse_cupy.HotBufferCache`: demotion, promotion, the switch of promoted requests at a
-step boundary, and whether a step may run lean. They use the cache's ``arena`` (a
+step boundary, the default policy applied (``make_room``, ``promote_ready``), and whether a step
+may run lean. They use the cache's ``arena`` (a
 :class:`~hisparse_cupy.residency._arena.DeviceArena`, or None without a device budget), its
 tables, device rows, host pool and map.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from .. import _checks
 from .._checks import StreamLike
 from .._kernels._launch import as_stream
 
@@ -14,7 +18,8 @@ __all__ = ["ResidencyMoves"]
 
 
 class ResidencyMoves:
-    """Demote, promote, switch, and the lean-step rule of a cache with a device budget."""
+    """Demote, promote, switch, the default policy and the lean-step rule of a cache with a
+    device budget."""
 
     def demote(self, rid: int, n_tokens: int, *, stream: StreamLike | None = None) -> None:
         """Resident -> sparse at a step boundary on ``stream`` (``n_tokens``: its length): its
@@ -41,6 +46,47 @@ class ResidencyMoves:
         if done:
             self.host.record_release(s)  # their blocks, after the switch
         return done
+
+    def make_room(self, pages: int, written: Mapping[int, int], *, keep=(),
+                  stream: StreamLike | None = None) -> list[int]:
+        """The default policy's demotions, at a step boundary on ``stream``: the resident
+        requests :meth:`DeviceBudget.room_for` names (longest idle first, then the largest;
+        never one of ``keep``) are demoted until ``pages`` more pages are free. ``written``:
+        request slot -> tokens it has written (each demotion's ``n_tokens``). Returns the
+        demoted request slots (empty when the pages are free already). ``PoolExhausted``
+        (no set of demotions makes the room) or ``ValueError`` (a count missing or out of
+        range): nothing demoted."""
+        budget = self._arena("make_room").budget
+        victims = budget.room_for(pages, keep=keep)
+        counts = []
+        for r in victims:
+            if r not in written:
+                raise ValueError(f"written has no token count for request slot {r}, which "
+                                 f"make_room would demote")
+            counts.append(_checks.integer(f"written[{r}]", written[r], 1, budget.tokens(r)))
+        s = as_stream(stream)
+        for r, n in zip(victims, counts, strict=True):
+            self.demote(r, n, stream=s)
+        return victims
+
+    def promote_ready(self, written: Mapping[int, int], *, keep_free: int = 0,
+                      stream: StreamLike | None = None) -> list[int]:
+        """The default policy's promotions: the sparse requests whose pages fit
+        (:meth:`DeviceBudget.promotable`: most recently used first), each only while
+        ``keep_free`` pages stay free after it (e.g. the blocks an engine keeps for its next
+        admissions and demotions), and only those ``written`` has a count for (tokens
+        written: each promotion's ``n_tokens``). Returns the request slots whose fill began
+        (resident from a step boundary after it lands: :meth:`switch_promoted`)."""
+        budget = self._arena("promote_ready").budget
+        keep_free = _checks.integer("keep_free", keep_free, 0)
+        s = as_stream(stream)
+        out = []
+        for r in budget.promotable():
+            if r in written and budget.free_pages - budget.pages_for(
+                    budget.tokens(r)) >= keep_free:
+                self.promote(r, written[r], stream=s)
+                out.append(r)
+        return out
 
     def lean_step(self, lean: bool | None = None) -> bool:
         """Whether a step begun now runs lean (``begin_step(lean=)``): ``None`` (the default)
