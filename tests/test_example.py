@@ -352,6 +352,24 @@ def test_example_on_gpu_resident_layers(tmp_path):
 
 
 @pytest.mark.gpu
+def test_example_on_gpu_mtp_on_the_lru_streams(tmp_path):
+    """--mtp 3 on the lru streams (a call's drafts: three consecutive draws of each full
+    layer's stream), overlap on the shared layers, graphs and eager: bit-identical to gpu-only;
+    the drafts' distinct share reported."""
+    js = tmp_path / "r.json"
+    out = _run(*SMALL, "--mtp", "3", "--eager-and-graph", "--json", str(js))
+    assert "self-check passed" in out and "MTP 3: a call's draft steps select" in out
+    doc = json.loads(js.read_text())
+    assert doc["self_check"] == "passed"
+    assert 1 / 3 < doc["topk_shape"]["draft_union"] < 1
+    rows = {(r["mode"], r["exec"]): r for r in doc["summary"]}
+    assert {m for m, _ in rows} == {"gpu-only", "offload", "overlap"}
+    for (mode, _), r in rows.items():
+        if mode != "gpu-only":
+            assert 0 < r["hit_rate"] < 1 and r["mb_per_step"] > 0, r
+
+
+@pytest.mark.gpu
 def test_example_on_gpu_resident_layers_multistep():
     out = _run(*SMALL, "--mtp", "2", "--topk-model", "drift", "--resident-layers", "2",
                "--graph")

@@ -114,8 +114,8 @@ def test_the_demo_flags_of_the_streams_are_checked():
         from_args(["--step-overlap", "2"])
     with pytest.raises(SystemExit, match="shape --topk-model lru's streams"):
         from_args(["--topk-model", "drift", "--step-overlap", "0.5"])
-    with pytest.raises(SystemExit, match="--mtp 2-4 needs --topk-model drift"):
-        from_args(["--mtp", "2"])
+    c = from_args(["--mtp", "3"])  # the lru streams, three draft steps a call
+    assert (c.topk_model, c.mtp) == ("lru", 3) and "predict" not in c.modes
     c = from_args(["--mtp", "2", "--topk-model", "drift"])
     assert "predict" not in c.modes  # prediction is single-step: the default modes drop it
     with pytest.raises(SystemExit, match="--mode predict is single-step"):
@@ -144,3 +144,42 @@ def test_generate_in_parallel_equals_the_stream_step_by_step():
     with pytest.raises(ValueError, match="rng must be"):
         TopKStream(shape, n_full=1, batch=2, top_k=K, context=CONTEXT,
                    rng=[np.random.default_rng(0)])
+
+
+def test_mtp_draft_steps_are_consecutive_draws_within_the_tokens():
+    """--mtp S on the lru streams: decode step t draws S consecutive selections of each full
+    layer at its length (no draft token selected before its KV exists); a call's drafts
+    overlap as consecutive steps do, so the distinct share of its S x K entries follows from
+    the measured step overlap, between 1 / S and 1."""
+    from hisparse_cupy.demo._topk_model import (
+        StreamShape,
+        draft_lens,
+        draft_union,
+        generate,
+        measure,
+    )
+
+    K, ctx, steps, B, S = 64, 1024, 6, 2, 3
+    lens = draft_lens(ctx, steps, S, B)
+    assert lens.shape == (steps * S, B)
+    assert (lens[:, 0] == ctx + np.repeat(np.arange(steps), S)).all()
+    tab, initial = generate(StreamShape(recent=4), n_full=4, top_k=K, context=ctx, lens=lens,
+                            rng=np.random.default_rng(5), workers=1)
+    assert tab.shape == (steps * S, 4, B, K)
+    assert (tab < lens[:, None, :, None]).all() and (tab >= 0).all()
+    u = draft_union(tab, S)
+    assert 1 / S < u < 1
+    # by hand: the distinct tokens of each call, layer and request
+    calls = [len(np.unique(tab[t * S:(t + 1) * S, j, b])) for t in range(steps)
+             for j in range(4) for b in range(B)]
+    assert u == pytest.approx(np.mean(calls) / (S * K))
+    # consecutive drafts overlap as the stream's steps do: with overlap o between
+    # neighbours, S drafts hold at least K (1 + (S - 1)(1 - o)) - overlaps of non-neighbours
+    o = float(np.mean(measure(list(tab), initial, (K,))["step_overlap"][2:]))
+    assert 0.3 < o < 0.95
+    # (the low layers share almost nothing from step to step: their drafts are all distinct)
+    assert draft_union(tab[:, :2], S) > 0.9  # (the recent tokens repeat in every draw)
+    assert draft_union(tab[:, 2:], S) == pytest.approx((1 + (S - 1) * (1 - o)) / S, abs=0.06)
+    assert draft_union(tab[:, :, :, :], 1) == 1.0  # one draw: K distinct tokens
+    with pytest.raises(ValueError, match="not a multiple of drafts"):
+        draft_union(tab[:-1], S)

@@ -110,8 +110,6 @@ class Config:
              f"--layer-overlap must be in [0, 1], got {self.layer_overlap}")
         need(self.topk_model == "lru" or (self.step_overlap, self.layer_overlap) == (None, None),
              "--step-overlap and --layer-overlap shape --topk-model lru's streams")
-        need(self.topk_model == "drift" or self.mtp == 1,
-             "--mtp 2-4 needs --topk-model drift (the lru streams are single-step)")
         need(self.mtp == 1 or "predict" not in self.modes,
              "--mode predict is single-step (prediction stages single-step swaps): with --mtp "
              "2-4 leave it out (--no-predict)")
@@ -156,7 +154,7 @@ class Config:
         model = 2 * (HEADS * V_VALUES * self.hidden + self.hidden * HEADS * ROW_VALUES) + \
             Q * 2 * (self.hidden + HEADS * ROW_VALUES + HEADS * V_VALUES) + \
             Q * 64 * HEADS * (V_VALUES + 2) * 4
-        if self.topk_model == "lru":  # the streams' table: [steps, n_full, B, K] int32
+        if self.topk_model == "lru":  # the streams' table: [steps * S, n_full, B, K] int32
             model += self.total_steps * len(self.pattern_obj().full_layers) * Q * self.top_k * 4
         offload = any(m != "gpu-only" for m in self.modes)
         return {"host_pinned": (L - R) * layer if offload else 0, "gpu_resident": L * layer,
@@ -254,7 +252,9 @@ def parser() -> argparse.ArgumentParser:
     a("--hot", type=int, default=d.hot, help="hot slots per request (H)")
     a("--extra-page", type=int, default=d.extra_page, help="slots after the hot slots (P)")
     a("--hidden", type=int, default=d.hidden, help="hidden size of the MLP stand-in")
-    a("--mtp", type=int, default=d.mtp, help="draft steps per swap (2-4: multi-step swap)")
+    a("--mtp", type=int, default=d.mtp,
+      help="draft steps per swap (2-4: multi-step swap; on the lru streams a call's drafts are "
+           "consecutive draws of each full layer's stream)")
     a("--mode", action="append", choices=MODES,
       help="modes to run (repeatable; default all, without predict at --mtp 2-4; gpu-only "
            "always runs as the reference; predict = overlap + prediction of the next full "

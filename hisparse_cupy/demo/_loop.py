@@ -155,20 +155,26 @@ class Rig:
         own on the device (:attr:`table`, int32 ``[steps, n_full, B, K]``)."""
         import os
 
-        from ._topk_model import generate, shape_for, shape_report
+        from ._topk_model import draft_lens, draft_union, generate, shape_for, shape_report
 
         c = self.cfg
         shape = shape_for(c.step_overlap, c.layer_overlap, c.recent)
-        n_full, T = len(self.pattern.full_layers), c.total_steps
-        lens = np.broadcast_to(c.context + np.arange(T)[:, None], (T, c.batch))
+        n_full, S = len(self.pattern.full_layers), c.mtp
+        lens = draft_lens(c.context, c.total_steps, S, c.batch)  # S draws per decode step
+        T = lens.shape[0]
         t0 = time.perf_counter()
         tab, initial = generate(shape, n_full=n_full, top_k=c.top_k, context=c.context,
                                 lens=lens, rng=np.random.default_rng(c.seed))
         self.log(f"top-k streams: {T} steps x {n_full} full layers x {c.batch} requests made in "
                  f"{time.perf_counter() - t0:.1f} s ({min(c.batch, os.cpu_count() or 1)} "
-                 f"processes)")
+                 f"processes)" + (f"; MTP {S}: each call's {S} draft steps are {S} "
+                                  f"consecutive draws" if S > 1 else ""))
         self.topk_shape = shape_report(shape, list(tab), initial, c.hot, requests=4,
                                        log=self.log)
+        if S > 1:  # what the multi-step swap resolves once
+            self.topk_shape["draft_union"] = u = draft_union(tab, S)
+            self.log(f"MTP {S}: a call's draft steps select {100 * u:.1f} % distinct tokens "
+                     f"of their {S} x {c.top_k} entries")
         with self.s:
             self.table = cupy.asarray(tab)
 
@@ -408,11 +414,11 @@ class Rig:
         locs = self.locs if S > 1 else self.locs.reshape(B, K)
         for layer in range(c.layers):
             if self.full[layer] and self.table is not None:
-                n = B * K  # (lru streams are single-step: Config.check)
+                n = B * S * K  # draft s of step t: the table's step t * S + s
                 k.topk_table((-(-n // 256),), (256,),
                              (self.table, np.int32(self.table.shape[1]),
-                              np.int32(self.full_rank[layer]), np.int32(n), self.step_ctr,
-                              self.topk), stream=s)
+                              np.int32(self.full_rank[layer]), np.int32(B * K), np.int32(K),
+                              np.int32(S), self.step_ctr, self.topk), stream=s)
             elif self.full[layer]:
                 k.topk_drift((-(-K // 256), B * S), (256,),
                              (self.topk, np.int32(S), np.int32(K), np.int32(self.M),

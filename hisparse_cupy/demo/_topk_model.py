@@ -333,6 +333,30 @@ def measure(steps: list[np.ndarray], initial, hots: tuple[int, ...]) -> dict:
     return out
 
 
+def draft_lens(context: int, steps: int, drafts: int, batch: int) -> np.ndarray:
+    """The generator's ``lens`` (int64 ``[steps * drafts, batch]``) for multi-token prediction:
+    decode step ``t`` (length ``context + t``) draws ``drafts`` consecutive selections of each
+    full layer, all within its tokens (a draft token has no KV before its step writes it), one
+    LRU stack advancing through them: a call's draft steps overlap as consecutive steps do."""
+    t = np.repeat(np.arange(steps, dtype=np.int64), drafts)
+    return np.broadcast_to((context + t)[:, None], (steps * drafts, batch)).copy()
+
+
+def draft_union(table: np.ndarray, drafts: int) -> float:
+    """Of ``table`` (int ``[steps * drafts, n_full, batch, K]``, :func:`draft_lens`' steps),
+    the mean over calls, layers and requests of the distinct tokens of a call's ``drafts``
+    selections per ``drafts * K`` entries: what a multi-step swap resolves once (1 / drafts
+    when the drafts select alike, 1 when they share nothing)."""
+    T, n_full, B, K = table.shape
+    if drafts < 1 or T % drafts:
+        raise ValueError(f"table has {T} steps, not a multiple of drafts={drafts}")
+    calls = table.reshape(T // drafts, drafts, n_full, B, K).transpose(0, 2, 3, 1, 4)
+    flat = calls.reshape(-1, drafts * K)
+    srt = np.sort(flat, axis=1)
+    distinct = 1 + (srt[:, 1:] != srt[:, :-1]).sum(axis=1)
+    return float(distinct.mean() / (drafts * K))
+
+
 def shape_for(step_overlap: float | None, layer_overlap: float | None,
               recent: int) -> StreamShape:
     """The demo's stream shape from its flags (None: the default)."""

@@ -115,13 +115,15 @@ extern "C" __global__ void topk_drift(int* topk, int S, int K, int M, int Md, in
   topk[static_cast<long long>(bs) * K + k] = tok;
 }
 
-// --topk-model lru: full layer j's top-k of this step from the pre-generated streams,
-// table int32 [steps, n_full, n] (n = B * K). The step index is read on the device (graphs).
-extern "C" __global__ void topk_table(const int* table, int n_full, int j, int n,
-                                      const int* step, int* topk) {
+// --topk-model lru: full layer j's top-k of this step from the pre-generated streams, table
+// int32 [steps * S, n_full, BK] (BK = B * K): topk [B, S, K], draft s of decode step t from the
+// table's step t * S + s (S = 1: [B, K], step t). The step index is read on the device (graphs).
+extern "C" __global__ void topk_table(const int* table, int n_full, int j, int BK, int K,
+                                      int S, const int* step, int* topk) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  topk[i] = table[(static_cast<long long>(*step) * n_full + j) * n + i];
+  if (i >= BK * S) return;
+  const int k = i % K, s = (i / K) % S, b = i / (K * S);
+  topk[i] = table[((static_cast<long long>(*step) * S + s) * n_full + j) * BK + b * K + k];
 }
 
 // GPU-only page table: locs = req[b] * max_len + token (-1 for a negative token). n = B * S * K.
