@@ -13,7 +13,9 @@
 #   5. python -m hisparse_cupy info (the measured ceilings); tools/host_overhead.py (host time
 #      per eager call and per launch path), JSON;
 #   6. the decode loop (python -m hisparse_cupy demo, default sizes, every mode eager and graph,
-#      self-check), JSON + PNG in results; --demo=ARGS replaces its arguments, --no-demo skips it;
+#      self-check) twice: the default device budget (auto: every request resident) and
+#      --device-budget 0 (every request sparse); JSON + PNG in results; --demo=ARGS replaces its
+#      arguments, --no-demo skips it;
 #   7. with --peer DIR (a copy of the peer_sglang probe, e.g. .peer): SGLang's kernels beside
 #      ours (bench_peer.py --quick, bench_peer_spec.py --quick; --peer-full: their full grids),
 #      JSON.
@@ -23,7 +25,8 @@
 # --fuzz-steps=0 (tests, sanitizers: ~7 min on an H200), then --no-tests --no-sanitize
 # (the step fuzz, benchmarks, peer: ~4 min).
 # Logs and results go under $OUT (default ./gpu_check_out): summary.txt, pytest.log,
-# sanitize.log, bench.log and results.tgz (benchmark JSON/PNG). Exit status: non-zero if any
+# sanitize.log, bench.log, demo_budget_{auto,0}.log and results.tgz (benchmark and demo
+# JSON/PNG). Exit status: non-zero if any
 # step failed.
 #
 # Usage: bash tools/gpu_check.sh [--no-tests] [--no-sanitize] [--no-bench] [--full-bench]
@@ -114,13 +117,18 @@ if [ $sanitize = 1 ]; then
 fi
 
 if [ $demo = 1 ]; then
-  t0=$SECONDS
-  # shellcheck disable=SC2086
-  $PY -m hisparse_cupy demo $demo_args --json "$OUT/results/demo.json" --png "$OUT/results/demo.png" \
-    >"$OUT/demo.log" 2>&1
-  rc=$?
-  summary "demo $demo_args rc=$rc ($((SECONDS - t0)) s): $(grep -E 'self-check|SELF-CHECK' "$OUT/demo.log" | head -n 1)"
-  [ $rc = 0 ] || fail=1
+  # twice: the default budget (auto: every request resident, steps lean) and no budget (every
+  # request sparse: the hot-buffer path); --demo=ARGS comes last, so a budget it gives wins
+  for budget in auto 0; do
+    t0=$SECONDS
+    name=demo_budget_$budget
+    # shellcheck disable=SC2086
+    $PY -m hisparse_cupy demo --device-budget $budget $demo_args --json "$OUT/results/$name.json" \
+      --png "$OUT/results/$name.png" >"$OUT/$name.log" 2>&1
+    rc=$?
+    summary "demo --device-budget $budget $demo_args rc=$rc ($((SECONDS - t0)) s): $(grep -E 'self-check|SELF-CHECK' "$OUT/$name.log" | head -n 1)"
+    [ $rc = 0 ] || fail=1
+  done
 fi
 
 if [ $bench = 1 ]; then
