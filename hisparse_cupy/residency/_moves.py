@@ -64,9 +64,8 @@ class ResidencyMoves:
                 raise ValueError(f"written has no token count for request slot {r}, which "
                                  f"make_room would demote")
             counts.append(_checks.integer(f"written[{r}]", written[r], 1, budget.tokens(r)))
-        s = as_stream(stream)
         for r, n in zip(victims, counts, strict=True):
-            self.demote(r, n, stream=s)
+            self.demote(r, n, stream=stream)
         return victims
 
     def promote_ready(self, written: Mapping[int, int], *, keep_free: int = 0,
@@ -79,12 +78,11 @@ class ResidencyMoves:
         (resident from a step boundary after it lands: :meth:`switch_promoted`)."""
         budget = self._arena("promote_ready").budget
         keep_free = _checks.integer("keep_free", keep_free, 0)
-        s = as_stream(stream)
         out = []
         for r in budget.promotable():
             if r in written and budget.free_pages - budget.pages_for(
                     budget.tokens(r)) >= keep_free:
-                self.promote(r, written[r], stream=s)
+                self.promote(r, written[r], stream=stream)
                 out.append(r)
         return out
 
