@@ -457,3 +457,29 @@ def test_device_budget_flags_parse():
         from_args(["--resident-requests", "1", "--device-budget", "4"])
     with pytest.raises(SystemExit, match=r"--resident-requests must be in \[0, --batch\]"):
         from_args(["--batch", "2", "--resident-requests", "3"])
+
+
+
+def test_device_budget_rows_by_flag():
+    """The budget the offloaded modes build (rows per cached layer): K resident at their
+    longest and a block each other; auto: everyone resident while the free memory holds it,
+    else what it holds, never less than a block each; GB over the cached layers; none."""
+    from hisparse_cupy.demo._config import AUTO_RESERVE, DEVICE_PAGE, ROW_BYTES, from_args
+    from hisparse_cupy.residency import DeviceBudget
+
+    base = ["--batch", "4", "--context", "8192", "--steps", "10", "--warmup", "2"]
+    cfg = from_args(base)
+    block = DeviceBudget.rows_needed([], 1, page_tokens=DEVICE_PAGE,
+                                     block_rows=4096 + cfg.extra_page)  # one block, in pages
+
+    def rows(k):
+        return DeviceBudget.rows_needed([cfg.max_len] * k, 4 - k, page_tokens=DEVICE_PAGE,
+                                        block_rows=block)
+
+    L, row = 76, 76 * ROW_BYTES
+    assert from_args(base + ["--resident-requests", "1"]).budget_rows(L, 0) == rows(1)
+    assert cfg.budget_rows(L, 10**15) == rows(4)  # auto, plenty free: all resident
+    assert cfg.budget_rows(L, AUTO_RESERVE + rows(2) * row) == rows(2)
+    assert cfg.budget_rows(L, 0) == rows(0)  # nothing free: a block each, all sparse
+    assert from_args(base + ["--device-budget", "3"]).budget_rows(L, 0) == int(3e9) // row
+    assert from_args(base + ["--device-budget", "0"]).budget_rows(L, 10**15) is None

@@ -11,6 +11,8 @@ ROW_VALUES, V_VALUES, HEADS = 576, 512, 16  # an MLA row: latent (512, the value
 ROW_BYTES = 2 * ROW_VALUES  # bf16
 PAGE_TOKENS = 64  # tokens per page of the host pool (both backends)
 GB = 1e9
+DEVICE_PAGE = 64  # tokens a device page of the budget holds (--device-budget, --resident-requests)
+AUTO_RESERVE = 4 << 30  # --device-budget auto leaves this much GPU memory free (buffers, tables)
 MODES = ("gpu-only", "offload", "overlap", "predict")  # predict: overlap + prediction
 REPLAY_ROWS_PER_WARP = (1, 2, 4, 8)  # the copy kernel's choices (_build.COPY_ROWS_PER_WARP)
 
@@ -139,6 +141,29 @@ class Config:
                  f"full layer (layer {self.resident_layers} is shared)")
         bad = set(self.modes) - set(MODES)
         need(not bad, f"unknown --mode {sorted(bad)}")
+
+    def budget_rows(self, cached_layers: int, free_bytes: int) -> int | None:
+        """The offloaded modes' device budget, rows per cached layer (docs/design.md section
+        10): for ``--resident-requests`` K, K requests resident at their longest and a block
+        for each other; ``--device-budget auto``, every request resident if ``free_bytes``
+        (less :data:`AUTO_RESERVE`) holds them, else what they hold (at least a block each);
+        GB, that over the cached layers; None: no budget."""
+        from .._tables import rows_needed
+        from ..residency import DeviceBudget
+
+        block = rows_needed(max_requests=1, hot_size=self.hot, top_k=self.top_k,
+                            extra_page=self.extra_page, max_steps=self.mtp)
+
+        def rows(k: int) -> int:
+            return DeviceBudget.rows_needed([self.max_len] * k, self.batch - k,
+                                            page_tokens=DEVICE_PAGE, block_rows=block)
+
+        row = cached_layers * ROW_BYTES  # a row in every cached layer
+        if self.resident_requests is not None:
+            return rows(self.resident_requests)
+        if self.device_budget == "auto":
+            return max(rows(0), min(rows(self.batch), (free_bytes - AUTO_RESERVE) // row))
+        return None if self.device_budget is None else int(self.device_budget * GB) // row
 
     def scratch(self) -> int:
         from .._abi import default_scratch

@@ -21,13 +21,9 @@ import numpy as np
 
 from .._abi import LC_MISSES
 from ..cache import HotBufferCache
-from ..residency import DeviceBudget
 from ..streams import Prefetcher
-from ._config import PAGE_TOKENS, ROW_BYTES, Config
+from ._config import DEVICE_PAGE, PAGE_TOKENS, ROW_BYTES, Config
 from ._model import Kernels, Model
-
-DEVICE_PAGE = 64  # tokens a device page of the budget holds (--device-budget, --resident-requests)
-AUTO_RESERVE = 4 << 30  # --device-budget auto leaves this much GPU memory free (buffers, tables)
 
 
 @dataclasses.dataclass
@@ -242,31 +238,6 @@ class Rig:
                                   page_tokens=b.page_tokens, block_rows=b.block_rows))
         return [i < k for i in range(c.batch)]
 
-    def _budget_rows(self) -> int | None:
-        """Device rows per cached layer: a budget for ``--resident-requests`` K requests
-        resident at their longest and a block for each of the others; ``--device-budget``
-        auto: every request resident if the free GPU memory (less :data:`AUTO_RESERVE` and
-        the resident layers' KV) holds them, else what it holds; GB over the cached layers;
-        None: no budget."""
-        c = self.cfg
-        block = HotBufferCache.rows_needed(max_requests=1, hot_size=c.hot, top_k=c.top_k,
-                                           extra_page=c.extra_page, max_steps=c.mtp)
-
-        def rows(k: int) -> int:  # k requests resident at their longest, a block each other
-            return DeviceBudget.rows_needed([c.max_len] * k, c.batch - k,
-                                            page_tokens=DEVICE_PAGE, block_rows=block)
-
-        if c.resident_requests is not None:
-            return rows(c.resident_requests)
-        if c.device_budget == "auto":  # every request resident if the free memory holds it
-            row = len(self.cached) * ROW_BYTES  # a row in every cached layer
-            low = self.R * c.batch * c.max_len * ROW_BYTES  # resident layers, made after
-            free = cupy.cuda.runtime.memGetInfo()[0] - low - AUTO_RESERVE
-            return max(rows(0), min(rows(c.batch), free // row))
-        if c.device_budget is not None:
-            return int(c.device_budget * 1e9) // (len(self.cached) * ROW_BYTES)
-        return None
-
     def _residency(self, rids: list[int]) -> list[int]:
         """With a device budget: how many requests it holds resident (logged)."""
         arena = self.cache.arena
@@ -305,7 +276,10 @@ class Rig:
             paged = {} if not self.paged else {"page_tokens": PAGE_TOKENS} \
                 if self.pool is not None else \
                 {"page_tokens": PAGE_TOKENS, "pool_rows": self.paged_rows(c)}
-            rows = self._budget_rows()
+            # rows per cached layer; auto: what the free memory holds past the resident
+            # layers' KV (made after the cache)
+            free = cupy.cuda.runtime.memGetInfo()[0] - self.R * c.batch * c.max_len * ROW_BYTES
+            rows = c.budget_rows(len(self.cached), free)
             if rows is not None:
                 paged.update(device_budget=rows, device_page=DEVICE_PAGE)
             self.cache = HotBufferCache(n_layers=len(self.cached), max_requests=c.batch,
