@@ -81,3 +81,27 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="not even one request"):
         sw.concurrencies(131072, 0, host_gb=1, gpu_budget_gb=40)
     assert np.isfinite(sw.plan(1000, 0, [1], gpu_budget_gb=1, host_gb=1)[0].managed_gb)
+
+
+def test_the_demos_own_shape_at_128k():
+    """The decode loop as it runs (78 layers, 21 full, 1152-byte bf16 rows, its two resident
+    low layers): a 128k-token request needs 12.1 GB of GPU in gpu-only (KV and the indexer's
+    keys) and 11.5 GB of host pool, so a 40 GB budget fits 3 and 110 GB of host 9 (3x); the
+    gpu-only self-check of those 9 needs 106 GB of KV on the GPU, which an H200 holds. At
+    GLM-5.2's 656-byte rows: 16 requests in 110 GB of host, 107 GB for their check."""
+    from hisparse_cupy.demo._config import ROW_BYTES, from_args
+
+    cfg = from_args(["--context", "131072", "--steps", "54", "--warmup", "10"])
+    shape = sw.demo_shape(cfg)
+    assert (shape.layers, shape.full_layers, shape.row_bytes) == (78, 21, ROW_BYTES) == \
+        (78, 21, 1152)
+    assert shape.resident_layers == cfg.resident_layers == 2
+    T = 131072 + 64
+    assert sw.gpu_only_max(131072, 64, gpu_budget_gb=40, shape=shape) == \
+        int(40e9 // (T * (78 * 1152 + 21 * 132))) == 3
+    assert sw.host_max(131072, 64, host_gb=110, shape=shape) == int(110e9 // (T * 76 * 1152)) \
+        == 9
+    assert 9 * T * 78 * 1152 / GB == pytest.approx(106.1, abs=0.1)
+    fp8 = sw.Shape(resident_layers=2)  # 656-byte rows
+    assert sw.host_max(131072, 64, host_gb=110, shape=fp8) == 16
+    assert 16 * T * 78 * 656 / GB == pytest.approx(107.4, abs=0.1)

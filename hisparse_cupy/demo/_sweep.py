@@ -64,6 +64,19 @@ class Shape:
                            extra_page=self.extra_page, max_steps=self.max_steps)
 
 
+def demo_shape(cfg) -> Shape:
+    """The :class:`Shape` of the decode loop a demo :class:`~hisparse_cupy.demo._config.Config`
+    runs: its layers and pattern's full layers, its rows (``ROW_BYTES``: 576 bf16 values),
+    resident layers, hot buffer and device pages (the indexer's key cache at the default
+    132 B a token, which the loop does not model yet)."""
+    from ._config import DEVICE_PAGE, ROW_BYTES
+
+    return Shape(layers=cfg.layers, full_layers=len(cfg.pattern_obj().full_layers),
+                 row_bytes=ROW_BYTES, resident_layers=cfg.resident_layers, hot=cfg.hot,
+                 top_k=cfg.top_k, extra_page=cfg.extra_page, max_steps=cfg.mtp,
+                 page_tokens=DEVICE_PAGE)
+
+
 @dataclass(frozen=True)
 class PlanRow:
     """One concurrency: GPU GB each mode needs (gpu-only, managed at its ``resident`` count,
