@@ -212,10 +212,9 @@ class Step:
         if self._resolve is None:
             self._single_structs()
         self._resolve_call.fill(layer, topk, out)
-        if self.lean:  # every row resident: nothing to copy (a sparse row is refused)
-            go.resolve(go.resolve_grid, self.stream.ptr, self._resolve.addr(layer))
-        elif stage is None:
-            swap.run(self._resolve, layer, self._copy, go, self.stream.ptr)
+        if stage is None or self.lean:  # lean: every row resident, nothing to copy
+            swap.run(self._resolve, layer, None if self.lean else self._copy, go,
+                     self.stream.ptr)
         else:
             self._copy.put(layer, **stage)
             try:

@@ -328,11 +328,13 @@ def launches(key, B: int, K: int, H: int, table: bool, copy_grid: int | None,
     return got
 
 
-def run(resolve: Structs, layer: int, copy: Structs, launch: SwapLaunch,
+def run(resolve: Structs, layer: int, copy: Structs | None, launch: SwapLaunch,
         stream_ptr: int) -> None:
-    """Queue the resolve of struct ``layer`` and its planned copy (PDL) on a stream."""
+    """Queue the resolve of struct ``layer`` and its planned copy (PDL) on a stream; without
+    ``copy`` (a lean step: nothing is planned) the resolve alone."""
     launch.resolve(launch.resolve_grid, stream_ptr, resolve.addr(layer))
-    launch.copy.launcher(launch.copy.grid, stream_ptr, copy.addr(layer))
+    if copy is not None:
+        launch.copy.launcher(launch.copy.grid, stream_ptr, copy.addr(layer))
 
 
 def swap_in(

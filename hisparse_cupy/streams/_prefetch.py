@@ -332,15 +332,12 @@ class Prefetcher:
             return
         self._anchor, self._anchor_batch = loc, step.batch
         self._anchor_topk, self._anchor_out = call.top_k, out
-        # a lean step's single-step swap: every row resident, its rows serve every layer of
-        # the group as they are (no replay, no staging; hazard 17)
-        self._lean = step.lean and len(getattr(call.top_k, "shape", ())) == 2
+        single = len(getattr(call.top_k, "shape", ())) == 2
+        self._lean = step.lean and single  # hazard 17: its rows serve the group as they are
         if self._lean:
             return
         group = self.pattern.groups[loc] if self._enabled else ()
-        nxt = None
-        if self._enabled and self._predict and len(getattr(call.top_k, "shape", ())) == 2:
-            nxt = self._next_full.get(loc)
+        nxt = self._next_full.get(loc) if self._enabled and self._predict and single else None
         if not group and nxt is None:
             return
         s = step.stream
