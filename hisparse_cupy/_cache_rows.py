@@ -30,17 +30,25 @@ from .host._pool import HostKVPool
 __all__ = ["CacheRows"]
 
 
-def host_pool(L: int, slot_rows: int, row_bytes: int, page_tokens, pool_rows, pool):
+def default_pool_rows(max_requests: int, max_len: int, page_tokens: int) -> int:
+    """A paged pool's default rows a layer: every request slot at ``max_len`` tokens in whole
+    pages of ``page_tokens`` (``max_requests * ceil(max_len / P) * P``)."""
+    return max_requests * -(-max_len // page_tokens) * page_tokens
+
+
+def host_pool(L: int, R: int, max_len: int, row_bytes: int, page_tokens, pool_rows, pool):
     """The cache's host pool and whether the cache made it: ``pool`` checked (``L`` layers of
-    ``row_bytes`` rows: ``slot_rows`` of them in the slot layout, a page's when paged), or a
-    new one (``pool_rows`` rounded up to pages when paged, default ``slot_rows``)."""
-    need = slot_rows
+    ``row_bytes`` rows: ``R * max_len`` of them in the slot layout, a page's when paged), or a
+    new one (``pool_rows`` rounded up to pages when paged, default
+    :func:`default_pool_rows`)."""
+    need = R * max_len
     if page_tokens is None:
         if pool_rows is not None:
             raise ValueError("pool_rows applies to a paged pool (page_tokens=P)")
     else:
         P = _checks.integer("page_tokens", page_tokens, 1, 2**20)
-        rows = slot_rows if pool_rows is None else _checks.integer("pool_rows", pool_rows, 1)
+        rows = default_pool_rows(R, max_len, P) if pool_rows is None else \
+            _checks.integer("pool_rows", pool_rows, 1)
         need = -(-rows // P) * P if pool is None else P
     if pool is None:
         return HostKVPool(L, need, row_bytes), True

@@ -84,7 +84,8 @@ class HotBufferCache(ResidencyMoves):
         Page the host pool: pages of ``page_tokens`` tokens taken as requests are admitted
         and grow (:meth:`grow`), shared by a ``prefix``, given back at :meth:`release`
         (:attr:`pages`); the pool the cache allocates holds ``pool_rows`` rows per layer
-        (whole pages; default ``max_requests * max_len``; :meth:`host_bytes_needed`).
+        (whole pages; default every slot at ``max_len`` tokens,
+        ``max_requests * ceil(max_len / page_tokens)`` pages; :meth:`host_bytes_needed`).
         Default: the slot layout, request slot ``r``'s token ``p`` in row ``r * max_len + p``.
     pool : HostKVPool, optional
         The host pool to use (one the engine made, a shared one :meth:`HostKVPool.attach`
@@ -161,7 +162,7 @@ class HotBufferCache(ResidencyMoves):
                                  f"needs at least max_requests * rows_per_request = {R} * "
                                  f"{W + C} = {D}")
             self.device = dev
-        self.pool, self._own_pool = host_pool(L, R * self.max_len, row_bytes, page_tokens,
+        self.pool, self._own_pool = host_pool(L, R, self.max_len, row_bytes, page_tokens,
                                               pool_rows, pool)
         self.host = CacheRows(R, self.max_len, self.pool, page_tokens)
         self.row_bytes = self.pool.row_bytes

@@ -797,15 +797,18 @@ class Fuzz:
             xp.cuda.Device().synchronize()
         errs = [int(v) for v in (xp.asnumpy(self.errors) if self.be.gpu else self.errors)]
         first = int((xp.asnumpy if self.be.gpu else np.asarray)(self.first_bad)[0])
+        return {**self.counts(), "errors": dict(zip(CHECKS, errs, strict=True)),
+                "first_bad_step": None if first >= 2**62 else first,
+                **({"details": self.details} if self.details else {})}
+
+    def counts(self) -> dict:
+        """What the seed ran (its summary without the device's error counts)."""
         return dict(seed=self.seed, config=self.cfg, steps=self.steps, calls=self.calls,
                     graph_steps=self.graph_steps, toggles=self.toggles,
                     busy_steps=self.busy_steps, forks=self.forks,
                     refused_forks=self.refused_forks, moves=self.moves,
                     lean_steps=self.lean_steps, lean_asked=self.lean_asked,
-                    streams=sorted(self.kinds_used),
-                    errors=dict(zip(CHECKS, errs, strict=True)),
-                    first_bad_step=None if first >= 2**62 else first,
-                    **({"details": self.details} if self.details else {}))
+                    streams=sorted(self.kinds_used))
 
     def raise_if_bad(self) -> None:
         s = self.summary()
@@ -834,6 +837,13 @@ def _one(args) -> dict:
         s = f.summary()
         s["failure"] = str(e)
         return s
+    except Exception as e:  # noqa: BLE001 - a call that raised: the seed failed, with where
+        import traceback
+
+        # (the device state may be unusable: its counts, no error counts read back)
+        return {**f.counts(), "errors": {}, "first_bad_step": None,
+                "failure": f"seed {seed}: step {f.steps} raised {type(e).__name__}: {e}; "
+                           f"config {f.cfg}\n" + "".join(traceback.format_exc(limit=-6))}
 
 
 def main(argv=None) -> int:

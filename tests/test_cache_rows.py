@@ -130,3 +130,17 @@ def test_the_device_page_table_follows_the_host_pages(monkeypatch):
     hr.table[rid, 0] += 1  # a table that disagrees: check names the slot
     with pytest.raises(ValueError, match=f"request slot {rid}: the device page table"):
         hr.check([rid], [1])
+
+
+def test_the_default_paged_pool_holds_every_slot_at_max_len():
+    """A paged pool the cache makes holds every request slot at max_len tokens in whole pages
+    (max_len 64 in pages of 3: 22 pages a slot, not 128 rows' 43 for two slots)."""
+    from hisparse_cupy._cache_rows import default_pool_rows
+
+    assert default_pool_rows(2, 64, 3) == 2 * 22 * 3 == 132
+    assert default_pool_rows(2, 64, 16) == 128 and default_pool_rows(5, 1, 8) == 40
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        R, n, P = (int(x) for x in rng.integers(1, [9, 300, 40]))
+        rows = default_pool_rows(R, n, P)
+        assert rows % P == 0 and rows // P == R * -(-n // P) and rows >= R * n

@@ -345,3 +345,16 @@ def test_the_fingerprint_is_equal_after_the_same_calls_and_differs_otherwise():
     d.admit(0, 5)
     e.admit(0, 6)  # the same pages, one more token
     assert d.pages(0) == e.pages(0) and d.fingerprint() != e.fingerprint()
+
+
+def test_pool_exhausted_pickles_with_its_fields():
+    """PoolExhausted crosses a process boundary (a worker pool's result) with its message and
+    fields."""
+    import pickle
+
+    from hisparse_cupy import PoolExhausted
+
+    e = pickle.loads(pickle.dumps(PoolExhausted("admit(rid 3)", 7, 2, "device")))
+    assert isinstance(e, PoolExhausted)
+    assert (e.what, e.needed, e.free, e.kind) == ("admit(rid 3)", 7, 2, "device")
+    assert str(e) == "admit(rid 3) needs 7 free device pages, 2 are free"

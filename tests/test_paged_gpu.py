@@ -386,3 +386,22 @@ def test_paged_errors_name_the_argument(stream):
         s.admit(20, kv[:, :20], prefix=(0, 4), stream=stream)
     assert s.active == {}
     s.close()
+
+
+def test_the_default_pool_holds_every_slot_at_max_len(stream):
+    """With no pool_rows, two slots of max_len 64 in pages of 3 both grow to 64 tokens (22
+    pages each; the step fuzz found a pool of 128 rows, 43 pages, one page short)."""
+    from hisparse_cupy import HotBufferCache
+
+    c = HotBufferCache(n_layers=2, max_requests=2, max_len=64, row_bytes=32, hot_size=16,
+                       top_k=4, extra_page=2, page_tokens=3)
+    try:
+        assert c.pages.n_pages == 44
+        kv = np.ones((2, 20, 32), np.uint8)
+        rids = [c.admit(20, kv, stream=stream) for _ in range(2)]
+        for rid in rids:
+            c.grow(rid, 64, stream=stream)
+        assert c.pages.free_pages == 0
+        stream.synchronize()
+    finally:
+        c.close()

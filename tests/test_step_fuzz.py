@@ -132,3 +132,21 @@ def test_the_fuzz_catches_a_fork_past_the_written_tokens(monkeypatch):
 def test_step_fuzz_gpu(seed):
     r = Fuzz(True, 1000 + seed).run(300)
     assert r["errors"] == dict.fromkeys(CHECKS, 0)
+
+
+def test_a_seed_whose_call_raises_is_a_failure_with_its_traceback(monkeypatch):
+    """A call that raises (here PoolExhausted, as a GPU seed's grow did) fails its seed with
+    the exception and where it came from; it does not end the run (a worker pool could not
+    even unpickle it before)."""
+    import _stepfuzz
+
+    from hisparse_cupy import PoolExhausted
+
+    def boom(self):
+        raise PoolExhausted("rid 0 growing to 64 tokens", 3, 2)
+
+    monkeypatch.setattr(Fuzz, "_step", boom)
+    r = _stepfuzz._one((False, 5, 3, False, None))
+    assert r["seed"] == 5 and r["errors"] == {}
+    assert "raised PoolExhausted: rid 0 growing to 64 tokens needs 3 free host pages" in \
+        r["failure"] and "in boom" in r["failure"]

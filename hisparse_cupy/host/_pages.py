@@ -49,7 +49,10 @@ class PoolExhausted(RuntimeError):
 
     def __init__(self, what: str, needed: int, free: int, kind: str = "host"):
         super().__init__(f"{what} needs {needed} free {kind} pages, {free} are free")
-        self.needed, self.free, self.kind = needed, free, kind
+        self.what, self.needed, self.free, self.kind = what, needed, free, kind
+
+    def __reduce__(self):  # pickles (e.g. out of a worker process) with its fields
+        return type(self), (self.what, self.needed, self.free, self.kind)
 
 
 class HostPages:
