@@ -182,13 +182,16 @@ def test_a_probe_struct_drift_fails_the_check(sources, monkeypatch):
 
 def test_the_demo_model_compiles():
     """The decode loop's model kernels (``demo/model.cu``, CuPy RawModule at run time) compile
-    through NVRTC for sm_90 with the demo's options (no GPU needed)."""
+    through NVRTC for sm_90 with the demo's options (no GPU needed), and for sm_75 (the
+    indexer's dp4a path, before the int8 tensor-core mma)."""
     import re
 
     from hisparse_cupy.demo._model import Kernels
 
     path = _build.CU_DIR.parents[1] / "demo" / "model.cu"
-    assert _build.nvrtc_cubin_size(path, (), ["-std=c++17", "-arch=sm_90"], "model.cu") > 1000
+    for arch in ("sm_90", "sm_75"):
+        assert _build.nvrtc_cubin_size(path, (), ["-std=c++17", f"-arch={arch}"],
+                                       "model.cu") > 1000
     src = path.read_text()
     for name in Kernels._NAMES:  # every kernel the Model loads is defined there
         decl = rf'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+{name}\('

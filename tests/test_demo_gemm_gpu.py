@@ -1,4 +1,5 @@
-"""GPU: the decode loop's cuBLAS matmul keeps its result when limited to fewer SMs."""
+"""GPU: the decode loop's cuBLAS matmul keeps its result when limited to fewer SMs; its
+indexer scores what the NumPy formula does."""
 
 from __future__ import annotations
 
@@ -66,3 +67,43 @@ def test_torch_gemm_matches_the_product_on_the_callers_stream(rng):
         np.testing.assert_allclose(_f32(cupy.asnumpy(c)), want, rtol=2e-2, atol=2e-2)
     assert torch.cuda.current_stream().cuda_stream != s.ptr  # torch's own stream untouched
     g.close()
+
+
+def test_indexer_scores(rng):
+    """demo._model.Indexer: query row b * S + s scores tokens [0, lens[b]) of request slot
+    req[b]'s keys (int8 keys, a float scale a row) as scale * sum_h w_h relu(q_h . k),
+    w_h = (1 + h % 8) / 8; nothing at or past the length is written (NaN poison stays)."""
+    import cupy
+
+    from hisparse_cupy.demo._model import Indexer, Kernels
+
+    k, s = Kernels(), cupy.cuda.Stream(non_blocking=True)
+    slots, max_len, B, S = 3, 1000, 2, 2
+    ix = Indexer(k, n_full=2, slots=slots, max_len=max_len, queries=B * S, drafts=S, stream=s)
+    keys = rng.integers(-128, 128, (slots * max_len, 132), dtype=np.int8)
+    scale = rng.uniform(0.001, 0.004, slots * max_len).astype(np.float32)
+    keys[:, 128:] = scale.view(np.int8).reshape(-1, 4)
+    q = rng.integers(-128, 128, (B * S, 64 * 128), dtype=np.int8)
+    req, lens = np.array([2, 0], np.int32), np.array([777, 1000], np.int32)
+    ix.keys[1].set(keys.view(np.uint8).reshape(-1), stream=s)
+    ix.q.set(q, stream=s)
+    ix.scores.fill(np.nan)
+    ix.score(1, cupy.asarray(req), cupy.asarray(lens))
+    got = cupy.asnumpy(ix.scores, stream=s)
+    s.synchronize()
+    w = (1 + np.arange(64) % 8) / 8
+    for row in range(B * S):
+        b = row // S
+        kk = keys[req[b] * max_len:req[b] * max_len + lens[b], :128].astype(np.int64)
+        dots = q[row].reshape(64, 128).astype(np.int64) @ kk.T  # [heads, tokens]
+        want = (w[:, None] * np.maximum(dots, 0)).sum(0) * \
+            scale[req[b] * max_len:req[b] * max_len + lens[b]]
+        np.testing.assert_allclose(got[row, :lens[b]], want, rtol=1e-5, err_msg=f"row {row}")
+        assert np.isnan(got[row, lens[b]:]).all()
+    # the key cache the loop fills: every full layer's rows, scales in [1/512, 2/512)
+    ix2 = Indexer(k, n_full=2, slots=1, max_len=64, queries=1, drafts=1, stream=s)
+    rows = cupy.asnumpy(ix2.keys, stream=s).reshape(2, 64, 132)
+    s.synchronize()
+    sc = rows[..., 128:].copy().view(np.float32)
+    assert ((sc >= 1 / 512) & (sc < 2 / 512)).all()
+    assert not np.array_equal(rows[0], rows[1]) and np.unique(rows[..., :128]).size > 200

@@ -99,7 +99,7 @@ def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
     assert got["steps"][0]["seq_len"] == 2049
     for flag in CPU_REFUSED:
         arg = [flag] + ({"--mtp": ["2"], "--mode": ["overlap"], "--png": ["x.png"],
-                         "--hidden": ["512"], "--side-sms": ["8"],
+                         "--hidden": ["512"], "--model": ["light"], "--side-sms": ["8"],
                          "--predict-rule": ["misses"], "--matmul": ["torch"],
                          "--resident-layers": ["2"], "--replay-grid": ["8"],
                          "--replay-rows-per-warp": ["8"],
@@ -109,7 +109,8 @@ def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
             cpu_config(arg)
     assert cpu_config(["--mtp", "1"]).mtp == 1  # off: nothing to refuse
     for off in (["--eager"], ["--no-predict"], ["--no-partition"], ["--side-sms", "0"],
-                ["--predict-rule", "selection"], ["--matmul", "cublas"], ["--no-lean"]):
+                ["--predict-rule", "selection"], ["--matmul", "cublas"], ["--no-lean"],
+                ["--model", "glm52"], ["--no-indexer"]):
         cpu_config(off)  # what the NumPy backend runs anyway: accepted
     assert cpu_config(["--mode", "offload"]).modes == ("gpu-only", "offload")
     # one flag given: the small values of the others follow it
@@ -188,8 +189,17 @@ def test_config_memory_and_errors():
     m = c.memory()
     # the defaults fit the issue's budget: <= 32 GB pinned, <= 40 GB on the GPU in all
     assert m["host_pinned"] <= 32e9
-    assert m["gpu_resident"] + m["gpu_hot"] + m["gpu_model"] <= 40e9
+    assert m["gpu_resident"] + m["gpu_hot"] + m["gpu_model"] + m["gpu_indexer"] <= 40e9
     assert m["host_pinned"] == 78 * 32 * (8192 + 220) * 1152
+    # the indexer's key cache: 132 B a token of every full layer (21 of GLM-5.2's 78), every
+    # request; its queries (64 x 128 int8) and scores (a float a token) per query row
+    assert m["gpu_indexer"] == 21 * 32 * 8412 * 132 + 32 * (8192 + 4 * 8412)
+    assert Config(indexer=False).memory()["gpu_indexer"] == 0
+    assert (c.model, c.hidden) == ("glm52", 27136)
+    assert (from_args(["--model", "light"]).hidden, from_args(["--hidden", "512"]).model) == \
+        (4096, "custom")
+    with pytest.raises(SystemExit, match="--hidden must be a multiple of 64"):
+        from_args(["--hidden", "100"])
     c = from_args(["--mtp", "2", "--topk-model", "drift", "--mode", "overlap",
                    "--eager-and-graph"])
     assert c.modes == ("gpu-only", "overlap") and c.execs == ("eager", "graph")
@@ -235,7 +245,7 @@ def test_resident_layers_default_memory_and_refusals():
     assert "with layers 0-1's 0.62 GB resident" in c.describe_memory()
     assert Config().resident_layers == 0
     for kw in ({"pool": object()}, {"admission": lambda rig: None}):
-        with pytest.raises(SystemExit, match="--resident-layers needs the demo's own host pool"):
+        with pytest.raises(SystemExit, match="--resident-layers needs a host pool of the cach"):
             Rig(c, None, print, **kw)
     assert cpu_config([]).resident_layers == 0
     assert cpu_config(["--resident-layers", "0"]).resident_layers == 0
@@ -367,6 +377,54 @@ def test_example_on_gpu_mtp_on_the_lru_streams(tmp_path):
     for (mode, _), r in rows.items():
         if mode != "gpu-only":
             assert 0 < r["hit_rate"] < 1 and r["mb_per_step"] > 0, r
+
+
+@pytest.mark.gpu
+def test_example_on_gpu_sweep(tmp_path):
+    """demo --sweep at a small shape: a budget that gpu-only fits one request in, a host pool
+    of three; every concurrency's rows (gpu-only, resident, sparse, sparse-no-overlap) in the
+    JSON the design names, every offloaded run bit-identical to gpu-only of its requests."""
+    from hisparse_cupy.demo import _sweep
+    from hisparse_cupy.demo._config import from_args
+
+    base = SMALL[:2] + SMALL[4:-2]  # without --batch and --device-budget
+    assert "--batch" not in base and "--device-budget" not in base and len(base) == 12
+    cfg = from_args(base)
+    shape = _sweep.demo_shape(cfg)
+    one, three = _sweep.plan(cfg.context, cfg.total_steps, [1, 3], gpu_budget_gb=100,
+                             host_gb=100, shape=shape)
+    # three sparse requests just fit (at this small shape a hot buffer is half a request)
+    budget, host = 1.02 * three.sparse_gb, 3.5 * one.host_gb
+    assert one.gpu_only_gb <= budget < 2 * one.gpu_only_gb
+    js, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    out = _run(*base, "--sweep", "--gpu-budget", f"{budget:.6f}", "--host-gb", f"{host:.6f}",
+               "--json", str(js), "--png", str(png))
+    assert "self-check passed" in out, out
+    doc = json.loads(js.read_text())
+    assert (doc["context"], doc["self_check"], doc["gpu_only_max"]) == (2304, "passed", 1)
+    assert doc["model"].startswith("glm52") and "indexer on" in doc["model"]
+    rows = {(r["concurrency"], r["mode"]): r for r in doc["rows"]}
+    modes = ("gpu-only", "resident", "sparse-no-overlap", "sparse")
+    assert set(rows) == {(n, m) for n in (1, 2, 3) for m in modes}
+    plan = {p.concurrency: p for p in _sweep.plan(cfg.context, cfg.total_steps, [1, 2, 3],
+                                                  gpu_budget_gb=budget, host_gb=host,
+                                                  shape=shape)}
+    assert plan[1].resident == 1 and plan[3].resident < 3  # the budget forces a mix
+    for (n, mode), r in rows.items():
+        p = plan[n]
+        assert r["tpot_ms"] > 0 and r["p99_ms"] >= r["tpot_ms"] * 0.5
+        assert r["tokens_per_s"] == pytest.approx(1e3 * n / r["tpot_ms"], rel=1e-3)
+        assert r["resident"] + r["sparse"] == n
+        # the bytes on the GPU, measured, are the plan's
+        want = {"gpu-only": p.gpu_only_gb, "resident": p.managed_gb}.get(mode, p.sparse_gb)
+        assert r["gpu_gb"] == pytest.approx(want, rel=0.02, abs=2e-3), (r, p)
+        if mode == "gpu-only":
+            assert r["fits"] == (n == 1) and r["resident"] == n and r["host_gb"] == 0
+        else:
+            assert r["host_gb"] == pytest.approx(p.host_gb, abs=1e-3)
+            assert r["resident"] == (max(p.resident, 0) if mode == "resident" else 0), r
+            assert r["fits"] and r["gpu_gb"] <= budget + 1e-3, r
+    assert png.exists() or "matplotlib is not installed" in out
 
 
 @pytest.mark.gpu

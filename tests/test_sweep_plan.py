@@ -3,6 +3,8 @@ GPU budget in each mode, and which the host memory holds."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -105,3 +107,72 @@ def test_the_demos_own_shape_at_128k():
     fp8 = sw.Shape(resident_layers=2)  # 656-byte rows
     assert sw.host_max(131072, 64, host_gb=110, shape=fp8) == 16
     assert 16 * T * 78 * 656 / GB == pytest.approx(107.4, abs=0.1)
+    assert shape.indexer_bytes == 132
+    assert sw.demo_shape(from_args(["--no-indexer"])).indexer_bytes == 0
+
+
+class _Run:  # a run's per-step times, as demo._loop.RunResult carries them
+    def __init__(self, ms):
+        self.step_ms = np.asarray(ms, float)
+
+
+def test_rows_hidden_share_json_and_table():
+    """The sweep's rows: TPOT the mean step, p99, tokens/s = n / TPOT, resident and sparse
+    counts; the sparse row's hidden share from the plain offload and gpu-only of the same n;
+    the document carries the issue's fields."""
+    from hisparse_cupy.demo import _sweep_run as run
+    from hisparse_cupy.demo._config import from_args
+
+    ms = np.linspace(10.0, 12.0, 101)
+    r = run.row("sparse", 4, _Run(ms), fits=True, gpu_bytes=int(3.5e9), host_gb=20.0,
+                resident=0)
+    assert r == {"concurrency": 4, "mode": "sparse", "fits": True, "tpot_ms": 11.0,
+                 "p99_ms": pytest.approx(11.98), "tokens_per_s": pytest.approx(363.64),
+                 "resident": 0, "sparse": 4, "gpu_gb": 3.5, "host_gb": 20.0}
+    rows = [run.row(m, 2, _Run([t]), fits=True, gpu_bytes=0, host_gb=1.0, resident=k)
+            for m, t, k in (("gpu-only", 10.0, 2), ("sparse-no-overlap", 14.0, 0),
+                            ("sparse", 11.0, 0), ("resident", 10.1, 2))]
+    rows.append(run.row("sparse", 3, _Run([12.0]), fits=True, gpu_bytes=0, host_gb=1.0,
+                        resident=0))  # no gpu-only of 3 here: no share
+    run.hidden_share(rows)
+    share = {(r["concurrency"], r["mode"]): r["hidden_share"] for r in rows}
+    assert share == {(2, "gpu-only"): None, (2, "sparse-no-overlap"): None,
+                     (2, "sparse"): 0.75, (2, "resident"): None, (3, "sparse"): None}
+    cfg = from_args(["--context", "32768", "--steps", "30", "--warmup", "10"])
+    plans = sw.plan(32768, 40, [2], gpu_budget_gb=40, host_gb=100, shape=sw.demo_shape(cfg))
+    doc = run.document(cfg, rows, gpu_budget_gb=40.0, host_gb=100.0, plan_rows=plans,
+                       errors=[], extra={"device": "x"})
+    assert {"context", "gpu_budget_gb", "model", "self_check", "rows"} <= set(doc)
+    assert (doc["context"], doc["gpu_budget_gb"], doc["self_check"]) == (32768, 40.0, "passed")
+    assert doc["model"] == "glm52 (hidden 27136), indexer on"
+    assert doc["gpu_only_max"] == sw.gpu_only_max(32768, 40, gpu_budget_gb=40,
+                                                  shape=sw.demo_shape(cfg))
+    assert doc["plan"][0]["concurrency"] == 2 and "sweep" not in doc["config"]
+    json.dumps(doc)  # plain JSON
+    assert run.document(cfg, rows, gpu_budget_gb=40.0, host_gb=100.0, plan_rows=plans,
+                        errors=["n 2: differs"], extra={})["self_check"] == "failed"
+    text = run.table(doc).splitlines()
+    assert len(text) == 1 + len(rows) and "75.0%" in text[3]
+
+
+def test_sweep_flags():
+    """--sweep's flags: defaults (40 GB, 80 % of the host), bad values named, its flags
+    without it refused, --batch refused with it; the NumPy backend refuses it."""
+    from hisparse_cupy.demo._config import cpu_config, from_args, host_memory_bytes
+
+    c = from_args(["--sweep", "--context", "65536"])
+    assert c.sweep["gpu_budget_gb"] == 40.0 and c.sweep["concurrencies"] is None
+    assert c.sweep["host_gb"] == pytest.approx(0.8 * host_memory_bytes() / GB)
+    c = from_args(["--sweep", "--concurrency", "4", "--concurrency", "1", "--host-gb", "50"])
+    assert (c.sweep["concurrencies"], c.sweep["host_gb"]) == ([1, 4], 50.0)
+    assert from_args([]).sweep is None
+    for argv, msg in ((["--gpu-budget", "20"], "--gpu-budget sets up --sweep"),
+                      (["--concurrency", "2"], "--concurrency sets up --sweep"),
+                      (["--sweep", "--batch", "4"], "--sweep runs its own concurrencies"),
+                      (["--sweep", "--gpu-budget", "0"], "--gpu-budget must be a number > 0"),
+                      (["--sweep", "--host-gb", "-1"], "--host-gb must be a number > 0"),
+                      (["--sweep", "--concurrency", "0"], "--concurrency")):
+        with pytest.raises(SystemExit, match=msg):
+            from_args(argv)
+    with pytest.raises(SystemExit, match="--sweep needs the GPU decode loop"):
+        cpu_config(["--sweep"])

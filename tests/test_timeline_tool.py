@@ -69,3 +69,20 @@ def test_layer_count_mismatch_is_refused():
           dict(name="tick", t0=1, t1=2, stream=1, grid=(1,), kind="bookkeeping", side=False)]
     with pytest.raises(RuntimeError, match="1 attention kernels in a step of 2 layers"):
         tl.layer_split(st, (True, False))
+
+
+def test_the_indexer_is_its_own_kind_inside_the_full_layers_window():
+    """The demo's indexer kernel counts in the full layer's window (not as compute), with its
+    busy time and the side kernels' time inside it (a replay overlapping it by 3 us)."""
+    st = [dict(name="nvjet_gemm", t0=0, t1=5, stream=7, grid=(1,), kind="model"),
+          dict(name="indexer", t0=5, t1=9, stream=7, grid=(1,), kind=tl._kind("indexer")),
+          dict(name="hs::planned_copy<4>", t0=6, t1=12, stream=9, grid=(16,),
+               kind="library"),
+          dict(name="topk_table", t0=9, t1=10, stream=7, grid=(1,), kind="bookkeeping"),
+          dict(name="attn_partial", t0=20, t1=30, stream=7, grid=(8,), kind="model"),
+          dict(name="tick", t0=30, t1=31, stream=7, grid=(1,), kind="bookkeeping")]
+    assert st[1]["kind"] == "indexer"
+    tl.mark_side(st, 7, 16)
+    r = tl.layer_split(st, (True,))
+    assert r["win"].tolist() == [15.0] and r["comp"].tolist() == [10.0]
+    assert (r["indexer"], r["side_busy"], r["side_in_indexer"]) == (4, 6, 3)

@@ -15,7 +15,9 @@
 #   6. the decode loop (python -m hisparse_cupy demo, default sizes, every mode eager and graph,
 #      self-check) twice: the default device budget (auto: every request resident) and
 #      --device-budget 0 (every request sparse); JSON + PNG in results; --demo=ARGS replaces its
-#      arguments, --no-demo skips it;
+#      arguments, --no-demo skips it; --sweep=CONTEXTS (e.g. 32768,131072): the load sweep at
+#      each context (demo --sweep, 40 GB budget, 10 + 30 steps; ~90 s each on an H200), JSON
+#      + PNG in results;
 #   7. with --peer DIR (a copy of the peer_sglang probe, e.g. .peer): SGLang's kernels beside
 #      ours (bench_peer.py --quick, bench_peer_spec.py --quick; --peer-full: their full grids),
 #      JSON.
@@ -32,7 +34,8 @@
 # Usage: bash tools/gpu_check.sh [--no-tests] [--no-sanitize] [--no-bench] [--full-bench]
 #                                [--full=bench_NAME ...]   (that benchmark in full, others quick)
 #                                [--peer=DIR] [--peer-full] [--tests=PYTEST_ARGS] [--no-demo]
-#                                [--demo=ARGS] [--fuzz-steps=N] [--fuzz-procs=N] [--shm-huge=GB]
+#                                [--demo=ARGS] [--sweep=CONTEXTS] [--fuzz-steps=N]
+#                                [--fuzz-procs=N] [--shm-huge=GB]
 #                                [--sanitize=swap,plan,...]   (those tools/sanitize_*.py only)
 set -u
 cd "$(dirname "$0")/.."
@@ -42,7 +45,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 tests=1 sanitize=1 bench=1 quick=--quick full_only= peer= peer_mode=--quick test_args=tests demo=1
 demo_args="--steps 100 --warmup 20 --eager-and-graph" fuzz_steps=100000 fuzz_procs=12 shm_huge=
-sanitize_only=
+sanitize_only= sweeps=
 for a in "$@"; do
   case $a in
     --no-tests) tests=0 ;; --no-sanitize) sanitize=0 ;; --no-bench) bench=0 ;;
@@ -52,7 +55,7 @@ for a in "$@"; do
     --peer=*) peer=${a#--peer=} ;;
     --peer-full) peer_mode= ;;
     --tests=*) test_args=${a#--tests=} ;;
-    --no-demo) demo=0 ;; --demo=*) demo_args=${a#--demo=} ;;
+    --no-demo) demo=0 ;; --demo=*) demo_args=${a#--demo=} ;; --sweep=*) sweeps=${a#--sweep=} ;;
     --fuzz-steps=*) fuzz_steps=${a#--fuzz-steps=} ;; --fuzz-procs=*) fuzz_procs=${a#--fuzz-procs=} ;;
     --shm-huge=*) shm_huge=${a#--shm-huge=} ;;
     *) echo "unknown option $a"; exit 2 ;;
@@ -130,6 +133,15 @@ if [ $demo = 1 ]; then
     [ $rc = 0 ] || fail=1
   done
 fi
+
+for ctx in ${sweeps//,/ }; do
+  t0=$SECONDS
+  $PY -m hisparse_cupy demo --sweep --context "$ctx" --warmup 10 --steps 30 \
+    --json "$OUT/results/sweep_$ctx.json" --png "$OUT/results/sweep_$ctx.png" >"$OUT/sweep_$ctx.log" 2>&1
+  rc=$?
+  summary "demo --sweep --context $ctx rc=$rc ($((SECONDS - t0)) s): $(grep -E 'self-check|SELF-CHECK' "$OUT/sweep_$ctx.log" | head -n 1)"
+  [ $rc = 0 ] || fail=1
+done
 
 if [ $bench = 1 ]; then
   : >"$OUT/bench.log"

@@ -8,7 +8,10 @@ cuBLAS's included, with its start and end on the device) and splits each step by
   matmul) to the start of this layer's attention: the top-k kernel and, offloaded, the
   swap on a full layer or the wait for the replay on a shared one;
 - **compute**: from the attention's start to the end of the layer's last model kernel (side
-  kernels running beside it show here as a slower layer).
+  kernels running beside it show here as a slower layer);
+- **indexer**: a full layer's lightning indexer (the demo's ``indexer`` kernel, part of that
+  layer's window: it runs before the top-k and the swap), its busy time per step, and how much
+  of the side kernels' busy time falls inside it (the IO the indexer's HBM-bound window hides).
 
 Printed per mode, averaged over the profiled steps after the first: the step, the windows of
 the full and of the shared layers, the compute, the side kernels' busy time (replays,
@@ -39,6 +42,8 @@ _BOOKKEEPING = ("topk_table", "topk_drift", "direct_locs", "kv_newest", "tally",
 
 
 def _kind(name: str) -> str:
+    if name.startswith("indexer"):
+        return "indexer"
     if any(k in name for k in _LIBRARY):
         return "library"
     if any(k in name for k in _BOOKKEEPING):
@@ -89,8 +94,12 @@ def layer_split(step: list[dict], full: tuple[bool, ...]) -> dict:
         comp[i] = max(ends) - a["t0"]
     side = [k for k in step if k.get("side")]
     lib = [k for k in step if k["kind"] == "library"]
+    idx = [k for k in step if k["kind"] == "indexer"]
     return dict(step=step[-1]["t1"] - step[0]["t0"], win=win, comp=comp,
                 side_busy=sum(k["t1"] - k["t0"] for k in side),
+                indexer=sum(k["t1"] - k["t0"] for k in idx),
+                side_in_indexer=sum(max(0.0, min(k["t1"], i["t1"]) - max(k["t0"], i["t0"]))
+                                    for k in side for i in idx),
                 library={n: sum(k["t1"] - k["t0"] for k in lib if n in k["name"])
                          for n in _LIBRARY})
 
@@ -155,6 +164,8 @@ def main(argv=None) -> int:
                 window_shared_us=float(np.mean([x["win"][~fl].sum() for x in rows])),
                 compute_us=float(np.mean([x["comp"].sum() for x in rows])),
                 side_busy_us=float(np.mean([x["side_busy"] for x in rows])),
+                indexer_us=float(np.mean([x["indexer"] for x in rows])),
+                side_in_indexer_us=float(np.mean([x["side_in_indexer"] for x in rows])),
                 library_us={n: float(np.mean([x["library"][n] for x in rows]))
                             for n in _LIBRARY},
                 per_layer_window_us=np.mean([x["win"] for x in rows], axis=0).round(2).tolist(),
@@ -166,7 +177,8 @@ def main(argv=None) -> int:
             print(f"{mode:9s} step {r['step_us']:9.1f} us | windows: full "
                   f"{r['window_full_us']:8.1f} shared {r['window_shared_us']:8.1f} | compute "
                   f"{r['compute_us']:9.1f} | side "
-                  f"busy {r['side_busy_us']:8.1f} | " + ", ".join(
+                  f"busy {r['side_busy_us']:8.1f} (in the indexer {r['side_in_indexer_us']:.1f}) "
+                  f"| indexer {r['indexer_us']:.1f} | " + ", ".join(
                       f"{n} {v:.1f}" for n, v in r["library_us"].items() if v) +
                   f" | {r['steps']} steps, streams {r['streams']}", flush=True)
     finally:

@@ -5,7 +5,9 @@
     python -m hisparse_cupy demo --help           (every knob)
 
 A synthetic sparse-attention model with realistic shapes (GLM-5.2's 78 layers and IndexCache
-pattern, MLA rows of 576 bf16 values, 16 heads, K 2048, H 4096) decodes a batch of long requests
+pattern, MLA rows of 576 bf16 values, 16 heads, K 2048, H 4096, the lightning indexer's cost on
+every full layer, an MLP stand-in sized by ``--model``: docs/design.md section 11) decodes a
+batch of long requests
 on top-k lists of a published shape (:mod:`hisparse_cupy.demo._topk_model`, their measured
 shape printed; ``--topk-model drift`` for the older drifting lists) in four modes, one after
 another on the same inputs:
@@ -26,6 +28,10 @@ table per run: step time (ITL) after the warm-up (mean, p50, p99), overhead over
 share of the overhead hidden, hit rate, bytes moved per step and their rate, the Python time
 of one swap call (eager), prediction's precision and recall, and the device counters;
 ``--json`` and ``--png`` write the results and an ITL-per-step plot.
+
+``--sweep`` runs the load sweep instead (:mod:`hisparse_cupy.demo._sweep_run`): at one
+context, concurrency 1 up to what the host memory holds, gpu-only, residency-managed and
+always-sparse under one GPU budget, each offloaded run self-checked.
 
 Without a CUDA device it runs the same algorithm on the NumPy reference backend, small, and
 says so in its first line (:mod:`hisparse_cupy.demo._cpu`).
@@ -53,11 +59,14 @@ def describe(cfg: Config) -> str | None:
           f"{cfg.top_k}, H {cfg.hot}, rows of 576 bf16 values (1152 B), 16 heads, top-k "
           + (f"drift ({100 * cfg.new_share:g}% new tokens per step)" if cfg.topk_model ==
              "drift" else "lru streams (demo.topk_model)")
-          + (f", MTP {cfg.mtp} draft steps (multi-step swap)" if cfg.mtp > 1 else ""))
+          + (f", MTP {cfg.mtp} draft steps (multi-step swap)" if cfg.mtp > 1 else "")
+          + f"; model {cfg.model} (hidden {cfg.hidden}), indexer "
+          + ("on (64 heads x 128 dims over the whole context, every full layer)"
+             if cfg.indexer else "off"))
     mem = cfg.memory()
     print(cfg.describe_memory(), flush=True)
     free, _ = cupy.cuda.runtime.memGetInfo()
-    need_gpu = max(mem["gpu_resident"], mem["gpu_hot"]) + mem["gpu_model"]
+    need_gpu = max(mem["gpu_resident"], mem["gpu_hot"]) + mem["gpu_model"] + mem["gpu_indexer"]
     if need_gpu > free:
         return (f"this configuration needs {need_gpu / 1e9:.1f} GB of GPU memory, "
                 f"{free / 1e9:.1f} GB are free: lower --batch, --context or --layers")
@@ -194,6 +203,10 @@ def main(argv=None) -> int:
     if cfg.warmup < 1:
         raise SystemExit("demo: the GPU decode loop needs --warmup >= 1 (kernels compile, and "
                          "graphs are captured, after an eager step)")
+    if cfg.sweep is not None:
+        from ._sweep_run import run_sweep
+
+        return run_sweep(cfg, **cfg.sweep)
     return run_gpu(cfg)
 
 

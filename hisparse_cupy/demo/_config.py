@@ -15,6 +15,10 @@ DEVICE_PAGE = 64  # tokens a device page of the budget holds (--device-budget, -
 AUTO_RESERVE = 4 << 30  # --device-budget auto leaves this much GPU memory free (buffers, tables)
 MODES = ("gpu-only", "offload", "overlap", "predict")  # predict: overlap + prediction
 REPLAY_ROWS_PER_WARP = (1, 2, 4, 8)  # the copy kernel's choices (_build.COPY_ROWS_PER_WARP)
+# --model: the MLP stand-in's hidden size. glm52: a gpu-only step of about a published GLM-5.2
+# per-GPU decode step on an H200 (docs/design.md section 11); light: the earlier, lighter model
+MODELS = {"glm52": 27136, "light": 4096}
+INDEXER_ROW = 132  # bytes of the indexer's key cache a token and full layer (demo._model.Indexer)
 
 
 @dataclasses.dataclass
@@ -34,7 +38,9 @@ class Config:
     top_k: int = 2048
     hot: int = 4096
     extra_page: int = 64
-    hidden: int = 4096
+    model: str = "glm52"  # a name of MODELS, or "custom" (--hidden given)
+    hidden: int = MODELS["glm52"]
+    indexer: bool = True  # the lightning indexer's cost on every full layer (demo._model.Indexer)
     mtp: int = 1  # draft steps per call (2-4: the multi-step swap)
     modes: tuple[str, ...] = ("gpu-only", "offload", "overlap", "predict")
     execs: tuple[str, ...] = ("graph",)
@@ -51,6 +57,7 @@ class Config:
     lean: bool = True  # steps run lean while every request is resident (begin_step(lean=None))
     resident_requests: int | None = None  # a budget sized for this many resident, the rest sparse
     resident_layers: int = 0  # layers 0 .. N-1 keep their KV on the GPU (from_args: auto)
+    sweep: dict | None = None  # --sweep: demo._sweep.sweep_args (None: the modes at --batch)
     json: str | None = None
     png: str | None = None
     quiet: bool = False
@@ -82,6 +89,8 @@ class Config:
                 raise SystemExit(f"demo: {msg}")
 
         need(self.layers >= 1, f"--layers must be >= 1, got {self.layers}")
+        need(self.hidden >= 64 and self.hidden % 64 == 0,
+             f"--hidden must be a multiple of 64, >= 64, got {self.hidden}")
         need(self.batch >= 1, f"--batch must be >= 1, got {self.batch}")
         need(self.device_budget in (None, "auto") or self.device_budget > 0,
              f"--device-budget must be auto, 0 or > 0 GB, got {self.device_budget}")
@@ -179,11 +188,16 @@ class Config:
         model = 2 * (HEADS * V_VALUES * self.hidden + self.hidden * HEADS * ROW_VALUES) + \
             Q * 2 * (self.hidden + HEADS * ROW_VALUES + HEADS * V_VALUES) + \
             Q * 64 * HEADS * (V_VALUES + 2) * 4
+        n_full = len(self.pattern_obj().full_layers)
         if self.topk_model == "lru":  # the streams' table: [steps * S, n_full, B, K] int32
-            model += self.total_steps * len(self.pattern_obj().full_layers) * Q * self.top_k * 4
+            model += self.total_steps * n_full * Q * self.top_k * 4
+        # the indexer's key cache (every mode), its queries and scores
+        indexer = (n_full * B * self.max_len * INDEXER_ROW + Q * (8192 + 4 * self.max_len)
+                   if self.indexer else 0)
         offload = any(m != "gpu-only" for m in self.modes)
         return {"host_pinned": (L - R) * layer if offload else 0, "gpu_resident": L * layer,
-                "gpu_hot": hot + R * layer if offload else 0, "gpu_model": model}
+                "gpu_hot": hot + R * layer if offload else 0, "gpu_model": model,
+                "gpu_indexer": indexer}
 
     def describe_memory(self) -> str:
         m = self.memory()
@@ -196,6 +210,8 @@ class Config:
                    f"resident" if self.resident_layers else "") + ") + "
                 f"{m['gpu_model'] / GB:.2f} GB model"
                 + (" and top-k streams" if self.topk_model == "lru" else "")
+                + (f" + {m['gpu_indexer'] / GB:.2f} GB indexer key cache (every mode)"
+                   if self.indexer else "")
                 + "; the modes run one after another")
 
     def resident_span(self) -> str:
@@ -276,7 +292,15 @@ def parser() -> argparse.ArgumentParser:
     a("--top-k", type=int, default=d.top_k, help="entries of each layer's top-k (K)")
     a("--hot", type=int, default=d.hot, help="hot slots per request (H)")
     a("--extra-page", type=int, default=d.extra_page, help="slots after the hot slots (P)")
-    a("--hidden", type=int, default=d.hidden, help="hidden size of the MLP stand-in")
+    a("--model", choices=tuple(MODELS), default=d.model,
+      help=f"the MLP stand-in's size: glm52 (hidden {MODELS['glm52']}: a gpu-only step of "
+           f"about a published GLM-5.2 per-GPU decode step on an H200, docs/design.md section "
+           f"11) or light (hidden {MODELS['light']}, the earlier model)")
+    a("--hidden", type=int, default=None,
+      help="hidden size of the MLP stand-in (default: --model's; given: model custom)")
+    a("--no-indexer", dest="indexer", action="store_false",
+      help="leave out the lightning indexer's cost (64 heads x 128 dims over every token's "
+           "132-byte key on every full layer, its key cache on the GPU in every mode)")
     a("--mtp", type=int, default=d.mtp,
       help="draft steps per swap (2-4: multi-step swap; on the lru streams a call's drafts are "
            "consecutive draws of each full layer's stream)")
@@ -332,6 +356,9 @@ def parser() -> argparse.ArgumentParser:
     a("--json", default=None, help="write the results as JSON to this file")
     a("--png", default=None, help="plot ITL per step per mode to this PNG (needs matplotlib)")
     a("--quiet", action="store_true", help="no progress lines")
+    from ._sweep import add_arguments
+
+    add_arguments(ap)
     return ap
 
 
@@ -340,11 +367,11 @@ CPU_DEFAULTS = {"layers": 8, "batch": 2, "context": 1536, "steps": 12, "warmup":
                 "top_k": 128, "hot": 512, "extra_page": 8, "recent": 4, "resident_layers": 0,
                 "device_budget": None}
 CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hidden",
-               "--side-sms", "--predict-rule", "--matmul", "--resident-layers", "--replay-grid",
-               "--replay-rows-per-warp", "--group-replay-batch", "--device-budget",
-               "--resident-requests")
-# (--mtp 1, --mode gpu-only / offload, --eager, --no-predict, --no-partition, --no-lean and
-# --device-budget 0 are what the NumPy backend runs: accepted)
+               "--model", "--side-sms", "--predict-rule", "--matmul", "--resident-layers",
+               "--replay-grid", "--replay-rows-per-warp", "--group-replay-batch",
+               "--device-budget", "--resident-requests", "--sweep")
+# (--mtp 1, --mode gpu-only / offload, --eager, --no-predict, --no-partition, --no-lean,
+# --no-indexer and --device-budget 0 are what the NumPy backend runs: accepted)
 
 
 def _budget(value: str) -> float | str | None:
@@ -383,6 +410,7 @@ def cpu_config(argv=None) -> Config:
                and (f != "--side-sms" or bool(cfg.side_sms))
                and (f != "--predict-rule" or cfg.predict_rule != "selection")
                and (f != "--matmul" or cfg.matmul != "cublas")
+               and (f != "--model" or cfg.model != Config.model)
                and (f != "--resident-layers" or cfg.resident_layers > 0)
                and (f != "--device-budget" or cfg.device_budget is not None)]
     if refused:
@@ -444,7 +472,10 @@ def from_args(argv=None, *, check: bool = True) -> Config:
                  recent=ns.recent,
                  topk_model=ns.topk_model, step_overlap=ns.step_overlap,
                  layer_overlap=ns.layer_overlap,
-                 top_k=ns.top_k, hot=ns.hot, extra_page=ns.extra_page, hidden=ns.hidden,
+                 top_k=ns.top_k, hot=ns.hot, extra_page=ns.extra_page,
+                 model=ns.model if ns.hidden is None else "custom",
+                 hidden=MODELS[ns.model] if ns.hidden is None else ns.hidden,
+                 indexer=ns.indexer,
                  mtp=ns.mtp, modes=modes, seed=Config.seed if ns.seed is None else ns.seed,
                  side_sms=side, replay_grid=ns.replay_grid,
                  replay_rows_per_warp=ns.replay_rows_per_warp,
@@ -455,6 +486,9 @@ def from_args(argv=None, *, check: bool = True) -> Config:
                  execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)
     cfg.resident_layers = auto_resident(cfg) if ns.resident_layers is None else \
         ns.resident_layers
+    from ._sweep import sweep_args
+
+    cfg.sweep = sweep_args(ns, given(argv))
     if check:
         cfg.check()
     return cfg

@@ -4,9 +4,9 @@ graph-captured.
 Per step (DESIGN's request lifecycle): the newest token's KV of every layer is written into its
 device row (``step.newest_rows()``) and backed up to the host pool (``step.backup_newest()``,
 queued before any swap that could miss on it); the step's input goes through the first query
-projection; then per layer: a full layer's "indexer" (its row of the pre-generated lru top-k,
-or a drifting top-k), the swap-in (or, for a
-shared layer with overlap, the wait on its side-stream replay), the sparse attention over the
+projection; then per layer: a full layer's indexer (its cost, :class:`~._model.Indexer`, then
+its row of the pre-generated lru top-k, or a drifting top-k), the swap-in (or, for a shared
+layer with overlap, the wait on its side-stream replay), the sparse attention over the
 returned device rows and the matmuls. Everything is queued on one non-blocking stream; the step
 index and sequence lengths live on the device, so one captured step replays for every step.
 """
@@ -23,7 +23,7 @@ from .._abi import LC_MISSES
 from ..cache import HotBufferCache
 from ..streams import Prefetcher
 from ._config import DEVICE_PAGE, PAGE_TOKENS, ROW_BYTES, Config
-from ._model import Kernels, Model
+from ._model import Indexer, Kernels, Model
 
 
 @dataclasses.dataclass
@@ -104,9 +104,11 @@ class Rig:
         # layers 0 .. R-1 keep their KV on the GPU in every mode; the cache holds the rest
         self.R = R = cfg.resident_layers
         self.cached = range(R, cfg.layers)
-        if R and (pool is not None or admission is not None):
-            raise SystemExit("demo: --resident-layers needs the demo's own host pool (a given "
-                             "pool or admission hook holds every layer): --resident-layers 0")
+        if R and (admission is not None or pool is not None and
+                  getattr(pool, "n_layers", None) != cfg.layers - R):
+            raise SystemExit("demo: --resident-layers needs a host pool of the cached layers "
+                             "alone (a given pool or admission hook holds every layer): "
+                             "--resident-layers 0")
         self.k = Kernels()
         with stream:
             self.model = Model(self.k, queries=cfg.queries, top_k=cfg.top_k, hidden=cfg.hidden,
@@ -114,6 +116,9 @@ class Rig:
                                sms=None if partition is None else partition.main_sms,
                                matmul=cfg.matmul)
             B, S, K = cfg.batch, cfg.mtp, cfg.top_k
+            self.indexer = Indexer(self.k, n_full=len(self.pattern.full_layers), slots=B,
+                                   max_len=cfg.max_len, queries=cfg.queries, drafts=S,
+                                   stream=stream) if cfg.indexer else None
             self.req = cupy.arange(B, dtype=cupy.int32)  # request slot b (the cache's rids too)
             self.lens = cupy.empty(B, cupy.int32)
             self.step_ctr = cupy.zeros(1, cupy.int32)
@@ -384,9 +389,13 @@ class Rig:
                          rows, np.int32(c.max_len), np.int32(R)), stream=s)
             self.backup(st)  # before any later swap that may select these tokens
         m.start(self.step_ctr)
+        if self.indexer is not None:
+            self.indexer.query(self.step_ctr)
         topk = self.topk if S > 1 else self.topk.reshape(B, K)
         locs = self.locs if S > 1 else self.locs.reshape(B, K)
         for layer in range(c.layers):
+            if self.full[layer] and self.indexer is not None:  # scores every token it holds
+                self.indexer.score(self.full_rank[layer], self.req, self.lens)
             if self.full[layer] and self.table is not None:
                 n = B * S * K  # draft s of step t: the table's step t * S + s
                 k.topk_table((-(-n // 256),), (256,),

@@ -5,8 +5,10 @@ buffers; the matmuls run on :class:`hisparse_cupy.demo._compute.Gemm` (its fallb
 Per layer the model does what a sparse-attention (MLA + DSA-like) decoder layer costs: a sparse
 attention over the K selected KV rows of every query row (16 heads, 576-value bf16 rows, softmax
 of q.k, weighted sum of the 512-value latents; split over the rows flash-decoding style), then
-two bf16 matmuls on cuBLAS (the output projection into a 4096-wide hidden state, and the next
-layer's query projection): the MLP stand-in.
+two bf16 matmuls on cuBLAS (the output projection into the hidden state, and the next layer's
+query projection): the MLP stand-in, whose weights every step streams as a real step streams
+its experts' (``--model``: their size). On every full layer the :class:`Indexer` first scores
+the whole context (DSA's lightning indexer), in every mode alike.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class Kernels:
     """``model.cu`` compiled once (per process and device)."""
 
     _NAMES = ("kv_prefill", "kv_newest", "topk_drift", "topk_table", "direct_locs", "embed",
-              "weights", "attn_partial", "attn_combine", "tally", "tick", "gemm_bf16")
+              "weights", "attn_partial", "attn_combine", "tally", "tick", "gemm_bf16",
+              "index_fill", "index_query", "indexer")
 
     def __init__(self):
         src = (Path(__file__).with_name("model.cu")).read_text(encoding="ascii")
@@ -129,3 +132,45 @@ class Model:
 
     def close(self) -> None:
         self.gemm.close()
+
+
+class Indexer:
+    """DSA's lightning indexer as a cost (``model.cu``'s ``indexer``): its key cache on the GPU,
+    :data:`ROW` bytes a token (128 int8 keys standing in for FP8, a float scale) for every full
+    layer and request slot (rows ``r * max_len + p``, every position written up front), and per
+    full layer a scoring of every token a request holds by 64 heads of 128 dims against the
+    step's queries, on the tensor cores. The scores (:attr:`scores`, float32 ``[Q, max_len]``)
+    are the kernel's output and nothing reads them: the stream generator's top-k stands in for
+    what trained keys would select. Not modelled: the query projection (a small matmul) and
+    writing the newest token's key each step."""
+
+    ROW, HEADS, DIM, TOKENS = 132, 64, 128, 256  # IDX_ROW, IDX_H, IDX_D, IDX_TOK in model.cu
+
+    def __init__(self, kernels: Kernels, *, n_full: int, slots: int, max_len: int,
+                 queries: int, drafts: int, stream: cupy.cuda.Stream):
+        self.k, self.s, self.max_len, self.S = kernels, stream, max_len, drafts
+        rows = slots * max_len
+        with stream:
+            self.keys = cupy.empty((n_full, rows * self.ROW), cupy.uint8)
+            self.q = cupy.empty((queries, self.HEADS * self.DIM), cupy.int8)
+            self.scores = cupy.empty((queries, max_len), cupy.float32)
+        for j in range(n_full):
+            self.k.index_fill((-(-rows * (self.ROW // 4) // 256),), (256,),
+                              (self.keys[j], np.int64(rows), np.int32(j)), stream=stream)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.q.nbytes + self.scores.nbytes
+
+    def query(self, step_ctr: cupy.ndarray) -> None:
+        """The step's queries (a function of the step index on the device)."""
+        n = self.q.size // 4
+        self.k.index_query((-(-n // 256),), (256,), (self.q, np.int32(n), step_ctr),
+                           stream=self.s)
+
+    def score(self, j: int, req: cupy.ndarray, lens: cupy.ndarray) -> None:
+        """Full layer ``j``: query row ``b * S + s`` scores tokens ``[0, lens[b])`` of request
+        slot ``req[b]``."""
+        self.k.indexer((-(-self.max_len // self.TOKENS), self.q.shape[0]), (128,),
+                       (self.keys[j], self.q, req, lens, np.int32(self.S),
+                        np.int32(self.max_len), self.scores), stream=self.s)

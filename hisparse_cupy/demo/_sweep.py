@@ -21,8 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import _checks
-from .._tables import rows_needed
-from ..residency import DeviceBudget
 
 GB = 1e9
 
@@ -60,6 +58,8 @@ class Shape:
 
     def block_rows(self) -> int:
         """Device rows a sparse request holds (hot slots, extra page, scratch)."""
+        from .._tables import rows_needed  # (the demo's parser imports this module: no CuPy)
+
         return rows_needed(max_requests=1, hot_size=self.hot, top_k=self.top_k,
                            extra_page=self.extra_page, max_steps=self.max_steps)
 
@@ -67,14 +67,57 @@ class Shape:
 def demo_shape(cfg) -> Shape:
     """The :class:`Shape` of the decode loop a demo :class:`~hisparse_cupy.demo._config.Config`
     runs: its layers and pattern's full layers, its rows (``ROW_BYTES``: 576 bf16 values),
-    resident layers, hot buffer and device pages (the indexer's key cache at the default
-    132 B a token, which the loop does not model yet)."""
-    from ._config import DEVICE_PAGE, ROW_BYTES
+    resident layers, hot buffer and device pages, and its indexer's key cache (132 B a token,
+    none with ``--no-indexer``)."""
+    from ._config import DEVICE_PAGE, INDEXER_ROW, ROW_BYTES
 
     return Shape(layers=cfg.layers, full_layers=len(cfg.pattern_obj().full_layers),
-                 row_bytes=ROW_BYTES, resident_layers=cfg.resident_layers, hot=cfg.hot,
+                 row_bytes=ROW_BYTES, indexer_bytes=INDEXER_ROW if cfg.indexer else 0,
+                 resident_layers=cfg.resident_layers, hot=cfg.hot,
                  top_k=cfg.top_k, extra_page=cfg.extra_page, max_steps=cfg.mtp,
                  page_tokens=DEVICE_PAGE)
+
+
+def add_arguments(ap) -> None:
+    """The sweep's flags on the demo's parser (``demo --sweep``)."""
+    g = ap.add_argument_group("load sweep (--sweep; docs/design.md section 11)")
+    a = g.add_argument
+    a("--sweep", action="store_true",
+      help="decode each concurrency of one --context (1, 2, 4, ... up to what --host-gb holds, "
+           "and gpu-only's maximum) gpu-only, residency-managed and always sparse under "
+           "--gpu-budget, every offloaded run checked against gpu-only; --json and --png "
+           "write its rows and plot")
+    a("--gpu-budget", type=float, default=40.0, metavar="GB",
+      help="--sweep: GPU memory for KV and the indexer's key cache (default: 40, what a "
+           "GLM-5.2 H200 at TP8 leaves for them)")
+    a("--host-gb", type=float, default=None, metavar="GB",
+      help="--sweep: host memory for the pinned pool (default: 80%% of this machine's)")
+    a("--concurrency", type=int, action="append", metavar="N",
+      help="--sweep: this concurrency (repeatable; default: the plan's rows)")
+
+
+def sweep_args(ns, given: set[str]) -> dict | None:
+    """``run_sweep``'s keyword arguments from the parsed flags, or None without ``--sweep``;
+    ``SystemExit`` naming a flag that does not go with it."""
+    if not ns.sweep:
+        bad = [f for f in ("gpu_budget", "host_gb", "concurrency") if f in given]
+        if bad:
+            raise SystemExit(f"demo: --{bad[0].replace('_', '-')} sets up --sweep: add it")
+        return None
+    if "batch" in given:
+        raise SystemExit("demo: --sweep runs its own concurrencies: --concurrency N, not --batch")
+    from ._config import host_memory_bytes
+
+    host = ns.host_gb if ns.host_gb is not None else 0.8 * host_memory_bytes() / GB
+    try:
+        _gb("--host-gb", host)
+        _gb("--gpu-budget", ns.gpu_budget)
+        for n in ns.concurrency or ():
+            _checks.integer("--concurrency", n, 1)
+    except ValueError as e:
+        raise SystemExit(f"demo: {e}") from None
+    return {"gpu_budget_gb": ns.gpu_budget, "host_gb": host,
+            "concurrencies": sorted(set(ns.concurrency)) if ns.concurrency else None}
 
 
 @dataclass(frozen=True)
@@ -107,6 +150,8 @@ def _per_request(T: int, s: Shape) -> tuple[int, int, int, int]:
 def plan(context: int, steps: int, concurrencies, *, gpu_budget_gb: float, host_gb: float,
          shape: Shape = Shape()) -> list[PlanRow]:
     """The plan of each concurrency (see the module docstring)."""
+    from ..residency import DeviceBudget
+
     T = _tokens(context, steps)
     budget, host_cap = _gb("gpu_budget_gb", gpu_budget_gb), _gb("host_gb", host_gb)
     gpu_only, fixed, host, row_layer = _per_request(T, shape)

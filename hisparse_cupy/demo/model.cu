@@ -306,6 +306,134 @@ extern "C" __global__ void attn_combine(const float* part_m, const float* part_l
   if ((d & 31) == 0) atomicAdd(digest + static_cast<long long>(*step) * n_layers + layer, dig);
 }
 
+// The lightning indexer's cost (DSA): on every full layer each query row scores every token of
+// its request's indexer key cache, IDX_ROW = 132 bytes a token (IDX_D = 128 int8 key values,
+// standing in for FP8, then a float scale), with IDX_H = 64 heads of 128 dims:
+//   score[q][t] = scale_t * sum_h w_h * relu(q_h . k_t),  w_h = (1 + h % 8) / 8,
+// on the tensor cores (mma.sync m16n8k32 s8, sm_80+; dp4a before). The scores land in a scratch
+// buffer that nothing reads: the top-k comes from the stream generator, which stands in for
+// what trained keys would select. Keys of request slot r's token p: row r * max_len + p.
+#define IDX_H 64
+#define IDX_D 128
+#define IDX_ROW 132
+#define IDX_WARPS 4
+#define IDX_TOK 256  // tokens a block scores: IDX_WARPS warps x 8 tiles of 8 tokens
+
+__device__ __forceinline__ float idx_weight(int h) {
+  return 0.125f * static_cast<float>(1 + (h & 7));
+}
+
+__device__ __forceinline__ float idx_scale(const unsigned char* base, int t) {
+  return *reinterpret_cast<const float*>(base + static_cast<long long>(t) * IDX_ROW + IDX_D);
+}
+
+// The key cache of one full layer: rows [0, n_rows) of IDX_ROW bytes, int8 values and a scale
+// in [1/512, 2/512), a function of (layer, row). grid (ceil(n_rows * 33 / 256)), 256 threads.
+extern "C" __global__ void index_fill(unsigned int* keys, long long n_rows, int layer) {
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n_rows * (IDX_ROW / 4)) return;
+  const u64 h = mix64((static_cast<u64>(layer) << 48) ^ static_cast<u64>(i) ^
+                      0xA24BAED4963EE407ULL);
+  keys[i] = (i % (IDX_ROW / 4) == IDX_D / 4)
+                ? __float_as_uint((1.0f + static_cast<float>(h >> 41) * (1.0f / (1 << 23))) /
+                                  512.0f)
+                : static_cast<unsigned int>(h);
+}
+
+// The step's indexer queries, int8 [Q, IDX_H, IDX_D]: a function of (step, index).
+extern "C" __global__ void index_query(unsigned int* q, int n_words, const int* step) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n_words) return;
+  q[i] = static_cast<unsigned int>(mix64((static_cast<u64>(*step) << 36) ^ static_cast<u64>(i) ^
+                                         0x3C6EF372FE94F82BULL));
+}
+
+// Query row q = b * S + s scores tokens [0, lens[b]) of request req[b]'s keys into
+// scores[q * max_len + t]. grid (ceil(max_len / IDX_TOK), Q), IDX_WARPS * 32 threads; blocks
+// past the length return (the grid is fixed, so a captured step replays at any length).
+extern "C" __global__ void __launch_bounds__(IDX_WARPS * 32)
+indexer(const unsigned char* keys, const signed char* q, const int* req, const int* lens, int S,
+        int max_len, float* scores) {
+  const int qrow = blockIdx.y, b = qrow / S, len = lens[b];
+  const int t0 = blockIdx.x * IDX_TOK;
+  if (t0 >= len) return;
+  const unsigned char* base = keys + static_cast<long long>(req[b]) * max_len * IDX_ROW;
+  const unsigned int* qw = reinterpret_cast<const unsigned int*>(q) +
+                           static_cast<long long>(qrow) * (IDX_H * IDX_D / 4);
+  float* out = scores + static_cast<long long>(qrow) * max_len;
+#if __CUDA_ARCH__ >= 800
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  // A fragments (m16n8k32, row): head mt * 16 + g (+ 8), dims ks * 32 + tig * 4 (+ 16)
+  unsigned int a[4][4][4];
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const int r0 = (mt * 16 + g) * (IDX_D / 4) + ks * 8 + tig, r1 = r0 + 8 * (IDX_D / 4);
+      a[mt][ks][0] = qw[r0];
+      a[mt][ks][1] = qw[r1];
+      a[mt][ks][2] = qw[r0 + 4];
+      a[mt][ks][3] = qw[r1 + 4];
+    }
+  for (int tile = warp; tile < IDX_TOK / 8; tile += IDX_WARPS) {
+    const int t = t0 + tile * 8;
+    if (t >= len) break;
+    // B fragment (col): token t + g, dims ks * 32 + tig * 4 (+ 16)
+    const unsigned int* kr = reinterpret_cast<const unsigned int*>(
+        base + static_cast<long long>(min(t + g, len - 1)) * IDX_ROW);
+    int c[4][4];
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) c[mt][0] = c[mt][1] = c[mt][2] = c[mt][3] = 0;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const unsigned int b0 = kr[ks * 8 + tig], b1 = kr[ks * 8 + 4 + tig];
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+        asm volatile(
+            "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+r"(c[mt][0]), "+r"(c[mt][1]), "+r"(c[mt][2]), "+r"(c[mt][3])
+            : "r"(a[mt][ks][0]), "r"(a[mt][ks][1]), "r"(a[mt][ks][2]), "r"(a[mt][ks][3]),
+              "r"(b0), "r"(b1));
+    }
+    // C: head mt * 16 + g (c0, c1) and + 8 (c2, c3); tokens t + tig * 2 (+ 1)
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+      const float w0 = idx_weight(mt * 16 + g), w1 = idx_weight(mt * 16 + g + 8);
+      s0 += w0 * static_cast<float>(max(c[mt][0], 0)) +
+            w1 * static_cast<float>(max(c[mt][2], 0));
+      s1 += w0 * static_cast<float>(max(c[mt][1], 0)) +
+            w1 * static_cast<float>(max(c[mt][3], 0));
+    }
+    for (int o = 4; o < 32; o <<= 1) {
+      s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+      s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+    }
+    const int ta = t + tig * 2;
+    if (g == 0 && ta < len)
+      out[ta] = s0 * idx_scale(base, ta);
+    if (g == 0 && ta + 1 < len)
+      out[ta + 1] = s1 * idx_scale(base, ta + 1);
+  }
+#else
+  for (int i = threadIdx.x; i < IDX_TOK; i += blockDim.x) {
+    const int t = t0 + i;
+    if (t >= len) break;
+    const unsigned int* kr =
+        reinterpret_cast<const unsigned int*>(base + static_cast<long long>(t) * IDX_ROW);
+    float s = 0.0f;
+    for (int h = 0; h < IDX_H; ++h) {
+      int dot = 0;
+      for (int w = 0; w < IDX_D / 4; ++w)
+        dot = __dp4a(static_cast<int>(qw[h * (IDX_D / 4) + w]), static_cast<int>(kr[w]), dot);
+      s += idx_weight(h) * static_cast<float>(max(dot, 0));
+    }
+    out[t] = s * idx_scale(base, t);
+  }
+#endif
+}
+
 // End of an offloaded step, after its last swap: the cache's device counters summed over its
 // layers, so far (the counters were reset before step 0; the host takes differences of
 // consecutive steps). acc[2 step] = sum_l weight[l] * misses_l (rows moved host -> device: a

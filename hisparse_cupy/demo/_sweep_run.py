@@ -1,0 +1,231 @@
+"""The load sweep on the GPU: ``python -m hisparse_cupy demo --sweep --context N``.
+
+At one context, each concurrency ``n`` of :func:`._sweep.concurrencies` (or ``--concurrency``)
+runs, steps graphed, on the same ``n`` requests (the same top-k streams, the same KV):
+
+- ``gpu-only``: every layer's KV and the indexer's key cache on the GPU. Run at every ``n``,
+  inside the budget or not (``fits``: whether its bytes fit ``--gpu-budget``; outside it the
+  row is the reference of the self-check and the TPOT at the same batch, marked as such);
+- ``resident``: the residency-managed cache (IndexCache overlap on): a device budget of the
+  bytes ``--gpu-budget`` leaves after the indexer's key cache and the resident layers, the
+  first ``k`` requests resident (the largest ``k`` that leaves a hot buffer for each other,
+  :func:`._sweep.plan`), the others sparse; all resident, the steps run lean;
+- ``sparse``: every request sparse (no device budget: a hot buffer each), overlap on; and
+  ``sparse-no-overlap`` (the plain offload), from which the sparse row's hidden share comes.
+
+Every offloaded run's attention outputs must equal gpu-only's bit for bit (its self-check);
+the exit status is 1 if one does not. One pinned host pool, sized for the largest ``n``, serves
+every run. Rows and their JSON: :func:`row`, :func:`document`; docs/design.md section 11.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import _sweep
+from ._config import GB, ROW_BYTES, Config
+
+# the sweep's runs: (row mode, demo mode, device budget: "managed" or None)
+RUNS = (("gpu-only", "gpu-only", None), ("resident", "overlap", "managed"),
+        ("sparse-no-overlap", "offload", None), ("sparse", "overlap", None))
+
+
+def row(mode: str, n: int, result, *, fits: bool, gpu_bytes: int, host_gb: float,
+        resident: int) -> dict:
+    """One row of the sweep's JSON from a run's per-step times (``result.step_ms``)."""
+    ms = np.asarray(result.step_ms, float)
+    tpot = float(ms.mean())
+    return {"concurrency": n, "mode": mode, "fits": bool(fits), "tpot_ms": round(tpot, 4),
+            "p99_ms": round(float(np.percentile(ms, 99)), 4),
+            "tokens_per_s": round(1e3 * n / tpot, 2), "resident": int(resident),
+            "sparse": n - int(resident), "gpu_gb": round(gpu_bytes / GB, 3),
+            "host_gb": round(host_gb, 3)}
+
+
+def hidden_share(rows: list[dict]) -> None:
+    """The sparse rows' hidden share: the part of the plain offload's overhead over gpu-only
+    that the overlap removes, ``(no_overlap - sparse) / (no_overlap - gpu_only)``, per
+    concurrency (None where the offload costs nothing)."""
+    by = {(r["concurrency"], r["mode"]): r["tpot_ms"] for r in rows}
+    for r in rows:
+        r.setdefault("hidden_share", None)
+        if r["mode"] != "sparse":
+            continue
+        n = r["concurrency"]
+        g, off = by.get((n, "gpu-only")), by.get((n, "sparse-no-overlap"))
+        if g is not None and off is not None and off - g > 0:
+            r["hidden_share"] = round((off - r["tpot_ms"]) / (off - g), 4)
+
+
+def document(cfg: Config, rows: list[dict], *, gpu_budget_gb: float, host_gb: float,
+             plan_rows, errors: list[str], extra: dict) -> dict:
+    """The sweep's JSON: the fields docs/design.md section 11 lists, then what ran."""
+    return {"context": cfg.context, "gpu_budget_gb": gpu_budget_gb,
+            "model": f"{cfg.model} (hidden {cfg.hidden}), indexer "
+                     f"{'on' if cfg.indexer else 'off'}",
+            "self_check": "passed" if not errors else "failed", "rows": rows,
+            "errors": errors, "host_gb": host_gb,
+            "gpu_only_max": _sweep.gpu_only_max(cfg.context, cfg.total_steps,
+                                                gpu_budget_gb=gpu_budget_gb,
+                                                shape=_sweep.demo_shape(cfg)),
+            "plan": [dataclasses.asdict(p) for p in plan_rows],
+            "config": {k: v for k, v in vars(cfg).items() if k not in ("json", "png", "sweep")},
+            **extra}
+
+
+def table(doc: dict) -> str:
+    """The rows as text, one line each."""
+    out = [f"{'n':>3} {'mode':<18} {'fits':>5} {'TPOT ms':>8} {'p99 ms':>8} {'tok/s':>8} "
+           f"{'res/sp':>7} {'GPU GB':>7} {'host GB':>8} {'hidden':>7}"]
+    for r in doc["rows"]:
+        h = r.get("hidden_share")
+        out.append(f"{r['concurrency']:>3} {r['mode']:<18} {'yes' if r['fits'] else 'no':>5} "
+                   f"{r['tpot_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['tokens_per_s']:>8.1f} "
+                   f"{r['resident']:>3}/{r['sparse']:<3} {r['gpu_gb']:>7.2f} "
+                   f"{r['host_gb']:>8.2f} {'-' if h is None else f'{100 * h:.1f}%':>7}")
+    return "\n".join(out)
+
+
+def plot(path: str, doc: dict) -> str:
+    """TPOT and tokens/s against concurrency per mode; gpu-only outside the budget hollow;
+    the budget's gpu-only maximum marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"png: not written ({path}): matplotlib is not installed"
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, label in ((axes[0], "tpot_ms", "TPOT (ms per step)"),
+                           (axes[1], "tokens_per_s", "tokens/s")):
+        for mode in ("gpu-only", "resident", "sparse", "sparse-no-overlap"):
+            rs = [r for r in doc["rows"] if r["mode"] == mode]
+            if not rs:
+                continue
+            line, = ax.plot([r["concurrency"] for r in rs], [r[key] for r in rs], "-",
+                            label=mode, alpha=0.8)
+            for r in rs:
+                ax.plot(r["concurrency"], r[key], "o", color=line.get_color(),
+                        fillstyle="full" if r["fits"] else "none")
+        ax.axvline(doc["gpu_only_max"], color="gray", ls="--", lw=1)
+        ax.set_xlabel("concurrency (requests decoding)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(title=f"hollow: outside {doc['gpu_budget_gb']:g} GB")
+    fig.suptitle(f"context {doc['context']}, GPU budget {doc['gpu_budget_gb']:g} GB "
+                 f"(dashed: gpu-only's maximum, {doc['gpu_only_max']}), {doc['model']}",
+                 fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"png: {path}"
+
+
+def _kv_bytes(rig) -> int:
+    """Bytes of KV on the GPU now: gpu-only's resident KV, or the cache's device rows and the
+    resident layers; and the indexer's key cache."""
+    idx = 0 if rig.indexer is None else rig.indexer.keys.nbytes
+    if rig.cache is None:
+        return rig.resident.nbytes + idx
+    return rig.cache.device.nbytes + (0 if rig.low is None else rig.low.nbytes) + idx
+
+
+def run_sweep(cfg: Config, *, gpu_budget_gb: float, host_gb: float,
+              concurrencies=None) -> int:
+    """The sweep (module docstring); returns the exit status (1: a self-check failed, 2: the
+    largest concurrency's gpu-only reference does not fit this GPU)."""
+    import cupy
+
+    from ..host import HostKVPool
+    from ._loop import Rig
+    from ._report import self_check
+
+    log = (lambda msg: None) if cfg.quiet else (lambda msg: print(msg, flush=True))
+    shape = _sweep.demo_shape(cfg)
+    T = cfg.total_steps
+    ns = concurrencies or _sweep.concurrencies(cfg.context, T, host_gb=host_gb,
+                                               gpu_budget_gb=gpu_budget_gb, shape=shape)
+    plans = _sweep.plan(cfg.context, T, ns, gpu_budget_gb=gpu_budget_gb, host_gb=host_gb,
+                        shape=shape)
+    top = dataclasses.replace(cfg, batch=max(ns))
+    m = top.memory()
+    free = cupy.cuda.runtime.memGetInfo()[0]
+    need = m["gpu_resident"] + m["gpu_model"] + m["gpu_indexer"]
+    if need > 0.95 * free:
+        print(f"demo: --sweep: gpu-only of {top.batch} requests (the self-check's reference) "
+              f"needs {need / GB:.1f} GB of GPU memory, {free / GB:.1f} GB are free: lower "
+              f"--host-gb or give --concurrency")
+        return 2
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    g_max = _sweep.gpu_only_max(cfg.context, T, gpu_budget_gb=gpu_budget_gb, shape=shape)
+    print(f"hisparse_cupy load sweep on {name}: context {cfg.context}, {T} steps "
+          f"({cfg.warmup} warm-up), concurrencies {ns}, GPU budget {gpu_budget_gb:g} GB "
+          f"(gpu-only fits {g_max}), host {host_gb:g} GB; model {cfg.model} (hidden "
+          f"{cfg.hidden}), indexer {'on' if cfg.indexer else 'off'}", flush=True)
+    s = cupy.cuda.Stream(non_blocking=True)
+    t0 = time.perf_counter()
+    pool = HostKVPool(cfg.layers - cfg.resident_layers, Rig.paged_rows(top), ROW_BYTES)
+    log(f"host pool: {pool.n_layers * pool.layer_bytes / GB:.1f} GB pinned in "
+        f"{time.perf_counter() - t0:.1f} s (every run's pages)")
+    rows, errors, shapes = [], [], {}
+    try:
+        for p in plans:
+            n = p.concurrency
+            c = dataclasses.replace(cfg, batch=n, modes=tuple(r[1] for r in RUNS),
+                                    execs=("graph",), device_budget=None,
+                                    resident_requests=None, json=None, png=None, sweep=None)
+            rig = Rig(c, s, log, pool=pool, paged=True)
+            shapes[n] = rig.topk_shape
+            results = []
+            try:
+                for mode, demo_mode, budget in RUNS:
+                    if budget == "managed":
+                        rig.free_cache()
+                        c.resident_requests = max(p.resident, 0)
+                    elif mode.startswith("sparse") and c.resident_requests is not None:
+                        rig.free_cache()
+                        c.resident_requests = None
+                    r = rig.run(demo_mode, "graph", None)
+                    results.append(r)
+                    fits = {"gpu-only": p.gpu_only_fits, "resident": p.resident >= 0}.get(
+                        mode, p.sparse_fits)
+                    rows.append(row(mode, n, r, fits=fits, gpu_bytes=_kv_bytes(rig),
+                                    host_gb=0.0 if mode == "gpu-only" else p.host_gb,
+                                    resident=n if mode == "gpu-only" else (r.resident or 0)))
+                    log(f"n {n} {mode}: TPOT {rows[-1]['tpot_ms']:.3f} ms, "
+                        f"{rows[-1]['resident']} resident, {rows[-1]['gpu_gb']:.2f} GB on "
+                        f"the GPU")
+            finally:
+                rig.close()
+            errors += [f"n {n}: {e}" for e in self_check(results)]
+    finally:
+        pool.close()
+    hidden_share(rows)
+    doc = document(cfg, rows, gpu_budget_gb=gpu_budget_gb, host_gb=host_gb, plan_rows=plans,
+                   errors=errors, extra={"device": name, "topk_shape": shapes,
+                                         "wall_s": round(time.perf_counter() - t0, 1)})
+    print()
+    print(f"load sweep, context {cfg.context}: TPOT = mean step time after {cfg.warmup} "
+          f"warm-up steps ({cfg.steps} timed, CUDA events); tokens/s = n / TPOT; GPU GB = "
+          f"the KV and indexer keys on the GPU; gpu-only outside the budget (fits no) is the "
+          f"reference at the same batch")
+    print(table(doc))
+    if cfg.json:
+        Path(cfg.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.json).write_text(json.dumps(doc, indent=1))
+        print(f"json: {cfg.json}")
+    if cfg.png:
+        print(plot(cfg.png, doc))
+    if errors:
+        print("SELF-CHECK FAILED:\n  " + "\n  ".join(errors))
+        return 1
+    print("self-check passed: every offloaded run's attention outputs are bit-identical to "
+          "gpu-only's of the same requests")
+    return 0
