@@ -169,6 +169,10 @@ def test_sweep_flags():
     for argv, msg in ((["--gpu-budget", "20"], "--gpu-budget sets up --sweep"),
                       (["--concurrency", "2"], "--concurrency sets up --sweep"),
                       (["--sweep", "--batch", "4"], "--sweep runs its own concurrencies"),
+                      (["--sweep", "--mtp", "3"], "leave out --mtp"),
+                      (["--sweep", "--no-lean"], "leave out --no-lean"),
+                      (["--sweep", "--device-budget", "0"], "leave out --device-budget"),
+                      (["--sweep", "--mode", "overlap"], "leave out --mode"),
                       (["--sweep", "--gpu-budget", "0"], "--gpu-budget must be a number > 0"),
                       (["--sweep", "--host-gb", "-1"], "--host-gb must be a number > 0"),
                       (["--sweep", "--concurrency", "0"], "--concurrency")):
