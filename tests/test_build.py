@@ -183,7 +183,7 @@ def test_a_probe_struct_drift_fails_the_check(sources, monkeypatch):
 def test_the_demo_model_compiles():
     """The decode loop's model kernels (``demo/model.cu``, CuPy RawModule at run time) compile
     through NVRTC for sm_90 with the demo's options (no GPU needed), and for sm_75 (the
-    indexer's dp4a path, before the int8 tensor-core mma)."""
+    indexer's plain path, before the int8 tensor-core mma)."""
     import re
 
     from hisparse_cupy.demo._model import Kernels

@@ -87,8 +87,10 @@ def test_indexer_scores(rng):
     req, lens = np.array([2, 0], np.int32), np.array([777, 1000], np.int32)
     ix.keys[1].set(keys.view(np.uint8).reshape(-1), stream=s)
     ix.q.set(q, stream=s)
-    ix.scores.fill(np.nan)
-    ix.score(1, cupy.asarray(req), cupy.asarray(lens))
+    with s:  # (everything on the indexer's stream)
+        ix.scores.fill(np.nan)
+        d_req, d_lens = cupy.asarray(req), cupy.asarray(lens)
+    ix.score(1, d_req, d_lens)
     got = cupy.asnumpy(ix.scores, stream=s)
     s.synchronize()
     w = (1 + np.arange(64) % 8) / 8

@@ -200,6 +200,12 @@ def test_config_memory_and_errors():
         (4096, "custom")
     with pytest.raises(SystemExit, match="--hidden must be a multiple of 64"):
         from_args(["--hidden", "100"])
+    with pytest.raises(SystemExit, match="give --model or --hidden"):
+        from_args(["--model", "light", "--hidden", "512"])
+    with pytest.raises(SystemExit, match="model 'light' has hidden 4096, got 27136"):
+        Config(model="light").check()
+    Config(model="light", hidden=4096).check()
+    Config(model="custom", hidden=512).check()
     c = from_args(["--mtp", "2", "--topk-model", "drift", "--mode", "overlap",
                    "--eager-and-graph"])
     assert c.modes == ("gpu-only", "overlap") and c.execs == ("eager", "graph")

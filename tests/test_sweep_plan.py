@@ -173,6 +173,7 @@ def test_sweep_flags():
                       (["--sweep", "--no-lean"], "leave out --no-lean"),
                       (["--sweep", "--device-budget", "0"], "leave out --device-budget"),
                       (["--sweep", "--mode", "overlap"], "leave out --mode"),
+                      (["--sweep", "--side-sms", "8"], "leave out --side-sms"),
                       (["--sweep", "--gpu-budget", "0"], "--gpu-budget must be a number > 0"),
                       (["--sweep", "--host-gb", "-1"], "--host-gb must be a number > 0"),
                       (["--sweep", "--concurrency", "0"], "--concurrency")):

@@ -11,7 +11,8 @@ cuBLAS's included, with its start and end on the device) and splits each step by
   kernels running beside it show here as a slower layer);
 - **indexer**: a full layer's lightning indexer (the demo's ``indexer`` kernel, part of that
   layer's window: it runs before the top-k and the swap), its busy time per step, and how much
-  of the side kernels' busy time falls inside it (the IO the indexer's HBM-bound window hides).
+  of the side kernels' busy time falls inside it (the IO the indexer's window, which moves
+  nothing over PCIe, hides).
 
 Printed per mode, averaged over the profiled steps after the first: the step, the windows of
 the full and of the shared layers, the compute, the side kernels' busy time (replays,
@@ -38,7 +39,7 @@ import numpy as np
 _LIBRARY = ("swap_resolve", "planned_copy", "predict_stage", "newest_rows", "gather",
             "commit")
 _BOOKKEEPING = ("topk_table", "topk_drift", "direct_locs", "kv_newest", "tally", "tick",
-                "cupy_copy", "cupy_fill", "embed")
+                "cupy_copy", "cupy_fill", "embed", "index_query")
 
 
 def _kind(name: str) -> str:

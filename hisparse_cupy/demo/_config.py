@@ -91,6 +91,9 @@ class Config:
         need(self.layers >= 1, f"--layers must be >= 1, got {self.layers}")
         need(self.hidden >= 64 and self.hidden % 64 == 0,
              f"--hidden must be a multiple of 64, >= 64, got {self.hidden}")
+        need(self.model == "custom" or MODELS.get(self.model) == self.hidden,
+             f"model {self.model!r} has hidden {MODELS.get(self.model)}, got {self.hidden} "
+             f"(a hidden size of its own is model 'custom')")
         need(self.batch >= 1, f"--batch must be >= 1, got {self.batch}")
         need(self.device_budget in (None, "auto") or self.device_budget > 0,
              f"--device-budget must be auto, 0 or > 0 GB, got {self.device_budget}")
@@ -458,6 +461,8 @@ def from_args(argv=None, *, check: bool = True) -> Config:
         raise SystemExit("demo: --new-share shapes the drift model: add --topk-model drift")
     if ns.seed is not None and ns.topk_model != "lru":
         raise SystemExit("demo: --seed draws the lru streams (the drift model has none)")
+    if ns.hidden is not None and ns.model != Config.model:
+        raise SystemExit("demo: --hidden sets the model's size itself: give --model or --hidden")
     if ns.no_partition and ns.side_sms:
         raise SystemExit("demo: --no-partition and --side-sms N contradict each other")
     # prediction stages single-step swaps: the default modes leave it out at --mtp 2-4

@@ -295,7 +295,8 @@ class Rig:
             pool = self.cache.pool
             if not self.paged and self.pool is not None and self.write_pool and \
                     not self.pool_ready:
-                self._prefill(int(pool.device_ptr(0)), pool.layer_bytes)  # the GPU writes it
+                self._prefill(int(pool.device_ptr(0)), pool.layer_bytes,  # the GPU writes it
+                              layers=self.cached)
                 self.s.synchronize()
                 self.pool_ready = True
             pattern = self.pattern.stage(self.R, c.layers) if self.R else self.pattern

@@ -107,7 +107,7 @@ def sweep_args(ns, given: set[str]) -> dict | None:
     if "batch" in given:
         raise SystemExit("demo: --sweep runs its own concurrencies: --concurrency N, not --batch")
     for f in ("mode", "device_budget", "resident_requests", "eager", "eager_and_graph", "lean",
-              "shared_prefix", "mtp"):  # what the sweep sets itself, or does not measure
+              "shared_prefix", "mtp", "side_sms"):  # what the sweep sets or does not run
         if f in given or f == "device_budget" and ns.device_budget != "auto":  # (0: None)
             flag = "no-lean" if f == "lean" else f.replace("_", "-")
             raise SystemExit(f"demo: --sweep runs its own modes and budgets, graphed, single-"

@@ -6,10 +6,12 @@ runs, steps graphed, on the same ``n`` requests (the same top-k streams, the sam
 - ``gpu-only``: every layer's KV and the indexer's key cache on the GPU. Run at every ``n``,
   inside the budget or not (``fits``: whether its bytes fit ``--gpu-budget``; outside it the
   row is the reference of the self-check and the TPOT at the same batch, marked as such);
-- ``resident``: the residency-managed cache (IndexCache overlap on): a device budget of the
-  bytes ``--gpu-budget`` leaves after the indexer's key cache and the resident layers, the
-  first ``k`` requests resident (the largest ``k`` that leaves a hot buffer for each other,
-  :func:`._sweep.plan`), the others sparse; all resident, the steps run lean;
+- ``resident``: the residency-managed cache (IndexCache overlap on): ``k`` requests
+  resident, the largest ``k`` whose pages and a hot buffer for each other request fit what
+  ``--gpu-budget`` leaves after the indexer's key cache and the resident layers
+  (:func:`._sweep.plan`), the others sparse, with a device budget of exactly those rows
+  (``--resident-requests k``: the requests' lengths do not change, so nothing promotes);
+  all resident, the steps run lean;
 - ``sparse``: every request sparse (no device budget: a hot buffer each), overlap on; and
   ``sparse-no-overlap`` (the plain offload), from which the sparse row's hidden share comes.
 
@@ -30,6 +32,9 @@ import numpy as np
 from . import _sweep
 from ._config import GB, ROW_BYTES, Config
 
+# the configuration's fields each run sets itself (left out of the JSON's "config")
+_PER_RUN = ("json", "png", "sweep", "batch", "modes", "execs", "device_budget",
+            "resident_requests", "lean")
 # the sweep's runs: (row mode, demo mode, device budget: "managed" or None)
 RUNS = (("gpu-only", "gpu-only", None), ("resident", "overlap", "managed"),
         ("sparse-no-overlap", "offload", None), ("sparse", "overlap", None))
@@ -74,7 +79,7 @@ def document(cfg: Config, rows: list[dict], *, gpu_budget_gb: float, host_gb: fl
                                                 gpu_budget_gb=gpu_budget_gb,
                                                 shape=_sweep.demo_shape(cfg)),
             "plan": [dataclasses.asdict(p) for p in plan_rows],
-            "config": {k: v for k, v in vars(cfg).items() if k not in ("json", "png", "sweep")},
+            "config": {k: v for k, v in vars(cfg).items() if k not in _PER_RUN},
             **extra}
 
 
@@ -139,8 +144,9 @@ def _kv_bytes(rig) -> int:
 
 def run_sweep(cfg: Config, *, gpu_budget_gb: float, host_gb: float,
               concurrencies=None) -> int:
-    """The sweep (module docstring); returns the exit status (1: a self-check failed, 2: the
-    largest concurrency's gpu-only reference does not fit this GPU)."""
+    """The sweep (module docstring); returns the exit status (1: a self-check failed, 2: a
+    concurrency the host pool does not hold, or whose gpu-only reference does not fit this
+    GPU)."""
     import cupy
 
     from ..host import HostKVPool
@@ -154,6 +160,12 @@ def run_sweep(cfg: Config, *, gpu_budget_gb: float, host_gb: float,
                                                gpu_budget_gb=gpu_budget_gb, shape=shape)
     plans = _sweep.plan(cfg.context, T, ns, gpu_budget_gb=gpu_budget_gb, host_gb=host_gb,
                         shape=shape)
+    over = [p for p in plans if not p.host_fits]
+    if over:
+        print(f"demo: --sweep: --concurrency {over[0].concurrency} needs {over[0].host_gb:.1f} "
+              f"GB of host pool, more than --host-gb {host_gb:g} holds (at most "
+              f"{_sweep.host_max(cfg.context, T, host_gb=host_gb, shape=shape)} requests)")
+        return 2
     top = dataclasses.replace(cfg, batch=max(ns))
     m = top.memory()
     free = cupy.cuda.runtime.memGetInfo()[0]
@@ -204,7 +216,11 @@ def run_sweep(cfg: Config, *, gpu_budget_gb: float, host_gb: float,
                         f"the GPU")
             finally:
                 rig.close()
-            errors += [f"n {n}: {e}" for e in self_check(results)]
+                del rig  # (its KV buffers and indexer keys before the next n's)
+            # the runs named by their rows (two of them are the demo's overlap mode)
+            named = [dataclasses.replace(r, mode=m) if m != "gpu-only" else r
+                     for r, (m, _, _) in zip(results, RUNS, strict=False)]
+            errors += [f"n {n}: {e}" for e in self_check(named)]
     finally:
         pool.close()
     hidden_share(rows)

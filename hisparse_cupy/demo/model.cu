@@ -310,7 +310,7 @@ extern "C" __global__ void attn_combine(const float* part_m, const float* part_l
 // its request's indexer key cache, IDX_ROW = 132 bytes a token (IDX_D = 128 int8 key values,
 // standing in for FP8, then a float scale), with IDX_H = 64 heads of 128 dims:
 //   score[q][t] = scale_t * sum_h w_h * relu(q_h . k_t),  w_h = (1 + h % 8) / 8,
-// on the tensor cores (mma.sync m16n8k32 s8, sm_80+; dp4a before). The scores land in a scratch
+// on the tensor cores (mma.sync m16n8k32 s8, sm_80+; a plain loop before). The scores land in a scratch
 // buffer that nothing reads: the top-k comes from the stream generator, which stands in for
 // what trained keys would select. Keys of request slot r's token p: row r * max_len + p.
 #define IDX_H 64
@@ -358,10 +358,10 @@ indexer(const unsigned char* keys, const signed char* q, const int* req, const i
   const int t0 = blockIdx.x * IDX_TOK;
   if (t0 >= len) return;
   const unsigned char* base = keys + static_cast<long long>(req[b]) * max_len * IDX_ROW;
-  const unsigned int* qw = reinterpret_cast<const unsigned int*>(q) +
-                           static_cast<long long>(qrow) * (IDX_H * IDX_D / 4);
   float* out = scores + static_cast<long long>(qrow) * max_len;
 #if __CUDA_ARCH__ >= 800
+  const unsigned int* qw = reinterpret_cast<const unsigned int*>(q) +
+                           static_cast<long long>(qrow) * (IDX_H * IDX_D / 4);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   // A fragments (m16n8k32, row): head mt * 16 + g (+ 8), dims ks * 32 + tig * 4 (+ 16)
   unsigned int a[4][4][4];
@@ -425,8 +425,9 @@ indexer(const unsigned char* keys, const signed char* q, const int* req, const i
     float s = 0.0f;
     for (int h = 0; h < IDX_H; ++h) {
       int dot = 0;
-      for (int w = 0; w < IDX_D / 4; ++w)
-        dot = __dp4a(static_cast<int>(qw[h * (IDX_D / 4) + w]), static_cast<int>(kr[w]), dot);
+      const signed char* qh = q + static_cast<long long>(qrow) * IDX_H * IDX_D + h * IDX_D;
+      const signed char* kt = reinterpret_cast<const signed char*>(kr);
+      for (int d = 0; d < IDX_D; ++d) dot += static_cast<int>(qh[d]) * static_cast<int>(kt[d]);
       s += idx_weight(h) * static_cast<float>(max(dot, 0));
     }
     out[t] = s * idx_scale(base, t);
