@@ -181,3 +181,89 @@ def test_sweep_flags():
             from_args(argv)
     with pytest.raises(SystemExit, match="--sweep needs the GPU decode loop"):
         cpu_config(["--sweep"])
+
+
+def test_run_sweep_with_a_stand_in_rig(monkeypatch, tmp_path, capsys):
+    """run_sweep's orchestration without a GPU (the Rig, the pool and CuPy's device queries
+    stood in): per n the four runs in order, the managed run's budget for the plan's k and the
+    sparse runs' none, the rows and JSON; a run whose outputs differ fails the self-check,
+    named by its row; a concurrency the host pool cannot hold is refused before anything."""
+    cupy = pytest.importorskip("cupy")
+    from types import SimpleNamespace
+
+    from hisparse_cupy import host
+    from hisparse_cupy.demo import _loop
+    from hisparse_cupy.demo import _sweep_run as run
+    from hisparse_cupy.demo._config import from_args
+
+    calls, bad = [], {}
+
+    class Rig:
+        def __init__(self, c, s, log, *, pool, paged):
+            assert paged and pool.n_layers == c.layers - c.resident_layers
+            self.c, self.cache, self.low, self.indexer = c, None, None, None
+            self.topk_shape = {"n": c.batch}
+            self.resident = SimpleNamespace(nbytes=c.batch * 10**9)
+
+        def run(self, mode, exec_, progress):
+            c = self.c
+            k = c.resident_requests
+            calls.append((c.batch, mode, k))
+            if mode != "gpu-only" and self.cache is None:
+                self.cache = SimpleNamespace(device=SimpleNamespace(nbytes=(k or 0) * 10**9))
+            digest = np.ones((c.total_steps, c.layers), np.uint64)
+            if bad.get((c.batch, mode, k)):
+                digest[3, 5] = 7
+            return _loop.RunResult(mode, exec_, np.full(c.steps, 10.0 + c.batch), digest,
+                                   np.zeros(c.steps), np.zeros(c.steps), None,
+                                   resident=None if mode == "gpu-only" or k is None else k)
+
+        paged_rows = staticmethod(_loop.Rig.paged_rows)
+
+        def free_cache(self):
+            self.cache = None
+
+        def close(self):
+            pass
+
+    pools = []
+
+    class Pool:
+        def __init__(self, n_layers, n_rows, row_bytes):
+            self.n_layers, self.layer_bytes, self.closed = n_layers, n_rows * row_bytes, False
+            pools.append(self)
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(_loop, "Rig", Rig)
+    monkeypatch.setattr(host, "HostKVPool", Pool)
+    monkeypatch.setattr(cupy.cuda.runtime, "memGetInfo", lambda: (10**12, 10**12))
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceProperties", lambda d: {"name": b"stub"})
+    monkeypatch.setattr(cupy.cuda, "Device", lambda: SimpleNamespace(id=0))
+    monkeypatch.setattr(cupy.cuda, "Stream", lambda non_blocking: None)
+    js = tmp_path / "s.json"
+    cfg = from_args(["--context", "131072", "--warmup", "2", "--steps", "4", "--quiet",
+                     "--json", str(js)])
+    kw = dict(gpu_budget_gb=40.0, host_gb=110.0)
+    plans = {p.concurrency: p for p in sw.plan(131072, 6, [1, 9], shape=sw.demo_shape(cfg), **kw)}
+    assert run.run_sweep(cfg, concurrencies=[1, 9], **kw) == 0
+    assert calls == [(n, m, k) for n in (1, 9) for m, k in
+                     (("gpu-only", None), ("overlap", plans[n].resident), ("offload", None),
+                      ("overlap", None))]
+    assert pools[0].closed and len(pools) == 1
+    doc = json.loads(js.read_text())
+    assert doc["self_check"] == "passed" and "batch" not in doc["config"]
+    rows = {(r["concurrency"], r["mode"]): r for r in doc["rows"]}
+    assert rows[(9, "resident")]["resident"] == plans[9].resident == 2
+    assert rows[(9, "gpu-only")]["fits"] is False and rows[(1, "gpu-only")]["fits"] is True
+    assert rows[(9, "sparse")]["tpot_ms"] == 19.0 and rows[(9, "sparse")]["tokens_per_s"] == \
+        pytest.approx(9e3 / 19, abs=0.01)
+    calls.clear()
+    bad[(9, "overlap", None)] = True  # the sparse run's outputs differ
+    assert run.run_sweep(cfg, concurrencies=[9], **kw) == 1
+    out = capsys.readouterr().out
+    assert "SELF-CHECK FAILED" in out and "n 9: sparse graph: attention output of step 3, " \
+        "layer 5 differs" in out
+    assert run.run_sweep(cfg, concurrencies=[10], **kw) == 2
+    assert "--concurrency 10 needs" in capsys.readouterr().out and len(pools) == 2
