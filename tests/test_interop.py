@@ -10,7 +10,6 @@ read, each checked against the oracle and the bytes; a ``torch.cuda.graph`` capt
 
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
@@ -88,19 +87,11 @@ def _jax():
     return jax
 
 
-@functools.cache
-def _spin_kernel():
-    import cupy
-
-    return cupy.RawKernel(r"""extern "C" __global__ void hs_test_spin(long long n) {
-        long long t0 = clock64();
-        while (clock64() - t0 < n) {}
-    }""", "hs_test_spin")
-
-
 def _spin(cycles: int) -> None:
     """Keep CuPy's current stream busy for ``cycles`` GPU clock cycles (one thread)."""
-    _spin_kernel()((1,), (1,), (np.int64(cycles),))
+    from hisparse_cupy.testing._spin import spin
+
+    spin(cycles)
 
 
 @pytest.mark.gpu

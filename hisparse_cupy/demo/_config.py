@@ -18,7 +18,7 @@ REPLAY_ROWS_PER_WARP = (1, 2, 4, 8)  # the copy kernel's choices (_build.COPY_RO
 # --model: the MLP stand-in's hidden size. glm52: a gpu-only step of about a published GLM-5.2
 # per-GPU decode step on an H200 (docs/design.md section 11); light: the earlier, lighter model
 MODELS = {"glm52": 27136, "light": 4096}
-INDEXER_ROW = 132  # bytes of the indexer's key cache a token and full layer (demo._model.Indexer)
+INDEXER_ROW, INDEXER_QUERY = 132, 64 * 128  # key bytes a token and layer, query bytes (Indexer)
 
 
 @dataclasses.dataclass
@@ -195,8 +195,8 @@ class Config:
         if self.topk_model == "lru":  # the streams' table: [steps * S, n_full, B, K] int32
             model += self.total_steps * n_full * Q * self.top_k * 4
         # the indexer's key cache (every mode), its queries and scores
-        indexer = (n_full * B * self.max_len * INDEXER_ROW + Q * (8192 + 4 * self.max_len)
-                   if self.indexer else 0)
+        indexer = (n_full * B * self.max_len * INDEXER_ROW +
+                   Q * (INDEXER_QUERY + 4 * self.max_len) if self.indexer else 0)
         offload = any(m != "gpu-only" for m in self.modes)
         return {"host_pinned": (L - R) * layer if offload else 0, "gpu_resident": L * layer,
                 "gpu_hot": hot + R * layer if offload else 0, "gpu_model": model,

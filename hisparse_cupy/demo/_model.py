@@ -20,7 +20,7 @@ import cupy
 import numpy as np
 
 from ._compute import Gemm, TorchGemm
-from ._config import HEADS, ROW_VALUES, V_VALUES
+from ._config import HEADS, INDEXER_QUERY, INDEXER_ROW, ROW_VALUES, V_VALUES
 
 TILE = 16  # rows per attention tile (TR in model.cu)
 _QS = 580
@@ -144,7 +144,7 @@ class Indexer:
     what trained keys would select. Not modelled: the query projection (a small matmul) and
     writing the newest token's key each step."""
 
-    ROW, HEADS, DIM, TOKENS = 132, 64, 128, 256  # IDX_ROW, IDX_H, IDX_D, IDX_TOK in model.cu
+    ROW, TOKENS = INDEXER_ROW, 256  # IDX_ROW, IDX_TOK in model.cu (IDX_H x IDX_D: INDEXER_QUERY)
 
     def __init__(self, kernels: Kernels, *, n_full: int, slots: int, max_len: int,
                  queries: int, drafts: int, stream: cupy.cuda.Stream):
@@ -152,7 +152,7 @@ class Indexer:
         rows = slots * max_len
         with stream:
             self.keys = cupy.empty((n_full, rows * self.ROW), cupy.uint8)
-            self.q = cupy.empty((queries, self.HEADS * self.DIM), cupy.int8)
+            self.q = cupy.empty((queries, INDEXER_QUERY), cupy.int8)
             self.scores = cupy.empty((queries, max_len), cupy.float32)
         for j in range(n_full):
             self.k.index_fill((-(-rows * (self.ROW // 4) // 256),), (256,),

@@ -198,12 +198,10 @@ def run_sweep(cfg: Config, *, gpu_budget_gb: float, host_gb: float,
             results = []
             try:
                 for mode, demo_mode, budget in RUNS:
-                    if budget == "managed":
+                    want = max(p.resident, 0) if budget == "managed" else None
+                    if c.resident_requests != want:  # another device budget: a new cache
                         rig.free_cache()
-                        c.resident_requests = max(p.resident, 0)
-                    elif mode.startswith("sparse") and c.resident_requests is not None:
-                        rig.free_cache()
-                        c.resident_requests = None
+                        c.resident_requests = want
                     r = rig.run(demo_mode, "graph", None)
                     results.append(r)
                     fits = {"gpu-only": p.gpu_only_fits, "resident": p.resident >= 0}.get(
