@@ -42,8 +42,6 @@ def stream_kinds(cupy, *, every: bool = False):
     return kinds
 
 
-
-
 def stale_pool(cupy) -> None:
     """Fill CuPy's memory pool with garbage for CuPy's current stream: every unused block
     freed, then blocks of 512 B .. 4 MiB (four of each size) filled with 0xF9 bytes (-7 as
