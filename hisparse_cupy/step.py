@@ -186,6 +186,16 @@ class Step:
             self.raise_on_status(call.top_k)
         return out
 
+    def before_indexer(self, layer: int) -> None:
+        """Say that full ``layer``'s indexer (what computes its top-k) is queued next on the
+        step's stream: a prefetcher with ``predict_at="indexer"`` launches the layer's
+        prediction staging here, in a window that moves nothing over PCIe. Nothing without a
+        prefetcher (``layer`` is still checked)."""
+        if self.prefetcher is None:
+            self.cache.layer_index(layer)
+        else:
+            self.prefetcher.before_indexer(layer, self.stream)
+
     def _swap(self, layer: int, top_k_tokens, out, copy_grid, stage, check: bool,
               hooks_out: bool):
         """One swap of local ``layer``; ``stage``: copy-struct fields of staged rows;

@@ -28,6 +28,8 @@ The operators (``torch.ops.hisparse.*``):
 - ``newest_rows(cache, req, seq_lens, num_real) -> Tensor`` and
   ``backup_newest(cache, req, seq_lens, num_real, write_host, rows) -> Tensor``: the step's
   newest-token rows (:meth:`Step.newest_rows`, :meth:`Step.backup_newest`);
+- ``before_indexer(cache, layer) -> ()``: :meth:`Step.before_indexer` (with a prefetcher that
+  stages at the indexer, call it before each full layer's indexer);
 - ``finish(cache) -> ()``: :meth:`Step.finish`.
 
 A cache with a device budget (``docs/design.md`` section 10): the operators' steps run lean
@@ -130,6 +132,9 @@ class TorchCache:
                       write_host: bool = True) -> Tensor:
         return torch.ops.hisparse.backup_newest(self.id, req, seq_lens, num_real, write_host,
                                                 self.device_rows)
+
+    def before_indexer(self, layer: int) -> None:
+        torch.ops.hisparse.before_indexer(self.id, layer)
 
     def finish(self) -> None:
         torch.ops.hisparse.finish(self.id)
@@ -251,6 +256,20 @@ def _(cache, req, seq_lens, num_real, write_host, rows):
     return torch.empty(req.shape, dtype=torch.int32, device=req.device)
 
 
+@torch.library.custom_op("hisparse::before_indexer", mutates_args=())  # no tensor
+def _before_indexer(cache: int, layer: int) -> None:
+    tc = _cache(cache)
+    if tc.prefetcher is None:
+        tc.cache.layer_index(layer)
+    else:
+        tc.prefetcher.before_indexer(layer, torch.cuda.current_stream())
+
+
+@_before_indexer.register_fake
+def _(cache, layer):
+    return None
+
+
 @torch.library.custom_op("hisparse::finish", mutates_args=())  # no tensor: every device
 def _finish(cache: int) -> None:
     tc = _cache(cache)
@@ -276,7 +295,7 @@ def _register_ordered(*ops) -> None:
         register(op._opoverload, effects._EffectType.ORDERED)
 
 
-_register_ordered(_swap, _newest_rows, _backup_newest, _finish)
+_register_ordered(_swap, _newest_rows, _backup_newest, _before_indexer, _finish)
 
 
 def _copy_out(res: cupy.ndarray, device, stream) -> Tensor:

@@ -20,12 +20,14 @@ pool of 1-16 tokens a page, its pages handed out in random order) and then decod
 - per full layer a single-step ``[B, K]`` or multi-step ``[B, S, K]`` top-k (tokens it held,
   new ones, the newest and draft tokens in every step, duplicates, -1, out-of-range entries);
   shared layers through the Prefetcher;
-- prefetch and prediction toggled between steps, a group's replays in one launch or layer by
-  layer as the step's batch decides (``group_replay_batch`` drawn per run), any stream kind
-  per step (ordered after the previous step's stream with an event, as an engine orders its
+- prefetch and prediction toggled between steps, prediction staging right after a full layer's
+  swap or at the next full layer's ``before_indexer`` (called before most full layers, at times
+  for another full layer, and refused for a shared one), a group's replays in one launch or
+  layer by layer as the step's batch decides (``group_replay_batch`` drawn per run), any stream
+  kind per step (ordered after the previous step's stream with an event, as an engine orders its
   streams), on the GPU one step in ten with CuPy's current stream another one held busy (every
-  call must queue what it needs on the stream it is given), and captured steps replayed with
-  new batches and ``num_real``.
+  call must queue what it needs on the stream it is given), and captured steps replayed with new
+  batches and ``num_real``.
 
 After every step every output entry is checked: -1 exactly where the semantics say (padding
 rows and columns, -1, out of range), a row elsewhere, one row per token within a call, and the
@@ -125,7 +127,7 @@ class Backend:
             c.pages.put(np.random.default_rng(seed).permutation(got))
         return c
 
-    def prefetcher(self, cache, pattern: str, rule: str, group: int):
+    def prefetcher(self, cache, pattern: str, rule: str, group: int, at: str):
         if not self.gpu:  # (the stager's rule and the replays' launches move no byte: the
             # model has neither)
             from _stepmodel import ModelPrefetcher
@@ -133,7 +135,8 @@ class Backend:
             return ModelPrefetcher(cache, pattern)
         from hisparse_cupy.streams import Prefetcher
 
-        return Prefetcher(cache, pattern, predict_rule=rule, group_replay_batch=group)
+        return Prefetcher(cache, pattern, predict_rule=rule, group_replay_batch=group,
+                          predict_at=at)
 
 
 class Fuzz:
@@ -161,7 +164,8 @@ class Fuzz:
         self.rows_per_request = c.rows_per_request
         rule = ("misses", "selection")[int(rng.integers(2))]
         group = int(rng.choice([0, 2, 4, 64]))  # group_replay_batch: batches mix the two ways
-        self.pf = be.prefetcher(c, cfg["pattern"], rule, group) if cfg["prefetch"] else None
+        at = ("swap", "indexer")[int(rng.integers(2))]  # when prediction stages
+        self.pf = be.prefetcher(c, cfg["pattern"], rule, group, at) if cfg["prefetch"] else None
         from hisparse_cupy.streams._pattern import layer_pattern
 
         self.full = layer_pattern(cfg["pattern"]).full if self.pf else (True,) * self.L
@@ -177,7 +181,7 @@ class Fuzz:
         self.first_bad = xp.full(1, 2**62, xp.int64)
         self.steps = self.calls = self.graph_steps = self.toggles = self.busy_steps = 0
         self.forks = self.refused_forks = self.moves = 0
-        self.lean_steps = self.lean_asked = 0
+        self.lean_steps = self.lean_asked = self.windows = 0
         self.busy_now = False
         self.kinds_used: set = set()
         self.stream_obj, self.stream = None, None  # the last step's (argument, CuPy view)
@@ -500,7 +504,8 @@ class Fuzz:
             pf.set_enabled(not pf.enabled, stream=obj)
             self.toggles += 1
         if rng.random() < 0.5 and not legacy:
-            pf.set_predict(not pf.predict, stream=obj)
+            at = ("swap", "indexer")[int(rng.integers(2))] if rng.random() < 0.5 else None
+            pf.set_predict(not pf.predict, stream=obj, at=at)
         self._graph = None  # a captured step belongs to the modes it was captured in
 
     def _drafts(self, req, lens, obj, view) -> None:
@@ -593,6 +598,7 @@ class Fuzz:
                 self._remember(tk, req, nr)
                 with self._with(self.stream):
                     d_tk = xp.asarray(tk)
+                self._indexer(step, layer, rng.random())
                 got = step.swap(layer, d_tk)
             else:
                 tk = anchor
@@ -602,6 +608,23 @@ class Fuzz:
             tks.append(tk)
             self.calls += 1
         return outs, tks
+
+    def _indexer(self, step, layer: int, u: float) -> None:
+        """``step.before_indexer`` before full ``layer``'s swap (``u`` < 0.75), at times for
+        another full layer (a no-op for the bytes); a shared layer's is refused."""
+        full = [i for i in range(self.L) if self.full[i]]
+        if u < 0.75:
+            step.before_indexer(layer)
+            self.windows += 1
+        elif u < 0.85:
+            step.before_indexer(full[int(self.rng.integers(len(full)))])
+        elif u < 0.9 and self.pf is not None and not all(self.full):
+            shared = next(i for i in range(self.L) if not self.full[i])
+            try:
+                step.before_indexer(shared)
+            except ValueError:
+                return
+            raise AssertionError(f"before_indexer({shared}) of a shared layer was accepted")
 
     def _remember(self, tk, req, nr) -> None:
         """The tokens a full layer selected: the next steps select many of them again."""
@@ -765,6 +788,7 @@ class Fuzz:
         step = c.begin_step(g["req"], g["lens"], g["nr"], stream=obj, prefetcher=self.pf,
                             **self._draw_lean())
         g["lean"] = getattr(step, "lean", False)
+        g["u"] = [self.rng.random() for _ in range(self.L)]  # before_indexer, per layer
 
         def body():
             rows = step.newest_rows()
@@ -773,6 +797,7 @@ class Fuzz:
             for layer in range(self.L):
                 if self.full[layer]:
                     anchor = g["tk"][layer]
+                    self._indexer(step, layer, g["u"][layer])
                     got = step.swap(layer, anchor)
                 else:
                     got = step.swap(layer, None)
@@ -808,6 +833,7 @@ class Fuzz:
                     busy_steps=self.busy_steps, forks=self.forks,
                     refused_forks=self.refused_forks, moves=self.moves,
                     lean_steps=self.lean_steps, lean_asked=self.lean_asked,
+                    windows=self.windows,
                     streams=sorted(self.kinds_used))
 
     def raise_if_bad(self) -> None:

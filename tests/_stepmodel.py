@@ -208,6 +208,10 @@ class ModelStep:
     def backup_newest(self, *, write_host=True):
         self.newest_rows(backup=True, write_host=write_host)
 
+    def before_indexer(self, layer):
+        if self.prefetcher is not None:
+            self.prefetcher.before_indexer(layer)
+
     def swap(self, layer, top_k_tokens, *, out=None, copy_grid=None, check=False):
         if check:
             raise NotImplementedError("the model does not implement check=")
@@ -246,8 +250,12 @@ class ModelPrefetcher:
         self._enabled = enabled
         self._anchor = None
 
-    def set_predict(self, on, stream=None):
+    def set_predict(self, on, stream=None, *, at=None):
         self.predict = bool(on)  # it changes where bytes are read from, never which bytes
+
+    def before_indexer(self, layer, stream=None):  # (when staging runs: no byte changes)
+        if not self.pattern.full[layer]:
+            raise ValueError(f"layer {layer} is a shared layer: it runs no indexer")
 
     def finish(self, stream=None):
         self._anchor = None

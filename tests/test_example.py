@@ -100,7 +100,8 @@ def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
     for flag in CPU_REFUSED:
         arg = [flag] + ({"--mtp": ["2"], "--mode": ["overlap"], "--png": ["x.png"],
                          "--hidden": ["512"], "--model": ["light"], "--side-sms": ["8"],
-                         "--predict-rule": ["misses"], "--matmul": ["torch"],
+                         "--predict-rule": ["misses"], "--predict-at": ["indexer"],
+                         "--matmul": ["torch"],
                          "--resident-layers": ["2"], "--replay-grid": ["8"],
                          "--replay-rows-per-warp": ["8"],
                          "--group-replay-batch": ["0"], "--device-budget": ["4"],
@@ -109,7 +110,8 @@ def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
             cpu_config(arg)
     assert cpu_config(["--mtp", "1"]).mtp == 1  # off: nothing to refuse
     for off in (["--eager"], ["--no-predict"], ["--no-partition"], ["--side-sms", "0"],
-                ["--predict-rule", "selection"], ["--matmul", "cublas"], ["--no-lean"],
+                ["--predict-rule", "selection"], ["--predict-at", "swap"], ["--matmul", "cublas"],
+                ["--no-lean"],
                 ["--model", "glm52"], ["--no-indexer"]):
         cpu_config(off)  # what the NumPy backend runs anyway: accepted
     assert cpu_config(["--mode", "offload"]).modes == ("gpu-only", "offload")
@@ -205,6 +207,8 @@ def test_config_memory_and_errors():
     with pytest.raises(SystemExit, match="model 'light' has hidden 4096, got 27136"):
         Config(model="light").check()
     Config(model="light", hidden=4096).check()
+    assert [from_args(a).predict_at for a in ([], ["--predict-at", "indexer"])] == \
+        ["swap", "indexer"]
     Config(model="custom", hidden=512).check()
     c = from_args(["--mtp", "2", "--topk-model", "drift", "--mode", "overlap",
                    "--eager-and-graph"])

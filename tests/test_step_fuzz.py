@@ -150,3 +150,24 @@ def test_a_seed_whose_call_raises_is_a_failure_with_its_traceback(monkeypatch):
     assert r["seed"] == 5 and r["errors"] == {}
     assert "raised PoolExhausted: rid 0 growing to 64 tokens needs 3 free host pages" in \
         r["failure"] and "in boom" in r["failure"]
+
+
+def test_the_fuzz_says_where_the_indexers_start_and_a_shared_layers_call_is_refused(monkeypatch):
+    """Steps call ``before_indexer`` before most full layers (with and without a prefetcher),
+    at times for another full layer, and the call for a shared layer is refused. Negative
+    control: a prefetcher that accepts a shared layer's call fails the seed."""
+    got = [Fuzz(False, seed).run(200) for seed in range(8)]
+    assert sum(r["windows"] for r in got) > 0
+    assert all(r["errors"] == dict.fromkeys(CHECKS, 0) for r in got)
+    from _stepmodel import ModelPrefetcher
+
+    monkeypatch.setattr(ModelPrefetcher, "before_indexer", lambda self, layer, stream=None: None)
+    failed = 0
+    for seed in range(8):
+        f = Fuzz(False, seed)
+        if f.pf is None or all(f.full):
+            continue
+        with pytest.raises(AssertionError, match="of a shared layer was accepted"):
+            f.run(200)
+        failed += 1
+    assert failed > 0

@@ -584,11 +584,15 @@ class _LayerTopK:
         return tk.astype(np.int32)
 
 
-def _run_predict_steps(pf, cache, req, lens, gen, steps, main, *, graph=False):
-    """Steps of every layer through ``pf`` (full layers with their own top-k), eager or one
-    captured step replayed; returns per-step page tables, device rows and slot tables, and
-    the reader's error count per layer."""
+def _run_predict_steps(pf, cache, req, lens, gen, steps, main, *, graph=False,
+                       indexer=False):
+    """Steps of every layer through ``pf`` (full layers with their own top-k; with
+    ``indexer``, each full layer's ``step.before_indexer`` first and a kernel standing in for
+    its indexer), eager or one captured step replayed; returns per-step page tables, device
+    rows and slot tables, and the reader's error count per layer."""
     cp = _gpu()
+    from _util import spin
+
     pat = pf.pattern
     full = pat.full_layers
     B = req.shape[0]
@@ -604,6 +608,10 @@ def _run_predict_steps(pf, cache, req, lens, gen, steps, main, *, graph=False):
     def step():
         for layer in range(cache.n_layers):
             j = full.index(pat.anchor(layer)) if not pat.full[layer] else full.index(layer)
+            if indexer and pat.full[layer]:
+                st = cache.begin_step(req, lens, stream=main, prefetcher=pf)
+                st.before_indexer(layer)
+                spin(cp, 200_000)  # the indexer's window
             out = _swap(pf, layer, req, lens, tks[j] if pat.full[layer] else None, stream=main)
             res[layer][...] = out
             _check(reader, cache, layer, out, tks[j], req, errors, main)
@@ -649,15 +657,19 @@ def test_prediction_never_changes_a_byte(main):
         for name, predict, graph, partition in (
                 ("off", False, False, None), ("on", True, False, None),
                 ("on_graph", True, True, None), ("on_partition_graph", True, True, part),
-                ("on_selection_graph", True, True, None)):
+                ("on_selection_graph", True, True, None), ("on_indexer", True, False, None),
+                ("on_indexer_graph", True, True, None), ("on_indexer_uncalled", True, False, None)):
             s = main if partition is None else partition.stream("main")
             cache, req = _make_cache(L, R, stream=s)
             pf = Prefetcher(cache, pat, replay_grid=2, predict=predict, predict_width=12,
                             partition=partition,
-                            predict_rule="selection" if "selection" in name else "misses")
+                            predict_rule="selection" if "selection" in name else "misses",
+                            predict_at="indexer" if "indexer" in name else "swap")
             gen = _LayerTopK(B, 5, 11, len(pf.pattern.full_layers))
             with s:
-                snaps, errors = _run_predict_steps(pf, cache, req, lens, gen, 24, s, graph=graph)
+                snaps, errors = _run_predict_steps(
+                    pf, cache, req, lens, gen, 24, s, graph=graph,
+                    indexer="indexer" in name and "uncalled" not in name)
             if partition is not None:  # both side streams are the partition's
                 assert {pf.side.ptr, pf.predict_side.ptr} <= set(partition._streams)
             assert errors.tolist() == [0] * L, f"{name}: rows with wrong bytes"
@@ -667,7 +679,7 @@ def test_prediction_never_changes_a_byte(main):
         cp.cuda.Device().synchronize()
         part.close()
     off = runs["off"][0]
-    for name in ("on", "on_graph", "on_partition_graph", "on_selection_graph"):
+    for name in (n for n in runs if n != "off"):
         snaps, pf = runs[name]
         # the graph run's first captured step ran at the second launch: align by step
         shift = len(off) - len(snaps)
@@ -755,11 +767,30 @@ def test_prediction_errors(main):
         Prefetcher(cache, "FSFS", predict_width=K + 1)
     with pytest.raises(ValueError, match="predict_rule must be 'misses' or 'selection'"):
         Prefetcher(cache, "FSFS", predict_rule="all")
+    with pytest.raises(ValueError, match="predict_at must be 'swap' or 'indexer', got 'late'"):
+        Prefetcher(cache, "FSFS", predict_at="late")
     pf = Prefetcher(cache, "FSFS")
     with pytest.raises(RuntimeError, match="prediction was never turned on"):
         pf.predict_summary()
     pf.set_predict(True, stream=main)
     assert pf.predict and pf.predict_summary()["rows"] == 0
+    with pytest.raises(ValueError, match="predict_at must be 'swap' or 'indexer'"):
+        pf.set_predict(True, stream=main, at="early")
+    assert pf.predict_at == "swap"
+    pf.set_predict(True, stream=main, at="indexer")
+    assert pf.predict_at == "indexer"
+    with main:
+        lens = cp.full(2, MAX_LEN, cp.int32)
+    st = cache.begin_step(req, lens, stream=main, prefetcher=pf)
+    with pytest.raises(ValueError, match="layer 1 is a shared layer: it runs no indexer"):
+        st.before_indexer(1)
+    with pytest.raises(ValueError, match="layer"):
+        st.before_indexer(4)  # not a layer of the pattern
+    st.before_indexer(2)  # nothing was staged for it: nothing happens
+    plain_step = cache.begin_step(req, lens, stream=main)
+    plain_step.before_indexer(1)  # no prefetcher: only the layer is checked
+    with pytest.raises(ValueError, match="layer must be"):
+        plain_step.before_indexer(4)
     cp.cuda.Device().synchronize()
 
     from hisparse_cupy import HotBufferCache

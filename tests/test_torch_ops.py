@@ -40,12 +40,16 @@ def _inputs(torch, t: Twin, req, S, miss):
 
 def _model(torch, tc, prefetch: bool):
     """A step over every layer: swap, gather the selected rows, the newest rows; shared layers
-    (prefetch) get their full layer's top-k (ignored by the operator)."""
+    (prefetch) get their full layer's top-k (ignored by the operator); with a prefetcher, each
+    full layer's ``before_indexer`` first."""
+    full = tc.prefetcher.pattern.full if tc.prefetcher is not None else (False,) * L
 
     def step(req, lens, tk):
         locs, rows = [], []
         tk = tk + 0  # an intermediate (its memory may be reused once the full layer's op ran)
         for layer in range(L):
+            if full[layer]:
+                tc.before_indexer(layer)
             loc = tc.swap(layer, tk, req, lens)
             locs.append(loc)
             kv = tc.device_rows[layer][loc.clamp(min=0).long()]
@@ -70,7 +74,8 @@ def _check_bytes(t: Twin, req, topk, locs, rows) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetcher"])
+@pytest.mark.parametrize("prefetch", [None, "FSS", "FSF"],
+                         ids=["plain", "prefetcher", "prediction-at-the-indexer"])
 def test_compiled_and_graphed_steps_equal_eager_and_the_oracle(rng, prefetch):
     torch = _torch()
     pytest.importorskip("triton", reason="torch.compile's default backend (Inductor) needs Triton")
@@ -80,7 +85,9 @@ def test_compiled_and_graphed_steps_equal_eager_and_the_oracle(rng, prefetch):
 
     seed = int(rng.integers(2**31))
     twins = [Twin(np.random.default_rng(seed)) for _ in range(2)]  # eager, compiled
-    caches = [TorchCache(t.c, Prefetcher(t.c, "FSS") if prefetch else None) for t in twins]
+    caches = [TorchCache(t.c, Prefetcher(t.c, prefetch, predict=prefetch == "FSF",
+                                         predict_at="indexer") if prefetch else None)
+              for t in twins]
     eager = _model(torch, caches[0], prefetch)
     graphed = torch.compile(_model(torch, caches[1], prefetch), fullgraph=True)
     B = 4

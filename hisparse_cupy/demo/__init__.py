@@ -125,9 +125,10 @@ def report_results(cfg: Config, results, extra: dict, title: str) -> int:
     print(report.table(rows))
     lines = report.predict_lines(rows)
     if lines:
+        when = ("in its indexer's window" if cfg.predict_at == "indexer" else
+                "while the current group computes")
         print(f"prediction (Prefetcher.predict_summary(), every step; the next full layer's "
-              f"likely misses staged while the current group computes, rule "
-              f"{cfg.predict_rule}):")
+              f"likely misses staged {when}, rule {cfg.predict_rule}):")
         print("\n".join(lines))
     lines = report.counter_lines(results)
     if lines:

@@ -49,6 +49,7 @@ class Config:
     replay_rows_per_warp: int | None = None  # Prefetcher(replay_rows_per_warp=)
     group_replay_batch: int | None = None  # Prefetcher(group_replay_batch=)
     predict_rule: str = "selection"  # the prediction stager's rule (Prefetcher(predict_rule=))
+    predict_at: str = "swap"  # when prediction stages (Prefetcher(predict_at=))
     matmul: str = "cublas"  # the layer matmuls: cuBLAS through ctypes, or torch.matmul
     shared_prefix: int = 0  # requests 1.. share request 0's first N tokens (host pages)
     # GB of device rows for the cache, "auto" (every request resident while the GPU holds
@@ -282,10 +283,9 @@ def parser() -> argparse.ArgumentParser:
            f"{d.new_share})")
     a("--recent", type=int, default=d.recent, help="newest tokens every top-k holds")
     a("--topk-model", choices=("drift", "lru"), default=d.topk_model,
-      help="drift: each full layer's top-k keeps its tokens but --new-share a step; lru: "
-           "drawn by LRU stack depth on the published miss curve (30 / 13.4 / 6.7 %% at H = K "
-           "/ 2K / 4K), --layer-overlap between full layers, low-overlap first layers, the "
-           "measured shape printed (hisparse_cupy.demo._topk_model)")
+      help="drift: each full layer's top-k keeps its tokens but --new-share a step; lru: drawn "
+           "by LRU stack depth on the published miss curve (30 / 13.4 / 6.7 %% at H = K / 2K / "
+           "4K), --layer-overlap between full layers (hisparse_cupy.demo._topk_model)")
     a("--seed", type=int, default=None, help=f"lru: the streams' random seed (default {d.seed})")
     a("--step-overlap", type=float, default=d.step_overlap,
       help="lru: share of a top-k the previous step selected (sets the curve at H = K; "
@@ -318,6 +318,9 @@ def parser() -> argparse.ArgumentParser:
     a("--predict-rule", choices=("selection", "misses"), default=d.predict_rule,
       help="what the predict mode stages of a full layer's top-k that the next one does not "
            "hold: all it selected (default) or only the tokens it missed")
+    a("--predict-at", choices=("swap", "indexer"), default=d.predict_at,
+      help="when the predict mode stages: after the full layer's swap (default) or in the "
+           "next full layer's indexer window (docs/design.md section 11 says which wins)")
     a("--graph", action="store_true", help="run each step as a captured CUDA graph (default)")
     a("--eager", action="store_true", help="run each step eagerly (a Python loop) instead")
     a("--eager-and-graph", action="store_true", help="run both")
@@ -370,7 +373,8 @@ CPU_DEFAULTS = {"layers": 8, "batch": 2, "context": 1536, "steps": 12, "warmup":
                 "top_k": 128, "hot": 512, "extra_page": 8, "recent": 4, "resident_layers": 0,
                 "device_budget": None}
 CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hidden",
-               "--model", "--side-sms", "--predict-rule", "--matmul", "--resident-layers",
+               "--model", "--side-sms", "--predict-rule", "--predict-at", "--matmul",
+               "--resident-layers",
                "--replay-grid", "--replay-rows-per-warp", "--group-replay-batch",
                "--device-budget", "--resident-requests", "--sweep")
 # (--mtp 1, --mode gpu-only / offload, --eager, --no-predict, --no-partition, --no-lean,
@@ -412,6 +416,7 @@ def cpu_config(argv=None) -> Config:
                and (f != "--mode" or bool({"overlap", "predict"} & set(cfg.modes)))
                and (f != "--side-sms" or bool(cfg.side_sms))
                and (f != "--predict-rule" or cfg.predict_rule != "selection")
+               and (f != "--predict-at" or cfg.predict_at != "swap")
                and (f != "--matmul" or cfg.matmul != "cublas")
                and (f != "--model" or cfg.model != Config.model)
                and (f != "--resident-layers" or cfg.resident_layers > 0)
@@ -485,7 +490,7 @@ def from_args(argv=None, *, check: bool = True) -> Config:
                  side_sms=side, replay_grid=ns.replay_grid,
                  replay_rows_per_warp=ns.replay_rows_per_warp,
                  group_replay_batch=ns.group_replay_batch, predict_rule=ns.predict_rule,
-                 matmul=ns.matmul,
+                 predict_at=ns.predict_at, matmul=ns.matmul,
                  shared_prefix=ns.shared_prefix, device_budget=ns.device_budget,
                  resident_requests=ns.resident_requests, lean=ns.lean,
                  execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)

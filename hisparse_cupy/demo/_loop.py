@@ -303,7 +303,8 @@ class Rig:
             self.pf = Prefetcher(self.cache, pattern, partition=self.partition,
                                  predict_rule=c.predict_rule, replay_grid=c.replay_grid,
                                  replay_rows_per_warp=c.replay_rows_per_warp,
-                                 group_replay_batch=c.group_replay_batch)
+                                 group_replay_batch=c.group_replay_batch,
+                                 predict_at=c.predict_at)
             self.log(f"side streams: replays and staging on {self.pf.replay_grid} blocks, "
                      f"{self.pf.replay_rows_per_warp} rows in flight per warp; "
                      + ("a group's replays in one launch, one wait"
@@ -395,6 +396,8 @@ class Rig:
         topk = self.topk if S > 1 else self.topk.reshape(B, K)
         locs = self.locs if S > 1 else self.locs.reshape(B, K)
         for layer in range(c.layers):
+            if self.full[layer] and not gpu_only and layer >= R:  # its top-k is computed next
+                st.before_indexer(layer)
             if self.full[layer] and self.indexer is not None:  # scores every token it holds
                 self.indexer.score(self.full_rank[layer], self.req, self.lens)
             if self.full[layer] and self.table is not None:

@@ -1,14 +1,22 @@
-"""Prediction mode's stager (``cu/predict.cu``): while a full layer computes, copy the rows the
-next full layer will probably miss into staging rows, on a side stream of its own.
+"""Prediction mode's stager (``cu/predict.cu``): copy the rows the next full layer will probably
+miss into staging rows, on a side stream of its own, while the model computes.
 
 The guess: the tokens the full layer's swap just missed on that the next full layer's LRU slots
 do not hold either (its token -> slot table says so); neighbouring layers select largely the same
 tokens, so what is new to one is likely new to the next. The next full layer's copy reads every
 staged miss from its staging row (device memory) instead of the host; what the guess missed
 comes from the host as always. Misses, slots and bytes are exactly those without prediction (the
-resolve decides them); a wrong guess costs bandwidth. :class:`Predictor` is used by the
-:class:`~hisparse_cupy.Prefetcher`; the hazards it closes are numbered in
-``docs/overlap_hazards.md``.
+resolve decides them); a wrong guess costs bandwidth.
+
+When it stages (``PREDICT_AT``): ``"swap"``, right after the full layer's swap, beside the
+compute of its shared layers, where the group's replays also move rows and the copies take SMs
+from the model's kernels; or ``"indexer"``, when the engine says that the next full layer's
+indexer starts (``Prefetcher.before_indexer``): an indexer reads HBM and moves nothing over
+PCIe, so the staging fills a window the link would idle through. Where the engine does not say
+so, the staging launches at that layer's swap (correct, and no faster than no prediction).
+
+:class:`Predictor` is used by the :class:`~hisparse_cupy.Prefetcher`; the hazards it closes
+are numbered in ``docs/overlap_hazards.md``.
 """
 
 from __future__ import annotations
@@ -19,6 +27,15 @@ from .. import _abi
 from .._kernels import _build
 from .._kernels._launch import Params, launch, ptr
 from .._kernels.plan import array_rows, copy_struct, launch_copy, pool_rows
+
+PREDICT_AT = ("swap", "indexer")
+
+
+def stage_point(value) -> str:
+    """``value`` checked as a staging point (``PREDICT_AT``)."""
+    if value not in PREDICT_AT:
+        raise ValueError(f"predict_at must be 'swap' or 'indexer', got {value!r}")
+    return value
 
 
 class Predictor:
@@ -56,19 +73,39 @@ class Predictor:
             "stage_map": ptr(self.map), "stage_src": ptr(self.src),
             "stage_count": ptr(self.count), "stage_base": ptr(self.rows),
             "stage_stats": ptr(self.stats), "stage_width": W}
-        # pending staging: (full layer it made, the next full layer, batch) or None
+        # pending staging: (full layer it made, the next full layer, batch) or None; what a
+        # staging not launched yet needs (queue(defer=True)); the indexer's window (launch)
         self.pending: tuple[int, int, int] | None = None
+        self._deferred: tuple | None = None
+        self.window = cupy.cuda.Event(disable_timing=True)
 
     def queue(self, step, made_by: int, nxt: int, topk: cupy.ndarray, fork: cupy.cuda.Event, *,
-              grid: int, rows_per_warp: int) -> None:
+              grid: int, rows_per_warp: int, defer: bool = False) -> None:
         """Stage, after ``fork`` (recorded on the main stream after full layer ``made_by``'s
-        swap), the rows full layer ``nxt`` will probably miss."""
-        c, side = self.cache, self.stream
+        swap), the rows full layer ``nxt`` will probably miss: now, or with ``defer`` at
+        :meth:`launch` (the top-k is copied now either way)."""
+        side = self.stream
         side.wait_event(fork)
         B, K = topk.shape
         snap = self.topk[:B, :K]
         with side:  # the stager's own copy of the top-k, off the main stream (hazard 11)
             snap[...] = topk
+        self.pending = (made_by, nxt, B)
+        self._deferred = (step, nxt, snap, grid, rows_per_warp)
+        if not defer:
+            self.launch(None, nxt)
+
+    def launch(self, s: cupy.cuda.Stream | None, layer: int) -> None:
+        """Launch the staging deferred for full layer ``layer``, after the work queued so far
+        on main stream ``s`` (None: at once); nothing if none is deferred for it."""
+        if self._deferred is None or self._deferred[1] != layer:
+            return
+        (step, nxt, snap, grid, rows_per_warp), self._deferred = self._deferred, None
+        c, side = self.cache, self.stream
+        if s is not None:  # hazard 18: the indexer's window
+            self.window.record(s)
+            side.wait_event(self.window)
+        B, K = snap.shape
         nr = step.num_real
         hash_slots = _abi.hash_size(K, spread=2)  # <= K misses, or K tokens, per row
         prm = self._stagers.get((B, K, nxt))
@@ -95,7 +132,6 @@ class Predictor:
                 dst=array_rows(self.rows), row_bytes=c.row_bytes, batch=B, num_real=nr)
         launch_copy(cp, grid=grid, stream=side, rows_per_warp=rows_per_warp)
         self.done.record(side)
-        self.pending = (made_by, nxt, B)
 
     def take(self, s: cupy.cuda.Stream, *, layer=None, anchor=None, batch: int = 0,
              single_step: bool = False):
@@ -105,11 +141,15 @@ class Predictor:
         pending, self.pending = self.pending, None
         if pending is None:
             return None
-        s.wait_event(self.done)
         made_by, nxt, B = pending
-        if nxt != layer or made_by != anchor or B != batch or not single_step:
-            return None
-        return self.stage_fields
+        use = nxt == layer and made_by == anchor and B == batch and single_step
+        if use:
+            self.launch(None, nxt)  # deferred and not launched yet: now, before the swap
+        elif self._deferred is not None:  # dropped: only the top-k's copy ran
+            self._deferred = None
+            self.done.record(self.stream)
+        s.wait_event(self.done)
+        return self.stage_fields if use else None
 
     def summary(self) -> dict:
         """``stats`` on the host (synchronizes the device), with precision (used / staged) and

@@ -43,7 +43,7 @@ from ..cache import HotBufferCache
 from ..step import LayerCall
 from ._partition import SMPartition
 from ._pattern import LayerPattern, layer_pattern
-from ._predict import Predictor
+from ._predict import Predictor, stage_point
 
 __all__ = ["DEFAULT_GROUP_REPLAY_BATCH", "DEFAULT_REPLAY_ROWS_PER_WARP",
            "PARTITION_REPLAY_ROWS_PER_WARP", "Prefetcher", "default_replay_grid"]
@@ -84,53 +84,43 @@ class Prefetcher:
         Prefetch on (default) or off (every layer runs the full swap on the main stream).
     replay_grid : int, optional
         Copy blocks per side-stream replay (default :func:`default_replay_grid`; with a
-        ``partition``, its ``side_sms``). When the model's matmuls leave N SMs idle (e.g.
-        cuBLAS's SM-count target), a grid of N with 8 rows per warp keeps the replays on those
-        SMs: measured at N = 8 on an H200, 69-71 % of the overhead hidden instead of 60 %
-        (``benchmarks/NOTES.md``, "A matmul on fewer SMs").
+        ``partition``, its ``side_sms``). When the model's matmuls leave N SMs idle, a grid of N
+        with 8 rows per warp keeps the replays on those SMs (``benchmarks/NOTES.md``, "A
+        matmul on fewer SMs").
     replay_rows_per_warp : int, optional
         Rows each warp of a replay keeps in flight (one of
         ``hisparse_cupy._kernels.plan.ROWS_PER_WARP``;
         default :data:`DEFAULT_REPLAY_ROWS_PER_WARP`, with a ``partition``
         :data:`PARTITION_REPLAY_ROWS_PER_WARP`).
     predict : bool
-        Prediction mode (single-step swaps): while a full layer computes, stage the rows the
-        next full layer will probably miss (see :meth:`set_predict`). Default off. Its stager
-        runs on ``min(batch, replay_grid)`` blocks; beside matmuls on 124 of an H200's SMs with
-        ``replay_grid=8, replay_rows_per_warp=8`` it measured 82-88 % of the overhead hidden at
-        78 layers, batch 32-64, 5 % misses, and 89-95 % with the side streams on those 8 SMs
-        only (``partition``), but cost at 20 % misses and gained little at batch 128, where
-        those SMs are full (``benchmarks/NOTES.md``, "Prediction beside a matmul on 124 SMs",
-        "Side streams on SMs of their own"). Needs the cache's token table
-        (``token_table=True``, the default).
+        Prediction mode (single-step swaps; :meth:`set_predict`): stage the rows the next full
+        layer will probably miss. Default off. Its stager runs on ``min(batch, replay_grid)``
+        blocks (H200 figures beside matmuls, with and without a ``partition``:
+        ``benchmarks/NOTES.md``, "Prediction beside a matmul on 124 SMs").
     predict_width : int, optional
         Rows staged per request at most (default ``top_k // 4``).
     predict_rule : "selection" or "misses"
         What the stager stages of a full layer's top-k that the next full layer does not hold:
         all it selected (the default), or only the tokens it missed (``cu/predict.cu``). On the
-        decode loop's published-shape streams (H200, the default replay shape) selection
-        staged at recall 0.68 against 0.43 at the same precision (0.56) and hid 76.9 / 71.3 /
-        56.5 % of the offload overhead at batch 8 / 32 / 1 against 71.4 / 70.8 / 56.3 %; at
-        batch 64, where the link is full, 68.0 % against 70.2 % (``benchmarks/NOTES.md``).
+        decode loop's streams selection staged at recall 0.68 against 0.43 at the same
+        precision and hid more of the overhead at batch 1-32 (``benchmarks/NOTES.md``).
+    predict_at : "swap" or "indexer"
+        When prediction stages: right after the full layer's swap (the default), or when the
+        engine calls :meth:`before_indexer` for the next full layer (``Step.before_indexer``),
+        in the window of its indexer, which moves nothing over PCIe (see :meth:`set_predict`).
     group_replay_batch : int, optional
         Steps of at most this many batch rows replay a group's shared layers in one launch
         and the main stream waits once, at the group's first shared layer (default
         :data:`DEFAULT_GROUP_REPLAY_BATCH`); larger steps replay layer by layer, each shared
-        layer waiting only for its own rows. At small batch a group's replay ends long before
-        its full layer's compute does, and one launch slows that compute less than one per
-        layer (H200, the decode loop: 1.2 points more of batch 1's overhead hidden; at batch
-        8-16 the first shared layer's wait for the whole group cost 0.8-2.8 ms a step;
-        ``benchmarks/NOTES.md``, "One wait per group at small batch"). 0: layer by layer at
-        every batch.
+        layer waiting only for its own rows (``benchmarks/NOTES.md``, "One wait per group at
+        small batch"). 0: layer by layer at every batch.
     copy_grid : int, optional
         Copy blocks of the full layers' own swap (default: enough to fill the GPU).
     side_priority : int or None
         Priority of the side stream (lower is higher); the default -1000 is clamped by CUDA to
         the device's highest priority, so pending replay blocks are scheduled before pending
-        compute blocks (measured on the H200: within a few points of the default priority).
-        A captured step keeps it only in a graph instantiated with
-        ``CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY`` (a default instantiation runs every
-        node at the launch stream's priority). None: the default priority.
+        compute blocks. A captured step keeps it only in a graph instantiated with
+        ``CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY``. None: the default priority.
     partition : SMPartition, optional
         Put the side streams (replays, prediction) on the partition's side SMs only
         (:class:`hisparse_cupy.streams.SMPartition`, CUDA green contexts): they then never hold
@@ -169,7 +159,8 @@ class Prefetcher:
                  side_priority: int | None = -1000,
                  replay_rows_per_warp: int | None = None, predict: bool = False,
                  predict_width: int | None = None, partition: SMPartition | None = None,
-                 predict_rule: str = "selection", group_replay_batch: int | None = None):
+                 predict_rule: str = "selection", group_replay_batch: int | None = None,
+                 predict_at: str = "swap"):
         if not isinstance(cache, HotBufferCache):
             raise TypeError(f"cache must be a HotBufferCache, got {type(cache).__name__}")
         model = layer_pattern(pattern)
@@ -225,6 +216,7 @@ class Prefetcher:
             raise ValueError(f"predict_rule must be 'misses' or 'selection', got "
                              f"{predict_rule!r}")
         self.predict_rule = predict_rule
+        self.predict_at = stage_point(predict_at)
         self._predict = False
         self._predictor: Predictor | None = None
         self.predict_side: cupy.cuda.Stream | None = None
@@ -348,7 +340,18 @@ class Prefetcher:
             with s:
                 topk = _checks.token_rows("top_k_tokens", call.top_k, step.device)
             self._predictor.queue(step, loc, nxt, topk, self._fork, grid=self.replay_grid,
-                                  rows_per_warp=self.replay_rows_per_warp)
+                                  rows_per_warp=self.replay_rows_per_warp,
+                                  defer=self.predict_at == "indexer")
+
+    def before_indexer(self, layer: int, stream: StreamLike | None = None) -> None:
+        """Full ``layer``'s indexer (what computes its top-k) is queued next on ``stream``:
+        with ``predict_at="indexer"``, the staging for the layer launches here (hazard 18).
+        Nothing otherwise, or when nothing was staged for it."""
+        loc = self.pattern.local_index(layer)
+        if not self.pattern.full[loc]:
+            raise ValueError(f"layer {layer} is a shared layer: it runs no indexer")
+        if self._predictor is not None:
+            self._predictor.launch(self._main_stream(stream), loc)
 
     def _out_view(self, B: int, shape) -> cupy.ndarray | None:
         """This object's output buffer for a top-k of ``shape``, sliced once per shape (None for
@@ -366,21 +369,21 @@ class Prefetcher:
         return out
 
     # ------------------------------------------------------------------ prediction
-    def set_predict(self, on: bool, stream: StreamLike | None = None) -> None:
-        """Prediction mode on or off (between steps; queued on ``stream``, no host sync).
+    def set_predict(self, on: bool, stream: StreamLike | None = None, *,
+                    at: str | None = None) -> None:
+        """Prediction mode on or off, and ``at`` (if given) the ``predict_at`` it stages at;
+        between steps (queued on ``stream``, no host sync).
 
         On (with prefetch on; single-step swaps): after each full layer's swap a side stream
-        guesses the rows the next full layer of the stage will miss (the tokens this layer's
-        swap just missed on that the next layer's LRU slots do not hold either; neighbouring
-        layers select largely the same tokens, so what is new to one is likely new to the
-        next), copies those host rows of the next layer into staging rows, and
-        records an event. The next full layer's swap waits on it and reads every miss that
-        was staged from its staging row (device memory) instead of the host; what the guess
-        missed comes from the host as always. Misses, slots and bytes are exactly those
-        without prediction (the swap's resolve decides them); a wrong guess costs bandwidth.
-        ``predict_stats`` (uint64 ``[3]``, device): rows the predicted layers' swaps copied,
-        rows of them read from staging rows, rows staged; :meth:`predict_summary` reads them.
-        The guess reads the next layer's token -> slot table: the cache needs one
+        guesses the rows the next full layer will miss (tokens this layer selected, or missed,
+        that the next layer's LRU slots do not hold: neighbouring layers select largely the same
+        tokens) and copies those host rows of the next layer into staging rows, right away or
+        (``at="indexer"``) at :meth:`before_indexer`. The next full layer's swap waits for it and
+        reads every staged miss from its staging row instead of the host. Misses, slots and
+        bytes are exactly those without prediction (the swap's resolve decides them); a wrong
+        guess costs bandwidth. ``predict_stats`` (uint64 ``[3]``, device): rows the predicted
+        layers' swaps copied, rows of them read from staging rows, rows staged
+        (:meth:`predict_summary`). Needs the cache's token -> slot table
         (``HotBufferCache(token_table=True)``, the default).
         """
         on = bool(on)
@@ -394,6 +397,8 @@ class Prefetcher:
             self.predict_stats = self._predictor.stats
         if self._predictor is not None and self._predictor.pending is not None:
             self._take_stage(self._main_stream(stream))
+        if at is not None:
+            self.predict_at = stage_point(at)
         self._predict = on
 
     @property
