@@ -144,7 +144,7 @@ class Indexer:
     what trained keys would select. Not modelled: the query projection (a small matmul) and
     writing the newest token's key each step."""
 
-    ROW, TOKENS = INDEXER_ROW, 256  # IDX_ROW, IDX_TOK in model.cu (IDX_H x IDX_D: INDEXER_QUERY)
+    ROW, TOKENS = INDEXER_ROW, 512  # IDX_ROW, IDX_TOK in model.cu (IDX_H x IDX_D: INDEXER_QUERY)
 
     def __init__(self, kernels: Kernels, *, n_full: int, slots: int, max_len: int,
                  queries: int, drafts: int, stream: cupy.cuda.Stream):

@@ -317,7 +317,7 @@ extern "C" __global__ void attn_combine(const float* part_m, const float* part_l
 #define IDX_D 128
 #define IDX_ROW 132
 #define IDX_WARPS 4
-#define IDX_TOK 256  // tokens a block scores: IDX_WARPS warps x 8 tiles of 8 tokens
+#define IDX_TOK 512  // tokens a block scores: IDX_WARPS warps x 16 tiles of 8 tokens
 
 __device__ __forceinline__ float idx_weight(int h) {
   return 0.125f * static_cast<float>(1 + (h & 7));
@@ -325,6 +325,23 @@ __device__ __forceinline__ float idx_weight(int h) {
 
 __device__ __forceinline__ float idx_scale(const unsigned char* base, int t) {
   return *reinterpret_cast<const float*>(base + static_cast<long long>(t) * IDX_ROW + IDX_D);
+}
+
+// A tile of 8 tokens from t (rows past the length read the last one): lane (g, tig)'s B
+// fragment words of token t + g (dims ks * 32 + tig * 4, + 16), and lanes g = 0 the scales of
+// tokens t + tig * 2 (+ 1).
+__device__ __forceinline__ void idx_load(const unsigned char* base, int t, int len, int g,
+                                         int tig, unsigned int kb[8], float sc[2]) {
+  const unsigned int* kr = reinterpret_cast<const unsigned int*>(
+      base + static_cast<long long>(min(t + g, len - 1)) * IDX_ROW);
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    kb[2 * ks] = kr[ks * 8 + tig];
+    kb[2 * ks + 1] = kr[ks * 8 + 4 + tig];
+  }
+  const int ta = t + tig * 2;
+  sc[0] = g == 0 && ta < len ? idx_scale(base, ta) : 0.0f;
+  sc[1] = g == 0 && ta + 1 < len ? idx_scale(base, ta + 1) : 0.0f;
 }
 
 // The key cache of one full layer: rows [0, n_rows) of IDX_ROW bytes, int8 values and a scale
@@ -360,8 +377,13 @@ indexer(const unsigned char* keys, const signed char* q, const int* req, const i
   const unsigned char* base = keys + static_cast<long long>(req[b]) * max_len * IDX_ROW;
   float* out = scores + static_cast<long long>(qrow) * max_len;
 #if __CUDA_ARCH__ >= 800
-  const unsigned int* qw = reinterpret_cast<const unsigned int*>(q) +
-                           static_cast<long long>(qrow) * (IDX_H * IDX_D / 4);
+  // the query row (8 KB) into shared memory in 16-byte loads, once per block; the warps build
+  // their A fragments from there
+  __shared__ uint4 s_q[IDX_H * IDX_D / 16];
+  const uint4* qg = reinterpret_cast<const uint4*>(q + static_cast<long long>(qrow) * IDX_H * IDX_D);
+  for (int i = threadIdx.x; i < IDX_H * IDX_D / 16; i += blockDim.x) s_q[i] = qg[i];
+  __syncthreads();
+  const unsigned int* qw = reinterpret_cast<const unsigned int*>(s_q);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   // A fragments (m16n8k32, row): head mt * 16 + g (+ 8), dims ks * 32 + tig * 4 (+ 16)
   unsigned int a[4][4][4];
@@ -375,18 +397,22 @@ indexer(const unsigned char* keys, const signed char* q, const int* req, const i
       a[mt][ks][2] = qw[r0 + 4];
       a[mt][ks][3] = qw[r1 + 4];
     }
-  for (int tile = warp; tile < IDX_TOK / 8; tile += IDX_WARPS) {
-    const int t = t0 + tile * 8;
-    if (t >= len) break;
-    // B fragment (col): token t + g, dims ks * 32 + tig * 4 (+ 16)
-    const unsigned int* kr = reinterpret_cast<const unsigned int*>(
-        base + static_cast<long long>(min(t + g, len - 1)) * IDX_ROW);
+  // a warp's tiles of 8 tokens, IDX_WARPS apart; the next tile's keys and scales are loaded
+  // before this one's products (two tiles' loads in flight per warp)
+  int t = t0 + warp * 8;
+  if (t >= len) return;
+  unsigned int kb[8], nb[8];
+  float sc[2], nsc[2];
+  idx_load(base, t, len, g, tig, kb, sc);
+  for (int tile = warp;; tile += IDX_WARPS) {
+    const int tn = t + IDX_WARPS * 8;
+    const bool more = tile + IDX_WARPS < IDX_TOK / 8 && tn < len;
+    if (more) idx_load(base, tn, len, g, tig, nb, nsc);
     int c[4][4];
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt) c[mt][0] = c[mt][1] = c[mt][2] = c[mt][3] = 0;
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      const unsigned int b0 = kr[ks * 8 + tig], b1 = kr[ks * 8 + 4 + tig];
 #pragma unroll
       for (int mt = 0; mt < 4; ++mt)
         asm volatile(
@@ -394,7 +420,7 @@ indexer(const unsigned char* keys, const signed char* q, const int* req, const i
             "{%8,%9}, {%0,%1,%2,%3};\n"
             : "+r"(c[mt][0]), "+r"(c[mt][1]), "+r"(c[mt][2]), "+r"(c[mt][3])
             : "r"(a[mt][ks][0]), "r"(a[mt][ks][1]), "r"(a[mt][ks][2]), "r"(a[mt][ks][3]),
-              "r"(b0), "r"(b1));
+              "r"(kb[2 * ks]), "r"(kb[2 * ks + 1]));
     }
     // C: head mt * 16 + g (c0, c1) and + 8 (c2, c3); tokens t + tig * 2 (+ 1)
     float s0 = 0.0f, s1 = 0.0f;
@@ -411,10 +437,14 @@ indexer(const unsigned char* keys, const signed char* q, const int* req, const i
       s1 += __shfl_xor_sync(0xffffffffu, s1, o);
     }
     const int ta = t + tig * 2;
-    if (g == 0 && ta < len)
-      out[ta] = s0 * idx_scale(base, ta);
-    if (g == 0 && ta + 1 < len)
-      out[ta + 1] = s1 * idx_scale(base, ta + 1);
+    if (g == 0 && ta < len) out[ta] = s0 * sc[0];
+    if (g == 0 && ta + 1 < len) out[ta + 1] = s1 * sc[1];
+    if (!more) break;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) kb[i] = nb[i];
+    sc[0] = nsc[0];
+    sc[1] = nsc[1];
+    t = tn;
   }
 #else
   for (int i = threadIdx.x; i < IDX_TOK; i += blockDim.x) {
