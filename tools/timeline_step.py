@@ -20,7 +20,7 @@ prediction's stager and copies: kernels the step's path does not wait for in ord
 swap kernels' own durations. gpu-only is the reference each mode is compared with.
 
     python tools/timeline_step.py --batch 1 [--modes gpu-only overlap predict] [--steps 4]
-        [demo flags after --, e.g. -- --group-replay-batch 0] [--json out.json]
+        [--warmup 20] [demo flags after --, e.g. -- --group-replay-batch 0] [--json out.json]
 
 Needs torch (its profiler) beside CuPy; measuring only.
 """
@@ -121,6 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--modes", nargs="+", default=["gpu-only", "overlap", "predict"])
     ap.add_argument("--steps", type=int, default=4, help="profiled steps per mode")
+    ap.add_argument("--warmup", type=int, default=20,
+                    help="steps before them (default 20: the hot buffers start cold at "
+                         "admission and fill over the first steps)")
     ap.add_argument("--json", default=None)
     ap.add_argument("demo", nargs="*", help="demo flags (after --)")
     ns = ap.parse_args(argv)
@@ -133,7 +136,7 @@ def main(argv=None) -> int:
     from hisparse_cupy.demo._loop import Rig
 
     # no device budget unless the demo flags give one: the sparse path's timeline
-    cfg = from_args(["--batch", str(ns.batch), "--warmup", "2", "--steps", str(ns.steps),
+    cfg = from_args(["--batch", str(ns.batch), "--warmup", str(ns.warmup), "--steps", str(ns.steps),
                      "--quiet", "--device-budget", "0", *ns.demo])
     s = cupy.cuda.Stream(non_blocking=True)
     rig = Rig(cfg, s, lambda *_: None)
