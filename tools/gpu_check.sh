@@ -16,7 +16,8 @@
 #      self-check) twice: the default device budget (auto: every request resident) and
 #      --device-budget 0 (every request sparse); JSON + PNG in results; --demo=ARGS replaces its
 #      arguments, --no-demo skips it; --sweep=CONTEXTS (e.g. 32768,131072): the load sweep at
-#      each context (demo --sweep, 40 GB budget, 10 + 30 steps; ~90 s each on an H200), JSON
+#      each context (demo --sweep, 40 GB budget, 8192 hot slots, 30 + 30 steps: the README
+#      headline's command; ~100 s each at 128k on an H200), JSON
 #      + PNG in results;
 #   7. with --peer DIR (a copy of the peer_sglang probe, e.g. .peer): SGLang's kernels beside
 #      ours (bench_peer.py --quick, bench_peer_spec.py --quick; --peer-full: their full grids),
@@ -136,7 +137,7 @@ fi
 
 for ctx in ${sweeps//,/ }; do
   t0=$SECONDS
-  $PY -m hisparse_cupy demo --sweep --context "$ctx" --warmup 10 --steps 30 \
+  $PY -m hisparse_cupy demo --sweep --context "$ctx" --hot 8192 --warmup 30 --steps 30 \
     --json "$OUT/results/sweep_$ctx.json" --png "$OUT/results/sweep_$ctx.png" >"$OUT/sweep_$ctx.log" 2>&1
   rc=$?
   summary "demo --sweep --context $ctx rc=$rc ($((SECONDS - t0)) s): $(grep -E 'self-check|SELF-CHECK' "$OUT/sweep_$ctx.log" | head -n 1)"
