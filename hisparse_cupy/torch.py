@@ -29,7 +29,9 @@ The operators (``torch.ops.hisparse.*``):
   ``backup_newest(cache, req, seq_lens, num_real, write_host, rows) -> Tensor``: the step's
   newest-token rows (:meth:`Step.newest_rows`, :meth:`Step.backup_newest`);
 - ``before_indexer(cache, layer) -> ()``: :meth:`Step.before_indexer` (with a prefetcher that
-  stages at the indexer, call it before each full layer's indexer);
+  stages at the indexer, call it before each full layer's indexer; it is ordered with the other
+  ``hisparse`` operators only, not with the model's own kernels, so a compiler may move the
+  indexer's kernels across it: the staging's place, never its bytes);
 - ``finish(cache) -> ()``: :meth:`Step.finish`.
 
 A cache with a device budget (``docs/design.md`` section 10): the operators' steps run lean

@@ -181,7 +181,7 @@ class Fuzz:
         self.first_bad = xp.full(1, 2**62, xp.int64)
         self.steps = self.calls = self.graph_steps = self.toggles = self.busy_steps = 0
         self.forks = self.refused_forks = self.moves = 0
-        self.lean_steps = self.lean_asked = self.windows = 0
+        self.lean_steps = self.lean_asked = self.indexer_calls = 0
         self.busy_now = False
         self.kinds_used: set = set()
         self.stream_obj, self.stream = None, None  # the last step's (argument, CuPy view)
@@ -615,7 +615,7 @@ class Fuzz:
         full = [i for i in range(self.L) if self.full[i]]
         if u < 0.75:
             step.before_indexer(layer)
-            self.windows += 1
+            self.indexer_calls += 1
         elif u < 0.85:
             step.before_indexer(full[int(self.rng.integers(len(full)))])
         elif u < 0.9 and self.pf is not None and not all(self.full):
@@ -833,7 +833,10 @@ class Fuzz:
                     busy_steps=self.busy_steps, forks=self.forks,
                     refused_forks=self.refused_forks, moves=self.moves,
                     lean_steps=self.lean_steps, lean_asked=self.lean_asked,
-                    windows=self.windows,
+                    indexer_calls=self.indexer_calls,
+                    # stagings the GPU's prefetcher launched in an indexer's window (host count:
+                    # a captured step's once)
+                    window_stagings=getattr(getattr(self.pf, "_predictor", None), "windows", 0),
                     streams=sorted(self.kinds_used))
 
     def raise_if_bad(self) -> None:
@@ -903,13 +906,16 @@ def main(argv=None) -> int:
     bad = [r for r in res if "failure" in r]
     tot = {k: sum(r[k] for r in res)
            for k in ("steps", "calls", "graph_steps", "toggles", "busy_steps", "forks",
-                     "refused_forks", "moves", "lean_steps", "lean_asked")}
+                     "refused_forks", "moves", "lean_steps", "lean_asked", "indexer_calls",
+                     "window_stagings")}
     kinds = sorted(set().union(*(r["streams"] for r in res)))
     print(f"step fuzz ({'CPU model' if a.cpu else 'GPU'}): {len(res)} seeds, {tot['steps']} "
           f"steps, {tot['calls']} swap calls, {tot['graph_steps']} graph replays, "
           f"{tot['toggles']} prefetch toggles, {tot['forks']} forks ({tot['refused_forks']} "
           f"past the written tokens refused), {tot['moves']} residency moves, "
           f"{tot['lean_steps']} lean steps ({tot['lean_asked']} asked lean=True), "
+          f"{tot['indexer_calls']} before_indexer calls ({tot['window_stagings']} stagings "
+          f"launched there), "
           f"{tot['busy_steps']} steps "
           f"with CuPy's current "
           f"stream busy, streams {kinds}, {wall:.0f} s: "

@@ -693,6 +693,55 @@ def test_prediction_never_changes_a_byte(main):
 
 
 @pytest.mark.gpu
+def test_staging_at_the_indexer_waits_for_its_window(main):
+    """``predict_at="indexer"`` on a pipeline stage (model layers 2-5 of "FSFFFF"): a full
+    layer's swap defers the next one's staging; ``before_indexer`` of that layer (a model
+    layer id) launches it after the work queued before the call, so with the main stream
+    held busy there the staging has not run when the call returns, and it ran once the main
+    stream is idle; every row's bytes right, the staging used."""
+    cp = _gpu()
+    from hisparse_cupy.streams import Prefetcher
+
+    from _util import spin
+
+    L, R, B = 4, 4, 4
+    cache, req = _make_cache(L, R, stream=main)
+    with main:
+        lens = cp.full(B, MAX_LEN, cp.int32)
+    pf = Prefetcher(cache, "FSFFFF", layer_range=(2, 6), replay_grid=2, predict=True,
+                    predict_at="indexer")
+    st_ = pf._predictor
+    gen = _LayerTopK(B, 5, 17, L, overlap=0.9)
+    reader = _reader()
+    with main:
+        errors = cp.zeros(L, cp.int32)
+    for t in range(3):  # step 0 compiles every kernel; steps 1-2 hold the window busy
+        with main:
+            tks = [cp.asarray(gen.host(t, j)) for j in range(L)]
+        step = cache.begin_step(req, lens, stream=main, prefetcher=pf)
+        for j in range(L):
+            layer = 2 + j
+            if j:
+                assert st_._deferred is not None and st_._deferred[1] == j
+                if t:
+                    with main:
+                        spin(cp, 1_000_000_000)  # ~0.5 s: the indexer's window
+                windows = st_.windows
+                step.before_indexer(layer)
+                assert st_._deferred is None and st_.windows == windows + 1
+                if t:
+                    assert not st_.done.query(), "the staging ran before its window"
+            out = step.swap(layer, tks[j])
+            _check(reader, cache, j, out, tks[j], req, errors, main)
+        step.finish()
+        main.synchronize()
+        assert st_.done.query()
+    assert cp.asnumpy(errors).tolist() == [0] * L, "rows with wrong bytes"
+    s = pf.predict_summary()
+    assert 0 < s["used"] <= min(s["rows"], s["staged"]), s
+
+
+@pytest.mark.gpu
 def test_prediction_negative_control_no_wait(main):
     """With the staging copy slowed and the next full layer's wait on it removed, its swap
     reads staging rows before they land (wrong bytes); with the wait, none."""
@@ -784,9 +833,10 @@ def test_prediction_errors(main):
     st = cache.begin_step(req, lens, stream=main, prefetcher=pf)
     with pytest.raises(ValueError, match="layer 1 is a shared layer: it runs no indexer"):
         st.before_indexer(1)
-    with pytest.raises(ValueError, match="layer"):
-        st.before_indexer(4)  # not a layer of the pattern
+    with pytest.raises(ValueError, match="layer 4 is outside this pattern's layers 0 .. 3"):
+        st.before_indexer(4)
     st.before_indexer(2)  # nothing was staged for it: nothing happens
+    assert pf._predictor.pending is None and pf._predictor.windows == 0
     plain_step = cache.begin_step(req, lens, stream=main)
     plain_step.before_indexer(1)  # no prefetcher: only the layer is checked
     with pytest.raises(ValueError, match="layer must be"):

@@ -40,9 +40,9 @@ def _inputs(torch, t: Twin, req, S, miss):
 
 def _model(torch, tc, prefetch: bool):
     """A step over every layer: swap, gather the selected rows, the newest rows; shared layers
-    (prefetch) get their full layer's top-k (ignored by the operator); with a prefetcher, each
-    full layer's ``before_indexer`` first."""
-    full = tc.prefetcher.pattern.full if tc.prefetcher is not None else (False,) * L
+    (prefetch) get their full layer's top-k (ignored by the operator); each full layer's
+    ``before_indexer`` first (without a prefetcher, layer 0's: a checked no-op)."""
+    full = tc.prefetcher.pattern.full if tc.prefetcher is not None else (True,) + (False,) * (L - 1)
 
     def step(req, lens, tk):
         locs, rows = [], []
@@ -92,15 +92,16 @@ def test_compiled_and_graphed_steps_equal_eager_and_the_oracle(rng, prefetch):
     graphed = torch.compile(_model(torch, caches[1], prefetch), fullgraph=True)
     B = 4
     static = graph = None
-    diverged = False
+    diverged = stageable = False
     cap = torch.cuda.Stream()
     main = torch.cuda.Stream()  # a prefetcher needs a stream other than the legacy one
     with torch.cuda.stream(main):
         for it in range(10):
             req = rng.permutation(R)[:B]
             S = int(rng.choice([1, 1, 2]))  # single- and multi-step calls alternating
-            topk, dev = _inputs(torch, twins[0], req, None if S == 1 else S, float(rng.choice(
-                [0.0, 0.2, 0.6])))
+            miss = float(rng.choice([0.0, 0.2, 0.6]))
+            topk, dev = _inputs(torch, twins[0], req, None if S == 1 else S, miss)
+            stageable |= S == 1 and miss > 0  # prediction has misses to stage
             outs = [eager(**dev)]
             # the compiled step: single-step calls through a CUDA graph of it, captured on the
             # first (after a run of the compiled step to compile it) and replayed on its buffers
@@ -147,6 +148,8 @@ def test_compiled_and_graphed_steps_equal_eager_and_the_oracle(rng, prefetch):
     for c in caches:
         if c.prefetcher is not None:
             c.prefetcher.synchronize()
+            if c.prefetcher.predict and stageable:  # the operator launched stagings, used
+                assert c.prefetcher.predict_summary()["used"] > 0
     for t in twins:
         t.c.close()
 

@@ -310,9 +310,9 @@ extern "C" __global__ void attn_combine(const float* part_m, const float* part_l
 // its request's indexer key cache, IDX_ROW = 132 bytes a token (IDX_D = 128 int8 key values,
 // standing in for FP8, then a float scale), with IDX_H = 64 heads of 128 dims:
 //   score[q][t] = scale_t * sum_h w_h * relu(q_h . k_t),  w_h = (1 + h % 8) / 8,
-// on the tensor cores (mma.sync m16n8k32 s8, sm_80+; a plain loop before). The scores land in a scratch
-// buffer that nothing reads: the top-k comes from the stream generator, which stands in for
-// what trained keys would select. Keys of request slot r's token p: row r * max_len + p.
+// on the tensor cores (mma.sync m16n8k32 s8, sm_80+; a plain loop before). The scores land in
+// a scratch buffer that nothing reads: the top-k comes from the stream generator, which stands
+// in for what trained keys would select. Keys of request slot r's token p: row r * max_len + p.
 #define IDX_H 64
 #define IDX_D 128
 #define IDX_ROW 132
@@ -380,7 +380,8 @@ indexer(const unsigned char* keys, const signed char* q, const int* req, const i
   // the query row (8 KB) into shared memory in 16-byte loads, once per block; the warps build
   // their A fragments from there
   __shared__ uint4 s_q[IDX_H * IDX_D / 16];
-  const uint4* qg = reinterpret_cast<const uint4*>(q + static_cast<long long>(qrow) * IDX_H * IDX_D);
+  const uint4* qg =
+      reinterpret_cast<const uint4*>(q + static_cast<long long>(qrow) * IDX_H * IDX_D);
   for (int i = threadIdx.x; i < IDX_H * IDX_D / 16; i += blockDim.x) s_q[i] = qg[i];
   __syncthreads();
   const unsigned int* qw = reinterpret_cast<const unsigned int*>(s_q);

@@ -78,6 +78,7 @@ class Predictor:
         self.pending: tuple[int, int, int] | None = None
         self._deferred: tuple | None = None
         self.window = cupy.cuda.Event(disable_timing=True)
+        self.windows = 0  # stagings launched in an indexer's window (host count, per queueing)
 
     def queue(self, step, made_by: int, nxt: int, topk: cupy.ndarray, fork: cupy.cuda.Event, *,
               grid: int, rows_per_warp: int, defer: bool = False) -> None:
@@ -101,10 +102,19 @@ class Predictor:
         if self._deferred is None or self._deferred[1] != layer:
             return
         (step, nxt, snap, grid, rows_per_warp), self._deferred = self._deferred, None
-        c, side = self.cache, self.stream
+        side = self.stream
         if s is not None:  # hazard 18: the indexer's window
             self.window.record(s)
             side.wait_event(self.window)
+            self.windows += 1
+        try:
+            self._stage(step, nxt, snap, grid, rows_per_warp)
+        finally:  # (a launch that raised: the top-k's copy is still joined)
+            self.done.record(side)
+
+    def _stage(self, step, nxt: int, snap: cupy.ndarray, grid: int, rows_per_warp: int) -> None:
+        """The stager and its staging copy on the side stream."""
+        c, side = self.cache, self.stream
         B, K = snap.shape
         nr = step.num_real
         hash_slots = _abi.hash_size(K, spread=2)  # <= K misses, or K tokens, per row
@@ -131,7 +141,6 @@ class Predictor:
                 self.src, self.dst, self.count, src=pool_rows(c.pool, nxt),
                 dst=array_rows(self.rows), row_bytes=c.row_bytes, batch=B, num_real=nr)
         launch_copy(cp, grid=grid, stream=side, rows_per_warp=rows_per_warp)
-        self.done.record(side)
 
     def take(self, s: cupy.cuda.Stream, *, layer=None, anchor=None, batch: int = 0,
              single_step: bool = False):

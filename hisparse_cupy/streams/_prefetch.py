@@ -387,6 +387,7 @@ class Prefetcher:
         (``HotBufferCache(token_table=True)``, the default).
         """
         on = bool(on)
+        at = None if at is None else stage_point(at)
         if on and self.cache.tables.token_slot is None:
             raise ValueError("prediction needs the cache's token -> slot table: build the "
                              "HotBufferCache with token_table=True (the default)")
@@ -398,7 +399,7 @@ class Prefetcher:
         if self._predictor is not None and self._predictor.pending is not None:
             self._take_stage(self._main_stream(stream))
         if at is not None:
-            self.predict_at = stage_point(at)
+            self.predict_at = at
         self._predict = on
 
     @property
