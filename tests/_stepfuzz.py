@@ -11,8 +11,11 @@ pool of 1-16 tokens a page, its pages handed out in random order) and then decod
   a request is not resident (docs/overlap_hazards.md, hazard 17);
 - lifecycle churn: requests admitted (short ones in positional layout, long ones cold or warm,
   prefill KV from the host or the device; on paged pools often a fork of a live request's
-  written prefix, ``admit(prefix=...)``, and at times one past it, which must be refused) and
-  released at random, slots reused; on paged pools requests grown ahead of their steps;
+  written prefix, ``admit(prefix=...)``, and at times one past it, which must be refused; on
+  the GPU's paged pools at times whole pages the engine took and wrote itself,
+  ``admit(pages=...)``, as prefill KV arriving over NIXL lands, resident or sparse under a
+  budget, the engine's hold dropped after the admission) and released at random, slots reused;
+  on paged pools requests grown ahead of their steps;
 - per step a random batch (real rows then graph-style padding rows with garbage slots and
   lengths past ``num_real``), its pages grown first (``grow``), lengths ``[B]`` or per draft
   step ``[B, S]`` (equal, or ``L, L+1, ...`` with the draft tokens' host rows written
@@ -181,7 +184,7 @@ class Fuzz:
         self.first_bad = xp.full(1, 2**62, xp.int64)
         self.steps = self.calls = self.graph_steps = self.toggles = self.busy_steps = 0
         self.forks = self.refused_forks = self.moves = 0
-        self.lean_steps = self.lean_asked = self.indexer_calls = 0
+        self.lean_steps = self.lean_asked = self.indexer_calls = self.engine_admits = 0
         self.busy_now = False
         self.kinds_used: set = set()
         self.stream_obj, self.stream = None, None  # the last step's (argument, CuPy view)
@@ -257,17 +260,42 @@ class Fuzz:
                                   replace=False)
             self.uid += 1
             start = 0 if fork is None else fork[1]
+            pages = None  # GPU paged pools: whole pages the engine wrote (PD's admission)
+            if fork is None and self.be.gpu and c.pages is not None and rng.random() < 0.25:
+                P = c.pages.page_tokens
+                pages = self._engine_pages(self.uid, int(rng.integers(0, n // P + 1)))
+                start = 0 if pages is None else len(pages) * P
             kv = self._kv(self.uid, start, n - start, view) if n > start else None
-            res = {}
+            res = {} if pages is None else {"pages": pages}
             if self._budget() is not None:  # resident when its pages leave the blocks' room
                 res["resident"] = self._room(self._budget().pages_for(n)) and \
                     rng.random() < 0.8
-            rid = c.admit(n, kv=kv, warm_tokens=warm, prefix=fork, stream=obj, **res)
+            try:
+                rid = c.admit(n, kv=kv, warm_tokens=warm, prefix=fork, stream=obj, **res)
+            finally:
+                if pages is not None:  # the engine drops its hold (KVReceiver.admit does)
+                    c.pages.put(pages)
+            self.engine_admits += pages is not None
             self.active[rid] = [self.uid, n]
             self.grown[rid] = n
             self.origin[rid] = [] if fork is None else self._fork_origin(*fork)
             self.forks += fork is not None
             self.hist[rid] = np.arange(max(0, n - H), n)
+
+    def _engine_pages(self, uid: int, k: int):
+        """``k`` pages the engine takes and writes with tokens ``[0, k * P)`` of instance
+        ``uid`` (as KV arriving over NIXL lands), or None (none asked, or none free)."""
+        c = self.c
+        if not k or c.pages.free_pages < k:
+            return None
+        pages = c.pages.take(k)
+        P = c.pages.page_tokens
+        rows = (np.asarray(pages, np.int64)[:, None] * P + np.arange(P)).reshape(-1)
+        ids = uid * self.max_len + np.arange(k * P)
+        self.xp.cuda.Device().synchronize()  # the engine writes after the pages' last reader
+        for layer in range(self.L):
+            c.pool.numpy[layer, rows] = pattern(layer, ids, self.row)
+        return pages
 
     def _fork_past_written(self, parent: int, obj, view) -> None:
         """A fork over tokens the parent has pages for (grown ahead) but has not written: it
@@ -833,7 +861,7 @@ class Fuzz:
                     busy_steps=self.busy_steps, forks=self.forks,
                     refused_forks=self.refused_forks, moves=self.moves,
                     lean_steps=self.lean_steps, lean_asked=self.lean_asked,
-                    indexer_calls=self.indexer_calls,
+                    indexer_calls=self.indexer_calls, engine_admits=self.engine_admits,
                     # stagings the GPU's prefetcher launched in an indexer's window (host count:
                     # a captured step's once)
                     window_stagings=getattr(getattr(self.pf, "_predictor", None), "windows", 0),
@@ -907,12 +935,13 @@ def main(argv=None) -> int:
     tot = {k: sum(r[k] for r in res)
            for k in ("steps", "calls", "graph_steps", "toggles", "busy_steps", "forks",
                      "refused_forks", "moves", "lean_steps", "lean_asked", "indexer_calls",
-                     "window_stagings")}
+                     "window_stagings", "engine_admits")}
     kinds = sorted(set().union(*(r["streams"] for r in res)))
     print(f"step fuzz ({'CPU model' if a.cpu else 'GPU'}): {len(res)} seeds, {tot['steps']} "
           f"steps, {tot['calls']} swap calls, {tot['graph_steps']} graph replays, "
           f"{tot['toggles']} prefetch toggles, {tot['forks']} forks ({tot['refused_forks']} "
-          f"past the written tokens refused), {tot['moves']} residency moves, "
+          f"past the written tokens refused), {tot['engine_admits']} admissions of engine-"
+          f"written pages, {tot['moves']} residency moves, "
           f"{tot['lean_steps']} lean steps ({tot['lean_asked']} asked lean=True), "
           f"{tot['indexer_calls']} before_indexer calls ({tot['window_stagings']} stagings "
           f"launched there), "
