@@ -2,7 +2,7 @@
 # Everything a CUDA box should run, in one command:
 #   1. install the project without network (no deps: CuPy, cuda-bindings, pytest are there),
 #      and any wheels carried in .whl/ (nixl-cu13 for tests/test_pd.py's GPU tests and
-#      bench_pd.py: the device tool's README says how to carry them);
+#      bench_pd.py: `bash tools/carry_nixl.sh` puts one small enough to carry there);
 #   2. the whole test suite (CPU and GPU tests), then the randomized step test
 #      (tests/_stepfuzz.py: --fuzz-steps decode steps through the step API, default 100000,
 #      over --fuzz-procs processes sharing the GPU, every output byte checked), JSON;
