@@ -188,8 +188,11 @@ class GpuAdmission:
 
     def admit_all(self) -> list:
         got = self.rec.receive(self.rig.cfg)
-        return [self.rec.rx.admit(self.rig.cache, got[r], stream=self.rig.s)
-                for r in range(self.rig.cfg.batch)]
+        rig = self.rig
+        plan = rig.resident_plan()  # with a device budget: the first k resident, as local
+        return rig.log_residency([self.rec.rx.admit(rig.cache, got[r], stream=rig.s,
+                                                    resident=plan[r])
+                                  for r in range(rig.cfg.batch)])
 
     def close(self) -> None:
         self.rec.close()
@@ -209,7 +212,8 @@ def main(argv=None) -> int:
     if shared and cpu:
         raise SystemExit("pd_decode: --shared-pool is the GPU decode loop's (a shared HostKVPool)")
     # every layer's prompt arrives over NIXL into the pool: none is kept on the GPU, and no
-    # device budget (every request sparse) unless the flags give one
+    # device budget (every request sparse) unless the flags give one (--device-budget,
+    # --resident-requests: the received requests admitted resident by the demo's plan)
     model_argv = ["--resident-layers", "0", "--device-budget", "0"] + [a for a in argv
                                                                        if a not in _FLAGS]
     cfg = cpu_config(model_argv) if cpu else from_args(model_argv)  # --help ends here

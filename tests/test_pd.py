@@ -909,6 +909,21 @@ def test_the_pd_example_runs_the_gpu_decode_loop_on_kv_sent_from_vram(capsys, ho
     assert "self-check passed" in out
 
 
+@pytest.mark.gpu
+def test_the_pd_example_admits_requests_resident_under_a_device_budget(capsys):
+    """The same decode loop on KV pulled over NIXL into engine-held pages, under device
+    budgets: one that holds every request resident, and one sized for 2 resident and a block
+    for each other (the demo's plan, passed as ``KVReceiver.admit(resident=)``); every
+    offloaded run's self-check passes and its log says how many were resident."""
+    ex = _pd_example()
+    for flags, k in ((["--device-budget", "auto"], 4), (["--resident-requests", "2"], 2)):
+        assert ex.main(["--batch", "4", "--context", "3000", "--steps", "4", "--warmup", "2",
+                        "--layers", "12", "--hot", "1024", "--top-k", "256"] + flags) == 0
+        out = capsys.readouterr().out
+        assert out.count(f", {k} of 4 requests resident") == 3, flags  # offload, overlap, predict
+        assert "self-check passed" in out, flags
+
+
 # --- pulls: KVSender(pull=True) offers, the receiver READs ---------------------------------------
 
 def drive(rx, sends, want, wait_s=10.0):

@@ -201,9 +201,9 @@ class Rig:
         ``--shared-prefix`` tokens); in a given pool's slot layout from the rows written
         there."""
         c, s, cache = self.cfg, self.s, self.cache
-        res = self._resident_plan()
+        res = self.resident_plan()
         if cache.pages is None:
-            return self._residency([cache.admit(c.context, stream=s, resident=res[b])
+            return self.log_residency([cache.admit(c.context, stream=s, resident=res[b])
                                     for b in range(c.batch)])
         if self.kv_buf is None:
             with s:
@@ -229,9 +229,9 @@ class Rig:
                  f"the GPU and copied into host pages in {ms:.0f} ms ({nbytes / ms / 1e6:.1f} "
                  f"GB/s with the KV kernel)" + (f", requests 1.. sharing request 0's first "
                                                 f"{N} tokens" if N else ""))
-        return self._residency(rids)
+        return self.log_residency(rids)
 
-    def _resident_plan(self) -> list[bool | None]:
+    def resident_plan(self) -> list[bool | None]:
         """With a device budget: the first k requests resident, the rest sparse, for the
         largest k whose pages (for every token the run grows to) leave a block for each of
         the others (``DeviceBudget.rows_needed``); without one, None each."""
@@ -243,7 +243,7 @@ class Rig:
                                   page_tokens=b.page_tokens, block_rows=b.block_rows))
         return [i < k for i in range(c.batch)]
 
-    def _residency(self, rids: list[int]) -> list[int]:
+    def log_residency(self, rids: list[int]) -> list[int]:
         """With a device budget: how many requests it holds resident (logged)."""
         arena = self.cache.arena
         if arena is not None:
