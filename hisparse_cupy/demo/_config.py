@@ -309,8 +309,7 @@ def parser() -> argparse.ArgumentParser:
            "consecutive draws of each full layer's stream)")
     a("--mode", action="append", choices=MODES,
       help="modes to run (repeatable; default all, without predict at --mtp 2-4; gpu-only "
-           "always runs as the reference; predict = overlap + prediction of the next full "
-           "layer's misses)")
+           "always runs as the reference; predict = overlap + prediction)")
     a("--no-predict", action="store_true", help="leave the predict mode out")
     a("--matmul", choices=("cublas", "torch"), default=d.matmul,
       help="the layer matmuls: cuBLAS called directly (default) or torch.matmul on the step's "
@@ -319,10 +318,9 @@ def parser() -> argparse.ArgumentParser:
       help="what the predict mode stages of a full layer's top-k that the next one does not "
            "hold: all it selected (default) or only the tokens it missed")
     a("--predict-at", choices=("swap", "indexer"), default=d.predict_at,
-      help="when the predict mode stages: after the full layer's swap (default) or in the "
-           "next full layer's indexer window (docs/design.md section 11 says which wins)")
+      help="predict mode stages after the swap (default) or in the next indexer's window")
     a("--graph", action="store_true", help="run each step as a captured CUDA graph (default)")
-    a("--eager", action="store_true", help="run each step eagerly (a Python loop) instead")
+    a("--eager", action="store_true", help="run each step eagerly (a Python loop)")
     a("--eager-and-graph", action="store_true", help="run both")
     a("--side-sms", type=int, default=d.side_sms,
       help="SMs of an SM partition for the side streams (green contexts, rounded up to the "
@@ -374,11 +372,9 @@ CPU_DEFAULTS = {"layers": 8, "batch": 2, "context": 1536, "steps": 12, "warmup":
                 "device_budget": None}
 CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hidden",
                "--model", "--side-sms", "--predict-rule", "--predict-at", "--matmul",
-               "--resident-layers",
-               "--replay-grid", "--replay-rows-per-warp", "--group-replay-batch",
-               "--device-budget", "--resident-requests", "--sweep")
-# (--mtp 1, --mode gpu-only / offload, --eager, --no-predict, --no-partition, --no-lean,
-# --no-indexer and --device-budget 0 are what the NumPy backend runs: accepted)
+               "--resident-layers", "--replay-grid", "--replay-rows-per-warp",
+               "--group-replay-batch", "--device-budget", "--resident-requests", "--sweep")
+# (accepted: what the NumPy backend runs, e.g. --mtp 1, --eager, --no-lean, --device-budget 0)
 
 
 def _budget(value: str) -> float | str | None:

@@ -196,15 +196,14 @@ class Rig:
         return (c.batch * -(-c.max_len // PAGE_TOKENS) + 1) * PAGE_TOKENS
 
     def admit_all(self) -> list[int]:
-        """Every request admitted at its prompt: in a paged pool (the default) with its KV
-        made on the GPU and copied into its pages (requests 1.. forked from request 0's first
-        ``--shared-prefix`` tokens); in a given pool's slot layout from the rows written
-        there."""
+        """Every request admitted at its prompt: in a paged pool (the default) with its KV made
+        on the GPU and copied into its pages (requests 1.. forked from request 0's first
+        ``--shared-prefix`` tokens); in a given pool's slot layout from the rows there."""
         c, s, cache = self.cfg, self.s, self.cache
         res = self.resident_plan()
         if cache.pages is None:
             return self.log_residency([cache.admit(c.context, stream=s, resident=res[b])
-                                    for b in range(c.batch)])
+                                       for b in range(c.batch)])
         if self.kv_buf is None:
             with s:
                 self.kv_buf = cupy.empty((len(self.cached), c.context, ROW_BYTES), cupy.uint8)

@@ -78,7 +78,7 @@ class Predictor:
         self.pending: tuple[int, int, int] | None = None
         self._deferred: tuple | None = None
         self.window = cupy.cuda.Event(disable_timing=True)
-        self.windows = 0  # stagings launched in an indexer's window (host count, per queueing)
+        self.windows = 0  # stagings launched in an indexer's window (host count: a graph's once)
 
     def queue(self, step, made_by: int, nxt: int, topk: cupy.ndarray, fork: cupy.cuda.Event, *,
               grid: int, rows_per_warp: int, defer: bool = False) -> None:

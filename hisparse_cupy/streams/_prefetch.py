@@ -245,8 +245,7 @@ class Prefetcher:
         self._joined = 0  # leading positions the main stream has waited on
 
     def replays_whole_groups(self, batch: int) -> bool:
-        """Whether a step of ``batch`` rows replays each group's shared layers in one launch
-        (one wait), rather than one launch and one wait per shared layer."""
+        """Whether a step of ``batch`` rows replays each group's shared layers in one launch."""
         return batch <= self.group_replay_batch
 
     @property
@@ -344,9 +343,8 @@ class Prefetcher:
                                   defer=self.predict_at == "indexer")
 
     def before_indexer(self, layer: int, stream: StreamLike | None = None) -> None:
-        """Full ``layer``'s indexer (what computes its top-k) is queued next on ``stream``:
-        with ``predict_at="indexer"``, the staging for the layer launches here (hazard 18).
-        Nothing otherwise, or when nothing was staged for it."""
+        """Full ``layer``'s indexer is queued next on ``stream``: with ``predict_at="indexer"``
+        the staging for the layer launches here (hazard 18); else nothing."""
         loc = self.pattern.local_index(layer)
         if not self.pattern.full[loc]:
             raise ValueError(f"layer {layer} is a shared layer: it runs no indexer")
@@ -375,16 +373,13 @@ class Prefetcher:
         between steps (queued on ``stream``, no host sync).
 
         On (with prefetch on; single-step swaps): after each full layer's swap a side stream
-        guesses the rows the next full layer will miss (tokens this layer selected, or missed,
-        that the next layer's LRU slots do not hold: neighbouring layers select largely the same
-        tokens) and copies those host rows of the next layer into staging rows, right away or
-        (``at="indexer"``) at :meth:`before_indexer`. The next full layer's swap waits for it and
-        reads every staged miss from its staging row instead of the host. Misses, slots and
-        bytes are exactly those without prediction (the swap's resolve decides them); a wrong
-        guess costs bandwidth. ``predict_stats`` (uint64 ``[3]``, device): rows the predicted
-        layers' swaps copied, rows of them read from staging rows, rows staged
-        (:meth:`predict_summary`). Needs the cache's token -> slot table
-        (``HotBufferCache(token_table=True)``, the default).
+        copies into staging rows the host rows of the next full layer it will probably miss
+        (the guess: ``streams/_predict.py``), right away or (``at="indexer"``) at
+        :meth:`before_indexer`; that layer's swap reads every staged miss there. Misses, slots
+        and bytes are those without prediction; a wrong guess costs bandwidth.
+        ``predict_stats`` (uint64 ``[3]``, device): rows the predicted swaps copied, rows of them
+        read from staging rows, rows staged (:meth:`predict_summary`). Needs the cache's token
+        -> slot table (``HotBufferCache(token_table=True)``, the default).
         """
         on = bool(on)
         at = None if at is None else stage_point(at)
