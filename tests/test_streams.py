@@ -730,12 +730,12 @@ def test_staging_at_the_indexer_waits_for_its_window(main):
                 step.before_indexer(layer)
                 assert st_._deferred is None and st_.windows == windows + 1
                 if t:
-                    assert not st_.done.query(), "the staging ran before its window"
+                    assert not st_.done.done, "the staging ran before its window"
             out = step.swap(layer, tks[j])
             _check(reader, cache, j, out, tks[j], req, errors, main)
         step.finish()
         main.synchronize()
-        assert st_.done.query()
+        assert st_.done.done
     assert cp.asnumpy(errors).tolist() == [0] * L, "rows with wrong bytes"
     s = pf.predict_summary()
     assert 0 < s["used"] <= min(s["rows"], s["staged"]), s
