@@ -80,13 +80,15 @@ def test_indexer_scores(rng):
     k, s = Kernels(), cupy.cuda.Stream(non_blocking=True)
     slots, max_len, B, S = 3, 1000, 2, 2
     ix = Indexer(k, n_full=2, slots=slots, max_len=max_len, queries=B * S, drafts=S, stream=s)
-    keys = rng.integers(-128, 128, (slots * max_len, 132), dtype=np.int8)
-    scale = rng.uniform(0.001, 0.004, slots * max_len).astype(np.float32)
-    keys[:, 128:] = scale.view(np.int8).reshape(-1, 4)
+    span = -(-max_len // 64) * 64  # a slot's tokens: whole 64-token blocks
+    keys = rng.integers(-128, 128, (slots * span, 128), dtype=np.int8)
+    scale = rng.uniform(0.001, 0.004, slots * span).astype(np.float32)
+    blocks = np.concatenate([keys.reshape(-1, 64 * 128),  # a block: its keys, then its scales
+                             scale.view(np.int8).reshape(-1, 64 * 4)], axis=1)
     q = rng.integers(-128, 128, (B * S, 64 * 128), dtype=np.int8)
     # 514: a 2-token last block, where three of its four warps have no tile
     req, lens = np.array([2, 0], np.int32), np.array([514, 1000], np.int32)
-    ix.keys[1].set(keys.view(np.uint8).reshape(-1), stream=s)
+    ix.keys[1].set(blocks.view(np.uint8).reshape(-1), stream=s)
     ix.q.set(q, stream=s)
     with s:  # (everything on the indexer's stream)
         ix.scores.fill(np.nan)
@@ -97,16 +99,17 @@ def test_indexer_scores(rng):
     w = (1 + np.arange(64) % 8) / 8
     for row in range(B * S):
         b = row // S
-        kk = keys[req[b] * max_len:req[b] * max_len + lens[b], :128].astype(np.int64)
+        lo = req[b] * span
+        kk = keys[lo:lo + lens[b]].astype(np.int64)
         dots = q[row].reshape(64, 128).astype(np.int64) @ kk.T  # [heads, tokens]
-        want = (w[:, None] * np.maximum(dots, 0)).sum(0) * \
-            scale[req[b] * max_len:req[b] * max_len + lens[b]]
+        want = (w[:, None] * np.maximum(dots, 0)).sum(0) * scale[lo:lo + lens[b]]
         np.testing.assert_allclose(got[row, :lens[b]], want, rtol=1e-5, err_msg=f"row {row}")
         assert np.isnan(got[row, lens[b]:]).all()
     # the key cache the loop fills: every full layer's rows, scales in [1/512, 2/512)
     ix2 = Indexer(k, n_full=2, slots=1, max_len=64, queries=1, drafts=1, stream=s)
-    rows = cupy.asnumpy(ix2.keys, stream=s).reshape(2, 64, 132)
+    blk = cupy.asnumpy(ix2.keys, stream=s).reshape(2, 64 * 132)  # one block a layer
     s.synchronize()
-    sc = rows[..., 128:].copy().view(np.float32)
-    assert ((sc >= 1 / 512) & (sc < 2 / 512)).all()
-    assert not np.array_equal(rows[0], rows[1]) and np.unique(rows[..., :128]).size > 200
+    sc = blk[:, 64 * 128:].copy().view(np.float32)
+    assert sc.shape == (2, 64) and ((sc >= 1 / 512) & (sc < 2 / 512)).all()
+    kv = blk[:, :64 * 128]
+    assert not np.array_equal(kv[0], kv[1]) and np.unique(kv).size > 200

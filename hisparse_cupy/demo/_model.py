@@ -137,19 +137,22 @@ class Model:
 class Indexer:
     """DSA's lightning indexer as a cost (``model.cu``'s ``indexer``): its key cache on the GPU,
     :data:`ROW` bytes a token (128 int8 keys standing in for FP8, a float scale) for every full
-    layer and request slot (rows ``r * max_len + p``, every position written up front), and per
+    layer and request slot, in blocks of :data:`BLOCK` tokens (their keys, then their scales, as
+    vLLM lays out its indexer cache; a slot ``ceil(max_len / BLOCK)`` blocks, every position
+    written up front), and per
     full layer a scoring of every token a request holds by 64 heads of 128 dims against the
     step's queries, on the tensor cores. The scores (:attr:`scores`, float32 ``[Q, max_len]``)
     are the kernel's output and nothing reads them: the stream generator's top-k stands in for
     what trained keys would select. Not modelled: the query projection (a small matmul) and
     writing the newest token's key each step."""
 
-    ROW, TOKENS = INDEXER_ROW, 512  # IDX_ROW, IDX_TOK in model.cu (IDX_H x IDX_D: INDEXER_QUERY)
+    # IDX_ROW, IDX_BLK, IDX_TOK in model.cu (IDX_H x IDX_D: INDEXER_QUERY)
+    ROW, BLOCK, TOKENS = INDEXER_ROW, 64, 512
 
     def __init__(self, kernels: Kernels, *, n_full: int, slots: int, max_len: int,
                  queries: int, drafts: int, stream: cupy.cuda.Stream):
         self.k, self.s, self.max_len, self.S = kernels, stream, max_len, drafts
-        rows = slots * max_len
+        rows = slots * -(-max_len // self.BLOCK) * self.BLOCK  # whole blocks a slot
         with stream:
             self.keys = cupy.empty((n_full, rows * self.ROW), cupy.uint8)
             self.q = cupy.empty((queries, INDEXER_QUERY), cupy.int8)

@@ -312,10 +312,14 @@ extern "C" __global__ void attn_combine(const float* part_m, const float* part_l
 //   score[q][t] = scale_t * sum_h w_h * relu(q_h . k_t),  w_h = (1 + h % 8) / 8,
 // on the tensor cores (mma.sync m16n8k32 s8, sm_80+; a plain loop before). The scores land in
 // a scratch buffer that nothing reads: the top-k comes from the stream generator, which stands
-// in for what trained keys would select. Keys of request slot r's token p: row r * max_len + p.
+// in for what trained keys would select. The key cache is laid out as vLLM's indexer cache:
+// blocks of IDX_BLK tokens, each the block's 128-byte keys and then their 4-byte scales, a
+// request slot ceil(max_len / IDX_BLK) blocks (slot r's token p: block r * that + p / IDX_BLK),
+// so a lane reads its token's keys in 16-byte loads.
 #define IDX_H 64
 #define IDX_D 128
 #define IDX_ROW 132
+#define IDX_BLK 64
 #define IDX_WARPS 4
 #define IDX_TOK 512  // tokens a block scores: IDX_WARPS warps x 16 tiles of 8 tokens
 
@@ -323,35 +327,51 @@ __device__ __forceinline__ float idx_weight(int h) {
   return 0.125f * static_cast<float>(1 + (h & 7));
 }
 
-__device__ __forceinline__ float idx_scale(const unsigned char* base, int t) {
-  return *reinterpret_cast<const float*>(base + static_cast<long long>(t) * IDX_ROW + IDX_D);
+// Token t's key block (t's block of the request's keys at base).
+__device__ __forceinline__ const unsigned char* idx_block(const unsigned char* base, int t) {
+  return base + static_cast<long long>(t / IDX_BLK) * (IDX_BLK * IDX_ROW);
 }
 
-// A tile of 8 tokens from t (rows past the length read the last one): lane (g, tig)'s B
-// fragment words of token t + g (dims ks * 32 + tig * 4, + 16), and lanes g = 0 the scales of
-// tokens t + tig * 2 (+ 1).
+__device__ __forceinline__ float idx_scale(const unsigned char* base, int t) {
+  return *reinterpret_cast<const float*>(idx_block(base, t) + IDX_BLK * IDX_D +
+                                         (t % IDX_BLK) * 4);
+}
+
+// A word of a head's 128 dims (32 words) that mma k-step ks's fragment register r of lane tig
+// holds: the products sum over the dims, so A and B only need the same order, and this one lets
+// a lane load its token's words 4 * tig .. + 3 and 16 + 4 * tig .. + 3 as two 16-byte loads.
+__device__ __forceinline__ int idx_word(int tig, int ks, int r) {
+  const int i = 2 * ks + r;
+  return i < 4 ? tig * 4 + i : 16 + tig * 4 + i - 4;
+}
+
+// A tile of 8 tokens from t (a multiple of 8, so in one key block; rows past the length read
+// the last one): lane (g, tig)'s B fragment words of token t + g (kb[2 ks + r]: idx_word(tig,
+// ks, r)), and lanes g = 0 the scales of tokens t + tig * 2 (+ 1).
 __device__ __forceinline__ void idx_load(const unsigned char* base, int t, int len, int g,
                                          int tig, unsigned int kb[8], float sc[2]) {
-  const unsigned int* kr = reinterpret_cast<const unsigned int*>(
-      base + static_cast<long long>(min(t + g, len - 1)) * IDX_ROW);
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-    kb[2 * ks] = kr[ks * 8 + tig];
-    kb[2 * ks + 1] = kr[ks * 8 + 4 + tig];
-  }
+  const unsigned char* blk = idx_block(base, t);
+  const uint4* kr = reinterpret_cast<const uint4*>(
+      blk + (t % IDX_BLK + min(g, len - 1 - t)) * IDX_D);
+  const uint4 lo = kr[tig], hi = kr[tig + 4];
+  kb[0] = lo.x; kb[1] = lo.y; kb[2] = lo.z; kb[3] = lo.w;
+  kb[4] = hi.x; kb[5] = hi.y; kb[6] = hi.z; kb[7] = hi.w;
   const int ta = t + tig * 2;
-  sc[0] = g == 0 && ta < len ? idx_scale(base, ta) : 0.0f;
-  sc[1] = g == 0 && ta + 1 < len ? idx_scale(base, ta + 1) : 0.0f;
+  float2 v = make_float2(0.0f, 0.0f);  // (the block holds IDX_BLK scales: ta + 1 is in it)
+  if (g == 0 && ta < len)
+    v = *reinterpret_cast<const float2*>(blk + IDX_BLK * IDX_D + (ta % IDX_BLK) * 4);
+  sc[0] = v.x;
+  sc[1] = ta + 1 < len ? v.y : 0.0f;
 }
 
-// The key cache of one full layer: rows [0, n_rows) of IDX_ROW bytes, int8 values and a scale
-// in [1/512, 2/512), a function of (layer, row). grid (ceil(n_rows * 33 / 256)), 256 threads.
+// The key cache of one full layer: n_rows tokens (whole key blocks) of int8 values and a scale
+// in [1/512, 2/512), a function of (layer, word). grid (ceil(n_rows * 33 / 256)), 256 threads.
 extern "C" __global__ void index_fill(unsigned int* keys, long long n_rows, int layer) {
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n_rows * (IDX_ROW / 4)) return;
   const u64 h = mix64((static_cast<u64>(layer) << 48) ^ static_cast<u64>(i) ^
                       0xA24BAED4963EE407ULL);
-  keys[i] = (i % (IDX_ROW / 4) == IDX_D / 4)
+  keys[i] = (i % (IDX_BLK * IDX_ROW / 4) >= IDX_BLK * IDX_D / 4)
                 ? __float_as_uint((1.0f + static_cast<float>(h >> 41) * (1.0f / (1 << 23))) /
                                   512.0f)
                 : static_cast<unsigned int>(h);
@@ -374,7 +394,8 @@ indexer(const unsigned char* keys, const signed char* q, const int* req, const i
   const int qrow = blockIdx.y, b = qrow / S, len = lens[b];
   const int t0 = blockIdx.x * IDX_TOK;
   if (t0 >= len) return;
-  const unsigned char* base = keys + static_cast<long long>(req[b]) * max_len * IDX_ROW;
+  const long long slot_blocks = (max_len + IDX_BLK - 1) / IDX_BLK;
+  const unsigned char* base = keys + req[b] * slot_blocks * (IDX_BLK * IDX_ROW);
   float* out = scores + static_cast<long long>(qrow) * max_len;
 #if __CUDA_ARCH__ >= 800
   // the query row (8 KB) into shared memory in 16-byte loads, once per block; the warps build
@@ -386,17 +407,19 @@ indexer(const unsigned char* keys, const signed char* q, const int* req, const i
   __syncthreads();
   const unsigned int* qw = reinterpret_cast<const unsigned int*>(s_q);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-  // A fragments (m16n8k32, row): head mt * 16 + g (+ 8), dims ks * 32 + tig * 4 (+ 16)
+  // A fragments (m16n8k32, row): head mt * 16 + g (+ 8), the words idx_word(tig, ks, 0) and
+  // (tig, ks, 1), in the keys' order
   unsigned int a[4][4][4];
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      const int r0 = (mt * 16 + g) * (IDX_D / 4) + ks * 8 + tig, r1 = r0 + 8 * (IDX_D / 4);
-      a[mt][ks][0] = qw[r0];
-      a[mt][ks][1] = qw[r1];
-      a[mt][ks][2] = qw[r0 + 4];
-      a[mt][ks][3] = qw[r1 + 4];
+      const int h0 = (mt * 16 + g) * (IDX_D / 4), h1 = h0 + 8 * (IDX_D / 4);
+      const int w0 = idx_word(tig, ks, 0), w1 = idx_word(tig, ks, 1);
+      a[mt][ks][0] = qw[h0 + w0];
+      a[mt][ks][1] = qw[h1 + w0];
+      a[mt][ks][2] = qw[h0 + w1];
+      a[mt][ks][3] = qw[h1 + w1];
     }
   // a warp's tiles of 8 tokens, IDX_WARPS apart; the next tile's keys and scales are loaded
   // before this one's products (two tiles' loads in flight per warp)
@@ -423,16 +446,15 @@ indexer(const unsigned char* keys, const signed char* q, const int* req, const i
             : "r"(a[mt][ks][0]), "r"(a[mt][ks][1]), "r"(a[mt][ks][2]), "r"(a[mt][ks][3]),
               "r"(kb[2 * ks]), "r"(kb[2 * ks + 1]));
     }
-    // C: head mt * 16 + g (c0, c1) and + 8 (c2, c3); tokens t + tig * 2 (+ 1)
-    float s0 = 0.0f, s1 = 0.0f;
+    // C: head mt * 16 + g (c0, c1) and + 8 (c2, c3); tokens t + tig * 2 (+ 1). Those heads
+    // share the weight idx_weight(g): their relus sum as integers (< 2^24, exact in a float)
+    int i0 = 0, i1 = 0;
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt) {
-      const float w0 = idx_weight(mt * 16 + g), w1 = idx_weight(mt * 16 + g + 8);
-      s0 += w0 * static_cast<float>(max(c[mt][0], 0)) +
-            w1 * static_cast<float>(max(c[mt][2], 0));
-      s1 += w0 * static_cast<float>(max(c[mt][1], 0)) +
-            w1 * static_cast<float>(max(c[mt][3], 0));
+      i0 += max(c[mt][0], 0) + max(c[mt][2], 0);
+      i1 += max(c[mt][1], 0) + max(c[mt][3], 0);
     }
+    float s0 = idx_weight(g) * static_cast<float>(i0), s1 = idx_weight(g) * static_cast<float>(i1);
     for (int o = 4; o < 32; o <<= 1) {
       s0 += __shfl_xor_sync(0xffffffffu, s0, o);
       s1 += __shfl_xor_sync(0xffffffffu, s1, o);
@@ -451,8 +473,7 @@ indexer(const unsigned char* keys, const signed char* q, const int* req, const i
   for (int i = threadIdx.x; i < IDX_TOK; i += blockDim.x) {
     const int t = t0 + i;
     if (t >= len) break;
-    const unsigned int* kr =
-        reinterpret_cast<const unsigned int*>(base + static_cast<long long>(t) * IDX_ROW);
+    const unsigned char* kr = idx_block(base, t) + (t % IDX_BLK) * IDX_D;
     float s = 0.0f;
     for (int h = 0; h < IDX_H; ++h) {
       int dot = 0;
