@@ -22,6 +22,7 @@ pool of MiB MiB (L=4 layers, 4 KiB rows, pages of 64 tokens) and requests fillin
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import sys
 import time
@@ -35,6 +36,14 @@ def make_kv(seed: int, n_layers: int, n_tokens: int, row_bytes: int) -> np.ndarr
     """A request's KV, the same bytes in every process for a seed."""
     return np.random.default_rng(seed).integers(0, 256, (n_layers, n_tokens, row_bytes),
                                                 dtype=np.uint8)
+
+
+def host_zeros(shape) -> np.ndarray:
+    """A zeroed uint8 array on pages of its own (an anonymous mapping) for a receiver's pool:
+    UCX registers host memory with CUDA a page at a time, and a heap array can share a page
+    with another agent's registration (a test's earlier pool or kv), which fails."""
+    n = int(np.prod(shape))
+    return np.frombuffer(mmap.mmap(-1, max(n, 1)), np.uint8, n).reshape(shape)
 
 
 def say(obj) -> None:
@@ -97,7 +106,7 @@ def bench(mib: int = 256, reps: int = 5) -> None:
 
     L, rb, P = 4, 4096, 64
     n_pages = max(1, (mib << 20) // (L * rb * P))
-    pool = np.zeros((L, n_pages * P, rb), np.uint8)
+    pool = host_zeros((L, n_pages * P, rb))
     pages = HostPages(n_pages, P)
     n_req = 8
     n_tok = n_pages * P // n_req
@@ -131,7 +140,7 @@ def bench_procs(mib: int = 256, reps: int = 5) -> None:
 
     L, rb, P, n_req = 4, 4096, 64, 8
     n_pages = max(n_req, (mib << 20) // (L * rb * P))
-    pool, pages = np.zeros((L, n_pages * P, rb), np.uint8), HostPages(n_pages, P)
+    pool, pages = host_zeros((L, n_pages * P, rb)), HostPages(n_pages, P)
     n_tok = n_pages // n_req * P
     rx = KVReceiver(pool, pages)
     child = subprocess.Popen([sys.executable, __file__, "send"], stdin=subprocess.PIPE,

@@ -34,7 +34,7 @@ try:
 except ImportError as e:
     pytest.skip(f"NIXL is not installed: {e}", allow_module_level=True)
 
-from _pd_peer import make_kv  # noqa: E402
+from _pd_peer import host_zeros, make_kv  # noqa: E402
 
 L, P, RB = 3, 16, 64
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_pd_peer.py")
@@ -163,7 +163,7 @@ def tx():
 
 def receiver(n_pages=64, rb=RB, **kw):
     pages = CountingPages(n_pages, P)
-    pool = np.zeros((L, n_pages * P, rb), np.uint8)
+    pool = host_zeros((L, n_pages * P, rb))  # (pages of its own: _pd_peer.host_zeros)
     return KVReceiver(pool, pages, **kw), pool, pages
 
 
@@ -365,7 +365,7 @@ def test_a_shared_pools_ticket_names_it_and_is_checked(tx):
     from hisparse_cupy.host import _shm as host_shm
 
     pages = CountingPages(8, P)
-    pool = np.zeros((L, 8 * P, RB), np.uint8)
+    pool = host_zeros((L, 8 * P, RB))
     ident = [host_shm.node_id(), 1, 2]
     stand_in = types.SimpleNamespace(numpy=pool, name="kv-test", identity=tuple(ident))
     rx = KVReceiver(stand_in, pages)

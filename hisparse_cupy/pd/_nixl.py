@@ -166,6 +166,21 @@ def agent(name, side: str, params: dict[str, str] | None = None):
     return name, a
 
 
+def register(a, what: str, lo: int, nbytes: int, dev: int, mem: str):
+    """Agent ``a``'s registration of memory ``[lo, lo + nbytes)`` (``mem`` "DRAM" or "VRAM" of
+    device ``dev``), or an error naming ``what``. UCX registers host memory with CUDA a page at
+    a time, so a host buffer that shares a page with memory registered for another buffer (two
+    heap arrays side by side, one of them a live pool) cannot be registered."""
+    try:
+        return a.register_memory([(lo, nbytes, dev, "")], mem)
+    except Exception as e:
+        hint = "" if mem != "DRAM" else ("; a page of it may already be registered with CUDA "
+                                         "for another buffer: give it pages of its own (a "
+                                         "HostKVPool, or an array over an mmap)")
+        raise RuntimeError(f"{what}: NIXL could not register its {nbytes} bytes of {mem} at "
+                           f"{lo:#x} ({e!r}){hint}") from None
+
+
 def metadata(a, regs=None, *, keys: bool = True) -> str:
     """Agent ``a``'s metadata (base64) for a peer: by default all of it (every registered
     buffer's remote keys); with a registration ``regs`` (``register_memory``'s result) its

@@ -148,7 +148,7 @@ class KVReceiver:
         self._clock, self._fence = clock, fence
         self.instance = secrets.token_hex(16)
         self.name, self._agent = _nixl.agent(name, "rx", _nixl.ucx_params(ucx_params))
-        self._reg = self._agent.register_memory([(arr.ctypes.data, arr.nbytes, 0, "")], "DRAM")
+        self._reg = _nixl.register(self._agent, "pool", arr.ctypes.data, arr.nbytes, 0, "DRAM")
         self._md = _nixl.metadata(self._agent) if push else \
             _nixl.metadata(self._agent, keys=False)
         ident = getattr(pool, "identity", None)  # a shared HostKVPool: senders here write it

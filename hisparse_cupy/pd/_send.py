@@ -89,7 +89,7 @@ class KVSender:
         if (where := _ticket.memory_of(buf)) is None or not buf.nbytes:
             raise TypeError(f"buf must be a non-empty NumPy or GPU array, got {buf!r:.80}")
         lo, mem, dev = where
-        reg = self._agent.register_memory([(lo, int(buf.nbytes), dev, "")], mem)
+        reg = _nixl.register(self._agent, "buf", lo, int(buf.nbytes), dev, mem)
         self._fixed.append((mem, dev, lo, lo + int(buf.nbytes), reg))
 
     def _open(self) -> None:
@@ -344,7 +344,7 @@ class KVSender:
                 return None, reg
         key = (mem, dev, lo, hi)
         if key not in self._pins:
-            self._pins[key] = [self._agent.register_memory([(lo, hi - lo, dev, "")], mem), 0]
+            self._pins[key] = [_nixl.register(self._agent, "kv", lo, hi - lo, dev, mem), 0]
         self._pins[key][1] += 1
         return key, self._pins[key][0]
 
