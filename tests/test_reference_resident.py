@@ -103,3 +103,46 @@ def test_rows_it_leaves_to_the_sparse_swaps_and_missing_pages():
     assert res.status[1, ref.ST_NOHOST] == 2 and res.status[1, ref.ST_RANGE] == 1  # 45
     assert res.status[0, ref.ST_RANGE] == 1 and (res.device_locs[0] >= 0).sum() == 6
     assert res.device_locs[1, 4] == table[1, 4] * P + 3  # token 19: page 4, offset 3
+
+
+def test_the_positional_layout_is_the_direct_path_through_its_slot_rows():
+    """The fold (``docs/design.md`` section 10): a row of ``seq <= H`` in the sparse swaps
+    gives what a resident row gives when its page table is its slot rows as one-token pages,
+    in the single- and the multi-step oracle alike: outputs and status (a slot without a row
+    is NOHOST), no plan, no state change but the multi-step reference marks of the slots read."""
+    rng = np.random.default_rng(7)
+    nohost = 0
+    for _ in range(100):
+        B, S, K = 3, int(rng.integers(1, 4)), 12
+        req = rng.permutation(R)[:B]
+        lens = rng.integers(1, H - S + 2, B)[:, None] + np.arange(S)[None]  # every step <= H
+        tk = _topk(rng, B, S, K, lens)
+        st = _sparse_state()
+        locs = rng.permutation(st["slot_locs"].size).reshape(st["slot_locs"].shape)
+        locs[rng.random(locs.shape) < 0.1] = -1  # slots without a row
+        st["slot_locs"] = locs.astype(np.int32)
+        before = {k: v.copy() for k, v in st.items() if isinstance(v, np.ndarray)}
+        direct = ref.resident_swap(tk, req, lens, resident=np.ones(R, bool),
+                                   page_table=st["slot_locs"][:, :H], page_tokens=1,
+                                   hot_size=H, max_len=MAX_LEN)
+        nohost += int(direct.status[:, ref.ST_NOHOST].sum())
+        if S == 1:
+            got = ref.swap_in(tk[:, 0], req, lens[:, 0], **st)
+            np.testing.assert_array_equal(got.device_locs, direct.device_locs[:, 0])
+        else:
+            marks = np.zeros((R, H), np.uint32)
+            got = ref.multistep_swap_in(
+                tk, req, lens, host_locs=st["host_locs"], slot_tokens=st["slot_tokens"],
+                slot_locs=st["slot_locs"], scratch_locs=np.full((R, 4), -1, np.int32), ref=marks,
+                clock=np.tile(np.uint32([1, 0]), (R, 1)), hot_size=H,
+                n_host_rows=st["n_host_rows"])
+            np.testing.assert_array_equal(got.device_locs, direct.device_locs)
+            b, s, i = np.nonzero(direct.device_locs >= 0)
+            want = np.zeros((R, H), np.uint32)
+            want[req[b], tk[b, s, i]] = 1  # the epoch: each slot read is referenced
+            np.testing.assert_array_equal(marks, want)
+        assert (got.plan_count == 0).all()
+        np.testing.assert_array_equal(got.status, direct.status)
+        for k, v in before.items():
+            np.testing.assert_array_equal(st[k], v, err_msg=k)
+    assert nohost > 0

@@ -76,6 +76,33 @@ def test_multistep_mixed_batches_equal_the_oracles(rng, share):
         h.call(topk.astype(np.int32), req, seqs.astype(np.int32))
 
 
+@pytest.mark.parametrize("table", [False, True], ids=["hash", "table"])
+def test_positional_rows_take_the_direct_path(rng, table):
+    """Rows of seq <= H (the positional layout) through the direct path: token t's row is slot
+    t's, a slot without a row (-1) gives -1 and NOHOST, entries past seq are -1; no plan, no
+    state change (the oracle; resident rows share the branch and are tested above)."""
+    import cupy
+    import numpy as np
+
+    from hisparse_cupy.testing.twin import Twin
+
+    R, H, K = 8, 64, 32
+    h = Twin.single(rng, R=R, K=K, H=H, P=4, row_bytes=64, max_len=3 * H, table=table)
+    locs = h.np[0]["slot_locs"]
+    locs[:, :H][rng.random((R, H)) < 0.1] = -1
+    h.state(0).slot_locs[...] = cupy.asarray(locs)
+    nohost = 0
+    for _ in range(20):
+        B = int(rng.integers(1, R + 1))
+        req = rng.permutation(R)[:B].astype(np.int32)
+        seq = rng.integers(1, H + 1, B).astype(np.int64)
+        topk = rng.integers(-2, H + 3, (B, K)).astype(np.int32)
+        _, exp = h.call(topk, req, seq)
+        assert (exp.plan_count == 0).all()
+        nohost += int(exp.status[:, 1].sum())
+    assert nohost > 0
+
+
 def test_bad_residency_arguments():
     import cupy
 

@@ -6,8 +6,8 @@ kernels mutate device state, so a GPU call can be compared with it element for e
 - ``_single.py``: the single-step swap (:func:`swap_in`) and the cache invariants;
 - ``_multi.py``: the multi-step swap (:func:`multistep_swap_in`), its invariants, and
   :func:`mirror_layer`;
-- ``_resident.py``: the rows of a request whose KV is all on the GPU (:func:`resident_swap`;
-  the contract of the resident path the kernels will take).
+- ``_resident.py``: the direct path, rows whose every token has a device row of its own (a
+  resident request: :func:`resident_swap`; the positional layout of the sparse swaps).
 """
 
 from .._abi import N_STATUS, ST_BADROW, ST_NOHOST, ST_RANGE

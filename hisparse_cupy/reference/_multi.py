@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import _abi
 from .._abi import N_STATUS, ST_BADROW, ST_NOHOST, ST_RANGE
+from ._resident import DIRECT_NOROW, DIRECT_RANGE, direct_entry
 from ._single import InvariantError
 
 __all__ = ["MULTISTEP_KINDS", "MultiStepResult", "check_multistep_invariants", "mirror_layer",
@@ -129,17 +130,20 @@ def multistep_swap_in(
                 tok = int(topk[b, s, i])
                 if tok == -1:
                     continue
-                if seq <= H:  # positional layout
-                    if i >= seq:
-                        continue
-                    if 0 <= tok < seq:
-                        out[b, s, i] = slot_locs[rid, tok]
+                if seq <= H:  # the positional layout: the direct path (token t in slot t)
+                    r = direct_entry(tok, i, seq, hot_size=H, max_len=max_len,
+                                     row_of=slot_locs[rid].__getitem__)
+                    if r >= 0:
+                        out[b, s, i] = r
                         toks[b, s, i] = tok
                         kind[b, s, i] = k_of["positional"]
                         ref[rid, tok] = epoch
-                    else:
+                    elif r == DIRECT_RANGE:
                         status[b, ST_RANGE] += 1
                         kind[b, s, i] = k_of["range"]
+                    elif r == DIRECT_NOROW:
+                        status[b, ST_NOHOST] += 1
+                        kind[b, s, i] = k_of["nohost"]
                     continue
                 if tok < 0 or tok >= seq or tok >= max_len:
                     status[b, ST_RANGE] += 1

@@ -1,17 +1,21 @@
-"""The resident path's oracle: a request whose KV is all on the GPU (``hisparse_cupy.residency``,
-``docs/design.md`` section 10). The kernels do not take this path yet; this is its contract.
+"""The direct path's oracle (``cu/abi.cuh``, ``direct_entry``; ``docs/design.md`` section 10): a
+row whose every token has a device row of its own. Its rows have two sources and one rule:
 
-A resident request holds a device page per ``page_tokens`` tokens, and its token ``t`` lives in
-row ``page_table[r, t // P] * P + t % P``. A swap maps every valid entry of such a row to that
-row: no lookup, no eviction, no copy, and no plan entry. The -1 rules and the status are those
-of the sparse swaps, so an entry is -1 exactly where the sparse swap of the same call gives -1:
+- a **resident** request (``hisparse_cupy.residency``) holds a device page per ``page_tokens``
+  tokens, token ``t`` in row ``page_table[r, t // P] * P + t % P`` (:func:`resident_swap`);
+- the **positional layout** of a request of ``seq <= H`` holds token ``t`` in hot slot ``t``,
+  row ``slot_locs[r, t]`` (the sparse swaps' oracles, :func:`~._single.swap_in` and
+  :func:`~._multi.multistep_swap_in`, call :func:`direct_entry` for those rows).
+
+A swap maps every valid entry of such a row to its row: no lookup, no eviction, no copy, and no
+plan entry. The -1 rules and the status are those of the sparse swaps, so an entry is -1 exactly
+where the sparse swap of the same call gives -1:
 
 - ``t == -1``: -1;
-- ``seq <= H`` (the positional rule): entry ``i >= seq`` is -1; ``t`` outside ``[0, seq)`` is -1
-  and counts ``RANGE``;
+- ``seq <= H``: entry ``i >= seq`` is -1; ``t`` outside ``[0, seq)`` is -1 and counts ``RANGE``;
 - ``seq > H``: ``t`` outside ``[0, min(seq, max_len))`` is -1 and counts ``RANGE``;
-- a token whose page is missing (-1 in the table: the engine did not grow the request) is -1
-  and counts ``NOHOST``.
+- a token without a row (-1: a page the engine did not take, a slot without a row) is -1 and
+  counts ``NOHOST``.
 
 Multi-step calls (``[B, S, K]``, lengths ``[B]`` or ``[B, S]``) apply this per step. Rows that
 are padding, name a request slot outside ``[0, R)``, have a negative length, or whose request
@@ -20,13 +24,36 @@ is not resident are left to the sparse swaps (``served`` False).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from .._abi import N_STATUS, ST_NOHOST, ST_RANGE
 
-__all__ = ["ResidentResult", "resident_swap"]
+__all__ = ["DIRECT_NOROW", "DIRECT_RANGE", "DIRECT_SKIP", "ResidentResult", "direct_entry",
+           "page_row", "resident_swap"]
+
+DIRECT_SKIP, DIRECT_RANGE, DIRECT_NOROW = -1, -2, -3  # why an entry has no row (cu/abi.cuh)
+
+
+def page_row(page_table: np.ndarray, rid: int, t: int, page_tokens: int) -> int:
+    """Token ``t``'s row in request slot ``rid``'s device pages, -1 where no page is taken."""
+    g = t // page_tokens
+    page = int(page_table[rid, g]) if g < page_table.shape[1] else -1
+    return -1 if page < 0 else page * page_tokens + t % page_tokens
+
+
+def direct_entry(t: int, i: int, seq: int, *, hot_size: int, max_len: int, row_of) -> int:
+    """Entry ``i`` (token ``t``) of a direct row: its row (``row_of(t)``, >= 0), or
+    ``DIRECT_SKIP`` (-1, no status), ``DIRECT_RANGE`` or ``DIRECT_NOROW`` (see above)."""
+    if t == -1 or (seq <= hot_size and i >= seq):
+        return DIRECT_SKIP
+    lim = seq if seq <= hot_size else min(seq, max_len)
+    if not 0 <= t < lim:
+        return DIRECT_RANGE
+    r = int(row_of(t))
+    return r if r >= 0 else DIRECT_NOROW
 
 
 @dataclass
@@ -61,19 +88,16 @@ def resident_swap(top_k_tokens: np.ndarray, req_indices: np.ndarray, seq_lens: n
         if not (0 <= rid < R) or (lens[b] < 0).any() or not resident[rid]:
             continue
         served[b] = True
+        row_of = functools.partial(page_row, page_table, rid, page_tokens=P)
         for s in range(S):
             seq = int(lens[b, s if lens.shape[1] > 1 else 0])
-            lim = seq if seq <= H else min(seq, max_len)
             for i in range(K):
-                t = int(t3[b, s, i])
-                if t == -1 or (seq <= H and i >= seq):
-                    continue
-                if not 0 <= t < lim:
+                r = direct_entry(int(t3[b, s, i]), i, seq, hot_size=H, max_len=max_len,
+                                 row_of=row_of)
+                if r >= 0:
+                    out[b, s, i] = r
+                elif r == DIRECT_RANGE:
                     status[b, ST_RANGE] += 1
-                    continue
-                page = int(page_table[rid, t // P]) if t // P < page_table.shape[1] else -1
-                if page < 0:
+                elif r == DIRECT_NOROW:
                     status[b, ST_NOHOST] += 1
-                    continue
-                out[b, s, i] = page * P + t % P
     return ResidentResult(out.reshape(topk.shape), status, served)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._abi import N_STATUS, ST_BADROW, ST_NOHOST, ST_RANGE
+from ._resident import DIRECT_NOROW, DIRECT_RANGE, direct_entry
 
 __all__ = ["InvariantError", "SwapResult", "check_invariants", "swap_in"]
 
@@ -72,15 +73,16 @@ def swap_in(
             status[b, ST_BADROW] = 1
             continue
         row = topk[b]
-        if seq <= H:  # positional fast path
-            for i in range(min(K, seq)):
-                tok = int(row[i])
-                if tok == -1:
-                    continue
-                if 0 <= tok < seq:
-                    out[b, i] = slot_locs[rid, tok]
-                else:
+        if seq <= H:  # the positional layout: the direct path (token t in slot t)
+            for i in range(K):
+                r = direct_entry(int(row[i]), i, seq, hot_size=H, max_len=max_len,
+                                 row_of=slot_locs[rid].__getitem__)
+                if r >= 0:
+                    out[b, i] = r
+                elif r == DIRECT_RANGE:
                     status[b, ST_RANGE] += 1
+                elif r == DIRECT_NOROW:
+                    status[b, ST_NOHOST] += 1
             continue
         lim = min(seq, max_len)
         canon: dict[int, int] = {}  # token -> first entry

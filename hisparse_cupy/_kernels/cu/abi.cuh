@@ -370,6 +370,48 @@ __device__ __forceinline__ void write_status(i32* st, int range, int nohost, int
   st[ST_BADROW] = badrow;
 }
 
+// ---- the direct path (docs/design.md section 10): a row whose every token has a device row of
+// its own needs no lookup, no eviction and no copy. The rows have two sources and one rule:
+//   - a resident request: its device page table, token t in row pages[t / PT] * PT + t % PT
+//     (the same in every layer; page_row);
+//   - the positional layout of a request of seq <= H: token t in hot slot t, slot_locs[t].
+// Entry i of a row: a -1 token, or i >= seq while seq <= H, is -1 with no status; a token
+// outside [0, lim) is -1 and counts RANGE (lim: seq while seq <= H, else min(seq, the host
+// map's width), the sparse swaps' limits); a token without a row (-1: a page the engine did not
+// take, a slot without a row) is -1 and counts NOHOST. Every valid entry counts as a hit.
+// (32-bit arithmetic: a token is below max_len, an int32, and a 64-bit division is emulated)
+__device__ __forceinline__ int page_row(const i32* pages, int stride, int PT, int t) {
+  const int g = t / PT;
+  const i32 pg = g < stride ? pages[g] : -1;
+  return pg < 0 ? -1 : pg * PT + t % PT;
+}
+struct DirectRows {
+  const i32* pages;  // the request's page table row (a resident request)
+  const i32* sloc;   // its slot rows (the positional layout)
+  i32 page_stride, page_tokens;
+  int cols;          // entries i >= cols are -1: seq while seq <= H, else no limit
+  int lim;           // tokens >= lim are out of range
+};
+enum : int { DIRECT_SKIP = -1, DIRECT_RANGE = -2, DIRECT_NOROW = -3 };
+// The direct rows of request slot rid at length seq, from a swap's parameters.
+template <typename P>
+__device__ __forceinline__ DirectRows direct_rows(const P& p, i64 rid, i64 seq, int H) {
+  const int w = p.host_stride;  // seq <= H or the host map's width bounds both: int32
+  return DirectRows{p.page_table ? row_at(p.page_table, rid, p.page_stride) : nullptr,
+                    slot_locs_row(p, rid), p.page_stride, p.page_tokens,
+                    seq <= H ? static_cast<int>(seq) : 0x7fffffff,
+                    seq <= H ? static_cast<int>(seq) : (seq < w ? static_cast<int>(seq) : w)};
+}
+// Entry i (token tok): its row (>= 0), or DIRECT_SKIP / DIRECT_RANGE / DIRECT_NOROW. PAGED: the
+// rows of a resident request (compiled apart, so neither source costs the other a branch).
+template <bool PAGED>
+__device__ __forceinline__ int direct_entry(const DirectRows& d, int tok, int i) {
+  if (tok == -1 || i >= d.cols) return DIRECT_SKIP;
+  if (tok < 0 || tok >= d.lim) return DIRECT_RANGE;
+  const int r = PAGED ? page_row(d.pages, d.page_stride, d.page_tokens, tok) : d.sloc[tok];
+  return r >= 0 ? r : DIRECT_NOROW;
+}
+
 // ---- shared memory: HS_SMEM_CARVE(KERNEL, var, base) declares `var`, a struct with one
 // pointer per region of HS_SMEM_<KERNEL> (_abi.SMEM) plus `end`, carved from `base` with every
 // region 16-byte aligned. The element counts are expressions of local variables in scope.

@@ -45,12 +45,14 @@
 // Semantics of an occurrence (b, s, i) with token t, seq = seq_lens[b, s]:
 //   - padding row (b >= num_real), request slot outside [0, R), or a negative seq_len in any
 //     step: every output -1, no state touched (status BADROW for the latter two);
-//   - seq <= H (positional layout): i >= seq or t == -1 -> -1; t outside [0, seq) -> -1 and
-//     RANGE; else slot_locs[t] (slot t is marked referenced);
-//   - seq > H: t == -1 -> -1; t outside [0, seq) or beyond host_locs' width -> -1, RANGE;
-//     t >= min_s(seq_s) - P (the row's shortest step) and held by an extra-page slot j (first
-//     such j, slot_locs >= 0) -> that row,
-//     never read from the host; held by a hot slot -> its row (slot marked referenced);
+//   - a resident request (every step), or seq <= H (the positional layout): the direct path
+//     (abi.cuh, direct_entry): i >= seq (while seq <= H) or t == -1 -> -1; t out of range -> -1
+//     and RANGE; a token without a row -> -1 and NOHOST; else its own row: the page table's, or
+//     slot_locs[t] (slot t is marked referenced);
+//   - otherwise (seq > H, not resident): t == -1 -> -1; t outside [0, seq) or beyond
+//     host_locs' width -> -1, RANGE; t >= min_s(seq_s) - P (the row's shortest step) and held
+//     by an extra-page slot j (first such j, slot_locs >= 0) -> that row, never read from the
+//     host; held by a hot slot -> its row (slot marked referenced);
 //     otherwise a miss: no valid host row -> -1, NOHOST (per occurrence); else every occurrence
 //     of t gets the same row holding t's bytes, copied once per call.
 //
@@ -171,28 +173,16 @@ __global__ void __launch_bounds__(GATHER_BLOCK) gather(const MultiStepParams p) 
   const bool resident = p.resident != nullptr && p.resident[rid];  // uniform over the block
   if (active && tok != -1) {
     const i64 seq = step_len<LenT>(p, b, step);
-    if (resident) {  // every token in its page's row, the sparse paths' -1 rules
-      const i64 lim = seq <= H ? seq : (seq < host_stride ? seq : host_stride);
-      if (seq > H || pos < seq) {
-        if (tok < 0 || tok >= lim) {
-          atomicAdd(&s_cnt[C_RANGE], 1);
-        } else {
-          const int PT = p.page_tokens;
-          const int pg = tok / PT < p.page_stride
-                             ? p.page_table[rid * static_cast<i64>(p.page_stride) + tok / PT]
-                             : -1;
-          if (pg >= 0) o = pg * PT + tok % PT;
-          else atomicAdd(&s_cnt[C_NOHOST], 1);
-        }
-      }
-    } else if (seq <= H) {  // positional layout: token p in slot p
-      if (pos < seq) {
-        if (tok >= 0 && tok < seq) {
-          o = sloc[tok];
-          ref[tok] = epoch;
-        } else {
-          atomicAdd(&s_cnt[C_RANGE], 1);
-        }
+    if (resident || seq <= H) {  // the direct path (abi.cuh): every token has a row of its own
+      const DirectRows d = direct_rows(p, rid, seq, H);
+      const int r = resident ? direct_entry<true>(d, tok, pos) : direct_entry<false>(d, tok, pos);
+      if (r >= 0) {
+        o = r;
+        if (!resident) ref[tok] = epoch;  // the positional layout: slot tok is referenced
+      } else if (r == DIRECT_RANGE) {
+        atomicAdd(&s_cnt[C_RANGE], 1);
+      } else if (r == DIRECT_NOROW) {
+        atomicAdd(&s_cnt[C_NOHOST], 1);
       }
     } else if (tok < 0 || tok >= seq || tok >= host_stride) {
       atomicAdd(&s_cnt[C_RANGE], 1);

@@ -34,14 +34,11 @@ __global__ void __launch_bounds__(NEWEST_BLOCK) newest_rows(const NewestRowsPara
   const i64 t = seq - 1;
   const int slot = t < p.H ? static_cast<int>(t) : p.H;
   const bool resident = p.resident != nullptr && p.resident[rid];
-  int row;
-  if (resident) {  // its page's row (-1: no page taken for t, nothing written or backed up)
-    const i64 g = t / p.dev_page_tokens;
-    const i32 pg = g < p.dev_page_stride ? row_at(p.dev_pages, rid, p.dev_page_stride)[g] : -1;
-    row = pg < 0 ? -1 : pg * p.dev_page_tokens + static_cast<int>(t % p.dev_page_tokens);
-  } else {
-    row = slot_locs_row(p, rid)[slot];
-  }
+  // a resident request's row is its page's (-1: no page taken for t, nothing written or backed up)
+  const int row = resident ? page_row(row_at(p.dev_pages, rid, p.dev_page_stride),
+                                      p.dev_page_stride, p.dev_page_tokens,
+                                      static_cast<int>(t))
+                           : slot_locs_row(p, rid)[slot];
   p.rows_out[b] = row;
   if (p.record) {
     if (!resident && slot == p.H && p.slot_tokens) {

@@ -24,10 +24,13 @@
 // Semantics (docs/design.md, section 6):
 //   - rows b >= num_real (graph padding): output -1, plan count 0, status 0, no state touched;
 //   - a request slot outside [0, R) or seq_len < 0: output -1, status[2] = 1, no state touched;
-//   - seq_len <= H (positional fast path): entry i < seq_len with 0 <= tok < seq_len gets
-//     slot_locs[tok]; columns >= seq_len and -1 entries get -1; other tokens get -1 and count in
-//     status[0]; no state change, plan count 0;
-//   - seq_len > H (LRU path):
+//   - a resident request, or seq_len <= H (the positional layout: token t in slot t): the
+//     direct path (abi.cuh, direct_entry): every valid entry gets its own row (the page table's,
+//     or slot_locs[tok]); columns >= seq_len of a row of seq_len <= H and -1 entries get -1;
+//     other tokens get -1 and count in status[0] (a token without a row: status[1]); no state
+//     change, plan count 0; in a lean step a row that is not resident is refused (-1, status
+//     BADROW_NOT_RESIDENT);
+//   - otherwise (seq_len > H, not resident), the LRU path:
 //       -1 -> -1 (unused, not a miss);
 //       tok outside [0, seq_len) or >= host_locs width -> -1, status[0]++;
 //       tok == seq_len - 1 (newest) -> slot_locs[H] (slot H holds it; outside the LRU);
@@ -74,6 +77,19 @@ constexpr int KEY_EMPTY = RESOLVE_KEY_EMPTY;
 // s_pos: the token's bucket in its owner block's hash | owner << POS_OWNER_SHIFT
 constexpr int POS_OWNER_SHIFT = 24;
 constexpr int POS_SLOT_MASK = (1 << POS_OWNER_SHIFT) - 1;
+
+// The direct path's entries i0, i0 + BLOCK, ... below ke (abi.cuh: direct_entry); the flagged
+// ones counted in cnt (rank 0's status counters).
+template <bool PAGED, int BLOCK>
+__device__ __forceinline__ void direct_serve(const DirectRows& d, const i32* tk, i32* o, int i0,
+                                             int ke, int* cnt) {
+  for (int i = i0; i < ke; i += BLOCK) {
+    const int r = direct_entry<PAGED>(d, tk[i], i);
+    if (r == DIRECT_RANGE) atomicAdd(&cnt[ST_RANGE], 1);
+    else if (r == DIRECT_NOROW) atomicAdd(&cnt[ST_NOHOST], 1);
+    o[i] = r < 0 ? -1 : r;
+  }
+}
 
 // The block of a row's cluster whose hash holds a token: the hash bits just below the bucket's
 // (each block's hash has every bucket, so an uneven split costs load, never room).
@@ -187,35 +203,10 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
 
   if (tid < 4) s_cnt[tid] = 0;
 
-  if (p.resident != nullptr && p.resident[rid]) {  // resident: token t in its page's row
-    sync_row(C);  // rank 0's counters are zero before anyone adds
-    const int PT = p.page_tokens;
-    const i32* pages = p.page_table + rid * static_cast<i64>(p.page_stride);
-    const i64 lim = seq <= H ? seq : (seq < host_stride ? seq : host_stride);
-    for (int i = kb + tid; i < ke; i += BLOCK) {
-      const int tok = tk[i];
-      int r = -1;
-      if (tok != -1 && (seq > H || i < seq)) {  // the sparse paths' -1 rules
-        if (tok < 0 || tok >= lim) {
-          atomicAdd(&cnt0[ST_RANGE], 1);
-        } else {
-          const int pg = tok / PT < p.page_stride ? pages[tok / PT] : -1;
-          if (pg >= 0) r = pg * PT + tok % PT;
-          else atomicAdd(&cnt0[ST_NOHOST], 1);
-        }
-      }
-      o[i] = r;
-    }
-    sync_row(C);
-    if (rank == 0 && tid == 0) {
-      plan_count[b] = 0;
-      write_status(st, s_cnt[ST_RANGE], s_cnt[ST_NOHOST], 0);
-      count_row(p.counters, K, 0, s_cnt[ST_RANGE] + s_cnt[ST_NOHOST]);
-    }
-    return;
-  }
-  if (p.lean) {  // a lean step serves resident rows only: no copy follows, no replay (a graph
-                 // captured lean, replayed after a demotion); refused, nothing touched
+  const bool resident = p.resident != nullptr && p.resident[rid];
+  if (p.lean && !resident) {  // a lean step serves resident rows only: no copy follows, no
+                              // replay (a graph captured lean, replayed after a demotion);
+                              // refused, nothing touched
     for (int i = kb + tid; i < ke; i += BLOCK) o[i] = -1;
     if (rank == 0 && tid == 0) {
       plan_count[b] = 0;
@@ -223,23 +214,16 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
     }
     return;
   }
-
-  if (seq <= H) {  // positional fast path: token p lives in slot p
-    sync_row(C);   // rank 0's counters are zero before anyone adds
-    for (int i = kb + tid; i < ke; i += BLOCK) {
-      const int tok = tk[i];
-      int r = -1;
-      if (i < seq && tok != -1) {
-        if (tok >= 0 && tok < seq) r = sloc[tok];
-        else atomicAdd(&cnt0[ST_RANGE], 1);
-      }
-      o[i] = r;
-    }
+  if (resident || seq <= H) {  // the direct path (abi.cuh): every token has a row of its own
+    sync_row(C);               // rank 0's counters are zero before anyone adds
+    const DirectRows d = direct_rows(p, rid, seq, H);
+    if (resident) direct_serve<true, BLOCK>(d, tk, o, kb + tid, ke, cnt0);
+    else direct_serve<false, BLOCK>(d, tk, o, kb + tid, ke, cnt0);
     sync_row(C);
     if (rank == 0 && tid == 0) {
       plan_count[b] = 0;
-      write_status(st, s_cnt[ST_RANGE], 0, 0);
-      count_row(p.counters, K, 0, s_cnt[ST_RANGE]);
+      write_status(st, s_cnt[ST_RANGE], s_cnt[ST_NOHOST], 0);
+      count_row(p.counters, K, 0, s_cnt[ST_RANGE] + s_cnt[ST_NOHOST]);
     }
     return;
   }
