@@ -27,10 +27,16 @@ pool of 1-16 tokens a page, its pages handed out in random order) and then decod
   swap or at the next full layer's ``before_indexer`` (called before most full layers, at times
   for another full layer, and refused for a shared one), a group's replays in one launch or
   layer by layer as the step's batch decides (``group_replay_batch`` drawn per run), any stream
-  kind per step (ordered after the previous step's stream with an event, as an engine orders its
-  streams), on the GPU one step in ten with CuPy's current stream another one held busy (every
-  call must queue what it needs on the stream it is given), and captured steps replayed with new
-  batches and ``num_real``.
+  kind per call, with no synchronization and no event of the fuzz's own between calls on
+  different streams (admissions, releases, growth, moves and steps are ordered only by the
+  library's own events: ``docs/design.md`` section 9), on the GPU a call's stream at times held
+  busy first (its work lands late, after later calls' work on other streams), one step in ten
+  with CuPy's current stream another one held busy (every call must queue what it needs on the
+  stream it is given), and captured steps replayed with new batches and ``num_real``;
+- on the GPU, prefill and draft KV at times made on another stream than the call's and dropped
+  right after the call, its memory reused at once by a new array on that stream (the call must
+  hold what it still reads); promotions cancelled mid-fill (demoted or released at once,
+  the fill held back behind a busy stream), their pages taken by the next growth.
 
 After every step every output entry is checked: -1 exactly where the semantics say (padding
 rows and columns, -1, out of range), a row elsewhere, one row per token within a call, and the
@@ -57,7 +63,9 @@ CHECKS = ("missing row", "two rows for one token", "wrong bytes", "row for an in
           "newest row")
 
 
-def draw_config(rng) -> dict:
+def draw_config(rng, budget: bool = False) -> dict:
+    """One run's cache configuration; ``budget``: a device budget whatever the draw (on the
+    GPU; otherwise about half the runs have one)."""
     H = int(rng.choice([16, 32]))
     K = int(rng.choice([4, 8, H // 2]))
     L = int(rng.integers(2, 5))
@@ -68,7 +76,8 @@ def draw_config(rng) -> dict:
                 pattern=str(rng.choice(pats)), prefetch=bool(rng.random() < 0.75),
                 page_tokens=None if rng.random() < 0.4 else int(rng.choice([1, 3, 8, 16])),
                 # GPU: a device budget, a share of what every request resident would take
-                device_budget=None if rng.random() < 0.5 else float(rng.choice([0.25, 0.6, 1.2])),
+                device_budget=None if rng.random() < 0.5 and not budget else
+                float(rng.choice([0.25, 0.6, 1.2])),
                 device_page=int(rng.choice([4, 8, 16])))
 
 
@@ -146,7 +155,8 @@ class Fuzz:
     """One seeded run over one cache (see the module docstring)."""
 
     def __init__(self, gpu: bool, seed: int, cfg: dict | None = None, *, graphs: bool = True,
-                 sync_every: int = 200, detail: bool = False, record: str | None = None):
+                 sync_every: int = 200, detail: bool = False, record: str | None = None,
+                 budget: bool = False):
         self.seed = seed
         # record: a flight recorder (GPU, no synchronization): every step's tables, outputs
         # and error counts kept on the device; the steps around the first bad one are written
@@ -156,7 +166,7 @@ class Fuzz:
         # entries described (the call, the row, the token, its rows, where the tables hold it)
         self.detail, self.details, self.kind = detail, [], "eager"
         self.rng = rng = np.random.default_rng(seed)
-        self.cfg = cfg = dict(cfg or draw_config(rng))
+        self.cfg = cfg = dict(cfg or draw_config(rng, budget))
         self.be = be = Backend(gpu)
         self.xp = be.xp
         self.c = be.cache(cfg, seed, busy_stream=gpu and rng.random() < 0.5)
@@ -186,6 +196,9 @@ class Fuzz:
         self.forks = self.refused_forks = self.moves = 0
         self.lean_steps = self.lean_asked = self.indexer_calls = self.engine_admits = 0
         self.busy_now = False
+        self.holds = self.cancels = 0
+        self._freed: list = []  # (stream, shape) of KV arrays dropped after the last call
+        self._junk: list = []  # the arrays that reused their memory (kept a while)
         self.kinds_used: set = set()
         self.stream_obj, self.stream = None, None  # the last step's (argument, CuPy view)
         self.stream_name = None
@@ -200,21 +213,25 @@ class Fuzz:
             kinds = [k for k in kinds if k[1] is not None]
         name, obj, view = kinds[int(self.rng.integers(len(kinds)))]
         self.stream_name = name
-        self._order(view)
         self.kinds_used.add(name)
         self.stream_obj, self.stream = obj, view
+        self._hold(view)
         return obj, view
 
-    def _order(self, view) -> None:
-        """The engine's rule: work on a new stream waits for the last stream's work."""
-        if not self.be.gpu:
+    def _hold(self, view, p: float = 0.15) -> None:
+        """At times (GPU) hold ``view`` busy for ~0.05-0.5 ms before the next call queues
+        there: its work then lands after work queued later on other streams. No event of the
+        fuzz's own orders the streams: only the library's may (the engine's rule it follows:
+        no synchronization between steps)."""
+        if not self.be.gpu or self.rng.random() >= p or view is None:
             return
         import cupy
 
-        if self.stream is not None and view is not self.stream:
-            ev = cupy.cuda.Event(disable_timing=True)
-            ev.record(self.stream)
-            view.wait_event(ev)
+        from _util import spin
+
+        with view:
+            spin(cupy, int(self.rng.integers(100_000, 1_000_000)))
+        self.holds += 1
 
     def _with(self, view):
         import contextlib
@@ -223,13 +240,33 @@ class Fuzz:
 
     # ------------------------------------------------------------------ lifecycle
     def _kv(self, uid: int, start: int, n: int, view):
+        """The KV rows of instance ``uid``'s tokens ``[start, start + n)``: on the host, or on
+        the GPU made on ``view`` or (at times) on another stream, complete before the call
+        (the engine's own order for its own data). :meth:`_reuse_freed` after the call drops
+        it there and reuses its memory at once."""
         xp = self.xp
         ids = uid * self.max_len + np.arange(start, start + n)
         on_device = self.be.gpu and self.rng.random() < 0.5
         mod = xp if on_device else np
-        with self._with(view if on_device else None):
-            rows = [pattern(layer, ids, self.row, xp=mod) for layer in range(self.L)]
-            return mod.stack(rows)
+        at = view
+        if on_device and self.rng.random() < 0.4:
+            at = self.be.streams[int(self.rng.integers(len(self.be.streams) - 1))][2]
+        with self._with(at if on_device else None):
+            kv = mod.stack([pattern(layer, ids, self.row, xp=mod) for layer in range(self.L)])
+        if on_device and at is not view:
+            at.synchronize()  # made elsewhere: complete before the call reads it
+            self._freed.append((at, kv.shape))
+        return kv
+
+    def _reuse_freed(self) -> None:
+        """The KV arrays the last call was given were dropped by the fuzz (they are the
+        callers' to free): new arrays of the same size on the streams they were made on
+        reuse their memory at once and overwrite it (zeros)."""
+        while self._freed:
+            at, shape = self._freed.pop()
+            with at:
+                self._junk.append(self.xp.zeros(shape, self.xp.uint8))
+        del self._junk[:-8]
 
     def _churn(self) -> None:
         rng, c = self.rng, self.c
@@ -275,6 +312,8 @@ class Fuzz:
             finally:
                 if pages is not None:  # the engine drops its hold (KVReceiver.admit does)
                     c.pages.put(pages)
+                del kv
+                self._reuse_freed()
             self.engine_admits += pages is not None
             self.active[rid] = [self.uid, n]
             self.grown[rid] = n
@@ -369,12 +408,27 @@ class Fuzz:
             return
         st = b.state(rid)
         if st == "resident":
-            self.c.demote(rid, self.active[rid][1], stream=obj)
+            self.c.demote(rid, self._count(rid), stream=obj)
         elif st == "sparse" and self._room(b.pages_for(b.tokens(rid))):
-            self.c.promote(rid, self.active[rid][1], stream=obj)
+            self.c.promote(rid, self._count(rid), stream=obj)
+            if self.rng.random() < 0.3:  # cancelled mid-fill (its fill behind obj's hold)
+                obj, view = self._pick_stream()
+                if self.rng.random() < 0.5 or len(self.active) == 1:
+                    self.c.demote(rid, self._count(rid), stream=obj)
+                else:
+                    self.c.release(rid, stream=obj)
+                    del self.active[rid], self.origin[rid], self.grown[rid]
+                self.cancels += 1
         else:
             self.c.switch_promoted(stream=obj)
         self.moves += 1
+
+    def _count(self, rid: int) -> int:
+        """The tokens ``rid`` has written (a demotion's or promotion's count), at times off by
+        one either way, as an engine's bookkeeping can be."""
+        n = self.active[rid][1]
+        u = self.rng.random()
+        return n - 1 if u < 0.05 and n > 1 else n + 1 if u < 0.1 else n
 
     def _grow_ahead(self) -> None:
         """The engine takes pages ahead of its steps (a paged pool): a request grown to more
@@ -548,6 +602,7 @@ class Fuzz:
                 continue
             uid = self.active[int(r)][0]
             self.c.write_host(int(r), lo, self._kv(uid, lo, hi - lo + 1, view), stream=obj)
+            self._reuse_freed()
             t = np.arange(lo, min(hi + 1, self.H))
             b = self._budget()
             if t.size and not (b is not None and b.state(int(r)) == "resident"):  # (pages:
@@ -756,7 +811,6 @@ class Fuzz:
         obj, view = self._pick_stream()
         if view.ptr == 0:  # no capture on the legacy stream: take a non-blocking one
             self.stream_name, obj, view = self.be.streams[0]
-            self._order(view)
             self.stream_obj, self.stream = obj, view
         self._grow(req, lens, obj)
         self._drafts(req, lens, obj, view)
@@ -862,6 +916,7 @@ class Fuzz:
                     refused_forks=self.refused_forks, moves=self.moves,
                     lean_steps=self.lean_steps, lean_asked=self.lean_asked,
                     indexer_calls=self.indexer_calls, engine_admits=self.engine_admits,
+                    holds=self.holds, cancels=self.cancels,
                     # stagings the GPU's prefetcher launched in an indexer's window (host count:
                     # a captured step's once)
                     window_stagings=getattr(getattr(self.pf, "_predictor", None), "windows", 0),
@@ -885,8 +940,8 @@ class Fuzz:
 
 
 def _one(args) -> dict:
-    gpu, seed, steps, detail, record = args
-    f = Fuzz(gpu, seed, detail=detail,
+    gpu, seed, steps, detail, record, budget = args
+    f = Fuzz(gpu, seed, detail=detail, budget=budget,
              record=None if record is None else f"{record}/seed_{seed}.json")
     try:
         return f.run(steps)
@@ -914,6 +969,9 @@ def main(argv=None) -> int:
     ap.add_argument("--detail", action="store_true",
                     help="check every call on the host too (slow) and describe the first "
                          "offending entries (for a failing seed)")
+    ap.add_argument("--budget", action="store_true",
+                    help="GPU: a device budget in every configuration (residency's moves in "
+                         "every seed)")
     ap.add_argument("--record", metavar="DIR",
                     help="GPU: keep every step's tables and outputs on the device and write "
                          "the steps around a failing seed's first bad one to DIR/seed_N.json")
@@ -921,7 +979,8 @@ def main(argv=None) -> int:
     if a.record:
         __import__("os").makedirs(a.record, exist_ok=True)
     n_seeds = -(-a.steps // a.per_seed)
-    jobs = [(not a.cpu, a.seed + i, a.per_seed, a.detail, a.record) for i in range(n_seeds)]
+    jobs = [(not a.cpu, a.seed + i, a.per_seed, a.detail, a.record, a.budget)
+            for i in range(n_seeds)]
     t0 = time.perf_counter()
     if a.procs > 1:
         import multiprocessing as mp
@@ -935,7 +994,7 @@ def main(argv=None) -> int:
     tot = {k: sum(r[k] for r in res)
            for k in ("steps", "calls", "graph_steps", "toggles", "busy_steps", "forks",
                      "refused_forks", "moves", "lean_steps", "lean_asked", "indexer_calls",
-                     "window_stagings", "engine_admits")}
+                     "window_stagings", "engine_admits", "holds", "cancels")}
     kinds = sorted(set().union(*(r["streams"] for r in res)))
     print(f"step fuzz ({'CPU model' if a.cpu else 'GPU'}): {len(res)} seeds, {tot['steps']} "
           f"steps, {tot['calls']} swap calls, {tot['graph_steps']} graph replays, "

@@ -146,7 +146,7 @@ def test_a_seed_whose_call_raises_is_a_failure_with_its_traceback(monkeypatch):
         raise PoolExhausted("rid 0 growing to 64 tokens", 3, 2)
 
     monkeypatch.setattr(Fuzz, "_step", boom)
-    r = _stepfuzz._one((False, 5, 3, False, None))
+    r = _stepfuzz._one((False, 5, 3, False, None, False))
     assert r["seed"] == 5 and r["errors"] == {}
     assert "raised PoolExhausted: rid 0 growing to 64 tokens needs 3 free host pages" in \
         r["failure"] and "in boom" in r["failure"]
