@@ -76,7 +76,7 @@ def run(tokens: int, n_layers: int, row_bytes: int, reps: int) -> dict:
         spin_ms(20, s)  # the device starts the demotion's work after the host queued it all
         e0.record(s)
         t0 = time.perf_counter()
-        cache.demote(rid, tokens, stream=s)
+        cache.demote(rid, stream=s)
         demote_host.append((time.perf_counter() - t0) * 1e3)
         e1.record(s)
         e1.synchronize()
@@ -87,7 +87,7 @@ def run(tokens: int, n_layers: int, row_bytes: int, reps: int) -> dict:
         _check(cache, n_layers, t, r, row_bytes)
         e0 = cupy.cuda.Event()
         e0.record(s)
-        cache.promote(rid, tokens, stream=s)
+        cache.promote(rid, stream=s)
         ev = arena.promoting[rid][0]
         ev.synchronize()
         fill.append(cupy.cuda.get_elapsed_time(e0, ev))

@@ -24,6 +24,7 @@ import numpy as np
 
 from . import _checks
 from ._kernels.plan import array_rows, copy_rows, pool_rows
+from ._order import StreamOrder
 from .host._pages import HostPages, consecutive_runs
 from .host._pool import HostKVPool
 
@@ -69,13 +70,15 @@ def host_pool(L: int, R: int, max_len: int, row_bytes: int, page_tokens, pool_ro
 class CacheRows:
     """The token -> host row map of ``max_requests`` request slots over ``pool`` (see the
     module docstring), and the writes into its rows. ``pages`` is the :class:`HostPages` of a
-    paged map, None in the slot layout; ``released``: events of request releases that writes
-    into the pool are ordered after (until known done)."""
+    paged map, None in the slot layout. A paged map's pages carry fences
+    (``hisparse_cupy/_order.py``, rule 2): a release gives them back with an event after its
+    stream's work, and a stream that takes pages (admission, growth) waits for theirs. In
+    the slot layout a request slot's rows are its own: the calls' order (rule 1) puts a slot's
+    next admission after its release."""
 
     def __init__(self, max_requests: int, max_len: int, pool, page_tokens: int | None = None):
         R, self.max_len, self.pool = max_requests, max_len, pool
         self.n_rows = n_rows = pool.n_rows
-        self.released: list[cupy.cuda.Event] = []
         if page_tokens is None:
             self.pages = None
             self.page_tokens = max_len
@@ -152,7 +155,8 @@ class CacheRows:
                 raise ValueError(f"prefix of {p} tokens: request slot {parent} has not written "
                                  f"token {done} (its host rows hold tokens 0..{done - 1} so "
                                  f"far; a grow() makes room, a step's backup writes the row)")
-        copies = self.pages.admit(rid, n, prefix=prefix, pages=pages)
+        copies = self.pages.admit(rid, n, prefix=prefix, pages=pages,
+                                  wait=StreamOrder.waiter(stream))
         self._written[rid] = n
         try:
             with stream:
@@ -166,17 +170,17 @@ class CacheRows:
         return copies
 
     def grow(self, rid: int, n: int, stream) -> None:
-        """Pages for ``rid``'s tokens up to ``n`` (their table entries written on ``stream``);
-        nothing where it has them."""
+        """Pages for ``rid``'s tokens up to ``n`` (their table entries written on ``stream``,
+        which first waits for their fences: a step's backup writes them); nothing where it has
+        them."""
         n = _checks.integer("n_tokens", n, 1, self.max_len)
         if self.pages is None:
             return
         before = self.pages.tokens(rid)
         if n <= before:  # the room is there (e.g. taken for draft tokens)
             return
-        new = self.pages.grow(rid, n)
-        if new:  # pages a released request may have held: the step's backup writes them
-            self.after_releases(stream, host=False)
+        new = self.pages.grow(rid, n, wait=StreamOrder.waiter(stream))
+        if new:
             with stream:
                 self._write_pages(rid, self.pages.pages_for(before), new)
 
@@ -200,13 +204,16 @@ class CacheRows:
         return done
 
     def release(self, rid: int, stream) -> None:
+        """``rid``'s pages back (those no other request holds are free), carrying an event
+        after the work queued on ``stream``; its table row cleared there."""
         if self.pages is None:
             return
-        self.pages.release(rid)
-        del self._written[rid]
-        with stream:
-            self.table[rid] = -1
-            self.own_from[rid] = 0
+        with StreamOrder.fence(stream) as ev:
+            self.pages.release(rid, fence=ev)
+            del self._written[rid]
+            with stream:
+                self.table[rid] = -1
+                self.own_from[rid] = 0
 
     def check(self, req, lens) -> None:
         """Raise ``ValueError`` unless each admitted request slot of ``req`` (host ints) has
@@ -226,42 +233,25 @@ class CacheRows:
                                  f"its host pages")
 
     def store(self, rows: np.ndarray, kv, on_host: bool, s) -> None:
-        """Write ``kv`` (``[L, n, row_bytes]``) into host ``rows``, after earlier releases: a
-        GPU array with one launch on stream ``s``; a host array by the CPU, after the work
-        queued on ``s`` (synchronized)."""
+        """Write ``kv`` (``[L, n, row_bytes]``) into host ``rows`` (taken by an admission or
+        growth queued on ``s``, which waited for their fences): a GPU array with one launch on
+        stream ``s``; a host array by the CPU, after the work queued on ``s``
+        (synchronized)."""
         if not len(rows):
             return
-        self.after_releases(s, host=on_host)
         if on_host:
             s.synchronize()
             write_rows_from_host(self.pool, rows, kv)
         else:
             store_rows(self.pool, rows, kv, s)
 
-    def record_release(self, stream) -> None:
-        """An event after the work queued on ``stream`` so far: the rows and pages a release
-        (or a demotion) gave back are written again only after it (:meth:`after_releases`)."""
-        ev = cupy.cuda.Event(disable_timing=True)
-        ev.record(stream)
-        self.released.append(ev)
-
     def wait_releases(self) -> None:
-        """Block until every earlier release's queued work is done: before the CPU or another
-        process (:mod:`hisparse_cupy.pd`) writes pages taken from the pool
-        (:meth:`HostPages.take`), which may be a released request's."""
-        self.after_releases(None, host=True)
-
-    def after_releases(self, s, *, host: bool) -> None:
-        """Order what follows after every release not yet known to be done: on the device
-        (stream ``s`` waits) or, ``host``, on the CPU (synchronized)."""
-        self.released = [e for e in self.released if not e.done]
-        for e in self.released:
-            if host:
-                e.synchronize()
-            else:
-                s.wait_event(e)
-        if host:
-            self.released = []
+        """Block until the work every fence of a free page names is done (a paged pool;
+        :meth:`HostPages.take` already waits for the fences of the pages it hands out: this
+        is for an engine that takes pages another way)."""
+        if self.pages is not None:
+            for f in self.pages.pending():
+                f.synchronize()
 
     def _write_pages(self, rid: int, at: int, pages) -> None:
         """Table entries ``at..`` of ``rid`` (current stream): a few as kernel arguments (no
@@ -286,14 +276,16 @@ def copy_pool_rows(pool, copies, stream) -> None:
                   n_layers=pool.n_layers, stream=stream)
 
 
-def load_rows(pool, rows: np.ndarray, device, dev_rows: np.ndarray, stream) -> None:
+def load_rows(pool, rows, device, dev_rows, stream, count=None) -> None:
     """Queue the copy of host rows ``rows`` into device rows ``dev_rows`` of ``device``
-    (uint8 ``[L, D, row_bytes]``), every layer, on ``stream``."""
+    (uint8 ``[L, D, row_bytes]``), every layer, on ``stream``: host arrays, or device arrays
+    (int64 and int32 ``[n]``) made on ``stream``; a -1 source is skipped. ``count``: an int32
+    ``[1]`` device array, the first rows copied (read when the copy runs; default all)."""
     n = len(rows)
     with stream:
-        src = cupy.asarray(np.asarray(rows, np.int64).reshape(1, n))
-        dst = cupy.asarray(np.asarray(dev_rows, np.int32).reshape(1, n))
-        cnt = cupy.full(1, n, dtype=cupy.int32)
+        src = cupy.asarray(rows, dtype=cupy.int64).reshape(1, n)
+        dst = cupy.asarray(dev_rows, dtype=cupy.int32).reshape(1, n)
+        cnt = cupy.full(1, n, dtype=cupy.int32) if count is None else count
     copy_rows(src, dst, cnt, src=pool_rows(pool), dst=array_rows(device),
               row_bytes=pool.row_bytes, n_layers=pool.n_layers, stream=stream)
 

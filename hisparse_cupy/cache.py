@@ -18,7 +18,9 @@ It owns, for ``n_layers`` layers and ``max_requests`` request slots:
 Per decode step :meth:`HotBufferCache.begin_step` returns a :class:`~hisparse_cupy.Step`
 (``hisparse_cupy/step.py``), which runs every layer's swap. Request lifecycle: :meth:`admit`,
 :meth:`grow` and a step per token, :meth:`release`, each queued on a stream without host
-synchronization.
+synchronization. The calls may go to any streams with nothing between them: each call's work
+follows every earlier call's (``hisparse_cupy/_order.py``: the calls' order, page fences, and
+the KV arrays a call still reads held).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ._kernels._launch import as_stream
 from ._kernels.multistep import MultiStepConfig, MultiStepState, MultiStepWorkspace
 from ._kernels.plan import MissPlan
 from ._kernels.swap import SwapState, check_sizes
+from ._order import StreamOrder
 from ._tables import LayerTables, rows_needed
 from .counters import LayerCounters
 from .host._pages import HostPages
@@ -191,6 +194,7 @@ class HotBufferCache(ResidencyMoves):
         self.step_parts = StepParts.build(self)
         self._free = list(range(R))  # a heap: admissions take the lowest free slot
         self._len: dict[int, int] = {}
+        self._order = StreamOrder()
         # The tables were filled on CuPy's current stream; later calls take any stream (often a
         # non-blocking one, not ordered after these fills): construction ends when they landed.
         cupy.cuda.get_current_stream().synchronize()
@@ -249,8 +253,10 @@ class HotBufferCache(ResidencyMoves):
             Pages the engine holds and wrote (:attr:`pages` ``.take(k)``, its prefix tree's)
             for the first ``len(pages) * page_tokens`` tokens; not with ``prefix``.
         stream : any stream kind (default: CuPy's current stream). The admission is queued
-            there and ordered after earlier releases; calls on other streams (a step on
-            another stream) must be ordered after it by the caller.
+            there after every earlier call's work, and every later call's work follows it
+            (``_order.py``). A ``kv`` on the GPU must be complete in the order of ``stream``;
+            the caller may drop it as soon as the call returns (the cache holds it until its
+            copies ran).
 
         Returns the request slot (the lowest free one), to use in ``req_indices``. Raises
         (nothing taken) :class:`SlotsExhausted` (every request slot admitted),
@@ -262,7 +268,7 @@ class HotBufferCache(ResidencyMoves):
             raise SlotsExhausted(self.max_requests)
         H = self.hot_size
         warm = _checks.warm_tokens(warm_tokens, n, H)
-        s = as_stream(stream)
+        s = self.order(stream)
         if kv is not None:
             kv, on_host = _checks.kv_rows("kv", kv, self.n_layers, self.row_bytes, s)
         shared = self.host.shared_tokens(n, prefix, pages)
@@ -274,7 +280,6 @@ class HotBufferCache(ResidencyMoves):
         rid = heapq.heappop(self._free)
         block = None
         try:
-            self.host.after_releases(s, host=False)  # the tables' and pages' last readers
             if self.arena is not None:  # the device budget first: it refuses taking nothing
                 block = self.arena.admit(rid, n, resident, s)
             copies = self.host.admit(rid, n, prefix, pages, s)
@@ -306,10 +311,12 @@ class HotBufferCache(ResidencyMoves):
         except BaseException:
             if self.arena is not None:
                 self.arena.release(rid, s)
-            self.host.release(rid, s)
-            self.host.record_release(s)  # what was queued for it lands before the slot's reuse
+            self.host.release(rid, s)  # (its pages carry the event after what was queued)
             heapq.heappush(self._free, rid)
             raise
+        finally:
+            if kv is not None and not on_host:  # read by copies queued on s until they ran
+                self._order.keep(s, kv)
         self._len[rid] = n
         return rid
 
@@ -324,18 +331,29 @@ class HotBufferCache(ResidencyMoves):
         preempt). A no-op where the rows are there (the slot layout has every row).
         """
         rid = self._admitted(rid)
-        s = as_stream(stream)
+        n = _checks.integer("n_tokens", n_tokens, 1, self.max_len)
+        s = self.order(stream)
         if self.arena is not None:
-            self.arena.check_grow(rid, n_tokens)  # before the host takes pages
-        self.host.grow(rid, n_tokens, s)
+            self.arena.check_grow(rid, n)  # before the host takes pages
+        self.host.grow(rid, n, s)
         if self.arena is not None:
-            self.arena.grow(rid, n_tokens, s)
+            self.arena.grow(rid, n, s)
 
     @property
     def pages(self):
         """The :class:`~hisparse_cupy.host._pages.HostPages` of a paged pool (free pages,
         engine-held pages: :meth:`~hisparse_cupy.host._pages.HostPages.take`), else None."""
         return self.host.pages
+
+    def order(self, stream: StreamLike | None = None) -> cupy.cuda.Stream:
+        """Make ``stream`` wait for the work of every earlier call of the cache (no host
+        synchronization; ``_order.py``, rule 1) and return it as a CuPy stream. Every call
+        does this itself; an engine calls it before work of its own that reads the cache's
+        state on a stream no call used since (a graph replay with no cache call before it on
+        that stream, a kernel reading ``device_rows``)."""
+        s = as_stream(stream)
+        self._order.enter(s)
+        return s
 
     def _arena(self, what: str) -> DeviceArena:
         if self.arena is None:
@@ -359,14 +377,15 @@ class HotBufferCache(ResidencyMoves):
             ``stream``, then the host rows are recorded there; nothing synchronizes. A host
             array: the CPU writes the rows after the work queued on ``stream`` and earlier
             releases (synchronized).
-        stream : any stream kind (default: CuPy's current stream).
+        stream : any stream kind (default: CuPy's current stream); as :meth:`admit`'s (a GPU
+            ``kv`` may be dropped when the call returns).
 
         Tokens below ``pages.own_from(rid)`` lie in shared pages and are refused; paged, the
         tokens must have pages (:meth:`grow`).
         """
         rid = self._admitted(rid)
         start = _checks.integer("start", start, 0)
-        s = as_stream(stream)
+        s = self.order(stream)
         kv, on_host = _checks.kv_rows("kv", kv, self.n_layers, self.row_bytes, s)
         n = kv.shape[1]
         if start + n > self.max_len:
@@ -386,6 +405,8 @@ class HotBufferCache(ResidencyMoves):
             self.host_locs[rid, start: start + n] = cupy.asarray(rows)
         if self.arena is not None and self.arena.is_resident(rid):  # its pages too
             load_rows(self.pool, rows, self.device, self.arena.rows(rid, start, start + n), s)
+        if not on_host:  # the caller may drop it now: held until its copy ran
+            self._order.keep(s, kv)
         self.host.wrote(rid, start, start + n)
 
     def release(self, rid: int, *, stream: StreamLike | None = None) -> None:
@@ -393,7 +414,7 @@ class HotBufferCache(ResidencyMoves):
         never trusted without the slot table, stay); a paged pool's pages no other request
         holds are free again."""
         rid = self._admitted(rid)
-        s = as_stream(stream)
+        s = self.order(stream)
         if self.arena is not None:
             self.arena.release(rid, s)
             self.tables.place(rid, None, s)
@@ -401,8 +422,7 @@ class HotBufferCache(ResidencyMoves):
         self.tables.init_multistep(rid, s)
         with s:
             self.host_locs[rid] = -1
-            self.host.release(rid, s)
-        self.host.record_release(s)  # later writes into its rows and pages follow this
+        self.host.release(rid, s)  # its pages carry the event after all this
         del self._len[rid]
         heapq.heappush(self._free, rid)
 
@@ -430,7 +450,7 @@ class HotBufferCache(ResidencyMoves):
         """
         src, dst = self.layer_index(src), self.layer_index(dst)
         self.tables.mirror(src, dst, rows=self.device[dst] if rows else None,
-                           host_locs=self.host_locs, pool=self.pool, stream=as_stream(stream))
+                           host_locs=self.host_locs, pool=self.pool, stream=self.order(stream))
 
     def state(self, layer: int) -> SwapState:
         """The single-step swap tables of ``layer`` (views)."""
@@ -471,9 +491,10 @@ class HotBufferCache(ResidencyMoves):
         The arrays are used in place (no copy): do not change them while the step's work is
         queued. The step holds no device memory of its own; create one per decode step.
         """
-        if self.arena is not None and not as_stream(stream).is_capturing():
-            self.switch_promoted(stream)
-        return Step(self, req_indices, seq_lens, num_real, stream=stream, pdl=pdl,
+        s = self.order(stream)
+        if self.arena is not None and not s.is_capturing():
+            self.switch_promoted(s)
+        return Step(self, req_indices, seq_lens, num_real, stream=s, pdl=pdl,
                     prefetcher=prefetcher, lean=self.lean_step(lean))
 
     def close(self) -> None:

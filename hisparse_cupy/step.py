@@ -319,7 +319,8 @@ class Step:
             hot_size=c.hot_size, record=record, stream=self.stream,
             **({} if c.arena is None else dict(resident=c.arena.resident,
                                                dev_pages=c.arena.page_table,
-                                               dev_page_tokens=c.arena.page_tokens)))
+                                               dev_page_tokens=c.arena.page_tokens,
+                                               written=c.arena.written)))
 
     def newest_rows(self) -> cupy.ndarray:
         """Device row (in every layer) of each row's newest token ``seq_len - 1``: int32

@@ -36,7 +36,9 @@ pool of 1-16 tokens a page, its pages handed out in random order) and then decod
 - on the GPU, prefill and draft KV at times made on another stream than the call's and dropped
   right after the call, its memory reused at once by a new array on that stream (the call must
   hold what it still reads); promotions cancelled mid-fill (demoted or released at once,
-  the fill held back behind a busy stream), their pages taken by the next growth.
+  the fill held back behind a busy stream), their pages taken by the next growth; moves asked
+  at times with a token count, right or off by one either way (refused: the cache counts
+  the written tokens itself).
 
 After every step every output entry is checked: -1 exactly where the semantics say (padding
 rows and columns, -1, out of range), a row elsewhere, one row per token within a call, and the
@@ -196,7 +198,7 @@ class Fuzz:
         self.forks = self.refused_forks = self.moves = 0
         self.lean_steps = self.lean_asked = self.indexer_calls = self.engine_admits = 0
         self.busy_now = False
-        self.holds = self.cancels = 0
+        self.holds = self.cancels = self.refused_counts = 0
         self._freed: list = []  # (stream, shape) of KV arrays dropped after the last call
         self._junk: list = []  # the arrays that reused their memory (kept a while)
         self.kinds_used: set = set()
@@ -380,7 +382,7 @@ class Fuzz:
         if b is not None and b.state(rid) != "sparse":
             need = b.pages_for(m) - b.pages_for(b.tokens(rid))
             if need > 0 and not self._room(need):
-                self.c.demote(rid, self.active[rid][1], stream=obj)
+                self._demote(rid, obj)
                 self.moves += 1
         self.c.grow(rid, m, stream=obj)
         self.grown[rid] = max(self.grown[rid], m)
@@ -394,27 +396,26 @@ class Fuzz:
         rid = int(self.rng.choice(list(self.active)))
         obj, view = self._pick_stream()
         if self.rng.random() < 0.3:  # the cache's default policy
-            written = {r: v[1] for r, v in self.active.items()}
             if self.rng.random() < 0.5:
                 try:
                     self.moves += len(self.c.make_room(
-                        b.free_pages + int(self.rng.integers(1, 64)), written, stream=obj))
+                        b.free_pages + int(self.rng.integers(1, 64)), stream=obj))
                 except PoolExhausted:  # nothing demoted
                     pass
             else:
                 holders = sum(1 for r in self.active if b.state(r) != "resident")
                 self.moves += len(self.c.promote_ready(
-                    written, keep_free=b.block_pages * (self.R - holders), stream=obj))
+                    keep_free=b.block_pages * (self.R - holders), stream=obj))
             return
         st = b.state(rid)
         if st == "resident":
-            self.c.demote(rid, self._count(rid), stream=obj)
+            self._demote(rid, obj)
         elif st == "sparse" and self._room(b.pages_for(b.tokens(rid))):
-            self.c.promote(rid, self._count(rid), stream=obj)
+            self._promote(rid, obj)
             if self.rng.random() < 0.3:  # cancelled mid-fill (its fill behind obj's hold)
                 obj, view = self._pick_stream()
                 if self.rng.random() < 0.5 or len(self.active) == 1:
-                    self.c.demote(rid, self._count(rid), stream=obj)
+                    self._demote(rid, obj)
                 else:
                     self.c.release(rid, stream=obj)
                     del self.active[rid], self.origin[rid], self.grown[rid]
@@ -423,12 +424,31 @@ class Fuzz:
             self.c.switch_promoted(stream=obj)
         self.moves += 1
 
-    def _count(self, rid: int) -> int:
-        """The tokens ``rid`` has written (a demotion's or promotion's count), at times off by
-        one either way, as an engine's bookkeeping can be."""
-        n = self.active[rid][1]
-        u = self.rng.random()
-        return n - 1 if u < 0.05 and n > 1 else n + 1 if u < 0.1 else n
+    def _demote(self, rid: int, obj) -> None:
+        self._refuse_count("demote", rid, obj)
+        self.c.demote(rid, stream=obj)
+
+    def _promote(self, rid: int, obj) -> None:
+        self._refuse_count("promote", rid, obj)
+        self.c.promote(rid, stream=obj)
+
+    def _refuse_count(self, call: str, rid: int, obj) -> None:
+        """At times the move is first asked with a token count, right or off by one either
+        way, as an engine's bookkeeping can be: the cache counts written tokens itself, so a
+        count is refused (``TypeError``) with nothing moved."""
+        if self.rng.random() >= 0.1:
+            return
+        n = self.active[rid][1] + int(self.rng.integers(-1, 2))
+        state = self._budget().state(rid)
+        try:
+            getattr(self.c, call)(rid, n, stream=obj)
+        except TypeError as e:
+            if "takes no token count" not in str(e):
+                raise
+        else:
+            raise AssertionError(f"seed {self.seed}: {call}({rid}, {n}) took a count")
+        assert self._budget().state(rid) == state, f"a refused {call} moved request {rid}"
+        self.refused_counts += 1
 
     def _grow_ahead(self) -> None:
         """The engine takes pages ahead of its steps (a paged pool): a request grown to more
@@ -917,6 +937,7 @@ class Fuzz:
                     lean_steps=self.lean_steps, lean_asked=self.lean_asked,
                     indexer_calls=self.indexer_calls, engine_admits=self.engine_admits,
                     holds=self.holds, cancels=self.cancels,
+                    refused_counts=self.refused_counts,
                     # stagings the GPU's prefetcher launched in an indexer's window (host count:
                     # a captured step's once)
                     window_stagings=getattr(getattr(self.pf, "_predictor", None), "windows", 0),
@@ -994,13 +1015,16 @@ def main(argv=None) -> int:
     tot = {k: sum(r[k] for r in res)
            for k in ("steps", "calls", "graph_steps", "toggles", "busy_steps", "forks",
                      "refused_forks", "moves", "lean_steps", "lean_asked", "indexer_calls",
-                     "window_stagings", "engine_admits", "holds", "cancels")}
+                     "window_stagings", "engine_admits", "holds", "cancels",
+                     "refused_counts")}
     kinds = sorted(set().union(*(r["streams"] for r in res)))
     print(f"step fuzz ({'CPU model' if a.cpu else 'GPU'}): {len(res)} seeds, {tot['steps']} "
           f"steps, {tot['calls']} swap calls, {tot['graph_steps']} graph replays, "
           f"{tot['toggles']} prefetch toggles, {tot['forks']} forks ({tot['refused_forks']} "
           f"past the written tokens refused), {tot['engine_admits']} admissions of engine-"
-          f"written pages, {tot['moves']} residency moves, "
+          f"written pages, {tot['moves']} residency moves ({tot['cancels']} promotions "
+          f"cancelled mid-fill, {tot['refused_counts']} token counts refused), "
+          f"{tot['holds']} calls behind a held stream, "
           f"{tot['lean_steps']} lean steps ({tot['lean_asked']} asked lean=True), "
           f"{tot['indexer_calls']} before_indexer calls ({tot['window_stagings']} stagings "
           f"launched there), "

@@ -70,11 +70,16 @@ def test_the_device_page_table_follows_the_host_pages(monkeypatch):
                            int64=np.int64,
                            asnumpy=np.asarray, cuda=SimpleNamespace(Event=object))
     monkeypatch.setattr(cache_rows, "cupy", shim)
+
+    class NoFences:  # no events without a device: pages carry none, takers wait for none
+        fence = staticmethod(contextlib.contextmanager(lambda stream: (yield None)))
+        waiter = staticmethod(lambda stream: None)
+
+    monkeypatch.setattr(cache_rows, "StreamOrder", NoFences)
     rng = np.random.default_rng(11)
     R, max_len, P = 6, 300, 8
     pool = SimpleNamespace(n_rows=40 * P)
     hr = cache_rows.CacheRows(R, max_len, pool, page_tokens=P)
-    hr.after_releases = lambda s, host: None  # no release events without a device
     stream = contextlib.nullcontext()
     live: dict[int, int] = {}  # rid -> tokens its steps may have
     ops = 0

@@ -358,3 +358,66 @@ def test_pool_exhausted_pickles_with_its_fields():
     assert isinstance(e, PoolExhausted)
     assert (e.what, e.needed, e.free, e.kind) == ("admit(rid 3)", 7, 2, "device")
     assert str(e) == "admit(rid 3) needs 7 free device pages, 2 are free"
+
+
+class Fence:
+    """A stand-in for a CUDA event: ``done`` once ``synchronize``d (or set)."""
+
+    def __init__(self, name):
+        self.name, self.done, self.waited = name, False, 0
+
+    def synchronize(self):
+        self.waited += 1
+        self.done = True
+
+    def __repr__(self):
+        return self.name
+
+
+def test_pages_given_back_carry_their_fences_to_whoever_takes_them():
+    """Issue 60's one rule for page reuse (``docs/design.md`` section 10): a page given back
+    (release, put) carries the fence of the last work on it, shared pages gather every
+    holder's, and every path that takes pages (admit, grow, take) hands the fences of exactly
+    the pages it took to ``wait=`` (or, by default, waits on the host) before they are used;
+    a fence already done is dropped, a page taken again carries nothing."""
+    from hisparse_cupy.host import HostPages
+
+    hp = HostPages(8, 4)
+    hp.admit(0, 8)  # pages 0, 1
+    hp.admit(1, 4, prefix=(0, 4))  # shares page 0
+    a, b = Fence("a"), Fence("b")
+    hp.release(0, fence=a)  # page 1 free; page 0 still 1's, carrying a
+    assert hp.pending() == [a] and hp.fences([0]) == [a] and hp.fences([1]) == [a]
+    hp.release(1, fence=b)  # page 0 free too, carrying a and b
+    assert set(map(repr, hp.fences([0]))) == {"a", "b"} and hp.fences([1]) == [a]
+    got = []
+    hp.admit(2, 4, wait=got.extend)  # pops page 0 (pushed last: first out)
+    assert hp.pages(2) == [0] and set(map(repr, got)) == {"a", "b"}
+    assert hp.fences([0]) == [] and a.waited == b.waited == 0  # handed over, not waited
+    b.done = True  # b's work done: page 1 still carries a
+    got = []
+    hp.grow(2, 8, wait=got.extend)
+    assert hp.pages(2) == [0, 1] and got == [a]
+    held = hp.take(2)  # the engine takes pages: nothing fenced, nothing waited
+    c = Fence("c")
+    hp.put(held, fence=c)
+    assert hp.fences(held) == [c]
+    again = hp.take(2)  # the default: waits on the host for c
+    assert sorted(again) == sorted(held) and c.waited == 1 and hp.pending() == []
+    hp.put(again)
+    hp.check()
+
+
+def test_a_fence_done_is_dropped_and_groups_do_not_pile_up():
+    """Many releases of short requests: fences done are dropped at the next give-back of the
+    same pages, and the allocator keeps a bounded number of fence groups."""
+    from hisparse_cupy.host import HostPages
+
+    hp = HostPages(16, 2)
+    for i in range(500):
+        f = Fence(str(i))
+        hp.admit(i, 5, wait=lambda fs: [x.synchronize() for x in fs])
+        hp.release(i, fence=f)
+        assert hp.fences(range(16)) == [f] or all(x.done for x in hp.fences(range(16)))
+    assert len(hp._groups) <= 64 + 2 * 16
+    hp.check()

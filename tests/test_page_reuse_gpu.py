@@ -91,7 +91,7 @@ def test_a_demotions_freed_pages_reused_on_another_stream(monkeypatch):
     first = cache.arena.budget.rows(x)[0]  # x's token 0
     a, b = _streams()
     _late(monkeypatch, "copy_rows")
-    cache.demote(x, 40, stream=a)
+    cache.demote(x, stream=a)
     cache.grow(y, 3 * PAGE + 1, stream=b)  # a 4th page: x's first, freed
     assert cache.arena.budget.rows(y)[3 * PAGE] == first
     _newest(cache, y, 1, 3 * PAGE + 1, b)
@@ -121,9 +121,9 @@ def test_a_cancelled_promotions_fill_never_lands_in_a_reused_page():
     side = cache.arena._side = cupy.cuda.Stream(non_blocking=True)
     with side:  # (the fill's side stream is the library's: no call of the test's queues there)
         spin(cupy, BUSY)
-    cache.promote(x, 100, stream=a)
+    cache.promote(x, stream=a)
     taken = cache.arena.budget.rows(x)[0]
-    cache.demote(x, 100, stream=a)  # cancelled: its pages back
+    cache.demote(x, stream=a)  # cancelled: its pages back
     assert cache.arena.budget.state(x) == "sparse"
     cache.grow(y, 3 * PAGE + 1, stream=b)
     assert cache.arena.budget.rows(y)[3 * PAGE] == taken
@@ -154,30 +154,43 @@ def _swap_bytes(cache, rid, uid, n, tokens):
 
 
 def test_a_demotion_works_from_the_tokens_written():
-    """Case 3: a resident request with 30 tokens written, demoted as if it had 5: the next
-    step's swap of tokens 5, 6, 7 must return their bytes (or refuse the count)."""
+    """Case 3: a resident request with 30 tokens written (admitted with 28, two steps): a
+    count is refused (the cache keeps its own on the device: before, ``demote(rid, 5)`` was
+    taken and tokens 5, 6, 7 came back with wrong bytes and status 0), and the demotion's hot
+    slots hold every written token: the next step's swap of 5, 6, 7, 29 returns their bytes."""
+    import cupy
+
     cache = _cache(R * (512 + 2 * _block()))
-    rid = cache.admit(30, kv=kv_for(0, 0, 30))
+    rid = cache.admit(28, kv=kv_for(0, 0, 28))
+    for n in (29, 30):
+        cache.grow(rid, n)
+        _newest(cache, rid, 0, n, cupy.cuda.get_current_stream())
     cache.grow(rid, 31)
-    cache.demote(rid, 5)
+    with pytest.raises(TypeError, match="demote takes no token count"):
+        cache.demote(rid, 5)
+    assert cache.arena.budget.state(rid) == "resident"
+    cache.demote(rid)
     _newest(cache, rid, 0, 31, __import__("cupy").cuda.get_current_stream())
-    rows, status = _swap_bytes(cache, rid, 0, 31, [5, 6, 7, 30])
+    rows, status = _swap_bytes(cache, rid, 0, 31, [5, 6, 7, 29, 30])
     assert (rows >= 0).all() and status[_abi.ST_NOHOST] == 0
     cache.close()
 
 
 def test_a_promotion_works_from_the_tokens_written(monkeypatch):
-    """Case 3, promotion: a sparse request with 30 tokens written, promoted as if it had 33;
-    its fill reads the host rows at once but ends late (as a long fill on a loaded GPU), so its
-    next three steps write tokens 30..32 while it is promoting (sparse: host rows and slots).
-    After the switch their pages must hold their bytes."""
+    """Case 3, promotion: a sparse request with 30 tokens written and pages for 33 (grown
+    ahead), promoted (before: ``promote(rid, 33)`` was taken); its fill reads the host rows at
+    once but ends late (as a long fill on a loaded GPU), so its next three steps write tokens
+    30..32 while it is promoting (sparse: host rows and slots). After the switch their pages
+    must hold their bytes."""
     import cupy
 
     cache = _cache(R * (512 + 2 * _block()))
     rid = cache.admit(30, kv=kv_for(0, 0, 30), resident=False)
     cache.grow(rid, 33)
     _late(monkeypatch, "load_rows", after=True)
-    cache.promote(rid, 33)
+    with pytest.raises(TypeError, match="promote takes no token count"):
+        cache.promote(rid, 33)
+    cache.promote(rid)
     main = cupy.cuda.get_current_stream()
     for n in (31, 32, 33):
         _newest(cache, rid, 0, n, main)

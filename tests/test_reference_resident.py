@@ -26,10 +26,13 @@ def _topk(rng, B, S, K, lens):
     return t.astype(np.int32)
 
 
+WRITTEN = np.arange(R * MAX_LEN, dtype=np.int64).reshape(R, MAX_LEN)  # every token's host row
+
+
 def _sparse_state():
     """One layer's sparse state with every token's host row present (nothing is NOHOST)."""
     W = H + 2
-    return dict(host_locs=np.arange(R * MAX_LEN, dtype=np.int64).reshape(R, MAX_LEN),
+    return dict(host_locs=WRITTEN.copy(),
                 slot_tokens=np.full((R, W), -1, np.int32),
                 slot_locs=(np.arange(R)[:, None] * W + np.arange(W)).astype(np.int32),
                 lru=np.tile(np.arange(H, dtype=np.int16), (R, 1)), hot_size=H,
@@ -53,7 +56,7 @@ def test_minus_one_and_status_match_the_sparse_swap():
         sparse = ref.swap_in(tk, req, lens, **_sparse_state())
         table = _pages(rng)
         res = ref.resident_swap(tk, req, lens, resident=np.ones(R, bool), page_table=table,
-                                page_tokens=P, hot_size=H, max_len=MAX_LEN)
+                                page_tokens=P, hot_size=H, max_len=MAX_LEN, host_locs=WRITTEN)
         assert res.served.all()
         np.testing.assert_array_equal(res.device_locs >= 0, sparse.device_locs >= 0)
         np.testing.assert_array_equal(res.status, sparse.status)
@@ -73,7 +76,7 @@ def test_multistep_is_each_step_on_its_own():
         lens = base[:, None] + np.arange(S)[None]  # L, L + 1, ... (draft tokens)
         tk = _topk(rng, B, S, K, lens)
         kw = dict(resident=np.ones(R, bool), page_table=table, page_tokens=P, hot_size=H,
-                  max_len=MAX_LEN)
+                  max_len=MAX_LEN, host_locs=WRITTEN)
         res = ref.resident_swap(tk, req, lens, **kw)
         assert res.device_locs.shape == (B, S, K)
         status = np.zeros_like(res.status)
@@ -96,7 +99,7 @@ def test_rows_it_leaves_to_the_sparse_swaps_and_missing_pages():
     lens = np.array([40, 30, 40, 40, -1])
     tk = np.tile(np.array([3, 25, 29, -1, 19, 3, 45, 0], np.int32), (5, 1))
     res = ref.resident_swap(tk, req, lens, resident=resident, page_table=table, page_tokens=P,
-                            hot_size=H, max_len=MAX_LEN, num_real=4)
+                            hot_size=H, max_len=MAX_LEN, host_locs=WRITTEN, num_real=4)
     assert res.served.tolist() == [True, True, False, False, False]
     assert (res.device_locs[2:] == -1).all() and (res.status[2:] == 0).all()
     assert res.device_locs[1, 1] == -1 and res.device_locs[1, 2] == -1  # pages missing
@@ -124,7 +127,7 @@ def test_the_positional_layout_is_the_direct_path_through_its_slot_rows():
         before = {k: v.copy() for k, v in st.items() if isinstance(v, np.ndarray)}
         direct = ref.resident_swap(tk, req, lens, resident=np.ones(R, bool),
                                    page_table=st["slot_locs"][:, :H], page_tokens=1,
-                                   hot_size=H, max_len=MAX_LEN)
+                                   hot_size=H, max_len=MAX_LEN, host_locs=st["host_locs"])
         nohost += int(direct.status[:, ref.ST_NOHOST].sum())
         if S == 1:
             got = ref.swap_in(tk[:, 0], req, lens[:, 0], **st)
@@ -146,3 +149,28 @@ def test_the_positional_layout_is_the_direct_path_through_its_slot_rows():
         for k, v in before.items():
             np.testing.assert_array_equal(st[k], v, err_msg=k)
     assert nohost > 0
+
+
+def test_a_token_never_written_is_nohost_as_in_the_sparse_swap():
+    """Issue 60, case 4: a resident row's token whose host row is -1 (never written) is -1 and
+    counts NOHOST, exactly where the sparse swap of the same call (rows past H, every token a
+    miss) gives -1 and NOHOST; the newest token (``seq - 1``) is served though this step only
+    writes it."""
+    rng = np.random.default_rng(9)
+    for _ in range(200):
+        B, K = 3, 8
+        req = rng.permutation(R)[:B]
+        lens = rng.integers(H + 1, MAX_LEN + 1, B)
+        tk = _topk(rng, B, 1, K, lens[:, None])[:, 0]
+        st = _sparse_state()
+        st["host_locs"][rng.random(st["host_locs"].shape) < 0.3] = -1
+        st["host_locs"][req, lens - 1] = -1  # the newest: its backup has not run
+        sparse = ref.swap_in(tk, req, lens, **st)
+        table = _pages(rng)
+        res = ref.resident_swap(tk, req, lens, resident=np.ones(R, bool), page_table=table,
+                                page_tokens=P, hot_size=H, max_len=MAX_LEN,
+                                host_locs=st["host_locs"])
+        np.testing.assert_array_equal(res.device_locs >= 0, sparse.device_locs >= 0)
+        np.testing.assert_array_equal(res.status, sparse.status)
+        newest = tk == (lens - 1)[:, None]
+        assert (res.device_locs[newest] >= 0).all()

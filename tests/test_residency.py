@@ -282,3 +282,37 @@ def test_max_resident_against_every_split(rng):
         DeviceBudget.max_resident([5, 0], 100, page_tokens=P, block_rows=block)
     with pytest.raises(ValueError, match="n_rows"):
         DeviceBudget.max_resident([5], -1, page_tokens=P, block_rows=block)
+
+
+def test_every_move_gives_pages_back_with_its_fence_and_takes_them_with_theirs():
+    """Issue 60: each path of the budget that gives pages back (release, demotion, a cancelled
+    promotion, a finished promotion's block) attaches its fence, and each path that takes
+    pages (admission, growth, a demotion's block, a promotion) hands the fences of the pages
+    it takes to its ``wait``: the next user of a page always waits for its last one."""
+    from test_host_pages import Fence
+
+    b = DeviceBudget(16, 4, block_rows=8)  # blocks of 2 pages
+    took = []
+    wait = took.extend
+    assert b.admit(0, 16, wait=wait) == "resident"  # 4 pages
+    fr = Fence("release")
+    b.release(0, fence=fr)
+    assert b.admit(1, 8, wait=wait) == "resident" and took == [fr]  # its 2 pages were 0's
+    took.clear()
+    fd = Fence("demote")
+    b.demote(1, fence=fd, wait=wait)  # a block: 0's other pages (fenced by fr)
+    assert took == [fr]
+    took.clear()
+    fc = Fence("fill")
+    b.promote(1, wait=wait)  # 1's old pages back (fd)
+    assert took == [fd]
+    took.clear()
+    b.cancel_promotion(1, fence=fc)
+    b.promote(1, wait=wait)
+    assert took == [fc]
+    took.clear()
+    ff = Fence("switch")
+    block = b.finish_promotion(1, fence=ff)
+    b.grow(1, 16, wait=wait)  # 2 more pages: the block's
+    assert took == [ff] and sorted(b._pages.pages(1)[2:]) == sorted(block)
+    b.check()

@@ -25,13 +25,13 @@ class Moves(ResidencyMoves):
             raise ValueError(f"{what} needs a device budget")
         return self.arena
 
-    def demote(self, rid, n_tokens, *, stream=None):
+    def demote(self, rid, *, stream=None):
         self.arena.budget.demote(rid)
-        self.done.append(("demote", rid, n_tokens))
+        self.done.append(("demote", rid))
 
-    def promote(self, rid, n_tokens, *, stream=None):
+    def promote(self, rid, *, stream=None):
         self.arena.budget.promote(rid)
-        self.done.append(("promote", rid, n_tokens))
+        self.done.append(("promote", rid))
 
 
 def _budget():
@@ -65,18 +65,28 @@ def test_lean_follows_the_budgets_states():
 def test_make_room_demotes_whom_room_for_names_or_nothing():
     b = _budget()
     m = Moves(b)
-    written = {0: 39, 1: 79, 2: 40}
-    assert m.make_room(20, written) == [] and m.done == []  # free already
-    with pytest.raises(ValueError, match="written has no token count for request slot 0"):
-        m.make_room(30, {1: 79})
-    with pytest.raises(ValueError, match=r"written\[0\]"):
-        m.make_room(30, {0: 41, 1: 79})  # more than it holds
-    with pytest.raises(PoolExhausted):
-        m.make_room(10**4, written)
+    assert m.make_room(20) == [] and m.done == []  # free already
+    with pytest.raises(PoolExhausted) as e:
+        m.make_room(10**4)
+    assert e.value.free == b.free_pages and "would free 34 more" in str(e.value)  # 40 - 3 blocks
     assert m.done == [] and all(b.state(r) == "resident" for r in (0, 1, 2))
-    assert m.make_room(30, written, keep=[1]) == [0]  # 0 idle longest: +8
-    assert m.done == [("demote", 0, 39)] and b.free_pages >= 30
+    assert m.make_room(30, keep=[1]) == [0]  # 0 idle longest: +8
+    assert m.done == [("demote", 0)] and b.free_pages >= 30
     b.check()
+
+
+@pytest.mark.parametrize("call", ["demote", "promote", "make_room", "promote_ready"])
+def test_a_token_count_is_refused_by_name(call):
+    """0.1.x took the written tokens' count (``demote(rid, n)``, ``make_room(pages,
+    written)``...): the cache counts them on the device now (issue 60), so a count given is a
+    ``TypeError`` that says so, and nothing moves."""
+    b = _budget()
+    m = Moves(b)
+    args = {"demote": (0, 40), "promote": (0, 40), "make_room": (30, {0: 40}),
+            "promote_ready": ({0: 40},)}[call]
+    with pytest.raises(TypeError, match=f"{call} takes no token count"):
+        getattr(ResidencyMoves, call)(m, *args)
+    assert m.done == [] and all(b.state(r) == "resident" for r in (0, 1, 2))
 
 
 def test_promote_ready_keeps_what_it_is_told_to():
@@ -84,13 +94,12 @@ def test_promote_ready_keeps_what_it_is_told_to():
     m = Moves(b)
     for r in (0, 2):
         b.demote(r)
-    written = {0: 40, 2: 40}
     free = b.free_pages
-    assert m.promote_ready(written, keep_free=free) == []  # each would eat the reserve
-    assert m.promote_ready({}, keep_free=0) == []  # no count: not promoted
+    assert m.promote_ready(keep_free=free) == []  # each would eat the reserve
     with pytest.raises(ValueError, match="keep_free"):
-        m.promote_ready(written, keep_free=-1)
-    got = m.promote_ready(written, keep_free=free - 10)  # room for one of 10 pages
+        m.promote_ready(keep_free=-1)
+    got = m.promote_ready(keep_free=free - 10)  # room for one of 10 pages
     assert len(got) == 1 and b.state(got[0]) == "promoting"
-    assert m.done == [("promote", got[0], 40)] and b.free_pages >= free - 10
+    assert got == [2]  # touched after 0: most recently used first
+    assert m.done == [("promote", 2)] and b.free_pages >= free - 10
     b.check()

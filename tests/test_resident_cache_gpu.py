@@ -158,7 +158,7 @@ def test_demotion_at_a_step_boundary(rng):
     for r in sorted(ids):
         free = cache.arena.budget.free_pages
         pages = cache.arena.budget.pages_for(cache.arena.budget.tokens(r))
-        cache.demote(r, lens[r], stream=s)
+        cache.demote(r, stream=s)
         assert cache.arena.budget.state(r) == "sparse"
         assert cache.arena.budget.free_pages == free + pages - cache.arena.budget.block_pages
     s.synchronize()
@@ -176,7 +176,7 @@ def test_demotion_at_a_step_boundary(rng):
         for layer in range(L):
             check_rows(cache, layer, ids[r], tokens, rows)
     with pytest.raises(ValueError, match="not resident"):
-        cache.demote(sorted(ids)[0], lens[sorted(ids)[0]])
+        cache.demote(sorted(ids)[0])
     _run_steps(rng, cache, ids, lens, 6)
     cache.close()
 
@@ -195,7 +195,7 @@ def test_promotion_switches_at_a_step_boundary(rng):
     assert {cache.arena.budget.state(r) for r in ids} == {"sparse"}
     _run_steps(rng, cache, ids, lens, 3)
     r0, r1 = sorted(ids)
-    cache.promote(r0, lens[r0])
+    cache.promote(r0)
     assert cache.arena.budget.state(r0) == "promoting"
     _run_steps(rng, cache, ids, lens, 2)  # steps while it fills (it may switch in them)
     if r0 in cache.arena.promoting:
@@ -209,16 +209,16 @@ def test_promotion_switches_at_a_step_boundary(rng):
     assert (cupy.asnumpy(cache.tables.slot_locs[:, r0]) == -1).all()
     assert (cupy.asnumpy(cache.tables.slot_tokens[:, r0]) == -1).all()
     free = cache.arena.budget.free_pages
-    cache.promote(r1, lens[r1])
-    cache.demote(r1, lens[r1])  # cancelled: its pages back, its block kept
+    cache.promote(r1)
+    cache.demote(r1)  # cancelled: its pages back, its block kept
     assert cache.arena.budget.state(r1) == "sparse"
     assert cache.arena.budget.free_pages == free
-    cache.promote(r1, lens[r1])
+    cache.promote(r1)
     cache.release(r1)
     del ids[r1], lens[r1]
     assert cache.arena.budget.free_pages == free + cache.arena.budget.block_pages
     with pytest.raises(ValueError, match="not sparse"):
-        cache.promote(r0, lens[r0])
+        cache.promote(r0)
     _run_steps(rng, cache, ids, lens, 3)
     cache.close()
 
@@ -276,7 +276,7 @@ def test_a_promotions_page_table_survives_growth_during_its_fill(rng):
     side = cache.arena._side = cupy.cuda.Stream(non_blocking=True)
     with side:
         spin(cupy, 200_000_000)  # ~0.1 s
-    cache.promote(rid, n)
+    cache.promote(rid)
     cache.grow(rid, n + 1)  # a new page, while the fill waits
     side.synchronize()
     _run_steps(rng, cache, ids, lens, 3)  # switches at the first begin_step
@@ -372,7 +372,7 @@ def test_a_lean_graph_refuses_a_request_demoted_after_its_capture(rng):
         out[...] = st.swap(1, tk_dev)
     graph = s.end_capture()
     assert st.lean
-    cache.demote(int(req[1]), n[1], stream=s)
+    cache.demote(int(req[1]), stream=s)
     s.synchronize()
     before = cupy.asnumpy(cache.device_rows(1))
     graph.launch(s)
@@ -441,9 +441,9 @@ def test_torch_operators_follow_residency_changes(rng):
 
     assert step().lean
     cupy.cuda.get_current_stream().synchronize()
-    cache.demote(1, lens[1], stream=torch.cuda.current_stream())
+    cache.demote(1, stream=torch.cuda.current_stream())
     assert not step().lean  # the demoted request's rows through the sparse path
-    cache.promote(1, lens[1], stream=torch.cuda.current_stream())
+    cache.promote(1, stream=torch.cuda.current_stream())
     cache.arena.promoting[1][0].synchronize()  # the fill landed
     step()  # finish() forgets the step: the next call's begin_step switches the promotion
     assert cache.arena.budget.state(1) == "resident" and not cache.arena.promoting
@@ -453,8 +453,9 @@ def test_torch_operators_follow_residency_changes(rng):
 
 def test_the_default_policy_makes_room_and_promotes_when_it_returns(rng):
     """make_room demotes the longest idle resident request (bytes checked through steps
-    after it), refuses with nothing changed when no demotion makes the room or a count is
-    missing; promote_ready promotes once room returns, keep_free respected."""
+    after it), refuses with nothing changed when no demotion makes the room or a token count
+    is given (the cache counts them); promote_ready promotes once room returns, keep_free
+    respected."""
     from hisparse_cupy import PoolExhausted
 
     n = [300, 200, 100]
@@ -471,16 +472,16 @@ def test_the_default_policy_makes_room_and_promotes_when_it_returns(rng):
     assert all(b.state(r) == "resident" for r in ids)
     b.touch([1, 2])  # request 0 idle longest
     free = b.free_pages
-    with pytest.raises(ValueError, match="written has no token count for request slot 0"):
+    with pytest.raises(TypeError, match="make_room takes no token count"):
         cache.make_room(free + 1, {1: lens[1]})
     with pytest.raises(PoolExhausted):
-        cache.make_room(10**6, lens)
+        cache.make_room(10**6)
     assert all(b.state(r) == "resident" for r in ids) and b.free_pages == free
-    assert cache.make_room(free + 1, lens) == [0]
+    assert cache.make_room(free + 1) == [0]
     assert b.state(0) == "sparse" and b.free_pages >= free + 1
     _run_steps(rng, cache, ids, lens, 3)  # request 0 through the sparse path
-    assert cache.promote_ready(lens, keep_free=b.free_pages) == []  # would eat the reserve
-    assert cache.promote_ready(lens) == [0]
+    assert cache.promote_ready(keep_free=b.free_pages) == []  # would eat the reserve
+    assert cache.promote_ready() == [0]
     cache.arena.promoting[0][0].synchronize()
     _run_steps(rng, cache, ids, lens, 3)  # its begin_step switches it
     assert b.state(0) == "resident"

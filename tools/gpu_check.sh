@@ -5,9 +5,11 @@
 #      bench_pd.py: `bash tools/carry_nixl.sh` puts one small enough to carry there);
 #   2. the whole test suite (CPU and GPU tests), then the randomized step test
 #      (tests/_stepfuzz.py: --fuzz-steps decode steps through the step API, default 100000,
-#      over --fuzz-procs processes sharing the GPU, every output byte checked), JSON;
+#      over --fuzz-procs processes sharing the GPU, every output byte checked), then
+#      --fuzz-budget-seeds seeds (default 250, 150 steps each) with a device budget in every
+#      configuration (residency's moves on unsynchronized streams: issue 60), JSON;
 #   3. compute-sanitizer memcheck, racecheck and synccheck over tools/sanitize_*.py (small runs
-#      of every kernel, built with HISPARSE_CUPY_DEBUG=1 so every shared-memory carve is checked
+#      of every kernel, residency's moves among them (sanitize_residency.py), built with HISPARSE_CUPY_DEBUG=1 so every shared-memory carve is checked
 #      against the launch; zero errors required);
 #   4. the quick benchmarks (benchmarks/bench_*.py --quick), JSON (+PNG) results;
 #   5. python -m hisparse_cupy info (the measured ceilings); tools/host_overhead.py (host time
@@ -25,7 +27,7 @@
 # --shm-huge=GB (as root): mount a tmpfs of GB GB with huge=always and run everything with
 # HISPARSE_CUPY_SHM_DIR set to it (shared pools on 2 MiB pages; the suite must pass there too).
 # On a machine lent for 10 minutes a call, run it in two calls: --no-bench --no-demo
-# --fuzz-steps=0 (tests, sanitizers: ~7 min on an H200), then --no-tests --no-sanitize
+# --fuzz-steps=0 --fuzz-budget-seeds=0 (tests, sanitizers: ~7 min on an H200), then --no-tests --no-sanitize
 # (the step fuzz, benchmarks, peer: ~4 min).
 # Logs and results go under $OUT (default ./gpu_check_out): summary.txt, pytest.log,
 # sanitize.log, bench.log, demo_budget_{auto,0}.log and results.tgz (benchmark and demo
@@ -36,7 +38,7 @@
 #                                [--full=bench_NAME ...]   (that benchmark in full, others quick)
 #                                [--peer=DIR] [--peer-full] [--tests=PYTEST_ARGS] [--no-demo]
 #                                [--demo=ARGS] [--sweep=CONTEXTS] [--fuzz-steps=N]
-#                                [--fuzz-procs=N] [--shm-huge=GB]
+#                                [--fuzz-procs=N] [--fuzz-budget-seeds=N] [--shm-huge=GB]
 #                                [--sanitize=swap,plan,...]   (those tools/sanitize_*.py only)
 set -u
 cd "$(dirname "$0")/.."
@@ -46,6 +48,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 tests=1 sanitize=1 bench=1 quick=--quick full_only= peer= peer_mode=--quick test_args=tests demo=1
 demo_args="--steps 100 --warmup 20 --eager-and-graph" fuzz_steps=100000 fuzz_procs=12 shm_huge=
+fuzz_budget_seeds=250
 sanitize_only= sweeps=
 for a in "$@"; do
   case $a in
@@ -58,6 +61,7 @@ for a in "$@"; do
     --tests=*) test_args=${a#--tests=} ;;
     --no-demo) demo=0 ;; --demo=*) demo_args=${a#--demo=} ;; --sweep=*) sweeps=${a#--sweep=} ;;
     --fuzz-steps=*) fuzz_steps=${a#--fuzz-steps=} ;; --fuzz-procs=*) fuzz_procs=${a#--fuzz-procs=} ;;
+    --fuzz-budget-seeds=*) fuzz_budget_seeds=${a#--fuzz-budget-seeds=} ;;
     --shm-huge=*) shm_huge=${a#--shm-huge=} ;;
     *) echo "unknown option $a"; exit 2 ;;
   esac
@@ -96,6 +100,14 @@ if [ "$fuzz_steps" -gt 0 ]; then
     >"$OUT/fuzz.log" 2>&1
   rc=$?
   summary "step fuzz rc=$rc ($((SECONDS - t0)) s): $(grep -m1 '^step fuzz' "$OUT/fuzz.log")"
+  [ $rc = 0 ] || fail=1
+fi
+if [ "$fuzz_budget_seeds" -gt 0 ]; then
+  t0=$SECONDS
+  $PY tests/_stepfuzz.py --budget --steps $((fuzz_budget_seeds * 150)) --per-seed 150 \
+    --seed 100000 --procs "$fuzz_procs" --json "$OUT/fuzz_budget.json" >"$OUT/fuzz_budget.log" 2>&1
+  rc=$?
+  summary "step fuzz, a budget in every config, rc=$rc ($((SECONDS - t0)) s): $(grep -m1 '^step fuzz' "$OUT/fuzz_budget.log")"
   [ $rc = 0 ] || fail=1
 fi
 

@@ -17,6 +17,16 @@ anywhere):
   them: a captured step then only writes table entries);
 - :meth:`release` and :meth:`put` drop references; a page is free again when none is left.
 
+**Fences** (``docs/design.md`` section 10, "Page reuse"): work queued on a GPU stream, or a
+transfer in flight, may still read or write a page when the host gives it back. So a page
+given back carries the *fences* of that work (``release(..., fence=)``, ``put(..., fence=)``:
+an object with ``done`` and ``synchronize()``, such as a CuPy event, or a tuple of them), and a
+page taken waits for them first: :meth:`admit`, :meth:`grow` and :meth:`take` hand the fences
+of the pages they take to ``wait=`` (a callable; a cache makes the stream that will write the
+pages wait for them), or by default block the host until they are done (the CPU or another
+process writes what :meth:`take` gives). A fence already done is dropped. This is the one rule
+every path that reuses pages follows.
+
 A page another request (or the engine) also holds is never written: a request writes only its
 tokens at or past :meth:`own_from`, which are in its own pages. Every call checks its arguments
 and the pool before changing anything: a pool too small raises :class:`PoolExhausted` with
@@ -80,6 +90,9 @@ class HostPages:
         self._pages: dict[int, list[int]] = {}  # request -> its page list
         self._tokens: dict[int, int] = {}  # request -> tokens it has rows for
         self._own: dict[int, int] = {}  # request -> first token it may write
+        self._fenced = np.full(self.n_pages, -1, np.int64)  # page -> its fences' group
+        self._groups: dict[int, tuple] = {}  # group -> fences (see the module docstring)
+        self._next_group = 0
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -148,7 +161,7 @@ class HostPages:
 
     # ------------------------------------------------------------------ requests
     def admit(self, rid: int, n_tokens: int, *, prefix: tuple[int, int] | None = None,
-              pages: ArrayLike | None = None) -> list[tuple[int, int, int]]:
+              pages: ArrayLike | None = None, wait=None) -> list[tuple[int, int, int]]:
         """Pages for request ``rid``'s first ``n_tokens`` tokens.
 
         ``prefix=(parent, p)``: its first ``p`` tokens are the live request ``parent``'s
@@ -159,6 +172,8 @@ class HostPages:
         shared pages afterwards (its :meth:`own_from` moves to their end). ``pages``: page ids
         the engine holds (:meth:`take`), filled, for ``rid``'s first ``len(pages)`` whole pages
         (``len(pages) * page_tokens <= n_tokens``), shared with the engine. Not both.
+        ``wait``: gets the fences of the new pages (module docstring; default: wait on the
+        host).
 
         Returns the copies the caller must make before the request's rows are read, as
         ``(src_row, dst_row, count)`` in every layer (at most one: the partial page of a
@@ -201,7 +216,7 @@ class HostPages:
         need = self.pages_for(n) - len(shared)
         if need > len(self._free):
             raise PoolExhausted(f"admit of {n} tokens", need, len(self._free), self.kind)
-        new = [self._free.pop() for _ in range(need)]
+        new = self._pop(need, wait)
         for g in shared:
             self.refs[g] += 1
         self.refs[new] = 1
@@ -212,42 +227,47 @@ class HostPages:
             self._own[parent] = max(self._own[parent], own)
         return [(src, new[0] * P, cnt) for src, _, cnt in copy]
 
-    def grow(self, rid: int, n_tokens: int) -> list[int]:
+    def grow(self, rid: int, n_tokens: int, *, wait=None) -> list[int]:
         """Pages for ``rid``'s tokens up to ``n_tokens`` (at least its tokens now); returns the
-        pages taken. Raises :class:`PoolExhausted` with nothing taken."""
+        pages taken (their fences handed to ``wait``, as :meth:`admit`). Raises
+        :class:`PoolExhausted` with nothing taken."""
         rid = self._live(rid)
         n = _checks.integer("n_tokens", n_tokens, self._tokens[rid])
         need = self.pages_for(n) - len(self._pages[rid])
         if need > len(self._free):
             raise PoolExhausted(f"rid {rid} growing to {n} tokens", need, len(self._free),
                                 self.kind)
-        new = [self._free.pop() for _ in range(max(0, need))]
+        new = self._pop(max(0, need), wait)
         self.refs[new] = 1
         self._pages[rid] += new
         self._tokens[rid] = n
         return new
 
-    def release(self, rid: int) -> None:
-        """Drop ``rid``'s pages (a page another request or the engine holds stays)."""
+    def release(self, rid: int, *, fence=None) -> None:
+        """Drop ``rid``'s pages (a page another request or the engine holds stays); each of
+        them carries ``fence`` from now on (module docstring)."""
         rid = self._live(rid)
-        self._drop(self._pages.pop(rid))
+        self._drop(self._pages.pop(rid), fence)
         del self._tokens[rid], self._own[rid]
 
     # ------------------------------------------------------------------ engine-held pages
-    def take(self, n: int) -> list[int]:
+    def take(self, n: int, *, wait=None) -> list[int]:
         """``n`` free pages held by the engine (its prefix tree's), for :meth:`admit`'s
-        ``pages``; :meth:`put` gives them back. A page may be a released request's: write it
-        after that release's device work (``HotBufferCache.host.wait_releases()``)."""
+        ``pages``; :meth:`put` gives them back. A page may be a released request's: by
+        default this blocks until the work its fences name is done, so the CPU or another
+        process may write the pages at once; ``wait`` takes the fences instead (e.g. a stream
+        that will write them waits)."""
         n = _checks.integer("n", n, 0)
         if n > len(self._free):
             raise PoolExhausted(f"take({n})", n, len(self._free), self.kind)
-        got = [self._free.pop() for _ in range(n)]
+        got = self._pop(n, wait)
         self.refs[got] = 1
         self.held[got] = 1
         return got
 
-    def put(self, pages: ArrayLike) -> None:
-        """Drop the engine's hold on ``pages`` (each one the engine holds, once each)."""
+    def put(self, pages: ArrayLike, *, fence=None) -> None:
+        """Drop the engine's hold on ``pages`` (each one the engine holds, once each); they
+        carry ``fence`` from now on (the work the engine may still have on them)."""
         got = [int(g) for g in np.asarray(pages, np.int64).reshape(-1)]
         if len(set(got)) != len(got):
             raise ValueError("pages holds a page twice")
@@ -255,7 +275,7 @@ class HostPages:
             if not 0 <= g < self.n_pages or self.held[g] < 1:
                 raise ValueError(f"pages: page {g} is not held by the engine")
         self.held[got] -= 1
-        self._drop(got)
+        self._drop(got, fence)
 
     def fingerprint(self) -> str:
         """A digest of the whole allocation state (the free pages in the order they will be
@@ -277,8 +297,54 @@ class HostPages:
             raise KeyError(f"{what} {rid} is not admitted (or was released)")
         return rid
 
-    def _drop(self, pages: list[int]) -> None:
+    def fences(self, pages: ArrayLike) -> list:
+        """The fences ``pages`` carry that are not done yet (module docstring)."""
         pg = np.asarray(pages, np.int64).reshape(-1)
+        out: dict[int, object] = {}
+        for g in np.unique(self._fenced[pg]).tolist():
+            for f in self._groups.get(g, ()):
+                if id(f) not in out and not f.done:
+                    out[id(f)] = f
+        return list(out.values())
+
+    def pending(self) -> list:
+        """Every fence a page carries that is not done yet."""
+        return self.fences(np.flatnonzero(self._fenced >= 0))
+
+    def _pop(self, n: int, wait) -> list[int]:
+        """``n`` pages off the free list, their fences handed to ``wait`` (default: waited
+        for on the host) and cleared."""
+        got = [self._free.pop() for _ in range(n)]
+        if got and self._groups:
+            fences = self.fences(got)
+            self._fenced[got] = -1
+            if fences:
+                if wait is None:
+                    for f in fences:
+                        f.synchronize()
+                else:
+                    wait(fences)
+        return got
+
+    def _fence(self, pg: np.ndarray, fence) -> None:
+        """``fence`` (one, a tuple, or None) joins the fences pages ``pg`` carry; the ones
+        done are dropped."""
+        if fence is None or not pg.size:
+            return
+        new = fence if isinstance(fence, tuple) else (fence,)
+        old = self._fenced[pg]
+        for g in np.unique(old).tolist():
+            kept = tuple(f for f in self._groups.get(g, ()) if not f.done)
+            self._groups[self._next_group] = kept + new
+            self._fenced[pg[old == g]] = self._next_group
+            self._next_group += 1
+        if len(self._groups) > 64 + 2 * len(self._pages):  # groups no page names any more
+            live = set(np.unique(self._fenced).tolist())
+            self._groups = {g: f for g, f in self._groups.items() if g in live}
+
+    def _drop(self, pages: list[int], fence=None) -> None:
+        pg = np.asarray(pages, np.int64).reshape(-1)
+        self._fence(pg, fence)
         np.subtract.at(self.refs, pg, 1)  # (vectorized: a 128k-token request has 2048 pages)
         freed = pg[self.refs[pg] == 0]
         _, first = np.unique(freed, return_index=True)  # a page listed twice is freed once

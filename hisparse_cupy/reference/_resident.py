@@ -15,7 +15,10 @@ where the sparse swap of the same call gives -1:
 - ``seq <= H``: entry ``i >= seq`` is -1; ``t`` outside ``[0, seq)`` is -1 and counts ``RANGE``;
 - ``seq > H``: ``t`` outside ``[0, min(seq, max_len))`` is -1 and counts ``RANGE``;
 - a token without a row (-1: a page the engine did not take, a slot without a row) is -1 and
-  counts ``NOHOST``.
+  counts ``NOHOST``;
+- a resident request's token that was never written (its ``host_locs`` entry -1), other than
+  the newest (``seq - 1``, which the step writes), is -1 and counts ``NOHOST``: the sparse path
+  has no row for it either (no host row to load).
 
 Multi-step calls (``[B, S, K]``, lengths ``[B]`` or ``[B, S]``) apply this per step. Rows that
 are padding, name a request slot outside ``[0, R)``, have a negative length, or whose request
@@ -44,14 +47,19 @@ def page_row(page_table: np.ndarray, rid: int, t: int, page_tokens: int) -> int:
     return -1 if page < 0 else page * page_tokens + t % page_tokens
 
 
-def direct_entry(t: int, i: int, seq: int, *, hot_size: int, max_len: int, row_of) -> int:
+def direct_entry(t: int, i: int, seq: int, *, hot_size: int, max_len: int, row_of,
+                 host_row=None) -> int:
     """Entry ``i`` (token ``t``) of a direct row: its row (``row_of(t)``, >= 0), or
-    ``DIRECT_SKIP`` (-1, no status), ``DIRECT_RANGE`` or ``DIRECT_NOROW`` (see above)."""
+    ``DIRECT_SKIP`` (-1, no status), ``DIRECT_RANGE`` or ``DIRECT_NOROW`` (see above).
+    ``host_row``: a resident request's ``host_locs`` row (its tokens never written are
+    NOROW)."""
     if t == -1 or (seq <= hot_size and i >= seq):
         return DIRECT_SKIP
     lim = seq if seq <= hot_size else min(seq, max_len)
     if not 0 <= t < lim:
         return DIRECT_RANGE
+    if host_row is not None and t != seq - 1 and host_row[t] < 0:
+        return DIRECT_NOROW
     r = int(row_of(t))
     return r if r >= 0 else DIRECT_NOROW
 
@@ -68,11 +76,13 @@ class ResidentResult:
 
 def resident_swap(top_k_tokens: np.ndarray, req_indices: np.ndarray, seq_lens: np.ndarray, *,
                   resident: np.ndarray, page_table: np.ndarray, page_tokens: int,
-                  hot_size: int, max_len: int, num_real: int | None = None) -> ResidentResult:
+                  hot_size: int, max_len: int, host_locs: np.ndarray,
+                  num_real: int | None = None) -> ResidentResult:
     """The resident rows of a swap (see the module docstring).
 
     top_k_tokens : int ``[B, K]`` or ``[B, S, K]``; seq_lens : int ``[B]`` or ``[B, S]``;
-    resident : bool ``[R]``; page_table : int ``[R, pages]`` (device page ids, -1 none).
+    resident : bool ``[R]``; page_table : int ``[R, pages]`` (device page ids, -1 none);
+    host_locs : int64 ``[R, max_len]`` (-1: a token never written).
     """
     topk = np.asarray(top_k_tokens)
     t3 = topk.reshape(topk.shape[0], -1, topk.shape[-1])
@@ -93,7 +103,7 @@ def resident_swap(top_k_tokens: np.ndarray, req_indices: np.ndarray, seq_lens: n
             seq = int(lens[b, s if lens.shape[1] > 1 else 0])
             for i in range(K):
                 r = direct_entry(int(t3[b, s, i]), i, seq, hot_size=H, max_len=max_len,
-                                 row_of=row_of)
+                                 row_of=row_of, host_row=host_locs[rid])
                 if r >= 0:
                     out[b, s, i] = r
                 elif r == DIRECT_RANGE:

@@ -1,7 +1,13 @@
 """The device side of a cache's budget (``docs/design.md`` section 10): the
-:class:`~hisparse_cupy.residency.DeviceBudget`, and the residency flags and device page table
-that every layer's kernels read (uint8 ``[R]``, int32 ``[R, ceil(max_len / P)]``). The same row
-indices serve every layer.
+:class:`~hisparse_cupy.residency.DeviceBudget`, the residency flags and device page table that
+every layer's kernels read (uint8 ``[R]``, int32 ``[R, ceil(max_len / P)]``), and each request's
+count of written tokens on the device (int32 ``[R]``: its admission's length, then each step's
+newest token, recorded by the step's backup). The same row indices serve every layer.
+
+Demotion, promotion and the switch work from that device count, never from a count the host
+passes (an engine's count can be off by one; the device's is what was written). Every page they
+give back carries the fence of the last work on it, and every page they take waits for its
+fences on the stream that writes it (``hisparse_cupy/_order.py``, rule 2).
 """
 
 from __future__ import annotations
@@ -9,10 +15,10 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from .. import _checks
 from .._cache_rows import load_rows
 from .._kernels.plan import array_rows, copy_rows
-from ._budget import PROMOTING, RESIDENT, DeviceBudget
+from .._order import StreamOrder
+from ._budget import PROMOTING, RESIDENT, SPARSE, DeviceBudget
 
 __all__ = ["DeviceArena"]
 
@@ -27,7 +33,9 @@ class DeviceArena:
         self.page_tokens = P = self.budget.page_tokens
         self.resident = cupy.zeros(max_requests, cupy.uint8)
         self.page_table = cupy.full((max_requests, -(-max_len // P)), -1, cupy.int32)
-        self.promoting: dict[int, tuple[cupy.cuda.Event, int]] = {}  # rid -> (fill, tokens)
+        self.written = cupy.zeros(max_requests, cupy.int32)
+        # rid -> (the fill's end, the tokens it copies: int32 [1] on the device)
+        self.promoting: dict[int, tuple[cupy.cuda.Event, cupy.ndarray]] = {}
         self._side: cupy.cuda.Stream | None = None  # the fills' stream
 
     @property
@@ -44,10 +52,11 @@ class DeviceArena:
         """Admit ``rid`` (resident when its pages fit, or as asked): returns its block's rows
         (sparse) or None (resident: its page table row and flag written on ``stream``). Raises
         :class:`~hisparse_cupy.host.PoolExhausted` (``kind="device"``), nothing taken."""
-        state = self.budget.admit(rid, n, resident=resident)
+        state = self.budget.admit(rid, n, resident=resident, wait=StreamOrder.waiter(stream))
         with stream:
             self.resident[rid] = 1 if state == RESIDENT else 0
             self.page_table[rid] = -1
+            self.written[rid] = n
             if state == RESIDENT:
                 self._write_pages(rid)
         return None if state == RESIDENT else self.budget.block(rid)
@@ -77,9 +86,12 @@ class DeviceArena:
 
     def grow(self, rid: int, n: int, stream) -> None:
         """Pages for a resident (or promoting) request's tokens up to ``n``, nothing where it
-        has them; a resident request's table entries written on ``stream`` (a promoting one's
-        whole row is written at its switch)."""
-        if n > self.budget.tokens(rid) and self.budget.grow(rid, n) and self.is_resident(rid):
+        has them (``stream`` waits for the new pages' fences); a resident request's table
+        entries written on ``stream`` (a promoting one's whole row is written at its
+        switch)."""
+        if n > self.budget.tokens(rid) and \
+                self.budget.grow(rid, n, wait=StreamOrder.waiter(stream)) and \
+                self.is_resident(rid):
             with stream:
                 self._write_pages(rid)
 
@@ -91,93 +103,115 @@ class DeviceArena:
         return rid in self.budget and self.budget.state(rid) == RESIDENT
 
     def release(self, rid: int, stream) -> None:
-        """``rid``'s pages and block back to the budget; its flag and table row cleared on
-        ``stream`` (after a promotion's fill; the caller records the event later users of the
-        rows wait for)."""
-        self._drop_fill(rid, stream)
-        self.budget.release(rid)
-        with stream:
-            self.resident[rid] = 0
-            self.page_table[rid] = -1
-
-    def demote(self, rid: int, n: int, tables, device, stream) -> None:
-        """Resident -> sparse on ``stream``. The block's hot slots take the newest H tokens (the
-        newest in slot H; positional while ``n <= H``): the same for every layer, and no record
-        is needed on the resident path. They are copied from the pages device -> device in
-        every layer, the tables are built, and the flag and table row are cleared. The caller
-        records the event after which the pages may be written again."""
-        if rid in self.budget and self.budget.state(rid) == PROMOTING:  # cancelled: the
-            self._drop_fill(rid, stream)                                # fill's pages back
-            self.budget.cancel_promotion(rid)
-            return
-        if not self.is_resident(rid):
-            raise ValueError(f"request slot {rid} is not resident")
-        n = _checks.integer("n_tokens", n, 1, self.budget.tokens(rid))
-        H = tables.hot_size
-        warm = np.arange(max(0, n - 1 - H), n - 1) if n > H else np.zeros(0, np.int64)
-        lo = n - 1 - H if n > H else 0  # the kept tokens are lo .. n - 1
-        pages = self.budget.rows(rid, lo, n)  # their rows, read before the pages go back
-        block, _ = self.budget.demote(rid)  # raises PoolExhausted with nothing changed
-        tables.place(rid, block, stream)
-        tables.reset(rid, stream)
-        slots, tokens = tables.fill_admitted(rid, n, warm, stream)
-        tables.init_multistep(rid, stream)
-        with stream:
-            src = cupy.asarray(pages[tokens - lo].astype(np.int64).reshape(1, -1))
-            dst = cupy.asarray(block[slots].astype(np.int32).reshape(1, -1))
-            count = cupy.full(1, len(tokens), cupy.int32)
-            self.resident[rid] = 0
-            self.page_table[rid] = -1
-        copy_rows(src, dst, count, src=array_rows(device), dst=array_rows(device),
-                  row_bytes=device.shape[2], n_layers=device.shape[0], stream=stream)
-
-    def promote(self, rid: int, n: int, pool, host_rows, device, stream) -> None:
-        """Sparse -> promoting: pages for its tokens, its first ``n`` (written) tokens' host
-        rows loaded into them on a side stream after the work queued on ``stream``;
-        :meth:`switch` makes it resident once that fill has landed. The side stream writes
-        the pages' rows only: the page table row is written at the switch, on the step's
-        stream, so no growth meanwhile races with it."""
-        if rid not in self.budget or self.budget.state(rid) != "sparse":
-            raise ValueError(f"request slot {rid} is not sparse: only a sparse request is "
-                             f"promoted")
-        n = _checks.integer("n_tokens", n, 1, self.budget.tokens(rid))
-        rows = self.budget.promote(rid)  # raises PoolExhausted, nothing taken
-        if self._side is None:
-            self._side = cupy.cuda.Stream(non_blocking=True)
-        side = self._side
-        side.wait_event(stream.record())
-        load_rows(pool, host_rows(rid, 0, n), device, rows[:n], side)
-        self.promoting[rid] = (side.record(), n)
-
-    def switch(self, pool, host_rows, device, tables, stream) -> list[int]:
-        """At a step boundary, on ``stream`` (no wait): every promoting request whose fill has
-        landed gets the rows of the tokens written since it began (from the host copy the
-        backups keep current), then its flag; its slot tables are emptied (no slot names a
-        row of its block, which is its next owner's: a ``mirror_layer`` reads every slot) and
-        its block returns to the budget (the caller records the release event). Returns those
-        request slots."""
-        done = [r for r, (ev, _) in self.promoting.items() if ev.done]
-        for r in done:
-            ev, n0 = self.promoting.pop(r)
-            stream.wait_event(ev)
-            n = self.budget.tokens(r)
-            if n > n0:
-                load_rows(pool, host_rows(r, n0, n), device, self.budget.rows(r)[n0:n], stream)
-            with stream:  # the table written here only: a growth's entries are in it
-                self._write_pages(r)
-                self.resident[r] = 1
-            tables.place(r, None, stream)
-            tables.reset(r, stream)
-            tables.init_multistep(r, stream)
-            self.budget.finish_promotion(r)
-        return done
-
-    def _drop_fill(self, rid: int, stream) -> None:
-        """A promotion's fill that will not be switched: ``stream`` waits for it, so the pages
-        it writes return only after it."""
+        """``rid``'s pages and block back to the budget, carrying an event after the work
+        queued on ``stream`` (a promotion's fill waited for there first: it reads the host
+        rows the slot's next request writes); its flag, table row and count cleared there."""
         got = self.promoting.pop(rid, None)
         if got is not None:
             stream.wait_event(got[0])
+        with StreamOrder.fence(stream) as ev:
+            self.budget.release(rid, fence=ev)
+            with stream:
+                self.resident[rid] = 0
+                self.page_table[rid] = -1
+                self.written[rid] = 0
+
+    def demote(self, rid: int, tables, device, stream) -> None:
+        """Resident -> sparse on ``stream``, from the request's count of written tokens ``n``
+        on the device (no host synchronization, no count from the host). Its block's hot slots
+        take what an admission of ``n`` tokens would hold: while ``n <= H`` the positional
+        layout (slot t holds token t: every token with a page, up to H, is copied: a later
+        step writes the others into their slots), else its newest H tokens with the newest in
+        slot H. They are copied from the pages device -> device in every layer, the tables
+        built, the flag and table row cleared; the pages go back carrying the event after the
+        copy. A promotion in flight is cancelled instead: its pages go back carrying its
+        fill's event (nothing waits for it)."""
+        if rid in self.budget and self.budget.state(rid) == PROMOTING:
+            ev, _ = self.promoting.pop(rid)
+            self.budget.cancel_promotion(rid, fence=ev)
+            return
+        if not self.is_resident(rid):
+            raise ValueError(f"request slot {rid} is not resident")
+        H, P = tables.hot_size, self.page_tokens
+        with StreamOrder.fence(stream) as ev:
+            pages = self.budget.tokens(rid)
+            block, _ = self.budget.demote(rid, fence=ev, wait=StreamOrder.waiter(stream))
+            tables.place(rid, block, stream)
+            tables.reset(rid, stream)
+            with stream:
+                n = self.written[rid: rid + 1]  # (read before anything below changes it)
+                pos = n <= H  # the positional layout
+                j = cupy.arange(H + 1, dtype=cupy.int32)  # hot slots, then slot H
+                tok = cupy.where(pos, j, n - 1 - H + j)  # each slot's token
+                row = self.page_table[rid]
+                page = row[cupy.minimum(tok // P, row.size - 1)]
+                # a slot takes its token's bytes where the token has a page (positional: up
+                # to H); past H a slot without them is left empty (-1: a miss, from the host)
+                keep = (page >= 0) & (tok < pages) & ~(pos & (j >= H))
+                held = cupy.where(pos | keep, tok, -1)
+                tables.slot_tokens[:, rid, :H] = held[:H].reshape(1, H)
+                tables.slot_tokens[:, rid, H] = cupy.where(pos, -1, held[H])
+                src = cupy.where(keep, page.astype(cupy.int64) * P + tok % P, -1)
+                dst = cupy.asarray(block[: H + 1].astype(np.int32))
+                count = cupy.full(1, H + 1, cupy.int32)
+                self.resident[rid] = 0
+                self.page_table[rid] = -1
+            tables.init_multistep(rid, stream)
+            copy_rows(src.reshape(1, -1), dst.reshape(1, -1), count, src=array_rows(device),
+                      dst=array_rows(device), row_bytes=device.shape[2],
+                      n_layers=device.shape[0], stream=stream)
+
+    def promote(self, rid: int, pool, host_rows, device, stream) -> None:
+        """Sparse -> promoting: pages for its tokens, its written tokens' host rows (the device
+        count, read on ``stream`` after its work) loaded into them on a side stream after the
+        work queued on ``stream`` (the side stream first waits for the pages' fences);
+        :meth:`switch` makes it resident once that fill has landed. The side stream writes the
+        pages' rows only: the page table row is written at the switch, on the step's stream,
+        so no growth meanwhile races with it."""
+        if rid not in self.budget or self.budget.state(rid) != SPARSE:
+            raise ValueError(f"request slot {rid} is not sparse: only a sparse request is "
+                             f"promoted")
+        if self._side is None:
+            self._side = cupy.cuda.Stream(non_blocking=True)
+        side = self._side
+        rows = self.budget.promote(rid, wait=StreamOrder.waiter(side))  # PoolExhausted: none
+        with stream:
+            count = self.written[rid: rid + 1].copy()  # what has been written by now
+        side.wait_event(stream.record())
+        with side:
+            dst = cupy.asarray(rows.astype(np.int32))
+        load_rows(pool, host_rows(rid, 0, len(rows)), device, dst, stream=side, count=count)
+        self.promoting[rid] = (side.record(), count)
+
+    def switch(self, host_locs, pool, device, tables, stream) -> list[int]:
+        """At a step boundary, on ``stream`` (no wait): every promoting request whose fill has
+        landed gets the rows of the tokens written since the fill's count (their host rows,
+        which the backups keep current: ``host_locs`` entries set, past that count), then its
+        flag; its slot tables are emptied (no slot names a row of its block, which is its next
+        owner's: a ``mirror_layer`` reads every slot) and its block returns to the budget,
+        carrying the event after all that. Returns those request slots."""
+        done = [r for r, (ev, _) in self.promoting.items() if ev.done]
+        if not done:
+            return done
+        with StreamOrder.fence(stream) as fence:
+            for r in done:
+                ev, n0 = self.promoting.pop(r)
+                stream.wait_event(ev)
+                pages = self.budget.tokens(r)
+                with stream:
+                    t = cupy.arange(pages, dtype=cupy.int64)
+                    hl = host_locs[r, :pages]
+                    src = cupy.where((t >= n0.astype(cupy.int64)) & (hl >= 0), hl, -1)
+                    dst = cupy.asarray(self.budget.rows(r).astype(np.int32))
+                load_rows(pool, src, device, dst, stream)
+                with stream:  # the table written here only: a growth's entries are in it
+                    self._write_pages(r)
+                    self.resident[r] = 1
+                tables.place(r, None, stream)
+                tables.reset(r, stream)
+                tables.init_multistep(r, stream)
+                self.budget.finish_promotion(r, fence=fence)
+        return done
 
     def _write_pages(self, rid: int) -> None:
         """``rid``'s page table row from the budget (current stream)."""

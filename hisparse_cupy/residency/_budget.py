@@ -19,15 +19,21 @@ return. Every call checks its arguments and the budget before changing anything.
 no room it raises :class:`~hisparse_cupy.host.PoolExhausted` with ``kind="device"``, and
 nothing is taken.
 
+Pages carry fences (``docs/design.md`` section 10, "Page reuse"; the allocator's rule,
+:class:`~hisparse_cupy.host.HostPages`): every call that gives pages back takes ``fence=`` (the
+event after the last work on them), every call that takes pages ``wait=`` (what waits for the
+fences of the pages taken; default: the host). A cache passes both; a scheduler that runs this
+class alone may ignore them.
+
 The default policy is replaceable: an engine may call :meth:`~DeviceBudget.demote` and
 :meth:`~DeviceBudget.promote` itself.
 
 - :meth:`~DeviceBudget.admit` makes a request resident when its pages fit, else sparse.
 - :meth:`~DeviceBudget.room_for` names the resident requests to demote so that some pages fit,
   longest idle first (steps since :meth:`~DeviceBudget.touch`), then the ones that hold the
-  most pages.
+  most pages, then the lowest request slot.
 - :meth:`~DeviceBudget.promotable` names the sparse requests whose pages fit now, most recently
-  used first.
+  used first, then the lowest request slot.
 
 A prefix shared on the host is resident in each child separately; the device pages are never
 shared.
@@ -190,10 +196,12 @@ class DeviceBudget:
         return out
 
     # ------------------------------------------------------------------ requests
-    def admit(self, rid: int, n_tokens: int, *, resident: bool | None = None) -> str:
+    def admit(self, rid: int, n_tokens: int, *, resident: bool | None = None,
+              wait=None) -> str:
         """Admit ``rid`` with ``n_tokens`` tokens: resident when its pages fit, else sparse
         (``resident=True`` / ``False`` asks for one state, and raises if it does not fit).
-        Returns the state. Raises :class:`PoolExhausted` (``kind="device"``), nothing taken."""
+        Returns the state. Raises :class:`PoolExhausted` (``kind="device"``), nothing taken.
+        ``wait``: the fences of the pages taken (module docstring)."""
         rid = int(rid)
         if rid in self._state:
             raise ValueError(f"rid {rid} is already admitted")
@@ -202,10 +210,10 @@ class DeviceBudget:
         if resident is None:
             resident = fits
         if resident:
-            self._pages.admit(rid, n)  # raises PoolExhausted when it does not fit
+            self._pages.admit(rid, n, wait=wait)  # raises PoolExhausted when it does not fit
             self._state[rid] = RESIDENT
         else:
-            self._block[rid] = self._take_block(f"admit of rid {rid} (sparse)")
+            self._block[rid] = self._take_block(f"admit of rid {rid} (sparse)", wait)
             self._state[rid] = SPARSE
         self._tokens[rid] = n
         self.touch([rid])
@@ -222,30 +230,30 @@ class DeviceBudget:
                 raise PoolExhausted(f"rid {rid} growing to {n} tokens", need, self.free_pages,
                                     "device")
 
-    def grow(self, rid: int, n_tokens: int) -> list[int]:
+    def grow(self, rid: int, n_tokens: int, *, wait=None) -> list[int]:
         """``rid``'s tokens up to ``n_tokens`` (at least its tokens now); a resident or
-        promoting request takes the pages they need (returned). Raises :class:`PoolExhausted`
-        with nothing taken: the engine makes room (:meth:`room_for`, :meth:`demote`) and
-        grows again."""
+        promoting request takes the pages they need (returned; their fences to ``wait``).
+        Raises :class:`PoolExhausted` with nothing taken: the engine makes room
+        (:meth:`room_for`, :meth:`demote`) and grows again."""
         rid = self._live(rid)
         n = _checks.integer("n_tokens", n_tokens, self._tokens[rid])
-        new = [] if self._state[rid] == SPARSE else self._pages.grow(rid, n)
+        new = [] if self._state[rid] == SPARSE else self._pages.grow(rid, n, wait=wait)
         self._tokens[rid] = n
         return new
 
-    def release(self, rid: int) -> None:
-        """Drop ``rid``: its pages and its block return to the budget."""
+    def release(self, rid: int, *, fence=None) -> None:
+        """Drop ``rid``: its pages and its block return to the budget, carrying ``fence``."""
         rid = self._live(rid)
         if self._state[rid] != SPARSE:
-            self._pages.release(rid)
+            self._pages.release(rid, fence=fence)
         if rid in self._block:
-            self._pages.put(self._block.pop(rid))
+            self._pages.put(self._block.pop(rid), fence=fence)
         del self._state[rid], self._tokens[rid], self._used[rid]
 
-    def demote(self, rid: int) -> tuple[np.ndarray, list[int]]:
-        """Resident -> sparse: ``rid`` takes a block, and returns ``(block rows, the pages it
-        gives back)``. The caller copies the tokens its hot slots keep from the pages into
-        the block, on the step's stream, before anything writes those pages again. Raises
+    def demote(self, rid: int, *, fence=None, wait=None) -> tuple[np.ndarray, list[int]]:
+        """Resident -> sparse: ``rid`` takes a block (its fences to ``wait``), and returns
+        ``(block rows, the pages it gives back)``, which carry ``fence``: the event after the
+        caller's copy of the tokens its hot slots keep from the pages into the block. Raises
         :class:`PoolExhausted` (no room for the block, nothing changed) or ``ValueError``
         (``rid`` is not resident: a promoting request is demoted with
         :meth:`cancel_promotion`)."""
@@ -253,43 +261,44 @@ class DeviceBudget:
         if self._state[rid] != RESIDENT:
             raise ValueError(f"rid {rid} is {self._state[rid]}, not resident: only a resident "
                              f"request is demoted")
-        self._block[rid] = self._take_block(f"demotion of rid {rid}")
+        self._block[rid] = self._take_block(f"demotion of rid {rid}", wait)
         freed = self._pages.pages(rid)
-        self._pages.release(rid)
+        self._pages.release(rid, fence=fence)
         self._state[rid] = SPARSE
         return self.block(rid), freed
 
-    def promote(self, rid: int) -> np.ndarray:
-        """Sparse -> promoting: ``rid`` takes the pages of its tokens and returns their device
-        rows (token order), which the caller fills from the host pool off the step's path; it
-        stays sparse until :meth:`finish_promotion`. Raises :class:`PoolExhausted` (nothing
-        taken) or ``ValueError`` (not sparse)."""
+    def promote(self, rid: int, *, wait=None) -> np.ndarray:
+        """Sparse -> promoting: ``rid`` takes the pages of its tokens (their fences to
+        ``wait``) and returns their device rows (token order), which the caller fills from the
+        host pool off the step's path; it stays sparse until :meth:`finish_promotion`. Raises
+        :class:`PoolExhausted` (nothing taken) or ``ValueError`` (not sparse)."""
         rid = self._live(rid)
         if self._state[rid] != SPARSE:
             raise ValueError(f"rid {rid} is {self._state[rid]}, not sparse: only a sparse "
                              f"request is promoted")
-        self._pages.admit(rid, self._tokens[rid])
+        self._pages.admit(rid, self._tokens[rid], wait=wait)
         self._state[rid] = PROMOTING
         return self._pages.rows(rid)
 
-    def finish_promotion(self, rid: int) -> list[int]:
+    def finish_promotion(self, rid: int, *, fence=None) -> list[int]:
         """Promoting -> resident (at a step boundary, after the fill has landed): its block
-        returns to the budget (the pages of the block are returned)."""
+        returns to the budget carrying ``fence`` (the pages of the block are returned)."""
         rid = self._live(rid)
         if self._state[rid] != PROMOTING:
             raise ValueError(f"rid {rid} is {self._state[rid]}, not promoting")
         block = self._block.pop(rid)
-        self._pages.put(block)
+        self._pages.put(block, fence=fence)
         self._state[rid] = RESIDENT
         return block
 
-    def cancel_promotion(self, rid: int) -> list[int]:
-        """Promoting -> sparse: the pages it took return (returned); its block stays."""
+    def cancel_promotion(self, rid: int, *, fence=None) -> list[int]:
+        """Promoting -> sparse: the pages it took return (returned) carrying ``fence`` (the
+        fill's event: it may still be writing them); its block stays."""
         rid = self._live(rid)
         if self._state[rid] != PROMOTING:
             raise ValueError(f"rid {rid} is {self._state[rid]}, not promoting")
         freed = self._pages.pages(rid)
-        self._pages.release(rid)
+        self._pages.release(rid, fence=fence)
         self._state[rid] = SPARSE
         return freed
 
@@ -303,9 +312,11 @@ class DeviceBudget:
     def room_for(self, pages: int, *, keep: ArrayLike = ()) -> list[int]:
         """The resident requests to demote, in order, so that ``pages`` more pages are free
         afterwards: longest idle first, then those holding the most pages; never one of
-        ``keep``. Empty when they fit already. Raises :class:`PoolExhausted` when demoting
-        every other resident request would not make the room, or when fewer pages are free
-        than the block the first demotion takes (nothing is demoted here)."""
+        ``keep``; ties go to the lowest request slot. Empty when they fit already. Raises
+        :class:`PoolExhausted` when demoting every other resident request would not make the
+        room, or when fewer pages are free than the block the first demotion takes (nothing
+        is demoted here); its ``free`` is the pages free now, its message says how many the
+        demotions could free."""
         need = _checks.integer("pages", pages, 0)
         kept = {int(r) for r in np.asarray(keep, np.int64).reshape(-1).tolist()}
         free = self.free_pages
@@ -323,12 +334,14 @@ class DeviceBudget:
                 free += gain
                 out.append(r)
         if free < need:
-            raise PoolExhausted(f"room for {need} pages (demoting every resident request "
-                                f"not kept)", need, free, "device")
+            raise PoolExhausted(f"room for {need} pages (demoting every resident request not "
+                                f"kept would free {free - self.free_pages} more)", need,
+                                self.free_pages, "device")
         return out
 
     def promotable(self) -> list[int]:
-        """Sparse requests whose pages fit now, most recently used first, taken greedily."""
+        """Sparse requests whose pages fit now, most recently used first (ties: the lowest
+        request slot), taken greedily."""
         free = self.free_pages
         out = []
         for r in sorted((r for r, st in self._state.items() if st == SPARSE),
@@ -346,10 +359,10 @@ class DeviceBudget:
             raise KeyError(f"rid {rid} is not admitted (or was released)")
         return rid
 
-    def _take_block(self, what: str) -> list[int]:
+    def _take_block(self, what: str, wait) -> list[int]:
         if self.block_pages > self.free_pages:
             raise PoolExhausted(what, self.block_pages, self.free_pages, "device")
-        return self._pages.take(self.block_pages)
+        return self._pages.take(self.block_pages, wait=wait)
 
     def check(self) -> None:
         """Raise ``AssertionError`` unless every invariant holds: the allocator's; a resident

@@ -3,86 +3,90 @@
 step boundary, the default policy applied (``make_room``, ``promote_ready``), and whether a step
 may run lean. They use the cache's ``arena`` (a
 :class:`~hisparse_cupy.residency._arena.DeviceArena`, or None without a device budget), its
-tables, device rows, host pool and map.
+tables, device rows, host pool and map, and its order between streams (``order``).
+
+No move takes a token count: each works from the request's count of written tokens that the
+device keeps (its admission's length, then each step's newest token, recorded by
+``Step.backup_newest``), so a count off by one cannot make a request serve a wrong row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from .. import _checks
 from .._checks import StreamLike
-from .._kernels._launch import as_stream
 
 __all__ = ["ResidencyMoves"]
+
+_NO_COUNT = object()
+
+
+def _no_count(what: str, got) -> None:
+    """A count or map of counts passed where 0.1.x took one: refused, naming it."""
+    if got is not _NO_COUNT:
+        raise TypeError(f"{what} takes no token count: the cache counts each request's written "
+                        f"tokens on the device (its admission's length, then each step's "
+                        f"newest token) and moves it from that (docs/design.md section 10)")
 
 
 class ResidencyMoves:
     """Demote, promote, switch, the default policy and the lean-step rule of a cache with a
     device budget."""
 
-    def demote(self, rid: int, n_tokens: int, *, stream: StreamLike | None = None) -> None:
-        """Resident -> sparse at a step boundary on ``stream`` (``n_tokens``: its length): its
-        hot slots take its newest H tokens, its pages return (``docs/design.md`` section 10);
-        a promotion in flight is cancelled. ``ValueError`` / ``PoolExhausted``: nothing done."""
-        s = as_stream(stream)
-        self._arena("demote").demote(self._admitted(rid), n_tokens, self.tables, self.device, s)
-        self.host.record_release(s)
+    def demote(self, rid: int, _count=_NO_COUNT, *, stream: StreamLike | None = None) -> None:
+        """Resident -> sparse at a step boundary on ``stream``: its hot slots take what an
+        admission of its written tokens would hold (the positional layout up to H tokens,
+        else its newest H with the newest in slot H), its pages return carrying the event
+        after their copy (``docs/design.md`` section 10); a promotion in flight is cancelled.
+        ``ValueError`` / ``PoolExhausted``: nothing done."""
+        _no_count("demote", _count)
+        s = self.order(stream)
+        self._arena("demote").demote(self._admitted(rid), self.tables, self.device, s)
 
-    def promote(self, rid: int, n_tokens: int, *, stream: StreamLike | None = None) -> None:
-        """Sparse -> resident: pages now, its first ``n_tokens`` rows loaded from the host on a
+    def promote(self, rid: int, _count=_NO_COUNT, *, stream: StreamLike | None = None) -> None:
+        """Sparse -> resident: pages now, its written tokens' rows loaded from the host on a
         side stream after ``stream``'s work; resident from the next step boundary after that
-        (:meth:`switch_promoted`). ``ValueError`` / ``PoolExhausted``: nothing taken."""
-        self._arena("promote").promote(self._admitted(rid), n_tokens, self.pool,
-                                       self.host.rows, self.device, as_stream(stream))
+        (:meth:`switch_promoted`), the tokens written meanwhile copied in then.
+        ``ValueError`` / ``PoolExhausted``: nothing taken."""
+        _no_count("promote", _count)
+        s = self.order(stream)
+        self._arena("promote").promote(self._admitted(rid), self.pool, self.host.rows,
+                                       self.device, s)
 
     def switch_promoted(self, stream: StreamLike | None = None) -> list[int]:
         """Every promotion whose fill has landed becomes resident, on ``stream``, no wait (in
         ``begin_step`` outside a capture; between graph replays, the engine's call)."""
+        s = self.order(stream)
         if self.arena is None or not self.arena.promoting:
             return []
-        s = as_stream(stream)
-        done = self.arena.switch(self.pool, self.host.rows, self.device, self.tables, s)
-        if done:
-            self.host.record_release(s)  # their blocks, after the switch
-        return done
+        return self.arena.switch(self.host_locs, self.pool, self.device, self.tables, s)
 
-    def make_room(self, pages: int, written: Mapping[int, int], *, keep=(),
+    def make_room(self, pages: int, _written=_NO_COUNT, *, keep=(),
                   stream: StreamLike | None = None) -> list[int]:
         """The default policy's demotions, at a step boundary on ``stream``: the resident
-        requests :meth:`DeviceBudget.room_for` names (longest idle first, then the largest;
-        never one of ``keep``) are demoted until ``pages`` more pages are free. ``written``:
-        request slot -> tokens it has written (each demotion's ``n_tokens``). Returns the
-        demoted request slots (empty when the pages are free already). ``PoolExhausted``
-        (no set of demotions makes the room) or ``ValueError`` (a count missing or out of
-        range): nothing demoted."""
-        budget = self._arena("make_room").budget
-        victims = budget.room_for(pages, keep=keep)
-        counts = []
+        requests :meth:`DeviceBudget.room_for` names (longest idle first, then the largest,
+        then the lowest request slot; never one of ``keep``) are demoted until ``pages`` more
+        pages are free. Returns the demoted request slots (empty when the pages are free
+        already). ``PoolExhausted`` (no set of demotions makes the room): nothing demoted."""
+        _no_count("make_room", _written)
+        victims = self._arena("make_room").budget.room_for(pages, keep=keep)
         for r in victims:
-            if r not in written:
-                raise ValueError(f"written has no token count for request slot {r}, which "
-                                 f"make_room would demote")
-            counts.append(_checks.integer(f"written[{r}]", written[r], 1, budget.tokens(r)))
-        for r, n in zip(victims, counts, strict=True):
-            self.demote(r, n, stream=stream)
+            self.demote(r, stream=stream)
         return victims
 
-    def promote_ready(self, written: Mapping[int, int], *, keep_free: int = 0,
+    def promote_ready(self, _written=_NO_COUNT, *, keep_free: int = 0,
                       stream: StreamLike | None = None) -> list[int]:
         """The default policy's promotions: the sparse requests whose pages fit
-        (:meth:`DeviceBudget.promotable`: most recently used first), each only while
-        ``keep_free`` pages stay free after it (e.g. the blocks an engine keeps for its next
-        admissions and demotions), and only those ``written`` has a count for (tokens
-        written: each promotion's ``n_tokens``). Returns the request slots whose fill began
-        (resident from a step boundary after it lands: :meth:`switch_promoted`)."""
+        (:meth:`DeviceBudget.promotable`: most recently used first, then the lowest request
+        slot), each only while ``keep_free`` pages stay free after it (e.g. the blocks an
+        engine keeps for its next admissions and demotions). Returns the request slots whose
+        fill began (resident from a step boundary after it lands: :meth:`switch_promoted`)."""
+        _no_count("promote_ready", _written)
         budget = self._arena("promote_ready").budget
         keep_free = _checks.integer("keep_free", keep_free, 0)
         out = []
         for r in budget.promotable():
-            if r in written and budget.free_pages - budget.pages_for(
-                    budget.tokens(r)) >= keep_free:
-                self.promote(r, written[r], stream=stream)
+            if budget.free_pages - budget.pages_for(budget.tokens(r)) >= keep_free:
+                self.promote(r, stream=stream)
                 out.append(r)
         return out
 

@@ -78,7 +78,7 @@ class ResidentTwin(Twin):
         seq = self.lens[req] if seq is None else np.asarray(seq)
         res = ref.resident_swap(topk, req, seq, resident=self.flags, page_table=self.table,
                                 page_tokens=self.page_tokens, hot_size=self.H,
-                                max_len=self.max_len, num_real=nr)
+                                max_len=self.max_len, host_locs=self.host_locs, num_real=nr)
         return res, np.where(res.served, -1, req), seq
 
     def expect_single(self, layer, topk, req, seq=None, nr=None):

@@ -183,6 +183,7 @@ struct NewestRowsParams {
   const i32* own_from;     // [R]: tokens below it are in pages other requests share (read only)
   const u8* resident;      // [R] or null: a resident request's newest row is its page row
   const i32* dev_pages;    // [R, dev_page_stride]: device pages of resident requests
+  i32* written;            // [R] or null (record): a real row's request wrote seq_len tokens
   i64 slot_layer_stride;
   i64 n_host_rows;         // rows per layer of the host pool: a backup never writes past them
   i32 B, R, max_len, slot_stride, H, host_stride, lens_stride, n_layers;
@@ -378,7 +379,9 @@ __device__ __forceinline__ void write_status(i32* st, int range, int nohost, int
 // Entry i of a row: a -1 token, or i >= seq while seq <= H, is -1 with no status; a token
 // outside [0, lim) is -1 and counts RANGE (lim: seq while seq <= H, else min(seq, the host
 // map's width), the sparse swaps' limits); a token without a row (-1: a page the engine did not
-// take, a slot without a row) is -1 and counts NOHOST. Every valid entry counts as a hit.
+// take, a slot without a row) is -1 and counts NOHOST, and so is a resident request's token that
+// was never written (its host row -1; the newest token seq - 1 excepted: this step writes it),
+// as the sparse path gives. Every valid entry counts as a hit.
 // (32-bit arithmetic: a token is below max_len, an int32, and a 64-bit division is emulated)
 __device__ __forceinline__ int page_row(const i32* pages, int stride, int PT, int t) {
   const int g = t / PT;
@@ -388,26 +391,31 @@ __device__ __forceinline__ int page_row(const i32* pages, int stride, int PT, in
 struct DirectRows {
   const i32* pages;  // the request's page table row (a resident request)
   const i32* sloc;   // its slot rows (the positional layout)
+  const i64* hloc;   // its host rows (a resident request: -1, a token never written)
   i32 page_stride, page_tokens;
   int cols;          // entries i >= cols are -1: seq while seq <= H, else no limit
   int lim;           // tokens >= lim are out of range
+  int newest;        // seq - 1: the step's newest token (its row is written this step)
 };
 enum : int { DIRECT_SKIP = -1, DIRECT_RANGE = -2, DIRECT_NOROW = -3 };
 // The direct rows of request slot rid at length seq, from a swap's parameters.
 template <typename P>
 __device__ __forceinline__ DirectRows direct_rows(const P& p, i64 rid, i64 seq, int H) {
   const int w = p.host_stride;  // seq <= H or the host map's width bounds both: int32
+  const int lim = seq <= H ? static_cast<int>(seq) : (seq < w ? static_cast<int>(seq) : w);
   return DirectRows{p.page_table ? row_at(p.page_table, rid, p.page_stride) : nullptr,
-                    slot_locs_row(p, rid), p.page_stride, p.page_tokens,
-                    seq <= H ? static_cast<int>(seq) : 0x7fffffff,
-                    seq <= H ? static_cast<int>(seq) : (seq < w ? static_cast<int>(seq) : w)};
+                    slot_locs_row(p, rid), host_locs_row(p, rid), p.page_stride,
+                    p.page_tokens, seq <= H ? static_cast<int>(seq) : 0x7fffffff, lim,
+                    static_cast<int>(seq <= w ? seq - 1 : -1)};
 }
 // Entry i (token tok): its row (>= 0), or DIRECT_SKIP / DIRECT_RANGE / DIRECT_NOROW. PAGED: the
-// rows of a resident request (compiled apart, so neither source costs the other a branch).
+// rows of a resident request (compiled apart, so neither source costs the other a branch),
+// where a token never written (no host row, not the newest) is NOROW, as the sparse path has it.
 template <bool PAGED>
 __device__ __forceinline__ int direct_entry(const DirectRows& d, int tok, int i) {
   if (tok == -1 || i >= d.cols) return DIRECT_SKIP;
   if (tok < 0 || tok >= d.lim) return DIRECT_RANGE;
+  if (PAGED && tok != d.newest && d.hloc[tok] < 0) return DIRECT_NOROW;
   const int r = PAGED ? page_row(d.pages, d.page_stride, d.page_tokens, tok) : d.sloc[tok];
   return r >= 0 ? r : DIRECT_NOROW;
 }

@@ -14,7 +14,9 @@
 // already), where no page was taken for t (host_locs keeps -1: a swap that misses t flags it)
 // or where the row lies outside the pool. Padding or invalid rows: -1, count 0. A resident
 // request (resident[rid], docs/design.md section 10): its newest row is its device page's row,
-// slot H is not marked, and the backup is the same.
+// slot H is not marked, and the backup is the same. With `record` and `written` (a cache with a
+// device budget), written[rid] = seq_len: the count of tokens written that residency's moves
+// work from.
 #include "abi.cuh"
 
 namespace hs {
@@ -41,6 +43,7 @@ __global__ void __launch_bounds__(NEWEST_BLOCK) newest_rows(const NewestRowsPara
                            : slot_locs_row(p, rid)[slot];
   p.rows_out[b] = row;
   if (p.record) {
+    if (p.written) p.written[rid] = static_cast<i32>(seq);
     if (!resident && slot == p.H && p.slot_tokens) {
       for (int l = 0; l < p.n_layers; ++l) slot_tokens_row(p, l, rid)[slot] = static_cast<i32>(t);
     }
