@@ -1,7 +1,9 @@
 """What both sides of :mod:`hisparse_cupy.pd` share: NIXL's import, an agent with the UCX
-backend, a peer's metadata loaded (and reloaded when it changed), descriptors cut into pieces,
-the control messages (:func:`message`, :func:`parse`), the digest of what a ticket lets land,
-and the records the calls return."""
+backend, the peers an agent has loaded (:class:`Peers`: a working connection is never dropped
+for metadata that does not load over it), descriptors cut into pieces, the control messages
+(:func:`message`, :func:`parse`, :func:`messages`; :func:`same_secret` and :func:`text` take
+whatever a peer sends), the digest of what a ticket lets land, and the records the calls
+return."""
 
 from __future__ import annotations
 
@@ -73,21 +75,45 @@ def parse(msg, kinds) -> tuple[str, dict] | None:
 
 def messages(a, kinds, stats, junk: str):
     """Agent ``a``'s new notifications that parse as control messages of ``kinds``, as
-    ``(sender, kind, fields)``; every other one counted in ``stats[junk]``."""
-    for sender, msgs in a.get_new_notifs().items():
+    ``(sender, kind, fields)``; every other one counted in ``stats[junk]``. Never raises: a
+    batch NIXL fails to hand over (its binding decodes each sender's name) is counted in
+    ``stats["errors"]``."""
+    try:
+        batch = a.get_new_notifs()
+    except Exception:
+        stats["errors"] = stats.get("errors", 0) + 1
+        return
+    for sender, msgs in batch.items():
         sender = sender.decode("utf-8", "replace") if isinstance(sender, bytes) else str(sender)
         for msg in msgs:
             got = parse(msg, kinds)
             if got is None:
-                stats[junk] += 1
+                stats[junk] = stats.get(junk, 0) + 1
             else:
                 yield (sender, *got)
 
 
 def same_secret(a, b) -> bool:
-    """``a == b`` for two tokens, in time that does not depend on where they differ."""
-    return isinstance(a, str) and isinstance(b, str) and \
-        hmac.compare_digest(a.encode(), b.encode())
+    """``a == b`` for two tokens, in time that does not depend on where they differ. Takes any
+    two values (a peer's token is whatever its JSON held): False unless both are ``str``; any
+    ``str`` compares, lone surrogates included (UTF-8 with ``surrogatepass`` encodes every
+    ``str``, and no two alike)."""
+    return isinstance(a, str) and isinstance(b, str) and hmac.compare_digest(
+        a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
+
+
+def text(v, n: int) -> str:
+    """A peer's value ``v`` fit for a message to the engine: a ``str`` cut to ``n`` characters
+    (lone surrogates written as ``\\udxxx``, so the result always encodes), a number or None as
+    written, anything else by its type and size (no ``repr`` of a structure a peer nested a
+    thousand deep). Never raises."""
+    if isinstance(v, str):
+        return v[:n].encode("utf-8", "backslashreplace").decode("utf-8")
+    if v is None or isinstance(v, (bool, float)) or (isinstance(v, int) and abs(v) < 1 << 64):
+        return repr(v)
+    if isinstance(v, (list, dict)):
+        return f"a {type(v).__name__} of {len(v)}"
+    return f"a {type(v).__name__}"
 
 
 def digest(n_layers: int, n_tokens: int, row_bytes: int, descs: np.ndarray, base: int) -> str:
@@ -195,34 +221,133 @@ def metadata(a, regs=None, *, keys: bool = True) -> str:
     return base64.b64encode(a.get_partial_agent_metadata(regs, True, ["UCX"])).decode("ascii")
 
 
-def load_peer(a, known: dict, name: str, md: str, what: str) -> None:
-    """Make agent ``a`` know peer ``name`` by metadata ``md`` (base64; ``what`` names it in
-    errors); ``known``: name -> the metadata loaded last. NIXL updates a known peer in place
-    (its new registrations become reachable); a restarted peer of the same name (new connection
-    details) is dropped and loaded anew."""
-    if known.get(name) == md:
-        return
+def _name(got) -> str:
+    """An agent name NIXL returned (bytes or str) as a ``str`` (bytes not UTF-8 kept as
+    surrogates, so that the name is never mistaken for another)."""
+    return got.decode("utf-8", "surrogateescape") if isinstance(got, bytes) else str(got)
+
+
+def _raw(md, what: str) -> bytes:
     try:
-        raw = base64.b64decode(md, validate=True)
+        return base64.b64decode(md, validate=True)
     except (binascii.Error, ValueError, TypeError) as e:
-        raise ValueError(f"{what} is not base64 ({e})") from None
-    try:
+        raise ValueError(f"{what} is not base64 ({text(str(e), 200)})") from None
+
+
+class Peers:
+    """The peers agent ``a`` has loaded, by name, with the metadata (base64) loaded last for
+    each. :meth:`load` adds a peer, or updates a known one in place (NIXL takes a known peer's
+    new metadata when its connection details are those it has: its new registrations become
+    reachable), and never drops or replaces a working connection for metadata that does not
+    load over it. NIXL refuses to load metadata of other connection details under a known name
+    (``NIXL_ERR_NOT_ALLOWED``: a restarted peer of that name, an impostor) or metadata it cannot
+    read (``NIXL_ERR_MISMATCH``) and leaves the peer as it was; dropping the peer to load it
+    anyway (``remove_remote_agent``) is what must not happen while it is in use: NIXL then
+    reports that peer's transfers in flight as ``NIXL_ERR_NOT_FOUND`` while their bytes keep
+    landing, and the peer's notifications of more than ~16 KB are lost (both seen here over
+    UCX). What happens to such metadata is the owner's ``replace``:
+
+    - False (the receiver, whose peers' metadata comes in the peers' own messages, from
+      anyone who names them: NIXL does not authenticate agent names): refused, the connection
+      kept as it is; :meth:`forget` (the engine's call) drops it.
+    - True (the sender, whose receivers' metadata comes in tickets over the engine's control
+      plane): loaded in place of the old connection when ``busy(name)`` (the caller's) is
+      False, nothing in flight with that peer, and the metadata has loaded, under that name, in
+      a probe agent of its own (made on first need, and left knowing no one); else refused.
+      Should the swap's load fail all the same, the old metadata is loaded back."""
+
+    def __init__(self, a, *, replace: bool):
+        self.agent, self.replace = a, replace
+        self.known: dict = {}  # name -> the metadata (base64) loaded last
+        self.replaced = 0
+        self._probe = None
+
+    def __contains__(self, name) -> bool:
+        return name in self.known
+
+    def load(self, name: str, md, what: str, busy=None) -> None:
+        """Make the agent know peer ``name`` by metadata ``md`` (base64; ``what`` names it in
+        errors), or raise ``ValueError`` with nothing changed; ``busy(name)``: whether a
+        transfer with that peer is in flight (asked only before a swap)."""
+        if name in self.known and self.known[name] == md:
+            return
+        raw = _raw(md, what)
         try:
-            got = a.add_remote_agent(raw)
+            got = self.agent.add_remote_agent(raw)
+        except Exception as e:
+            if name not in self.known:
+                raise ValueError(f"{what} did not load ({e!r}): not NIXL agent metadata, or "
+                                 f"its agent is gone (stale)") from None
+            self._swap(name, md, raw, what, e, busy)
+            return
+        if _name(got) != name:
+            if _name(got) not in self.known:  # a stranger's, loaded just now: dropped again
+                with contextlib.suppress(Exception):
+                    self.agent.remove_remote_agent(got)
+            raise ValueError(f"{what} belongs to agent {_name(got)!r}, not {name!r}")
+        self.known[name] = md
+
+    def _swap(self, name: str, md, raw: bytes, what: str, e: Exception, busy) -> None:
+        """Metadata under known name ``name`` that did not load over its connection (``e``)."""
+        why = (f"{what} does not load over the connection this agent has to {name!r} ({e!r}): "
+               f"another agent of that name (restarted, or an impostor), or not NIXL metadata")
+        if not self.replace:
+            raise ValueError(f"{why}; the connection is kept (KVReceiver.forget_sender drops "
+                             f"it)")
+        if busy is not None and busy(name):
+            raise ValueError(f"{why}; the connection is kept while transfers with it are in "
+                             f"flight")
+        got = self._proven(raw)
+        if got is None:
+            raise ValueError(f"{why}; it does not load on its own either: the connection is "
+                             f"kept")
+        if got != name:
+            raise ValueError(f"{what} belongs to agent {got!r}, not {name!r}")
+        old = self.known.pop(name)
+        with contextlib.suppress(Exception):
+            self.agent.remove_remote_agent(name)
+        try:
+            self.agent.add_remote_agent(raw)
+        except Exception as e2:
+            with contextlib.suppress(Exception):
+                self.agent.add_remote_agent(base64.b64decode(old))
+                self.known[name] = old
+            raise ValueError(f"{what} did not load in place of {name!r}'s connection "
+                             f"({e2!r})") from None
+        self.known[name] = md
+        self.replaced += 1
+
+    def _proven(self, raw: bytes) -> str | None:
+        """The name metadata ``raw`` loads under in the probe agent (then dropped there), or
+        None if it does not load."""
+        try:
+            if self._probe is None:
+                self._probe = agent(None, "probe")[1]
+            got = self._probe.add_remote_agent(raw)
         except Exception:
-            if known.pop(name, None) is None:
-                raise
-            with contextlib.suppress(Exception):  # a restarted peer of that name: load it anew
-                a.remove_remote_agent(name)
-            got = a.add_remote_agent(raw)
-    except Exception as e:
-        raise ValueError(f"{what} did not load ({e!r}): not NIXL agent metadata, or its agent "
-                         f"is gone (stale)") from None
-    got = got.decode() if isinstance(got, bytes) else str(got)
-    if got != name:
-        known[got] = None  # whatever was cached for it is replaced
-        raise ValueError(f"{what} belongs to agent {got!r}, not {name!r}")
-    known[name] = md
+            return None
+        with contextlib.suppress(Exception):
+            self._probe.remove_remote_agent(got)
+        return _name(got)
+
+    def forget(self, name: str, busy=None) -> bool:
+        """Drop peer ``name``'s connection, unless ``busy(name)``; True if it was dropped."""
+        if name not in self.known or (busy is not None and busy(name)):
+            return False
+        del self.known[name]
+        with contextlib.suppress(Exception):
+            self.agent.remove_remote_agent(name)
+        return True
+
+    def clear(self, remove: bool = True) -> None:
+        """The owner is closing: forget every peer (``remove``: drop its connection too, busy
+        or not), the probe agent and the agent itself (so that closing lets it go)."""
+        for name in list(self.known):
+            del self.known[name]
+            if remove:
+                with contextlib.suppress(Exception):
+                    self.agent.remove_remote_agent(name)
+        self.agent = self._probe = None
 
 
 def cut(descs: np.ndarray, piece: int) -> np.ndarray:

@@ -1,11 +1,13 @@
 """The decode side of prefill on another node: :class:`KVReceiver` (reservations, tickets,
 quarantine). The protocol, its guarantees and its trust boundary: the package docstring
-(``hisparse_cupy/pd/__init__.py``)."""
+(``hisparse_cupy/pd/__init__.py``). The page rule (when a reservation's pages go back) and
+the quarantine: ``_quarantine.py``."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import secrets
 import time
 
@@ -16,26 +18,13 @@ from .._kernels import sums as _sums
 from ..host._pages import HostPages, consecutive_runs
 from . import _nixl, _ticket
 from ._nixl import Arrival, Polled
+from ._quarantine import Quarantine, Reservation
 from ._send import TICKET_VERSION
 
 __all__ = ["KVReceiver"]
 
-_ENDED_KEEP = 1 << 16  # ended transfer ids remembered, to tell late from unknown notifications
 
-
-class _Reservation:
-    """A reservation's record: what it allows to land, and who is writing it (``writer``:
-    ``(sender, tag)`` of the offer taken or the begin granted; ``how``: pull, write or copy)."""
-
-    __slots__ = ("req_id", "xfer_id", "token", "pages", "n_tokens", "t0", "deadline", "descs",
-                 "rows", "counts", "digest", "verify", "writer", "how", "handle", "sums")
-
-    def __init__(self, **kw):
-        for k in self.__slots__:
-            setattr(self, k, kw.get(k))
-
-
-class KVReceiver:
+class KVReceiver(Quarantine):
     """The decode side: ``pool`` (uint8 ``[n_layers, n_rows, row_bytes]``, C-contiguous:
     ``cache.pool.numpy``, or a ``HostKVPool``) registered with a NIXL agent (``name``: default
     unique) once, and pages of ``pages`` (its :class:`HostPages`, ``cache.pages``) reserved per
@@ -45,7 +34,15 @@ class KVReceiver:
     parameters for its agent (as :class:`KVSender`'s). ``push``: also take NIXL WRITEs from
     senders (tickets then carry the pool's remote keys: the module docstring's trust boundary);
     default False: pulls and the same-node path only. ``verify``: the default of
-    :meth:`reserve`'s (a checksum per layer checked on arrival; rows of a multiple of 8 bytes)."""
+    :meth:`reserve`'s (a checksum per layer checked on arrival; rows of a multiple of 8 bytes).
+
+    A sender's agent name is bound to the first connection the receiver loads for it (its
+    first offer or begin): metadata under that name that does not load over that connection
+    (a sender restarted under the same name, an impostor, junk) is refused, and the connection
+    kept, until the engine calls :meth:`forget_sender`. ``stats`` counts what each poll found
+    (``"errors"``: exceptions no input should raise, caught per message and per transfer, the
+    last one's text in :attr:`last_error`; ``"unconfirmed"``: READs whose state NIXL could not
+    report)."""
 
     def __init__(self, pool, pages: HostPages, *, timeout_s: float = 60.0, name: str | None = None,
                  clock=time.monotonic, fence=None, ucx_params: dict | None = None,
@@ -79,17 +76,24 @@ class KVReceiver:
         ident = getattr(pool, "identity", None)  # a shared HostKVPool: senders here write it
         self._shm = None if ident is None else {"name": pool.name, "identity": list(ident),
                                                 "base": arr.ctypes.data, "bytes": arr.nbytes}
-        self._live: dict = {}  # req_id -> _Reservation
-        self._by_xfer: dict = {}  # xfer_id -> _Reservation, of the live ones
-        self._quarantine: dict = {}  # xfer_id -> _Reservation, ended, its writer maybe active
+        self._live: dict = {}  # req_id -> Reservation
+        self._by_xfer: dict = {}  # xfer_id -> Reservation, of the live ones
+        self._quarantine: dict = {}  # xfer_id -> Reservation, ended, its writer maybe active
         self._ended: collections.OrderedDict = collections.OrderedDict()  # -> (why, token)
         self._held: dict = {}  # xfer_id -> pages, of arrivals not yet admitted or released
         self.stats = collections.Counter()
-        self._senders: dict = {}  # sender agent name -> its metadata loaded (pulls)
+        self.last_error: str | None = None  # the text of the last exception caught in a poll
+        self._senders = _nixl.Peers(self._agent, replace=False)
+        self._closed = False
 
     def _open(self) -> None:
-        if self._agent is None:
+        if self._closed:
             raise RuntimeError("KVReceiver is closed")
+
+    def _busy(self, sender: str) -> bool:
+        """Whether a transfer with ``sender`` is in progress or quarantined."""
+        return any(r.writer is not None and r.writer[0] == sender
+                   for d in (self._live, self._quarantine) for r in d.values())
 
     @property
     def in_flight(self) -> dict:  # req_id -> tokens, of the reservations waiting
@@ -100,12 +104,6 @@ class KVReceiver:
         """``req_id -> "pull" / "write" / "copy"`` of the reservations whose transfer started
         (a READ posted, a grant given): a cancel of one quarantines its pages."""
         return {r.req_id: r.how for r in self._live.values() if r.writer is not None}
-
-    @property
-    def quarantined(self) -> dict:
-        """``xfer_id -> (req_id, pages)`` of the ended reservations whose transfer may still
-        write their pages (kept out of the free list until it can no longer)."""
-        return {x: (r.req_id, len(r.pages)) for x, r in self._quarantine.items()}
 
     def reserve(self, req_id, n_tokens: int, *, timeout_s: float | None = None,
                 verify: bool | None = None) -> dict:
@@ -140,10 +138,10 @@ class KVReceiver:
         descs = descs.astype(np.uint64)
         base = self._shm["base"] if self._shm else 0
         now = self._clock()
-        r = _Reservation(req_id=req_id, xfer_id=secrets.token_hex(16),
-                         token=secrets.token_hex(16), pages=pages, n_tokens=n, t0=now,
-                         deadline=now + t, descs=descs, rows=pg[first] * P, counts=cnt,
-                         digest=_nixl.digest(self.n_layers, n, rb, descs, base), verify=verify)
+        r = Reservation(req_id=req_id, xfer_id=secrets.token_hex(16),
+                        token=secrets.token_hex(16), pages=pages, n_tokens=n, t0=now,
+                        deadline=now + t, descs=descs, rows=pg[first] * P, counts=cnt,
+                        digest=_nixl.digest(self.n_layers, n, rb, descs, base), verify=verify)
         self._live[req_id] = self._by_xfer[r.xfer_id] = r
         return {"version": TICKET_VERSION, "agent": self.name, "instance": self.instance,
                 "metadata": self._md, "xfer_id": r.xfer_id, "token": r.token, "req_id": req_id,
@@ -157,26 +155,48 @@ class KVReceiver:
         """Read the senders' messages (offers: their READs posted; begins: granted or refused;
         dones: checked), progress the READs (in flight, and quarantined), then expire the
         reservations past their deadline. Returns the arrivals (to :meth:`admit`), the req_ids
-        that timed out, and ``(req_id, why)`` of the transfers that failed."""
+        that timed out, and ``(req_id, why)`` of the transfers that failed.
+
+        Never raises once open, whatever the senders send: each message, each READ's check and
+        each expiry is handled on its own, and an exception in one (none is expected: each is
+        counted in ``stats["errors"]``, its text in :attr:`last_error`) leaves the rest of the
+        batch handled and every arrival already formed reported."""
         self._open()
         done, failed = [], []
-        for sender, kind, f in _nixl.messages(self._agent, _nixl.TO_RECEIVER, self.stats,
-                                              "malformed"):
-            self._on(sender, kind, f, done, failed)
-        for r in [r for r in self._by_xfer.values() if r.handle is not None]:
-            st = self._read_state(r)
-            if st == "DONE":
-                self._landed(r, done, failed)
-            elif st != "PROC":
-                self._fail(r, f"its READ failed ({st})", failed)
-        for r in [r for r in self._quarantine.values() if r.handle is not None]:
-            if self._read_state(r) != "PROC":
-                self._unquarantine(r)
+        self._progress(done, failed)
         now = self._clock()
         late = [r for r in list(self._live.values()) if now >= r.deadline]
         for r in late:
-            self._end(r, "timed_out", tell="it timed out")
+            self._guard(self._end, r, "timed_out", "it timed out")
         return Polled(done, [r.req_id for r in late], failed)
+
+    def _progress(self, done: list, failed: list) -> None:
+        """One look: the new messages, then the READs in flight and the quarantined ones."""
+        for sender, kind, f in _nixl.messages(self._agent, _nixl.TO_RECEIVER, self.stats,
+                                              "malformed"):
+            self._guard(self._on, sender, kind, f, done, failed)
+        for r in [r for r in self._by_xfer.values() if r.handle is not None]:
+            self._guard(self._check_read, r, done, failed)
+        for r in [r for r in self._quarantine.values() if r.handle is not None and
+                  r.lost is None]:
+            self._guard(self._check_quarantined, r)
+
+    def _guard(self, fn, *args) -> None:
+        """``fn(*args)``; an exception is counted in ``stats["errors"]``, not raised."""
+        try:
+            fn(*args)
+        except Exception as e:
+            self.stats["errors"] += 1
+            self.last_error = f"{fn.__name__}: {e!r}"[:1000]
+
+    def _check_read(self, r: Reservation, done: list, failed: list) -> None:
+        """A live reservation's READ: landed once complete; failed, its pages quarantined,
+        when its state cannot be read."""
+        if self._read_ended(r):
+            self._landed(r, done, failed)
+        elif r.lost is not None:
+            self._fail(r, f"its READ failed ({r.lost}): its pages stay quarantined until "
+                          f"release_quarantined", failed)
 
     def _on(self, sender: str, kind: str, f: dict, done: list, failed: list) -> None:
         """One sender's message: checked against the reservation it names (its token first)."""
@@ -217,7 +237,7 @@ class KVReceiver:
             self.stats["refused"] += 1
         elif kind == "abort":
             r.writer = None  # it writes no more: the pages can go back
-            self._fail(r, f"its sender aborted it ({str(f.get('why'))[:200]})", failed)
+            self._fail(r, f"its sender aborted it ({_nixl.text(f.get('why'), 200)})", failed)
         elif f.get("digest") != r.digest:
             r.writer = None
             self._fail(r, "its done does not match the ticket (an altered ticket)", failed,
@@ -230,16 +250,15 @@ class KVReceiver:
         """Tell the holder of an ended reservation's token that its offer or begin came late
         (so it ends now, not at its own timeout)."""
         with contextlib.suppress(ValueError):
-            _nixl.load_peer(self._agent, self._senders, sender, f.get("metadata"),
-                            "the message's metadata")
+            self._senders.load(sender, f.get("metadata"), "the message's metadata")
         self._tell(sender, "fail", f.get("tag"), f"the reservation ended ({why})")
 
-    def _offer(self, r: _Reservation, sender: str, o: dict, failed: list) -> None:
+    def _offer(self, r: Reservation, sender: str, o: dict, failed: list) -> None:
         """A pull's offer: checked against the reservation, then one READ into its pages."""
         tag = o.get("tag")
         try:
-            _nixl.load_peer(self._agent, self._senders, sender, o.get("metadata"),
-                            "the offer's metadata")  # first: a refusal is told to the sender
+            self._senders.load(sender, o.get("metadata"),
+                               "the offer's metadata")  # first: a refusal is told to the sender
             remote, mem, dev = _ticket.offer(o, sender, r.descs)
             r.sums = self._sums_of(r, o)
             h = self._agent.initialize_xfer(
@@ -251,23 +270,22 @@ class KVReceiver:
         r.writer, r.how, r.handle = (sender, tag), "pull", h
         try:
             self._agent.transfer(h)
-        except Exception:  # (its state, checked next, says whether it is in progress)
-            self.stats["read_errors"] += 1
+        except Exception:  # (its state, checked next, says whether it is in progress: a post
+            self.stats["read_errors"] += 1  # that failed may have started part of it)
 
-    def _begin(self, r: _Reservation, sender: str, b: dict, failed: list) -> None:
+    def _begin(self, r: Reservation, sender: str, b: dict, failed: list) -> None:
         """A write's begin: granted when the receiver takes that kind and the sender's digest
         of its ticket is the reservation's (else the reservation fails: nothing was written)."""
         tag, how = b.get("tag"), b.get("how")
         try:  # its connection details: the receiver's answers need them
-            _nixl.load_peer(self._agent, self._senders, sender, b.get("metadata"),
-                            "the begin's metadata")
+            self._senders.load(sender, b.get("metadata"), "the begin's metadata")
         except ValueError as e:
             self._fail(r, f"its begin was refused ({e})", failed)
             return
         if how not in ("write", "copy") or (how == "write" and not self.push) or \
                 (how == "copy" and self._shm is None):
             why = "this receiver takes pulls only (KVReceiver(push=True) takes WRITEs)" \
-                if how == "write" else f"this receiver takes no {str(how)[:20]!r} writes"
+                if how == "write" else f"this receiver takes no {_nixl.text(how, 20)!r} writes"
             self._fail(r, why, failed, sender, tag)
         elif b.get("digest") != r.digest:
             self._fail(r, "its begin does not match the ticket (an altered ticket)", failed,
@@ -279,7 +297,7 @@ class KVReceiver:
             r.writer, r.how = (sender, tag), how
             self._tell(sender, "grant", tag)
 
-    def _sums_of(self, r: _Reservation, f: dict):
+    def _sums_of(self, r: Reservation, f: dict):
         """The sender's per-layer sums in ``f`` for a verified reservation (else None)."""
         if not r.verify:
             return None
@@ -287,10 +305,10 @@ class KVReceiver:
         if not (isinstance(s, list) and len(s) == self.n_layers and all(
                 isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64 for v in s)):
             raise ValueError(f"the ticket asks for verify: the sender must send {self.n_layers} "
-                             f"per-layer sums (uint64), got {str(s)[:80]}")
+                             f"per-layer sums (uint64), got {_nixl.text(s, 80)}")
         return s
 
-    def _landed(self, r: _Reservation, done: list, failed: list) -> None:
+    def _landed(self, r: Reservation, done: list, failed: list) -> None:
         """The bytes of ``r`` are in place (its READ complete, or its writer done): verified
         when asked, then an arrival."""
         sender, tag = r.writer
@@ -316,19 +334,7 @@ class KVReceiver:
         done.append(Arrival(r.req_id, list(r.pages), r.n_tokens, r.xfer_id, sender,
                             self._clock() - r.t0))
 
-    def _read_state(self, r: _Reservation) -> str:
-        try:
-            return self._agent.check_xfer_state(r.handle)
-        except Exception as e:
-            return f"ERR ({e!r})"
-
-    def _release(self, handle) -> None:
-        try:
-            self._agent.release_xfer_handle(handle)
-        except Exception:  # (a handle no longer in progress: nothing left to stop)
-            self.stats["release_errors"] += 1
-
-    def _fail(self, r: _Reservation, why: str, failed: list, sender=None, tag=None) -> None:
+    def _fail(self, r: Reservation, why: str, failed: list, sender=None, tag=None) -> None:
         """End ``r`` as failed (reported in ``failed``), telling ``sender`` why."""
         self._end(r, "failed")
         failed.append((r.req_id, why))
@@ -354,40 +360,21 @@ class KVReceiver:
                            f"out or was cancelled)")
         self._end(self._live[req_id], "cancelled", tell="the receiver cancelled it")
 
-    def _end(self, r: _Reservation, why: str, tell: str | None = None) -> None:
-        del self._live[r.req_id], self._by_xfer[r.xfer_id]
-        self._ended[r.xfer_id] = (why, r.token)
-        if len(self._ended) > _ENDED_KEEP:
-            self._ended.popitem(last=False)
-        self.stats[why] += 1
-        if why == "done":
-            return
-        if r.writer is not None and tell is not None:
-            self._tell(r.writer[0], "fail", r.writer[1], tell)
-        if r.handle is not None and self._read_state(r) != "PROC":
-            self._release(r.handle)
-            r.handle, r.writer = None, None
-        if r.writer is None:
-            self.pages.put(r.pages)
-        else:  # its READ in progress, or a write granted: kept until it can write no more
-            self._quarantine[r.xfer_id] = r
-            self.stats["quarantined"] += 1
-
-    def _unquarantine(self, r: _Reservation) -> None:
-        del self._quarantine[r.xfer_id]
-        if r.handle is not None:
-            self._release(r.handle)
-        r.handle = r.writer = None
-        self.pages.put(r.pages)
-
-    def release_quarantined(self, xfer_id: str) -> None:
-        """Give back the pages of quarantined transfer ``xfer_id`` (:attr:`quarantined`) now:
-        for an engine that knows its sender can no longer write them (that process ended)."""
+    def forget_sender(self, name: str) -> None:
+        """Drop sender agent ``name``'s connection, so that the next offer or begin under that
+        name loads its metadata anew: for an engine that knows the process behind it ended
+        and another one of that name will send (a receiver never replaces a connection on a
+        sender's word: the class docstring). ``KeyError`` if the receiver has none;
+        ``ValueError`` while a transfer with it is in progress or quarantined (end it, or
+        :meth:`release_quarantined` it, first)."""
         self._open()
-        r = self._quarantine.get(xfer_id)
-        if r is None:
-            raise KeyError(f"xfer_id {xfer_id!r} is not quarantined")
-        self._unquarantine(r)
+        if name not in self._senders:
+            raise KeyError(f"the receiver has no connection to a sender named {name!r}")
+        if not self._senders.forget(name, self._busy):
+            held = [r.req_id for d in (self._live, self._quarantine) for r in d.values()
+                    if r.writer is not None and r.writer[0] == name]
+            raise ValueError(f"sender {name!r} has transfers in progress or quarantined (req_ids "
+                             f"{held[:8]}): its connection is kept")
 
     def _arrived(self, arrival: Arrival) -> list:
         if not isinstance(arrival, Arrival) or arrival.xfer_id not in self._held:
@@ -420,16 +407,46 @@ class KVReceiver:
         self._arrived(arrival)
         self.pages.put(self._held.pop(arrival.xfer_id))
 
-    def close(self) -> None:
-        """Cancel the reservations in flight, deregister the pool. Arrivals keep their pages;
-        quarantined ones stay out of the free list (their READs released: NIXL cancels them)."""
-        if self._agent is not None:
+    def close(self, timeout_s: float = 5.0) -> dict:
+        """Close the receiver: cancel the reservations in flight (their senders told), then
+        wait up to ``timeout_s`` seconds (0: one look) for the quarantined transfers to end,
+        reading messages and checking READs as :meth:`poll` does: each whose end is confirmed
+        (a READ's ``"DONE"``, a writer's done or abort) gives its pages back, once. Returns
+        :attr:`quarantined` as it is then: the transfers that may still land (a READ still in
+        progress, a write whose writer never said it ended) or whose state NIXL could not
+        report; their pages stay out of the free list, their READs are not released (NIXL
+        would try to cancel them: never trusted to have stopped) and the agent and the pool's
+        registration stay until the last of them is given back, by another ``close()`` (which
+        waits again) or :meth:`release_quarantined`. Arrivals keep their pages (:meth:`admit`
+        and :meth:`release` still work); every other call raises. The wait returns early once
+        nothing left can end (only READs in an unknown state)."""
+        if isinstance(timeout_s, bool) or not isinstance(
+                timeout_s, (int, float, np.integer, np.floating)):
+            raise TypeError(f"timeout_s must be a number of seconds, got "
+                            f"{type(timeout_s).__name__}")
+        if not 0 <= timeout_s < math.inf:
+            raise ValueError(f"timeout_s must be a finite number of seconds >= 0, got "
+                             f"{timeout_s}")
+        if self._agent is None:
+            return {}
+        if not self._closed:
+            self._closed = True
             for r in list(self._live.values()):
-                self._end(r, "cancelled", tell="the receiver closed")
-            for r in self._quarantine.values():
-                if r.handle is not None:
-                    with contextlib.suppress(Exception):
-                        self._agent.release_xfer_handle(r.handle)
-                    r.handle = None
+                self._guard(self._end, r, "cancelled", "the receiver closed")
+        end = time.monotonic() + float(timeout_s)
+        while True:
+            self._progress([], [])
+            if not any(r.lost is None for r in self._quarantine.values()) or \
+                    time.monotonic() >= end:
+                break
+            time.sleep(0.001)
+        self._shut()
+        return self.quarantined
+
+    def _shut(self) -> None:
+        """Once closed with nothing quarantined: deregister the pool, drop the agent."""
+        if self._closed and not self._quarantine and self._agent is not None:
             agent, self._agent = self._agent, None
-            agent.deregister_memory(self._reg)
+            self._senders.clear(remove=False)  # (the agent goes with the receiver's hold)
+            with contextlib.suppress(Exception):
+                agent.deregister_memory(self._reg)

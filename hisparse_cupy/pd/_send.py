@@ -6,7 +6,6 @@ shared pool); :class:`PendingSend` drives each to the end."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
 import time
 
@@ -71,7 +70,7 @@ class KVSender:
         self.name, self._agent = _nixl.agent(name, "tx", _nixl.ucx_params(ucx_params))
         self._link = Link(self._agent, _nixl.metadata(self._agent, keys=False), self._word,
                           self._progress, self._settle, self._unpin)
-        self._remote: dict = {}  # receiver agent name -> the metadata loaded
+        self._remote = _nixl.Peers(self._agent, replace=True)  # receivers' connections
         self._fixed: list = []  # (mem, dev, lo, hi, reg), from register()
         self._pins: dict = {}  # (mem, dev, lo, hi) -> [reg, users], registered for sends
         self._abandoned: list = []  # ended sends whose WRITE or copies may still write
@@ -196,7 +195,8 @@ class KVSender:
             if x not in self._words or x.rsplit("/", 1)[0] not in self._sent_to(sender):
                 self.stats["late"] += 1
                 continue
-            self._words[x].append(kind if kind != "fail" else f"fail: {str(f.get('why'))[:500]}")
+            self._words[x].append(kind if kind != "fail" else
+                                  f"fail: {_nixl.text(f.get('why'), 500)}")
 
     def _sent_to(self, sender: str) -> set:
         """Transfer ids of the sends in flight to agent ``sender``."""
@@ -308,14 +308,20 @@ class KVSender:
             s.synchronize()
 
     def _connect(self, t: dict) -> str:
-        """Load the ticket's receiver metadata (again when it changed)."""
+        """Load the ticket's receiver metadata (again when it changed). Metadata that does not
+        load over the connection the sender has to that name (a receiver restarted under the
+        same name) replaces it only while no send to it is in flight, and only once it has
+        loaded on its own (``_nixl.Peers``); a ticket refused leaves the connection as it was,
+        so the sends in flight on it go on."""
         name = t["agent"]
-        try:
-            _nixl.load_peer(self._agent, self._remote, name, t["metadata"], "ticket['metadata']")
-        except ValueError:
-            self._forget(name)
-            raise
+        self._remote.load(name, t["metadata"], "ticket['metadata']", self._busy)
         return name
+
+    def _busy(self, name: str) -> bool:
+        """Whether a send to receiver ``name`` is queued, in flight, or ended with its WRITE or
+        copies still writing."""
+        return any(p.agent == name for p in self._pending()) or \
+            any(p.agent == name for p in self._abandoned)
 
     def _settle(self, p: PendingSend, ok: bool) -> None:
         """A send ended: its words go; what it holds is let go once nothing it started can
@@ -331,10 +337,10 @@ class KVSender:
             self._forget(p.agent)  # (not on the receiver's refusal: its other sends go on)
 
     def _forget(self, name: str) -> None:
-        """Drop a receiver's metadata (stale, or its transfer failed): the next ticket reloads."""
-        if self._remote.pop(name, None) is not None and self._agent is not None:
-            with contextlib.suppress(Exception):
-                self._agent.remove_remote_agent(name)
+        """Drop a receiver's metadata (stale: the next ticket reloads it), unless another send
+        to it is in flight (dropping a connection in use loses its transfers' state)."""
+        if self._agent is not None:
+            self._remote.forget(name, self._busy)
 
     def _pin(self, mem: str, dev: int, lo: int, hi: int):
         """``(key, registration)`` of memory ``[lo, hi)``: a buffer given to :meth:`register`
@@ -373,8 +379,7 @@ class KVSender:
             p.advance(force=True)
         self._abandoned = []
         self._sync()  # (a copy in flight writes into an attached pool)
-        for name in list(self._remote):
-            self._forget(name)
+        self._remote.clear()
         for reg in [e[0] for e in self._pins.values()] + [f[-1] for f in self._fixed]:
             self._agent.deregister_memory(reg)
         self._pins, self._fixed, self._agent = {}, [], None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import integer
+from ._nixl import text
 
 
 def ticket(t, version: int) -> dict:
@@ -68,7 +69,7 @@ def offer(o, sender: str, want: np.ndarray):
         raise ValueError(f"offer must be a dict from agent {sender!r} with its metadata")
     mem, dev = o.get("mem"), integer("offer['dev']", o.get("dev"), 0)
     if mem not in ("DRAM", "VRAM"):
-        raise ValueError(f"offer['mem'] must be DRAM or VRAM, got {mem!r:.40}")
+        raise ValueError(f"offer['mem'] must be DRAM or VRAM, got {text(mem, 40)!r}")
     try:
         descs = np.asarray(o.get("descs"), np.uint64).reshape(-1, 2)
     except (ValueError, TypeError, OverflowError) as e:
