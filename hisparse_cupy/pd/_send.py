@@ -383,6 +383,7 @@ class KVSender:
         for reg in [e[0] for e in self._pins.values()] + [f[-1] for f in self._fixed]:
             self._agent.deregister_memory(reg)
         self._pins, self._fixed, self._agent = {}, [], None
+        self._link = None  # (its agent, which the sends' bound methods would keep alive)
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
