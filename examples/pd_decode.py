@@ -184,7 +184,7 @@ class GpuAdmission:
     def __init__(self, argv, rig):
         c = rig.cache
         self.rig = rig
-        self.rec = Receiving(argv, True, c.pool, c.pages, fence=c.host.wait_releases)
+        self.rec = Receiving(argv, True, c.pool, c.pages)
 
     def admit_all(self) -> list:
         got = self.rec.receive(self.rig.cfg)

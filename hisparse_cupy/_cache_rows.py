@@ -245,14 +245,6 @@ class CacheRows:
         else:
             store_rows(self.pool, rows, kv, s)
 
-    def wait_releases(self) -> None:
-        """Block until the work every fence of a free page names is done (a paged pool;
-        :meth:`HostPages.take` already waits for the fences of the pages it hands out: this
-        is for an engine that takes pages another way)."""
-        if self.pages is not None:
-            for f in self.pages.pending():
-                f.synchronize()
-
     def _write_pages(self, rid: int, at: int, pages) -> None:
         """Table entries ``at..`` of ``rid`` (current stream): a few as kernel arguments (no
         host -> device copy from pageable memory, which may wait for the device), more as one

@@ -42,10 +42,10 @@ class Tables:
     def __init__(self):
         self.hot_size = H
         self.slot_tokens = np.full((1, R, W), -1, np.int32)
-        self.slot_rows = np.full((R, W), -1, np.int64)
+        self.slot_layout = np.full((R, W), -1, np.int32)
 
     def place(self, rid, rows, stream):
-        self.slot_rows[rid] = -1 if rows is None else np.asarray(rows)[:W]
+        self.slot_layout[rid] = -1 if rows is None else np.asarray(rows)[:W]
 
     def reset(self, rid, stream):
         self.slot_tokens[:, rid] = -1
@@ -117,7 +117,7 @@ def test_a_demotion_holds_what_an_admission_of_the_written_tokens_would(arena, n
     a.demote(1, t, np.zeros((1, 1, 8), np.uint8), contextlib.nullcontext())  # (its shape)
     assert a.budget.state(1) == "sparse" and a.resident[1] == 0 and (a.page_table[1] == -1).all()
     assert a.budget.free_pages == free + a.budget.pages_for(n + ahead) - a.budget.block_pages
-    toks, rows = t.slot_tokens[0, 1], t.slot_rows[1]
+    toks, rows = t.slot_tokens[0, 1], t.slot_layout[1]
     if n <= H:
         assert (toks[:H] == np.arange(H)).all() and toks[H] == -1
         held = np.arange(min(H, n + ahead))  # every token with a page

@@ -727,7 +727,7 @@ def test_a_sender_killed_mid_write_leaves_its_pages_quarantined():
 
 
 def test_the_fence_runs_after_the_pages_are_taken_and_before_the_ticket_leaves():
-    """``fence`` (``cache.host.wait_releases`` in an engine) runs once per reservation, with
+    """``fence`` (an engine's own hook) runs once per reservation, with
     the pages already taken: a writer never sees pages a released request's queued work reads."""
     seen = []
     rx, _, pages = receiver(16, fence=lambda: seen.append(int(pages.held.sum())))

@@ -307,10 +307,6 @@ class HostPages:
                     out[id(f)] = f
         return list(out.values())
 
-    def pending(self) -> list:
-        """Every fence a page carries that is not done yet."""
-        return self.fences(np.flatnonzero(self._fenced >= 0))
-
     def _pop(self, n: int, wait) -> list[int]:
         """``n`` pages off the free list, their fences handed to ``wait`` (default: waited
         for on the host) and cleared."""

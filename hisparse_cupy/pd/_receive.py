@@ -29,8 +29,9 @@ class KVReceiver(Quarantine):
     ``cache.pool.numpy``, or a ``HostKVPool``) registered with a NIXL agent (``name``: default
     unique) once, and pages of ``pages`` (its :class:`HostPages`, ``cache.pages``) reserved per
     request; ``timeout_s``: a reservation's default wait; ``clock``: monotonic seconds;
-    ``fence``: called before a ticket leaves (``cache.host.wait_releases``: a taken page may be a
-    released request's that queued device work still reads); ``ucx_params``: NIXL's UCX backend
+    ``fence``: called before a ticket leaves, after the pages were taken (a cache's pages need
+    none: :meth:`HostPages.take` waits for the fences of the work that last touched them);
+    ``ucx_params``: NIXL's UCX backend
     parameters for its agent (as :class:`KVSender`'s). ``push``: also take NIXL WRITEs from
     senders (tickets then carry the pool's remote keys: the module docstring's trust boundary);
     default False: pulls and the same-node path only. ``verify``: the default of

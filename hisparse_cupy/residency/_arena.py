@@ -152,7 +152,7 @@ class DeviceArena:
                 tables.slot_tokens[:, rid, :H] = held[:H].reshape(1, H)
                 tables.slot_tokens[:, rid, H] = cupy.where(pos, -1, held[H])
                 src = cupy.where(keep, page.astype(cupy.int64) * P + tok % P, -1)
-                dst = cupy.asarray(block[: H + 1].astype(np.int32))
+                dst = tables.slot_layout[rid, : H + 1]  # (placed above: the block's rows)
                 count = cupy.full(1, H + 1, cupy.int32)
                 self.resident[rid] = 0
                 self.page_table[rid] = -1
