@@ -134,7 +134,7 @@ class DeviceArena:
             raise ValueError(f"request slot {rid} is not resident")
         H, P = tables.hot_size, self.page_tokens
         with StreamOrder.fence(stream) as ev:
-            pages = self.budget.tokens(rid)
+            paged = self.budget.tokens(rid)  # tokens with a page (written or grown ahead)
             block, _ = self.budget.demote(rid, fence=ev, wait=StreamOrder.waiter(stream))
             tables.place(rid, block, stream)
             tables.reset(rid, stream)
@@ -147,7 +147,7 @@ class DeviceArena:
                 page = row[cupy.minimum(tok // P, row.size - 1)]
                 # a slot takes its token's bytes where the token has a page (positional: up
                 # to H); past H a slot without them is left empty (-1: a miss, from the host)
-                keep = (page >= 0) & (tok < pages) & ~(pos & (j >= H))
+                keep = (page >= 0) & (tok < paged) & ~(pos & (j >= H))
                 held = cupy.where(pos | keep, tok, -1)
                 tables.slot_tokens[:, rid, :H] = held[:H].reshape(1, H)
                 tables.slot_tokens[:, rid, H] = cupy.where(pos, -1, held[H])
@@ -197,10 +197,10 @@ class DeviceArena:
             for r in done:
                 ev, n0 = self.promoting.pop(r)
                 stream.wait_event(ev)
-                pages = self.budget.tokens(r)
+                paged = self.budget.tokens(r)
                 with stream:
-                    t = cupy.arange(pages, dtype=cupy.int64)
-                    hl = host_locs[r, :pages]
+                    t = cupy.arange(paged, dtype=cupy.int64)
+                    hl = host_locs[r, :paged]
                     src = cupy.where((t >= n0.astype(cupy.int64)) & (hl >= 0), hl, -1)
                     dst = cupy.asarray(self.budget.rows(r).astype(np.int32))
                 load_rows(pool, src, device, dst, stream)
