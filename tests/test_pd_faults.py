@@ -14,6 +14,7 @@ no byte of it lands in pages handed out again, the sender keeps its connection,
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import time
 import weakref
@@ -56,6 +57,18 @@ def tcp_only(monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp,self,cuda_copy")
 
 
+@pytest.fixture
+def still(monkeypatch):
+    """``still()``: agents made after the call run without NIXL's progress thread, so a
+    transfer moves only inside their own calls (a READ posted stays in flight until the test
+    makes one, on any machine: with progress threads a fast machine finished a 72 MiB READ
+    before a sender's teardown cut it, and the test saw an arrival instead)."""
+    api = nixl_api()
+    return lambda: monkeypatch.setattr(
+        api, "nixl_agent_config",
+        functools.partial(api.nixl_agent_config, enable_prog_thread=False))
+
+
 def impostor(tx):
     """A raw NIXL agent under sender ``tx``'s agent name (NIXL does not authenticate names)."""
     return _nixl.agent(tx.name, "raw")[1]
@@ -87,17 +100,19 @@ def warm(tx, rx, rb=RB):
 
 
 # ------------------------------------------- 6. a READ in flight keeps its connection and pages
-def test_an_offer_under_a_reading_senders_name_leaves_its_read_and_pages_alone(tcp_only):
+def test_an_offer_under_a_reading_senders_name_leaves_its_read_and_pages_alone(tcp_only, still):
     """Sender A's 72 MiB READ in progress (over TCP); two offers for other reservations come
     under A's agent name with metadata that does not load over A's connection (cut in half,
     then an impostor's own): both are refused and nothing else changes. A's connection is not
     dropped (so NIXL still reports its READ's state), A's pages are not handed out (a
     reservation needing them is refused), A's request arrives exact, and no byte of it lands
-    in another reservation's pages."""
+    in another reservation's pages. (``still`` for the receiver: its READ takes thousands of
+    its polls, a few dozen handle the offers.)"""
     rb, n = 4096, 6144
-    rx, pool, pages = poisoned(n // P + 2, rb, timeout_s=60)
     tx = KVSender()
     fake = impostor(tx)
+    still()
+    rx, pool, pages = poisoned(n // P + 2, rb, timeout_s=60)
     try:
         warm(tx, rx, rb)
         kv = make_kv(7, L, n, rb)
@@ -553,12 +568,14 @@ def test_a_read_whose_state_cannot_be_read_keeps_its_pages(monkeypatch, how, whe
         rx.close()
 
 
-def test_a_sender_gone_during_its_read_leaves_the_pages_quarantined(tcp_only):
+def test_a_sender_gone_during_its_read_leaves_the_pages_quarantined(tcp_only, still):
     """A pulling sender (a raw agent) whose agent ends while the receiver's 72 MiB READ of its
     kv is in progress over TCP, as a killed process's would: NIXL reports the READ failed
     (NIXL_ERR_REMOTE_DISCONNECT), so the reservation fails, but its pages stay quarantined
     (the READ's end is not confirmed: ``stats["unconfirmed"]``), never handed out, until the
-    engine, knowing the sender is gone, gives them back."""
+    engine, knowing the sender is gone, gives them back. (``still``: no call between the
+    READ's posting and the sender's end, so it is in flight then.)"""
+    still()
     rb, n = 4096, 6144
     rx, pool, pages = poisoned(n // P, rb, timeout_s=60)
     kv = host_zeros((L, n, rb))
@@ -575,7 +592,8 @@ def test_a_sender_gone_during_its_read_leaves_the_pages_quarantined(tcp_only):
             "offer", xfer_id=t["xfer_id"], token=t["token"], tag="a/0", agent=sender.name,
             mem="DRAM", dev=0, descs=descs.tolist(), metadata=_nixl.metadata(sender, reg)))
         end = time.monotonic() + 20
-        while "a" not in rx.in_progress:
+        while "a" not in rx.in_progress:  # (the sender's calls send its offer)
+            sender.get_new_notifs()
             _poll(rx)
             assert time.monotonic() < end, "the READ was not posted"
         gone = weakref.ref(sender)
@@ -597,14 +615,15 @@ def test_a_sender_gone_during_its_read_leaves_the_pages_quarantined(tcp_only):
 
 
 # ------------------------------------------------------------------- close with a READ
-def test_close_waits_for_a_read_in_progress_and_then_gives_its_pages_back(tcp_only):
-    """``close()`` with a 72 MiB READ in progress (over TCP): given no time it returns that
-    transfer (its pages stay out of the free list and listed in ``quarantined``: the READ may
-    still land); the sender is told; a second ``close()`` waits for the READ's end and gives
-    its pages back, once; the receiver takes no other call afterwards."""
+def test_close_waits_for_a_read_in_progress_and_then_gives_its_pages_back(tcp_only, still):
+    """``close()`` with a 72 MiB READ in progress (over TCP, ``still``): given no time it
+    returns that transfer (its pages stay out of the free list and listed in ``quarantined``:
+    the READ may still land); the sender is told; a second ``close()`` waits for the READ's
+    end and gives its pages back, once; the receiver takes no other call afterwards."""
     rb, n = 4096, 6144
+    tx = KVSender()  # (its progress thread serves the READ once the receiver's calls move it)
+    still()
     rx, pool, pages = poisoned(n // P, rb)
-    tx = KVSender()
     try:
         kv = make_kv(9, L, n, rb)
         t = rx.reserve("a", n)
