@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from hisparse_cupy.host._pages import HostPages, PoolExhausted
-from hisparse_cupy.pd import _nixl
+from hisparse_cupy.pd import _protocol
 
 try:
     from hisparse_cupy.pd import KVReceiver, KVSender, nixl_api
@@ -517,7 +517,7 @@ def test_close_fails_the_sends_not_ended():
 
 def test_gpu_arrays_are_read_through_cuda_array_interface():
     """A GPU ``kv`` (here a stand-in: no device) goes the same way, registered as VRAM."""
-    from hisparse_cupy.pd._ticket import kv_source as _source
+    from hisparse_cupy.pd._send import kv_source as _source
 
     class Dev:
         id = 3
@@ -616,10 +616,10 @@ def test_duplicate_late_unknown_and_cancelled(tx, push):
     send(tx, rx, ta, kv_a)
     (a,) = arrivals(rx, 1)
     rid = rx.admit(cache, a)
-    done = _nixl.message("done", xfer_id=ta["xfer_id"], token=ta["token"], tag="x")
+    done = _protocol.message("done", xfer_id=ta["xfer_id"], token=ta["token"], tag="x")
     tx._agent.send_notif(rx.name, done)  # a duplicate
     tx._agent.send_notif(rx.name, b"\xff not a message")
-    tx._agent.send_notif(rx.name, _nixl.message("done", xfer_id="0" * 32, token="0" * 32))
+    tx._agent.send_notif(rx.name, _protocol.message("done", xfer_id="0" * 32, token="0" * 32))
     tb = rx.reserve("b", 30)  # cancelled before its sender writes
     b_pages = [g for g in range(32) if pages.held[g]]
     puts = pages.puts.copy()

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from hisparse_cupy.host._pages import PoolExhausted
-from hisparse_cupy.pd import _nixl
+from hisparse_cupy.pd import _nixl, _protocol
 
 try:
     from hisparse_cupy.pd import KVSender, nixl_api
@@ -87,7 +87,7 @@ def bad_metadata(how: str, agent) -> str:
 
 def offer_from(agent, rx, t, name: str, metadata: str) -> None:
     """A pull's offer for ticket ``t`` (its id and token) from ``agent``, naming ``name``."""
-    agent.send_notif(rx.name, _nixl.message(
+    agent.send_notif(rx.name, _protocol.message(
         "offer", xfer_id=t["xfer_id"], token=t["token"], tag=f"{t['xfer_id']}/99", agent=name,
         mem="DRAM", dev=0, descs=t["descs"], metadata=metadata))
 
@@ -312,7 +312,7 @@ def test_same_secret_takes_any_two_values():
                        ("ab", "\udfff", False), ("é", "é", True), ("\ud800x", "\ud800y", False),
                        (None, None, False), (b"ab", "ab", False), (["a"], ["a"], False),
                        (1, 1, False)):
-        assert _nixl.same_secret(a, b) is same, (a, b)
+        assert _protocol.same_secret(a, b) is same, (a, b)
 
 
 def test_an_unexpected_error_in_one_message_is_counted_and_its_batch_goes_on(monkeypatch):
@@ -332,7 +332,7 @@ def test_an_unexpected_error_in_one_message_is_counted_and_its_batch_goes_on(mon
             raise RuntimeError("a stand-in bug")
 
         monkeypatch.setattr(rx, "_late", bug)
-        late = _nixl.message("offer", xfer_id=te["xfer_id"], token=te["token"], tag="e/0")
+        late = _protocol.message("offer", xfer_id=te["xfer_id"], token=te["token"], tag="e/0")
         kv = make_kv(3, L, 40, RB)
         p = tx.send(rx.reserve("a", 40), kv, wait=False)
         _granted(rx, "a")
@@ -411,7 +411,7 @@ def _fuzzed(rng, live, victims, ended, conn) -> bytes:
     """One random message body: bytes, another kind, JSON that is not an object, or an object
     of every field with wrong types or values; a live reservation's id only ever with a wrong
     token (a victim's id may carry its right token: those may end the victim)."""
-    kind = str(rng.choice(_nixl.TO_RECEIVER + _nixl.TO_SENDER + ("", "offerx", "é")))
+    kind = str(rng.choice(_protocol.TO_RECEIVER + _protocol.TO_SENDER + ("", "offerx", "é")))
     c = rng.random()
     if c < 0.08:
         return bytes(rng.integers(0, 256, int(rng.integers(0, 300)), dtype=np.uint8))
@@ -588,7 +588,7 @@ def test_a_sender_gone_during_its_read_leaves_the_pages_quarantined(tcp_only, st
         local = (kv.ctypes.data + np.arange(L)[:, None] * (n * rb) +
                  np.asarray(t["runs"])[:, 0] * rb).ravel().astype(np.uint64)
         descs = np.stack([local, np.asarray(t["descs"], np.uint64)[:, 1]], -1)
-        sender.send_notif(rx.name, _nixl.message(
+        sender.send_notif(rx.name, _protocol.message(
             "offer", xfer_id=t["xfer_id"], token=t["token"], tag="a/0", agent=sender.name,
             mem="DRAM", dev=0, descs=descs.tolist(), metadata=_nixl.metadata(sender, reg)))
         end = time.monotonic() + 20

@@ -19,7 +19,7 @@ import pytest
 
 from hisparse_cupy._kernels import sums as _sums
 from hisparse_cupy.host._pages import PoolExhausted
-from hisparse_cupy.pd import _nixl
+from hisparse_cupy.pd import _nixl, _protocol
 
 try:
     from hisparse_cupy.pd import KVReceiver, KVSender, nixl_api
@@ -98,7 +98,7 @@ def raw_agent():
 
 
 def say(agent, rx, kind, **fields):
-    agent.send_notif(rx.name, _nixl.message(kind, **fields))
+    agent.send_notif(rx.name, _protocol.message(kind, **fields))
 
 
 # -------------------------------------------------------------------- 1. malformed messages
@@ -110,14 +110,14 @@ JUNK = [b"offer:{not json", b"withdraw:\xff", b"begin:[]", b"done:null", b"abort
 
 def test_parse_never_raises_and_refuses_junk():
     for msg in JUNK + [None, 5, object(), b"done:1e999999", b"offer:" + b"{" * 10]:
-        got = _nixl.parse(msg, _nixl.TO_RECEIVER)
-        assert got is None or got[0] in _nixl.TO_RECEIVER
-    assert _nixl.parse(b'done:{"xfer_id": "a", "token": "b"}', _nixl.TO_RECEIVER) == \
+        got = _protocol.parse(msg, _protocol.TO_RECEIVER)
+        assert got is None or got[0] in _protocol.TO_RECEIVER
+    assert _protocol.parse(b'done:{"xfer_id": "a", "token": "b"}', _protocol.TO_RECEIVER) == \
         ("done", {"xfer_id": "a", "token": "b"})
-    assert _nixl.parse(b'done:{"xfer_id": "a"}', _nixl.TO_SENDER) is None  # not its kind
-    assert _nixl.parse(b"done:{}" + b" " * (1 << 26), _nixl.TO_RECEIVER) is None  # too long
-    assert _nixl.same_secret("ab", "ab") and not _nixl.same_secret("ab", "ac")
-    assert not _nixl.same_secret(None, None) and not _nixl.same_secret(b"ab", "ab")
+    assert _protocol.parse(b'done:{"xfer_id": "a"}', _protocol.TO_SENDER) is None  # not its kind
+    assert _protocol.parse(b"done:{}" + b" " * (1 << 26), _protocol.TO_RECEIVER) is None  # too long
+    assert _protocol.same_secret("ab", "ab") and not _protocol.same_secret("ab", "ac")
+    assert not _protocol.same_secret(None, None) and not _protocol.same_secret(b"ab", "ab")
 
 
 @pytest.mark.parametrize("push", [False, True])
@@ -149,7 +149,7 @@ def test_malformed_messages_between_completions_lose_nothing(push):
         got.update((a.req_id, a) for a in arrivals(rx, len(kvs) - len(got)))
         assert sorted(got) == list(kvs) and rx.stats["done"] == len(kvs)
         assert rx.stats["malformed"] + rx.stats["unknown"] == sent_junk, dict(rx.stats)
-        assert rx.stats["malformed"] == sum(_nixl.parse(j, _nixl.TO_RECEIVER) is None
+        assert rx.stats["malformed"] == sum(_protocol.parse(j, _protocol.TO_RECEIVER) is None
                                             for r in range(1, 6) for j in JUNK[r::3] +
                                             JUNK[r + 1::4]) + len(JUNK[1::4])
         end = time.monotonic() + 10
@@ -318,7 +318,7 @@ def _heard(agent, rx, want_s=10.0):
     while time.monotonic() < end:
         for _, msgs in agent.get_new_notifs().items():
             for m in msgs:
-                return _nixl.parse(m, _nixl.TO_SENDER)
+                return _protocol.parse(m, _protocol.TO_SENDER)
         _poll(rx)
     raise AssertionError("no answer")
 
@@ -344,7 +344,7 @@ def test_the_same_node_paths_copies_are_granted_like_writes():
     def begin(t, base, tag, to=rx):
         say(raw, to, "begin", xfer_id=t["xfer_id"], token=t["token"], tag=tag, how="copy",
             verify=False, metadata=conn,
-            digest=_nixl.digest(L, t["n_tokens"], RB, np.asarray(t["descs"], np.uint64), base))
+            digest=_protocol.digest(L, t["n_tokens"], RB, np.asarray(t["descs"], np.uint64), base))
 
     try:
         ta = rx.reserve("a", 40)
@@ -355,7 +355,7 @@ def test_the_same_node_paths_copies_are_granted_like_writes():
         kv = make_kv(40, L, 40, RB)
         pool[:, ticket_rows(ta, pool)] = kv  # the sender's copies
         say(raw, rx, "done", xfer_id=ta["xfer_id"], token=ta["token"], tag="a/0",
-            digest=_nixl.digest(L, 40, RB, np.asarray(ta["descs"], np.uint64), base))
+            digest=_protocol.digest(L, 40, RB, np.asarray(ta["descs"], np.uint64), base))
         assert _heard(raw, rx) == ("ok", {"tag": "a/0"})
         (a,) = arrivals(rx, 1)
         tb = rx.reserve("b", 20)
@@ -493,7 +493,7 @@ def test_a_bare_or_forged_notification_completes_nothing(push):
         assert len(set(ids + toks)) == len(ids) + 2 and not any(
             a[:8] == b[:8] for a in ids for b in ids if a != b)  # no shared prefix
         raw.add_remote_agent(base64.b64decode(ta["metadata"]))
-        digest = _nixl.digest(L, 20, RB, np.asarray(ta["descs"], np.uint64), 0)
+        digest = _protocol.digest(L, 20, RB, np.asarray(ta["descs"], np.uint64), 0)
         said = [("done", ta["xfer_id"], ta["token"], {"digest": digest}),  # bare
                 ("done", tb["xfer_id"], ta["token"], {}),  # another's id, this token
                 ("withdraw", tb["xfer_id"], ta["token"], {}),

@@ -1,9 +1,8 @@
-"""What both sides of :mod:`hisparse_cupy.pd` share: NIXL's import, an agent with the UCX
+"""What both sides of :mod:`hisparse_cupy.pd` share of NIXL: its import, an agent with the UCX
 backend, the peers an agent has loaded (:class:`Peers`: a working connection is never dropped
-for metadata that does not load over it), descriptors cut into pieces, the control messages
-(:func:`message`, :func:`parse`, :func:`messages`; :func:`same_secret` and :func:`text` take
-whatever a peer sends), the digest of what a ticket lets land, and the records the calls
-return."""
+for metadata that does not load over it), descriptors cut into pieces, an agent's new control
+messages (:func:`messages`; the messages themselves: ``_protocol.py``), and the records the
+calls return."""
 
 from __future__ import annotations
 
@@ -11,28 +10,17 @@ import base64
 import binascii
 import collections
 import contextlib
-import hashlib
-import hmac
 import importlib
-import json
 import os
 import uuid
 
 import numpy as np
 
+from ._protocol import parse, text
+
 NEEDS_NIXL = ("hisparse_cupy.pd needs NIXL's Python API: pip install nixl-cu12 (CUDA 12) or "
               "nixl-cu13 (CUDA 13); for host (DRAM) transfers `pip install --no-deps "
               "nixl-cu12` plus NumPy is enough (its torch dependency is not needed)")
-# Control messages (NIXL notifications): ``KIND:`` then a JSON object. Sender -> receiver: a
-# pull's offer and its withdrawal; a write's (a NIXL WRITE or the same-node copies) begin (asks
-# for a grant), done (its bytes are in place: a WRITE's notification, sent by NIXL once the
-# WRITE is complete) and abort (granted, it will write nothing more). Every one carries the
-# reservation's transfer id and secret token. Receiver -> sender, naming the send's tag:
-# grant (write now), ok (arrived) and fail (with why).
-TO_RECEIVER = ("offer", "withdraw", "begin", "done", "abort")
-TO_SENDER = ("grant", "ok", "fail")
-_MAX_MESSAGE = 1 << 26  # longer notifications are not parsed (an offer of 1M descriptors fits)
-
 Arrival = collections.namedtuple("Arrival", "req_id pages n_tokens xfer_id sender seconds")
 Arrival.__doc__ = """A completed reservation: ``pages`` (engine-held, token order) hold its
 ``n_tokens`` tokens; ``sender`` wrote or offered them, ``seconds`` after the reservation."""
@@ -41,36 +29,6 @@ Polled.__doc__ = """What a poll found: arrivals, the req_ids that timed out, and
 why)`` of the pulls that failed (their pages put back)."""
 Sent = collections.namedtuple("Sent", "req_id xfer_id bytes seconds descriptors")
 Sent.__doc__ = "A completed send: ``bytes`` in ``seconds`` (the call), the ticket's descriptors"
-
-
-def message(kind: str, **fields) -> bytes:
-    """A control message: ``kind`` (one of :data:`TO_RECEIVER` / :data:`TO_SENDER`) and its
-    fields as JSON."""
-    return kind.encode() + b":" + json.dumps(fields, separators=(",", ":")).encode()
-
-
-def parse(msg, kinds) -> tuple[str, dict] | None:
-    """``(kind, fields)`` of a control message of one of ``kinds``, or None for anything else
-    (not bytes, too long, another kind, not JSON, not an object, a non-str ``tag``, ``xfer_id``
-    or ``token``): never raises, so one peer's junk cannot stop a poll."""
-    try:
-        msg = bytes(msg)
-    except (TypeError, ValueError):
-        return None
-    kind, sep, body = msg.partition(b":")
-    if not sep or len(msg) > _MAX_MESSAGE:
-        return None
-    kind = kind.decode("ascii", "replace")
-    if kind not in kinds:
-        return None
-    try:
-        fields = json.loads(body)
-    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
-        return None
-    if not isinstance(fields, dict) or any(
-            k in fields and not isinstance(fields[k], str) for k in ("tag", "xfer_id", "token")):
-        return None
-    return kind, fields
 
 
 def messages(a, kinds, stats, junk: str):
@@ -91,38 +49,6 @@ def messages(a, kinds, stats, junk: str):
                 stats[junk] = stats.get(junk, 0) + 1
             else:
                 yield (sender, *got)
-
-
-def same_secret(a, b) -> bool:
-    """``a == b`` for two tokens, in time that does not depend on where they differ. Takes any
-    two values (a peer's token is whatever its JSON held): False unless both are ``str``; any
-    ``str`` compares, lone surrogates included (UTF-8 with ``surrogatepass`` encodes every
-    ``str``, and no two alike)."""
-    return isinstance(a, str) and isinstance(b, str) and hmac.compare_digest(
-        a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
-
-
-def text(v, n: int) -> str:
-    """A peer's value ``v`` fit for a message to the engine: a ``str`` cut to ``n`` characters
-    (lone surrogates written as ``\\udxxx``, so the result always encodes), a number or None as
-    written, anything else by its type and size (no ``repr`` of a structure a peer nested a
-    thousand deep). Never raises."""
-    if isinstance(v, str):
-        return v[:n].encode("utf-8", "backslashreplace").decode("utf-8")
-    if v is None or isinstance(v, (bool, float)) or (isinstance(v, int) and abs(v) < 1 << 64):
-        return repr(v)
-    if isinstance(v, (list, dict)):
-        return f"a {type(v).__name__} of {len(v)}"
-    return f"a {type(v).__name__}"
-
-
-def digest(n_layers: int, n_tokens: int, row_bytes: int, descs: np.ndarray, base: int) -> str:
-    """SHA-256 (hex) of what a ticket lets land: its sizes, its destination descriptors
-    ``[addr, bytes]`` and the shared pool's base address (0: none). The receiver keeps its own;
-    a write's begin and done carry the sender's, so a ticket altered in transit is refused."""
-    h = hashlib.sha256(f"{n_layers},{n_tokens},{row_bytes},{base};".encode())
-    h.update(np.ascontiguousarray(descs[:, :2], dtype="<u8").tobytes())
-    return h.hexdigest()
 
 
 def nixl_api():

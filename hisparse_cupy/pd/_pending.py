@@ -7,7 +7,7 @@ import collections
 import contextlib
 import time
 
-from . import _nixl
+from . import _nixl, _protocol
 
 __all__ = ["Link", "PendingSend"]
 
@@ -51,7 +51,7 @@ class PendingSend:
         return self._ended
 
     def _say(self, kind: str, **fields) -> None:
-        self._link.agent.send_notif(self.agent, _nixl.message(
+        self._link.agent.send_notif(self.agent, _protocol.message(
             kind, xfer_id=self.xfer_id, token=self._token, tag=self.tag, **fields))
 
     def start(self) -> None:

@@ -1,7 +1,7 @@
 """The decode side of prefill on another node: :class:`KVReceiver` (reservations, tickets,
-quarantine). The protocol, its guarantees and its trust boundary: the package docstring
-(``hisparse_cupy/pd/__init__.py``). The page rule (when a reservation's pages go back) and
-the quarantine: ``_quarantine.py``."""
+quarantine). The protocol: ``_protocol.py``; its guarantees and its trust boundary:
+``docs/design.md``, "Prefill on another node". The page rule (when a reservation's pages go
+back) and the quarantine: ``_quarantine.py``."""
 
 from __future__ import annotations
 
@@ -16,10 +16,9 @@ import numpy as np
 from .. import _checks
 from .._kernels import sums as _sums
 from ..host._pages import HostPages, consecutive_runs
-from . import _nixl, _ticket
+from . import _nixl, _protocol
 from ._nixl import Arrival, Polled
 from ._quarantine import Quarantine, Reservation
-from ._send import TICKET_VERSION
 
 __all__ = ["KVReceiver"]
 
@@ -142,15 +141,13 @@ class KVReceiver(Quarantine):
         r = Reservation(req_id=req_id, xfer_id=secrets.token_hex(16),
                         token=secrets.token_hex(16), pages=pages, n_tokens=n, t0=now,
                         deadline=now + t, descs=descs, rows=pg[first] * P, counts=cnt,
-                        digest=_nixl.digest(self.n_layers, n, rb, descs, base), verify=verify)
+                        digest=_protocol.digest(self.n_layers, n, rb, descs, base), verify=verify)
         self._live[req_id] = self._by_xfer[r.xfer_id] = r
-        return {"version": TICKET_VERSION, "agent": self.name, "instance": self.instance,
-                "metadata": self._md, "xfer_id": r.xfer_id, "token": r.token, "req_id": req_id,
-                "n_tokens": n, "page_tokens": P, "n_layers": self.n_layers, "row_bytes": rb,
-                "timeout_s": t, "mem": "DRAM", "dev": 0,
-                "runs": np.stack([first * P, cnt], -1).tolist(), "descs": descs.tolist(),
-                "mode": "push" if self.push else "pull", "verify": verify,
-                **({"shm": self._shm} if self._shm else {})}
+        return _protocol.new_ticket(
+            agent=self.name, instance=self.instance, metadata=self._md, xfer_id=r.xfer_id,
+            token=r.token, req_id=req_id, n_tokens=n, page_tokens=P, n_layers=self.n_layers,
+            row_bytes=rb, timeout_s=t, runs=np.stack([first * P, cnt], -1), descs=descs,
+            push=self.push, verify=verify, shm=self._shm)
 
     def poll(self) -> Polled:
         """Read the senders' messages (offers: their READs posted; begins: granted or refused;
@@ -173,7 +170,7 @@ class KVReceiver(Quarantine):
 
     def _progress(self, done: list, failed: list) -> None:
         """One look: the new messages, then the READs in flight and the quarantined ones."""
-        for sender, kind, f in _nixl.messages(self._agent, _nixl.TO_RECEIVER, self.stats,
+        for sender, kind, f in _nixl.messages(self._agent, _protocol.TO_RECEIVER, self.stats,
                                               "malformed"):
             self._guard(self._on, sender, kind, f, done, failed)
         for r in [r for r in self._by_xfer.values() if r.handle is not None]:
@@ -206,10 +203,10 @@ class KVReceiver(Quarantine):
         if r is None:
             why, token = self._ended.get(xid, (None, None))
             self.stats["unknown" if why is None else "late"] += 1
-            if kind in ("offer", "begin") and _nixl.same_secret(f.get("token"), token):
+            if kind in ("offer", "begin") and _protocol.same_secret(f.get("token"), token):
                 self._late(sender, f, why)
             return
-        if not _nixl.same_secret(f.get("token"), r.token):
+        if not _protocol.same_secret(f.get("token"), r.token):
             self.stats["forged"] += 1
             return
         mine = r.writer is not None and r.writer == (sender, tag)
@@ -238,7 +235,7 @@ class KVReceiver(Quarantine):
             self.stats["refused"] += 1
         elif kind == "abort":
             r.writer = None  # it writes no more: the pages can go back
-            self._fail(r, f"its sender aborted it ({_nixl.text(f.get('why'), 200)})", failed)
+            self._fail(r, f"its sender aborted it ({_protocol.text(f.get('why'), 200)})", failed)
         elif f.get("digest") != r.digest:
             r.writer = None
             self._fail(r, "its done does not match the ticket (an altered ticket)", failed,
@@ -260,7 +257,7 @@ class KVReceiver(Quarantine):
         try:
             self._senders.load(sender, o.get("metadata"),
                                "the offer's metadata")  # first: a refusal is told to the sender
-            remote, mem, dev = _ticket.offer(o, sender, r.descs)
+            remote, mem, dev = _protocol.check_offer(o, sender, r.descs)
             r.sums = self._sums_of(r, o)
             h = self._agent.initialize_xfer(
                 "READ", _nixl.xfer_descs(self._agent, r.descs, 0, "DRAM"),
@@ -286,7 +283,7 @@ class KVReceiver(Quarantine):
         if how not in ("write", "copy") or (how == "write" and not self.push) or \
                 (how == "copy" and self._shm is None):
             why = "this receiver takes pulls only (KVReceiver(push=True) takes WRITEs)" \
-                if how == "write" else f"this receiver takes no {_nixl.text(how, 20)!r} writes"
+                if how == "write" else f"this receiver takes no {_protocol.text(how, 20)!r} writes"
             self._fail(r, why, failed, sender, tag)
         elif b.get("digest") != r.digest:
             self._fail(r, "its begin does not match the ticket (an altered ticket)", failed,
@@ -306,7 +303,7 @@ class KVReceiver(Quarantine):
         if not (isinstance(s, list) and len(s) == self.n_layers and all(
                 isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64 for v in s)):
             raise ValueError(f"the ticket asks for verify: the sender must send {self.n_layers} "
-                             f"per-layer sums (uint64), got {_nixl.text(s, 80)}")
+                             f"per-layer sums (uint64), got {_protocol.text(s, 80)}")
         return s
 
     def _landed(self, r: Reservation, done: list, failed: list) -> None:
@@ -346,7 +343,7 @@ class KVReceiver(Quarantine):
         if not isinstance(tag, str):
             return
         try:
-            self._agent.send_notif(sender, _nixl.message(
+            self._agent.send_notif(sender, _protocol.message(
                 kind, tag=tag, **({} if why is None else {"why": why})))
         except Exception:  # the sender is gone: its own timeout ends its side
             self.stats["untold"] += 1

@@ -17,12 +17,10 @@ from .._cache_rows import store_rows
 from .._kernels import sums as _sums
 from ..host import _shm as host_shm
 from ..host._pool import HostKVPool
-from . import _nixl, _ticket
+from . import _nixl, _protocol
 from ._pending import GRACE_S, Link, PendingSend
 
 __all__ = ["KVSender", "PendingSend"]
-
-TICKET_VERSION = 2
 
 
 class KVSender:
@@ -85,7 +83,7 @@ class KVSender:
         lifetime: a ``kv`` inside it is then sent without registering it again (a pull's
         receiver can then read all of ``buf``)."""
         self._open()
-        if (where := _ticket.memory_of(buf)) is None or not buf.nbytes:
+        if (where := memory_of(buf)) is None or not buf.nbytes:
             raise TypeError(f"buf must be a non-empty NumPy or GPU array, got {buf!r:.80}")
         lo, mem, dev = where
         reg = _nixl.register(self._agent, "buf", lo, int(buf.nbytes), dev, mem)
@@ -107,9 +105,9 @@ class KVSender:
         ends (the ticket's ``timeout_s`` after it was made): keep ``kv`` until then."""
         self._open()
         t0 = time.perf_counter()
-        t = _ticket.ticket(ticket, TICKET_VERSION)
+        t = _protocol.check_ticket(ticket)
         L, n, rb = t["n_layers"], t["n_tokens"], t["row_bytes"]
-        ptr, stride, mem, dev = _ticket.kv_source(kv, L, n, rb)
+        ptr, stride, mem, dev = kv_source(kv, L, n, rb)
         limit = _nixl.seconds("timeout_s", timeout_s if timeout_s is not None else
                               float(t.get("timeout_s") or 60.0) / 2)
         pull = t["mode"] == "pull" if self.pull is None else self.pull
@@ -118,7 +116,7 @@ class KVSender:
             raise ValueError("ticket's receiver takes pulls only (KVReceiver(push=True) takes "
                              "WRITEs): send it with KVSender(pull=None or True)")
         name = self._connect(t)
-        t["digest"] = _nixl.digest(L, n, rb, t["descs"], t["shm"]["base"] if "shm" in t else 0)
+        t["digest"] = _protocol.digest(L, n, rb, t["descs"], t["shm"]["base"] if "shm" in t else 0)
         t["tag"] = f"{t['xfer_id']}/{next(self._attempt)}"  # a resend's words told apart
         if any(w.rsplit("/", 1)[0] == t["xfer_id"] for w in self._words):
             raise ValueError(f"ticket {t['xfer_id']} is being sent already")
@@ -139,7 +137,7 @@ class KVSender:
                          "agent": self.name, "mem": mem, "dev": dev, "descs": local.tolist(),
                          "metadata": _nixl.metadata(self._agent, reg), "sums": sums}
                 try:
-                    self._agent.send_notif(name, _nixl.message("offer", **offer))
+                    self._agent.send_notif(name, _protocol.message("offer", **offer))
                 except Exception as e:
                     raise RuntimeError(f"the offer of {t['xfer_id']} to {name!r} did not leave "
                                        f"({e!r}): the receiver is gone, or its metadata is "
@@ -156,7 +154,7 @@ class KVSender:
                 handle = self._agent.initialize_xfer(
                     "WRITE", _nixl.xfer_descs(self._agent, local, dev, mem),
                     _nixl.xfer_descs(self._agent, remote, t["dev"], "DRAM"), name,
-                    _nixl.message("done", xfer_id=t["xfer_id"], token=t["token"], tag=t["tag"],
+                    _protocol.message("done", xfer_id=t["xfer_id"], token=t["token"], tag=t["tag"],
                                   digest=t["digest"], sums=sums))
             except Exception as e:
                 raise ValueError(f"NIXL refused the WRITE to {name!r} ({e!r}): the ticket's "
@@ -189,14 +187,14 @@ class KVSender:
     def _drain(self) -> None:
         """The new notifications into the words of the sends in flight (a word for none, or from
         an agent other than the one it was sent to, is counted and dropped)."""
-        for sender, kind, f in _nixl.messages(self._agent, _nixl.TO_SENDER, self.stats,
+        for sender, kind, f in _nixl.messages(self._agent, _protocol.TO_SENDER, self.stats,
                                               "unknown"):
             x = f.get("tag")
             if x not in self._words or x.rsplit("/", 1)[0] not in self._sent_to(sender):
                 self.stats["late"] += 1
                 continue
             self._words[x].append(kind if kind != "fail" else
-                                  f"fail: {_nixl.text(f.get('why'), 500)}")
+                                  f"fail: {_protocol.text(f.get('why'), 500)}")
 
     def _sent_to(self, sender: str) -> set:
         """Transfer ids of the sends in flight to agent ``sender``."""
@@ -387,3 +385,34 @@ class KVSender:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+
+
+def memory_of(x):
+    """``(address, memory type, device id)`` of a NumPy array or a GPU array."""
+    if isinstance(x, np.ndarray):
+        return x.__array_interface__["data"][0], "DRAM", 0
+    if not hasattr(x, "__cuda_array_interface__"):
+        return None
+    dev = getattr(x, "device", None)  # CuPy's .id, torch's .index
+    ids = [getattr(dev, a, None) for a in ("id", "index")]
+    return x.__cuda_array_interface__["data"][0], "VRAM", next(
+        (i for i in ids if isinstance(i, int)), 0)
+
+
+def kv_source(kv, L: int, n: int, rb: int):
+    """``(address, layer stride, memory type, device id)`` of ``kv``, checked: uint8
+    ``[L, n, rb]``, each layer's rows one after the other."""
+    if (where := memory_of(kv)) is None:
+        raise TypeError(f"kv must be a NumPy array or a GPU array (__cuda_array_interface__), "
+                        f"got {type(kv).__name__}")
+    cai = None if isinstance(kv, np.ndarray) else kv.__cuda_array_interface__
+    shape, dtype = (kv.shape, kv.dtype) if cai is None else \
+        (tuple(cai["shape"]), np.dtype(cai["typestr"]))
+    if dtype != np.uint8 or tuple(shape) != (L, n, rb):
+        raise ValueError(f"kv must be uint8 [{L}, {n}, {rb}] (the ticket's n_layers, n_tokens, "
+                         f"row_bytes), got {dtype} {list(shape)}")
+    strides = kv.strides if cai is None else (cai.get("strides") or (n * rb, rb, 1))
+    if strides[2] != 1 or strides[1] != rb or strides[0] < 0:
+        raise ValueError(f"kv's rows must follow each other in each layer (strides [>= 0, "
+                         f"{rb}, 1]), got strides {list(strides)}: pass a contiguous copy")
+    return where[0], strides[0], where[1], where[2]
