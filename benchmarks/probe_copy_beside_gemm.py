@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import device_info, write_json  # noqa: E402
 
 from hisparse_cupy import HostKVPool
-from hisparse_cupy._kernels import _build  # noqa: E402
+from hisparse_cupy._kernels import build  # noqa: E402
 
 _SRC = r"""
 #include "common.cuh"
@@ -78,7 +78,7 @@ VARIANTS = [
 
 def kernel(threads, maxreg, r, vpl, extra=()):
     """The probe copy kernel of that shape (``extra``: more NVRTC options, e.g. -D macros)."""
-    opts = tuple(o for o in _build.options()) + tuple(extra) + (
+    opts = tuple(o for o in build.options()) + tuple(extra) + (
         f"-DPB_THREADS={threads}", f"-DPB_R={r}", f"-DPB_VPL={vpl}",
         # launch bounds override --maxrregcount: a capped variant has none
         *((f"--maxrregcount={maxreg}", "-DPB_BOUNDS=") if maxreg else

@@ -32,8 +32,8 @@ import bench_swap  # noqa: E402
 from _timing import device_info, time_graph_chain, write_json  # noqa: E402
 
 from hisparse_cupy import HostKVPool, MissPlan, _abi, swap_in
-from hisparse_cupy._kernels import _build, swap  # noqa: E402
-from hisparse_cupy._kernels._launch import max_active_clusters  # noqa: E402
+from hisparse_cupy._kernels import build, swap  # noqa: E402
+from hisparse_cupy._kernels.launch import max_active_clusters  # noqa: E402
 from hisparse_cupy.testing import knobs  # noqa: E402
 
 RATES = (0.0, 0.005, 0.05)
@@ -100,7 +100,7 @@ def main() -> int:
     plan = MissPlan(bmax, K)
     key = (np.dtype(np.int32), np.dtype(np.int32))
     cb = _abi.RESOLVE_CLUSTER_BLOCK
-    fits = {c: max_active_clusters(_build.kernel(_build.RESOLVE[cb][key]), cb,
+    fits = {c: max_active_clusters(build.kernel(build.RESOLVE[cb][key]), cb,
                                    swap.resolve_smem_bytes(K, H, cb), c) for c in CLUSTERS[1:]}
     print(f"clusters of {cb}-thread resolve blocks that run at once: {fits}", flush=True)
     print("| batch | miss % | " + " | ".join(f"C {c} us" for c in CLUSTERS)

@@ -39,8 +39,8 @@ _LAZY = {
     "SwapState": "_kernels.swap",
     "swap_in": "_kernels.swap",
     "Ptr": "_device",
-    "pdl_supported": "_kernels._launch",
-    "compile_check": "_kernels._build",
+    "pdl_supported": "_kernels.launch",
+    "compile_check": "_kernels.build",
     "interop": None,
     "reference": None,
 }
@@ -49,15 +49,15 @@ __all__ = sorted(_LAZY)
 
 
 def _set_pdl(enabled: bool) -> None:
-    from ._kernels import _launch
+    from ._kernels import launch
 
-    _launch.FIXED["pdl"] = bool(enabled)
+    launch.FIXED["pdl"] = bool(enabled)
 
 
 def _pdl_enabled() -> bool:
-    from ._kernels import _launch
+    from ._kernels import launch
 
-    return _launch.FIXED["pdl"]
+    return launch.FIXED["pdl"]
 
 
 _PDL = ("PDL is each call's pdl= and HISPARSE_CUPY_PDL=0 for the process "

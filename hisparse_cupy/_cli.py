@@ -170,7 +170,7 @@ def _info(args, say) -> dict:
     say(f"CUDA driver {gpu['driver']}, CuPy {gpu['cupy']}")
     say(f"NVRTC {doc['nvrtc']}" if doc["nvrtc"] else
         f"NVRTC not found ({nvrtc_error}): kernels cannot compile")
-    from ._kernels._launch import pdl_supported
+    from ._kernels.launch import pdl_supported
 
     for i in range(rt.getDeviceCount()):
         p = rt.getDeviceProperties(i)
@@ -213,7 +213,7 @@ def _check_cpu(why: str, seed: int, doc: dict) -> int:
     """``check`` without a device: every kernel compiled through NVRTC for sm_80 and sm_90,
     and the NumPy decode loop's bit-for-bit self-check over the oracle; says what it skipped.
     ``doc`` gets what ran, what did not and the error (``check --json``)."""
-    from ._kernels._build import CompileError, compile_check
+    from ._kernels.build import CompileError, compile_check
     from .demo._config import cpu_config
     from .demo._cpu import run
 

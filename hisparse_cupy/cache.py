@@ -34,7 +34,7 @@ from . import _abi, _checks
 from ._cache_rows import CacheRows, copy_pool_rows, host_pool, load_rows
 from ._checks import ArrayLike, StreamLike
 from ._device import require_gpu
-from ._kernels._launch import as_stream
+from ._kernels.launch import as_stream
 from ._kernels.multistep import MultiStepConfig, MultiStepState, MultiStepWorkspace
 from ._kernels.plan import MissPlan
 from ._kernels.swap import SwapState, check_sizes

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import _abi
 from ._checks import StreamLike
-from ._kernels._launch import as_stream
+from ._kernels.launch import as_stream
 
 __all__ = ["LayerCounters"]
 

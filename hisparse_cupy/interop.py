@@ -66,7 +66,7 @@ import numpy as np
 
 from . import _checks
 from ._checks import ArrayLike, StreamLike
-from ._kernels._launch import as_stream
+from ._kernels.launch import as_stream
 
 __all__ = ["as_cupy", "cupy_stream", "to_jax", "to_torch", "torch_stream"]
 

@@ -27,7 +27,7 @@ import numpy as np
 from . import _abi, _checks
 from ._checks import ArrayLike, StreamLike
 from ._kernels import multistep, newest, swap
-from ._kernels._launch import Structs, as_stream, resolve_pdl
+from ._kernels.launch import Structs, as_stream, resolve_pdl
 from ._kernels.newest import NewestBuffers
 from ._kernels.plan import array_rows, copy_rows, copy_struct, pool_rows
 

@@ -7,19 +7,19 @@ import numpy as np
 import pytest
 
 from hisparse_cupy import _abi
-from hisparse_cupy._kernels import _build
+from hisparse_cupy._kernels import build
 
 
 def test_compile_check_covers_every_instance():
-    sizes = _build.compile_check()
-    assert set(_build.INSTANCES) == {"swap.cu", "plan.cu", "plan_probe.cu", "newest.cu",
+    sizes = build.compile_check()
+    assert set(build.INSTANCES) == {"swap.cu", "plan.cu", "plan_probe.cu", "newest.cu",
                                      "multistep.cu", "predict.cu", "sums.cu"}
     # the measuring instances are compiled in a module of their own, never the production one
-    probe = set(_build.COPY_H2D_PROBE.values())
-    assert probe == set(_build.INSTANCES["plan_probe.cu"])
-    assert not probe & {n for f, names in _build.INSTANCES.items() if f != "plan_probe.cu"
+    probe = set(build.COPY_H2D_PROBE.values())
+    assert probe == set(build.INSTANCES["plan_probe.cu"])
+    assert not probe & {n for f, names in build.INSTANCES.items() if f != "plan_probe.cu"
                         for n in names}
-    for f in _build.INSTANCES:
+    for f in build.INSTANCES:
         for arch in ("sm_80", "sm_90"):
             assert sizes[(f, arch)] > 1000, (f, arch)
 
@@ -27,10 +27,10 @@ def test_compile_check_covers_every_instance():
 def _copy_sources(tmp_path, monkeypatch):
     d = tmp_path / "cu"
     d.mkdir()
-    for p in _build.CU_DIR.glob("*.cu*"):
+    for p in build.CU_DIR.glob("*.cu*"):
         (d / p.name).write_text(p.read_text())
-    monkeypatch.setattr(_build, "CU_DIR", d)
-    _build.source_digest.cache_clear()
+    monkeypatch.setattr(build, "CU_DIR", d)
+    build.source_digest.cache_clear()
     return d
 
 
@@ -38,14 +38,14 @@ def _copy_sources(tmp_path, monkeypatch):
 def sources(tmp_path, monkeypatch):
     d = _copy_sources(tmp_path, monkeypatch)
     yield d
-    _build.source_digest.cache_clear()
+    build.source_digest.cache_clear()
 
 
 def test_a_broken_kernel_fails_the_check(sources):
     src = (sources / "plan.cu").read_text().replace("pdl_wait();", "pdl_wait(); oops = 1;")
     (sources / "plan.cu").write_text(src)
-    with pytest.raises(_build.CompileError, match="oops"):
-        _build.compile_check(archs=("sm_90",))
+    with pytest.raises(build.CompileError, match="oops"):
+        build.compile_check(archs=("sm_90",))
 
 
 def _reordered(dt: np.dtype, a: str, b: str) -> np.dtype:
@@ -61,8 +61,8 @@ def test_abi_field_order_drift_fails_the_check(sources, monkeypatch):
     bad = dict(_abi.STRUCTS)
     bad["SwapResolveParams"] = _reordered(_abi.SWAP_RESOLVE, "req", "lens")
     monkeypatch.setattr(_abi, "STRUCTS", bad)
-    with pytest.raises(_build.CompileError, match="swap.cu"):
-        _build.compile_check(archs=("sm_90",))
+    with pytest.raises(build.CompileError, match="swap.cu"):
+        build.compile_check(archs=("sm_90",))
 
 
 def test_abi_field_type_drift_fails_the_check(sources, monkeypatch):
@@ -72,16 +72,16 @@ def test_abi_field_type_drift_fails_the_check(sources, monkeypatch):
     bad = dict(_abi.STRUCTS)
     bad["PlannedCopyParams"] = np.dtype(fields, align=True)
     monkeypatch.setattr(_abi, "STRUCTS", bad)
-    with pytest.raises(_build.CompileError, match="PlannedCopyParams.n_src_rows: size differs"):
-        _build.compile_check(archs=("sm_90",))
+    with pytest.raises(build.CompileError, match="PlannedCopyParams.n_src_rows: size differs"):
+        build.compile_check(archs=("sm_90",))
 
 
 def test_a_field_only_cpp_has_fails_the_check(sources):
     src = (sources / "abi.cuh").read_text().replace(
         "  i32 record;              // 1: record", "  i32 extra_a, extra_b;\n  i32 record;  // 1:")
     (sources / "abi.cuh").write_text(src)
-    with pytest.raises(_build.CompileError, match="NewestRowsParams"):
-        _build.compile_check(archs=("sm_90",))
+    with pytest.raises(build.CompileError, match="NewestRowsParams"):
+        build.compile_check(archs=("sm_90",))
 
 
 def test_python_structs_have_no_tail_padding():
@@ -105,20 +105,20 @@ def test_smem_tables_size_the_launch():
 
 
 def test_digest_covers_headers(sources):
-    before = _build.source_digest()
+    before = build.source_digest()
     (sources / "common.cuh").write_text((sources / "common.cuh").read_text() + "\n// edited\n")
-    _build.source_digest.cache_clear()
-    after = _build.source_digest()
+    build.source_digest.cache_clear()
+    after = build.source_digest()
     assert before != after
-    assert any(after[:16] in o for o in _build.options())
+    assert any(after[:16] in o for o in build.options())
 
 
 def test_options_carry_the_abi_and_no_include_outside_cu():
-    opts = _build.options()
+    opts = build.options()
     assert "-DHS_ST_NOHOST=1" in opts
     assert any(o.startswith("-DHS_ABI_SwapResolveParams_FIELDS(X)=X(SwapResolveParams,topk,8)")
                for o in opts)
-    for p in _build.CU_DIR.glob("*.cu*"):
+    for p in build.CU_DIR.glob("*.cu*"):
         for line in p.read_text().splitlines():
             if line.startswith("#include"):
                 assert '"' in line, f"{p.name}: {line} (compile_check passes no include path)"
@@ -126,7 +126,7 @@ def test_options_carry_the_abi_and_no_include_outside_cu():
 
 def test_unknown_instance_is_an_error():
     with pytest.raises(KeyError, match="not an instance"):
-        _build.kernel("hs::swap_resolve<short, int>")
+        build.kernel("hs::swap_resolve<short, int>")
 
 
 def test_constants_reach_the_kernels_only_through_the_abi():
@@ -138,7 +138,7 @@ def test_constants_reach_the_kernels_only_through_the_abi():
     tuning = {"FULL_MASK", "OWNED_ROWS", "PREFETCH", "POS_OWNER_SHIFT"}
     not_constants = ("HS_ABI_", "HS_SMEM_", "HS_PHASE", "HS_DEBUG", "HS_SRC_DIGEST",
                      "HS_COPY_VPL")
-    for p in _build.CU_DIR.glob("*.cu*"):
+    for p in build.CU_DIR.glob("*.cu*"):
         text = p.read_text()
         for name in set(re.findall(r"\bHS_([A-Z][A-Z0-9_]*)\b", text)):
             if not f"HS_{name}".startswith(not_constants):
@@ -146,8 +146,8 @@ def test_constants_reach_the_kernels_only_through_the_abi():
         literal = re.findall(r"^constexpr [\w ]+? (\w+) = -?(?:0x)?[0-9a-fA-F]+[uUlL]*;", text,
                              re.MULTILINE)
         assert set(literal) <= tuning, f"{p.name}: {set(literal) - tuning} defined in C++ only"
-    assert "-DHS_MS_EMPTY=0xffffffffffffffff" in _build.options()  # a u64 literal, not decimal
-    assert "-DHS_MS_C_COPY=5" in _build.options()
+    assert "-DHS_MS_EMPTY=0xffffffffffffffff" in build.options()  # a u64 literal, not decimal
+    assert "-DHS_MS_C_COPY=5" in build.options()
 
 
 def test_the_production_copy_has_no_measuring_fields():
@@ -157,18 +157,18 @@ def test_the_production_copy_has_no_measuring_fields():
     assert _abi.PLANNED_COPY_PROBE.names[0] == "copy"
     assert _abi.PLANNED_COPY_PROBE["copy"] == _abi.PLANNED_COPY
     assert {"bad", "spin_cycles", "dry_run"} <= set(_abi.PLANNED_COPY_PROBE.names)
-    names = _build.INSTANCES["plan.cu"]
-    assert sorted(_build.COPY_H2D) == sorted(_build.COPY_H2D_PROBE) == list(
-        _build.COPY_ROWS_PER_WARP)
-    assert set(_build.COPY_H2D_PROBE.values()) == set(_build.INSTANCES["plan_probe.cu"])
-    assert not set(_build.COPY_H2D_PROBE.values()) & set(names)
-    assert "planned_copy_probe" not in (_build.CU_DIR / "plan.cu").read_text()
+    names = build.INSTANCES["plan.cu"]
+    assert sorted(build.COPY_H2D) == sorted(build.COPY_H2D_PROBE) == list(
+        build.COPY_ROWS_PER_WARP)
+    assert set(build.COPY_H2D_PROBE.values()) == set(build.INSTANCES["plan_probe.cu"])
+    assert not set(build.COPY_H2D_PROBE.values()) & set(names)
+    assert "planned_copy_probe" not in (build.CU_DIR / "plan.cu").read_text()
     assert not any("thin" in n for n in names)
-    src = (_build.CU_DIR / "plan.cu").read_text()
+    src = (build.CU_DIR / "plan.cu").read_text()
     assert "__global__ void __launch_bounds__(COPY_WARPS * 32) planned_copy(const " \
         "PlannedCopyParams p)" in src
     assert "planned_copy_body<SrcT, DstT, R, false>" in src
-    assert "HS_COPY_ROTATE" not in (_build.CU_DIR / "common.cuh").read_text()
+    assert "HS_COPY_ROTATE" not in (build.CU_DIR / "common.cuh").read_text()
 
 
 def test_a_probe_struct_drift_fails_the_check(sources, monkeypatch):
@@ -176,8 +176,8 @@ def test_a_probe_struct_drift_fails_the_check(sources, monkeypatch):
     bad = dict(_abi.STRUCTS)
     bad["PlannedCopyProbeParams"] = _reordered(_abi.PLANNED_COPY_PROBE, "dry_run", "pad")
     monkeypatch.setattr(_abi, "STRUCTS", bad)
-    with pytest.raises(_build.CompileError, match="PlannedCopyProbeParams"):
-        _build.compile_check(archs=("sm_90",))
+    with pytest.raises(build.CompileError, match="PlannedCopyProbeParams"):
+        build.compile_check(archs=("sm_90",))
 
 
 def test_the_demo_model_compiles():
@@ -188,9 +188,9 @@ def test_the_demo_model_compiles():
 
     from hisparse_cupy.demo._model import Kernels
 
-    path = _build.CU_DIR.parents[1] / "demo" / "model.cu"
+    path = build.CU_DIR.parent / "demo" / "model.cu"
     for arch in ("sm_90", "sm_75"):
-        assert _build.nvrtc_cubin_size(path, (), ["-std=c++17", f"-arch={arch}"],
+        assert build.nvrtc_cubin_size(path, (), ["-std=c++17", f"-arch={arch}"],
                                        "model.cu") > 1000
     src = path.read_text()
     for name in Kernels._NAMES:  # every kernel the Model loads is defined there

@@ -226,7 +226,7 @@ def test_config_memory_and_errors():
                      (["--group-replay-batch", "-1"], "--group-replay-batch must be >= 0")):
         with pytest.raises(SystemExit, match=msg):
             from_args(bad)
-    from hisparse_cupy._kernels._build import COPY_ROWS_PER_WARP
+    from hisparse_cupy._kernels.build import COPY_ROWS_PER_WARP
     from hisparse_cupy.demo._config import REPLAY_ROWS_PER_WARP, Config
 
     with pytest.raises(SystemExit, match=r"--replay-rows-per-warp must be one of \(1, 2, 4, 8\)"):

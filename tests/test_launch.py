@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from hisparse_cupy import _abi
-from hisparse_cupy._kernels import _launch
-from hisparse_cupy._kernels._launch import Params
+from hisparse_cupy._kernels import launch
+from hisparse_cupy._kernels.launch import Params
 
 
 def test_params_hold_the_struct_bytes():
@@ -24,11 +24,11 @@ def test_params_hold_the_struct_bytes():
 
 
 def test_launch_config_passes_one_pointer_to_the_struct():
-    cfg = _launch._LaunchConfig((256, 1, 1), 1024)
+    cfg = launch._LaunchConfig((256, 1, 1), 1024)
     seen = {}
 
     def fake_launch(config, func, params, extra):
-        c = _launch._CUlaunchConfig.from_address(config)
+        c = launch._CUlaunchConfig.from_address(config)
         arg0 = ctypes.c_void_p.from_address(params).value
         seen["B"] = ctypes.c_int32.from_address(arg0 + _abi.PLANNED_COPY.fields["B"][1]).value
         seen["grid"] = (c.gridDimX, c.gridDimY, c.gridDimZ)
@@ -49,25 +49,25 @@ def test_launch_config_passes_one_pointer_to_the_struct():
 def test_launch_structures_match_the_driver_abi():
     # cuda.h: CUlaunchAttribute is 72 bytes (id, pad, 64-byte value union); CUlaunchConfig puts
     # hStream at 32 and numAttrs at 48 (x86-64)
-    assert ctypes.sizeof(_launch._CUlaunchAttribute) == 72
-    assert _launch._CUlaunchConfig.hStream.offset == 32
-    assert _launch._CUlaunchConfig.attrs.offset == 40
-    assert _launch._CUlaunchConfig.numAttrs.offset == 48
-    plain = _launch._LaunchConfig((32, 1, 1), 0, pdl=False)
+    assert ctypes.sizeof(launch._CUlaunchAttribute) == 72
+    assert launch._CUlaunchConfig.hStream.offset == 32
+    assert launch._CUlaunchConfig.attrs.offset == 40
+    assert launch._CUlaunchConfig.numAttrs.offset == 48
+    plain = launch._LaunchConfig((32, 1, 1), 0, pdl=False)
     assert plain.cfg.numAttrs == 0
 
 
 @pytest.mark.parametrize("pdl", [False, True])
 def test_cluster_dimension_attribute(pdl):
     # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION (4): CUlaunchAttributeValue.clusterDim = {x, y, z}
-    cfg = _launch._LaunchConfig((1024, 1, 1), 0, pdl=pdl, cluster=4)
+    cfg = launch._LaunchConfig((1024, 1, 1), 0, pdl=pdl, cluster=4)
     a = cfg.cfg.attrs
     attrs = {a[i].id: ctypes.string_at(ctypes.addressof(a[i]) + 8, 64)  # the value union
              for i in range(cfg.cfg.numAttrs)}
     assert cfg.cfg.numAttrs == 1 + pdl
     assert np.frombuffer(attrs[4][:12], np.uint32).tolist() == [4, 1, 1]
     assert (6 in attrs) == pdl
-    assert _launch._LaunchConfig((1024, 1, 1), 0, pdl=False, cluster=1).cfg.numAttrs == 0
+    assert launch._LaunchConfig((1024, 1, 1), 0, pdl=False, cluster=1).cfg.numAttrs == 0
 
 
 def test_resolve_cluster_knob(monkeypatch):
@@ -80,7 +80,7 @@ def test_resolve_cluster_knob(monkeypatch):
     assert swap.FIXED["cluster"] is None
     monkeypatch.setattr(swap, "compute_capability", lambda: 90)
     monkeypatch.setitem(swap.FIXED, "cluster", None)
-    monkeypatch.setattr(swap._build, "kernel", lambda name: name)
+    monkeypatch.setattr(swap.build, "kernel", lambda name: name)
     fits = {8: 15, 4: 31}  # clusters the device runs at once, per size
     seen = set()
 
@@ -133,9 +133,9 @@ def no_gpu_streams(monkeypatch):
     monkeypatch.setattr(cupy.cuda.Stream, "from_external",
                         staticmethod(lambda obj: _FakeStream(obj)))
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
-    _launch._foreign.clear()
+    launch._foreign.clear()
     yield
-    _launch._foreign.clear()
+    launch._foreign.clear()
 
 
 def test_every_stream_kind_maps_to_its_handle(no_gpu_streams):
@@ -146,11 +146,11 @@ def test_every_stream_kind_maps_to_its_handle(no_gpu_streams):
         def __cuda_stream__(self):
             return (0, 0x5678)
 
-    assert _launch.as_stream(0x42).ptr == 0x42
-    assert _launch.as_stream(np.int64(0x43)).ptr == 0x43
-    assert _launch.as_stream(TorchLikeOld()).ptr == 0x1234
-    assert _launch.as_stream(Protocol()).ptr == 0x5678
-    assert _launch.as_stream(0x42) is _launch.as_stream(0x42)  # wrapped once per handle
+    assert launch.as_stream(0x42).ptr == 0x42
+    assert launch.as_stream(np.int64(0x43)).ptr == 0x43
+    assert launch.as_stream(TorchLikeOld()).ptr == 0x1234
+    assert launch.as_stream(Protocol()).ptr == 0x5678
+    assert launch.as_stream(0x42) is launch.as_stream(0x42)  # wrapped once per handle
 
 
 def test_bad_stream_kinds_are_named(no_gpu_streams):
@@ -159,11 +159,11 @@ def test_bad_stream_kinds_are_named(no_gpu_streams):
             return "nope"
 
     with pytest.raises(TypeError, match="stream must be a CuPy stream"):
-        _launch.as_stream("stream")
+        launch.as_stream("stream")
     with pytest.raises(TypeError, match="stream must be a CuPy stream"):
-        _launch.as_stream(True)
+        launch.as_stream(True)
     with pytest.raises(TypeError, match=r"__cuda_stream__\(\) must return \(version, handle\)"):
-        _launch.as_stream(BadProto())
+        launch.as_stream(BadProto())
 
 
 class _Fake:
@@ -187,7 +187,7 @@ def copy_launches(monkeypatch, no_gpu_streams):
             seen.append((kernel, block, smem, pdl, grid, stream_ptr, ctypes.string_at(addr, size)))
         return la
 
-    monkeypatch.setattr(plan._build, "kernel", lambda name: name)
+    monkeypatch.setattr(plan.build, "kernel", lambda name: name)
     monkeypatch.setattr(plan, "launcher", fake_launcher)
     monkeypatch.setattr(plan, "_launchers", {})
     return seen
@@ -199,7 +199,7 @@ def _copy_struct(B=3, n_layers=1):
 
 
 def test_launch_copy_picks_the_copy_instance_block_and_shared_memory(copy_launches):
-    from hisparse_cupy._kernels import _build, plan
+    from hisparse_cupy._kernels import build, plan
 
     p = _copy_struct(B=3)
     plan.launch_copy(p, grid=5, stream=_Fake(0x10), pdl=True, rows_per_warp=4)
@@ -208,8 +208,8 @@ def test_launch_copy_picks_the_copy_instance_block_and_shared_memory(copy_launch
     block = _abi.COPY_WARPS * 32
     raw = ctypes.string_at(p.addr, _abi.PLANNED_COPY.itemsize)
     assert copy_launches == [
-        (_build.COPY_H2D[4], block, smem, True, (5, 1, 1), 0x10, raw),
-        (_build.COPY_D2H, block, smem, False, (2, 1, 1), 0x11, raw)]
+        (build.COPY_H2D[4], block, smem, True, (5, 1, 1), 0x10, raw),
+        (build.COPY_D2H, block, smem, False, (2, 1, 1), 0x11, raw)]
     plan.launch_copy(_copy_struct(B=0), grid=5, stream=_Fake(0x10))  # nothing to copy
     plan.launch_copy(_copy_struct(n_layers=0), grid=5, stream=_Fake(0x10))
     assert len(copy_launches) == 2
@@ -222,7 +222,7 @@ def test_launch_copy_picks_the_copy_instance_block_and_shared_memory(copy_launch
 
 
 def test_copy_probe_runs_the_probe_instance_on_its_streams_only(copy_launches):
-    from hisparse_cupy._kernels import _build, plan
+    from hisparse_cupy._kernels import build, plan
     from hisparse_cupy.testing.probe import active_copy_probes, copy_probe
 
     p = _copy_struct(B=3)
@@ -245,9 +245,9 @@ def test_copy_probe_runs_the_probe_instance_on_its_streams_only(copy_launches):
     assert active_copy_probes == [] and plan.copy_queue is plan.queue_copy  # put back
     plan.launch_copy(p, grid=5, stream=_Fake(0x10))
     names = [launch[0] for launch in copy_launches]
-    assert names == [_build.COPY_H2D_PROBE[2], _build.COPY_H2D[2], _build.COPY_D2H,
-                     _build.COPY_H2D_PROBE[1], _build.COPY_H2D_PROBE[1],
-                     _build.COPY_H2D_PROBE[1], _build.COPY_H2D[1]]
+    assert names == [build.COPY_H2D_PROBE[2], build.COPY_H2D[2], build.COPY_D2H,
+                     build.COPY_H2D_PROBE[1], build.COPY_H2D_PROBE[1],
+                     build.COPY_H2D_PROBE[1], build.COPY_H2D[1]]
     probed = [probe_struct(la) for la in copy_launches if "probe" in la[0]]
     assert probed == [(raw, 0, 7, 1), (raw, 0, 9, 0), (raw, 0, 9, 0), (raw, 0, 7, 1)]
     smem = _abi.smem_bytes("PLANNED_COPY", B=3)

@@ -132,7 +132,7 @@ def test_the_circle_check_sees_the_graph():
     assert "hisparse_cupy.step" in imports("hisparse_cupy.cache", TREES["hisparse_cupy.cache"])
 
 
-@pytest.mark.parametrize("path", MODULES + sorted((PKG / "_kernels" / "cu").glob("*.c*")),
+@pytest.mark.parametrize("path", MODULES + sorted((PKG / "cu").glob("*.c*")),
                          ids=lambda p: str(p.relative_to(PKG)))
 def test_module_length(path):
     n = len(path.read_text().splitlines())

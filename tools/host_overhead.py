@@ -26,7 +26,7 @@ import cupy
 import numpy as np
 
 from hisparse_cupy import HotBufferCache, _abi, swap_in
-from hisparse_cupy._kernels._launch import launcher
+from hisparse_cupy._kernels.launch import launcher
 
 ROUNDS, N = 5, 200
 K, H, P, MAX_LEN, ROW = 2048, 4096, 64, 8192, 656

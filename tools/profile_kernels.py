@@ -34,7 +34,7 @@ import bench_spec  # noqa: E402
 import bench_swap  # noqa: E402
 
 from hisparse_cupy import HostKVPool, MissPlan, swap_in
-from hisparse_cupy._kernels import _build  # noqa: E402
+from hisparse_cupy._kernels import build  # noqa: E402
 
 ROW = 656
 # mark -> phase, per kernel (the HS_PHASE(i) marks in cu/swap.cu and cu/multistep.cu)
@@ -63,7 +63,7 @@ def report_phases(kernels) -> None:
     mhz = _mhz()
     for k in kernels:
         file, marks = MARKS[k]
-        cyc = _build.phase_cycles(file, reset=False)
+        cyc = build.phase_cycles(file, reset=False)
         prev, parts = 0.0, []
         for i, name in marks.items():
             if cyc[i] == 0:  # no block reached the mark (e.g. rows that end early)
@@ -74,13 +74,13 @@ def report_phases(kernels) -> None:
             prev = max(prev, t)
         print(f"    {k}: {prev:.1f} us = " + ", ".join(parts), flush=True)
     for file in {MARKS[k][0] for k in kernels}:
-        _build.phase_cycles(file, reset=True)
+        build.phase_cycles(file, reset=True)
 
 
 def reset_phases(kernels) -> None:
     if PHASES:
         for file in {MARKS[k][0] for k in kernels}:
-            _build.phase_cycles(file, reset=True)
+            build.phase_cycles(file, reset=True)
 
 
 def _pair(text: str, kinds) -> tuple:

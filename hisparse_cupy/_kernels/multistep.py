@@ -40,8 +40,8 @@ import numpy as np
 from .. import _abi, _checks
 from .._checks import ArrayLike, StreamLike
 from .._device import Ptr
-from . import _build
-from ._launch import (
+from . import build
+from .launch import (
     CallWriter,
     Launcher,
     Params,
@@ -111,7 +111,7 @@ class MultiStepWorkspace:
 
     def reset(self, stream: StreamLike | None = None) -> None:
         """Clear every row (only needed if a call was abandoned half-way); queued on ``stream``
-        (any kind :func:`hisparse_cupy._kernels._launch.as_stream` accepts)."""
+        (any kind :func:`hisparse_cupy._kernels.launch.as_stream` accepts)."""
         with as_stream(stream):
             self.table.fill(np.uint64(_abi.MS_EMPTY))
             self.meta.fill(_abi.MS_META_INIT)
@@ -292,7 +292,7 @@ def init_states(rows: cupy.ndarray, num_real: cupy.ndarray | None, slot_tokens: 
         table_layer_stride=token_slot.strides[0] // 2, ref_layer_stride=ref.strides[0] // 4,
         R=R, B=B, slot_stride=slot_tokens.strides[1] // 4, H=hot_size,
         table_stride=token_slot.strides[1] // 2, ref_stride=ref.strides[1] // 4)
-    launch(_build.kernel(_build.MS_INIT), (B, L), _abi.INIT_BLOCK, p, stream=stream)
+    launch(build.kernel(build.MS_INIT), (B, L), _abi.INIT_BLOCK, p, stream=stream)
 
 
 def multistep_swap_in(
@@ -471,9 +471,9 @@ def launches(key, B: int, S: int, K: int, H: int, pdl: bool) -> MultiStepLaunch:
     if got is None:
         T = S * K
         got = _calls[ck] = MultiStepLaunch(
-            G, launcher(_build.kernel(_build.GATHER[key]), _abi.GATHER_BLOCK),
+            G, launcher(build.kernel(build.GATHER[key]), _abi.GATHER_BLOCK),
             (math.ceil(T / _abi.GATHER_BLOCK), B, 1),
-            launcher(_build.kernel(_build.COMMIT[key]), _abi.COMMIT_BLOCK,
+            launcher(build.kernel(build.COMMIT[key]), _abi.COMMIT_BLOCK,
                      commit_smem_bytes(H, T), pdl),
             (B * (1 + G), 1, 1))
     return got

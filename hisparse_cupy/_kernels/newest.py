@@ -9,8 +9,8 @@ from __future__ import annotations
 import cupy
 
 from .. import _abi
-from . import _build
-from ._launch import Params, launch, ptr
+from . import build
+from .launch import Params, launch, ptr
 
 
 class NewestBuffers:
@@ -52,6 +52,6 @@ def newest_rows(out: NewestBuffers, *, req, lens, lens_stride: int, num_real, ke
         resident=ptr(resident), dev_pages=ptr(dev_pages), dev_page_tokens=dev_page_tokens,
         written=ptr(written),
         dev_page_stride=0 if dev_pages is None else dev_pages.shape[1])
-    launch(_build.kernel(_build.NEWEST[key]), -(-B // _abi.NEWEST_BLOCK), _abi.NEWEST_BLOCK, p,
+    launch(build.kernel(build.NEWEST[key]), -(-B // _abi.NEWEST_BLOCK), _abi.NEWEST_BLOCK, p,
            stream=stream)
     return out.rows[:B]

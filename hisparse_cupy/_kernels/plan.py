@@ -28,10 +28,10 @@ from .. import _abi, _checks
 from .._checks import ArrayLike, StreamLike
 from .._device import Ptr
 from ..host._pool import HostKVPool
-from . import _build
-from ._launch import Launcher, Params, as_stream, launcher, ptr, resolve_pdl, sm_count
+from . import build
+from .launch import Launcher, Params, as_stream, launcher, ptr, resolve_pdl, sm_count
 
-ROWS_PER_WARP = _build.COPY_ROWS_PER_WARP  # the host -> device copy's choices
+ROWS_PER_WARP = build.COPY_ROWS_PER_WARP  # the host -> device copy's choices
 _COPY_BLOCK = _abi.COPY_WARPS * 32  # threads of a copy block
 _COPY_BLOCKS_PER_SM = 2048 // _COPY_BLOCK
 
@@ -137,7 +137,7 @@ def copy_rows(src_idx: cupy.ndarray, dst_idx: cupy.ndarray, count: cupy.ndarray,
 
 
 class CopyLaunch(NamedTuple):
-    """A planned copy's launch: the :class:`~hisparse_cupy._kernels._launch.Launcher` and its
+    """A planned copy's launch: the :class:`~hisparse_cupy._kernels.launch.Launcher` and its
     grid (a 3-tuple)."""
 
     launcher: Launcher
@@ -149,14 +149,14 @@ _launchers: dict[tuple, Launcher] = {}
 
 def copy_launcher(batch: int, *, to_host: bool = False, rows_per_warp: int = 1,
                   pdl: bool = False) -> Launcher:
-    """The cached :class:`~hisparse_cupy._kernels._launch.Launcher` of the planned copy of up to
+    """The cached :class:`~hisparse_cupy._kernels.launch.Launcher` of the planned copy of up to
     ``batch`` rows on the current device: ``la((grid, 1, 1), stream_ptr, params.addr)`` queues
     it with a struct from :func:`copy_struct` whose ``B`` is at most ``batch``.
 
     ``to_host``: device rows (int32) -> host rows (int64), else host -> device; ``rows_per_warp``:
     rows each warp of a host -> device copy keeps in flight (one of :data:`ROWS_PER_WARP`; more
     let fewer blocks keep the link busy); ``pdl``: already resolved
-    (:func:`hisparse_cupy._kernels._launch.resolve_pdl`).
+    (:func:`hisparse_cupy._kernels.launch.resolve_pdl`).
     """
     key = (batch, to_host, rows_per_warp, pdl, cupy.cuda.runtime.getDevice())
     la = _launchers.get(key)
@@ -167,12 +167,12 @@ def copy_launcher(batch: int, *, to_host: bool = False, rows_per_warp: int = 1,
 
 def instance(to_host: bool, rows_per_warp: int, table: dict | None = None) -> str:
     """The copy instance's name: device -> host, or host -> device with ``rows_per_warp`` from
-    ``table`` (default :data:`hisparse_cupy._kernels._build.COPY_H2D`)."""
+    ``table`` (default :data:`hisparse_cupy._kernels.build.COPY_H2D`)."""
     if to_host:
         if rows_per_warp != 1:
             raise ValueError("the device -> host copy moves one row per warp")
-        return _build.COPY_D2H
-    table = _build.COPY_H2D if table is None else table
+        return build.COPY_D2H
+    table = build.COPY_H2D if table is None else table
     if rows_per_warp not in table:
         raise ValueError(f"rows_per_warp must be one of {ROWS_PER_WARP}, got {rows_per_warp}")
     return table[rows_per_warp]
@@ -181,7 +181,7 @@ def instance(to_host: bool, rows_per_warp: int, table: dict | None = None) -> st
 def copy_kernel_launcher(name: str, batch: int, pdl: bool) -> Launcher:
     """A new launcher of copy instance ``name`` for up to ``batch`` rows: one block of
     COPY_WARPS warps; shared memory: the prefix of the batch's counts."""
-    return launcher(_build.kernel(name), _COPY_BLOCK, _abi.smem_bytes("PLANNED_COPY", B=batch),
+    return launcher(build.kernel(name), _COPY_BLOCK, _abi.smem_bytes("PLANNED_COPY", B=batch),
                     pdl)
 
 
@@ -257,7 +257,7 @@ def replay_plan(
         Rows each warp keeps in flight (one of :data:`ROWS_PER_WARP`, default 1): with more,
         fewer blocks keep the link busy.
     stream : optional
-        Any stream kind :func:`hisparse_cupy._kernels._launch.as_stream` accepts (CuPy, PyTorch,
+        Any stream kind :func:`hisparse_cupy._kernels.launch.as_stream` accepts (CuPy, PyTorch,
         ``__cuda_stream__``, int handle). Default: CuPy's current stream.
     pdl : bool or None
         Launch with Programmatic Dependent Launch (default: where the device supports it): the

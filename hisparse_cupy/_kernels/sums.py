@@ -98,7 +98,7 @@ def _gpu_sums(L: int, runs, after=None) -> list[int]:
     never synchronized), waited for."""
     import cupy
 
-    from . import _build
+    from . import build
 
     dev = cupy.cuda.runtime.getDevice()
     s = _streams.get(dev)
@@ -106,7 +106,7 @@ def _gpu_sums(L: int, runs, after=None) -> list[int]:
         s = _streams[dev] = cupy.cuda.Stream(non_blocking=True)
     if after is not None:
         s.wait_event(after.record())
-    k = _build.kernel(_build.LAYER_SUMS)
+    k = build.kernel(build.LAYER_SUMS)
     with s:
         out = cupy.zeros(L, cupy.uint64)
         for addr, stride, words, first in runs:

@@ -29,8 +29,8 @@ import numpy as np
 from .. import _abi, _checks
 from .._checks import ArrayLike, StreamLike
 from .._device import Ptr
-from . import _build
-from ._launch import (
+from . import build
+from .launch import (
     CallWriter,
     Launcher,
     Params,
@@ -92,7 +92,7 @@ def resolve_cluster(key, batch: int, top_k: int, hot_size: int) -> int:
         return 1
     if FIXED["cluster"] is not None:
         return FIXED["cluster"]
-    kernel = _build.kernel(_build.RESOLVE[_abi.RESOLVE_CLUSTER_BLOCK][key])
+    kernel = build.kernel(build.RESOLVE[_abi.RESOLVE_CLUSTER_BLOCK][key])
     smem = resolve_smem_bytes(top_k, hot_size, _abi.RESOLVE_CLUSTER_BLOCK)
     for c in (8, 4):
         if max_active_clusters(kernel, _abi.RESOLVE_CLUSTER_BLOCK, smem, c) >= batch:
@@ -114,8 +114,8 @@ def resolve_launch(key, B: int, K: int, H: int,
     if got is None:
         c = 1 if table else resolve_cluster(key, B, K, H)
         block = _abi.RESOLVE_BLOCK if c == 1 else _abi.RESOLVE_CLUSTER_BLOCK
-        name = _build.RESOLVE_TABLE[key] if table else _build.RESOLVE[block][key]
-        la = launcher(_build.kernel(name), block, resolve_smem_bytes(K, H, block), False, c)
+        name = build.RESOLVE_TABLE[key] if table else build.RESOLVE[block][key]
+        la = launcher(build.kernel(name), block, resolve_smem_bytes(K, H, block), False, c)
         got = _launches[ck] = (la, (B * c, 1, 1))
     return got
 

@@ -97,10 +97,10 @@ def partition(cfg: Config):
 
 def run_modes(cfg: Config, rig, log) -> list:
     """Every configured mode and exec kind on ``rig`` (a :class:`~.loop.Rig`), in order."""
-    from .._kernels import _launch
+    from .._kernels import launch
 
     log(f"model: {rig.model.gemm.kind}; attention split in {rig.model.nsplit} x "
-        f"{rig.model.chunk} rows; PDL {'on' if _launch.resolve_pdl(None) else 'off'}")
+        f"{rig.model.chunk} rows; PDL {'on' if launch.resolve_pdl(None) else 'off'}")
     results = []
     for mode in cfg.modes:
         for ex in cfg.execs:

@@ -14,7 +14,7 @@ GB = 1e9
 DEVICE_PAGE = 64  # tokens a device page of the budget holds (--device-budget, --resident-requests)
 AUTO_RESERVE = 4 << 30  # --device-budget auto leaves this much GPU memory free (buffers, tables)
 MODES = ("gpu-only", "offload", "overlap", "predict")  # predict: overlap + prediction
-REPLAY_ROWS_PER_WARP = (1, 2, 4, 8)  # the copy kernel's choices (_build.COPY_ROWS_PER_WARP)
+REPLAY_ROWS_PER_WARP = (1, 2, 4, 8)  # the copy kernel's choices (build.COPY_ROWS_PER_WARP)
 # --model: the MLP stand-in's hidden size. glm52: a gpu-only step of about a published GLM-5.2
 # per-GPU decode step on an H200 (docs/design.md section 11); light: the earlier, lighter model
 MODELS = {"glm52": 27136, "light": 4096}

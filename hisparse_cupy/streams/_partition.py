@@ -24,7 +24,7 @@ from __future__ import annotations
 import cupy
 
 from .. import _checks
-from .._kernels._launch import StreamHandle
+from .._kernels.launch import StreamHandle
 
 __all__ = ["SMPartition"]
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import cupy
 
 from .. import _abi
-from .._kernels import _build
-from .._kernels._launch import Params, launch, ptr
+from .._kernels import build
+from .._kernels.launch import Params, launch, ptr
 from .._kernels.plan import array_rows, copy_struct, launch_copy, pool_rows
 
 PREDICT_AT = ("swap", "indexer")
@@ -132,7 +132,7 @@ class Predictor:
                 rule=self.rule, resident=0 if c.arena is None else ptr(c.arena.resident))
         prm.set(req=ptr(step.req), lens=ptr(step.seq_lens), num_real=ptr(nr),
                 lens_stride=step.lens_stride)  # the step's batch (any buffers)
-        launch(_build.kernel(_build.PREDICT[step.dtypes]), min(B, grid), _abi.PREDICT_BLOCK,
+        launch(build.kernel(build.PREDICT[step.dtypes]), min(B, grid), _abi.PREDICT_BLOCK,
                prm, shared_mem=_abi.smem_bytes("PREDICT_STAGE", MS=hash_slots), stream=side)
         ck = (B, ptr(nr), nxt)
         cp = self._copies.get(ck)

@@ -36,7 +36,7 @@ import cupy
 
 from .. import _checks
 from .._checks import ArrayLike, StreamLike
-from .._kernels._launch import as_stream, sm_count
+from .._kernels.launch import as_stream, sm_count
 from .._kernels.multistep import dense_view
 from .._kernels.plan import ROWS_PER_WARP, Rows, copy_struct, launch_copy
 from ..cache import HotBufferCache

@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import Iterator
 
 from .. import _checks
-from .._kernels import _launch, multistep, swap
+from .._kernels import launch, multistep, swap
 
 __all__ = ["copy_blocks", "pdl", "resolve_cluster"]
 
@@ -53,4 +53,4 @@ def pdl(enabled: bool):
     ``HISPARSE_CUPY_PDL``)."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    return _fixed(_launch.FIXED, "pdl", enabled)
+    return _fixed(launch.FIXED, "pdl", enabled)

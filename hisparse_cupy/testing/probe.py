@@ -36,8 +36,8 @@ import cupy
 import numpy as np
 
 from .. import _abi, _checks
-from .._kernels import _build, plan
-from .._kernels._launch import Launcher, Params, as_stream, ptr
+from .._kernels import build, plan
+from .._kernels.launch import Launcher, Params, as_stream, ptr
 
 __all__ = ["CopyProbe", "active_copy_probes", "copy_probe"]
 
@@ -65,7 +65,7 @@ def _queue(params: Params, B: int, to_host: bool, grid: int, stream_ptr: int, pd
     key = (B, rows_per_warp, pdl, cupy.cuda.runtime.getDevice())
     la = _launchers.get(key)
     if la is None:
-        name = plan.instance(False, rows_per_warp, _build.COPY_H2D_PROBE)
+        name = plan.instance(False, rows_per_warp, build.COPY_H2D_PROBE)
         la = _launchers[key] = plan.copy_kernel_launcher(name, B, pdl)
     la((grid, 1, 1), stream_ptr, st.ctypes.data)
 
@@ -125,7 +125,7 @@ def copy_probe(*, dry_run: bool = False, spin_cycles: int = 0, bad=None,
         Incremented once per entry whose source or destination row is outside its array.
     streams : iterable of streams, optional
         The streams whose copies are probed, each of any kind
-        :func:`hisparse_cupy._kernels._launch.as_stream` takes (CuPy, PyTorch,
+        :func:`hisparse_cupy._kernels.launch.as_stream` takes (CuPy, PyTorch,
         ``__cuda_stream__``, int
         handle); None: every stream.
 

@@ -93,7 +93,7 @@ def run(seed: int = 0, out=print) -> bool:
     """Run every check; print one line each; True when all passed."""
     import cupy
 
-    from .._kernels._launch import pdl_supported
+    from .._kernels.launch import pdl_supported
 
     dev = cupy.cuda.Device()
     name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()

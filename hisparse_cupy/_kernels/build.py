@@ -34,7 +34,7 @@ import numpy as np
 from .. import _abi
 from .._log import log
 
-CU_DIR = Path(__file__).resolve().parent / "cu"
+CU_DIR = Path(__file__).resolve().parents[1] / "cu"
 
 # C++ spelling of the index dtypes kernels accept for req_indices / seq_lens
 INDEX_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
@@ -141,7 +141,7 @@ def kernel(name_expression: str):
     file = _FILE_OF.get(name_expression)
     if file is None:
         raise KeyError(f"{name_expression!r} is not an instance of any kernel source "
-                       f"(see hisparse_cupy._kernels._build.INSTANCES)")
+                       f"(see hisparse_cupy._kernels.build.INSTANCES)")
     dev = cupy.cuda.runtime.getDevice()
     k = _kernels.get((dev, name_expression))
     if k is not None:

@@ -18,7 +18,7 @@
 // Phase clock (measuring only; HISPARSE_CUPY_PHASE_CLOCK=1 adds -DHS_PHASE_CLOCK). HS_PHASE_START
 // reads the SM clock at a kernel's start; HS_PHASE(i) (at a point every thread of the block
 // reaches) adds a barrier and keeps the most cycles any block took to reach mark i in
-// hs_phase_clock[i] (hisparse_cupy._kernels._build.phase_cycles reads it). Without the macro both are empty.
+// hs_phase_clock[i] (hisparse_cupy._kernels.build.phase_cycles reads it). Without the macro both are empty.
 #ifdef HS_PHASE_CLOCK
 extern "C" {
 __device__ unsigned long long hs_phase_clock[HS_PHASE_SLOTS];
