@@ -25,8 +25,7 @@ import numpy as np
 from . import _checks
 from ._kernels.plan import array_rows, copy_rows, pool_rows
 from ._order import StreamOrder
-from .host._pages import HostPages, consecutive_runs
-from .host._pool import HostKVPool
+from .host import HostKVPool, HostPages, consecutive_runs
 
 __all__ = ["CacheRows"]
 

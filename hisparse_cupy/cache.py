@@ -41,8 +41,7 @@ from ._kernels.swap import SwapState, check_sizes
 from ._order import StreamOrder
 from ._tables import LayerTables, rows_needed
 from .counters import LayerCounters
-from .host._pages import HostPages
-from .host._pool import HostKVPool
+from .host import HostKVPool, HostPages
 from .residency._arena import DeviceArena
 from .residency._moves import ResidencyMoves
 from .step import Step, StepParts

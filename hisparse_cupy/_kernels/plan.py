@@ -27,7 +27,7 @@ import numpy as np
 from .. import _abi, _checks
 from .._checks import ArrayLike, StreamLike
 from .._device import Ptr
-from ..host._pool import HostKVPool
+from ..host import HostKVPool
 from . import build
 from .launch import Launcher, Params, as_stream, launcher, ptr, resolve_pdl, sm_count
 

@@ -76,13 +76,11 @@ class Config:
         return self.batch * self.mtp
 
     def pattern_obj(self):
-        from ..streams._pattern import LayerPattern
+        from ..streams import layer_pattern
 
-        if self.pattern:
-            p = LayerPattern.from_string(self.pattern)
-            p.check_length(self.layers, "--layers")
-            return p
-        return LayerPattern.from_freq(self.layers, 4, 3)
+        p = layer_pattern(str(self.pattern) if self.pattern else (self.layers, 4, 3))
+        p.check_length(self.layers, "--layers")
+        return p
 
     def check(self) -> None:
         def need(ok: bool, msg: str) -> None:

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from .. import reference as ref
-from ..host._pages import HostPages
+from ..host import HostPages
 from ._config import HEADS, PAGE_TOKENS
 from ._config import ROW_VALUES as ROW
 from ._config import V_VALUES as ROW_V

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import _checks
 from .._kernels import sums as _sums
-from ..host._pages import HostPages, consecutive_runs
+from ..host import HostPages, consecutive_runs
 from . import _nixl, _protocol
 from ._nixl import Arrival, Polled
 from ._quarantine import Quarantine, Reservation

@@ -15,8 +15,7 @@ import numpy as np
 from .. import _checks
 from .._cache_rows import store_rows
 from .._kernels import sums as _sums
-from ..host import _shm as host_shm
-from ..host._pool import HostKVPool
+from ..host import HostKVPool
 from . import _nixl, _protocol
 from ._pending import GRACE_S, Link, PendingSend
 
@@ -251,7 +250,7 @@ class KVSender:
         """The ticket's shared pool attached here, if it offers one on this node and
         ``same_node`` is on (attached once; None: send over NIXL)."""
         shm = t.get("shm")
-        if not self.same_node or shm is None or shm["identity"][0] != host_shm.node_id():
+        if not self.same_node or shm is None or shm["identity"][0] != HostKVPool.node_id():
             return None
         pool = self._pools.get(shm["name"])
         if pool is not None and list(pool.identity) != shm["identity"]:

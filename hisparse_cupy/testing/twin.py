@@ -136,7 +136,7 @@ class Twin:
 
         from .._kernels.plan import MissPlan
         from .._kernels.swap import SwapState
-        from ..host._pool import HostKVPool
+        from ..host import HostKVPool
 
         self = cls.__new__(cls)
         self._sizes(rng, n_layers=1, R=R, H=H, P=P, K=K, S=1, max_len=max_len,
@@ -182,7 +182,7 @@ class Twin:
 
         from .._kernels.multistep import MultiStepConfig, MultiStepState
         from .._kernels.plan import MissPlan
-        from ..host._pool import HostKVPool
+        from ..host import HostKVPool
 
         cfg = MultiStepConfig(R, H, P, K, max_steps=S_max, scratch=C, max_batch=max_batch)
         if lens is None:
