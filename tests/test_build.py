@@ -10,6 +10,7 @@ from hisparse_cupy import _abi
 from hisparse_cupy._kernels import build
 
 
+@pytest.mark.slow
 def test_compile_check_covers_every_instance():
     sizes = build.compile_check()
     assert set(build.INSTANCES) == {"swap.cu", "plan.cu", "plan_probe.cu", "newest.cu",
@@ -41,6 +42,7 @@ def sources(tmp_path, monkeypatch):
     build.source_digest.cache_clear()
 
 
+@pytest.mark.slow
 def test_a_broken_kernel_fails_the_check(sources):
     src = (sources / "plan.cu").read_text().replace("pdl_wait();", "pdl_wait(); oops = 1;")
     (sources / "plan.cu").write_text(src)
@@ -180,6 +182,7 @@ def test_a_probe_struct_drift_fails_the_check(sources, monkeypatch):
         build.compile_check(archs=("sm_90",))
 
 
+@pytest.mark.slow
 def test_the_demo_model_compiles():
     """The decode loop's model kernels (``demo/model.cu``, CuPy RawModule at run time) compile
     through NVRTC for sm_90 with the demo's options (no GPU needed), and for sm_75 (the

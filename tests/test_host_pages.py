@@ -129,6 +129,7 @@ def test_bad_input_names_the_argument_and_changes_nothing():
         HostPages(4, 0)
 
 
+@pytest.mark.slow
 def test_random_operations_against_a_model():
     """100k admit / grow / fork / release / take / put operations on a small pool (often
     exhausted). The model keeps abstract pages and their holders: the free count, each

@@ -95,6 +95,7 @@ def test_layout_and_table_checks():
         cfg.check_tables(tokens, slot_locs, scratch_locs[:, :-1], D)
 
 
+@pytest.mark.slow
 def test_compile_check_covers_multistep():
     import hisparse_cupy as hc
     from hisparse_cupy._kernels import build

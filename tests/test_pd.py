@@ -214,6 +214,7 @@ class Peer:
 
 
 # ---------------------------------------------------------------------- transfers
+@pytest.mark.slow
 @pytest.mark.parametrize("push", [False, True])
 def test_100_requests_several_in_flight(tx, rng, push):
     """Mixed sizes, up to 8 reserved at once, sent in random order (some one at a time, some
@@ -262,6 +263,7 @@ def test_100_requests_several_in_flight(tx, rng, push):
     rx.close()
 
 
+@pytest.mark.slow
 def test_a_sender_in_another_process(rng):
     """30 small requests of mixed sizes, 5 in flight at a time, then 4 large ones (6 MiB)."""
     peer = Peer()
@@ -401,6 +403,7 @@ def test_a_shared_pools_ticket_names_it_and_is_checked(tx):
         KVSender(same_node=1)
 
 
+@pytest.mark.slow
 def test_writes_wait_their_turn_and_land_exact(rng):
     """KVSender(max_in_flight=k): WRITEs sent together to one receiver start (ask for their
     grant, write) k at a time (default 1), the rest queued in order and started as earlier ones
@@ -747,6 +750,7 @@ def _pd_example():
     return pd_decode
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["push", "pull"])
 def test_the_pd_example_decodes_on_kv_that_came_over_nixl(capsys, how):
     """examples/pd_decode.py: a prefill process offers every prompt's KV for the decode process
@@ -991,6 +995,7 @@ def test_pulls_and_writes_mixed_at_random_land_exact(tx, puller, rng):
     rx.close()
 
 
+@pytest.mark.slow
 def test_a_pull_from_another_process():
     """A pulling sender in a child process: the decode side polls (posting the READs) while the
     child waits for the READs' end."""

@@ -225,6 +225,7 @@ def tcp_only(monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp,self,cuda_copy")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("push", [False, True])
 @pytest.mark.parametrize("end", ["cancel", "timeout"])
 def test_a_cancel_during_a_large_transfer_quarantines_its_pages(tcp_only, push, end):
@@ -275,6 +276,7 @@ def test_a_cancel_during_a_large_transfer_quarantines_its_pages(tcp_only, push, 
         rx.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("push", [False, True])
 def test_one_refused_send_leaves_the_others_to_its_receiver_going(tcp_only, push):
     """Five sends posted together to one receiver (over TCP: each stays in flight a while); the
@@ -621,6 +623,7 @@ def test_an_offers_metadata_reaches_only_its_kv():
 
 
 # ------------------------------------------------------- all of it, mixed with real traffic
+@pytest.mark.slow
 def test_hostile_traffic_mixed_with_real_requests_at_random(rng):
     """Rounds of up to 5 real requests (pulls and granted WRITEs, some verified) mixed at
     random with a peer's faults: junk, forged and guessed messages, stale resends of ended

@@ -174,6 +174,7 @@ MOVES = [(0.55, "demote", "sparse"), (0.65, "promote", "promoting"),
          (0.72, "finish_promotion", "resident"), (0.76, "cancel_promotion", "sparse")]
 
 
+@pytest.mark.slow
 def test_randomized_against_a_model():
     """50k operations at random (admit in any state, grow, demote, promote, finish, cancel,
     release, the policy's picks carried out): after each the budget's invariants hold, the

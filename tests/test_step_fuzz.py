@@ -23,7 +23,8 @@ def test_pattern_takes_one_layer_per_row():
     assert len({bytes(r) for r in got}) == ids.size  # every (layer, id) distinct
 
 
-@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("seed", [*range(6), *(pytest.param(s, marks=pytest.mark.slow)
+                                               for s in range(6, 30))])
 def test_step_fuzz_cpu_model(seed):
     r = Fuzz(False, seed).run(300)
     assert r["errors"] == dict.fromkeys(CHECKS, 0)
@@ -82,6 +83,7 @@ def test_the_fuzz_describes_a_token_given_two_rows():
                       "slots_holding"}
 
 
+@pytest.mark.slow
 def test_the_fuzz_forks_and_checks_a_forks_shared_tokens(monkeypatch):
     """Paged configurations fork requests (``admit(prefix=...)``), and a fork's tokens below
     its fork point are checked against the bytes of the instance that wrote them. Negative
@@ -104,6 +106,7 @@ def test_the_fuzz_forks_and_checks_a_forks_shared_tokens(monkeypatch):
     assert failed > 0
 
 
+@pytest.mark.slow
 def test_the_fuzz_catches_a_fork_past_the_written_tokens(monkeypatch):
     """Negative control of the refused forks: a model that forgets the written bound (it takes
     every grown token as written) lets such a fork through, and the fuzz says so."""
@@ -152,6 +155,7 @@ def test_a_seed_whose_call_raises_is_a_failure_with_its_traceback(monkeypatch):
         r["failure"] and "in boom" in r["failure"]
 
 
+@pytest.mark.slow
 def test_the_fuzz_says_where_the_indexers_start_and_a_shared_layers_call_is_refused(monkeypatch):
     """Steps call ``before_indexer`` before most full layers (with and without a prefetcher),
     at times for another full layer, and the call for a shared layer is refused. Negative

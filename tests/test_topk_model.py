@@ -94,6 +94,7 @@ def test_bad_sizes_name_the_argument():
         StreamShape.from_overlap(1.2)
 
 
+@pytest.mark.slow
 def test_the_numpy_demo_runs_on_the_streams_and_reports_their_shape(capsys):
     from hisparse_cupy.demo._config import cpu_config
     from hisparse_cupy.demo._cpu import run

@@ -83,12 +83,12 @@ if [ -n "$shm_huge" ]; then  # shared pools on 2 MiB pages (needs root to mount)
   d=/tmp/hisparse-shm-huge
   mkdir -p "$d" && { mountpoint -q "$d" || mount -t tmpfs -o "huge=always,size=${shm_huge}g" tmpfs "$d"; } \
     && export HISPARSE_CUPY_SHM_DIR=$d || { summary "--shm-huge: could not mount a tmpfs at $d"; fail=1; }
-  summary "$($PY -c 'from hisparse_cupy.host import _shm; print(_shm.describe())' 2>&1)"
+  summary "$($PY -c 'from hisparse_cupy.host import HostKVPool; print(HostKVPool.shared_pools())' 2>&1)"
 fi
 
 if [ $tests = 1 ]; then
   t0=$SECONDS
-  $PY -m pytest -q -rs $test_args >"$OUT/pytest.log" 2>&1
+  $PY -m pytest -q -rs -m "slow or not slow" $test_args >"$OUT/pytest.log" 2>&1  # (the slow CPU cases too)
   rc=$?
   summary "pytest rc=$rc ($((SECONDS - t0)) s): $(tail -n 1 "$OUT/pytest.log")"
   [ $rc = 0 ] || fail=1
