@@ -336,7 +336,7 @@ def main() -> int:
     if args.help:
         print(__doc__)
         ap.print_help()
-        from hisparse_cupy.demo._config import parser
+        from hisparse_cupy.demo._args import parser
 
         parser().print_help()
         return 0
@@ -349,8 +349,8 @@ def main() -> int:
     try:
         import torch
     except ImportError:
-        print("tp_decode: needs PyTorch (torch.distributed): pip install "
-              "'hisparse_cupy[interop]' (or torch)")
+        print("tp_decode: needs PyTorch (torch.distributed): from the checkout, pip install -e "
+              "'.[interop]' (the interop extra), or torch alone: pip install torch")
         return 2
     pool_name = f"hs-tp-{os.getpid()}"
     torchrun = "RANK" in os.environ and args.nproc is None

@@ -42,6 +42,7 @@ from __future__ import annotations
 import sys
 import time
 
+from .._cli._usage import FAILED, OK, USAGE, UsageError
 from .._device import cupy_or_why
 from ._config import Config, cpu_config, from_args, host_memory_bytes
 
@@ -89,7 +90,7 @@ def partition(cfg: Config):
     try:
         part = SMPartition(cfg.side_sms)
     except (RuntimeError, ValueError, ImportError) as e:
-        raise SystemExit(f"demo: --side-sms {cfg.side_sms}: {e}") from e
+        raise UsageError(f"demo: --side-sms {cfg.side_sms}: {e}") from e
     return part, (f"SM partition (green contexts, --side-sms {cfg.side_sms}): side streams on "
                   f"{part.side_sms} SMs, the step on {part.main_sms} (the attention split and, "
                   f"with cuBLAS, the matmuls' SM target sized to them)")
@@ -144,10 +145,10 @@ def report_results(cfg: Config, results, extra: dict, title: str) -> int:
         print(report.plot(cfg.png, cfg, results, title))
     if errors:
         print("SELF-CHECK FAILED:\n  " + "\n  ".join(errors))
-        return 1
+        return FAILED
     print(f"self-check passed: every offloaded run's attention outputs ({cfg.total_steps} steps "
           f"x {cfg.layers} layers) are bit-identical to gpu-only")
-    return 0
+    return OK
 
 
 def run_gpu(cfg: Config, admission=None, pool=None) -> int:
@@ -161,8 +162,8 @@ def run_gpu(cfg: Config, admission=None, pool=None) -> int:
     log = (lambda msg: None) if cfg.quiet else (lambda msg: print(msg, flush=True))
     why = describe(cfg)
     if why:
-        print(f"demo: {why}")
-        return 2
+        print(f"demo: {why}", file=sys.stderr)
+        return USAGE
     part, line = partition(cfg)
     print(line, flush=True)
     print(cfg.describe_resident(), flush=True)
@@ -199,10 +200,10 @@ def main(argv=None) -> int:
         from ._cpu import run
 
         run(cfg)
-        return 0
+        return OK
     cfg = from_args(argv)
     if cfg.warmup < 1:
-        raise SystemExit("demo: the GPU decode loop needs --warmup >= 1 (kernels compile, and "
+        raise UsageError("demo: the GPU decode loop needs --warmup >= 1 (kernels compile, and "
                          "graphs are captured, after an eager step)")
     if cfg.sweep is not None:
         from ._sweep_run import run_sweep

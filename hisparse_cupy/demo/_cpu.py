@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from .. import reference as ref
+from .._cli._usage import UsageError
 from ..host._pages import HostPages
 from ._config import HEADS, PAGE_TOKENS
 from ._config import ROW_VALUES as ROW
@@ -73,7 +74,7 @@ def fits(nbytes: int, what: str) -> None:
     except (OSError, StopIteration, ValueError, IndexError):
         return
     if nbytes > avail:
-        raise SystemExit(f"the NumPy decode loop at {what} needs {nbytes / 1e9:.1f} GB of host "
+        raise UsageError(f"the NumPy decode loop at {what} needs {nbytes / 1e9:.1f} GB of host "
                          f"memory; {avail / 1e9:.1f} GB is available: lower --context, --batch "
                          f"or --layers")
 
