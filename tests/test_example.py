@@ -4,6 +4,7 @@ backend without a GPU, the kernels with one; a corrupted swap makes its self-che
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -153,7 +154,12 @@ def test_examples_name_the_missing_extra(example, needs):
         pytest.skip(f"{needs} is installed")
     p = subprocess.run([sys.executable, str(ROOT / "examples" / example)], capture_output=True,
                        text=True, timeout=120)
-    assert p.returncode != 0 and "hisparse_cupy[interop]" in p.stdout + p.stderr
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "pip install -e '.[interop]'" in out, out
+    assert "hisparse_cupy[" not in out  # (not on PyPI: the extra installs from a checkout)
+    extras = re.search(r"\[project.optional-dependencies\](.*?)\n\[", (ROOT / "pyproject.toml")
+                       .read_text(), re.S).group(1)
+    assert re.search(rf"^interop = \[.*\b{needs}\b", extras, re.M), extras  # the extra has it
 
 
 _EXTRAS = ("torch", "jax", "nixl", "nixl_cu12", "nixl_cu13")  # each example's optional import
