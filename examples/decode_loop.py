@@ -9,7 +9,7 @@ same); ``--help`` lists every knob.
 
 import sys
 
-from hisparse_cupy.demo import main
+from hisparse_cupy._cli import main  # the command line's exit statuses (its --help lists them)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["demo", *sys.argv[1:]]))

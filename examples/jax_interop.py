@@ -35,7 +35,8 @@ except ImportError:  # (--help still works; main says what to install)
 from hisparse_cupy import HotBufferCache  # noqa: E402
 from hisparse_cupy.interop import as_cupy, to_jax  # noqa: E402
 
-NEEDS = "examples/jax_interop.py needs JAX: pip install 'hisparse_cupy[interop]' (or jax[cuda12])"
+NEEDS = ("examples/jax_interop.py needs JAX: from the checkout, pip install -e '.[interop]' (the "
+         "interop extra: torch and jax[cuda12]), or JAX alone: pip install 'jax[cuda12]'")
 
 L, H, K, P, ROW = 4, 1024, 256, 8, 1152
 PROMPTS = (1500, 2600, 3700)  # every context is longer than the hot buffer

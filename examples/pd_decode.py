@@ -75,7 +75,8 @@ def prefill(argv, gpu: bool, tickets, results) -> None:
         if gpu:
             import cupy
 
-            from hisparse_cupy.demo._config import ROW_BYTES, from_args
+            from hisparse_cupy.demo._args import from_args
+            from hisparse_cupy.demo._config import ROW_BYTES
             from hisparse_cupy.demo._loop import prompt_kv
             from hisparse_cupy.demo._model import Kernels
 
@@ -200,7 +201,7 @@ class GpuAdmission:
 
 def main(argv=None) -> int:
     from hisparse_cupy._device import cupy_or_why
-    from hisparse_cupy.demo._config import cpu_config, from_args
+    from hisparse_cupy.demo._args import cpu_config, from_args
     from hisparse_cupy.pd import nixl_api
 
     argv = list(sys.argv[1:] if argv is None else argv)

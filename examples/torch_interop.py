@@ -27,7 +27,8 @@ except ImportError:  # (--help still works; main says what to install)
 from hisparse_cupy import HotBufferCache
 from hisparse_cupy.interop import as_cupy, to_torch
 
-NEEDS = "examples/torch_interop.py needs PyTorch: pip install 'hisparse_cupy[interop]' (or torch)"
+NEEDS = ("examples/torch_interop.py needs PyTorch: from the checkout, pip install -e '.[interop]' "
+         "(the interop extra: torch and jax[cuda12]), or torch alone: pip install torch")
 
 L, H, K, P, ROW = 4, 1024, 256, 8, 1152
 PROMPTS = (2100, 3000, 4500, 6000)  # every context is longer than the hot buffer

@@ -212,7 +212,8 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str =
 
     from hisparse_cupy import HostKVPool
     from hisparse_cupy.demo import describe, report_results, run_modes
-    from hisparse_cupy.demo._config import ROW_BYTES, from_args
+    from hisparse_cupy.demo._args import from_args
+    from hisparse_cupy.demo._config import ROW_BYTES
     from hisparse_cupy.demo._loop import Rig
     from hisparse_cupy.interop import to_torch
 
@@ -336,7 +337,7 @@ def main() -> int:
     if args.help:
         print(__doc__)
         ap.print_help()
-        from hisparse_cupy.demo._config import parser
+        from hisparse_cupy.demo._args import parser
 
         parser().print_help()
         return 0
@@ -349,8 +350,8 @@ def main() -> int:
     try:
         import torch
     except ImportError:
-        print("tp_decode: needs PyTorch (torch.distributed): pip install "
-              "'hisparse_cupy[interop]' (or torch)")
+        print("tp_decode: needs PyTorch (torch.distributed): from the checkout, pip install -e "
+              "'.[interop]' (the interop extra), or torch alone: pip install torch")
         return 2
     pool_name = f"hs-tp-{os.getpid()}"
     torchrun = "RANK" in os.environ and args.nproc is None

@@ -12,7 +12,8 @@ from __future__ import annotations
 import ctypes
 import functools
 
-__all__ = ["GPUUnavailableError", "Ptr", "cupy_or_why", "require_gpu", "why_no_gpu"]
+__all__ = ["GPUUnavailableError", "Ptr", "cupy_or_why", "driver_version", "require_gpu",
+           "why_no_gpu"]
 
 _NO_DEVICE = 100  # CUDA_ERROR_NO_DEVICE
 _STUB_LIBRARY = 34  # CUDA_ERROR_STUB_LIBRARY: the toolkit's stub libcuda, no driver behind it
@@ -63,8 +64,9 @@ def why_no_gpu() -> str | None:
     try:
         import cupy
     except ImportError:
-        return ("CuPy is not installed: pip install 'hisparse_cupy[cuda12]' (CUDA 12 driver) or "
-                "'hisparse_cupy[cuda13]' (driver >= 580)")
+        from ._lazy import INSTALL_CUPY
+
+        return f"CuPy is not installed: {INSTALL_CUPY}"
     except Exception as e:  # a broken CuPy install
         return f"CuPy failed to import: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     rt = cupy.cuda.runtime.runtimeGetVersion()  # the linked runtime's version; no driver call
@@ -75,6 +77,14 @@ def why_no_gpu() -> str | None:
         return (f"the NVIDIA driver supports CUDA {_cuda_version(drv.value)}, older than CuPy's "
                 f"CUDA runtime {_cuda_version(rt)}: {fix}")
     return None
+
+
+def driver_version() -> str | None:
+    """The CUDA version the NVIDIA driver supports ("12.4"), or None without a driver."""
+    lib, v = _libcuda(), ctypes.c_int(0)
+    if lib is None or lib.cuDriverGetVersion(ctypes.byref(v)) != 0:
+        return None
+    return _cuda_version(v.value)
 
 
 def require_gpu() -> None:

@@ -8,10 +8,13 @@ import sys
 import warnings
 from collections.abc import Callable
 
-NEEDS_CUPY = ("hisparse_cupy needs CuPy for its GPU API. Install the extra that matches your "
-              "driver: pip install 'hisparse_cupy[cuda12]' (CUDA 12.x driver) or "
-              "'hisparse_cupy[cuda13]' (driver >= 580). hisparse_cupy.reference works "
-              "without it.")
+# how to get CuPy (the package is not on PyPI: its extras install from a checkout)
+INSTALL_CUPY = ("install the extra that matches your driver, hisparse_cupy[cuda12] (CUDA 12.x "
+                "driver) or hisparse_cupy[cuda13] (driver >= 580): from a checkout, "
+                "pip install -e '.[cuda12]' (or '.[cuda13]'); or CuPy alone, "
+                "pip install cupy-cuda12x (or cupy-cuda13x)")
+NEEDS_CUPY = (f"hisparse_cupy needs CuPy for its GPU API: {INSTALL_CUPY}. "
+              "hisparse_cupy.reference works without it.")
 
 
 def lazy(package: str, names: dict[str, str | None], extra: tuple[str, ...] = (),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata as md
+import importlib.util
 import json
 import platform
 import subprocess
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 
 import hisparse_cupy
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -91,8 +94,8 @@ def test_check_without_a_gpu_compiles_and_self_checks_and_bench_says_it_needs_on
     assert lines[-1].startswith("not checked without a device: the kernels' results")
     out = tmp_path / "bench_out"
     p = cli("bench", "--out", str(out))
-    assert p.returncode == 1 and p.stderr == "", p.stderr
-    assert p.stdout.splitlines() == [f"bench needs a CUDA device: {_why()}"]
+    assert p.returncode == 3 and p.stdout == "", p.stdout  # 3: this machine lacks a GPU
+    assert p.stderr.splitlines() == [f"bench needs a CUDA device: {_why()}"]
     assert not out.exists()  # nothing written
 
 
@@ -195,7 +198,7 @@ def test_demo_and_bench_arguments():
     p = cli("demo", "--context", "100")
     assert p.returncode != 0 and "--context (100) must exceed --hot + --top-k" in p.stderr
     p = cli("bench", "nope")
-    assert p.returncode == 2 and "no benchmark named ['nope']" in p.stdout
+    assert p.returncode == 2 and p.stderr.startswith("bench: no benchmark named nope; have: ")
     p = cli("info", "--bogus")
     assert p.returncode == 2 and "unrecognized arguments: --bogus" in p.stderr
 
@@ -242,3 +245,167 @@ def test_skip_lines_are_folded_by_reason(tmp_path):
     assert p.returncode == 0 and len(lines) == 2, p.stdout
     assert any("[3]" in x and x.endswith("no CUDA device (here)") for x in lines), lines
     assert any("[1]" in x and x.endswith("needs two GPUs") for x in lines), lines
+
+
+# ------------------------------------------------------------- the first hour (issue 62)
+def test_check_prints_a_line_as_each_kernel_source_compiles(monkeypatch, capfd):
+    """``check`` without a GPU names what it compiles as it goes (on stderr with --json), so
+    its half minute of NVRTC never looks hung; NVRTC and the oracle's run are stubbed here."""
+    if _have_gpu():
+        pytest.skip("a GPU is present: check runs the device self-check")
+    from hisparse_cupy import _cli
+    from hisparse_cupy._kernels import build
+    from hisparse_cupy.demo import _cpu
+
+    monkeypatch.setattr(build, "_compiled", lambda key, file, names, arch: 1000)
+    monkeypatch.setattr(_cpu, "run", lambda cfg: {"self_check": "passed"})
+    assert _cli.main(["check", "--json"]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out)["ok"] is True  # stdout: the one object
+    n = 2 * len(build.INSTANCES)
+    lines = err.splitlines()
+    assert lines[1].startswith("compiling every kernel instance through NVRTC for sm_80 and ")
+    steps = [x for x in lines if x.startswith("  [")]
+    assert [x.split("]")[0] for x in steps] == [f"  [{i}/{n}" for i in range(1, n + 1)]
+    assert {x.split()[1] for x in steps} == set(build.INSTANCES)
+    assert lines.index(steps[-1]) < next(i for i, x in enumerate(lines)
+                                         if x.startswith("compile check: "))
+
+
+def test_output_paths_are_refused_by_name_before_any_work(tmp_path):
+    (tmp_path / "file").write_text("")
+    for args, says in [
+            (("demo", "--json", str(tmp_path / "no/r.json")),
+             f"demo: --json {tmp_path}/no/r.json: the folder {tmp_path}/no does not exist"),
+            (("demo", "--png", str(tmp_path)), f"demo: --png {tmp_path}: is a folder; give a "),
+            (("demo", "--json", str(tmp_path / "file/r.json")),
+             f"the folder {tmp_path}/file is not a folder"),
+            (("bench", "--out", str(tmp_path / "file/sub")),
+             f"bench: --out {tmp_path}/file/sub: {tmp_path}/file is a file, not a folder")]:
+        p = cli(*args, timeout=60)
+        assert p.returncode == 2 and p.stdout == "", (args, p.stdout)  # nothing ran
+        assert p.stderr.splitlines() == [p.stderr.strip()] and says in p.stderr, p.stderr
+    from hisparse_cupy._cli.usage import UsageError, output_dir, output_file
+
+    output_file("demo", "--json", str(tmp_path / "r.json"))  # writable: no error
+    output_dir("bench", "--out", str(tmp_path / "a/b/c"))  # made on demand
+    with pytest.raises(UsageError, match="--out .*/file: is a file, not a folder"):
+        output_dir("bench", "--out", str(tmp_path / "file"))
+
+
+@pytest.mark.parametrize("args, status", [
+    (("info",), 141), (("demo", "--steps", "1", "--layers", "4"), 141),
+    (("bench", "--help"), 0), (("demo", "--help-all"), 0)])  # (argparse drops its help itself)
+def test_a_closed_stdout_ends_quietly_with_status_141(args, status):
+    """``... | head``: the reader has gone before the first line; no traceback, status 141."""
+    p = subprocess.Popen([sys.executable, "-m", "hisparse_cupy", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before the child writes anything
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == status and err == "", err
+
+
+def test_an_unknown_option_or_no_command_says_so_and_lists_the_commands():
+    for args, says in [(("--bogus",), "error: unknown option --bogus; commands: info, check, "
+                                      "demo, bench"),
+                       ((), "error: no command given; commands: info, check, demo, bench"),
+                       (("bogus",), "invalid choice: 'bogus'"),
+                       (("info", "--bogus"), "unrecognized arguments: --bogus")]:
+        p = cli(*args, timeout=60)
+        assert p.returncode == 2 and says in p.stderr, (args, p.stderr)
+        assert "required" not in p.stderr
+
+
+def test_every_help_lists_the_exit_statuses_and_demo_errors_exit_2():
+    from hisparse_cupy._cli.usage import EXIT_STATUSES
+
+    for args in (("--help",), ("info", "--help"), ("check", "--help"), ("bench", "--help"),
+                 ("demo", "--help")):
+        p = cli(*args, timeout=60)
+        assert p.returncode == 0 and EXIT_STATUSES in p.stdout, args
+    import hisparse_cupy._cli as cli_module
+
+    assert "141: stdout was closed early" in cli_module.__doc__
+    for args in (("demo", "--eager", "--graph"), ("demo", "--context", "100"),
+                 ("demo", "--no-partition", "--side-sms", "8")):
+        p = cli(*args, timeout=60)
+        assert p.returncode == 2 and p.stderr.startswith("demo: --"), (args, p.stderr)
+    code = ("import sys, runpy; sys.argv = ['decode_loop.py', '--context', '100']; "
+            f"runpy.run_path({str(ROOT / 'examples/decode_loop.py')!r}, run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT)
+    assert p.returncode == 2 and "--context (100) must exceed" in p.stderr
+
+
+def test_demo_help_is_short_and_help_all_describes_every_option():
+    from hisparse_cupy.demo._args import from_args, parser
+
+    p = cli("demo", "--help", timeout=60)
+    assert p.returncode == 0 and len(p.stdout.splitlines()) <= 70, len(p.stdout.splitlines())
+    short = " ".join(p.stdout.split())
+    assert "(default: True)" not in short and "--indexer/--no-indexer" in short
+    full = cli("demo", "--help-all", timeout=60)
+    assert full.returncode == 0
+    text = " ".join(full.stdout.split())
+    assert "(default: --indexer)" in text and "(default: --lean)" in text
+    assert "(default: True)" not in text and "more options" not in text
+    # each flag the short help only names is described by --help-all (a line of its own)
+    more = p.stdout[p.stdout.index("more options"):p.stdout.index("Without a GPU")]
+    named = {f for x in more.split() for f in x.split("/") if f.startswith("--")}
+    described = {f.rstrip(",") for x in full.stdout.splitlines() if x.startswith("  --")
+                 for f in x.split()[:2] if f.startswith("--")}  # ("--indexer, --no-indexer")
+    assert len(named) > 30 and named <= described, sorted(named - described)
+    assert parser(full=True).format_help() == full.stdout
+    # every option named in the short help still parses (a few, with their effects)
+    assert from_args(["--no-indexer"], check=False).indexer is False
+    assert from_args(["--indexer"], check=False).indexer is True
+    assert from_args(["--no-lean"], check=False).lean is False
+    assert from_args(["--topk-model", "drift"], check=False).topk_model == "drift"
+
+
+def test_bench_help_lists_the_benchmarks_or_says_it_needs_a_checkout(monkeypatch, capsys,
+                                                                      tmp_path):
+    import ast
+
+    from hisparse_cupy import _cli
+
+    p = cli("bench", "--help", timeout=60)
+    assert p.returncode == 0
+    scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
+    assert scripts
+    for s in scripts:
+        doc = ast.get_docstring(ast.parse(s.read_text()))
+        line = next(x for x in p.stdout.splitlines() if x.startswith(f"  {s.stem[6:]} "))
+        assert " ".join(line.split()[1:4]) == " ".join(doc.split()[:3]), (line, doc)
+    monkeypatch.setattr(_cli, "BENCHMARKS", tmp_path / "benchmarks")  # an installed wheel
+    with pytest.raises(SystemExit) as e:
+        _cli.main(["bench", "--help"])
+    assert e.value.code == 0 and "bench needs a checkout" in capsys.readouterr().out
+    assert _cli.main(["bench"]) == 3
+    assert "ship with the source repository" in capsys.readouterr().err
+
+
+def test_info_reports_cupy_nvrtc_and_the_driver_each_on_its_own():
+    code = ("import sys; sys.modules['cupy'] = None; from hisparse_cupy._cli import main; "
+            "sys.exit(main(['info']))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    cupy_line = next(x for x in lines if x.startswith("CuPy"))
+    assert cupy_line.startswith("CuPy: not installed: install the extra that matches your "
+                                "driver") and "pip install -e '.[cuda12]'" in cupy_line
+    assert any(x.startswith(("NVRTC ", "NVRTC: not found (")) for x in lines), lines
+    assert any(x.startswith(("CUDA driver: supports CUDA ", "CUDA driver: none found"))
+               for x in lines), lines
+    if importlib.util.find_spec("cuda.bindings") is not None:  # NVRTC without CuPy
+        assert any(x.startswith("NVRTC 1") for x in lines), lines
+    doc = json.loads(cli("info", "--json", timeout=60).stdout)
+    if importlib.util.find_spec("cupy") is not None:
+        import cupy
+
+        assert doc["cupy"] == cupy.__version__
+        assert doc["nvrtc"] == "{}.{}".format(*cupy.cuda.nvrtc.getVersion())
+    from hisparse_cupy._device import driver_version
+
+    assert doc["driver"] == driver_version()

@@ -4,6 +4,7 @@ backend without a GPU, the kernels with one; a corrupted swap makes its self-che
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +56,7 @@ def test_reference_backend_self_check_catches_a_dropped_copy(monkeypatch):
         return res
 
     monkeypatch.setattr(cpu.ref, "swap_in", lossy)
-    from hisparse_cupy.demo._config import cpu_config
+    from hisparse_cupy.demo._args import cpu_config
 
     with pytest.raises(SystemExit, match="SELF-CHECK FAILED"):
         cpu.run(cpu_config(["--steps", "4"]))
@@ -66,7 +67,7 @@ def test_reference_backend_on_pages_shared_by_a_prefix(monkeypatch):
     whole pages shared, a partial page of 40 tokens copied), every output checked against the
     true KV; without the copy of the partial page the self-check fails."""
     from hisparse_cupy.demo import _cpu as cpu
-    from hisparse_cupy.demo._config import cpu_config
+    from hisparse_cupy.demo._args import cpu_config
 
     cfg = cpu_config(["--batch", "3", "--shared-prefix", "1000", "--steps", "4", "--quiet"])
     res = cpu.run(cfg)
@@ -86,7 +87,8 @@ def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
     """On the NumPy backend every flag given is used or refused with a message; flags not
     given take its small values."""
     from hisparse_cupy.demo import _cpu as cpu
-    from hisparse_cupy.demo._config import CPU_DEFAULTS, CPU_REFUSED, cpu_config
+    from hisparse_cupy.demo._args import cpu_config
+    from hisparse_cupy.demo._config import CPU_DEFAULTS, CPU_REFUSED
 
     cfg = cpu_config(["--batch", "3", "--context", "2048", "--warmup", "0", "--steps", "2",
                       "--json", str(tmp_path / "r.json"), "--quiet", "--pattern", "FSFFSSFS"])
@@ -153,7 +155,12 @@ def test_examples_name_the_missing_extra(example, needs):
         pytest.skip(f"{needs} is installed")
     p = subprocess.run([sys.executable, str(ROOT / "examples" / example)], capture_output=True,
                        text=True, timeout=120)
-    assert p.returncode != 0 and "hisparse_cupy[interop]" in p.stdout + p.stderr
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "pip install -e '.[interop]'" in out, out
+    assert "hisparse_cupy[" not in out  # (not on PyPI: the extra installs from a checkout)
+    extras = re.search(r"\[project.optional-dependencies\](.*?)\n\[", (ROOT / "pyproject.toml")
+                       .read_text(), re.S).group(1)
+    assert re.search(rf"^interop = \[.*\b{needs}\b", extras, re.M), extras  # the extra has it
 
 
 _EXTRAS = ("torch", "jax", "nixl", "nixl_cu12", "nixl_cu13")  # each example's optional import
@@ -185,7 +192,8 @@ def test_pd_decode_help_shows_its_own_flags_then_the_loops():
 
 
 def test_config_memory_and_errors():
-    from hisparse_cupy.demo._config import Config, from_args
+    from hisparse_cupy.demo._args import from_args
+    from hisparse_cupy.demo._config import Config
 
     c = Config()
     m = c.memory()
@@ -239,7 +247,8 @@ def test_resident_layers_default_memory_and_refusals():
     """--resident-layers: the lru default keeps the generator's low-overlap layers (GLM-5.2's
     0 and 1) on the GPU, drift none; the memory moves from the host pool to the GPU; a given
     pool or admission hook (every layer in the pool) and the NumPy backend refuse it."""
-    from hisparse_cupy.demo._config import Config, cpu_config, from_args
+    from hisparse_cupy.demo._args import cpu_config, from_args
+    from hisparse_cupy.demo._config import Config
     from hisparse_cupy.demo._loop import Rig
 
     c = from_args([])
@@ -395,7 +404,7 @@ def test_example_on_gpu_sweep(tmp_path):
     of three; every concurrency's rows (gpu-only, resident, sparse, sparse-no-overlap) in the
     JSON the design names, every offloaded run bit-identical to gpu-only of its requests."""
     from hisparse_cupy.demo import _sweep
-    from hisparse_cupy.demo._config import from_args
+    from hisparse_cupy.demo._args import from_args
 
     base = SMALL[:2] + SMALL[4:-2]  # without --batch and --device-budget
     assert "--batch" not in base and "--device-budget" not in base and len(base) == 12
@@ -465,7 +474,7 @@ def test_gpu_self_check_catches_a_missing_backup(monkeypatch, capsys):
     """Negative control: without the newest token's host write (its slot-H record kept), a
     later step misses on a host row that was never written; the self-check must fail."""
     from hisparse_cupy.demo import run_gpu
-    from hisparse_cupy.demo._config import from_args
+    from hisparse_cupy.demo._args import from_args
     from hisparse_cupy.step import Step
 
     keep = Step.backup_newest
@@ -497,7 +506,7 @@ def test_readme_api_snippet_runs():
 def test_the_numpy_loop_refuses_a_size_that_cannot_fit_before_allocating(capsys):
     """An oversized CPU run ends with a message naming the flags and the memory, before any
     allocation (not a NumPy traceback); a run that fits says what it sets up first."""
-    from hisparse_cupy.demo._config import cpu_config
+    from hisparse_cupy.demo._args import cpu_config
     from hisparse_cupy.demo._cpu import run
 
     with pytest.raises(SystemExit, match=r"--context 100000000.* needs [0-9.]+ GB of host "
@@ -511,7 +520,7 @@ def test_the_numpy_loop_refuses_a_size_that_cannot_fit_before_allocating(capsys)
 def test_device_budget_flags_parse():
     """--device-budget: auto (the default), 0 (no budget) or GB > 0; anything else refused,
     naming the flag; --resident-requests sizes a budget itself and refuses a GB beside it."""
-    from hisparse_cupy.demo._config import from_args
+    from hisparse_cupy.demo._args import from_args
 
     assert from_args([]).device_budget == "auto"
     assert from_args(["--device-budget", "0"]).device_budget is None
@@ -532,7 +541,8 @@ def test_device_budget_rows_by_flag():
     """The budget the offloaded modes build (rows per cached layer): K resident at their
     longest and a block each other; auto: everyone resident while the free memory holds it,
     else what it holds, never less than a block each; GB over the cached layers; none."""
-    from hisparse_cupy.demo._config import AUTO_RESERVE, DEVICE_PAGE, ROW_BYTES, from_args
+    from hisparse_cupy.demo._args import from_args
+    from hisparse_cupy.demo._config import AUTO_RESERVE, DEVICE_PAGE, ROW_BYTES
     from hisparse_cupy.residency import DeviceBudget
 
     base = ["--batch", "4", "--context", "8192", "--steps", "10", "--warmup", "2"]

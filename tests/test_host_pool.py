@@ -432,7 +432,7 @@ def test_the_shared_directory_must_be_a_tmpfs_and_info_says_what_pages_it_gives(
         no_cuda, name, monkeypatch, tmp_path):
     """host_shm.mount finds the mount holding a path (the longest mount point above it);
     a HISPARSE_CUPY_SHM_DIR on another file system is refused before anything is made (its
-    files would be written back to disk); describe() (python -m hisparse_cupy info) says
+    files would be written back to disk); shared_pools() (python -m hisparse_cupy info) says
     where pools go and whether they get huge pages."""
     hs = hp.host_shm
     mounts = ("rootfs / ext4 rw 0 0\ntmpfs /dev/shm tmpfs rw,size=8g 0 0\n"
@@ -441,21 +441,21 @@ def test_the_shared_directory_must_be_a_tmpfs_and_info_says_what_pages_it_gives(
     assert hs.mount("/mnt/h s/kv", mounts) == ("/mnt/h s", "tmpfs", "rw,huge=always")
     assert hs.mount("/dev/shmx", mounts)[1] == "ext4" and hs.mount("/x", "") == ("", "", "")
     assert hs.mount("/dev/shm")[1] == "tmpfs"  # this machine's (CI's) /proc/mounts
-    assert "huge=" in hs.describe() and _shm() in hs.describe()
+    assert "huge=" in hs.shared_pools() and _shm() in hs.shared_pools()
     assert hs.mount("/dev/shm/a\tb", "tmpfs /dev/shm/a\\011b tmpfs rw 0 0")[0] == "/dev/shm/a\tb"
     assert hs._fs_magic("/dev/shm") == hs._TMPFS_MAGIC  # statfs: what the check reads
     real = hs.mount
     monkeypatch.setattr(hs, "mount", lambda d, m=None: ("/mnt/h", "tmpfs", "rw,huge=always"))
-    assert "huge=always: 2 MiB pages" in hs.describe()
+    assert "huge=always: 2 MiB pages" in hs.shared_pools()
     monkeypatch.setattr(hs, "mount", lambda d, m=None: ("/", "ext4", "rw"))
     monkeypatch.setattr(hs, "_fs_magic", lambda d: 0xEF53)  # ext4's
     monkeypatch.setenv("HISPARSE_CUPY_SHM_DIR", str(tmp_path))
     with pytest.raises(OSError, match="HISPARSE_CUPY_SHM_DIR '.*' is on ext4, not tmpfs"):
         hp.HostKVPool(1, 4, 16, shared_name=name)
-    assert os.listdir(tmp_path) == [] and "is on ext4, not tmpfs" in hs.describe()
+    assert os.listdir(tmp_path) == [] and "is on ext4, not tmpfs" in hs.shared_pools()
     monkeypatch.setattr(hs, "mount", real)
     monkeypatch.setenv("HISPARSE_CUPY_SHM_DIR", str(tmp_path / "none"))
-    assert "is not a directory" in hs.describe()
+    assert "is not a directory" in hs.shared_pools()
     monkeypatch.delenv("HISPARSE_CUPY_SHM_DIR")
     monkeypatch.chdir("/dev")  # a relative directory is made absolute (unlinked from anywhere)
     monkeypatch.setattr(hs, "_fs_magic", lambda d: hs._TMPFS_MAGIC)

@@ -144,7 +144,7 @@ def test_module_length(path):
 MAX_ROOT_MODULES = 16
 # Names the package shows: the union of the public modules' __all__ (a module is public when no
 # part of its dotted path starts with "_"). Raise it in the commit that adds a public name.
-PUBLIC_NAME_BUDGET = 98  # + host.consecutive_runs (issue 62: host/ read through its face)
+PUBLIC_NAME_BUDGET = 100  # + host.consecutive_runs, host.shared_pools, demo.run_cpu (62)
 
 
 def _public(mod: str) -> bool:

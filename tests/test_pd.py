@@ -757,7 +757,7 @@ def test_the_pd_example_decodes_on_kv_that_came_over_nixl(capsys, how):
     to read into its pool's pages (or, ``--push``, writes it there once granted); the decode
     loop (NumPy backend) then passes its bit-for-bit self-check, and fails it when one
     request's received rows are altered (the check sees the transfer)."""
-    from hisparse_cupy.demo._config import cpu_config
+    from hisparse_cupy.demo._args import cpu_config
     from hisparse_cupy.demo._cpu import run
 
     ex = _pd_example()

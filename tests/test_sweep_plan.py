@@ -91,7 +91,8 @@ def test_the_demos_own_shape_at_128k():
     keys) and 11.5 GB of host pool, so a 40 GB budget fits 3 and 110 GB of host 9 (3x); the
     gpu-only self-check of those 9 needs 106 GB of KV on the GPU, which an H200 holds. At
     GLM-5.2's 656-byte rows: 16 requests in 110 GB of host, 107 GB for their check."""
-    from hisparse_cupy.demo._config import ROW_BYTES, from_args
+    from hisparse_cupy.demo._args import from_args
+    from hisparse_cupy.demo._config import ROW_BYTES
 
     cfg = from_args(["--context", "131072", "--steps", "54", "--warmup", "10"])
     shape = sw.demo_shape(cfg)
@@ -121,7 +122,7 @@ def test_rows_hidden_share_json_and_table():
     counts; the sparse row's hidden share from the plain offload and gpu-only of the same n;
     the document carries the issue's fields."""
     from hisparse_cupy.demo import _sweep_run as run
-    from hisparse_cupy.demo._config import from_args
+    from hisparse_cupy.demo._args import from_args
 
     ms = np.linspace(10.0, 12.0, 101)
     r = run.row("sparse", 4, _Run(ms), fits=True, gpu_bytes=int(3.5e9), host_gb=20.0,
@@ -158,7 +159,8 @@ def test_rows_hidden_share_json_and_table():
 def test_sweep_flags():
     """--sweep's flags: defaults (40 GB, 80 % of the host), bad values named, its flags
     without it refused, --batch refused with it; the NumPy backend refuses it."""
-    from hisparse_cupy.demo._config import cpu_config, from_args, host_memory_bytes
+    from hisparse_cupy.demo._args import cpu_config, from_args
+    from hisparse_cupy.demo._config import host_memory_bytes
 
     c = from_args(["--sweep", "--context", "65536"])
     assert c.sweep["gpu_budget_gb"] == 40.0 and c.sweep["concurrencies"] is None
@@ -194,7 +196,7 @@ def test_run_sweep_with_a_stand_in_rig(monkeypatch, tmp_path, capsys):
     from hisparse_cupy import host
     from hisparse_cupy.demo import _loop
     from hisparse_cupy.demo import _sweep_run as run
-    from hisparse_cupy.demo._config import from_args
+    from hisparse_cupy.demo._args import from_args
 
     calls, bad = [], {}
 

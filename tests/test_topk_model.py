@@ -96,7 +96,7 @@ def test_bad_sizes_name_the_argument():
 
 @pytest.mark.slow
 def test_the_numpy_demo_runs_on_the_streams_and_reports_their_shape(capsys):
-    from hisparse_cupy.demo._config import cpu_config
+    from hisparse_cupy.demo._args import cpu_config
     from hisparse_cupy.demo._cpu import run
 
     cfg = cpu_config(["--topk-model", "lru", "--layers", "12", "--steps", "8",
@@ -108,7 +108,7 @@ def test_the_numpy_demo_runs_on_the_streams_and_reports_their_shape(capsys):
 
 
 def test_the_demo_flags_of_the_streams_are_checked():
-    from hisparse_cupy.demo._config import from_args
+    from hisparse_cupy.demo._args import from_args
 
     assert from_args([]).topk_model == "lru"  # the default, on the GPU loop too
     with pytest.raises(SystemExit, match="--step-overlap must be in"):

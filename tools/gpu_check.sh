@@ -83,7 +83,7 @@ if [ -n "$shm_huge" ]; then  # shared pools on 2 MiB pages (needs root to mount)
   d=/tmp/hisparse-shm-huge
   mkdir -p "$d" && { mountpoint -q "$d" || mount -t tmpfs -o "huge=always,size=${shm_huge}g" tmpfs "$d"; } \
     && export HISPARSE_CUPY_SHM_DIR=$d || { summary "--shm-huge: could not mount a tmpfs at $d"; fail=1; }
-  summary "$($PY -c 'from hisparse_cupy.host import HostKVPool; print(HostKVPool.shared_pools())' 2>&1)"
+  summary "$($PY -c 'from hisparse_cupy.host import shared_pools; print(shared_pools())' 2>&1)"
 fi
 
 if [ $tests = 1 ]; then

@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     import torch  # noqa: F401  (its profiler records CuPy's kernels too: CUPTI is per process)
     from torch.profiler import ProfilerActivity, profile
 
-    from hisparse_cupy.demo._config import from_args
+    from hisparse_cupy.demo._args import from_args
     from hisparse_cupy.demo._loop import Rig
 
     # no device budget unless the demo flags give one: the sparse path's timeline

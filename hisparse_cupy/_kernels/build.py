@@ -222,11 +222,14 @@ def nvrtc_cubin_size(path: Path, names: tuple[str, ...], opts, what: str) -> int
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def compile_check(archs: tuple[str, ...] = ("sm_80", "sm_90")) -> dict[tuple[str, str], int]:
+def compile_check(archs: tuple[str, ...] = ("sm_80", "sm_90"),
+                  progress=None) -> dict[tuple[str, str], int]:
     """Compile every kernel instance with NVRTC for each arch; no GPU needed.
 
     Needs ``cuda-bindings`` and the NVRTC library (both come with the ``cuda12`` / ``cuda13``
     extras). Uses exactly the runtime's options (:func:`options`) plus the ones CuPy appends.
+    ``progress(done, total, file, arch, seconds)``, if given, is called as each source and arch
+    finishes (from the compiling threads, one call at a time).
 
     Returns
     -------
@@ -234,6 +237,8 @@ def compile_check(archs: tuple[str, ...] = ("sm_80", "sm_90")) -> dict[tuple[str
         ``(file, arch) -> cubin size in bytes``. Raises :class:`CompileError` with NVRTC's log
         on the first source that does not compile.
     """
+    import threading
+    import time
     from concurrent.futures import ThreadPoolExecutor
 
     # the key reads the sources now (source_digest() is cached), so an edited file compiles anew
@@ -242,8 +247,19 @@ def compile_check(archs: tuple[str, ...] = ("sm_80", "sm_90")) -> dict[tuple[str
         h.update(p.name.encode() + b"\0" + p.read_bytes())
     key = (h.hexdigest(), options())
     jobs = [(file, names, arch) for file, names in INSTANCES.items() for arch in archs]
+    lock, done = threading.Lock(), [0]
+
+    def one(job) -> int:
+        t0 = time.perf_counter()
+        n = _compiled(key, *job)
+        if progress is not None:
+            with lock:
+                done[0] += 1
+                progress(done[0], len(jobs), job[0], job[2], time.perf_counter() - t0)
+        return n
+
     with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as ex:
-        sizes = list(ex.map(lambda job: _compiled(key, *job), jobs))  # in order: first error
+        sizes = list(ex.map(one, jobs))  # in order: first error
     return {(file, arch): n for (file, _, arch), n in zip(jobs, sizes, strict=True)}
 
 

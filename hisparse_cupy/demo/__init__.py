@@ -42,10 +42,13 @@ from __future__ import annotations
 import sys
 import time
 
+from .._cli.usage import FAILED, OK, USAGE, UsageError
 from .._device import cupy_or_why
-from ._config import Config, cpu_config, from_args, host_memory_bytes
+from ._args import cpu_config, from_args
+from ._config import Config, host_memory_bytes
 
-__all__ = ["Config", "describe", "main", "partition", "report_results", "run_gpu", "run_modes"]
+__all__ = ["Config", "describe", "main", "partition", "report_results", "run_cpu", "run_gpu",
+           "run_modes"]
 
 
 def describe(cfg: Config) -> str | None:
@@ -89,7 +92,7 @@ def partition(cfg: Config):
     try:
         part = SMPartition(cfg.side_sms)
     except (RuntimeError, ValueError, ImportError) as e:
-        raise SystemExit(f"demo: --side-sms {cfg.side_sms}: {e}") from e
+        raise UsageError(f"demo: --side-sms {cfg.side_sms}: {e}") from e
     return part, (f"SM partition (green contexts, --side-sms {cfg.side_sms}): side streams on "
                   f"{part.side_sms} SMs, the step on {part.main_sms} (the attention split and, "
                   f"with cuBLAS, the matmuls' SM target sized to them)")
@@ -144,10 +147,10 @@ def report_results(cfg: Config, results, extra: dict, title: str) -> int:
         print(report.plot(cfg.png, cfg, results, title))
     if errors:
         print("SELF-CHECK FAILED:\n  " + "\n  ".join(errors))
-        return 1
+        return FAILED
     print(f"self-check passed: every offloaded run's attention outputs ({cfg.total_steps} steps "
           f"x {cfg.layers} layers) are bit-identical to gpu-only")
-    return 0
+    return OK
 
 
 def run_gpu(cfg: Config, admission=None, pool=None) -> int:
@@ -161,8 +164,8 @@ def run_gpu(cfg: Config, admission=None, pool=None) -> int:
     log = (lambda msg: None) if cfg.quiet else (lambda msg: print(msg, flush=True))
     why = describe(cfg)
     if why:
-        print(f"demo: {why}")
-        return 2
+        print(f"demo: {why}", file=sys.stderr)
+        return USAGE
     part, line = partition(cfg)
     print(line, flush=True)
     print(cfg.describe_resident(), flush=True)
@@ -187,6 +190,15 @@ def run_gpu(cfg: Config, admission=None, pool=None) -> int:
         + (f"drift {100 * cfg.new_share:g}% new/step" if cfg.topk_model == "drift" else "lru"))
 
 
+def run_cpu(argv=None) -> dict:
+    """The decode loop on the NumPy reference backend (no GPU): the configuration of ``argv``
+    (the flags given, small values for the others; :class:`UsageError` naming a flag it cannot
+    honour), run and self-checked (a mismatch raises); its results."""
+    from ._cpu import run
+
+    return run(cpu_config(argv))
+
+
 def main(argv=None) -> int:
     """``python -m hisparse_cupy demo``: the GPU decode loop, or the NumPy backend without one."""
     g = cupy_or_why()
@@ -199,10 +211,10 @@ def main(argv=None) -> int:
         from ._cpu import run
 
         run(cfg)
-        return 0
+        return OK
     cfg = from_args(argv)
     if cfg.warmup < 1:
-        raise SystemExit("demo: the GPU decode loop needs --warmup >= 1 (kernels compile, and "
+        raise UsageError("demo: the GPU decode loop needs --warmup >= 1 (kernels compile, and "
                          "graphs are captured, after an eager step)")
     if cfg.sweep is not None:
         from ._sweep_run import run_sweep

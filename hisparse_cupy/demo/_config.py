@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
+
+from .._cli.usage import UsageError
 
 ROW_VALUES, V_VALUES, HEADS = 576, 512, 16  # an MLA row: latent (512, the value) + rope (64)
 ROW_BYTES = 2 * ROW_VALUES  # bf16
@@ -85,7 +86,7 @@ class Config:
     def check(self) -> None:
         def need(ok: bool, msg: str) -> None:
             if not ok:
-                raise SystemExit(f"demo: {msg}")
+                raise UsageError(f"demo: {msg}")
 
         need(self.layers >= 1, f"--layers must be >= 1, got {self.layers}")
         need(self.hidden >= 64 and self.hidden % 64 == 0,
@@ -236,132 +237,11 @@ class Config:
 
 
 
-class _Defaults(argparse.HelpFormatter):
-    """Help with ``(default: X)`` appended where it says something: not for flags (their
-    default is off), an unset option, or a help that names its default itself."""
-
-    def _get_help_string(self, action):
-        h = action.help or ""
-        if "default" in h or action.default in (None, False, argparse.SUPPRESS) or \
-                not action.option_strings:
-            return h
-        return h + " (default: %(default)s)"
-
 def host_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return 0
-
-
-def parser() -> argparse.ArgumentParser:
-    d = Config()
-    ap = argparse.ArgumentParser(
-        prog="python -m hisparse_cupy demo",
-        formatter_class=_Defaults,
-        description="A decode loop over a hierarchical sparse KV cache: a synthetic sparse-"
-                    "attention model (MLA rows of 576 bf16 values, 16 heads) run GPU-only, "
-                    "offloaded, offloaded with IndexCache overlap, and with overlap and "
-                    "prediction; the offloaded modes must reproduce the GPU-only attention "
-                    "outputs bit for bit. By default each step is a CUDA graph.",
-        epilog="Without a GPU the same algorithm runs on the NumPy reference backend: flags not "
-               "given take small values there (" + ", ".join(
-                   f"--{k.replace('_', '-')} {v}" for k, v in CPU_DEFAULTS.items()) + "); "
-               f"{', '.join(CPU_REFUSED)} need the GPU loop and are refused.")
-    a = ap.add_argument
-    a("--layers", type=int, default=d.layers, help="layers (GLM-5.2 has 78)")
-    a("--pattern", default=None, help="full/shared layers as F/S characters (default: GLM-5.2's "
-                                      "IndexCache rule, every 4th layer full from layer 2)")
-    a("--batch", type=int, default=d.batch, help="requests decoded together")
-    a("--context", type=int, default=d.context, help="prompt tokens per request")
-    a("--steps", type=int, default=d.steps, help="timed decode steps")
-    a("--warmup", type=int, default=d.warmup, help="decode steps before timing")
-    a("--new-share", type=float, default=None,
-      help=f"drift: share of each top-k replaced by new tokens per step (0.01 = 1%%; default "
-           f"{d.new_share})")
-    a("--recent", type=int, default=d.recent, help="newest tokens every top-k holds")
-    a("--topk-model", choices=("drift", "lru"), default=d.topk_model,
-      help="drift: each full layer's top-k keeps its tokens but --new-share a step; lru: drawn "
-           "by LRU stack depth on the published miss curve (30 / 13.4 / 6.7 %% at H = K / 2K / "
-           "4K), --layer-overlap between full layers (hisparse_cupy.demo._topk_model)")
-    a("--seed", type=int, default=None, help=f"lru: the streams' random seed (default {d.seed})")
-    a("--step-overlap", type=float, default=d.step_overlap,
-      help="lru: share of a top-k the previous step selected (sets the curve at H = K; "
-           "default: the curve's 0.70)")
-    a("--layer-overlap", type=float, default=d.layer_overlap,
-      help="lru: share of a full layer's top-k the previous full layer selected (default 0.8)")
-    a("--top-k", type=int, default=d.top_k, help="entries of each layer's top-k (K)")
-    a("--hot", type=int, default=d.hot, help="hot slots per request (H)")
-    a("--extra-page", type=int, default=d.extra_page, help="slots after the hot slots (P)")
-    a("--model", choices=tuple(MODELS), default=d.model,
-      help=f"the MLP stand-in's size: glm52 (hidden {MODELS['glm52']}: a gpu-only step of "
-           f"about a published GLM-5.2 per-GPU decode step on an H200, docs/design.md section "
-           f"11) or light (hidden {MODELS['light']}, the earlier model)")
-    a("--hidden", type=int, default=None,
-      help="hidden size of the MLP stand-in (default: --model's; given: model custom)")
-    a("--no-indexer", dest="indexer", action="store_false",
-      help="leave out the lightning indexer's cost (64 heads x 128 dims over every token's "
-           "132-byte key on every full layer, its key cache on the GPU in every mode)")
-    a("--mtp", type=int, default=d.mtp,
-      help="draft steps per swap (2-4: multi-step swap; on the lru streams a call's drafts are "
-           "consecutive draws of each full layer's stream)")
-    a("--mode", action="append", choices=MODES,
-      help="modes to run (repeatable; default all, without predict at --mtp 2-4; gpu-only "
-           "always runs as the reference; predict = overlap + prediction)")
-    a("--no-predict", action="store_true", help="leave the predict mode out")
-    a("--matmul", choices=("cublas", "torch"), default=d.matmul,
-      help="the layer matmuls: cuBLAS called directly (default) or torch.matmul on the step's "
-           "stream (what an engine written in PyTorch runs; needs torch)")
-    a("--predict-rule", choices=("selection", "misses"), default=d.predict_rule,
-      help="what the predict mode stages of a full layer's top-k that the next one does not "
-           "hold: all it selected (default) or only the tokens it missed")
-    a("--predict-at", choices=("swap", "indexer"), default=d.predict_at,
-      help="predict mode stages after the swap (default) or in the next indexer's window")
-    a("--graph", action="store_true", help="run each step as a captured CUDA graph (default)")
-    a("--eager", action="store_true", help="run each step eagerly (a Python loop)")
-    a("--eager-and-graph", action="store_true", help="run both")
-    a("--side-sms", type=int, default=d.side_sms,
-      help="SMs of an SM partition for the side streams (green contexts, rounded up to the "
-           "device's groups: 8 on Hopper; the step runs on the rest, its matmuls told to leave "
-           "them); 0: no partition (benchmarks/NOTES.md says why that is the default)")
-    a("--no-partition", action="store_true", help="no SM partition (the default; --side-sms 0)")
-    a("--replay-grid", type=int, default=d.replay_grid, metavar="G",
-      help="copy blocks of each side-stream replay and of the prediction stager (default: "
-           "the Prefetcher's, an eighth of the SMs, or the partition's side SMs)")
-    a("--replay-rows-per-warp", type=int, default=d.replay_rows_per_warp, metavar="R",
-      choices=REPLAY_ROWS_PER_WARP,
-      help="rows each replay warp keeps in flight (default: the Prefetcher's, 4; 8 on a "
-           "partition)")
-    a("--group-replay-batch", type=int, default=d.group_replay_batch, metavar="N",
-      help="batches of at most N rows replay each group of shared layers in one launch and "
-           "wait once (default: the Prefetcher's, 2); 0: layer by layer")
-    a("--shared-prefix", type=int, default=d.shared_prefix, metavar="N",
-      help="requests 1.. are forks of request 0 sharing the host pages of its first N tokens")
-    a("--device-budget", type=_budget, default="auto", metavar="GB",
-      help="the offloaded modes' device rows as a budget (docs/design.md section 10): requests "
-           "resident (all their KV on the GPU) while it holds them, sparse beyond; auto (the "
-           "default): every request resident if the GPU's free memory holds them, else as "
-           "many as it holds; GB: that many; 0: no budget, every request sparse (the hot "
-           "buffer path alone)")
-    a("--resident-requests", type=int, default=d.resident_requests, metavar="K",
-      help="a device budget sized for K requests resident at their longest and a sparse "
-           "block for each of the others (DeviceBudget.rows_needed): K = --batch runs every "
-           "request resident, K = 0 every one sparse")
-    a("--no-lean", dest="lean", action="store_false",
-      help="with a device budget holding every request resident, run the steps as a mixed "
-           "batch would (begin_step(lean=False): full layers' copy launches, shared layers' "
-           "replays) instead of lean (the default)")
-    a("--resident-layers", type=int, default=None, metavar="N",
-      help="layers 0 .. N-1 keep their whole KV on the GPU in every mode, the cache holds the "
-           "rest (default: lru, the generator's low-overlap layers, whose top-k shares about "
-           "1.5 %% with the previous step so that no hot buffer holds it; drift, 0)")
-    a("--json", default=None, help="write the results as JSON to this file")
-    a("--png", default=None, help="plot ITL per step per mode to this PNG (needs matplotlib)")
-    a("--quiet", action="store_true", help="no progress lines")
-    from ._sweep import add_arguments
-
-    add_arguments(ap)
-    return ap
 
 
 # the NumPy backend's values for flags not given, and the flags it cannot honour
@@ -373,66 +253,6 @@ CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hi
                "--resident-layers", "--replay-grid", "--replay-rows-per-warp",
                "--group-replay-batch", "--device-budget", "--resident-requests", "--sweep")
 # (accepted: what the NumPy backend runs, e.g. --mtp 1, --eager, --no-lean, --device-budget 0)
-
-
-def _budget(value: str) -> float | str | None:
-    """``--device-budget``: "auto", 0 (None: no budget) or GB > 0."""
-    if value == "auto":
-        return value
-    try:
-        gb = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"auto or a number of GB, got {value!r}") from None
-    if gb < 0:
-        raise argparse.ArgumentTypeError(f"must be auto, 0 or > 0 GB, got {value}")
-    return gb or None
-
-
-def given(argv=None) -> set[str]:
-    """The destinations of the flags ``argv`` sets (whatever their values)."""
-    ap = parser()
-    # a namespace that has every destination already, so no default is applied: a marker, or
-    # None where a flag appends to what is there
-    unset = object()
-    ns = argparse.Namespace(**{k: None if v is None or isinstance(v, list) else unset
-                               for k, v in vars(ap.parse_args([])).items()})
-    return {k for k, v in vars(ap.parse_args(argv, namespace=ns)).items()
-            if v is not unset and v is not None}
-
-
-def cpu_config(argv=None) -> Config:
-    """The NumPy backend's configuration: the flags given, small values for the others;
-    ``SystemExit`` naming a flag it cannot honour."""
-    cfg = from_args(argv, check=False)  # first: --help and bad values as for the GPU loop
-    ns = given(argv)
-    refused = [f for f in CPU_REFUSED if f[2:].replace("-", "_") in ns
-               and (f != "--mtp" or cfg.mtp > 1)
-               and (f != "--mode" or bool({"overlap", "predict"} & set(cfg.modes)))
-               and (f != "--side-sms" or bool(cfg.side_sms))
-               and (f != "--predict-rule" or cfg.predict_rule != "selection")
-               and (f != "--predict-at" or cfg.predict_at != "swap")
-               and (f != "--matmul" or cfg.matmul != "cublas")
-               and (f != "--model" or cfg.model != Config.model)
-               and (f != "--resident-layers" or cfg.resident_layers > 0)
-               and (f != "--device-budget" or cfg.device_budget is not None)]
-    if refused:
-        raise SystemExit(f"demo: {' and '.join(refused)} need{'s' if len(refused) == 1 else ''} "
-                         f"the GPU decode loop; the NumPy reference backend runs single-step "
-                         f"offload against gpu-only, eager, without a GPU")
-    for k, v in CPU_DEFAULTS.items():
-        if k not in ns:
-            setattr(cfg, k, v)
-    # the small values give way to the flags given
-    if "layers" not in ns and cfg.pattern:
-        cfg.layers = len(cfg.pattern)
-    if "extra_page" not in ns:
-        cfg.extra_page = max(cfg.extra_page, cfg.recent)
-    if "hot" not in ns:
-        cfg.hot = max(cfg.hot, cfg.top_k)
-    if "context" not in ns:
-        cfg.context = max(cfg.context, cfg.hot + cfg.top_k + 256)
-    cfg.check()
-    return cfg
 
 
 def auto_resident(cfg: Config) -> int:
@@ -448,51 +268,3 @@ def auto_resident(cfg: Config) -> int:
         return 0  # (check() names the bad --pattern)
     low = StreamShape.low_layers
     return full[low] if len(full) > low else 0
-
-
-def from_args(argv=None, *, check: bool = True) -> Config:
-    ns = parser().parse_args(argv)
-    if ns.eager and (ns.graph or ns.eager_and_graph):
-        raise SystemExit("demo: --eager runs eagerly only: leave out --graph / --eager-and-graph")
-    if ns.mode and "predict" in ns.mode and ns.no_predict:
-        raise SystemExit("demo: --mode predict and --no-predict contradict each other")
-    if ns.new_share is not None and ns.topk_model != "drift":
-        raise SystemExit("demo: --new-share shapes the drift model: add --topk-model drift")
-    if ns.seed is not None and ns.topk_model != "lru":
-        raise SystemExit("demo: --seed draws the lru streams (the drift model has none)")
-    if ns.hidden is not None and ns.model != Config.model:
-        raise SystemExit("demo: --hidden sets the model's size itself: give --model or --hidden")
-    if ns.no_partition and ns.side_sms:
-        raise SystemExit("demo: --no-partition and --side-sms N contradict each other")
-    # prediction stages single-step swaps: the default modes leave it out at --mtp 2-4
-    modes = ns.mode or [m for m in MODES[1:]
-                        if m != "predict" or not (ns.no_predict or ns.mtp > 1)]
-    modes = tuple(dict.fromkeys(["gpu-only"] + modes))
-    execs = ("eager", "graph") if ns.eager_and_graph else (("eager",) if ns.eager else ("graph",))
-    side = 0 if ns.no_partition else ns.side_sms
-    cfg = Config(layers=ns.layers, pattern=ns.pattern, batch=ns.batch, context=ns.context,
-                 steps=ns.steps, warmup=ns.warmup,
-                 new_share=Config.new_share if ns.new_share is None else ns.new_share,
-                 recent=ns.recent,
-                 topk_model=ns.topk_model, step_overlap=ns.step_overlap,
-                 layer_overlap=ns.layer_overlap,
-                 top_k=ns.top_k, hot=ns.hot, extra_page=ns.extra_page,
-                 model=ns.model if ns.hidden is None else "custom",
-                 hidden=MODELS[ns.model] if ns.hidden is None else ns.hidden,
-                 indexer=ns.indexer,
-                 mtp=ns.mtp, modes=modes, seed=Config.seed if ns.seed is None else ns.seed,
-                 side_sms=side, replay_grid=ns.replay_grid,
-                 replay_rows_per_warp=ns.replay_rows_per_warp,
-                 group_replay_batch=ns.group_replay_batch, predict_rule=ns.predict_rule,
-                 predict_at=ns.predict_at, matmul=ns.matmul,
-                 shared_prefix=ns.shared_prefix, device_budget=ns.device_budget,
-                 resident_requests=ns.resident_requests, lean=ns.lean,
-                 execs=execs, json=ns.json, png=ns.png, quiet=ns.quiet)
-    cfg.resident_layers = auto_resident(cfg) if ns.resident_layers is None else \
-        ns.resident_layers
-    from ._sweep import sweep_args
-
-    cfg.sweep = sweep_args(ns, given(argv))
-    if check:
-        cfg.check()
-    return cfg

@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from .. import reference as ref
+from .._cli.usage import UsageError
 from ..host import HostPages
 from ._config import HEADS, PAGE_TOKENS
 from ._config import ROW_VALUES as ROW
@@ -73,7 +74,7 @@ def fits(nbytes: int, what: str) -> None:
     except (OSError, StopIteration, ValueError, IndexError):
         return
     if nbytes > avail:
-        raise SystemExit(f"the NumPy decode loop at {what} needs {nbytes / 1e9:.1f} GB of host "
+        raise UsageError(f"the NumPy decode loop at {what} needs {nbytes / 1e9:.1f} GB of host "
                          f"memory; {avail / 1e9:.1f} GB is available: lower --context, --batch "
                          f"or --layers")
 
@@ -97,7 +98,7 @@ def admit_local(cfg, hp: HostPages, host: np.ndarray, host_locs: np.ndarray) -> 
 
 def run(cfg, admit=admit_local) -> dict:
     """The decode loop of ``cfg`` (a :class:`hisparse_cupy.demo._config.Config`, see
-    :func:`hisparse_cupy.demo._config.cpu_config`) on the NumPy backend: ``warmup + steps`` steps,
+    :func:`hisparse_cupy.demo._args.cpu_config`) on the NumPy backend: ``warmup + steps`` steps,
     every layer's attention checked bit for bit against gpu-only; returns the per-step record
     (also written to ``cfg.json`` when set). A failed check raises ``SystemExit``. ``admit``:
     how the prompts' KV gets into the pool (:func:`admit_local`'s signature and duties;

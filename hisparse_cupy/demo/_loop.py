@@ -20,6 +20,7 @@ import cupy
 import numpy as np
 
 from .._abi import LC_MISSES
+from .._cli.usage import UsageError
 from ..cache import HotBufferCache
 from ..streams import Prefetcher
 from ._config import DEVICE_PAGE, PAGE_TOKENS, ROW_BYTES, Config
@@ -106,7 +107,7 @@ class Rig:
         self.cached = range(R, cfg.layers)
         if R and (admission is not None or pool is not None and
                   getattr(pool, "n_layers", None) != cfg.layers - R):
-            raise SystemExit("demo: --resident-layers needs a host pool of the cached layers "
+            raise UsageError("demo: --resident-layers needs a host pool of the cached layers "
                              "alone (a given pool or admission hook holds every layer): "
                              "--resident-layers 0")
         self.k = Kernels()
@@ -275,7 +276,7 @@ class Rig:
         if self.cache is None:
             t0 = time.perf_counter()
             if not self.paged and (c.shared_prefix or self.admission is not None):
-                raise SystemExit("demo: --shared-prefix and an admission hook need a paged "
+                raise UsageError("demo: --shared-prefix and an admission hook need a paged "
                                  "host pool; this one is in the slot layout")
             paged = {} if not self.paged else {"page_tokens": PAGE_TOKENS} \
                 if self.pool is not None else \

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import _checks
+from .._cli.usage import UsageError
 
 GB = 1e9
 
@@ -78,10 +79,9 @@ def demo_shape(cfg) -> Shape:
                  page_tokens=DEVICE_PAGE)
 
 
-def add_arguments(ap) -> None:
-    """The sweep's flags on the demo's parser (``demo --sweep``)."""
-    g = ap.add_argument_group("load sweep (--sweep; docs/design.md section 11)")
-    a = g.add_argument
+def add_arguments(a) -> None:
+    """The sweep's flags (``demo --sweep``), each given to ``a`` (the demo parser's
+    ``add_argument`` of their group)."""
     a("--sweep", action="store_true",
       help="decode each concurrency of one --context (1, 2, 4, ... up to what --host-gb holds, "
            "and gpu-only's maximum) gpu-only, residency-managed and always sparse under "
@@ -102,15 +102,15 @@ def sweep_args(ns, given: set[str]) -> dict | None:
     if not ns.sweep:
         bad = [f for f in ("gpu_budget", "host_gb", "concurrency") if f in given]
         if bad:
-            raise SystemExit(f"demo: --{bad[0].replace('_', '-')} sets up --sweep: add it")
+            raise UsageError(f"demo: --{bad[0].replace('_', '-')} sets up --sweep: add it")
         return None
     if "batch" in given:
-        raise SystemExit("demo: --sweep runs its own concurrencies: --concurrency N, not --batch")
+        raise UsageError("demo: --sweep runs its own concurrencies: --concurrency N, not --batch")
     for f in ("mode", "device_budget", "resident_requests", "eager", "eager_and_graph", "lean",
               "shared_prefix", "mtp", "side_sms"):  # what the sweep sets or does not run
         if f in given or f == "device_budget" and ns.device_budget != "auto":  # (0: None)
             flag = "no-lean" if f == "lean" else f.replace("_", "-")
-            raise SystemExit(f"demo: --sweep runs its own modes and budgets, graphed, single-"
+            raise UsageError(f"demo: --sweep runs its own modes and budgets, graphed, single-"
                              f"step (tokens/s = n / TPOT), without shared prefixes: leave out "
                              f"--{flag}")
     from ._config import host_memory_bytes
@@ -122,7 +122,7 @@ def sweep_args(ns, given: set[str]) -> dict | None:
         for n in ns.concurrency or ():
             _checks.integer("--concurrency", n, 1)
     except ValueError as e:
-        raise SystemExit(f"demo: {e}") from None
+        raise UsageError(f"demo: {e}") from None
     return {"gpu_budget_gb": ns.gpu_budget, "host_gb": host,
             "concurrencies": sorted(set(ns.concurrency)) if ns.concurrency else None}
 

@@ -398,7 +398,6 @@ class HostKVPool:
     # What the rest of the package asks of the host tier beside a pool (the face of host/):
     default_threads = staticmethod(default_threads)
     node_id = staticmethod(host_shm.node_id)  # this machine's boot id: a shared pool's node
-    shared_pools = staticmethod(host_shm.describe)  # where shared pools go (info prints it)
 
     def _shape(self, n_layers, n_rows, row_bytes) -> None:
         self.n_layers = _checks.integer("n_layers", n_layers, 1)

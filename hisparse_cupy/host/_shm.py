@@ -122,7 +122,7 @@ def mount(where: str, mounts: str | None = None) -> tuple[str, str, str]:
     return best
 
 
-def describe() -> str:
+def shared_pools() -> str:
     """One line on where shared pools go and what pages they get there (``info`` prints it)."""
     try:
         d = directory()

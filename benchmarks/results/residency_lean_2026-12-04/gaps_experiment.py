@@ -7,7 +7,7 @@ import cupy
 import numpy as np
 
 from hisparse_cupy.cache import HotBufferCache
-from hisparse_cupy.demo._config import from_args
+from hisparse_cupy.demo._args import from_args
 from hisparse_cupy.demo._loop import Rig
 
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 8
