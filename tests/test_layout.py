@@ -3,7 +3,10 @@
 - no module reads another module's private names (``from .m import _x``, ``obj._x`` on anything
   but ``self`` / ``cls``; the package's private *modules*, ``from . import _abi``, are its own);
 - no import circle between the package's modules;
-- no module over the line budget; at most 16 modules in the package's root;
+- a folder's private module (``X/_y``) is imported only inside ``X/`` (others use ``X``'s
+  face), lazy imports included, and every import of the package names what exists;
+- a module's length past the hint is a warning (past twice the hint, a failure); at most 16
+  modules in the package's root;
 - a public module (no ``_`` in its dotted path) shows only its ``__all__``, and all of them
   together stay within a public-name budget;
 - the measuring code (``hisparse_cupy.testing``: the probe, the knobs) is imported by nothing on
@@ -14,12 +17,13 @@
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "hisparse_cupy"
-MAX_LINES = 520  # "about 500"
+MAX_LINES = 510  # "about 500": a hint (test_module_length)
 MODULES = sorted(PKG.rglob("*.py"))
 
 
@@ -64,18 +68,35 @@ def private_reads(mod: str, tree: ast.AST) -> list[str]:
     return bad
 
 
-def imports(mod: str, tree: ast.AST) -> set[str]:
-    """Package modules ``mod`` imports at module level (imports inside functions are lazy)."""
-    out = set()
-    for node in tree.body:
+def imported(mod: str, tree: ast.AST) -> list[tuple[int, str, str | None]]:
+    """Every import in ``mod``, at module level or inside a function (a lazy import is an import
+    all the same), as ``(line, module, name)``: ``name`` is what a ``from`` import takes from
+    ``module`` (None for ``import module``, or when the name is a module itself)."""
+    out = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             src = _resolve(mod, node)
             for a in node.names:
                 full = f"{src}.{a.name}"
-                out.add(full if full in NAMES else src)
+                out.append((node.lineno, full, None) if full in NAMES else
+                           (node.lineno, src, a.name))
         elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-    return {m for m in out if m in NAMES and m != mod}
+            out.extend((node.lineno, a.name, None) for a in node.names)
+    return out
+
+
+def imports(mod: str, tree: ast.AST) -> set[str]:
+    """The package's modules that ``mod`` imports, lazily or not."""
+    return {m for _, m, _ in imported(mod, tree) if m in NAMES and m != mod}
+
+
+def door(target: str) -> str | None:
+    """The folder a module must be imported from inside of: the parent of the last private
+    part of its dotted path (``X._y`` and everything under it: ``X``), or None for a module
+    anyone may import."""
+    parts = target.split(".")
+    inner = [i for i, p in enumerate(parts) if i and _private(p)]
+    return ".".join(parts[:inner[-1]]) if inner else None
 
 
 TREES = {m: ast.parse(p.read_text()) for m, p in NAMES.items()}
@@ -130,14 +151,102 @@ def test_no_import_circle():
 
 def test_the_circle_check_sees_the_graph():
     assert "hisparse_cupy.step" in imports("hisparse_cupy.cache", TREES["hisparse_cupy.cache"])
+    lazy = ast.parse("def f():\n    from ..demo import _sweep\n")
+    assert imports("hisparse_cupy.streams._prefetch", lazy) == {"hisparse_cupy.demo._sweep"}
+
+
+# Imports through a folder's private module from outside it that stay until the change that
+# removes them (each with that change): none may be added.
+DOORS_PENDING = {
+    ("hisparse_cupy.cache", "hisparse_cupy.residency._arena"):
+        "issue 62: residency composed (cache.residency owns the arena and the moves)",
+    ("hisparse_cupy.cache", "hisparse_cupy.residency._moves"):
+        "issue 62: residency composed (cache.residency owns the arena and the moves)",
+}
+
+
+def through_doors(mod: str, tree: ast.AST) -> list[str]:
+    """The imports in ``mod`` of a private module (``X/_y``) from outside its folder ``X``."""
+    bad = []
+    for line, target, _ in imported(mod, tree):
+        d = door(target) if target.startswith("hisparse_cupy") else None
+        if d is not None and mod != d and not mod.startswith(d + "."):
+            bad.append(f"line {line}: {target}")
+    return bad
+
+
+@pytest.mark.parametrize("mod", sorted(NAMES))
+def test_a_private_module_is_imported_only_inside_its_folder(mod):
+    pending = {t for (m, t) in DOORS_PENDING if m == mod}
+    bad = [b for b in through_doors(mod, TREES[mod]) if b.split(": ")[1] not in pending]
+    assert bad == [], f"{mod} imports a folder's private module from outside it: {bad} " \
+        f"(import what it needs from that folder's face, or move it)"
+
+
+def test_the_door_rule_sees_through_faces_and_lazy_imports():
+    tree = ast.parse("from .host._pool import HostKVPool\nfrom .host import HostPages\n"
+                     "def f():\n    from ._kernels.launch import as_stream\n"
+                     "    from .residency import _arena\n")
+    assert through_doors("hisparse_cupy.cache", tree) == [
+        "line 1: hisparse_cupy.host._pool", "line 5: hisparse_cupy.residency._arena"]
+    assert door("hisparse_cupy._kernels.build") == "hisparse_cupy"
+    assert door("hisparse_cupy.host._pool") == "hisparse_cupy.host"
+    assert door("hisparse_cupy.cache") is None
+    # the pending list is not stale: each entry is still an import through a door
+    for (m, t), why in DOORS_PENDING.items():
+        assert t in {b.split(": ")[1] for b in through_doors(m, TREES[m])}, (m, t, why)
+
+
+def _module_names(mod: str) -> set[str]:
+    """Names a ``from mod import name`` can take: what ``mod`` defines or imports at module
+    level, its lazy table's keys, and its submodules."""
+    out = set(_face(mod) or ())
+    for node in TREES[mod].body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                out.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.If, ast.Try)):  # (names bound under a guard)
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    out.update((a.asname or a.name).split(".")[0] for a in sub.names)
+                elif isinstance(sub, (ast.FunctionDef, ast.ClassDef)):
+                    out.add(sub.name)
+                elif isinstance(sub, ast.Assign):
+                    out.update(n.id for t in sub.targets for n in ast.walk(t)
+                               if isinstance(n, ast.Name))
+    return out
+
+
+@pytest.mark.parametrize("mod", sorted(NAMES))
+def test_every_import_of_the_package_names_what_exists(mod):
+    """Each import of a package module or name, lazy ones too (many run only on a GPU), names a
+    module that exists and a name it has: a rename that missed one fails here, not on a GPU."""
+    bad = []
+    for line, target, name in imported(mod, TREES[mod]):
+        if not target.startswith("hisparse_cupy"):
+            continue
+        if target not in NAMES:
+            bad.append(f"line {line}: no module {target}")
+        elif name is not None and name != "*" and name not in _module_names(target):
+            bad.append(f"line {line}: {target} has no {name}")
+    assert bad == []
 
 
 @pytest.mark.parametrize("path", MODULES + sorted((PKG / "cu").glob("*.c*")),
                          ids=lambda p: str(p.relative_to(PKG)))
 def test_module_length(path):
+    """A file's length is a hint, not a rule: past the hint a warning (split by responsibility,
+    never to meet a count); past twice the hint a failure (a file nobody can hold in mind)."""
     n = len(path.read_text().splitlines())
-    budget = MAX_LINES if path.suffix == ".py" else 700
-    assert n <= budget, f"{path.name}: {n} lines (budget {budget})"
+    hint = MAX_LINES if path.suffix == ".py" else 700
+    if n > hint:
+        warnings.warn(f"{path.name}: {n} lines, past the hint of {hint}", stacklevel=1)
+    assert n <= 2 * hint, f"{path.name}: {n} lines (twice the hint of {hint})"
 
 
 # ----------------------------------------------------------------------------- the face
