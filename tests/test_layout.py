@@ -253,7 +253,8 @@ def test_module_length(path):
 MAX_ROOT_MODULES = 16
 # Names the package shows: the union of the public modules' __all__ (a module is public when no
 # part of its dotted path starts with "_"). Raise it in the commit that adds a public name.
-PUBLIC_NAME_BUDGET = 100  # + host.consecutive_runs, host.shared_pools, demo.run_cpu (62)
+PUBLIC_NAME_BUDGET = 103  # + host.consecutive_runs, host.shared_pools, demo.run_cpu (62);
+# integrations.transformers, its SparseMLA and RowCache (61)
 
 
 def _public(mod: str) -> bool:

@@ -1,0 +1,142 @@
+"""transformers' GLM-5 and DeepSeek-V3.2 decoding through the cache
+(:mod:`hisparse_cupy.integrations.transformers`), token for token the model's own greedy decode.
+
+Tiny random-initialized configs (fp32, 4 layers; GLM-5 with full and shared indexer layers,
+DeepSeek-V3.2 with YaRN so the softmax scale carries its mscale), prompts longer than the hot
+buffer so that every decode step misses. The oracle backend (CPU, the NumPy oracle's tables)
+runs wherever torch and transformers are installed; the CUDA backend (HotBufferCache) on a GPU,
+sparse and under a device budget. The check can fail: a hot buffer that serves a wrong row
+differs from the model's own decode."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the transformers integration needs torch")
+transformers = pytest.importorskip("transformers", reason="the integration needs transformers")
+
+from hisparse_cupy.integrations import _mla  # noqa: E402
+from hisparse_cupy.integrations.transformers import SparseMLA  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = importlib.util.spec_from_file_location(
+    "transformers_decode", ROOT / "examples" / "transformers_decode.py")
+example = importlib.util.module_from_spec(EXAMPLE)
+EXAMPLE.loader.exec_module(example)  # its configs: the published row and indexer, "tiny" sizes
+KINDS = example.KINDS
+PROMPT, NEW, HOT = 96, 16, 32  # the prompt outgrows the hot buffer: misses every step
+
+
+def model_of(kind: str, device="cpu"):
+    """The example's tiny model of ``kind`` (4 layers; GLM-5's alternate full and shared)."""
+    try:
+        return example.build(kind, "tiny", 4, PROMPT + NEW + 1, device)
+    except (KeyError, ValueError) as e:
+        pytest.skip(f"transformers {transformers.__version__} has no {kind} ({e})")
+
+
+def greedy(model, ids, sparse=None):
+    kw = dict(max_new_tokens=NEW, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        out = model.generate(ids, **kw) if sparse is None else sparse.generate(ids, **kw)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
+
+
+def prompt(model, batch=1, device="cpu"):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(2, model.config.vocab_size, (batch, PROMPT), generator=g).to(device)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("form", _mla.FORMS)
+def test_the_oracle_backend_decodes_as_the_model_does(kind, form):
+    model = model_of(kind)
+    ids = prompt(model, batch=2)
+    want_tokens, want_logits = greedy(model, ids)
+    sparse = SparseMLA(model, hot_size=HOT, max_len=PROMPT + NEW + 1, max_requests=2,
+                       backend="oracle", form=form)
+    try:
+        tokens, logits = greedy(model, ids, sparse)
+    finally:
+        sparse.remove()
+    assert torch.equal(tokens, want_tokens)
+    assert (logits - want_logits).abs().max().item() < 1e-4
+    c = sparse.counters()
+    # every layer's every decode step selected K tokens a request, and some missed
+    assert (c["selected"] == 2 * (NEW - 1) * model.config.index_topk).all(), c
+    assert (c["misses"] > 0).all(), c
+    assert not sparse.rows.free == [] and sorted(sparse.rows.free) == [0, 1]  # released
+    # the model's own attention is back
+    assert torch.equal(greedy(model, ids)[0], want_tokens)
+
+
+def test_a_hot_buffer_that_serves_a_wrong_row_differs():
+    """The comparison above can fail: a swap that hands back token t - 1's row for token t
+    moves the logits far past the tolerance."""
+    model = model_of("glm_moe_dsa")
+    ids = prompt(model)
+    want_tokens, want_logits = greedy(model, ids)
+    sparse = SparseMLA(model, hot_size=HOT, max_len=PROMPT + NEW + 1, backend="oracle")
+    real = sparse.rows.select
+
+    def off_by_one(layer, top_k):
+        return real(layer, torch.where(top_k > 0, top_k - 1, top_k))
+
+    try:
+        sparse.rows.select = off_by_one
+        _, logits = greedy(model, ids, sparse)
+    finally:
+        sparse.remove()
+    assert (logits - want_logits).abs().max().item() > 1e-2
+
+
+def test_bad_arguments_are_refused_by_name():
+    model = model_of("deepseek_v32")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        SparseMLA(model, hot_size=HOT, max_len=200, backend="tpu")
+    with pytest.raises(ValueError, match="form must be one of"):
+        SparseMLA(model, hot_size=HOT, max_len=200, backend="oracle", form="dense")
+    with pytest.raises(ValueError, match="hot_size"):
+        SparseMLA(model, hot_size=8, max_len=200, backend="oracle")  # below top_k 16
+    with pytest.raises(ValueError, match="overlap=True needs the cuda backend"):
+        SparseMLA(model, hot_size=HOT, max_len=200, backend="oracle", overlap=True)
+    with pytest.raises(ValueError, match="device_budget needs the cuda backend"):
+        SparseMLA(model, hot_size=HOT, max_len=200, backend="oracle", device_budget=1000)
+    with pytest.raises(TypeError, match="GLM-5 or DeepSeek-V3.2"):
+        SparseMLA(torch.nn.Linear(2, 2), hot_size=HOT, max_len=200, backend="oracle")
+    sparse = SparseMLA(model, hot_size=HOT, max_len=200, backend="oracle")
+    try:
+        ids = prompt(model, batch=2)
+        with pytest.raises(ValueError, match="padding"):
+            sparse.generate(ids, attention_mask=torch.tensor([[1] * PROMPT, [0] + [1] * 95]))
+        with torch.no_grad(), pytest.raises(TypeError, match="its own cache"):
+            model(ids[:1])  # (the model's own DynamicCache)
+    finally:
+        sparse.remove()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("budget", [None, 4096])
+def test_the_cuda_backend_decodes_as_the_model_does(kind, budget):
+    """On the GPU: every request sparse (misses every step), or resident under a device budget
+    (``budget`` rows a layer hold one request whole)."""
+    model = model_of(kind, "cuda")
+    ids = prompt(model, batch=2, device="cuda")
+    want_tokens, want_logits = greedy(model, ids)
+    sparse = SparseMLA(model, hot_size=HOT, max_len=PROMPT + NEW + 1, max_requests=2,
+                       device_budget=budget)
+    try:
+        tokens, logits = greedy(model, ids, sparse)
+        c = sparse.counters()
+    finally:
+        sparse.remove()
+    assert torch.equal(tokens, want_tokens)
+    assert (logits - want_logits).abs().max().item() < 1e-4
+    if budget is None:
+        assert (np.asarray(c["misses"]) > 0).all(), c
