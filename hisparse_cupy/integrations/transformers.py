@@ -29,6 +29,7 @@ calls, no GPU). Batches of requests of one length (no padding); one token a deco
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import types
@@ -235,6 +236,7 @@ class SparseMLA:
             from ..streams import layer_pattern
 
             pattern = layer_pattern([t == "full" for t in types_], self.n_layers)
+        self.overlap = overlap
         self.prefetcher_shared = [overlap and t == "shared" for t in types_]
         sizes = dict(n_layers=self.n_layers, row_values=_mla.row_values(attn[0]),
                      dtype=self.dtype, max_requests=integer("max_requests", max_requests, 1),
@@ -264,10 +266,18 @@ class SparseMLA:
         cache = self.new_cache()
         name = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
             else "past_key_values"  # (renamed after transformers 5.17)
+        side = None
+        if self.overlap and input_ids.is_cuda and \
+                torch.cuda.current_stream() == torch.cuda.default_stream():
+            side = torch.cuda.Stream()  # (a Prefetcher forks from and joins a stream of its own)
+            side.wait_stream(torch.cuda.current_stream())
         try:
-            return self.model.generate(input_ids, **{name: cache}, **kwargs)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                return self.model.generate(input_ids, **{name: cache}, **kwargs)
         finally:
             cache.close()
+            if side is not None:
+                torch.cuda.current_stream().wait_stream(side)
 
     def counters(self) -> dict:
         """Per-layer swap counts since the start: ``selected``, ``misses``, ``hit_rate``."""
