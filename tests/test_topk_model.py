@@ -184,3 +184,16 @@ def test_mtp_draft_steps_are_consecutive_draws_within_the_tokens():
     assert draft_union(tab[:, :, :, :], 1) == 1.0  # one draw: K distinct tokens
     with pytest.raises(ValueError, match="not a multiple of drafts"):
         draft_union(tab[:-1], S)
+
+
+def test_measure_from_a_cold_buffer_counts_every_first_pick_a_miss():
+    """Empty starting stacks (a hot buffer that starts cold, as a real model's admission with
+    no warm tokens): every token of the first step misses at every H; a second step that picks
+    the same tokens hits at H = K."""
+    K, B = 4, 2
+    first = np.array([[[0, 1, 2, 3], [4, 5, 6, 7]]])  # [n_full 1, B, K]
+    cold = [[np.empty(0, np.int64) for _ in range(B)]]
+    m = measure([first], cold, (K,))
+    assert m["miss"][K].tolist() == [1.0]
+    m = measure([first, first], cold, (K,))
+    assert m["miss"][K].tolist() == [0.5] and m["step_overlap"].tolist() == [1.0]

@@ -143,3 +143,23 @@ def test_the_cuda_backend_decodes_as_the_model_does(kind, budget, overlap):
     if budget is None:
         full = np.asarray(c["selected"]) > 0  # (a prefetcher's shared layers run no swap)
         assert (np.asarray(c["misses"])[full] > 0).all(), c
+
+
+def test_the_topk_stream_tool_measures_the_indexers_picks_beside_the_generator(tmp_path):
+    """benchmarks/topk_stream.py on the tiny model: every decode step's picks of each full
+    layer (GLM-5's 2 of 4 layers), hit rates at H = K, 2K, 4K between 0 and 1 and rising with
+    H, for the model's indexer and the demo's generator."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("topk_stream",
+                                                  ROOT / "benchmarks" / "topk_stream.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "t.json"
+    assert tool.main(["--size", "tiny", "--prompt", str(PROMPT), "--new", str(NEW),
+                      "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    for stream in ("indexer", "generator"):
+        hit = np.array([[1 - v for v in doc[stream]["miss"][str(H)]] for H in doc["hots"]])
+        assert hit.shape == (3, 2) and ((hit >= 0) & (hit <= 1)).all()
+        assert (np.diff(hit, axis=0) >= 0).all(), hit  # more rows, no fewer hits

@@ -280,16 +280,16 @@ def generate(shape: StreamShape, *, n_full: int, top_k: int, context: int, lens,
 
 def measure(steps: list[np.ndarray], initial, hots: tuple[int, ...]) -> dict:
     """The shape of generated top-k ``steps`` (each ``[n_full, B, K]``), from the stacks they
-    started from (``TopKStream.initial``): per full layer, the exact-LRU miss rate at each H of
-    ``hots`` (``miss[H]``, ``[n_full]``), the step-to-step overlap (``step_overlap``) and the
-    overlap with the previous full layer (``layer_overlap``, NaN for layer 0), and the share of
-    the misses at each H that the previous full layer selected in the same step
-    (``miss_followed[H]``) and that it missed too (``miss_predictable[H]``: what a prediction
-    that stages the previous layer's misses, as the Prefetcher's does, can catch at best);
-    both NaN for layer 0."""
+    started from (``TopKStream.initial``; empty stacks: a cold hot buffer): per full layer, the
+    exact-LRU miss rate at each H of ``hots`` (``miss[H]``, ``[n_full]``), the step-to-step
+    overlap (``step_overlap``) and the overlap with the previous full layer (``layer_overlap``,
+    NaN for layer 0), and the share of the misses at each H that the previous full layer
+    selected in the same step (``miss_followed[H]``) and that it missed too
+    (``miss_predictable[H]``: what a prediction that stages the previous layer's misses, as the
+    Prefetcher's does, can catch at best); both NaN for layer 0."""
     n_full, B, K = steps[0].shape
     n = 1 + max(int(s.max()) for s in steps)
-    n = max(n, 1 + max(int(st.max()) for layer in initial for st in layer))
+    n = max(n, 1 + max(int(st.max(initial=-1)) for layer in initial for st in layer))
     miss = {H: np.zeros(n_full) for H in hots}
     followed = {H: np.zeros(n_full) for H in hots}
     predictable = {H: np.zeros(n_full) for H in hots}
