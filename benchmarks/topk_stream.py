@@ -91,7 +91,8 @@ def main(argv=None) -> int:
 
     ex = _example()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = ex.build(a.model, a.size, a.layers, a.prompt + a.new + 1, device, seed=a.seed)
+    model = ex.build(a.model, a.size, a.layers, a.prompt + a.new + 1, device, seed=a.seed,
+                     attn="sdpa" if a.size == "gpu" else "eager")
     K = model.config.index_topk
     hots = (K, 2 * K, 4 * K)
     g = torch.Generator().manual_seed(a.seed + 1)

@@ -28,13 +28,14 @@ KINDS = ("glm_moe_dsa", "deepseek_v32")
 NEEDS = ("examples/transformers_decode.py needs torch and transformers: from the checkout, "
          "pip install -e '.[transformers]', or pip install torch transformers")
 
-# The published shapes' MLA row and indexer; the rest small (a layer pattern of GLM-5's kind:
-# full and shared indexer layers).
+# The published shapes' MLA row (512 + 64) and indexer keys (128 values, K 2048); the rest small,
+# 4 indexer heads among them (the model's own prefill scores S x T a head: 32k tokens x 4 heads
+# is 17 GB), and GLM-5's layers alternately full and shared.
 SIZES = {
     "gpu": dict(vocab_size=2048, hidden_size=1024, intermediate_size=2048,
                 moe_intermediate_size=256, num_attention_heads=8, q_lora_rank=512,
                 kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
-                index_topk=2048, index_n_heads=8, index_head_dim=128, n_routed_experts=4),
+                index_topk=2048, index_n_heads=4, index_head_dim=128, n_routed_experts=4),
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128,
                  moe_intermediate_size=32, num_attention_heads=4, q_lora_rank=48,
                  kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24,
@@ -62,13 +63,16 @@ def config(kind: str, size: str, layers: int, max_len: int) -> dict:
     return c
 
 
-def build(kind: str, size: str, layers: int, max_len: int, device: str, seed: int = 0):
+def build(kind: str, size: str, layers: int, max_len: int, device: str, seed: int = 0,
+          attn: str = "eager"):
+    """The model, random weights from ``seed``, fp32 on ``device``; ``attn``: the attention
+    transformers runs for it ("sdpa" holds long prompts: "eager" keeps S x T scores a head)."""
     import torch
     import transformers
 
     cfg = transformers.AutoConfig.for_model(kind, **config(kind, size, layers, max_len))
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     return model.float().eval().to(device)
 
 
@@ -111,6 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--form", choices=("absorbed", "expanded"), default="absorbed")
     ap.add_argument("--overlap", action="store_true", help="GLM-5's shared layers through a "
                     "Prefetcher (cuda)")
+    ap.add_argument("--attn", choices=("eager", "sdpa"), default=None, help="the model's own "
+                    "attention (default: sdpa on the GPU, eager on the CPU)")
     ap.add_argument("--tolerance", type=float, default=1e-3, help="largest logit difference "
                     "accepted (fp32)")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -126,7 +132,8 @@ def main(argv=None) -> int:
     n = a.prompt or (16384 if size == "gpu" else 96)
     new = a.new or (128 if size == "gpu" else 16)
     device = "cuda" if backend == "cuda" else "cpu"
-    model = build(a.model, size, a.layers, n + new + 1, device)
+    model = build(a.model, size, a.layers, n + new + 1, device,
+                  attn=a.attn or ("sdpa" if size == "gpu" else "eager"))
     k = model.config.index_topk
     hot = a.hot or 2 * k
     g = torch.Generator().manual_seed(1)

@@ -21,7 +21,11 @@
 #      each context (demo --sweep, 40 GB budget, 8192 hot slots, 30 + 30 steps: the README
 #      headline's command; ~100 s each at 128k on an H200), JSON
 #      + PNG in results;
-#   7. with --peer DIR (a copy of the peer_sglang probe, e.g. .peer): SGLang's kernels beside
+#   7. --models=PROMPTS (e.g. 16384,32768): transformers' GLM-5 and DeepSeek-V3.2 decode through
+#      the cache against their own decode (examples/transformers_decode.py: every request sparse,
+#      then resident under a budget) and their indexers' top-k streams (benchmarks/
+#      topk_stream.py) at each prompt length, JSON in results, logs in models.log;
+#   8. with --peer DIR (a copy of the peer_sglang probe, e.g. .peer): SGLang's kernels beside
 #      ours (bench_peer.py --quick, bench_peer_spec.py --quick; --peer-full: their full grids),
 #      JSON.
 # --shm-huge=GB (as root): mount a tmpfs of GB GB with huge=always and run everything with
@@ -40,6 +44,7 @@
 #                                [--demo=ARGS] [--sweep=CONTEXTS] [--fuzz-steps=N]
 #                                [--fuzz-procs=N] [--fuzz-budget-seeds=N] [--shm-huge=GB]
 #                                [--sanitize=swap,plan,...]   (those tools/sanitize_*.py only)
+#                                [--models=PROMPTS]
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
@@ -49,7 +54,7 @@ PY=${PYTHON:-python3}
 tests=1 sanitize=1 bench=1 quick=--quick full_only= peer= peer_mode=--quick test_args=tests demo=1
 demo_args="--steps 100 --warmup 20 --eager-and-graph" fuzz_steps=100000 fuzz_procs=12 shm_huge=
 fuzz_budget_seeds=250
-sanitize_only= sweeps=
+sanitize_only= sweeps= models=
 for a in "$@"; do
   case $a in
     --no-tests) tests=0 ;; --no-sanitize) sanitize=0 ;; --no-bench) bench=0 ;;
@@ -63,6 +68,7 @@ for a in "$@"; do
     --fuzz-steps=*) fuzz_steps=${a#--fuzz-steps=} ;; --fuzz-procs=*) fuzz_procs=${a#--fuzz-procs=} ;;
     --fuzz-budget-seeds=*) fuzz_budget_seeds=${a#--fuzz-budget-seeds=} ;;
     --shm-huge=*) shm_huge=${a#--shm-huge=} ;;
+    --models=*) models=${a#--models=} ;;
     *) echo "unknown option $a"; exit 2 ;;
   esac
 done
@@ -154,6 +160,27 @@ for ctx in ${sweeps//,/ }; do
   rc=$?
   summary "demo --sweep --context $ctx rc=$rc ($((SECONDS - t0)) s): $(grep -E 'self-check|SELF-CHECK' "$OUT/sweep_$ctx.log" | head -n 1)"
   [ $rc = 0 ] || fail=1
+done
+
+[ -n "$models" ] && : >"$OUT/models.log"
+for n in ${models//,/ }; do  # transformers' GLM-5 and DeepSeek-V3.2 through the cache (issue 61)
+  for m in glm_moe_dsa deepseek_v32; do
+    for budget in "" $((n + 256)); do  # every request sparse; resident under a budget
+      t0=$SECONDS
+      tag="${m}_${n}${budget:+_budget}"
+      timeout "${BENCH_TIMEOUT:-900}" $PY examples/transformers_decode.py --model "$m" --prompt "$n" \
+        ${budget:+--budget $budget} --json "$OUT/results/transformers_$tag.json" >>"$OUT/models.log" 2>&1
+      rc=$?
+      summary "transformers_decode $tag rc=$rc ($((SECONDS - t0)) s): $(grep 'tokens identical' "$OUT/models.log" | tail -n 1)"
+      [ $rc = 0 ] || fail=1
+    done
+    t0=$SECONDS
+    timeout "${BENCH_TIMEOUT:-900}" $PY benchmarks/topk_stream.py --model "$m" --prompt "$n" \
+      --json "$OUT/results/topk_stream_${m}_$n.json" >>"$OUT/models.log" 2>&1
+    rc=$?
+    summary "topk_stream $m $n rc=$rc ($((SECONDS - t0)) s)"
+    [ $rc = 0 ] || fail=1
+  done
 done
 
 if [ $bench = 1 ]; then
