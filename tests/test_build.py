@@ -42,12 +42,13 @@ def sources(tmp_path, monkeypatch):
     build.source_digest.cache_clear()
 
 
-@pytest.mark.slow
 def test_a_broken_kernel_fails_the_check(sources):
     src = (sources / "plan.cu").read_text().replace("pdl_wait();", "pdl_wait(); oops = 1;")
     (sources / "plan.cu").write_text(src)
     with pytest.raises(build.CompileError, match="oops"):
-        build.compile_check(archs=("sm_90",))
+        build.compile_check(archs=("sm_90",), files=("plan.cu",))
+    with pytest.raises(ValueError, match=r"files names \['nope.cu'\]"):
+        build.compile_check(files=("nope.cu",))
 
 
 def _reordered(dt: np.dtype, a: str, b: str) -> np.dtype:

@@ -71,6 +71,7 @@ def test_info_json_is_one_object_with_the_versions_and_the_device_or_why_not():
     assert all("ceilings" not in d for d in devices[1:]) and doc["host_pool_setup"]["gb"] == 2.0
 
 
+@pytest.mark.slow
 def test_check_without_a_gpu_compiles_and_self_checks_and_bench_says_it_needs_one(tmp_path):
     if _have_gpu():
         pytest.skip("a GPU is present: test_check_on_gpu runs the check")

@@ -95,16 +95,13 @@ def test_layout_and_table_checks():
         cfg.check_tables(tokens, slot_locs, scratch_locs[:, :-1], D)
 
 
-@pytest.mark.slow
-def test_compile_check_covers_multistep():
-    import hisparse_cupy as hc
+def test_the_instance_table_lists_the_multistep_kernels():
+    """(Their compiles: tests/test_build.py's compile check covers every instance.)"""
     from hisparse_cupy._kernels import build
 
     names = build.INSTANCES["multistep.cu"]
     assert any("gather" in n for n in names) and any("commit" in n for n in names)
     assert any("init" in n for n in names) and len(names) == 9
-    sizes = hc.compile_check()
-    assert sizes[("multistep.cu", "sm_80")] > 0 and sizes[("multistep.cu", "sm_90")] > 0
 
 
 # ============================================================================ CPU: oracle

@@ -222,9 +222,10 @@ def nvrtc_cubin_size(path: Path, names: tuple[str, ...], opts, what: str) -> int
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def compile_check(archs: tuple[str, ...] = ("sm_80", "sm_90"),
-                  progress=None) -> dict[tuple[str, str], int]:
-    """Compile every kernel instance with NVRTC for each arch; no GPU needed.
+def compile_check(archs: tuple[str, ...] = ("sm_80", "sm_90"), progress=None,
+                  files: tuple[str, ...] | None = None) -> dict[tuple[str, str], int]:
+    """Compile every kernel instance (of ``files``, default every source) with NVRTC for each
+    arch; no GPU needed.
 
     Needs ``cuda-bindings`` and the NVRTC library (both come with the ``cuda12`` / ``cuda13``
     extras). Uses exactly the runtime's options (:func:`options`) plus the ones CuPy appends.
@@ -246,7 +247,11 @@ def compile_check(archs: tuple[str, ...] = ("sm_80", "sm_90"),
     for p in sorted(CU_DIR.glob("*.cu*")):
         h.update(p.name.encode() + b"\0" + p.read_bytes())
     key = (h.hexdigest(), options())
-    jobs = [(file, names, arch) for file, names in INSTANCES.items() for arch in archs]
+    if files is not None and (unknown := sorted(set(files) - set(INSTANCES))):
+        raise ValueError(f"files names {unknown}: not kernel sources (INSTANCES has "
+                         f"{sorted(INSTANCES)})")
+    jobs = [(file, names, arch) for file, names in INSTANCES.items() for arch in archs
+            if files is None or file in files]
     lock, done = threading.Lock(), [0]
 
     def one(job) -> int:
