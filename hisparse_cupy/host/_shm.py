@@ -2,8 +2,9 @@
 
 Threads that first-touch pages of ONE tmpfs file contend on that file's locks (its page cache
 and block accounting), and the file's pages are freed by one thread when it goes: on the H200
-box a 64 GB pool in one ``/dev/shm`` file took 14.3 s to touch with 16 threads where private
-memory took 3.0 s, and 5.4 s to free (``benchmarks/NOTES.md``). So a shared pool is cut into
+box a 64 GB pool in one ``/dev/shm`` file took 16.76 s to create with 16 threads (private
+memory: 2.98 s) and 8.74 s to tear down; in 16 segments 5.33 s and 3.59 s
+(``benchmarks/NOTES.md``, "Shared pools in segments"). So a shared pool is cut into
 *segments*, each its own file, mapped one after another (``MAP_FIXED`` into one reserved range,
 so the rows stay contiguous), touched by the first-touch threads and freed in parallel. Large
 segments start on 2 MiB boundaries, so a tmpfs that gives huge pages maps them huge.
