@@ -73,8 +73,8 @@ def copy_blocks(batch: int, steps: int) -> int:
     for one row's misses), so the copy runs beside the admission; 0 above it: the gather's warps
     copy, beside the other gather blocks' lookups. Measured on the H200
     (``benchmarks/probe_copy_blocks.py``, benchmarks/NOTES.md): the copy blocks win up to
-    batch x steps 64 and lose 1-8 % above it, where the commit blocks slowed by the copy blocks
-    beside them cost more than the overlap gains."""
+    batch x steps 64 (3-26 %), tie at 96 and lose 2-8 % at 128 and above, where the commit
+    blocks slowed by the copy blocks beside them cost more than the overlap gains."""
     if FIXED["copy_blocks"] is not None:
         return FIXED["copy_blocks"]
     return 8 if batch * steps <= COPY_IN_COMMIT_MAX_ROWS else 0
