@@ -660,22 +660,31 @@ class Fuzz:
         step = c.begin_step(d_req, d_lens, d_nr, stream=obj, prefetcher=self.pf,
                             **self._draw_lean())
         self.lean_steps += getattr(step, "lean", False)
+        # a model's order at times (single-step): each layer's new row written right before
+        # its swap, the backup after the last layer (docs/guide.md's engine loop)
+        late = S == 1 and rng.random() < 0.5
         with self._with(view):
             rows = step.newest_rows()
-            self._write_newest(req, lens, rows, nr)
-        step.backup_newest()
-        outs, tks = self._layers(step, B, nr, req, lens, S, glens)
+            if not late:
+                self._write_newest(req, lens, rows, nr)
+        if not late:
+            step.backup_newest()
+        outs, tks = self._layers(step, B, nr, req, lens, S, glens,
+                                 late=(view, rows) if late else None)
+        if late:
+            step.backup_newest()
         step.finish()
         with self._with(view):
             self._check(outs, tks, greq, np.asarray(glens).reshape(B, -1), nr, rows)
             self._tape(outs, tks, greq, glens, nr)
 
-    def _write_newest(self, req, lens, rows, nr) -> None:
+    def _write_newest(self, req, lens, rows, nr, layers=None) -> None:
+        """The step's new rows (of ``layers``, default every layer) where ``rows`` says."""
         xp = self.xp
         uid = np.array([self.active[int(r)][0] for r in req], np.int64)
         ids = uid * self.max_len + lens[:, 0] - 1
         r = rows[:nr]
-        for layer in range(self.L):
+        for layer in range(self.L) if layers is None else layers:
             self.c.device_rows(layer)[r] = pattern(layer, ids, self.row, xp=xp)
 
     def _expected_newest(self, req, lens) -> np.ndarray:
@@ -690,10 +699,15 @@ class Fuzz:
                                                                            strict=True)],
                         np.int32)
 
-    def _layers(self, step, B, nr, req, lens, S, glens):
+    def _layers(self, step, B, nr, req, lens, S, glens, late=None):
+        """Every layer's swap; ``late`` ``(stream, rows)``: each layer's new row written there
+        right before its swap."""
         xp, rng = self.xp, self.rng
         outs, tks, anchor = [], [], None
         for layer in range(self.L):
+            if late is not None:
+                with self._with(late[0]):
+                    self._write_newest(req, lens, late[1], nr, layers=(layer,))
             if self.full[layer]:
                 s_here = S if S == 1 or rng.random() < 0.8 else 1
                 tk = self._topk(s_here, lens, B, nr, req)
