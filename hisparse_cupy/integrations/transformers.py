@@ -57,7 +57,7 @@ class _RowLayer(DynamicLayer):
 
     def __init__(self):
         super().__init__()
-        self.n = 0
+        self.n = self._nkeys = 0
         self.prompt: torch.Tensor | None = None
         self.keys: torch.Tensor | None = None
 
@@ -73,7 +73,7 @@ class _RowLayer(DynamicLayer):
 
     def update_indexer(self, k: torch.Tensor) -> torch.Tensor:
         B, S, D = k.shape
-        n = 0 if self.keys is None else self._nkeys
+        n = self._nkeys
         if self.keys is None or n + S > self.keys.shape[1]:
             grown = torch.empty((B, max(2 * (n + S), 64), D), dtype=k.dtype, device=k.device)
             if self.keys is not None:
