@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import os
 import subprocess
 import sys
@@ -167,9 +168,14 @@ def cmd_demo(args) -> int:
 
 def benchmarks() -> dict[str, str]:
     """The checkout's benchmarks, ``name -> the first sentence of its docstring`` (read, not
-    imported); empty outside a source checkout."""
+    imported, once a folder); empty outside a source checkout."""
+    return _read_benchmarks(BENCHMARKS)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_benchmarks(folder: Path) -> dict[str, str]:
     out = {}
-    for p in sorted(BENCHMARKS.glob("bench_*.py")):
+    for p in sorted(folder.glob("bench_*.py")):
         doc = ast.get_docstring(ast.parse(p.read_text())) or ""
         first = " ".join(doc.split("\n\n")[0].split())
         out[p.stem[len("bench_"):]] = first.split(". ")[0].rstrip(".")
@@ -240,7 +246,9 @@ def _arg(check, name: str):
     return parse
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(bench: bool = True) -> argparse.ArgumentParser:
+    """The command line; ``bench``: with the bench command's list of benchmarks (read from
+    every script of the checkout, so only when that command is asked for)."""
     from .. import _checks
 
     raw = argparse.RawDescriptionHelpFormatter
@@ -270,7 +278,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("demo", help=COMMANDS["demo"], add_help=False)
     p.set_defaults(fn=cmd_demo)
-    p = sub.add_parser("bench", help=COMMANDS["bench"], epilog=_bench_epilog(),
+    p = sub.add_parser("bench", help=COMMANDS["bench"],
+                       epilog=_bench_epilog() if bench else EXIT_STATUSES,
                        formatter_class=raw)
     p.add_argument("names", nargs="*", metavar="NAME",
                    help="benchmarks to run (default: all), e.g. swap spec")
@@ -282,7 +291,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(argv) -> int:
-    ap = _parser()
+    ap = _parser(bench="bench" in (sys.argv[1:] if argv is None else argv))
     args, rest = ap.parse_known_args(argv)
     if args.cmd is None:  # (argparse would say "the following arguments are required")
         bad = [a for a in rest if a.startswith("-")]
