@@ -130,7 +130,7 @@ class CacheRows:
         self.rows = self.device.view(dtype)  # [L, D, V]
         self.prefetcher = None if pattern is None else Prefetcher(self.cache, pattern)
         self.out = torch.empty((max_requests, top_k), dtype=torch.int32, device="cuda")
-        self.n_layers = n_layers
+        self.n_layers, self._rids = n_layers, None
 
     def admit(self, rows: torch.Tensor) -> int:
         s = torch.cuda.current_stream()
@@ -142,8 +142,11 @@ class CacheRows:
         s = torch.cuda.current_stream()
         for rid in rids:  # (pages: a paged pool's or a resident request's device pages)
             self.cache.grow(rid, seq_len, stream=s)
-        self.req = torch.as_tensor(rids, dtype=torch.int32).cuda()
-        self.lens = torch.full((len(rids),), seq_len, dtype=torch.int32, device="cuda")
+        if self._rids != list(rids):  # (a generate call's requests: one upload)
+            self._rids = list(rids)
+            self.req = torch.as_tensor(self._rids, dtype=torch.int32).cuda()
+            self.lens = torch.empty(len(rids), dtype=torch.int32, device="cuda")
+        self.lens.fill_(seq_len)  # (in place, on the step's stream: after the last step's reads)
         self.step = self.cache.begin_step(self.req, self.lens, stream=s,
                                           prefetcher=self.prefetcher)
         self.newest = to_torch(self.step.newest_rows(), stream=s).long()  # (a copy: .long())
