@@ -52,7 +52,8 @@ def project(attn, hidden, position_embeddings, rope):
 def attend(attn, q_nope, q_rope, rows, valid, form: str = "absorbed"):
     """MLA of queries ``q_nope``/``q_rope`` (``[B, H, S, *]``) over their selected rows
     ``rows [B, S, K, r + rope]`` where ``valid [B, S, K]``: the ``o_proj`` output ``[B, S,
-    hidden]``. A query with no valid row attends to nothing (zeros), never to a masked row."""
+    hidden]``. No softmax row is empty: the indexer's causal mask ranks a query's own and earlier
+    tokens first, so its top-k holds at least one of them."""
     H, r = attn.num_heads, attn.kv_lora_rank
     nope, v = attn.qk_nope_head_dim, attn.v_head_dim
     c, k_rope = rows[..., :r], rows[..., r:]
@@ -68,8 +69,7 @@ def attend(attn, q_nope, q_rope, rows, valid, form: str = "absorbed"):
     else:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     scores = (scores * attn.scaling).masked_fill(~valid[:, None], float("-inf"))
-    p = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    p = torch.nan_to_num(p, nan=0.0).to(q_nope.dtype)  # (a query with nothing valid: zeros)
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
     if form == "absorbed":
         out = torch.einsum("bhsr,hvr->bshv", torch.einsum("bhsk,bskr->bhsr", p, c), w_uv)
     else:
