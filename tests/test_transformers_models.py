@@ -109,9 +109,16 @@ def test_bad_arguments_are_refused_by_name():
         SparseMLA(model, hot_size=HOT, max_len=200, backend="oracle", device_budget=1000)
     with pytest.raises(TypeError, match="GLM-5 or DeepSeek-V3.2"):
         SparseMLA(torch.nn.Linear(2, 2), hot_size=HOT, max_len=200, backend="oracle")
-    sparse = SparseMLA(model, hot_size=HOT, max_len=200, backend="oracle")
+    sparse = SparseMLA(model, hot_size=HOT, max_len=200, max_requests=2, backend="oracle")
     try:
         ids = prompt(model, batch=2)
+        with pytest.raises(ValueError, match=r"B <= max_requests \(2\), got shape \[3, 96\]"):
+            sparse.generate(prompt(model, batch=3))
+        held = sparse.rows.admit(torch.zeros(4, 8, 48))  # one slot taken elsewhere
+        with torch.no_grad(), pytest.raises(RuntimeError, match="every request slot is taken"):
+            sparse.generate(ids, max_new_tokens=2)
+        assert sparse.rows.free == [1 - held]  # the batch that did not get in kept no slot
+        sparse.rows.release(held)
         with pytest.raises(ValueError, match="padding"):
             sparse.generate(ids, attention_mask=torch.tensor([[1] * PROMPT, [0] + [1] * 95]))
         with torch.no_grad(), pytest.raises(TypeError, match="its own cache"):

@@ -151,8 +151,15 @@ def _forward(self, hidden_states, position_embeddings, attention_mask, cache=Non
     else:
         out = _prefill(self, sp, q_nope, q_rope, entry.prompt, top_k, position_ids)
         if layer == sp.n_layers - 1:
-            cache.rids = [sp.rows.admit(torch.stack([e.prompt[b] for e in cache.layers]))
-                          for b in range(B)]
+            rids: list[int] = []
+            try:
+                for b in range(B):
+                    rids.append(sp.rows.admit(torch.stack([e.prompt[b] for e in cache.layers])))
+            except BaseException:  # (no slot kept by a batch that did not get in whole)
+                for rid in rids:
+                    sp.rows.release(rid)
+                raise
+            cache.rids = rids
             for e in cache.layers:
                 e.prompt = None
     return (out, None, top_k) if sp.returns_top_k else (out, None)
@@ -238,8 +245,9 @@ class SparseMLA:
             pattern = layer_pattern([t == "full" for t in types_], self.n_layers)
         self.overlap = overlap
         self.prefetcher_shared = [overlap and t == "shared" for t in types_]
+        self.max_requests = integer("max_requests", max_requests, 1)
         sizes = dict(n_layers=self.n_layers, row_values=_mla.row_values(attn[0]),
-                     dtype=self.dtype, max_requests=integer("max_requests", max_requests, 1),
+                     dtype=self.dtype, max_requests=self.max_requests,
                      max_len=integer("max_len", max_len, 2),
                      hot_size=integer("hot_size", hot_size, self.top_k),
                      top_k=self.top_k, extra_page=integer("extra_page", extra_page, 1))
@@ -259,6 +267,9 @@ class SparseMLA:
     def generate(self, input_ids: torch.Tensor, **kwargs):
         """``model.generate(input_ids, **kwargs)`` through the cache (a new one, closed after).
         ``input_ids`` ``[B, n]``: B requests of one length, no padding."""
+        if input_ids.ndim != 2 or not 1 <= input_ids.shape[0] <= self.max_requests:
+            raise ValueError(f"input_ids must be [B, n] with B <= max_requests "
+                             f"({self.max_requests}), got shape {list(input_ids.shape)}")
         mask = kwargs.get("attention_mask")
         if mask is not None and not bool(mask.all()):
             raise ValueError("attention_mask has padding: SparseMLA takes requests of one "
