@@ -64,16 +64,16 @@ def main(argv=None) -> int:
     s.synchronize()
     nbytes = L * n * row
     res = {}
-    from hisparse_cupy import _cache_rows as cache_rows
+    from hisparse_cupy._kernels import rows as movers
 
-    runs = cache_rows.MIN_RUN_BYTES
+    runs = movers.MIN_RUN_BYTES
     for name, kw in (("admit paged", {"page_tokens": 64}),
                      ("admit paged, shuffled, 2-D copies", {"page_tokens": 64}),
                      ("admit paged, shuffled, copy kernel", {"page_tokens": 64}),
                      ("admit slot layout", {})):
         cache = HotBufferCache(n_layers=L, max_requests=R + 1, max_len=n, row_bytes=row,
                                hot_size=2048, top_k=2048, **kw)
-        cache_rows.MIN_RUN_BYTES = 1 << 62 if "kernel" in name else 0 if "2-D" in name else runs
+        movers.MIN_RUN_BYTES = 1 << 62 if "kernel" in name else 0 if "2-D" in name else runs
         try:
             if "shuffled" in name:  # free pages in random order: every page a run of its own
                 pages = cache.pages.take(cache.pages.free_pages)
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
                 e1.synchronize()
                 res["memcpy"] = cupy.cuda.get_elapsed_time(e0, e1) / 1e3
         finally:
-            cache_rows.MIN_RUN_BYTES = runs
+            movers.MIN_RUN_BYTES = runs
             s.synchronize()
             cache.close()
     rows = {k: {"seconds": v, "gb_s": R * nbytes / v / 1e9} for k, v in res.items()}

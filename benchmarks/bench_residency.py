@@ -66,7 +66,7 @@ def run(tokens: int, n_layers: int, row_bytes: int, reps: int) -> dict:
     s.synchronize()
     del kv
     cupy.get_default_memory_pool().free_all_blocks()
-    arena, H = cache.arena, cache.hot_size
+    arena, H = cache.residency._arena, cache.hot_size  # (the fill's event: internal)
     nbytes = tokens * row_bytes * n_layers
     host = cache.pool.numpy  # [L, rows, row_bytes], pinned: the ceiling's source
     dst = cupy.empty(nbytes, cupy.uint8)
@@ -76,7 +76,7 @@ def run(tokens: int, n_layers: int, row_bytes: int, reps: int) -> dict:
         spin_ms(20, s)  # the device starts the demotion's work after the host queued it all
         e0.record(s)
         t0 = time.perf_counter()
-        cache.demote(rid, stream=s)
+        cache.residency.demote(rid, stream=s)
         demote_host.append((time.perf_counter() - t0) * 1e3)
         e1.record(s)
         e1.synchronize()
@@ -87,11 +87,11 @@ def run(tokens: int, n_layers: int, row_bytes: int, reps: int) -> dict:
         _check(cache, n_layers, t, r, row_bytes)
         e0 = cupy.cuda.Event()
         e0.record(s)
-        cache.promote(rid, stream=s)
+        cache.residency.promote(rid, stream=s)
         ev = arena.promoting[rid][0]
         ev.synchronize()
         fill.append(cupy.cuda.get_elapsed_time(e0, ev))
-        assert cache.switch_promoted(stream=s) == [rid]
+        assert cache.residency.switch_promoted(stream=s) == [rid]
         s.synchronize()
         _check(cache, n_layers, np.arange(tokens), arena.rows(rid, 0, tokens), row_bytes)
         # the ceiling: one memcpy of the same bytes from the same pinned pool

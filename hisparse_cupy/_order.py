@@ -12,7 +12,7 @@ Three rules, each kept here once:
    stream that is capturing a CUDA graph neither waits nor is recorded (a capture may not
    depend on work outside it): the engine begins a capture after an eager call on the same
    stream (a warm-up step), and a replay runs after a cache call on its stream (``grow``,
-   ``switch_promoted``, or :meth:`~hisparse_cupy.HotBufferCache.order`).
+   ``residency.switch_promoted``, or :meth:`~hisparse_cupy.HotBufferCache.order`).
 2. **A page carries the fence of the last work that touches it**
    (:class:`~hisparse_cupy.host.HostPages`'s ``fence=`` and ``wait=``): a path that gives
    pages back (a release, a demotion, a cancelled promotion, a switch) attaches an event

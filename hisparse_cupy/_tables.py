@@ -21,7 +21,8 @@ import cupy
 import numpy as np
 
 from ._kernels.multistep import MultiStepConfig, init_states
-from ._kernels.plan import array_rows, copy_rows, pool_rows
+from ._kernels.plan import array_rows, copy_rows
+from ._kernels.rows import pool_rows
 
 
 def rows_needed(*, max_requests: int, hot_size: int = 4096, top_k: int = 2048,

@@ -31,22 +31,29 @@ import cupy
 import numpy as np
 
 from . import _abi, _checks
-from ._cache_rows import CacheRows, copy_pool_rows, host_pool, load_rows
+from ._cache_rows import CacheRows, host_pool
 from ._checks import ArrayLike, StreamLike
 from ._device import require_gpu
 from ._kernels.launch import as_stream
 from ._kernels.multistep import MultiStepConfig, MultiStepState, MultiStepWorkspace
 from ._kernels.plan import MissPlan
+from ._kernels.rows import copy_pool_rows, load_rows
 from ._kernels.swap import SwapState, check_sizes
 from ._order import StreamOrder
 from ._tables import LayerTables, rows_needed
 from .counters import LayerCounters
 from .host import HostKVPool, HostPages
-from .residency._arena import DeviceArena
-from .residency._moves import ResidencyMoves
+from .residency import Residency
 from .step import Step, StepParts
 
 __all__ = ["HotBufferCache", "SlotsExhausted"]
+
+
+# moved in 0.2 (residency composed: docs/design.md section 10)
+_MOVED = {**{m: f"call cache.residency.{m}() (the same arguments, no token count)"
+             for m in ("demote", "promote", "switch_promoted", "make_room", "promote_ready",
+                       "lean_step")},
+          "arena": "read cache.residency (its budget: cache.residency.budget)"}
 
 
 class SlotsExhausted(RuntimeError):
@@ -59,7 +66,7 @@ class SlotsExhausted(RuntimeError):
         self.max_requests = max_requests
 
 
-class HotBufferCache(ResidencyMoves):
+class HotBufferCache:
     """Per-layer hot buffers for ``max_requests`` request slots over a pinned host pool.
 
     Parameters
@@ -111,6 +118,22 @@ class HotBufferCache(ResidencyMoves):
         Count every layer's swaps on the device (:attr:`counters`,
         :class:`~hisparse_cupy.counters.LayerCounters`, read without a synchronize). Default
         True; False: None, the kernels count nothing.
+    device_budget : int, optional
+        Device rows per layer for a budget (``docs/design.md`` section 10): requests are
+        resident (every token in pages of ``device_page`` rows) while their pages fit, else
+        sparse (a block of ``H + P + C`` rows); size it with :meth:`DeviceBudget.rows_needed
+        <hisparse_cupy.residency.DeviceBudget.rows_needed>`. Default None: every request
+        sparse in its own ``H + P + C`` rows.
+    device_page : int
+        Rows per device page under a budget (default 64).
+
+    Attributes
+    ----------
+    residency : :class:`~hisparse_cupy.residency.Residency`
+        The requests' residency under ``device_budget`` (rows per layer, in pages of
+        ``device_page``): ``demote``, ``promote``, ``make_room``, ``promote_ready``,
+        ``switch_promoted``, ``lean_step``, and ``budget``, the scheduler's view. Without a
+        budget every request is sparse and every move refuses.
     """
 
     def __init__(self, *, n_layers: int, max_requests: int, max_len: int, row_bytes: int,
@@ -145,14 +168,9 @@ class HotBufferCache(ResidencyMoves):
         self.scratch = C
         self.rows_per_request = W + C
         row_bytes = _checks.row_bytes("row_bytes", row_bytes)
-        D = R * (W + C)
-        self.arena = None
-        if device_budget is not None:  # docs/design.md section 10
-            self.arena = DeviceArena(max_requests=R, max_len=self.max_len,
-                                     n_rows=_checks.integer("device_budget", device_budget, 1),
-                                     page_tokens=_checks.integer("device_page", device_page, 1),
-                                     block_rows=W + C)
-            D = self.arena.n_rows
+        self.residency = Residency.of(device_budget, device_page, max_requests=R,
+                                      max_len=self.max_len, block_rows=W + C)
+        D = R * (W + C) if self.residency.n_rows is None else self.residency.n_rows
         # the engine's device rows are checked before a host pool is pinned
         if device_rows is None:
             self.device = None
@@ -172,8 +190,10 @@ class HotBufferCache(ResidencyMoves):
             self.device = cupy.empty((L, D, self.row_bytes), cupy.uint8)
         self.tables = t = LayerTables(n_layers=L, max_requests=R, hot_size=H, extra_page=P,
                                       scratch=C, max_len=self.max_len, token_table=token_table,
-                                      multistep=S >= 2, placed=self.arena is not None)
+                                      multistep=S >= 2, placed=self.residency.enabled)
         self.host_locs = self.host.locs
+        self.residency.bind(tables=t, device=self.device, pool=self.pool, host=self.host,
+                            order=self.order)
         self.plan = MissPlan(self.max_batch, K * max(1, S))
         self.status = cupy.empty((self.max_batch, _abi.N_STATUS), cupy.int32)
         self._ms: list[MultiStepState] = []
@@ -186,8 +206,8 @@ class HotBufferCache(ResidencyMoves):
                     t.scratch_locs[layer], n_device_rows=D, workspace=ws,
                     validate=False, token_slot=t.token_slot[layer], ref=t.ms_ref[layer],
                     clock=t.ms_clock[layer]))
-                if self.arena is not None:
-                    self._ms[-1].set_residency(**self.arena.fields())
+                if self.residency.enabled:
+                    self._ms[-1].set_residency(**self.residency.fields())
         self._states = [self._swap_state(layer) for layer in range(L)]
         self.counters = LayerCounters(L, self.row_bytes) if counters else None
         self.step_parts = StepParts.build(self)
@@ -204,9 +224,9 @@ class HotBufferCache(ResidencyMoves):
 
     def _swap_state(self, layer: int) -> SwapState:
         t = self.tables
-        a = {} if self.arena is None else self.arena.fields()
         return SwapState(self.host_locs, t.slot_tokens[layer], t.slot_locs[layer], t.lru[layer],
-                         token_slot=None if t.token_slot is None else t.token_slot[layer], **a)
+                         token_slot=None if t.token_slot is None else t.token_slot[layer],
+                         **self.residency.fields())
 
     @property
     def token_table(self) -> bool:
@@ -277,14 +297,12 @@ class HotBufferCache(ResidencyMoves):
                              f"{n}): uint8 [{self.n_layers}, {need}, {self.row_bytes}], got "
                              f"{None if kv is None else tuple(kv.shape)}")
         rid = heapq.heappop(self._free)
-        block = None
-        try:
-            if self.arena is not None:  # the device budget first: it refuses taking nothing
-                block = self.arena.admit(rid, n, resident, s)
+        res = self.residency
+        try:  # the device budget first: it refuses taking nothing
+            block = res.on_admit(rid, n, resident, s)
             copies = self.host.admit(rid, n, prefix, pages, s)
         except BaseException:
-            if self.arena is not None and rid in self.arena.budget:
-                self.arena.release(rid, s)
+            res.on_release(rid, s)
             heapq.heappush(self._free, rid)
             raise
         try:
@@ -298,18 +316,16 @@ class HotBufferCache(ResidencyMoves):
             with s:
                 self.host_locs[rid, :n] = cupy.asarray(rows)
                 self.host_locs[rid, n:] = -1
-            if self.arena is not None and block is None:  # resident: every row in its pages
+            if res.is_resident(rid):  # every row in its pages
                 t.init_multistep(rid, s)
-                gpu_kv = None if kv is None or on_host else kv
-                self.arena.load(rid, n, rows, gpu_kv, shared, self.pool, self.device, s)
+                res.on_load(rid, n, rows, None if kv is None or on_host else kv, shared, s)
             else:
                 slots, tokens = t.fill_admitted(rid, n, warm, s)
                 t.init_multistep(rid, s)
                 dev = rid * self.rows_per_request + slots if block is None else block[slots]
                 load_rows(self.pool, rows[tokens], self.device, dev, s)
         except BaseException:
-            if self.arena is not None:
-                self.arena.release(rid, s)
+            res.on_release(rid, s)
             self.host.release(rid, s)  # (its pages carry the event after what was queued)
             heapq.heappush(self._free, rid)
             raise
@@ -332,11 +348,9 @@ class HotBufferCache(ResidencyMoves):
         rid = self._admitted(rid)
         n = _checks.integer("n_tokens", n_tokens, 1, self.max_len)
         s = self.order(stream)
-        if self.arena is not None:
-            self.arena.check_grow(rid, n)  # before the host takes pages
+        self.residency.on_grow(rid, n, s, check=True)  # before the host takes pages
         self.host.grow(rid, n, s)
-        if self.arena is not None:
-            self.arena.grow(rid, n, s)
+        self.residency.on_grow(rid, n, s)
 
     @property
     def pages(self):
@@ -353,11 +367,6 @@ class HotBufferCache(ResidencyMoves):
         s = as_stream(stream)
         self._order.enter(s)
         return s
-
-    def _arena(self, what: str) -> DeviceArena:
-        if self.arena is None:
-            raise ValueError(f"{what} needs a device budget (HotBufferCache(device_budget=))")
-        return self.arena
 
     def _admitted(self, rid) -> int:
         rid = _checks.integer("rid", rid, 0, self.max_requests - 1)
@@ -402,8 +411,7 @@ class HotBufferCache(ResidencyMoves):
         self.host.store(rows, kv, on_host, s)
         with s:
             self.host_locs[rid, start: start + n] = cupy.asarray(rows)
-        if self.arena is not None and self.arena.is_resident(rid):  # its pages too
-            load_rows(self.pool, rows, self.device, self.arena.rows(rid, start, start + n), s)
+        self.residency.on_write(rid, start, rows, s)  # a resident request's pages too
         if not on_host:  # the caller may drop it now: held until its copy ran
             self._order.keep(s, kv)
         self.host.wrote(rid, start, start + n)
@@ -414,9 +422,7 @@ class HotBufferCache(ResidencyMoves):
         holds are free again."""
         rid = self._admitted(rid)
         s = self.order(stream)
-        if self.arena is not None:
-            self.arena.release(rid, s)
-            self.tables.place(rid, None, s)
+        self.residency.on_release(rid, s)
         self.tables.reset(rid, s)
         self.tables.init_multistep(rid, s)
         with s:
@@ -484,17 +490,24 @@ class HotBufferCache(ResidencyMoves):
         pdl : Programmatic Dependent Launch for the dependent kernels (default: where supported).
         prefetcher : :class:`hisparse_cupy.Prefetcher` driving this cache, optional: then
             :meth:`Step.swap` runs each layer through it (IndexCache shared-layer overlap).
-        lean : run the step lean (:meth:`lean_step`: by default when every admitted request is
-            resident; ``Step.lean`` says which ran).
+        lean : run the step lean (``residency.lean_step``: by default when every admitted
+            request is resident; ``Step.lean`` says which ran).
 
         The arrays are used in place (no copy): do not change them while the step's work is
         queued. The step holds no device memory of its own; create one per decode step.
         """
         s = self.order(stream)
-        if self.arena is not None and not s.is_capturing():
-            self.switch_promoted(s)
+        if not s.is_capturing():
+            self.residency.switch_promoted(s)
         return Step(self, req_indices, seq_lens, num_real, stream=s, pdl=pdl,
-                    prefetcher=prefetcher, lean=self.lean_step(lean))
+                    prefetcher=prefetcher, lean=self.residency.lean_step(lean))
+
+    def __getattr__(self, name: str):
+        """Names that moved in 0.2 are named with where they went (only reached when an
+        attribute is missing)."""
+        if name in _MOVED:
+            raise AttributeError(f"HotBufferCache.{name} moved in 0.2: {_MOVED[name]}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def close(self) -> None:
         """Free the host pool the cache made (after the device finished with it)."""

@@ -29,7 +29,8 @@ from ._checks import ArrayLike, StreamLike
 from ._kernels import multistep, newest, swap
 from ._kernels.launch import Structs, as_stream, resolve_pdl
 from ._kernels.newest import NewestBuffers
-from ._kernels.plan import array_rows, copy_rows, copy_struct, pool_rows
+from ._kernels.plan import array_rows, copy_rows, copy_struct
+from ._kernels.rows import pool_rows
 
 __all__ = ["LayerCall", "Step", "StepParts"]
 
@@ -101,7 +102,7 @@ class Step:
     seq_lens : ``[B]`` or ``[B, S]`` lengths; ``lens_stride`` its row stride in elements,
         ``lens_step`` 1 if it has a column per step, else 0.
     num_real : int32 device scalar or None.
-    lean : whether the step runs lean (``HotBufferCache.lean_step``): single-step swaps launch
+    lean : whether the step runs lean (``cache.residency.lean_step``): single-step swaps launch
         their resolve only and a prefetcher serves shared layers without replays.
     dtypes : ``(req dtype, seq_lens dtype)``: the kernel instances the step runs.
     device : the CUDA device id the step's arrays are on.
@@ -317,10 +318,7 @@ class Step:
             num_real=self.num_real, key=self.dtypes, slot_locs=c.tables.slot_locs[0],
             slot_tokens=c.tables.slot_tokens, host_locs=c.host_locs, host=c.host,
             hot_size=c.hot_size, record=record, stream=self.stream,
-            **({} if c.arena is None else dict(resident=c.arena.resident,
-                                               dev_pages=c.arena.page_table,
-                                               dev_page_tokens=c.arena.page_tokens,
-                                               written=c.arena.written)))
+            **c.residency.newest_fields())
 
     def newest_rows(self) -> cupy.ndarray:
         """Device row (in every layer) of each row's newest token ``seq_len - 1``: int32

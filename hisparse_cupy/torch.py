@@ -35,7 +35,7 @@ The operators (``torch.ops.hisparse.*``):
 - ``finish(cache) -> ()``: :meth:`Step.finish`.
 
 A cache with a device budget (``docs/design.md`` section 10): the operators' steps run lean
-while every request is resident (``HotBufferCache.lean_step``) and a new step begins after a
+while every request is resident (``cache.residency.lean_step``) and a new step begins after a
 demotion or an admission that is not resident; promotions switch at the first call after a
 ``finish``. Demote and promote between steps; a graph captured lean is captured again once a
 request is not resident (as for ``begin_step``).
@@ -148,7 +148,7 @@ class TorchCache:
         s = torch.cuda.current_stream()
         # with a device budget, whether the step runs lean (a demotion between steps makes a
         # new, not lean, Step: the cached one would refuse the demoted request's rows)
-        lean = self.cache.arena is not None and self.cache.lean_step()
+        lean = self.cache.residency.lean_step()
         key = (_layout(req), _layout(seq_lens), None if num_real is None else _layout(num_real),
                s.cuda_stream, lean)
         if self._step is None or self._step[0] != key:
@@ -277,7 +277,7 @@ def _finish(cache: int) -> None:
     tc = _cache(cache)
     if tc.prefetcher is not None:
         tc.prefetcher.finish(torch.cuda.current_stream())
-    if tc.cache.arena is not None and tc.cache.arena.promoting:
+    if tc.cache.residency.promoting:
         tc.forget_step()  # the next step's begin_step switches the promotions that landed
 
 

@@ -365,8 +365,8 @@ class Fuzz:
 
     # ------------------------------------------------------------------ residency (GPU)
     def _budget(self):
-        arena = getattr(self.c, "arena", None)
-        return None if arena is None else arena.budget
+        res = getattr(self.c, "residency", None)  # (the CPU model has none)
+        return None if res is None else res.budget
 
     def _room(self, pages: int) -> bool:
         """The fuzz's engine keeps a block free for every request slot that holds none, so a
@@ -398,13 +398,13 @@ class Fuzz:
         if self.rng.random() < 0.3:  # the cache's default policy
             if self.rng.random() < 0.5:
                 try:
-                    self.moves += len(self.c.make_room(
+                    self.moves += len(self.c.residency.make_room(
                         b.free_pages + int(self.rng.integers(1, 64)), stream=obj))
                 except PoolExhausted:  # nothing demoted
                     pass
             else:
                 holders = sum(1 for r in self.active if b.state(r) != "resident")
-                self.moves += len(self.c.promote_ready(
+                self.moves += len(self.c.residency.promote_ready(
                     keep_free=b.block_pages * (self.R - holders), stream=obj))
             return
         st = b.state(rid)
@@ -421,16 +421,16 @@ class Fuzz:
                     del self.active[rid], self.origin[rid], self.grown[rid]
                 self.cancels += 1
         else:
-            self.c.switch_promoted(stream=obj)
+            self.c.residency.switch_promoted(stream=obj)
         self.moves += 1
 
     def _demote(self, rid: int, obj) -> None:
         self._refuse_count("demote", rid, obj)
-        self.c.demote(rid, stream=obj)
+        self.c.residency.demote(rid, stream=obj)
 
     def _promote(self, rid: int, obj) -> None:
         self._refuse_count("promote", rid, obj)
-        self.c.promote(rid, stream=obj)
+        self.c.residency.promote(rid, stream=obj)
 
     def _refuse_count(self, call: str, rid: int, obj) -> None:
         """At times the move is first asked with a token count, right or off by one either
@@ -441,9 +441,9 @@ class Fuzz:
         n = self.active[rid][1] + int(self.rng.integers(-1, 2))
         state = self._budget().state(rid)
         try:
-            getattr(self.c, call)(rid, n, stream=obj)
-        except TypeError as e:
-            if "takes no token count" not in str(e):
+            getattr(self.c.residency, call)(rid, n, stream=obj)
+        except TypeError as e:  # (every argument after the request slot is keyword-only)
+            if "positional argument" not in str(e):
                 raise
         else:
             raise AssertionError(f"seed {self.seed}: {call}({rid}, {n}) took a count")

@@ -1,7 +1,7 @@
 """CPU: the copy engines' writes of admission KV into a pool registered in several chunks
-(``cache_rows._copy_to_pool``) never span an edge between two registrations (the runtime
-rejects a cudaMemcpy that does: seen on an H200) and put every byte where it belongs. The CUDA
-runtime is replaced by NumPy copies that record each copy's extent."""
+(``_kernels/rows.py``'s ``_copy_to_pool``) never span an edge between two registrations (the
+runtime rejects a cudaMemcpy that does: seen on an H200) and put every byte where it belongs.
+The CUDA runtime is replaced by NumPy copies that record each copy's extent."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-pytest.importorskip("cupy", reason="cache_rows imports CuPy (installed in CI, no GPU needed)")
+pytest.importorskip("cupy", reason="imports CuPy (installed in CI, no GPU needed)")
 
 
 def test_copies_into_a_chunked_pool_split_at_registration_edges(monkeypatch):
-    from hisparse_cupy import _cache_rows as cache_rows
+    from hisparse_cupy._kernels import rows as movers
 
     rng = np.random.default_rng(7)
     extents = []
@@ -31,7 +31,7 @@ def test_copies_into_a_chunked_pool_split_at_registration_edges(monkeypatch):
 
     rt = SimpleNamespace(memcpyAsync=memcpy_async, memcpy2DAsync=memcpy_2d_async,
                          memcpyDeviceToHost=2)
-    monkeypatch.setattr(cache_rows, "cupy", SimpleNamespace(cuda=SimpleNamespace(runtime=rt)))
+    monkeypatch.setattr(movers, "cupy", SimpleNamespace(cuda=SimpleNamespace(runtime=rt)))
     stream = SimpleNamespace(ptr=0)
     split = 0
     for _ in range(300):
@@ -44,8 +44,7 @@ def test_copies_into_a_chunked_pool_split_at_registration_edges(monkeypatch):
         n = int(rng.integers(1, rows - r0 + 1))
         src = rng.integers(0, 256, (L, n + int(rng.integers(0, 3)), row), dtype=np.uint8)
         extents.clear()
-        cache_rows._copy_to_pool(pool, r0 * row, src.ctypes.data, src.strides[0], n * row,
-                                stream)
+        movers._copy_to_pool(pool, r0 * row, src.ctypes.data, src.strides[0], n * row, stream)
         want = np.zeros_like(host)
         want[:, r0: r0 + n] = src[:, :n]
         np.testing.assert_array_equal(host, want)

@@ -85,21 +85,21 @@ def test_a_demotions_freed_pages_reused_on_another_stream(monkeypatch):
     cache = _cache(R * (512 + 2 * _block()))
     x = cache.admit(40, kv=kv_for(0, 0, 40))  # 3 pages, positional once demoted (40 <= H)
     y = cache.admit(3 * PAGE, kv=kv_for(1, 0, 3 * PAGE))  # exactly 3 pages
-    assert cache.arena.budget.state(x) == cache.arena.budget.state(y) == "resident"
+    assert cache.residency.budget.state(x) == cache.residency.budget.state(y) == "resident"
     _newest(cache, y, 1, 3 * PAGE, cupy.cuda.get_current_stream())  # (kernels compiled)
     cupy.cuda.Device().synchronize()
-    first = cache.arena.budget.rows(x)[0]  # x's token 0
+    first = cache.residency.budget.rows(x)[0]  # x's token 0
     a, b = _streams()
     _late(monkeypatch, "copy_rows")
-    cache.demote(x, stream=a)
+    cache.residency.demote(x, stream=a)
     cache.grow(y, 3 * PAGE + 1, stream=b)  # a 4th page: x's first, freed
-    assert cache.arena.budget.rows(y)[3 * PAGE] == first
+    assert cache.residency.budget.rows(y)[3 * PAGE] == first
     _newest(cache, y, 1, 3 * PAGE + 1, b)
     cupy.cuda.Device().synchronize()
     locs = cupy.asnumpy(cache.tables.slot_locs[0, x, :40])
     for layer in range(L):
         check_rows(cache, layer, 0, np.arange(40), locs)
-        check_rows(cache, layer, 1, [3 * PAGE], cache.arena.budget.rows(y)[3 * PAGE:])
+        check_rows(cache, layer, 1, [3 * PAGE], cache.residency.budget.rows(y)[3 * PAGE:])
     cache.close()
 
 
@@ -118,19 +118,19 @@ def test_a_cancelled_promotions_fill_never_lands_in_a_reused_page():
     _newest(cache, y, 1, 3 * PAGE, cupy.cuda.get_current_stream())  # (kernels compiled)
     cupy.cuda.Device().synchronize()
     a, b = _streams()
-    side = cache.arena._side = cupy.cuda.Stream(non_blocking=True)
+    side = cache.residency._arena._side = cupy.cuda.Stream(non_blocking=True)
     with side:  # (the fill's side stream is the library's: no call of the test's queues there)
         spin(cupy, BUSY)
-    cache.promote(x, stream=a)
-    taken = cache.arena.budget.rows(x)[0]
-    cache.demote(x, stream=a)  # cancelled: its pages back
-    assert cache.arena.budget.state(x) == "sparse"
+    cache.residency.promote(x, stream=a)
+    taken = cache.residency.budget.rows(x)[0]
+    cache.residency.demote(x, stream=a)  # cancelled: its pages back
+    assert cache.residency.budget.state(x) == "sparse"
     cache.grow(y, 3 * PAGE + 1, stream=b)
-    assert cache.arena.budget.rows(y)[3 * PAGE] == taken
+    assert cache.residency.budget.rows(y)[3 * PAGE] == taken
     _newest(cache, y, 1, 3 * PAGE + 1, b)
     cupy.cuda.Device().synchronize()
     for layer in range(L):
-        check_rows(cache, layer, 1, np.arange(3 * PAGE + 1), cache.arena.budget.rows(y))
+        check_rows(cache, layer, 1, np.arange(3 * PAGE + 1), cache.residency.budget.rows(y))
     cache.close()
 
 
@@ -166,10 +166,10 @@ def test_a_demotion_works_from_the_tokens_written():
         cache.grow(rid, n)
         _newest(cache, rid, 0, n, cupy.cuda.get_current_stream())
     cache.grow(rid, 31)
-    with pytest.raises(TypeError, match="demote takes no token count"):
-        cache.demote(rid, 5)
-    assert cache.arena.budget.state(rid) == "resident"
-    cache.demote(rid)
+    with pytest.raises(TypeError, match="positional argument"):
+        cache.residency.demote(rid, 5)
+    assert cache.residency.budget.state(rid) == "resident"
+    cache.residency.demote(rid)
     _newest(cache, rid, 0, 31, __import__("cupy").cuda.get_current_stream())
     rows, status = _swap_bytes(cache, rid, 0, 31, [5, 6, 7, 29, 30])
     assert (rows >= 0).all() and status[_abi.ST_NOHOST] == 0
@@ -188,17 +188,17 @@ def test_a_promotion_works_from_the_tokens_written(monkeypatch):
     rid = cache.admit(30, kv=kv_for(0, 0, 30), resident=False)
     cache.grow(rid, 33)
     _late(monkeypatch, "load_rows", after=True)
-    with pytest.raises(TypeError, match="promote takes no token count"):
-        cache.promote(rid, 33)
-    cache.promote(rid)
+    with pytest.raises(TypeError, match="positional argument"):
+        cache.residency.promote(rid, 33)
+    cache.residency.promote(rid)
     main = cupy.cuda.get_current_stream()
     for n in (31, 32, 33):
         _newest(cache, rid, 0, n, main)
-    assert cache.arena.budget.state(rid) == "promoting"  # its fill has not ended
+    assert cache.residency.budget.state(rid) == "promoting"  # its fill has not ended
     cupy.cuda.Device().synchronize()
     cache.grow(rid, 34)
     _newest(cache, rid, 0, 34, main)  # switches it
-    assert cache.arena.budget.state(rid) == "resident"
+    assert cache.residency.budget.state(rid) == "resident"
     rows, status = _swap_bytes(cache, rid, 0, 34, [29, 30, 31, 32, 33])
     assert (rows >= 0).all() and status[_abi.ST_NOHOST] == 0
     cache.close()
@@ -264,7 +264,7 @@ def test_prefill_kv_freed_by_the_caller_after_the_call(resident):
     del junk
     if resident:
         del junk2
-        rows, tokens = cache.arena.budget.rows(rid), np.arange(n + 8)
+        rows, tokens = cache.residency.budget.rows(rid), np.arange(n + 8)
     else:
         rows, tokens = cupy.asnumpy(cache.tables.slot_locs[0, rid, :n]), np.arange(n)
     for layer in range(L):

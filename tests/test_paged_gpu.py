@@ -107,11 +107,11 @@ def _step(c, m, batch, stream, rng, *, grow=True):
 @pytest.mark.parametrize("copies", ["copy engines", "copy kernel"])
 def test_paged_pool_bytes_through_forks_growth_engine_pages_and_churn(rng, stream, copies,
                                                                      monkeypatch):
-    from hisparse_cupy import _cache_rows as cache_rows
+    from hisparse_cupy._kernels import rows as movers
     from hisparse_cupy.host._pages import PoolExhausted
 
     # KV from GPU arrays by 2-D copies per run of rows, or by the copy kernel
-    monkeypatch.setattr(cache_rows, "MIN_RUN_BYTES", 0 if copies == "copy engines" else 1 << 62)
+    monkeypatch.setattr(movers, "MIN_RUN_BYTES", 0 if copies == "copy engines" else 1 << 62)
 
     c, m = _cache(), Model(rng)
     held: list[list[int]] = []  # the engine's page holds (its prefix tree)

@@ -257,13 +257,12 @@ def test_the_demos_resident_plan_leaves_a_block_for_every_other_request():
                     (B * blk, 0)):
         budget = DeviceBudget(rows // P, P, block)
         rig = SimpleNamespace(cfg=SimpleNamespace(batch=B, max_len=max_len),
-                              cache=SimpleNamespace(arena=SimpleNamespace(
-                                  budget=budget, n_rows=budget.n_rows)))
+                              cache=SimpleNamespace(residency=SimpleNamespace(budget=budget)))
         plan = Rig.resident_plan(rig)
         assert plan == [True] * k + [False] * (B - k), (rows, plan)
         for i, r in enumerate(plan):  # and the admissions it plans all fit
             budget.admit(i, max_len, resident=r)
-    rig.cache.arena = None
+    rig.cache.residency.budget = None
     assert Rig.resident_plan(rig) == [None] * B
 
 

@@ -1,36 +1,32 @@
-"""CPU: the cache's residency rules that need no GPU (``residency/_moves.py``): whether a step
-runs lean, and the default policy's orchestration (``make_room``, ``promote_ready``) over a
-:class:`DeviceBudget`, the moves themselves recorded instead of queued."""
+"""CPU: the cache's residency rules that need no GPU (``cache.residency``,
+``residency/_residency.py``): whether a step runs lean, and the default policy's orchestration
+(``make_room``, ``promote_ready``) over a :class:`DeviceBudget`, the moves themselves recorded
+instead of queued; a cache without a budget; the names that moved off the cache."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 
 from hisparse_cupy.host import PoolExhausted
-from hisparse_cupy.residency import DeviceBudget
-from hisparse_cupy.residency._moves import ResidencyMoves
+from hisparse_cupy.residency import DeviceBudget, Residency
+from hisparse_cupy.residency._residency import _Budgeted
 
 
-class Moves(ResidencyMoves):
-    """ResidencyMoves over a budget alone: demote and promote carried out on the budget."""
+class Moves(_Budgeted):
+    """A budgeted residency over a budget alone: demote and promote carried out on the
+    budget (no arena, no device)."""
 
-    def __init__(self, budget: DeviceBudget | None):
-        self.arena = None if budget is None else SimpleNamespace(budget=budget)
-        self.done: list[tuple[str, int, int]] = []
-
-    def _arena(self, what: str):
-        if self.arena is None:
-            raise ValueError(f"{what} needs a device budget")
-        return self.arena
+    def __init__(self, budget: DeviceBudget):
+        Residency.__init__(self, 8)
+        self.budget = budget
+        self.done: list[tuple[str, int]] = []
 
     def demote(self, rid, *, stream=None):
-        self.arena.budget.demote(rid)
+        self.budget.demote(rid)
         self.done.append(("demote", rid))
 
     def promote(self, rid, *, stream=None):
-        self.arena.budget.promote(rid)
+        self.budget.promote(rid)
         self.done.append(("promote", rid))
 
 
@@ -42,11 +38,45 @@ def _budget():
     return b
 
 
-def test_lean_follows_the_budgets_states():
-    assert Moves(None).lean_step() is False
+def test_without_a_budget_nothing_is_resident_and_every_move_refuses():
+    r = Residency(4)
+    assert not r.enabled and r.budget is None and r.n_rows is None
+    assert r.lean_step() is False and r.lean_step(False) is False
     with pytest.raises(ValueError, match="no device budget"):
-        Moves(None).lean_step(True)
-    assert Moves(None).lean_step(False) is False
+        r.lean_step(True)
+    assert r.switch_promoted() == [] and r.promoting == [] and r.state(3) == "sparse"
+    with pytest.raises(ValueError, match="rid"):
+        r.state(4)
+    for call, args in (("demote", (0,)), ("promote", (0,)), ("make_room", (8,)),
+                       ("promote_ready", ())):
+        with pytest.raises(ValueError, match=rf"{call} needs a device budget"):
+            getattr(r, call)(*args)
+    # the cache's calls: nothing to do, and resident=True refused by name
+    assert r.fields() == {} and r.newest_fields() == {} and not r.is_resident(0)
+    assert r.on_admit(0, 10, None, None) is None and r.on_admit(0, 10, False, None) is None
+    with pytest.raises(ValueError, match="resident=True needs a device budget"):
+        r.on_admit(0, 10, True, None)
+    r.on_grow(0, 20, None, check=True)
+    r.on_release(0, None)
+
+
+def test_the_moves_left_the_cache_with_a_pointer_to_where_they_went():
+    """0.1.x engines called ``cache.demote`` etc. and read ``cache.arena``: each is an
+    ``AttributeError`` naming ``cache.residency``; any other missing name stays the usual
+    error."""
+    pytest.importorskip("cupy", reason="the cache module imports CuPy (no GPU needed)")
+    from hisparse_cupy import HotBufferCache
+    c = HotBufferCache.__new__(HotBufferCache)  # (no GPU: the names only)
+    for name in ("demote", "promote", "switch_promoted", "make_room", "promote_ready",
+                 "lean_step", "arena"):
+        with pytest.raises(AttributeError, match=rf"HotBufferCache.{name} moved in 0.2: .*"
+                                                 rf"cache\.residency"):
+            getattr(c, name)
+    with pytest.raises(AttributeError, match="has no attribute 'bogus'"):
+        c.bogus  # noqa: B018
+
+
+def test_lean_follows_the_budgets_states():
     b = _budget()
     m = Moves(b)
     assert m.lean_step() and m.lean_step(True) and not m.lean_step(False)
@@ -76,16 +106,16 @@ def test_make_room_demotes_whom_room_for_names_or_nothing():
 
 
 @pytest.mark.parametrize("call", ["demote", "promote", "make_room", "promote_ready"])
-def test_a_token_count_is_refused_by_name(call):
+def test_a_token_count_is_refused(call):
     """0.1.x took the written tokens' count (``demote(rid, n)``, ``make_room(pages,
     written)``...): the cache counts them on the device now (issue 60), so a count given is a
-    ``TypeError`` that says so, and nothing moves."""
+    ``TypeError`` (every argument after the first is keyword-only), and nothing moves."""
     b = _budget()
     m = Moves(b)
     args = {"demote": (0, 40), "promote": (0, 40), "make_room": (30, {0: 40}),
             "promote_ready": ({0: 40},)}[call]
-    with pytest.raises(TypeError, match=f"{call} takes no token count"):
-        getattr(ResidencyMoves, call)(m, *args)
+    with pytest.raises(TypeError, match="positional argument"):
+        getattr(_Budgeted, call)(m, *args)
     assert m.done == [] and all(b.state(r) == "resident" for r in (0, 1, 2))
 
 

@@ -44,7 +44,7 @@ def _run_steps(rng, cache, ids, lens, steps, lean=None):
             cache.grow(r, lens[r] + 1)
         seq = cupy.asarray(n + 1, cupy.int32)
         step = cache.begin_step(req, seq, lean=lean)
-        assert step.lean == (cache.arena.budget.all_resident() if lean is None else lean)
+        assert step.lean == (cache.residency.budget.all_resident() if lean is None else lean)
         rows = cupy.asnumpy(step.newest_rows())
         assert (rows >= 0).all()
         for layer in range(L):
@@ -84,15 +84,15 @@ def test_resident_and_sparse_requests_through_steps(rng, budget, lean):
         r = cache.admit(m, kv=kv_for(i, 0, m), resident=None if budget == "all" or i < 2
                         else False)
         ids[r], lens[r] = i, m
-    states = [cache.arena.budget.state(r) for r in sorted(ids)]
+    states = [cache.residency.budget.state(r) for r in sorted(ids)]
     assert states == (["resident"] * 4 if budget == "all" else
                       ["resident", "resident", "sparse", "sparse"])
     _run_steps(rng, cache, ids, lens, 12, lean)
     # release and reuse: the slot's pages back, a new request on them
     r0 = sorted(ids)[0]
-    free = cache.arena.budget.free_pages
+    free = cache.residency.budget.free_pages
     cache.release(r0)
-    assert cache.arena.budget.free_pages > free
+    assert cache.residency.budget.free_pages > free
     del ids[r0], lens[r0]
     r = cache.admit(200, kv=kv_for(9, 0, 200))
     ids[r], lens[r] = 9, 200
@@ -107,12 +107,12 @@ def test_write_host_reaches_a_resident_requests_pages(rng):
 
     cache = _cache(R * (MAXLEN + 96))
     rid = cache.admit(100, kv=cupy.asarray(kv_for(0, 0, 100)))  # on the GPU
-    assert cache.arena.budget.state(rid) == "resident"
+    assert cache.residency.budget.state(rid) == "resident"
     for layer in range(L):
-        check_rows(cache, layer, 0, np.arange(100), cache.arena.rows(rid, 0, 100))
+        check_rows(cache, layer, 0, np.arange(100), cache.residency.budget.rows(rid)[0:100])
     cache.grow(rid, 140)
     cache.write_host(rid, 100, cupy.asarray(kv_for(0, 100, 40)))
-    rows = cache.arena.rows(rid, 100, 140)
+    rows = cache.residency.budget.rows(rid)[100:140]
     for layer in range(L):
         check_rows(cache, layer, 0, np.arange(100, 140), rows)
     cache.close()
@@ -126,16 +126,16 @@ def test_refusals_take_nothing():
     block_pages = -(-_block() // PAGE)
     cache = _cache(PAGE * (2 * block_pages + 8))
     rid = cache.admit(100, kv=kv_for(0, 0, 100))  # resident: 7 pages
-    assert cache.arena.budget.state(rid) == "resident"
-    free, active = cache.arena.budget.free_pages, dict(cache.active)
+    assert cache.residency.budget.state(rid) == "resident"
+    free, active = cache.residency.budget.free_pages, dict(cache.active)
     assert free == 2 * block_pages + 1
     with pytest.raises(PoolExhausted, match="device pages") as e:
         cache.grow(rid, 100 + PAGE * (free + 1))
     assert e.value.kind == "device"
-    assert (cache.arena.budget.free_pages, cache.active) == (free, active)
+    assert (cache.residency.budget.free_pages, cache.active) == (free, active)
     with pytest.raises(PoolExhausted, match="device pages"):
         cache.admit(PAGE * (free + 1), kv=kv_for(1, 0, PAGE * (free + 1)), resident=True)
-    assert (cache.arena.budget.free_pages, cache.active) == (free, active)
+    assert (cache.residency.budget.free_pages, cache.active) == (free, active)
     cache.close()
 
 
@@ -156,11 +156,11 @@ def test_demotion_at_a_step_boundary(rng):
     s = cupy.cuda.Stream(non_blocking=True)
     s.wait_event(cupy.cuda.get_current_stream().record())
     for r in sorted(ids):
-        free = cache.arena.budget.free_pages
-        pages = cache.arena.budget.pages_for(cache.arena.budget.tokens(r))
-        cache.demote(r, stream=s)
-        assert cache.arena.budget.state(r) == "sparse"
-        assert cache.arena.budget.free_pages == free + pages - cache.arena.budget.block_pages
+        free = cache.residency.budget.free_pages
+        pages = cache.residency.budget.pages_for(cache.residency.budget.tokens(r))
+        cache.residency.demote(r, stream=s)
+        assert cache.residency.budget.state(r) == "sparse"
+        assert cache.residency.budget.free_pages == free + pages - cache.residency.budget.block_pages
     s.synchronize()
     for r in sorted(ids):  # the hot slots: the newest H tokens, the newest in slot H
         m = lens[r]
@@ -176,7 +176,7 @@ def test_demotion_at_a_step_boundary(rng):
         for layer in range(L):
             check_rows(cache, layer, ids[r], tokens, rows)
     with pytest.raises(ValueError, match="not resident"):
-        cache.demote(sorted(ids)[0])
+        cache.residency.demote(sorted(ids)[0])
     _run_steps(rng, cache, ids, lens, 6)
     cache.close()
 
@@ -192,33 +192,33 @@ def test_promotion_switches_at_a_step_boundary(rng):
     for i, m in enumerate(n):
         r = cache.admit(m, kv=kv_for(i, 0, m), resident=False)
         ids[r], lens[r] = i, m
-    assert {cache.arena.budget.state(r) for r in ids} == {"sparse"}
+    assert {cache.residency.budget.state(r) for r in ids} == {"sparse"}
     _run_steps(rng, cache, ids, lens, 3)
     r0, r1 = sorted(ids)
-    cache.promote(r0)
-    assert cache.arena.budget.state(r0) == "promoting"
+    cache.residency.promote(r0)
+    assert cache.residency.budget.state(r0) == "promoting"
     _run_steps(rng, cache, ids, lens, 2)  # steps while it fills (it may switch in them)
-    if r0 in cache.arena.promoting:
-        cache.arena.promoting[r0][0].synchronize()
+    if r0 in cache.residency._arena.promoting:
+        cache.residency._arena.promoting[r0][0].synchronize()
     _run_steps(rng, cache, ids, lens, 3)  # the first begin_step switches it
-    assert cache.arena.budget.state(r0) == "resident" and r0 not in cache.arena.promoting
+    assert cache.residency.budget.state(r0) == "resident" and r0 not in cache.residency._arena.promoting
     # its block went back: no slot of any layer names a row or a token any more (a later
     # mirror_layer would otherwise move rows its block's next owner holds)
     import cupy
 
     assert (cupy.asnumpy(cache.tables.slot_locs[:, r0]) == -1).all()
     assert (cupy.asnumpy(cache.tables.slot_tokens[:, r0]) == -1).all()
-    free = cache.arena.budget.free_pages
-    cache.promote(r1)
-    cache.demote(r1)  # cancelled: its pages back, its block kept
-    assert cache.arena.budget.state(r1) == "sparse"
-    assert cache.arena.budget.free_pages == free
-    cache.promote(r1)
+    free = cache.residency.budget.free_pages
+    cache.residency.promote(r1)
+    cache.residency.demote(r1)  # cancelled: its pages back, its block kept
+    assert cache.residency.budget.state(r1) == "sparse"
+    assert cache.residency.budget.free_pages == free
+    cache.residency.promote(r1)
     cache.release(r1)
     del ids[r1], lens[r1]
-    assert cache.arena.budget.free_pages == free + cache.arena.budget.block_pages
+    assert cache.residency.budget.free_pages == free + cache.residency.budget.block_pages
     with pytest.raises(ValueError, match="not sparse"):
-        cache.promote(r0)
+        cache.residency.promote(r0)
     _run_steps(rng, cache, ids, lens, 3)
     cache.close()
 
@@ -234,7 +234,7 @@ def test_mirror_skips_slots_without_a_row(rng):
     cache = _cache(R * (MAXLEN + 96))
     rid = cache.admit(300, kv=kv_for(0, 0, 300), resident=False,
                       warm_tokens=np.arange(200, 200 + H))
-    D = cache.arena.n_rows
+    D = cache.residency.n_rows
     t = cache.tables
     locs = cupy.asnumpy(t.slot_locs[0, rid])
     k = np.nonzero(locs == D - 1)[0]
@@ -273,16 +273,16 @@ def test_a_promotions_page_table_survives_growth_during_its_fill(rng):
     n = 4 * PAGE  # a page boundary: the next token needs a new page
     rid = cache.admit(n, kv=kv_for(0, 0, n), resident=False)
     ids, lens = {rid: 0}, {rid: n}
-    side = cache.arena._side = cupy.cuda.Stream(non_blocking=True)
+    side = cache.residency._arena._side = cupy.cuda.Stream(non_blocking=True)
     with side:
         spin(cupy, 200_000_000)  # ~0.1 s
-    cache.promote(rid)
+    cache.residency.promote(rid)
     cache.grow(rid, n + 1)  # a new page, while the fill waits
     side.synchronize()
     _run_steps(rng, cache, ids, lens, 3)  # switches at the first begin_step
-    assert cache.arena.budget.state(rid) == "resident"
-    table = cupy.asnumpy(cache.arena.page_table[rid])
-    want = cache.arena.budget.page_table(rid, table.size)
+    assert cache.residency.budget.state(rid) == "resident"
+    table = cupy.asnumpy(cache.residency._arena.page_table[rid])
+    want = cache.residency.budget.page_table(rid, table.size)
     assert (table == want).all(), (table, want)
     cache.close()
 
@@ -372,7 +372,7 @@ def test_a_lean_graph_refuses_a_request_demoted_after_its_capture(rng):
         out[...] = st.swap(1, tk_dev)
     graph = s.end_capture()
     assert st.lean
-    cache.demote(int(req[1]), stream=s)
+    cache.residency.demote(int(req[1]), stream=s)
     s.synchronize()
     before = cupy.asnumpy(cache.device_rows(1))
     graph.launch(s)
@@ -441,12 +441,12 @@ def test_torch_operators_follow_residency_changes(rng):
 
     assert step().lean
     cupy.cuda.get_current_stream().synchronize()
-    cache.demote(1, stream=torch.cuda.current_stream())
+    cache.residency.demote(1, stream=torch.cuda.current_stream())
     assert not step().lean  # the demoted request's rows through the sparse path
-    cache.promote(1, stream=torch.cuda.current_stream())
-    cache.arena.promoting[1][0].synchronize()  # the fill landed
+    cache.residency.promote(1, stream=torch.cuda.current_stream())
+    cache.residency._arena.promoting[1][0].synchronize()  # the fill landed
     step()  # finish() forgets the step: the next call's begin_step switches the promotion
-    assert cache.arena.budget.state(1) == "resident" and not cache.arena.promoting
+    assert cache.residency.budget.state(1) == "resident" and not cache.residency._arena.promoting
     assert step().lean
     cache.close()
 
@@ -464,7 +464,7 @@ def test_the_default_policy_makes_room_and_promotes_when_it_returns(rng):
 
     cache = _cache(DeviceBudget.rows_needed([m + 40 for m in n], 1, page_tokens=PAGE,
                                             block_rows=block))
-    b = cache.arena.budget
+    b = cache.residency.budget
     ids, lens = {}, {}
     for i, m in enumerate(n):
         r = cache.admit(m, kv=kv_for(i, 0, m))
@@ -472,17 +472,17 @@ def test_the_default_policy_makes_room_and_promotes_when_it_returns(rng):
     assert all(b.state(r) == "resident" for r in ids)
     b.touch([1, 2])  # request 0 idle longest
     free = b.free_pages
-    with pytest.raises(TypeError, match="make_room takes no token count"):
-        cache.make_room(free + 1, {1: lens[1]})
+    with pytest.raises(TypeError, match="positional argument"):
+        cache.residency.make_room(free + 1, {1: lens[1]})
     with pytest.raises(PoolExhausted):
-        cache.make_room(10**6)
+        cache.residency.make_room(10**6)
     assert all(b.state(r) == "resident" for r in ids) and b.free_pages == free
-    assert cache.make_room(free + 1) == [0]
+    assert cache.residency.make_room(free + 1) == [0]
     assert b.state(0) == "sparse" and b.free_pages >= free + 1
     _run_steps(rng, cache, ids, lens, 3)  # request 0 through the sparse path
-    assert cache.promote_ready(keep_free=b.free_pages) == []  # would eat the reserve
-    assert cache.promote_ready() == [0]
-    cache.arena.promoting[0][0].synchronize()
+    assert cache.residency.promote_ready(keep_free=b.free_pages) == []  # would eat the reserve
+    assert cache.residency.promote_ready() == [0]
+    cache.residency._arena.promoting[0][0].synchronize()
     _run_steps(rng, cache, ids, lens, 3)  # its begin_step switches it
     assert b.state(0) == "resident"
     cache.close()

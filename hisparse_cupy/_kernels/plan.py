@@ -7,7 +7,7 @@ layers (IndexCache shared layers) with :func:`replay_plan`.
 
 The planned copy is the one kernel every bulk row move of the package goes through (swap misses,
 replays, admission loads, backups), in stages: its two sides named as :class:`Rows`
-(:func:`pool_rows`, :func:`array_rows`), a struct from :func:`copy_struct` (a per-layer
+(:func:`.rows.pool_rows`, :func:`array_rows`), a struct from :func:`copy_struct` (a per-layer
 template, or a one-off), queued by :func:`launch_copy` (:func:`copy_rows` does both). This module
 alone knows the copy's launch: its instances, block, shared memory and grid rule
 (:func:`copy_launcher`, :func:`default_copy_grid`, :func:`full_grid`).
@@ -27,7 +27,6 @@ import numpy as np
 from .. import _abi, _checks
 from .._checks import ArrayLike, StreamLike
 from .._device import Ptr
-from ..host import HostKVPool
 from . import build
 from .launch import Launcher, Params, as_stream, launcher, ptr, resolve_pdl, sm_count
 
@@ -86,13 +85,6 @@ class Rows(NamedTuple):
     base: int
     layer_bytes: int
     n_rows: int
-
-
-def pool_rows(pool: HostKVPool, layer: int | None = None) -> Rows:
-    """The rows of ``pool`` through its device mapping: every layer, or ``layer``'s."""
-    if layer is None:
-        return Rows(int(pool.device_ptr(0)), pool.layer_bytes, pool.n_rows)
-    return Rows(int(pool.device_ptr(layer)), 0, pool.n_rows)
 
 
 def array_rows(a: cupy.ndarray) -> Rows:
@@ -214,7 +206,7 @@ def replay_plan(
     batch: int,
     *,
     device_rows: ArrayLike,
-    pool: HostKVPool | None = None,
+    pool=None,
     layer: int | None = None,
     host_rows: Ptr | None = None,
     n_host_rows: int | None = None,
@@ -275,8 +267,9 @@ def replay_plan(
     if pool is not None:
         if host_rows is not None or n_host_rows is not None:
             raise ValueError("give either pool and layer, or host_rows and n_host_rows")
-        if not isinstance(pool, HostKVPool):
-            raise TypeError(f"pool must be a HostKVPool, got {type(pool).__name__}")
+        if not all(hasattr(pool, a) for a in ("device_ptr", "n_rows", "row_bytes")):
+            raise TypeError(f"pool must be a HostKVPool (its device_ptr, n_rows, row_bytes), "
+                            f"got {type(pool).__name__}")
         if layer is None:
             raise ValueError("pool needs layer (the layer whose host rows are replayed)")
         host_rows = pool.device_ptr(layer)

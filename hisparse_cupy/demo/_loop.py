@@ -235,21 +235,20 @@ class Rig:
         """With a device budget: the first k requests resident, the rest sparse, for the
         largest k whose pages (for every token the run grows to) leave a block for each of
         the others (``DeviceBudget.rows_needed``); without one, None each."""
-        c, arena = self.cfg, self.cache.arena
-        if arena is None:
+        c, b = self.cfg, self.cache.residency.budget
+        if b is None:
             return [None] * c.batch
-        b = arena.budget
-        k = max(0, b.max_resident([c.max_len] * c.batch, arena.n_rows,
+        k = max(0, b.max_resident([c.max_len] * c.batch, b.n_rows,
                                   page_tokens=b.page_tokens, block_rows=b.block_rows))
         return [i < k for i in range(c.batch)]
 
     def log_residency(self, rids: list[int]) -> list[int]:
         """With a device budget: how many requests it holds resident (logged)."""
-        arena = self.cache.arena
-        if arena is not None:
-            st = [arena.budget.state(r) for r in rids]
-            gb = arena.n_rows * len(self.cached) * ROW_BYTES / 1e9
-            self.log(f"device budget: {arena.n_rows} rows a layer ({gb:.2f} GB)"
+        b = self.cache.residency.budget
+        if b is not None:
+            st = [b.state(r) for r in rids]
+            gb = b.n_rows * len(self.cached) * ROW_BYTES / 1e9
+            self.log(f"device budget: {b.n_rows} rows a layer ({gb:.2f} GB)"
                      f", {st.count('resident')} of {len(rids)} requests resident")
         return rids
 
@@ -488,9 +487,8 @@ class Rig:
         if mode != "gpu-only":
             ctr = {**self.cache.counters.read(s),
                    "full": np.asarray(self.full[self.R:], bool), "batch": c.batch}
-        arena = None if mode == "gpu-only" else self.cache.arena
-        resident = None if arena is None else sum(
-            arena.budget.state(r) == "resident" for r in range(c.batch))
+        b = None if mode == "gpu-only" else self.cache.residency.budget
+        resident = None if b is None else sum(b.state(r) == "resident" for r in range(c.batch))
         return RunResult(mode, exec_, step_ms, cupy.asnumpy(self.digest),
                          moved[w:, 0], moved[w:, 1], swap_us,
                          ctr, pred, resident, None if mode == "gpu-only" else self.lean)

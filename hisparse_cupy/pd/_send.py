@@ -13,8 +13,8 @@ import cupy
 import numpy as np
 
 from .. import _checks
-from .._cache_rows import store_rows
 from .._kernels import sums as _sums
+from .._kernels.rows import store_rows
 from ..host import HostKVPool
 from . import _nixl, _protocol
 from ._pending import GRACE_S, Link, PendingSend
@@ -276,7 +276,7 @@ class KVSender:
 
     def _copier(self, t, pool, dev, kv):
         """The same-node path: a function that stores ``kv`` into the ticket's rows of ``pool``
-        (``_cache_rows.store_rows``: a 2-D copy of every layer per run of pages, the package's
+        (``_kernels.rows.store_rows``: a 2-D copy of every layer per run of pages, the package's
         copy kernel where runs are short) on this sender's stream of ``dev``, after the work
         the current stream had at the send, and returns the event of their end."""
         L, rb, LB = t["n_layers"], t["row_bytes"], pool.layer_bytes

@@ -15,8 +15,8 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from .._cache_rows import load_rows
 from .._kernels.plan import array_rows, copy_rows
+from .._kernels.rows import load_rows
 from .._order import StreamOrder
 from ._budget import PROMOTING, RESIDENT, SPARSE, DeviceBudget
 

@@ -26,7 +26,8 @@ import cupy
 from .. import _abi
 from .._kernels import build
 from .._kernels.launch import Params, launch, ptr
-from .._kernels.plan import array_rows, copy_struct, launch_copy, pool_rows
+from .._kernels.plan import array_rows, copy_struct, launch_copy
+from .._kernels.rows import pool_rows
 
 PREDICT_AT = ("swap", "indexer")
 
@@ -129,7 +130,7 @@ class Predictor:
                 topk_stride=snap.strides[0] // 4, K=K, B=B, R=c.max_requests,
                 host_stride=c.max_len, slot_stride=c.slots, H=c.hot_size,
                 stage_width=self.width, plan_stride=c.plan.width, miss_hash_size=hash_slots,
-                rule=self.rule, resident=0 if c.arena is None else ptr(c.arena.resident))
+                rule=self.rule, resident=ptr(c.residency.fields().get("resident")))
         prm.set(req=ptr(step.req), lens=ptr(step.seq_lens), num_real=ptr(nr),
                 lens_stride=step.lens_stride)  # the step's batch (any buffers)
         launch(build.kernel(build.PREDICT[step.dtypes]), min(B, grid), _abi.PREDICT_BLOCK,
