@@ -160,7 +160,8 @@ def test_demotion_at_a_step_boundary(rng):
         pages = cache.residency.budget.pages_for(cache.residency.budget.tokens(r))
         cache.residency.demote(r, stream=s)
         assert cache.residency.budget.state(r) == "sparse"
-        assert cache.residency.budget.free_pages == free + pages - cache.residency.budget.block_pages
+        b = cache.residency.budget
+        assert b.free_pages == free + pages - b.block_pages
     s.synchronize()
     for r in sorted(ids):  # the hot slots: the newest H tokens, the newest in slot H
         m = lens[r]
@@ -201,7 +202,7 @@ def test_promotion_switches_at_a_step_boundary(rng):
     if r0 in cache.residency._arena.promoting:
         cache.residency._arena.promoting[r0][0].synchronize()
     _run_steps(rng, cache, ids, lens, 3)  # the first begin_step switches it
-    assert cache.residency.budget.state(r0) == "resident" and r0 not in cache.residency._arena.promoting
+    assert cache.residency.budget.state(r0) == "resident" and r0 not in cache.residency.promoting
     # its block went back: no slot of any layer names a row or a token any more (a later
     # mirror_layer would otherwise move rows its block's next owner holds)
     import cupy

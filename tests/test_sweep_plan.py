@@ -152,8 +152,17 @@ def test_rows_hidden_share_json_and_table():
     json.dumps(doc)  # plain JSON
     assert run.document(cfg, rows, gpu_budget_gb=40.0, host_gb=100.0, plan_rows=plans,
                         errors=["n 2: differs"], extra={})["self_check"] == "failed"
+    assert (doc["row_bytes"], doc["mtp"]) == (1152, 1)
     text = run.table(doc).splitlines()
     assert len(text) == 1 + len(rows) and "75.0%" in text[3]
+    run.against_gpu_only(rows)  # each row beside gpu-only's TPOT at its n
+    vs = {(r["concurrency"], r["mode"]): (r["gpu_only_tpot_ms"], r["vs_gpu_only_pct"])
+          for r in rows}
+    assert vs == {(2, "gpu-only"): (10.0, 0.0), (2, "sparse-no-overlap"): (10.0, 40.0),
+                  (2, "sparse"): (10.0, 10.0), (2, "resident"): (10.0, 1.0),
+                  (3, "sparse"): (None, None)}
+    text = run.table(doc).splitlines()
+    assert text[0].endswith("vs g-o") and text[3].endswith("+10.0%") and text[1].endswith("-")
 
 
 def test_sweep_flags():
@@ -168,10 +177,11 @@ def test_sweep_flags():
     c = from_args(["--sweep", "--concurrency", "4", "--concurrency", "1", "--host-gb", "50"])
     assert (c.sweep["concurrencies"], c.sweep["host_gb"]) == ([1, 4], 50.0)
     assert from_args([]).sweep is None
+    c = from_args(["--sweep", "--mtp", "3"])  # MTP in the sweep: every mode, 3 draft steps
+    assert c.mtp == 3 and c.sweep is not None
     for argv, msg in ((["--gpu-budget", "20"], "--gpu-budget sets up --sweep"),
                       (["--concurrency", "2"], "--concurrency sets up --sweep"),
                       (["--sweep", "--batch", "4"], "--sweep runs its own concurrencies"),
-                      (["--sweep", "--mtp", "3"], "leave out --mtp"),
                       (["--sweep", "--no-lean"], "leave out --no-lean"),
                       (["--sweep", "--device-budget", "0"], "leave out --device-budget"),
                       (["--sweep", "--mode", "overlap"], "leave out --mode"),

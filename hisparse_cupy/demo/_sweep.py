@@ -107,12 +107,11 @@ def sweep_args(ns, given: set[str]) -> dict | None:
     if "batch" in given:
         raise UsageError("demo: --sweep runs its own concurrencies: --concurrency N, not --batch")
     for f in ("mode", "device_budget", "resident_requests", "eager", "eager_and_graph", "lean",
-              "shared_prefix", "mtp", "side_sms"):  # what the sweep sets or does not run
+              "shared_prefix", "side_sms"):  # what the sweep sets or does not run
         if f in given or f == "device_budget" and ns.device_budget != "auto":  # (0: None)
             flag = "no-lean" if f == "lean" else f.replace("_", "-")
-            raise UsageError(f"demo: --sweep runs its own modes and budgets, graphed, single-"
-                             f"step (tokens/s = n / TPOT), without shared prefixes: leave out "
-                             f"--{flag}")
+            raise UsageError(f"demo: --sweep runs its own modes and budgets, graphed, without "
+                             f"shared prefixes: leave out --{flag}")
     from ._config import host_memory_bytes
 
     host = ns.host_gb if ns.host_gb is not None else 0.8 * host_memory_bytes() / GB

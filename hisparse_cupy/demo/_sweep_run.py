@@ -15,6 +15,10 @@ runs, steps graphed, on the same ``n`` requests (the same top-k streams, the sam
 - ``sparse``: every request sparse (no device budget: a hot buffer each), overlap on; and
   ``sparse-no-overlap`` (the plain offload), from which the sparse row's hidden share comes.
 
+Each row carries its cost under pressure: gpu-only's TPOT at the same ``n`` beside its own
+(:func:`against_gpu_only`). ``--mtp S`` runs every mode with S draft steps a step (the
+multi-step swap; TPOT is the step's time, acceptance is not modelled).
+
 Every offloaded run's attention outputs must equal gpu-only's bit for bit (its self-check);
 the exit status is 1 if one does not. One pinned host pool, sized for the largest ``n``, serves
 every run. Rows and their JSON: :func:`row`, :func:`document`; docs/design.md section 11.
@@ -67,10 +71,23 @@ def hidden_share(rows: list[dict]) -> None:
             r["hidden_share"] = round((off - r["tpot_ms"]) / (off - g), 4)
 
 
+def against_gpu_only(rows: list[dict]) -> None:
+    """Each row's cost under pressure: ``gpu_only_tpot_ms``, gpu-only's TPOT at the same
+    concurrency (run outside the budget where it does not fit it: the GPU that would have
+    room), and ``vs_gpu_only_pct``, the row's TPOT over it in percent (None without a
+    gpu-only row of that concurrency)."""
+    g = {r["concurrency"]: r["tpot_ms"] for r in rows if r["mode"] == "gpu-only"}
+    for r in rows:
+        ref = g.get(r["concurrency"])
+        r["gpu_only_tpot_ms"] = ref
+        r["vs_gpu_only_pct"] = None if ref is None else round(100 * (r["tpot_ms"] / ref - 1), 2)
+
+
 def document(cfg: Config, rows: list[dict], *, gpu_budget_gb: float, host_gb: float,
              plan_rows, errors: list[str], extra: dict) -> dict:
     """The sweep's JSON: the fields docs/design.md section 11 lists, then what ran."""
-    return {"context": cfg.context, "gpu_budget_gb": gpu_budget_gb,
+    return {"context": cfg.context, "gpu_budget_gb": gpu_budget_gb, "row_bytes": ROW_BYTES,
+            "mtp": cfg.mtp,
             "model": f"{cfg.model} (hidden {cfg.hidden}), indexer "
                      f"{'on' if cfg.indexer else 'off'}",
             "self_check": "passed" if not errors else "failed", "rows": rows,
@@ -86,19 +103,21 @@ def document(cfg: Config, rows: list[dict], *, gpu_budget_gb: float, host_gb: fl
 def table(doc: dict) -> str:
     """The rows as text, one line each."""
     out = [f"{'n':>3} {'mode':<18} {'fits':>5} {'TPOT ms':>8} {'p99 ms':>8} {'tok/s':>8} "
-           f"{'res/sp':>7} {'GPU GB':>7} {'host GB':>8} {'hidden':>7}"]
+           f"{'res/sp':>7} {'GPU GB':>7} {'host GB':>8} {'hidden':>7} {'vs g-o':>7}"]
     for r in doc["rows"]:
-        h = r.get("hidden_share")
+        h, v = r.get("hidden_share"), r.get("vs_gpu_only_pct")
         out.append(f"{r['concurrency']:>3} {r['mode']:<18} {'yes' if r['fits'] else 'no':>5} "
                    f"{r['tpot_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['tokens_per_s']:>8.1f} "
                    f"{r['resident']:>3}/{r['sparse']:<3} {r['gpu_gb']:>7.2f} "
-                   f"{r['host_gb']:>8.2f} {'-' if h is None else f'{100 * h:.1f}%':>7}")
+                   f"{r['host_gb']:>8.2f} {'-' if h is None else f'{100 * h:.1f}%':>7} "
+                   f"{'-' if v is None or r['mode'] == 'gpu-only' else f'{v:+.1f}%':>7}")
     return "\n".join(out)
 
 
 def plot(path: str, doc: dict) -> str:
-    """TPOT and tokens/s against concurrency per mode; gpu-only outside the budget hollow;
-    the budget's gpu-only maximum marked."""
+    """TPOT, tokens/s and TPOT over gpu-only's at the same concurrency (percent), against
+    concurrency per mode; gpu-only outside the budget hollow; the budget's gpu-only maximum
+    marked."""
     try:
         import matplotlib
 
@@ -106,11 +125,12 @@ def plot(path: str, doc: dict) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return f"png: not written ({path}): matplotlib is not installed"
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
     for ax, key, label in ((axes[0], "tpot_ms", "TPOT (ms per step)"),
-                           (axes[1], "tokens_per_s", "tokens/s")):
+                           (axes[1], "tokens_per_s", "tokens/s"),
+                           (axes[2], "vs_gpu_only_pct", "TPOT over gpu-only's, same n (%)")):
         for mode in ("gpu-only", "resident", "sparse", "sparse-no-overlap"):
-            rs = [r for r in doc["rows"] if r["mode"] == mode]
+            rs = [r for r in doc["rows"] if r["mode"] == mode and r.get(key) is not None]
             if not rs:
                 continue
             line, = ax.plot([r["concurrency"] for r in rs], [r[key] for r in rs], "-",
@@ -222,14 +242,16 @@ def run_sweep(cfg: Config, *, gpu_budget_gb: float, host_gb: float,
     finally:
         pool.close()
     hidden_share(rows)
+    against_gpu_only(rows)
     doc = document(cfg, rows, gpu_budget_gb=gpu_budget_gb, host_gb=host_gb, plan_rows=plans,
                    errors=errors, extra={"device": name, "topk_shape": shapes,
                                          "wall_s": round(time.perf_counter() - t0, 1)})
     print()
-    print(f"load sweep, context {cfg.context}: TPOT = mean step time after {cfg.warmup} "
+    mtp = f", {cfg.mtp} draft steps a step (acceptance not modelled)" if cfg.mtp > 1 else ""
+    print(f"load sweep, context {cfg.context}{mtp}: TPOT = mean step time after {cfg.warmup} "
           f"warm-up steps ({cfg.steps} timed, CUDA events); tokens/s = n / TPOT; GPU GB = "
           f"the KV and indexer keys on the GPU; gpu-only outside the budget (fits no) is the "
-          f"reference at the same batch")
+          f"reference at the same batch; vs g-o = TPOT over gpu-only's at the same n")
     print(table(doc))
     if cfg.json:
         Path(cfg.json).parent.mkdir(parents=True, exist_ok=True)
