@@ -200,3 +200,41 @@ def test_the_demo_model_compiles():
     for name in Kernels._NAMES:  # every kernel the Model loads is defined there
         decl = rf'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+{name}\('
         assert re.search(decl, src), name
+
+
+def test_what_compiled_is_kept_across_processes_and_a_failure_never(tmp_path, monkeypatch):
+    """compile_check's cache (``compile_cache_dir``): a compile that succeeded is read back by
+    a later process (the per-process memo cleared stands for one) instead of compiled again,
+    keyed by the sources, options, instances, arch and NVRTC's version; a failed compile is
+    not recorded; ``HISPARSE_CUPY_COMPILE_CACHE=0`` keeps nothing."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC's version is part of the key")
+    calls = []
+
+    def fake(file, names, arch):
+        calls.append((file, arch))
+        if file == "sums.cu" and arch == "sm_80":
+            raise build.CompileError("sums.cu (sm_80) does not compile: stand-in")
+        return 1000 + len(calls)
+
+    monkeypatch.setattr(build, "_nvrtc_compile", fake)
+    monkeypatch.setattr(build, "_COMPILED", {})
+    monkeypatch.setenv("HISPARSE_CUPY_COMPILE_CACHE", str(tmp_path / "c"))
+    assert build.compile_cache_dir() == tmp_path / "c"
+    first = build.compile_check(archs=("sm_90",), files=("plan.cu", "sums.cu"))
+    assert sorted(calls) == [("plan.cu", "sm_90"), ("sums.cu", "sm_90")]
+    monkeypatch.setattr(build, "_COMPILED", {})  # another process
+    assert build.compile_check(archs=("sm_90",), files=("plan.cu", "sums.cu")) == first
+    assert len(calls) == 2  # read back, not compiled
+    assert len(list((tmp_path / "c").glob("*.size"))) == 2
+    for _ in range(2):  # a failure: raised each time, never recorded
+        with pytest.raises(build.CompileError, match="stand-in"):
+            build.compile_check(archs=("sm_80",), files=("sums.cu",))
+    assert calls[2:] == [("sums.cu", "sm_80")] * 2
+    monkeypatch.setattr(build, "_COMPILED", {})
+    build.compile_check(archs=("sm_90",), files=("plan.cu",))
+    assert len(calls) == 4  # the same key: still read back
+    monkeypatch.setenv("HISPARSE_CUPY_COMPILE_CACHE", "0")
+    monkeypatch.setattr(build, "_COMPILED", {})
+    assert build.compile_cache_dir() is None
+    build.compile_check(archs=("sm_90",), files=("plan.cu",))
+    assert calls[-1] == ("plan.cu", "sm_90") and len(calls) == 5

@@ -271,10 +271,60 @@ def compile_check(archs: tuple[str, ...] = ("sm_80", "sm_90"), progress=None,
 _COMPILED: dict[tuple, int] = {}  # (sources' digest, options, file, names, arch) -> cubin size
 
 
+def compile_cache_dir() -> Path | None:
+    """Where :func:`compile_check` keeps what compiled, across processes:
+    ``$HISPARSE_CUPY_COMPILE_CACHE`` (``0``: nowhere), else ``$XDG_CACHE_HOME`` or
+    ``~/.cache``, ``hisparse_cupy/nvrtc``."""
+    env = os.environ.get("HISPARSE_CUPY_COMPILE_CACHE")
+    if env == "0":
+        return None
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hisparse_cupy" / "nvrtc"
+
+
 def _compiled(key: tuple, file: str, names: tuple[str, ...], arch: str) -> int:
-    """:func:`_nvrtc_compile`, once per process for the same sources and options."""
+    """:func:`_nvrtc_compile`, once per process for the same sources and options, and once
+    per machine: a compile that succeeded is recorded in :func:`compile_cache_dir` under a
+    digest of every source, the options, the instances, the arch and NVRTC's version (a
+    source edited, another NVRTC: compiled anew), and two processes that want the same one
+    take turns (a lock file), so the second reads what the first wrote. A failed compile is
+    never recorded."""
     full = (*key, file, names, arch)
     n = _COMPILED.get(full)
     if n is None:
-        n = _COMPILED[full] = _nvrtc_compile(file, names, arch)
+        n = _COMPILED[full] = _disk_cached(full, lambda: _nvrtc_compile(file, names, arch))
     return n
+
+
+def _disk_cached(full: tuple, compile_one) -> int:
+    d = compile_cache_dir()
+    try:
+        from cuda.bindings import nvrtc
+
+        version = nvrtc.nvrtcVersion()[1:]
+    except ImportError:  # (compile_one raises the error that names the missing package)
+        d = None
+    try:
+        import fcntl
+    except ImportError:  # (no POSIX file locks: compile, record nothing)
+        d = None
+    if d is None:
+        return compile_one()
+    name = hashlib.sha256(repr((full, version)).encode()).hexdigest()[:32]
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        lock = open(d / f"{name}.lock", "w")  # noqa: SIM115 (held across the compile)
+    except OSError:  # an unwritable cache: compile, record nothing
+        return compile_one()
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = d / f"{name}.size"
+        if done.is_file():
+            return int(done.read_text())
+        n = compile_one()
+        tmp = d / f"{name}.{os.getpid()}.tmp"
+        tmp.write_text(str(n))
+        tmp.replace(done)
+        return n
