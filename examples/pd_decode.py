@@ -75,10 +75,7 @@ def prefill(argv, gpu: bool, tickets, results) -> None:
         if gpu:
             import cupy
 
-            from hisparse_cupy.demo._args import from_args
-            from hisparse_cupy.demo._config import ROW_BYTES
-            from hisparse_cupy.demo._loop import prompt_kv
-            from hisparse_cupy.demo._model import Kernels
+            from hisparse_cupy.demo import ROW_BYTES, Kernels, from_args, prompt_kv
 
             cfg, k, s = from_args(argv), Kernels(), cupy.cuda.Stream(non_blocking=True)
             with s:
@@ -93,7 +90,7 @@ def prefill(argv, gpu: bool, tickets, results) -> None:
                 s.synchronize()
                 return buf[:, :t["n_tokens"]]
         else:
-            from hisparse_cupy.demo._cpu import kv_rows
+            from hisparse_cupy.demo import kv_rows
 
             def make(t):
                 n, r = t["n_tokens"], t["req_id"]
@@ -199,15 +196,24 @@ class GpuAdmission:
         self.rec.close()
 
 
+def _have_gpu() -> bool:
+    """Whether CuPy imports and sees a CUDA device."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device: the NumPy backend
+        return False
+
+
 def main(argv=None) -> int:
-    from hisparse_cupy._device import cupy_or_why
-    from hisparse_cupy.demo._args import cpu_config, from_args
+    from hisparse_cupy.demo import cpu_config, from_args
     from hisparse_cupy.pd import nixl_api
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(own_help())  # then the decode loop's flags, from its parser (which exits)
-    cpu = "--cpu" in argv or isinstance(cupy_or_why(), str)
+    cpu = "--cpu" in argv or not _have_gpu()
     shared = "--shared-pool" in argv
     argv = [a for a in argv if a != "--cpu"]
     if shared and cpu:
@@ -227,14 +233,12 @@ def main(argv=None) -> int:
         raise SystemExit("pd_decode: --shared-prefix is the local admission's (forks of "
                          "request 0); every prompt here arrives whole")
     if cpu:
-        from hisparse_cupy.demo._cpu import run
+        from hisparse_cupy.demo import run_cpu
 
-        run(cfg, admit=lambda *a: admit_over_nixl(*a, argv=argv))
+        run_cpu(model_argv, admit=lambda *a: admit_over_nixl(*a, argv=argv))
         return 0
-    from hisparse_cupy.demo import run_gpu
-    from hisparse_cupy.demo._config import ROW_BYTES
-    from hisparse_cupy.demo._loop import Rig
-    from hisparse_cupy.host._pool import HostKVPool
+    from hisparse_cupy import HostKVPool
+    from hisparse_cupy.demo import ROW_BYTES, Rig, run_gpu
 
     if cfg.warmup < 1:
         raise SystemExit("pd_decode: the GPU decode loop needs --warmup >= 1")

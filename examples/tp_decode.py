@@ -211,10 +211,7 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str =
     import torch.distributed as dist
 
     from hisparse_cupy import HostKVPool
-    from hisparse_cupy.demo import describe, report_results, run_modes
-    from hisparse_cupy.demo._args import from_args
-    from hisparse_cupy.demo._config import ROW_BYTES
-    from hisparse_cupy.demo._loop import Rig
+    from hisparse_cupy.demo import ROW_BYTES, Rig, describe, from_args, report_results, run_modes
     from hisparse_cupy.interop import to_torch
 
     gpu = rank % (gpus or world)
@@ -337,7 +334,7 @@ def main() -> int:
     if args.help:
         print(__doc__)
         ap.print_help()
-        from hisparse_cupy.demo._args import parser
+        from hisparse_cupy.demo import parser
 
         parser().print_help()
         return 0

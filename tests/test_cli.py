@@ -259,7 +259,7 @@ def test_check_prints_a_line_as_each_kernel_source_compiles(monkeypatch, capfd):
     from hisparse_cupy.demo import _cpu
 
     monkeypatch.setattr(build, "_compiled", lambda key, file, names, arch: 1000)
-    monkeypatch.setattr(_cpu, "run", lambda cfg: {"self_check": "passed"})
+    monkeypatch.setattr(_cpu, "run", lambda cfg, admit=None: {"self_check": "passed"})
     assert _cli.main(["check", "--json"]) == 0
     out, err = capfd.readouterr()
     assert json.loads(out)["ok"] is True  # stdout: the one object

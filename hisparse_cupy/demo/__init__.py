@@ -35,6 +35,12 @@ always-sparse under one GPU budget, each offloaded run self-checked.
 
 Without a CUDA device it runs the same algorithm on the NumPy reference backend, small, and
 says so in its first line (:mod:`hisparse_cupy.demo._cpu`).
+
+Building on the loop (``examples/tp_decode.py``, ``examples/pd_decode.py``): its flags
+(:func:`parser`, :func:`from_args`, :func:`cpu_config`), its rows (:data:`ROW_BYTES`), the rig
+that owns its model, cache and indexer (:class:`Rig`, imported on first use), the prompts' KV
+its model writes (:func:`prompt_kv` with the model's :class:`Kernels`; :func:`kv_rows` on the
+NumPy backend) and the runs (:func:`run_gpu`, :func:`run_cpu`, :func:`run_modes`).
 """
 
 from __future__ import annotations
@@ -44,11 +50,20 @@ import time
 
 from .._cli.usage import FAILED, OK, USAGE, UsageError
 from .._device import cupy_or_why
-from ._args import cpu_config, from_args
-from ._config import Config, host_memory_bytes
+from .._lazy import lazy
+from ._args import cpu_config, from_args, parser
+from ._config import ROW_BYTES, Config, host_memory_bytes
 
-__all__ = ["Config", "describe", "main", "partition", "report_results", "run_cpu", "run_gpu",
-           "run_modes"]
+# imported on first use (they need CuPy, or are the NumPy backend's)
+_LAZY = {"Rig": "_loop", "prompt_kv": "_loop", "Kernels": "_model", "kv_rows": "_cpu"}
+__all__ = ["ROW_BYTES", "Config", "Kernels", "Rig", "cpu_config", "describe", "from_args",
+           "kv_rows", "main", "parser", "partition", "prompt_kv", "report_results", "run_cpu",
+           "run_gpu", "run_modes"]
+__getattr__, _dir = lazy(__name__, _LAZY)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(_dir()) | set(__all__))
 
 
 def describe(cfg: Config) -> str | None:
@@ -190,13 +205,15 @@ def run_gpu(cfg: Config, admission=None, pool=None) -> int:
         + (f"drift {100 * cfg.new_share:g}% new/step" if cfg.topk_model == "drift" else "lru"))
 
 
-def run_cpu(argv=None) -> dict:
+def run_cpu(argv=None, *, admit=None) -> dict:
     """The decode loop on the NumPy reference backend (no GPU): the configuration of ``argv``
     (the flags given, small values for the others; :class:`UsageError` naming a flag it cannot
-    honour), run and self-checked (a mismatch raises); its results."""
-    from ._cpu import run
+    honour), run and self-checked (a mismatch raises); its results. ``admit``: how the
+    prompts' KV gets into the pool (default: written locally; ``demo._cpu.admit_local``'s
+    signature and duties)."""
+    from ._cpu import admit_local, run
 
-    return run(cpu_config(argv))
+    return run(cpu_config(argv), admit=admit or admit_local)
 
 
 def main(argv=None) -> int:
