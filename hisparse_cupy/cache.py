@@ -497,8 +497,7 @@ class HotBufferCache:
         queued. The step holds no device memory of its own; create one per decode step.
         """
         s = self.order(stream)
-        if not s.is_capturing():
-            self.residency.switch_promoted(s)
+        self.residency.on_step(s)  # (promotions that landed switched, outside a capture)
         return Step(self, req_indices, seq_lens, num_real, stream=s, pdl=pdl,
                     prefetcher=prefetcher, lean=self.residency.lean_step(lean))
 

@@ -58,6 +58,7 @@ def test_without_a_budget_nothing_is_resident_and_every_move_refuses():
         r.on_admit(0, 10, True, None)
     r.on_grow(0, 20, None, check=True)
     r.on_release(0, None)
+    r.on_step(None)  # (no capture query: nothing to switch)
 
 
 def test_the_moves_left_the_cache_with_a_pointer_to_where_they_went():

@@ -163,6 +163,10 @@ class Residency:
     def on_release(self, rid: int, stream) -> None:
         """``rid``'s pages and block back to the budget (a no-op for a slot it never held)."""
 
+    def on_step(self, stream) -> None:
+        """A step begins on ``stream``: outside a graph capture, the promotions that landed
+        switch (:meth:`switch_promoted`). Nothing without a budget (no capture query)."""
+
     def _rid(self, rid) -> int:
         return _checks.integer("rid", rid, 0, self._R - 1)
 
@@ -270,6 +274,10 @@ class _Budgeted(Residency):
         if self._arena.is_resident(rid):
             load_rows(self._pool, rows, self._device,
                       self._arena.rows(rid, start, start + len(rows)), stream)
+
+    def on_step(self, stream) -> None:
+        if not stream.is_capturing():
+            self.switch_promoted(stream)
 
     def on_release(self, rid: int, stream) -> None:
         if rid in self.budget:
