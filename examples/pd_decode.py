@@ -75,11 +75,11 @@ def prefill(argv, gpu: bool, tickets, results) -> None:
         if gpu:
             import cupy
 
-            from hisparse_cupy.demo import ROW_BYTES, Kernels, from_args, prompt_kv
+            from hisparse_cupy.demo import Kernels, from_args, prompt_kv
 
             cfg, k, s = from_args(argv), Kernels(), cupy.cuda.Stream(non_blocking=True)
             with s:
-                buf = cupy.empty((cfg.layers, cfg.context, ROW_BYTES), cupy.uint8)
+                buf = cupy.empty((cfg.layers, cfg.context, cfg.row_bytes), cupy.uint8)
                 req = cupy.empty(1, cupy.int32)
             tx.register(buf)  # the engine's KV buffer, registered once
 
@@ -238,11 +238,11 @@ def main(argv=None) -> int:
         run_cpu(model_argv, admit=lambda *a: admit_over_nixl(*a, argv=argv))
         return 0
     from hisparse_cupy import HostKVPool
-    from hisparse_cupy.demo import ROW_BYTES, Rig, run_gpu
+    from hisparse_cupy.demo import Rig, run_gpu
 
     if cfg.warmup < 1:
         raise SystemExit("pd_decode: the GPU decode loop needs --warmup >= 1")
-    pool = HostKVPool(cfg.layers, Rig.paged_rows(cfg), ROW_BYTES,
+    pool = HostKVPool(cfg.layers, Rig.paged_rows(cfg), cfg.row_bytes,
                       shared_name=f"pd_decode_{os.getpid()}") if shared else None
     try:
         return run_gpu(cfg, admission=lambda rig: GpuAdmission(argv, rig), pool=pool)

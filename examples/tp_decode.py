@@ -211,7 +211,7 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str =
     import torch.distributed as dist
 
     from hisparse_cupy import HostKVPool
-    from hisparse_cupy.demo import ROW_BYTES, Rig, describe, from_args, report_results, run_modes
+    from hisparse_cupy.demo import Rig, describe, from_args, report_results, run_modes
     from hisparse_cupy.interop import to_torch
 
     gpu = rank % (gpus or world)
@@ -247,10 +247,10 @@ def worker(rank: int, world: int, argv: list[str], pool_name: str, writer: str =
     n_rows = Rig.paged_rows(cfg) if paged else cfg.batch * cfg.max_len
     t0 = time.perf_counter()
     if rank == 0:
-        pool = HostKVPool(cfg.layers, n_rows, ROW_BYTES, shared_name=pool_name)
+        pool = HostKVPool(cfg.layers, n_rows, cfg.row_bytes, shared_name=pool_name)
     dist.barrier()
     if rank:
-        pool = HostKVPool.attach(pool_name, cfg.layers, n_rows, ROW_BYTES)
+        pool = HostKVPool.attach(pool_name, cfg.layers, n_rows, cfg.row_bytes)
     t_pool = time.perf_counter() - t0
     fence = NewestRowFence(rank, world, f"{pool_name}-fence", s) if writer == "rank0" else None
     try:

@@ -1,5 +1,6 @@
 """GPU: the decode loop's cuBLAS matmul keeps its result when limited to fewer SMs; its
-indexer scores what the NumPy formula does."""
+indexer scores what the NumPy formula does; its attention reads FP8 and bf16 rows as the
+values their bytes hold."""
 
 from __future__ import annotations
 
@@ -113,3 +114,74 @@ def test_indexer_scores(rng):
     assert sc.shape == (2, 64) and ((sc >= 1 / 512) & (sc < 2 / 512)).all()
     kv = blk[:, :64 * 128]
     assert not np.array_equal(kv[0], kv[1]) and np.unique(kv).size > 200
+
+
+def _e4m3(b: np.ndarray) -> np.ndarray:
+    """e4m3 bytes as float64 (sign, 4 exponent bits of bias 7, 3 mantissa bits)."""
+    b = b.astype(np.int64)
+    e, m = (b >> 3) & 15, b & 7
+    v = np.where(e > 0, 2.0 ** (e - 7) * (1 + m / 8), m * 2.0 ** -9)
+    return np.where(b & 0x80, -v, v)
+
+
+@pytest.mark.parametrize("row", ["fp8", "bf16"])
+def test_the_attention_reads_each_row_format_as_its_values(rng, row):
+    """The decode loop's rows (``--row``) as ``model.cu`` writes them: FP8 rows are GLM-5.2's
+    656 bytes (512 e4m3 latent values, never NaN; four power-of-two float32 scales, one per
+    128; 64 bf16 RoPE values), bf16 rows 576 values; the attention (both parts) over rows of
+    either format equals NumPy's softmax attention over the values those bytes hold (read
+    here independently), selected rows and -1 entries alike."""
+    import cupy
+
+    from hisparse_cupy.demo._config import HEADS, ROW_FORMATS, V_VALUES
+    from hisparse_cupy.demo._model import ATT_SMEM, ATT_THREADS, Kernels
+
+    k, fp8, rb = Kernels(), row == "fp8", ROW_FORMATS[row]
+    n, K, Q = 96, 64, 2
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        rows = cupy.full((n, rb), 0xAB, cupy.uint8)  # poisoned: every byte must be written
+        reqs = cupy.asarray([3], cupy.int32)
+    k.kv_prefill((-(-n * (rb // 16) // 256), 1, 1), (256,),
+                 (rows, np.int64(rows.nbytes), reqs, np.int32(0), np.int32(n), np.int64(0),
+                  np.int32(0), np.int32(5), np.int32(fp8)), stream=s)
+    s.synchronize()
+    raw = cupy.asnumpy(rows)
+    if fp8:
+        lat, sc = raw[:, :512], raw[:, 512:528].copy().view(np.float32)
+        assert not ((lat & 0x7F) == 0x7F).any()  # no NaN
+        assert set(np.log2(sc).ravel().tolist()) <= {-9.0, -10.0, -11.0, -12.0}
+        vals = np.concatenate([_e4m3(lat) * np.repeat(sc, 128, axis=1),
+                               _f32(raw[:, 528:].copy().view(np.uint16))], axis=1)
+    else:
+        vals = _f32(raw.view(np.uint16)).astype(np.float64)
+    assert vals.shape == (n, 576) and np.isfinite(vals).all() and np.abs(vals).max() > 0
+    q = _bf16(rng.standard_normal((Q, HEADS * 576)))
+    locs = rng.choice(n, (Q, K), replace=True).astype(np.int32)
+    locs[:, ::7] = -1  # skipped entries
+    chunk, nsplit, temp = 16, K // 16, np.float32(4.0)
+    with s:
+        dq, dl = cupy.asarray(q), cupy.asarray(locs)
+        pm = cupy.empty(Q * nsplit * HEADS, cupy.float32)
+        pl = cupy.empty_like(pm)
+        pa = cupy.empty(Q * nsplit * HEADS * V_VALUES, cupy.float32)
+        out = cupy.full((Q, HEADS * V_VALUES), 0x7FC0, cupy.uint16)
+        digest = cupy.zeros(1, cupy.uint64)
+        step = cupy.zeros(1, cupy.int32)
+    k.attn_partial((nsplit, Q), (ATT_THREADS,),
+                   (dq, dl, np.int64(K), np.int64(0), np.int32(1), np.int32(K), np.int32(chunk),
+                    rows, temp, pm, pl, pa, np.int32(fp8)), shared_mem=ATT_SMEM, stream=s)
+    k.attn_combine((Q, HEADS), (V_VALUES,), (pm, pl, pa, np.int32(nsplit), out, digest, step,
+                                              np.int32(1), np.int32(0)), stream=s)
+    s.synchronize()
+    got = _f32(cupy.asnumpy(out)).reshape(Q, HEADS, V_VALUES)
+    for b in range(Q):
+        kv = vals[locs[b][locs[b] >= 0]]
+        for h in range(HEADS):
+            qh = _f32(q[b, h * 576:(h + 1) * 576]).astype(np.float64)
+            qh = qh * temp / np.sqrt((qh * qh).sum() + 1e-20)
+            sc = kv @ qh
+            p = np.exp(sc - sc.max())
+            want = (p / p.sum()) @ kv[:, :V_VALUES]
+            np.testing.assert_allclose(got[b, h], want, rtol=2e-2, atol=2e-3,
+                                       err_msg=f"{row} row {b} head {h}")

@@ -107,7 +107,7 @@ def test_reference_backend_honours_or_refuses_every_flag(tmp_path):
                          "--resident-layers": ["2"], "--replay-grid": ["8"],
                          "--replay-rows-per-warp": ["8"],
                          "--group-replay-batch": ["0"], "--device-budget": ["4"],
-                         "--resident-requests": ["1"]}.get(flag, []))
+                         "--resident-requests": ["1"], "--row": ["bf16"]}.get(flag, []))
         with pytest.raises(SystemExit, match=f"{flag} needs the GPU decode loop"):
             cpu_config(arg)
     assert cpu_config(["--mtp", "1"]).mtp == 1  # off: nothing to refuse
@@ -200,7 +200,8 @@ def test_config_memory_and_errors():
     # the defaults fit the issue's budget: <= 32 GB pinned, <= 40 GB on the GPU in all
     assert m["host_pinned"] <= 32e9
     assert m["gpu_resident"] + m["gpu_hot"] + m["gpu_model"] + m["gpu_indexer"] <= 40e9
-    assert m["host_pinned"] == 78 * 32 * (8192 + 220) * 1152
+    assert c.row_bytes == 656 and from_args(["--row", "bf16"]).row_bytes == 1152  # (FP8 default)
+    assert m["host_pinned"] == 78 * 32 * (8192 + 220) * 656
     # the indexer's key cache: 132 B a token of every full layer (21 of GLM-5.2's 78), every
     # request; its queries (64 x 128 int8) and scores (a float a token) per query row
     assert m["gpu_indexer"] == 21 * 32 * 8412 * 132 + 32 * (8192 + 4 * 8412)
@@ -256,12 +257,12 @@ def test_resident_layers_default_memory_and_refusals():
     assert from_args(["--topk-model", "drift"]).resident_layers == 0
     assert from_args(["--resident-layers", "0"]).resident_layers == 0
     assert from_args(["--pattern", "FSSFSSFFSS", "--layers", "10"]).resident_layers == 6
-    layer = 32 * (8192 + 220) * 1152
+    layer = 32 * (8192 + 220) * 656
     m0, m2 = from_args(["--resident-layers", "0"]).memory(), c.memory()
     assert m0["host_pinned"] == 78 * layer and m2["host_pinned"] == 76 * layer
     assert m2["gpu_resident"] == m0["gpu_resident"] == 78 * layer
-    assert m0["gpu_hot"] - m2["gpu_hot"] == 2 * 32 * (4096 + 64) * 1152 - 2 * layer
-    assert "with layers 0-1's 0.62 GB resident" in c.describe_memory()
+    assert m0["gpu_hot"] - m2["gpu_hot"] == 2 * 32 * (4096 + 64) * 656 - 2 * layer
+    assert "with layers 0-1's 0.35 GB resident" in c.describe_memory()
     assert Config().resident_layers == 0
     for kw in ({"pool": object()}, {"admission": lambda rig: None}):
         with pytest.raises(SystemExit, match="--resident-layers needs a host pool of the cach"):
@@ -562,7 +563,7 @@ def test_device_budget_rows_by_flag():
     longest and a block each other; auto: everyone resident while the free memory holds it,
     else what it holds, never less than a block each; GB over the cached layers; none."""
     from hisparse_cupy.demo._args import from_args
-    from hisparse_cupy.demo._config import AUTO_RESERVE, DEVICE_PAGE, ROW_BYTES
+    from hisparse_cupy.demo._config import AUTO_RESERVE, DEVICE_PAGE
     from hisparse_cupy.residency import DeviceBudget
 
     base = ["--batch", "4", "--context", "8192", "--steps", "10", "--warmup", "2"]
@@ -574,7 +575,7 @@ def test_device_budget_rows_by_flag():
         return DeviceBudget.rows_needed([cfg.max_len] * k, 4 - k, page_tokens=DEVICE_PAGE,
                                         block_rows=block)
 
-    L, row = 76, 76 * ROW_BYTES
+    L, row = 76, 76 * cfg.row_bytes
     assert from_args(base + ["--resident-requests", "1"]).budget_rows(L, 0) == rows(1)
     assert cfg.budget_rows(L, 10**15) == rows(4)  # auto, plenty free: all resident
     assert cfg.budget_rows(L, AUTO_RESERVE + rows(2) * row) == rows(2)

@@ -86,28 +86,29 @@ def test_bad_input_is_named():
 
 
 def test_the_demos_own_shape_at_128k():
-    """The decode loop as it runs (78 layers, 21 full, 1152-byte bf16 rows, its two resident
-    low layers): a 128k-token request needs 12.1 GB of GPU in gpu-only (KV and the indexer's
-    keys) and 11.5 GB of host pool, so a 40 GB budget fits 3 and 110 GB of host 9 (3x); the
-    gpu-only self-check of those 9 needs 106 GB of KV on the GPU, which an H200 holds. At
-    GLM-5.2's 656-byte rows: 16 requests in 110 GB of host, 107 GB for their check."""
+    """The decode loop as it runs (78 layers, 21 full, GLM-5.2's 656-byte FP8 rows, its two
+    resident low layers): a 128k-token request needs 6.9 GB of GPU in gpu-only (KV and the
+    indexer's keys) and 6.5 GB of host pool, so a 40 GB budget fits 5 and 110 GB of host 16
+    (3.2x); the gpu-only self-check of those 16 needs 107 GB of KV on the GPU, which an H200
+    holds. With --row bf16 (1152 bytes): 3 and 9, 106 GB for the check."""
     from hisparse_cupy.demo._args import from_args
-    from hisparse_cupy.demo._config import ROW_BYTES
 
     cfg = from_args(["--context", "131072", "--steps", "54", "--warmup", "10"])
     shape = sw.demo_shape(cfg)
-    assert (shape.layers, shape.full_layers, shape.row_bytes) == (78, 21, ROW_BYTES) == \
-        (78, 21, 1152)
+    assert (shape.layers, shape.full_layers, shape.row_bytes) == (78, 21, cfg.row_bytes) == \
+        (78, 21, 656)
     assert shape.resident_layers == cfg.resident_layers == 2
     T = 131072 + 64
     assert sw.gpu_only_max(131072, 64, gpu_budget_gb=40, shape=shape) == \
-        int(40e9 // (T * (78 * 1152 + 21 * 132))) == 3
-    assert sw.host_max(131072, 64, host_gb=110, shape=shape) == int(110e9 // (T * 76 * 1152)) \
-        == 9
-    assert 9 * T * 78 * 1152 / GB == pytest.approx(106.1, abs=0.1)
-    fp8 = sw.Shape(resident_layers=2)  # 656-byte rows
-    assert sw.host_max(131072, 64, host_gb=110, shape=fp8) == 16
+        int(40e9 // (T * (78 * 656 + 21 * 132))) == 5
+    assert sw.host_max(131072, 64, host_gb=110, shape=shape) == int(110e9 // (T * 76 * 656)) \
+        == 16
     assert 16 * T * 78 * 656 / GB == pytest.approx(107.4, abs=0.1)
+    bf16 = sw.demo_shape(from_args(["--context", "131072", "--row", "bf16"]))
+    assert bf16.row_bytes == 1152 and sw.Shape(resident_layers=2).row_bytes == 656
+    assert sw.gpu_only_max(131072, 64, gpu_budget_gb=40, shape=bf16) == 3
+    assert sw.host_max(131072, 64, host_gb=110, shape=bf16) == 9
+    assert 9 * T * 78 * 1152 / GB == pytest.approx(106.1, abs=0.1)
     assert shape.indexer_bytes == 132
     assert sw.demo_shape(from_args(["--no-indexer"])).indexer_bytes == 0
 
@@ -152,7 +153,7 @@ def test_rows_hidden_share_json_and_table():
     json.dumps(doc)  # plain JSON
     assert run.document(cfg, rows, gpu_budget_gb=40.0, host_gb=100.0, plan_rows=plans,
                         errors=["n 2: differs"], extra={})["self_check"] == "failed"
-    assert (doc["row_bytes"], doc["mtp"]) == (1152, 1)
+    assert (doc["row_bytes"], doc["mtp"]) == (656, 1)
     text = run.table(doc).splitlines()
     assert len(text) == 1 + len(rows) and "75.0%" in text[3]
     run.against_gpu_only(rows)  # each row beside gpu-only's TPOT at its n
@@ -267,7 +268,7 @@ def test_run_sweep_with_a_stand_in_rig(monkeypatch, tmp_path, capsys):
     doc = json.loads(js.read_text())
     assert doc["self_check"] == "passed" and "batch" not in doc["config"]
     rows = {(r["concurrency"], r["mode"]): r for r in doc["rows"]}
-    assert rows[(9, "resident")]["resident"] == plans[9].resident == 2
+    assert rows[(9, "resident")]["resident"] == plans[9].resident == 5  # (FP8 rows)
     assert rows[(9, "gpu-only")]["fits"] is False and rows[(1, "gpu-only")]["fits"] is True
     assert rows[(9, "sparse")]["tpot_ms"] == 19.0 and rows[(9, "sparse")]["tokens_per_s"] == \
         pytest.approx(9e3 / 19, abs=0.01)
@@ -277,5 +278,5 @@ def test_run_sweep_with_a_stand_in_rig(monkeypatch, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "SELF-CHECK FAILED" in out and "n 9: sparse graph: attention output of step 3, " \
         "layer 5 differs" in out
-    assert run.run_sweep(cfg, concurrencies=[10], **kw) == 2
-    assert "--concurrency 10 needs" in capsys.readouterr().out and len(pools) == 2
+    assert run.run_sweep(cfg, concurrencies=[17], **kw) == 2  # 110 GB hold 16 (FP8 rows)
+    assert "--concurrency 17 needs" in capsys.readouterr().out and len(pools) == 2

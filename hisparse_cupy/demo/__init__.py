@@ -5,12 +5,12 @@
     python -m hisparse_cupy demo --help           (every knob)
 
 A synthetic sparse-attention model with realistic shapes (GLM-5.2's 78 layers and IndexCache
-pattern, MLA rows of 576 bf16 values, 16 heads, K 2048, H 4096, the lightning indexer's cost on
-every full layer, an MLP stand-in sized by ``--model``: docs/design.md section 11) decodes a
-batch of long requests
-on top-k lists of a published shape (:mod:`hisparse_cupy.demo._topk_model`, their measured
-shape printed; ``--topk-model drift`` for the older drifting lists) in four modes, one after
-another on the same inputs:
+pattern, MLA rows of 576 values (GLM-5.2's 656-byte FP8 row, or bf16: ``--row``), 16 heads, K
+2048, H 4096, the lightning indexer's cost on every full layer, an MLP stand-in sized by
+``--model``: docs/design.md section 11) decodes a batch of long requests on top-k lists of a
+published shape (:mod:`hisparse_cupy.demo._topk_model`, their measured shape printed;
+``--topk-model drift`` for the older drifting lists) in four modes, one after another on the
+same inputs:
 
 - ``gpu-only``: every layer's KV resident on the GPU; the attention reads it directly;
 - ``offload``: the full KV in pinned host memory, a hot buffer per request and layer on the GPU,
@@ -37,10 +37,11 @@ Without a CUDA device it runs the same algorithm on the NumPy reference backend,
 says so in its first line (:mod:`hisparse_cupy.demo._cpu`).
 
 Building on the loop (``examples/tp_decode.py``, ``examples/pd_decode.py``): its flags
-(:func:`parser`, :func:`from_args`, :func:`cpu_config`), its rows (:data:`ROW_BYTES`), the rig
-that owns its model, cache and indexer (:class:`Rig`, imported on first use), the prompts' KV
-its model writes (:func:`prompt_kv` with the model's :class:`Kernels`; :func:`kv_rows` on the
-NumPy backend) and the runs (:func:`run_gpu`, :func:`run_cpu`, :func:`run_modes`).
+(:func:`parser`, :func:`from_args`, :func:`cpu_config`; a row's bytes: ``Config.row_bytes``),
+the rig that owns its model, cache and indexer (:class:`Rig`, imported on first use), the
+prompts' KV its model writes (:func:`prompt_kv` with the model's :class:`Kernels`;
+:func:`kv_rows` on the NumPy backend) and the runs (:func:`run_gpu`, :func:`run_cpu`,
+:func:`run_modes`).
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ from .._cli.usage import FAILED, OK, USAGE, UsageError
 from .._device import cupy_or_why
 from .._lazy import lazy
 from ._args import cpu_config, from_args, parser
-from ._config import ROW_BYTES, Config, host_memory_bytes
+from ._config import Config, host_memory_bytes
 
 # imported on first use (they need CuPy, or are the NumPy backend's)
 _LAZY = {"Rig": "_loop", "prompt_kv": "_loop", "Kernels": "_model", "kv_rows": "_cpu"}
-__all__ = ["ROW_BYTES", "Config", "Kernels", "Rig", "cpu_config", "describe", "from_args",
+__all__ = ["Config", "Kernels", "Rig", "cpu_config", "describe", "from_args",
            "kv_rows", "main", "parser", "partition", "prompt_kv", "report_results", "run_cpu",
            "run_gpu", "run_modes"]
 __getattr__, _dir = lazy(__name__, _LAZY)
@@ -74,7 +75,8 @@ def describe(cfg: Config) -> str | None:
     n_full = len(cfg.pattern_obj().full_layers)
     print(f"hisparse_cupy decode loop on {name}: {cfg.layers} layers ({n_full} full, "
           f"{cfg.layers - n_full} shared), batch {cfg.batch}, context {cfg.context}, K "
-          f"{cfg.top_k}, H {cfg.hot}, rows of 576 bf16 values (1152 B), 16 heads, top-k "
+          f"{cfg.top_k}, H {cfg.hot}, rows of 576 values ({cfg.row}, {cfg.row_bytes} B), 16 "
+          f"heads, top-k "
           + (f"drift ({100 * cfg.new_share:g}% new tokens per step)" if cfg.topk_model ==
              "drift" else "lru streams (demo.topk_model)")
           + (f", MTP {cfg.mtp} draft steps (multi-step swap)" if cfg.mtp > 1 else "")

@@ -16,6 +16,7 @@ from ._config import (
     MODELS,
     MODES,
     REPLAY_ROWS_PER_WARP,
+    ROW_FORMATS,
     Config,
     auto_resident,
 )
@@ -144,6 +145,9 @@ def parser(full: bool = False) -> argparse.ArgumentParser:
       help="the layer matmuls: cuBLAS called directly (default) or torch.matmul on the step's "
            "stream (what an engine written in PyTorch runs; needs torch)")
     a = group("modes and execution", common=False)
+    a("--row", choices=sorted(ROW_FORMATS), default=d.row,
+      help="the cached KV rows: fp8, GLM-5.2's (656 B: 512 e4m3 latent values, 4 float32 "
+           "scales, 64 bf16 RoPE values), or bf16 (576 values, 1152 B)")
     a("--mtp", type=int, default=d.mtp,
       help="draft steps per swap (2-4: multi-step swap; on the lru streams a call's drafts are "
            "consecutive draws of each full layer's stream)")
@@ -195,10 +199,10 @@ def parser(full: bool = False) -> argparse.ArgumentParser:
     add_arguments(group("load sweep (--sweep; docs/design.md section 11)", common=False))
     ap.description = _fill(
         "A decode loop over a hierarchical sparse KV cache: a synthetic sparse-attention model "
-        "(MLA rows of 576 bf16 values, 16 heads) run GPU-only, offloaded, offloaded with "
-        "IndexCache overlap, and with overlap and prediction; the offloaded modes must "
-        "reproduce the GPU-only attention outputs bit for bit. By default each step is a CUDA "
-        "graph.")
+        "(MLA rows of 576 values, FP8 as GLM-5.2 caches them or bf16; 16 heads) run GPU-only, "
+        "offloaded, offloaded with IndexCache overlap, and with overlap and prediction; the "
+        "offloaded modes must reproduce the GPU-only attention outputs bit for bit. By default "
+        "each step is a CUDA graph.")
     more = ["more options (--help-all describes them):"] + [
         _fill(f"  {title}: {' '.join(flags)}", "    ") for title, flags in hidden.items()]
     cpu = _fill("Without a GPU the same algorithm runs on the NumPy reference backend: flags "
@@ -290,7 +294,8 @@ def from_args(argv=None, *, check: bool = True) -> Config:
                  model=ns.model if ns.hidden is None else "custom",
                  hidden=MODELS[ns.model] if ns.hidden is None else ns.hidden,
                  indexer=ns.indexer,
-                 mtp=ns.mtp, modes=modes, seed=Config.seed if ns.seed is None else ns.seed,
+                 mtp=ns.mtp, row=ns.row, modes=modes,
+                 seed=Config.seed if ns.seed is None else ns.seed,
                  side_sms=side, replay_grid=ns.replay_grid,
                  replay_rows_per_warp=ns.replay_rows_per_warp,
                  group_replay_batch=ns.group_replay_batch, predict_rule=ns.predict_rule,

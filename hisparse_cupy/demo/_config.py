@@ -9,7 +9,9 @@ import os
 from .._cli.usage import UsageError
 
 ROW_VALUES, V_VALUES, HEADS = 576, 512, 16  # an MLA row: latent (512, the value) + rope (64)
-ROW_BYTES = 2 * ROW_VALUES  # bf16
+# --row: a cached row's bytes. fp8: GLM-5.2's (512 e4m3 latent values, 4 float32 scales, one
+# per 128 of them, 64 bf16 RoPE values); bf16: 576 bf16 values (model.cu says how each is read)
+ROW_FORMATS = {"fp8": 512 + 4 * 4 + 2 * 64, "bf16": 2 * ROW_VALUES}
 PAGE_TOKENS = 64  # tokens per page of the host pool (both backends)
 GB = 1e9
 DEVICE_PAGE = 64  # tokens a device page of the budget holds (--device-budget, --resident-requests)
@@ -33,6 +35,7 @@ class Config:
     new_share: float = 0.05  # share of each top-k replaced per step (drift model)
     topk_model: str = "lru"  # demo.topk_model's streams, or "drift"
     seed: int = 0  # the lru streams' generator
+    row: str = "fp8"  # the cached rows' format (ROW_FORMATS)
     step_overlap: float | None = None  # lru: the curve's H = K point (None: the curve's own)
     layer_overlap: float | None = None  # lru (None: 0.8)
     recent: int = 8  # newest tokens always selected
@@ -89,6 +92,8 @@ class Config:
                 raise UsageError(f"demo: {msg}")
 
         need(self.layers >= 1, f"--layers must be >= 1, got {self.layers}")
+        need(self.row in ROW_FORMATS, f"--row must be one of {sorted(ROW_FORMATS)}, got "
+                                      f"{self.row!r}")
         need(self.hidden >= 64 and self.hidden % 64 == 0,
              f"--hidden must be a multiple of 64, >= 64, got {self.hidden}")
         need(self.model == "custom" or MODELS.get(self.model) == self.hidden,
@@ -170,12 +175,22 @@ class Config:
             return DeviceBudget.rows_needed([self.max_len] * k, self.batch - k,
                                             page_tokens=DEVICE_PAGE, block_rows=block)
 
-        row = cached_layers * ROW_BYTES  # a row in every cached layer
+        row = cached_layers * self.row_bytes  # a row in every cached layer
         if self.resident_requests is not None:
             return rows(self.resident_requests)
         if self.device_budget == "auto":
             return max(rows(0), min(rows(self.batch), (free_bytes - AUTO_RESERVE) // row))
         return None if self.device_budget is None else int(self.device_budget * GB) // row
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's cached row in one layer (:data:`ROW_FORMATS`)."""
+        return ROW_FORMATS[self.row]
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the rows are FP8 (``model.cu``'s ``fp8`` argument)."""
+        return self.row == "fp8"
 
     def scratch(self) -> int:
         from .._abi import default_scratch
@@ -185,8 +200,8 @@ class Config:
     def memory(self) -> dict[str, float]:
         """Bytes each part needs (before allocating)."""
         L, B, R = self.layers, self.batch, self.resident_layers
-        layer = B * self.max_len * ROW_BYTES  # one layer's KV, every request
-        hot = (L - R) * B * (self.hot + self.extra_page + self.scratch()) * ROW_BYTES
+        layer = B * self.max_len * self.row_bytes  # one layer's KV, every request
+        hot = (L - R) * B * (self.hot + self.extra_page + self.scratch()) * self.row_bytes
         Q = self.queries
         model = 2 * (HEADS * V_VALUES * self.hidden + self.hidden * HEADS * ROW_VALUES) + \
             Q * 2 * (self.hidden + HEADS * ROW_VALUES + HEADS * V_VALUES) + \
@@ -251,7 +266,8 @@ CPU_DEFAULTS = {"layers": 8, "batch": 2, "context": 1536, "steps": 12, "warmup":
 CPU_REFUSED = ("--mtp", "--mode", "--graph", "--eager-and-graph", "--png", "--hidden",
                "--model", "--side-sms", "--predict-rule", "--predict-at", "--matmul",
                "--resident-layers", "--replay-grid", "--replay-rows-per-warp",
-               "--group-replay-batch", "--device-budget", "--resident-requests", "--sweep")
+               "--group-replay-batch", "--device-budget", "--resident-requests", "--sweep",
+               "--row")
 # (accepted: what the NumPy backend runs, e.g. --mtp 1, --eager, --no-lean, --device-budget 0)
 
 

@@ -23,7 +23,7 @@ from .._abi import LC_MISSES
 from .._cli.usage import UsageError
 from ..cache import HotBufferCache
 from ..streams import Prefetcher
-from ._config import DEVICE_PAGE, PAGE_TOKENS, ROW_BYTES, Config
+from ._config import DEVICE_PAGE, PAGE_TOKENS, Config
 from ._model import Indexer, Kernels, Model
 
 
@@ -60,10 +60,11 @@ def prompt_kv(k: Kernels, cfg: Config, base: int, layer_bytes: int, reqs, stream
     apart): request ``reqs[i]``'s row of position ``p`` at row ``i * req_rows + p - p0`` of
     each layer."""
     layers = range(cfg.layers) if layers is None else layers
-    grid = (-(-(cfg.context - p0) * 72 // 256), reqs.size, len(layers))
+    grid = (-(-(cfg.context - p0) * (cfg.row_bytes // 16) // 256), reqs.size, len(layers))
     k.kv_prefill(grid, (256,), (cupy.uint64(base), np.int64(layer_bytes), reqs, np.int32(p0),
                                 np.int32(cfg.context), np.int64(req_rows),
-                                np.int32(cfg.shared_prefix), np.int32(layers.start)),
+                                np.int32(cfg.shared_prefix), np.int32(layers.start),
+                                np.int32(cfg.fp8)),
                  stream=stream)
 
 
@@ -115,7 +116,7 @@ class Rig:
             self.model = Model(self.k, queries=cfg.queries, top_k=cfg.top_k, hidden=cfg.hidden,
                                n_layers=cfg.layers, stream=stream, tp=tp,
                                sms=None if partition is None else partition.main_sms,
-                               matmul=cfg.matmul)
+                               matmul=cfg.matmul, fp8=cfg.fp8)
             B, S, K = cfg.batch, cfg.mtp, cfg.top_k
             self.indexer = Indexer(self.k, n_full=len(self.pattern.full_layers), slots=B,
                                    max_len=cfg.max_len, queries=cfg.queries, drafts=S,
@@ -207,7 +208,7 @@ class Rig:
                                        for b in range(c.batch)])
         if self.kv_buf is None:
             with s:
-                self.kv_buf = cupy.empty((len(self.cached), c.context, ROW_BYTES), cupy.uint8)
+                self.kv_buf = cupy.empty((len(self.cached), c.context, c.row_bytes), cupy.uint8)
         buf, N = self.kv_buf, c.shared_prefix
         t0 = cupy.cuda.Event()
         t0.record(s)
@@ -247,7 +248,7 @@ class Rig:
         b = self.cache.residency.budget
         if b is not None:
             st = [b.state(r) for r in rids]
-            gb = b.n_rows * len(self.cached) * ROW_BYTES / 1e9
+            gb = b.n_rows * len(self.cached) * self.cfg.row_bytes / 1e9
             self.log(f"device budget: {b.n_rows} rows a layer ({gb:.2f} GB)"
                      f", {st.count('resident')} of {len(rids)} requests resident")
         return rids
@@ -282,12 +283,12 @@ class Rig:
                 {"page_tokens": PAGE_TOKENS, "pool_rows": self.paged_rows(c)}
             # rows per cached layer; auto: what the free memory holds past the resident
             # layers' KV (made after the cache)
-            free = cupy.cuda.runtime.memGetInfo()[0] - self.R * c.batch * c.max_len * ROW_BYTES
+            free = cupy.cuda.runtime.memGetInfo()[0] - self.R * c.batch * c.max_len * c.row_bytes
             rows = c.budget_rows(len(self.cached), free)
             if rows is not None:
                 paged.update(device_budget=rows, device_page=DEVICE_PAGE)
             self.cache = HotBufferCache(n_layers=len(self.cached), max_requests=c.batch,
-                                        max_len=c.max_len, row_bytes=ROW_BYTES, hot_size=c.hot,
+                                        max_len=c.max_len, row_bytes=c.row_bytes, hot_size=c.hot,
                                         top_k=c.top_k, extra_page=c.extra_page,
                                         max_steps=c.mtp, pool=self.pool, **paged)
             t1 = time.perf_counter()
@@ -325,7 +326,7 @@ class Rig:
         """Layers ``0..n-1``' KV on the GPU in the slot layout, every prompt written."""
         c = self.cfg
         with self.s:
-            kv = cupy.empty((n, c.batch * c.max_len, ROW_BYTES), cupy.uint8)
+            kv = cupy.empty((n, c.batch * c.max_len, c.row_bytes), cupy.uint8)
         self._prefill(kv.data.ptr, kv[0].nbytes, layers=range(n))
         self.s.synchronize()
         return kv
@@ -378,7 +379,8 @@ class Rig:
         if res is not None:
             k.kv_newest((B, res.shape[0]), (96,), (res, np.int64(res[0].nbytes), self.req,
                                                    self.lens, cupy.uint64(0),
-                                                   np.int32(c.max_len), np.int32(0)), stream=s)
+                                                   np.int32(c.max_len), np.int32(0),
+                                                   np.int32(c.fp8)), stream=s)
         if not gpu_only:
             cache = self.cache
             st = cache.begin_step(self.req, self.lens, stream=s, prefetcher=self.pf,
@@ -387,7 +389,7 @@ class Rig:
             rows = st.newest_rows()  # the model writes this step's KV there
             k.kv_newest((B, len(self.cached)), (96,),
                         (cache.device, np.int64(cache.device[0].nbytes), self.req, self.lens,
-                         rows, np.int32(c.max_len), np.int32(R)), stream=s)
+                         rows, np.int32(c.max_len), np.int32(R), np.int32(c.fp8)), stream=s)
             self.backup(st)  # before any later swap that may select these tokens
         m.start(self.step_ctr)
         if self.indexer is not None:

@@ -3,8 +3,9 @@ buffers; the matmuls run on :class:`hisparse_cupy.demo._compute.Gemm` (its fallb
 ``model.cu``'s ``gemm_bf16``).
 
 Per layer the model does what a sparse-attention (MLA + DSA-like) decoder layer costs: a sparse
-attention over the K selected KV rows of every query row (16 heads, 576-value bf16 rows, softmax
-of q.k, weighted sum of the 512-value latents; split over the rows flash-decoding style), then
+attention over the K selected KV rows of every query row (16 heads, 576-value rows: GLM-5.2's
+FP8 row, its e4m3 latent values times their scales, or bf16; softmax of q.k, weighted sum of
+the 512-value latents; split over the rows flash-decoding style), then
 two bf16 matmuls on cuBLAS (the output projection into the hidden state, and the next layer's
 query projection): the MLP stand-in, whose weights every step streams as a real step streams
 its experts' (``--model``: their size). On every full layer the :class:`Indexer` first scores
@@ -54,13 +55,15 @@ class Model:
     ``sms``: the SMs the step's stream may use (an SM partition's main group; default every
     SM of the device): the attention is split for them and the matmuls' cuBLAS SM-count target
     set to them (the fallback matmul kernel has none). ``matmul``: ``"cublas"`` (:class:`Gemm`)
-    or ``"torch"`` (:class:`~hisparse_cupy.demo._compute.TorchGemm`).
+    or ``"torch"`` (:class:`~hisparse_cupy.demo._compute.TorchGemm`). ``fp8``: the rows are
+    GLM-5.2's FP8 rows (656 bytes), else bf16 (1152 bytes).
     """
 
     def __init__(self, kernels: Kernels, *, queries: int, top_k: int, hidden: int,
                  n_layers: int, stream: cupy.cuda.Stream, temperature: float = 4.0, tp=None,
-                 sms: int | None = None, matmul: str = "cublas"):
+                 sms: int | None = None, matmul: str = "cublas", fp8: bool = True):
         self.k, self.Q, self.K, self.D, self.L = kernels, queries, top_k, hidden, n_layers
+        self.fp8 = np.int32(bool(fp8))  # the rows' format (model.cu)
         self.s = stream
         self.gemm = TorchGemm() if matmul == "torch" else Gemm(kernels)
         self.temp = np.float32(temperature)
@@ -111,14 +114,16 @@ class Model:
     def layer(self, locs: cupy.ndarray, rows: cupy.ndarray, layer: int, digest: cupy.ndarray,
               step_ctr: cupy.ndarray, last: bool) -> None:
         """Attention of every query row over its rows ``locs`` ([B, K] or [B, S, K]) of
-        ``rows`` (uint8 [D, 1152]), its output folded into ``digest``; then the matmuls."""
+        ``rows`` (uint8 [D, row bytes]: FP8 or bf16, as ``fp8`` said), its output folded into
+        ``digest``; then the matmuls."""
         S = 1 if locs.ndim == 2 else locs.shape[1]
         ld_b = locs.strides[0] // 4
         ld_s = 0 if locs.ndim == 2 else locs.strides[1] // 4
         self.k.attn_partial(
             (self.nsplit, self.Q), (ATT_THREADS,),
             (self.qraw, locs, np.int64(ld_b), np.int64(ld_s), np.int32(S), np.int32(self.K),
-             np.int32(self.chunk), rows, self.temp, self.part_m, self.part_l, self.part_acc),
+             np.int32(self.chunk), rows, self.temp, self.part_m, self.part_l, self.part_acc,
+             self.fp8),
             shared_mem=ATT_SMEM, stream=self.s)
         self.k.attn_combine((self.Q, HEADS), (V_VALUES,),
                             (self.part_m, self.part_l, self.part_acc, np.int32(self.nsplit),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._config import ROW_BYTES, Config
+from ._config import Config
 
 
 def self_check(results) -> list[str]:
@@ -85,7 +85,7 @@ def summarize(cfg: Config, results, n_full: int) -> list[dict]:
             g = base.get(r.exec)
             over = None if g is None else mean - g
             entries = n_full * cfg.batch * cfg.mtp * cfg.top_k
-            nbytes = float(r.rows_moved.mean()) * ROW_BYTES
+            nbytes = float(r.rows_moved.mean()) * cfg.row_bytes
             row.update(overhead_ms=over, overhead_pct=None if g is None else 100 * over / g,
                        hit_rate=1.0 - float(r.misses.mean()) / entries,
                        mb_per_step=nbytes / 1e6,

@@ -67,13 +67,13 @@ class Shape:
 
 def demo_shape(cfg) -> Shape:
     """The :class:`Shape` of the decode loop a demo :class:`~hisparse_cupy.demo._config.Config`
-    runs: its layers and pattern's full layers, its rows (``ROW_BYTES``: 576 bf16 values),
+    runs: its layers and pattern's full layers, its rows (``cfg.row_bytes``: FP8 or bf16),
     resident layers, hot buffer and device pages, and its indexer's key cache (132 B a token,
     none with ``--no-indexer``)."""
-    from ._config import DEVICE_PAGE, INDEXER_ROW, ROW_BYTES
+    from ._config import DEVICE_PAGE, INDEXER_ROW
 
     return Shape(layers=cfg.layers, full_layers=len(cfg.pattern_obj().full_layers),
-                 row_bytes=ROW_BYTES, indexer_bytes=INDEXER_ROW if cfg.indexer else 0,
+                 row_bytes=cfg.row_bytes, indexer_bytes=INDEXER_ROW if cfg.indexer else 0,
                  resident_layers=cfg.resident_layers, hot=cfg.hot,
                  top_k=cfg.top_k, extra_page=cfg.extra_page, max_steps=cfg.mtp,
                  page_tokens=DEVICE_PAGE)

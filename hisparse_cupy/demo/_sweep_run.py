@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _sweep
-from ._config import GB, ROW_BYTES, Config
+from ._config import GB, Config
 
 # the configuration's fields each run sets itself (left out of the JSON's "config")
 _PER_RUN = ("json", "png", "sweep", "batch", "modes", "execs", "device_budget",
@@ -86,7 +86,7 @@ def against_gpu_only(rows: list[dict]) -> None:
 def document(cfg: Config, rows: list[dict], *, gpu_budget_gb: float, host_gb: float,
              plan_rows, errors: list[str], extra: dict) -> dict:
     """The sweep's JSON: the fields docs/design.md section 11 lists, then what ran."""
-    return {"context": cfg.context, "gpu_budget_gb": gpu_budget_gb, "row_bytes": ROW_BYTES,
+    return {"context": cfg.context, "gpu_budget_gb": gpu_budget_gb, "row_bytes": cfg.row_bytes,
             "mtp": cfg.mtp,
             "model": f"{cfg.model} (hidden {cfg.hidden}), indexer "
                      f"{'on' if cfg.indexer else 'off'}",
@@ -203,7 +203,7 @@ def run_sweep(cfg: Config, *, gpu_budget_gb: float, host_gb: float,
           f"{cfg.hidden}), indexer {'on' if cfg.indexer else 'off'}", flush=True)
     s = cupy.cuda.Stream(non_blocking=True)
     t0 = time.perf_counter()
-    pool = HostKVPool(cfg.layers - cfg.resident_layers, Rig.paged_rows(top), ROW_BYTES)
+    pool = HostKVPool(cfg.layers - cfg.resident_layers, Rig.paged_rows(top), cfg.row_bytes)
     log(f"host pool: {pool.n_layers * pool.layer_bytes / GB:.1f} GB pinned in "
         f"{time.perf_counter() - t0:.1f} s (every run's pages)")
     rows, errors, shapes = [], [], {}

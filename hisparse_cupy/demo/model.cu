@@ -1,9 +1,16 @@
 // hisparse_cupy demo: the synthetic model's kernels (not part of the library's ABI).
 //
-// KV rows are MLA-like: D_ROW = 576 bf16 values (1152 bytes), the first D_V = 512 of which are
-// the value (the latent), all 576 the key. A token's row in layer l of request slot r at
-// position p is a pure function of (l, r, p): every mode (GPU-only, offload, overlap) and the
-// host pool hold the same bytes, so the attention outputs must agree bit for bit.
+// KV rows are MLA-like: D_ROW = 576 values, the first D_V = 512 of which are the value (the
+// latent), all 576 the key, in one of two formats (every kernel that reads or writes rows takes
+// `fp8`):
+//   - FP8 (fp8 = 1, the default): GLM-5.2's cached row, 656 bytes = 41 chunks of 16: the 512
+//     latent values as e4m3 (chunks 0-31), their 4 float32 scales, one per 128 values (chunk
+//     32), the 64 RoPE values as bf16 (chunks 33-40). A value is its e4m3 value times its
+//     block's scale (a power of two: exact in float);
+//   - bf16 (fp8 = 0): 576 bf16 values, 1152 bytes = 72 chunks.
+// A token's row in layer l of request slot r at position p is a pure function of (l, r, p):
+// every mode (GPU-only, offload, overlap) and the host pool hold the same bytes, so the
+// attention outputs must agree bit for bit.
 //
 // Every kernel that changes from step to step reads the step index and the sequence lengths
 // from device memory, so one captured decode step replays for every step.
@@ -11,6 +18,9 @@
 
 #define D_ROW 576
 #define D_V 512
+#define FP8_CHUNKS 41    // 16-byte chunks of an FP8 row (656 bytes)
+#define FP8_SCALES 32    // its chunk of scales; chunks before: latent bytes, after: RoPE
+#define BF16_CHUNKS 72   // of a bf16 row (1152 bytes)
 #define NH 16            // query heads
 #define TR 16            // rows per attention tile
 #define QS 580           // padded row stride (floats) of the query and tile buffers
@@ -41,15 +51,37 @@ __device__ __forceinline__ unsigned short float_to_bf16(float x) {  // round to 
   return static_cast<unsigned short>(u >> 16);
 }
 
-// Eight values (16 bytes) of token (r, p)'s row in layer l, chunk c of 72.
-__device__ __forceinline__ uint4 kv_chunk(int l, int r, long long p, int c) {
+// An e4m3 byte's value (sign, 4 exponent bits of bias 7, 3 mantissa bits; no NaN is made).
+__device__ __forceinline__ float e4m3_to_float(unsigned int b) {
+  const unsigned int e = (b >> 3) & 0xFu, m = b & 7u;
+  const float v = e ? __uint_as_float(((e + 120u) << 23) | (m << 20))
+                    : static_cast<float>(m) * 0.001953125f;  // subnormal: m * 2^-9
+  return (b & 0x80u) ? -v : v;
+}
+
+// Chunk c (16 bytes) of token (r, p)'s row in layer l: fp8 = 0, eight bf16 values (c < 72);
+// fp8 = 1, sixteen e4m3 bytes (c < 32; never the NaN pattern S.1111.111), the four scales
+// (c = 32: 2^-9 .. 2^-12) or eight bf16 RoPE values (c = 33..40).
+__device__ __forceinline__ uint4 kv_chunk(int l, int r, long long p, int c, int fp8) {
   const u64 key = mix64((static_cast<u64>(l) << 56) ^ (static_cast<u64>(r) << 40) ^
                         static_cast<u64>(p)) + static_cast<u64>(c) * 0x9E3779B97F4A7C15ULL;
   unsigned int w[4];
   for (int i = 0; i < 4; ++i) {
-    const unsigned short a = hash_bf16(mix64(key + 2 * i));
-    const unsigned short b = hash_bf16(mix64(key + 2 * i + 1));
-    w[i] = static_cast<unsigned int>(a) | (static_cast<unsigned int>(b) << 16);
+    if (fp8 && c < FP8_SCALES) {
+      unsigned int x = static_cast<unsigned int>(mix64(key + i) >> 32), y = 0;
+      for (int j = 0; j < 4; ++j) {
+        unsigned int byte = (x >> (8 * j)) & 0xFFu;
+        if ((byte & 0x7Fu) == 0x7Fu) byte ^= 1u;  // NaN -> the largest finite value
+        y |= byte << (8 * j);
+      }
+      w[i] = y;
+    } else if (fp8 && c == FP8_SCALES) {
+      w[i] = (127u - 9u - static_cast<unsigned int>(mix64(key + i) & 3u)) << 23;
+    } else {
+      const unsigned short a = hash_bf16(mix64(key + 2 * i));
+      const unsigned short b = hash_bf16(mix64(key + 2 * i + 1));
+      w[i] = static_cast<unsigned int>(a) | (static_cast<unsigned int>(b) << 16);
+    }
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
@@ -59,19 +91,20 @@ __device__ __forceinline__ uint4 kv_chunk(int l, int r, long long p, int c) {
 // or mapped host; req_rows = max_len with reqs = 0..B-1: row r * max_len + p, the slot layout;
 // req_rows = 0: one request's rows from 0, an admission's KV). Positions below `shared` carry
 // request 0's bytes (requests forked from its first `shared` tokens).
-// grid (ceil((p1 - p0) * 72 / 256), n_req, layers)
+// grid (ceil((p1 - p0) * chunks / 256), n_req, layers), chunks: FP8_CHUNKS or BF16_CHUNKS
 extern "C" __global__ void kv_prefill(unsigned char* base, long long layer_bytes,
                                       const int* reqs, int p0, int p1, long long req_rows,
-                                      int shared, int first) {
+                                      int shared, int first, int fp8) {
+  const int NC = fp8 ? FP8_CHUNKS : BF16_CHUNKS;
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= static_cast<long long>(p1 - p0) * 72) return;
+  if (i >= static_cast<long long>(p1 - p0) * NC) return;
   const int l = blockIdx.z;
-  const long long p = p0 + i / 72;
+  const long long p = p0 + i / NC;
   const int r = p < shared ? 0 : reqs[blockIdx.y];
-  const int c = static_cast<int>(i % 72);
+  const int c = static_cast<int>(i % NC);
   uint4* dst = reinterpret_cast<uint4*>(base + l * layer_bytes +
-                                        (blockIdx.y * req_rows + p - p0) * (2 * D_ROW));
-  dst[c] = kv_chunk(first + l, r, p, c);
+                                        (blockIdx.y * req_rows + p - p0) * (16 * NC));
+  dst[c] = kv_chunk(first + l, r, p, c, fp8);
 }
 
 // The newest token (position lens[b] - 1) of every batch row, every layer: into device row
@@ -79,16 +112,18 @@ extern "C" __global__ void kv_prefill(unsigned char* base, long long layer_bytes
 // req[b] * max_len + lens[b] - 1 (resident KV). Model layers first .. first + gridDim.y - 1,
 // the first at base. grid (B, layers), 96 threads.
 extern "C" __global__ void kv_newest(unsigned char* base, long long layer_bytes, const int* req,
-                                     const int* lens, const int* rows, int max_len, int first) {
+                                     const int* lens, const int* rows, int max_len, int first,
+                                     int fp8) {
+  const int NC = fp8 ? FP8_CHUNKS : BF16_CHUNKS;
   const int b = blockIdx.x, l = blockIdx.y, c = threadIdx.x;
-  if (c >= 72) return;
+  if (c >= NC) return;
   const int r = req[b];
   const long long p = lens[b] - 1;
   const long long row = rows ? static_cast<long long>(rows[b])
                              : static_cast<long long>(r) * max_len + p;
   if (row < 0) return;
-  uint4* dst = reinterpret_cast<uint4*>(base + l * layer_bytes + row * (2 * D_ROW));
-  dst[c] = kv_chunk(first + l, r, p, c);
+  uint4* dst = reinterpret_cast<uint4*>(base + l * layer_bytes + row * (16 * NC));
+  dst[c] = kv_chunk(first + l, r, p, c, fp8);
 }
 
 // Drifting top-k of one full layer, int32 [B, S, K]: entry k < K - nrec of draft step s is
@@ -154,12 +189,13 @@ extern "C" __global__ void weights(unsigned short* w, long long n, u64 seed, flo
 // Query row q (= b * S + s) has NH heads of D_ROW values (bf16, normalised here per head and
 // scaled by temp); its selected rows are locs[b * ld_b + s * ld_s + k], k < K (-1: skipped).
 // Block (split, q): rows [split * chunk, min(K, (split + 1) * chunk)). Per head: running max m,
-// sum l, and acc[D_V] = sum_j exp(score_j - m) * value_j. Fixed order: deterministic.
+// sum l, and acc[D_V] = sum_j exp(score_j - m) * value_j. Fixed order: deterministic. Rows in
+// the format `fp8` says, read as their 576 float values (FP8: e4m3 times the block's scale).
 // grid (n_split, Q), ATT_THREADS threads, dynamic smem att_smem_bytes().
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 attn_partial(const unsigned short* qraw, const int* locs, long long ld_b, long long ld_s, int S,
              int K, int chunk, const unsigned char* rows, float temp, float* part_m,
-             float* part_l, float* part_acc) {
+             float* part_l, float* part_acc, int fp8) {
   extern __shared__ float4 smem4[];
   float* q_s = reinterpret_cast<float*>(smem4);  // [NH][QS]
   float* kv_s = q_s + NH * QS;                     // [TR][QS]
@@ -201,15 +237,31 @@ attn_partial(const unsigned short* qraw, const int* locs, long long ld_b, long l
       ok_s[tid] = (k < k1 && lrow[k] >= 0) ? lrow[k] : -1;
     }
     __syncthreads();
-    for (int i = tid; i < TR * 72; i += ATT_THREADS) {
-      const int r = i / 72, c = i % 72;
+    const int NC = fp8 ? FP8_CHUNKS : BF16_CHUNKS;
+    for (int i = tid; i < TR * NC; i += ATT_THREADS) {
+      const int r = i / NC, c = i % NC;
       const int loc = ok_s[r];
-      float* dst = kv_s + r * QS + c * 8;
+      const unsigned char* row = rows + static_cast<long long>(loc) * (16 * NC);
+      if (fp8 && c < FP8_SCALES) {  // 16 latent values: e4m3 times their block's scale
+        float* dst = kv_s + r * QS + c * 16;
+        if (loc < 0) {
+          for (int j = 0; j < 16; ++j) dst[j] = 0.0f;
+        } else {
+          const uint4 v = reinterpret_cast<const uint4*>(row)[c];
+          const float sc = reinterpret_cast<const float*>(row + D_V)[c / 8];
+          const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+          for (int j = 0; j < 16; ++j)
+            dst[j] = e4m3_to_float((w[j / 4] >> (8 * (j % 4))) & 0xFFu) * sc;
+        }
+        continue;
+      }
+      if (fp8 && c == FP8_SCALES) continue;  // (read with the latent values)
+      // eight bf16 values: a bf16 row's chunk c, or an FP8 row's RoPE values
+      float* dst = kv_s + r * QS + (fp8 ? D_V + (c - FP8_SCALES - 1) * 8 : c * 8);
       if (loc < 0) {
         for (int j = 0; j < 8; ++j) dst[j] = 0.0f;
       } else {
-        const uint4 v = reinterpret_cast<const uint4*>(
-            rows + static_cast<long long>(loc) * (2 * D_ROW))[c];
+        const uint4 v = reinterpret_cast<const uint4*>(row)[c];
         const unsigned int w[4] = {v.x, v.y, v.z, v.w};
         for (int j = 0; j < 4; ++j) {
           dst[2 * j] = __uint_as_float(w[j] << 16);
