@@ -197,6 +197,7 @@ class Fuzz:
         self.steps = self.calls = self.graph_steps = self.toggles = self.busy_steps = 0
         self.forks = self.refused_forks = self.moves = 0
         self.lean_steps = self.lean_asked = self.indexer_calls = self.engine_admits = 0
+        self.refused_resident = 0  # resident=True without a budget, refused
         self.busy_now = False
         self.holds = self.cancels = self.refused_counts = 0
         self._freed: list = []  # (stream, shape) of KV arrays dropped after the last call
@@ -309,6 +310,20 @@ class Fuzz:
             if self._budget() is not None:  # resident when its pages leave the blocks' room
                 res["resident"] = self._room(self._budget().pages_for(n)) and \
                     rng.random() < 0.8
+            elif self.be.gpu and rng.random() < 0.05:  # no budget: resident=True refused
+                before = (len(c.active), None if c.pages is None else c.pages.free_pages)
+                try:
+                    c.admit(n, kv=kv, warm_tokens=warm, prefix=fork, stream=obj,
+                            **{**res, "resident": True})
+                except ValueError as e:
+                    assert "needs a device budget" in str(e), e
+                else:
+                    raise AssertionError(f"seed {self.seed}: resident=True admitted without "
+                                         f"a device budget")
+                assert (len(c.active), None if c.pages is None else c.pages.free_pages) == \
+                    before, f"seed {self.seed}: a refused admission took something"
+                self.refused_resident += 1
+                res["resident"] = bool(rng.random() < 0.5) and None  # None or False: sparse
             try:
                 rid = c.admit(n, kv=kv, warm_tokens=warm, prefix=fork, stream=obj, **res)
             finally:
@@ -951,7 +966,7 @@ class Fuzz:
                     lean_steps=self.lean_steps, lean_asked=self.lean_asked,
                     indexer_calls=self.indexer_calls, engine_admits=self.engine_admits,
                     holds=self.holds, cancels=self.cancels,
-                    refused_counts=self.refused_counts,
+                    refused_counts=self.refused_counts, refused_resident=self.refused_resident,
                     # stagings the GPU's prefetcher launched in an indexer's window (host count:
                     # a captured step's once)
                     window_stagings=getattr(getattr(self.pf, "_predictor", None), "windows", 0),
@@ -1030,14 +1045,15 @@ def main(argv=None) -> int:
            for k in ("steps", "calls", "graph_steps", "toggles", "busy_steps", "forks",
                      "refused_forks", "moves", "lean_steps", "lean_asked", "indexer_calls",
                      "window_stagings", "engine_admits", "holds", "cancels",
-                     "refused_counts")}
+                     "refused_counts", "refused_resident")}
     kinds = sorted(set().union(*(r["streams"] for r in res)))
     print(f"step fuzz ({'CPU model' if a.cpu else 'GPU'}): {len(res)} seeds, {tot['steps']} "
           f"steps, {tot['calls']} swap calls, {tot['graph_steps']} graph replays, "
           f"{tot['toggles']} prefetch toggles, {tot['forks']} forks ({tot['refused_forks']} "
           f"past the written tokens refused), {tot['engine_admits']} admissions of engine-"
           f"written pages, {tot['moves']} residency moves ({tot['cancels']} promotions "
-          f"cancelled mid-fill, {tot['refused_counts']} token counts refused), "
+          f"cancelled mid-fill, {tot['refused_counts']} token counts refused, "
+          f"{tot['refused_resident']} resident=True without a budget refused), "
           f"{tot['holds']} calls behind a held stream, "
           f"{tot['lean_steps']} lean steps ({tot['lean_asked']} asked lean=True), "
           f"{tot['indexer_calls']} before_indexer calls ({tot['window_stagings']} stagings "
