@@ -344,13 +344,6 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
   constexpr int NS = BLOCK / 32 + 1;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   HS_SMEM_CARVE(MULTISTEP_COMMIT, sm, smem_raw);
-  u32* s_key = sm.key;
-  u32* s_bits = sm.bits;
-  u32* s_adm = sm.admit;
-  int* s_pre = sm.prefix;
-  int* s_hist = sm.hist;
-  int* s_scan = sm.scan;
-  i16* s_vic = sm.victim;
 
   i32* st = status_row(p, b);
   i32* xs = stats_row(p, b);
@@ -438,7 +431,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
         const u32 age = epoch - r[q];
         key = age > KEY_AGE_MAX ? KEY_AGE_MAX : age;
       }
-      s_key[j] = key;
+      sm.key[j] = key;
       ev += key != 0;
       if (key != 0) {
         kor |= key;
@@ -449,23 +442,23 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
   kor = __reduce_or_sync(FULL_MASK, kor);
   kand = __reduce_and_sync(FULL_MASK, kand);
   constexpr int n_warps = BLOCK / 32;
-  static_assert(2 * n_warps <= 256, "the key OR / AND per warp go in s_hist");
+  static_assert(2 * n_warps <= 256, "the key OR / AND per warp go in sm.hist");
   if (lane == 0) {  // published by the barriers of the block scan below
-    s_hist[tid >> 5] = static_cast<int>(kor);
-    s_hist[n_warps + (tid >> 5)] = static_cast<int>(kand);
+    sm.hist[tid >> 5] = static_cast<int>(kor);
+    sm.hist[n_warps + (tid >> 5)] = static_cast<int>(kand);
   }
   for (int w = tid; w < NW; w += BLOCK) {
-    s_bits[w] = 0;
-    s_adm[w] = 0;
+    sm.bits[w] = 0;
+    sm.admit[w] = 0;
   }
   int E;
-  block_exclusive_sum<BLOCK>(ev, s_scan, E);  // (barriers inside)
+  block_exclusive_sum<BLOCK>(ev, sm.scan, E);  // (barriers inside)
 #pragma unroll
   for (int w = 0; w < n_warps; ++w) {
-    kor |= static_cast<u32>(s_hist[w]);
-    kand &= static_cast<u32>(s_hist[n_warps + w]);
+    kor |= static_cast<u32>(sm.hist[w]);
+    kand &= static_cast<u32>(sm.hist[n_warps + w]);
   }
-  __syncthreads();  // s_hist is cleared by radix_select
+  __syncthreads();  // sm.hist is cleared by radix_select
   HS_PHASE(16);
 
   const int V = M < E ? M : E;
@@ -473,7 +466,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
   for (int u = tid; u < M; u += BLOCK) {
     if (!partial || u < C) {
       const int r = mt[cmp[u]];
-      atomicOr(&s_bits[r >> 5], 1u << (r & 31));
+      atomicOr(&sm.bits[r >> 5], 1u << (r & 31));
     }
   }
 
@@ -487,7 +480,7 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
     theta = 0;  // every evictable slot
   } else {
     need = V;
-    theta = radix_select<BLOCK>(s_key, H, need, kor, kand, s_hist, sm.radix_digit,
+    theta = radix_select<BLOCK>(sm.key, H, need, kor, kand, sm.hist, sm.radix_digit,
                                 sm.radix_rest);
   }
   HS_PHASE(18);
@@ -499,21 +492,21 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
     const int j1 = j0 + per < H ? j0 + per : H;
     int na = 0, nt = 0;
     for (int j = j0; j < j1; ++j) {
-      const u32 k = s_key[j];
+      const u32 k = sm.key[j];
       na += k != 0 && k > theta;
       nt += k != 0 && k == theta;
     }
     int tot;
-    const int ex = block_exclusive_sum<BLOCK>(na | (nt << 16), s_scan, tot);
+    const int ex = block_exclusive_sum<BLOCK>(na | (nt << 16), sm.scan, tot);
     int ta = ex & 0xffff, tt = ex >> 16, last = -1;
     for (int j = j0; j < j1; ++j) {
-      const u32 k = s_key[j];
+      const u32 k = sm.key[j];
       const int ab = k != 0 && k > theta;
       const int ti = k != 0 && k == theta;
       if (ab || (ti && tt < need)) {
         int slot = cursor + j;
         if (slot >= H) slot -= H;
-        s_vic[ta + (tt < need ? tt : need)] = static_cast<i16>(slot);
+        sm.victim[ta + (tt < need ? tt : need)] = static_cast<i16>(slot);
         last = j;
       }
       ta += ab;
@@ -524,25 +517,25 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
 
   HS_PHASE(19);
   // ---- phase 3: ranks of the admitted misses
-  bitmap_prefix<BLOCK>(s_bits, s_pre, NW, s_scan);
+  bitmap_prefix<BLOCK>(sm.bits, sm.prefix, NW, sm.scan);
   if (partial) {
     const int n_over = M > C ? M - C : 0;
     const int budget = V > n_over ? V - n_over : 0;
     for (int u = tid; u < M; u += BLOCK) {
-      const bool adm = u >= C || bitmap_rank(s_bits, s_pre, mt[cmp[u]]) < budget;
-      if (adm) atomicOr(&s_adm[u >> 5], 1u << (u & 31));
+      const bool adm = u >= C || bitmap_rank(sm.bits, sm.prefix, mt[cmp[u]]) < budget;
+      if (adm) atomicOr(&sm.admit[u >> 5], 1u << (u & 31));
     }
     __syncthreads();
-    for (int w = tid; w < NW; w += BLOCK) s_bits[w] = 0;
+    for (int w = tid; w < NW; w += BLOCK) sm.bits[w] = 0;
     __syncthreads();
     for (int u = tid; u < M; u += BLOCK) {
-      if ((s_adm[u >> 5] >> (u & 31)) & 1u) {
+      if ((sm.admit[u >> 5] >> (u & 31)) & 1u) {
         const int r = mt[cmp[u]];
-        atomicOr(&s_bits[r >> 5], 1u << (r & 31));
+        atomicOr(&sm.bits[r >> 5], 1u << (r & 31));
       }
     }
     __syncthreads();
-    bitmap_prefix<BLOCK>(s_bits, s_pre, NW, s_scan);
+    bitmap_prefix<BLOCK>(sm.bits, sm.prefix, NW, sm.scan);
   }
 
   HS_PHASE(20);
@@ -555,11 +548,11 @@ __global__ void __launch_bounds__(COMMIT_BLOCK) commit(const MultiStepParams p) 
     if (u < M) {
       const int q = cmp[u];
       const int tok = lo32(tbl[q]);
-      const bool adm = !partial || ((s_adm[u >> 5] >> (u & 31)) & 1u);
+      const bool adm = !partial || ((sm.admit[u >> 5] >> (u & 31)) & 1u);
       int v = -1;
       if (adm) {
-        const int a = bitmap_rank(s_bits, s_pre, mt[q]);
-        if (a < V) v = s_vic[a];
+        const int a = bitmap_rank(sm.bits, sm.prefix, mt[q]);
+        if (a < V) v = sm.victim[a];
       }
       int loc = -1;
       if (u < C) loc = scr[u];

@@ -48,8 +48,6 @@ __device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p,
   const DstT* __restrict__ dst_idx = static_cast<const DstT*>(p.dst_idx);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   HS_SMEM_CARVE(PLANNED_COPY, sm, smem_raw);
-  int* s_prefix = sm.prefix;
-  int* s_scan = sm.scan;
 
   pdl_wait();
 
@@ -64,12 +62,12 @@ __device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p,
       c = c < 0 ? 0 : (c > plan_stride ? plan_stride : c);
     }
     int chunk_total;
-    const int ex = block_exclusive_sum<BLOCK>(c, s_scan, chunk_total);
-    if (b < nr) s_prefix[b] = carry + ex;
+    const int ex = block_exclusive_sum<BLOCK>(c, sm.scan, chunk_total);
+    if (b < nr) sm.prefix[b] = carry + ex;
     carry += chunk_total;
   }
   if (threadIdx.x == 0) {
-    s_prefix[nr] = carry;
+    sm.prefix[nr] = carry;
     sm.stats[0] = sm.stats[1] = 0;
   }
   __syncthreads();
@@ -89,13 +87,13 @@ __device__ __forceinline__ void planned_copy_body(const PlannedCopyParams& p,
       const i64 g = g0 + lane;
       const int layer = static_cast<int>(g / pairs);
       const int r = static_cast<int>(g - static_cast<i64>(layer) * pairs);
-      int lo = 0, hi = nr - 1;  // largest b with s_prefix[b] <= r
+      int lo = 0, hi = nr - 1;  // largest b with sm.prefix[b] <= r
       while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (s_prefix[mid] <= r) lo = mid; else hi = mid - 1;
+        if (sm.prefix[mid] <= r) lo = mid; else hi = mid - 1;
       }
       const int b = lo;
-      const i64 e = static_cast<i64>(b) * plan_stride + (r - s_prefix[b]);
+      const i64 e = static_cast<i64>(b) * plan_stride + (r - sm.prefix[b]);
       const i64 s = static_cast<i64>(src_idx[e]);
       const i64 d = static_cast<i64>(dst_idx[e]);
       if (s < 0 || s >= p.n_src_rows || d < 0 || d >= p.n_dst_rows) {
