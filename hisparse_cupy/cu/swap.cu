@@ -1,8 +1,8 @@
 // hisparse_cupy: single-step swap-in, resolve half.
 //
 // swap_resolve<ReqT, LenT, BLOCK>(SwapResolveParams): C blocks of BLOCK threads per batch row (a
-// thread-block cluster, C = 1, 2, 4 or 8: hisparse_cupy._kernels.swap.resolve_cluster picks it; BLOCK is
-// RESOLVE_BLOCK for C = 1, RESOLVE_CLUSTER_BLOCK otherwise).
+// thread-block cluster, C = 1, 2, 4 or 8: hisparse_cupy._kernels.swap.resolve_cluster picks it;
+// BLOCK is RESOLVE_BLOCK for C = 1, RESOLVE_CLUSTER_BLOCK otherwise).
 // swap_resolve<ReqT, LenT, RESOLVE_BLOCK, true> (the token-table instance, one block per row):
 // each entry's token is looked up in the request's token -> slot table (p.token_slot) and
 // checked against slot_tokens; only tokens the table does not find go into the hash, and the
@@ -122,22 +122,9 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   const i64 n_host_rows = p.n_host_rows;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   HS_SMEM_CARVE(SWAP_RESOLVE, sm, smem_raw);
-  i64* s_hl = sm.host_row;
-  int* s_key = sm.hkey;
-  int* s_val = sm.hval;
-  int* s_tok = sm.tok;
-  int* s_out = sm.res;
-  int* s_pos = sm.hpos;
-  int* s_loc = sm.loc;
-  int* s_wh = sm.warp_hits;
-  int* s_we = sm.warp_evict;
-  int* s_wm = sm.warp_miss;
-  int* s_cnt = sm.count;
-  int* s_ct = sm.cluster_tot;
-  i16* s_evict = sm.evict;
+  // (the one alias kept: sm.hit written directly changes the token-table instance's register
+  // allocation, nvdisasm of the sm_90 cubin; every other region is used by its name)
   i16* s_hit = sm.hit;
-  u16* s_tmp = sm.order;
-  u8* s_kind = sm.kind;
 
   HS_PHASE_START
   // Let the copy kernel that follows get scheduled; it waits for this grid to finish.
@@ -159,7 +146,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   i32* st = status_row(p, b);
   i32* plan_count = p.plan_count;
   // rank 0's status counters (every block of the row adds to them)
-  int* cnt0 = C > 1 ? cluster_map(s_cnt, 0) : s_cnt;
+  int* cnt0 = C > 1 ? cluster_map(sm.count, 0) : sm.count;
 
   // The block's entries [kb, ke) and LRU positions [pb, pe). Phases 1, 3 and 4 give warp w a
   // contiguous chunk of them: entries [i0, i1), positions [p0, p1); a lane handles entries
@@ -201,7 +188,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   i16* rlru = lru_row(p, rid);
   i16* tsl = TABLE ? token_slot_row(p, rid) : nullptr;
 
-  if (tid < 4) s_cnt[tid] = 0;
+  if (tid < 4) sm.count[tid] = 0;
 
   const bool resident = p.resident != nullptr && p.resident[rid];
   if (p.lean && !resident) {  // a lean step serves resident rows only: no copy follows, no
@@ -222,8 +209,8 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
     sync_row(C);
     if (rank == 0 && tid == 0) {
       plan_count[b] = 0;
-      write_status(st, s_cnt[ST_RANGE], s_cnt[ST_NOHOST], 0);
-      count_row(p.counters, K, 0, s_cnt[ST_RANGE] + s_cnt[ST_NOHOST]);
+      write_status(st, sm.count[ST_RANGE], sm.count[ST_NOHOST], 0);
+      count_row(p.counters, K, 0, sm.count[ST_RANGE] + sm.count[ST_NOHOST]);
     }
     return;
   }
@@ -266,18 +253,18 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   {
     const int4 empty_key = make_int4(KEY_EMPTY, KEY_EMPTY, KEY_EMPTY, KEY_EMPTY);
     const int4 empty_val = make_int4(VAL_EMPTY, VAL_EMPTY, VAL_EMPTY, VAL_EMPTY);
-    int4* k4 = reinterpret_cast<int4*>(s_key);
-    int4* v4 = reinterpret_cast<int4*>(s_val);
+    int4* k4 = reinterpret_cast<int4*>(sm.hkey);
+    int4* v4 = reinterpret_cast<int4*>(sm.hval);
     for (int h = tid; h < (hash_size >> 2); h += BLOCK) {
       k4[h] = empty_key;
       v4[h] = empty_val;
     }
   }
   if constexpr (TABLE) {
-    for (int j = tid; j < H; j += BLOCK) s_loc[j] = 0;
+    for (int j = tid; j < H; j += BLOCK) sm.loc[j] = 0;
   } else {
 #pragma unroll 8
-    for (int j = tid; j <= H; j += BLOCK) s_loc[j] = sloc[j];
+    for (int j = tid; j <= H; j += BLOCK) sm.loc[j] = sloc[j];
   }
   sync_row(C);  // every block's hash is clear before any block inserts into it
   HS_PHASE(0);
@@ -307,33 +294,33 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
         atomicAdd(&cnt0[ST_RANGE], 1);
       } else if (tok == seq - 1) {
         kind = K_NEWEST;
-        r = TABLE ? newest_loc : s_loc[H];
+        r = TABLE ? newest_loc : sm.loc[H];
       } else if (int e = -1, loc = -1; TABLE && (e = first ? ent[u] : table_find(tok, loc)) >= 0) {
         kind = K_HIT;  // the slot's hit flag for the LRU scan; no hash entry needed
         r = first ? static_cast<int>(hls[u]) : loc;
-        s_loc[e] = 1;
+        sm.loc[e] = 1;
       } else {
         cand = 1;
         hl = first && !TABLE ? hls[u] : hloc[tok];
         const u32 hv = hash_u32(static_cast<u32>(tok));
         const int ow = hash_owner(hv, shift, C);
-        int* key = row_smem(s_key, ow, C);
-        int* val = row_smem(s_val, ow, C);
+        int* key = row_smem(sm.hkey, ow, C);
+        int* val = row_smem(sm.hval, ow, C);
         u32 h = hv >> shift;
         while (true) {
           const int prev = atomicCAS(&key[h], KEY_EMPTY, tok);
           if (prev == KEY_EMPTY || prev == tok) {
             atomicMin(&val[h], i);
-            s_pos[i] = static_cast<int>(h) | (ow << POS_OWNER_SHIFT);
+            sm.hpos[i] = static_cast<int>(h) | (ow << POS_OWNER_SHIFT);
             break;
           }
           h = (h + 1) & mask;
         }
       }
-      s_tok[i] = tok;
-      s_kind[i] = kind;
-      s_out[i] = r;
-      s_hl[i] = hl;
+      sm.tok[i] = tok;
+      sm.kind[i] = kind;
+      sm.res[i] = r;
+      sm.host_row[i] = hl;
     }
   }
   // every hash complete (token-table instance: and whether it holds any token)
@@ -344,10 +331,10 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   HS_PHASE(1);
   // ---- phase 2: duplicates (an entry whose token's first entry is another)
   for (int i = kb + tid; i < ke; i += BLOCK) {
-    if (s_kind[i] == K_CANON) {
-      const int pos = s_pos[i];
-      const int* val = row_smem(s_val, pos >> POS_OWNER_SHIFT, C);
-      if ((val[pos & POS_SLOT_MASK] & VAL_ENTRY) != i) s_kind[i] = K_DUP;
+    if (sm.kind[i] == K_CANON) {
+      const int pos = sm.hpos[i];
+      const int* val = row_smem(sm.hval, pos >> POS_OWNER_SHIFT, C);
+      if ((val[pos & POS_SLOT_MASK] & VAL_ENTRY) != i) sm.kind[i] = K_DUP;
     }
   }
   // A slot holding token `bt` claims the token's first entry if the hash holds `bt` and no
@@ -356,8 +343,8 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   auto claim = [&](int bt) -> int {
     const u32 hv = hash_u32(static_cast<u32>(bt));
     const int ow = hash_owner(hv, shift, C);
-    const int* key = row_smem(s_key, ow, C);
-    int* val = row_smem(s_val, ow, C);
+    const int* key = row_smem(sm.hkey, ow, C);
+    int* val = row_smem(sm.hval, ow, C);
     u32 h = hv >> shift;
     int k;
     while ((k = key[h]) != bt && k != KEY_EMPTY) h = (h + 1) & mask;
@@ -382,8 +369,8 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
           const int sl = s0 + u * BLOCK + tid;
           const int j = t[u] >= 0 ? claim(t[u]) : -1;
           if (j >= 0) {
-            s_out[j] = sloc[sl];  // a device row (>= 0): phase 4 makes entry j a hit
-            s_loc[sl] = 1;
+            sm.res[j] = sloc[sl];  // a device row (>= 0): phase 4 makes entry j a hit
+            sm.loc[sl] = 1;
             tsl[t[u]] = static_cast<i16>(sl);
           }
         }
@@ -423,15 +410,15 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
         int hit = 0;
         if (valid) {
           if constexpr (TABLE) {
-            hit = s_loc[slots[u]];
+            hit = sm.loc[slots[u]];
           } else if (held[u] >= 0) {
             const int j = claim(held[u]);
             if (j >= 0) {
               hit = 1;  // entry j's output (a device row, >= 0) marks it a hit for phase 4
-              row_smem(s_out, j / kc, C)[j] = s_loc[slots[u]];
+              row_smem(sm.res, j / kc, C)[j] = sm.loc[slots[u]];
             }
           }
-          s_tmp[p] = static_cast<u16>(slots[u] | (hit << 15));
+          sm.order[p] = static_cast<u16>(slots[u] | (hit << 15));
         }
         const unsigned hm = __ballot_sync(FULL_MASK, hit);
         const unsigned vm = __ballot_sync(FULL_MASK, valid);
@@ -440,31 +427,31 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
       }
     }
     if (lane == 0) {
-      s_wh[warp] = nh;
-      s_we[warp] = ne;
+      sm.warp_hits[warp] = nh;
+      sm.warp_evict[warp] = ne;
     }
   }
   sync_row(C);  // every claim made (phase 4 reads the outputs), per-warp counts published
-  if (warp == 0) scan_warp_totals<NW>(s_wh, lane);
-  if (warp == 1 % NW) scan_warp_totals<NW>(s_we, lane);  // NW == 1: the same warp, in turn
+  if (warp == 0) scan_warp_totals<NW>(sm.warp_hits, lane);
+  if (warp == 1 % NW) scan_warp_totals<NW>(sm.warp_evict, lane);  // NW == 1: the same warp, in turn
   __syncthreads();
   // Token-table instance with every selected token found by the table (no token in the hash):
   // no misses, so the new order is [evictables][hits], written here straight to global memory
   // (every LRU entry was read before the barriers above), and the call ends.
   const bool all_found = TABLE && !any_cand;
   {
-    int ho = s_wh[warp], eo = s_we[warp];
-    const int E0 = s_we[NW];
+    int ho = sm.warp_hits[warp], eo = sm.warp_evict[warp];
+    const int E0 = sm.warp_evict[NW];
     for (int g = p0; g < p0 + c3; g += 32) {
       const int p = g + lane;
       const bool valid = p < p1;
-      const int v = valid ? s_tmp[p] : 0;
+      const int v = valid ? sm.order[p] : 0;
       const bool hit = valid && (v >> 15);
       const bool ev = valid && !hit;
       const unsigned hm = __ballot_sync(FULL_MASK, hit);
       const unsigned em = __ballot_sync(FULL_MASK, ev);
       i16* hdst = all_found ? rlru + E0 : s_hit;
-      i16* edst = all_found ? rlru : s_evict;
+      i16* edst = all_found ? rlru : sm.evict;
       if (hit) hdst[ho + __popc(hm & below)] = static_cast<i16>(v & 0x7fff);
       if (ev) edst[eo + __popc(em & below)] = static_cast<i16>(v & 0x7fff);
       ho += __popc(hm);
@@ -472,11 +459,11 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
     }
   }
   if (all_found) {  // uniform; outputs and counts were final at phase 1's barrier
-    for (int i = kb + tid; i < ke; i += BLOCK) o[i] = s_out[i];
+    for (int i = kb + tid; i < ke; i += BLOCK) o[i] = sm.res[i];
     if (tid == 0) {
       plan_count[b] = 0;
-      write_status(st, s_cnt[ST_RANGE], 0, 0);
-      if (rank == 0) count_row(p.counters, K, 0, s_cnt[ST_RANGE]);
+      write_status(st, sm.count[ST_RANGE], 0, 0);
+      if (rank == 0) count_row(p.counters, K, 0, sm.count[ST_RANGE]);
     }
     HS_PHASE(5);
     return;
@@ -490,33 +477,33 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
     for (int g = i0; g < i0 + c4; g += 32) {
       const int i = g + lane;
       int miss = 0;
-      if (i < i1 && s_kind[i] == K_CANON) {
-        const i64 hl = s_hl[i];
-        if (s_out[i] >= 0) {
-          s_kind[i] = K_HIT;
+      if (i < i1 && sm.kind[i] == K_CANON) {
+        const i64 hl = sm.host_row[i];
+        if (sm.res[i] >= 0) {
+          sm.kind[i] = K_HIT;
         } else if (hl >= 0 && hl < n_host_rows) {
           miss = 1;
-          s_kind[i] = K_MISS;
+          sm.kind[i] = K_MISS;
         } else {
-          s_kind[i] = K_NOHOST;
+          sm.kind[i] = K_NOHOST;
           atomicAdd(&cnt0[ST_NOHOST], 1);
         }
       }
       nm += __popc(__ballot_sync(FULL_MASK, miss));
     }
-    if (lane == 0) s_wm[warp] = nm;
+    if (lane == 0) sm.warp_miss[warp] = nm;
   }
-  __syncthreads();  // also publishes s_hit / s_evict
-  if (warp == 0) scan_warp_totals<NW>(s_wm, lane);
-  sync_row(C);  // every block's totals (s_wh / s_we / s_wm [NW]) and evictables published
-  // The row's totals by block: s_ct[3 q + 0 / 1 / 2] = hits / evictables / misses of blocks
-  // before q (q = 0..C; q = C: the row's totals).
+  __syncthreads();  // also publishes the hits and evictables
+  if (warp == 0) scan_warp_totals<NW>(sm.warp_miss, lane);
+  sync_row(C);  // every block's totals (warp_hits / warp_evict / warp_miss [NW]), evictables
+  // The row's totals by block: sm.cluster_tot[3 q + 0 / 1 / 2] = hits / evictables / misses of
+  // blocks before q (q = 0..C; q = C: the row's totals).
   if (warp == 0 && C > 1) {
     int t[3] = {0, 0, 0};
     if (lane < C) {
-      t[0] = row_smem(s_wh, lane, C)[NW];
-      t[1] = row_smem(s_we, lane, C)[NW];
-      t[2] = row_smem(s_wm, lane, C)[NW];
+      t[0] = row_smem(sm.warp_hits, lane, C)[NW];
+      t[1] = row_smem(sm.warp_evict, lane, C)[NW];
+      t[2] = row_smem(sm.warp_miss, lane, C)[NW];
     }
 #pragma unroll
     for (int f = 0; f < 3; ++f) {
@@ -526,31 +513,33 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
         const int y = __shfl_up_sync(FULL_MASK, x, d);
         if (lane >= d) x += y;
       }
-      if (lane < C) s_ct[3 * (lane + 1) + f] = x;
-      if (lane == 0) s_ct[f] = 0;
+      if (lane < C) sm.cluster_tot[3 * (lane + 1) + f] = x;
+      if (lane == 0) sm.cluster_tot[f] = 0;
     }
   }
   if (C > 1) __syncthreads();
   // the row's evictables and misses; this block's first hit, evictable and miss in row order
-  const int E = C > 1 ? s_ct[3 * C + 1] : s_we[NW], M = C > 1 ? s_ct[3 * C + 2] : s_wm[NW];
-  const int hb = C > 1 ? s_ct[3 * rank] : 0, eb = C > 1 ? s_ct[3 * rank + 1] : 0;
-  const int mb = C > 1 ? s_ct[3 * rank + 2] : 0;
+  const int E = C > 1 ? sm.cluster_tot[3 * C + 1] : sm.warp_evict[NW];
+  const int M = C > 1 ? sm.cluster_tot[3 * C + 2] : sm.warp_miss[NW];
+  const int hb = C > 1 ? sm.cluster_tot[3 * rank] : 0;
+  const int eb = C > 1 ? sm.cluster_tot[3 * rank + 1] : 0;
+  const int mb = C > 1 ? sm.cluster_tot[3 * rank + 2] : 0;
   {
-    int mo = mb + s_wm[warp];
+    int mo = mb + sm.warp_miss[warp];
     for (int g = i0; g < i0 + c4; g += 32) {
       const int i = g + lane;
-      const bool miss = i < i1 && s_kind[i] == K_MISS;
+      const bool miss = i < i1 && sm.kind[i] == K_MISS;
       const unsigned mm = __ballot_sync(FULL_MASK, miss);
       if (miss) {
         const int m = mo + __popc(mm & below);
         int q = 0;  // the block holding the row's m-th evictable slot
-        while (q + 1 < C && s_ct[3 * (q + 1) + 1] <= m) ++q;
-        const int victim = row_smem(s_evict, q, C)[C > 1 ? m - s_ct[3 * q + 1] : m];
-        const int loc = TABLE ? sloc[victim] : s_loc[victim];
-        s_out[i] = loc;
-        if constexpr (TABLE) tsl[s_tok[i]] = static_cast<i16>(victim);
-        stok[victim] = s_tok[i];
-        plan_src_row(p, b)[m] = s_hl[i];
+        while (q + 1 < C && sm.cluster_tot[3 * (q + 1) + 1] <= m) ++q;
+        const int victim = row_smem(sm.evict, q, C)[C > 1 ? m - sm.cluster_tot[3 * q + 1] : m];
+        const int loc = TABLE ? sloc[victim] : sm.loc[victim];
+        sm.res[i] = loc;
+        if constexpr (TABLE) tsl[sm.tok[i]] = static_cast<i16>(victim);
+        stok[victim] = sm.tok[i];
+        plan_src_row(p, b)[m] = sm.host_row[i];
         plan_dst_row(p, b)[m] = loc;
       }
       mo += __popc(mm);
@@ -561,32 +550,32 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
 
   // ---- phase 5: duplicates take their first entry's output; write-back
   for (int i = kb + tid; i < ke; i += BLOCK) {
-    if (s_kind[i] == K_DUP) {
-      const int pos = s_pos[i];
-      const int c = row_smem(s_val, pos >> POS_OWNER_SHIFT, C)[pos & POS_SLOT_MASK] & VAL_ENTRY;
+    if (sm.kind[i] == K_DUP) {
+      const int pos = sm.hpos[i];
+      const int c = row_smem(sm.hval, pos >> POS_OWNER_SHIFT, C)[pos & POS_SLOT_MASK] & VAL_ENTRY;
       const int oc = c / kc;
-      s_out[i] = row_smem(s_out, oc, C)[c];
-      if (row_smem(s_kind, oc, C)[c] == K_NOHOST) atomicAdd(&cnt0[ST_NOHOST], 1);
+      sm.res[i] = row_smem(sm.res, oc, C)[c];
+      if (row_smem(sm.kind, oc, C)[c] == K_NOHOST) atomicAdd(&cnt0[ST_NOHOST], 1);
     }
   }
   // New order: [evictables M.. (untouched)][evictables 0..M (the misses' slots)][hits].
   {
-    const int ne = s_we[NW], nh = s_wh[NW];
+    const int ne = sm.warp_evict[NW], nh = sm.warp_hits[NW];
     for (int j = tid; j < ne; j += BLOCK) {
       const int e = eb + j;
-      rlru[e >= M ? e - M : E - M + e] = s_evict[j];
+      rlru[e >= M ? e - M : E - M + e] = sm.evict[j];
     }
     for (int j = tid; j < nh; j += BLOCK) rlru[E + hb + j] = s_hit[j];
   }
   __syncthreads();
-  for (int i = kb + tid; i < ke; i += BLOCK) o[i] = s_out[i];
+  for (int i = kb + tid; i < ke; i += BLOCK) o[i] = sm.res[i];
   // every access to another block's shared memory done, rank 0's counters final (one block:
   // the barrier above did it)
   if (C > 1) cluster_sync();
   if (rank == 0 && tid == 0) {
     plan_count[b] = M;
-    write_status(st, s_cnt[ST_RANGE], s_cnt[ST_NOHOST], 0);
-    count_row(p.counters, K, M, s_cnt[ST_RANGE] + s_cnt[ST_NOHOST]);
+    write_status(st, sm.count[ST_RANGE], sm.count[ST_NOHOST], 0);
+    count_row(p.counters, K, M, sm.count[ST_RANGE] + sm.count[ST_NOHOST]);
   }
   HS_PHASE(5);
 }
