@@ -181,14 +181,24 @@ class CompileError(RuntimeError):
     """NVRTC rejected a kernel source; the message holds the file, arch and NVRTC's log."""
 
 
+def check_options(arch: str) -> list[str]:
+    """The runtime's options (:func:`options`), the ones CuPy appends, and ``arch``: what
+    :func:`compile_check` compiles with."""
+    return [*options(), "-ftz=true", "--device-as-default-execution-space", f"-arch={arch}"]
+
+
 def _nvrtc_compile(file: str, names: tuple[str, ...], arch: str) -> int:
-    opts = [*options(), "-ftz=true", "--device-as-default-execution-space", f"-arch={arch}"]
-    return nvrtc_cubin_size(CU_DIR / file, names, opts, f"{file} ({arch})")
+    return nvrtc_cubin_size(CU_DIR / file, names, check_options(arch), f"{file} ({arch})")
 
 
 def nvrtc_cubin_size(path: Path, names: tuple[str, ...], opts, what: str) -> int:
+    """The size of :func:`nvrtc_cubin`'s cubin."""
+    return len(nvrtc_cubin(path, names, opts, what))
+
+
+def nvrtc_cubin(path: Path, names: tuple[str, ...], opts, what: str) -> bytes:
     """Compile the source at ``path`` with NVRTC (no GPU needed) with options ``opts``, every
-    name expression of ``names`` instantiated; the cubin's size. :class:`CompileError` (named
+    name expression of ``names`` instantiated; the cubin. :class:`CompileError` (named
     ``what``) with NVRTC's log if it does not compile."""
     try:
         from cuda.bindings import nvrtc
@@ -217,7 +227,9 @@ def nvrtc_cubin_size(path: Path, names: tuple[str, ...], opts, what: str) -> int
         (size,) = ok(nvrtc.nvrtcGetCUBINSize(prog))
         for n in names:  # every instance was instantiated
             ok(nvrtc.nvrtcGetLoweredName(prog, n.encode()))
-        return int(size)
+        cubin = b" " * int(size)
+        ok(nvrtc.nvrtcGetCUBIN(prog, cubin))
+        return cubin
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
