@@ -103,6 +103,90 @@ __device__ __forceinline__ T* row_smem(T* p, int q, int C) {
   return C > 1 ? cluster_map(p, q) : p;
 }
 
+// A row that touches no state: every output of the block's entries [kb, ke) -1, and rank 0
+// writes plan count 0 and status `badrow` (0: graph padding; else why the row is refused).
+template <int BLOCK>
+__device__ __forceinline__ void refuse_row(i32* o, int kb, int ke, int tid, int rank,
+                                           i32* plan_count, int b, i32* st, int badrow) {
+  for (int i = kb + tid; i < ke; i += BLOCK) o[i] = -1;
+  if (rank == 0 && tid == 0) {
+    plan_count[b] = 0;
+    write_status(st, 0, 0, badrow);
+  }
+}
+
+// Phase 0: this block's hash emptied (16-byte stores); `loc` the slots' device rows staged
+// (0..H), or, token-table instance, the slots' hit flags cleared (0..H-1).
+template <int BLOCK, bool TABLE>
+__device__ __forceinline__ void clear_hash(int* key, int* val, int hash_size, int* loc,
+                                           const i32* sloc, int H, int tid) {
+  const int4 empty_key = make_int4(KEY_EMPTY, KEY_EMPTY, KEY_EMPTY, KEY_EMPTY);
+  const int4 empty_val = make_int4(VAL_EMPTY, VAL_EMPTY, VAL_EMPTY, VAL_EMPTY);
+  int4* k4 = reinterpret_cast<int4*>(key);
+  int4* v4 = reinterpret_cast<int4*>(val);
+  for (int h = tid; h < (hash_size >> 2); h += BLOCK) {
+    k4[h] = empty_key;
+    v4[h] = empty_val;
+  }
+  if constexpr (TABLE) {
+    for (int j = tid; j < H; j += BLOCK) loc[j] = 0;
+  } else {
+#pragma unroll 8
+    for (int j = tid; j <= H; j += BLOCK) loc[j] = sloc[j];
+  }
+}
+
+// Phase 5's LRU write-back of this block's share: the row's new order is [evictables M..E (not
+// taken)][evictables 0..M (the misses' slots)][hits], this block's evictables `ev` (ne of them)
+// from row position eb, its hits `hit` (nh) from hb.
+template <int BLOCK>
+__device__ __forceinline__ void write_lru(i16* lru, const i16* ev, int ne, int eb,
+                                          const i16* hit, int nh, int hb, int E, int M,
+                                          int tid) {
+  for (int j = tid; j < ne; j += BLOCK) {
+    const int e = eb + j;
+    lru[e >= M ? e - M : E - M + e] = ev[j];
+  }
+  for (int j = tid; j < nh; j += BLOCK) lru[E + hb + j] = hit[j];
+}
+
+// Phase 1's insert: entry i's token into its owner block's hash (linear probing from its
+// bucket; the first entry of a token keeps the smallest index), and where it went into pos[i]
+// (the bucket | owner << POS_OWNER_SHIFT).
+__device__ __forceinline__ void hash_insert(int* hkey, int* hval, int* pos, int tok, int i,
+                                            int shift, int mask, int C) {
+  const u32 hv = hash_u32(static_cast<u32>(tok));
+  const int ow = hash_owner(hv, shift, C);
+  int* key = row_smem(hkey, ow, C);
+  int* val = row_smem(hval, ow, C);
+  u32 h = hv >> shift;
+  while (true) {
+    const int prev = atomicCAS(&key[h], KEY_EMPTY, tok);
+    if (prev == KEY_EMPTY || prev == tok) {
+      atomicMin(&val[h], i);
+      pos[i] = static_cast<int>(h) | (ow << POS_OWNER_SHIFT);
+      return;
+    }
+    h = (h + 1) & mask;
+  }
+}
+
+// A slot holding token `bt` claims the token's first entry if the hash holds `bt` and no other
+// slot claimed it (the claim bit of its hash value: one slot per entry even if a state held a
+// token twice): that entry, else -1.
+__device__ __forceinline__ int hash_claim(const int* hkey, int* hval, int bt, int shift,
+                                          int mask, int C) {
+  const u32 hv = hash_u32(static_cast<u32>(bt));
+  const int ow = hash_owner(hv, shift, C);
+  const int* key = row_smem(hkey, ow, C);
+  int* val = row_smem(hval, ow, C);
+  u32 h = hv >> shift;
+  int k;
+  while ((k = key[h]) != bt && k != KEY_EMPTY) h = (h + 1) & mask;
+  const int v = k == bt ? atomicOr(&val[h], VAL_CLAIMED) : VAL_CLAIMED;
+  return v & VAL_CLAIMED ? -1 : v & VAL_ENTRY;
+}
+
 // A barrier of the row's blocks (the block itself when the row has one).
 __device__ __forceinline__ void sync_row(int C) {
   if (C > 1) cluster_sync();
@@ -175,11 +259,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   const i64 rid = b < nr ? rid_raw : -1;
   const i64 seq = b < nr ? seq_raw : -1;
   if (b >= nr || rid < 0 || rid >= R || seq < 0) {  // uniform over the cluster: no sync needed
-    for (int i = kb + tid; i < ke; i += BLOCK) o[i] = -1;
-    if (rank == 0 && tid == 0) {
-      plan_count[b] = 0;
-      write_status(st, 0, 0, b < nr ? 1 : 0);
-    }
+    refuse_row<BLOCK>(o, kb, ke, tid, rank, plan_count, b, st, b < nr ? 1 : 0);
     return;
   }
   i32* stok = slot_tokens_row(p, rid);
@@ -194,11 +274,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   if (p.lean && !resident) {  // a lean step serves resident rows only: no copy follows, no
                               // replay (a graph captured lean, replayed after a demotion);
                               // refused, nothing touched
-    for (int i = kb + tid; i < ke; i += BLOCK) o[i] = -1;
-    if (rank == 0 && tid == 0) {
-      plan_count[b] = 0;
-      write_status(st, 0, 0, BADROW_NOT_RESIDENT);
-    }
+    refuse_row<BLOCK>(o, kb, ke, tid, rank, plan_count, b, st, BADROW_NOT_RESIDENT);
     return;
   }
   if (resident || seq <= H) {  // the direct path (abi.cuh): every token has a row of its own
@@ -250,22 +326,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   // token-table instance: clear the slots' hit flags instead)
   const int mask = hash_size - 1;
   const int shift = 32 - (__ffs(hash_size) - 1);  // hash_size is a power of two >= 64
-  {
-    const int4 empty_key = make_int4(KEY_EMPTY, KEY_EMPTY, KEY_EMPTY, KEY_EMPTY);
-    const int4 empty_val = make_int4(VAL_EMPTY, VAL_EMPTY, VAL_EMPTY, VAL_EMPTY);
-    int4* k4 = reinterpret_cast<int4*>(sm.hkey);
-    int4* v4 = reinterpret_cast<int4*>(sm.hval);
-    for (int h = tid; h < (hash_size >> 2); h += BLOCK) {
-      k4[h] = empty_key;
-      v4[h] = empty_val;
-    }
-  }
-  if constexpr (TABLE) {
-    for (int j = tid; j < H; j += BLOCK) sm.loc[j] = 0;
-  } else {
-#pragma unroll 8
-    for (int j = tid; j <= H; j += BLOCK) sm.loc[j] = sloc[j];
-  }
+  clear_hash<BLOCK, TABLE>(sm.hkey, sm.hval, hash_size, sm.loc, sloc, H, tid);
   sync_row(C);  // every block's hash is clear before any block inserts into it
   HS_PHASE(0);
   // token-table instance: the slot the table names for `tok` if it holds `tok` (its device row
@@ -302,20 +363,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
       } else {
         cand = 1;
         hl = first && !TABLE ? hls[u] : hloc[tok];
-        const u32 hv = hash_u32(static_cast<u32>(tok));
-        const int ow = hash_owner(hv, shift, C);
-        int* key = row_smem(sm.hkey, ow, C);
-        int* val = row_smem(sm.hval, ow, C);
-        u32 h = hv >> shift;
-        while (true) {
-          const int prev = atomicCAS(&key[h], KEY_EMPTY, tok);
-          if (prev == KEY_EMPTY || prev == tok) {
-            atomicMin(&val[h], i);
-            sm.hpos[i] = static_cast<int>(h) | (ow << POS_OWNER_SHIFT);
-            break;
-          }
-          h = (h + 1) & mask;
-        }
+        hash_insert(sm.hkey, sm.hval, sm.hpos, tok, i, shift, mask, C);
       }
       sm.tok[i] = tok;
       sm.kind[i] = kind;
@@ -337,20 +385,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
       if ((val[pos & POS_SLOT_MASK] & VAL_ENTRY) != i) sm.kind[i] = K_DUP;
     }
   }
-  // A slot holding token `bt` claims the token's first entry if the hash holds `bt` and no
-  // other slot claimed it (the claim bit of its hash value: one slot per entry even if a state
-  // held a token twice): that entry, else -1.
-  auto claim = [&](int bt) -> int {
-    const u32 hv = hash_u32(static_cast<u32>(bt));
-    const int ow = hash_owner(hv, shift, C);
-    const int* key = row_smem(sm.hkey, ow, C);
-    int* val = row_smem(sm.hval, ow, C);
-    u32 h = hv >> shift;
-    int k;
-    while ((k = key[h]) != bt && k != KEY_EMPTY) h = (h + 1) & mask;
-    const int v = k == bt ? atomicOr(&val[h], VAL_CLAIMED) : VAL_CLAIMED;
-    return v & VAL_CLAIMED ? -1 : v & VAL_ENTRY;
-  };
+  auto claim = [&](int bt) { return hash_claim(sm.hkey, sm.hval, bt, shift, mask, C); };
   // ---- phase 2b (token-table instance, only when the hash holds tokens): the hash holds the
   // tokens the table did not find. A slot holding one (the table missed it: slot_tokens was
   // written by something else, restored, or left by the positional layout) claims it, which
@@ -558,15 +593,8 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
       if (row_smem(sm.kind, oc, C)[c] == K_NOHOST) atomicAdd(&cnt0[ST_NOHOST], 1);
     }
   }
-  // New order: [evictables M.. (untouched)][evictables 0..M (the misses' slots)][hits].
-  {
-    const int ne = sm.warp_evict[NW], nh = sm.warp_hits[NW];
-    for (int j = tid; j < ne; j += BLOCK) {
-      const int e = eb + j;
-      rlru[e >= M ? e - M : E - M + e] = sm.evict[j];
-    }
-    for (int j = tid; j < nh; j += BLOCK) rlru[E + hb + j] = s_hit[j];
-  }
+  write_lru<BLOCK>(rlru, sm.evict, sm.warp_evict[NW], eb, s_hit, sm.warp_hits[NW], hb, E, M,
+                   tid);
   __syncthreads();
   for (int i = kb + tid; i < ke; i += BLOCK) o[i] = sm.res[i];
   // every access to another block's shared memory done, rank 0's counters final (one block:
