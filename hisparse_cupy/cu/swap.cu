@@ -187,6 +187,60 @@ __device__ __forceinline__ int hash_claim(const int* hkey, int* hval, int bt, in
   return v & VAL_CLAIMED ? -1 : v & VAL_ENTRY;
 }
 
+// Phase 2b (token-table instance): each slot 0..H-1 whose token the hash holds (the table missed
+// it) claims the token's first entry j: res[j] the slot's device row (a hit for phase 4), the
+// slot's hit flag in loc, and the table's entry repaired. Slots in slot order (coalesced).
+template <int BLOCK>
+__device__ __forceinline__ void repair_table(const int* hkey, int* hval, const i32* stok,
+                                             const i32* sloc, i16* tsl, int* res, int* loc,
+                                             int H, int shift, int mask, int tid) {
+  for (int s0 = 0; s0 < H; s0 += BLOCK * PREFETCH) {
+    int t[PREFETCH];
+#pragma unroll
+    for (int u = 0; u < PREFETCH; ++u) {
+      const int sl = s0 + u * BLOCK + tid;
+      t[u] = sl < H ? stok[sl] : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < PREFETCH; ++u) {
+      const int sl = s0 + u * BLOCK + tid;
+      const int j = t[u] >= 0 ? hash_claim(hkey, hval, t[u], shift, mask, 1) : -1;
+      if (j >= 0) {
+        res[j] = sloc[sl];  // a device row (>= 0): phase 4 makes entry j a hit
+        loc[sl] = 1;
+        tsl[t[u]] = static_cast<i16>(sl);
+      }
+    }
+  }
+}
+
+// Phase 4's first pass, one warp's entries [i0, i1) (chunks of 32 up to i0 + c4): a canonical
+// entry with an output (res) is a hit, one with a host row in [0, n_host_rows) a miss, else it
+// has no host row (counted in cnt[ST_NOHOST]). Returns the warp's misses.
+__device__ __forceinline__ int classify_misses(u8* kind, const i64* host_row, const int* res,
+                                               int i0, int i1, int c4, int lane,
+                                               i64 n_host_rows, int* cnt) {
+  int nm = 0;
+  for (int g = i0; g < i0 + c4; g += 32) {
+    const int i = g + lane;
+    int miss = 0;
+    if (i < i1 && kind[i] == K_CANON) {
+      const i64 hl = host_row[i];
+      if (res[i] >= 0) {
+        kind[i] = K_HIT;
+      } else if (hl >= 0 && hl < n_host_rows) {
+        miss = 1;
+        kind[i] = K_MISS;
+      } else {
+        kind[i] = K_NOHOST;
+        atomicAdd(&cnt[ST_NOHOST], 1);
+      }
+    }
+    nm += __popc(__ballot_sync(FULL_MASK, miss));
+  }
+  return nm;
+}
+
 // A barrier of the row's blocks (the block itself when the row has one).
 __device__ __forceinline__ void sync_row(int C) {
   if (C > 1) cluster_sync();
@@ -390,26 +444,10 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   // tokens the table did not find. A slot holding one (the table missed it: slot_tokens was
   // written by something else, restored, or left by the positional layout) claims it, which
   // makes the slot a hit, and repairs the table's entry. Slots in slot order (coalesced).
-  if constexpr (TABLE) {
+  if constexpr (TABLE) {  // (one block per row: C = 1)
     if (any_cand) {
-      for (int s0 = 0; s0 < H; s0 += BLOCK * PREFETCH) {
-        int t[PREFETCH];
-#pragma unroll
-        for (int u = 0; u < PREFETCH; ++u) {
-          const int sl = s0 + u * BLOCK + tid;
-          t[u] = sl < H ? stok[sl] : -1;
-        }
-#pragma unroll
-        for (int u = 0; u < PREFETCH; ++u) {
-          const int sl = s0 + u * BLOCK + tid;
-          const int j = t[u] >= 0 ? claim(t[u]) : -1;
-          if (j >= 0) {
-            sm.res[j] = sloc[sl];  // a device row (>= 0): phase 4 makes entry j a hit
-            sm.loc[sl] = 1;
-            tsl[t[u]] = static_cast<i16>(sl);
-          }
-        }
-      }
+      repair_table<BLOCK>(sm.hkey, sm.hval, stok, sloc, tsl, sm.res, sm.loc, H, shift, mask,
+                          tid);
       __syncthreads();  // the claims' hit flags
     }
   }
@@ -468,7 +506,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   }
   sync_row(C);  // every claim made (phase 4 reads the outputs), per-warp counts published
   if (warp == 0) scan_warp_totals<NW>(sm.warp_hits, lane);
-  if (warp == 1 % NW) scan_warp_totals<NW>(sm.warp_evict, lane);  // NW == 1: the same warp, in turn
+  if (warp == 1 % NW) scan_warp_totals<NW>(sm.warp_evict, lane);  // NW == 1: the same warp
   __syncthreads();
   // Token-table instance with every selected token found by the table (no token in the hash):
   // no misses, so the new order is [evictables][hits], written here straight to global memory
@@ -508,24 +546,8 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   // ---- phase 4: misses in top-k order take the least recently used evictable slots. Pass 1
   // needs only phase 3's kinds, published by the barrier above; host rows came with phase 1.
   {
-    int nm = 0;
-    for (int g = i0; g < i0 + c4; g += 32) {
-      const int i = g + lane;
-      int miss = 0;
-      if (i < i1 && sm.kind[i] == K_CANON) {
-        const i64 hl = sm.host_row[i];
-        if (sm.res[i] >= 0) {
-          sm.kind[i] = K_HIT;
-        } else if (hl >= 0 && hl < n_host_rows) {
-          miss = 1;
-          sm.kind[i] = K_MISS;
-        } else {
-          sm.kind[i] = K_NOHOST;
-          atomicAdd(&cnt0[ST_NOHOST], 1);
-        }
-      }
-      nm += __popc(__ballot_sync(FULL_MASK, miss));
-    }
+    const int nm = classify_misses(sm.kind, sm.host_row, sm.res, i0, i1, c4, lane, n_host_rows,
+                                   cnt0);
     if (lane == 0) sm.warp_miss[warp] = nm;
   }
   __syncthreads();  // also publishes the hits and evictables
