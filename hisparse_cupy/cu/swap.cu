@@ -241,10 +241,48 @@ __device__ __forceinline__ int classify_misses(u8* kind, const i64* host_row, co
   return nm;
 }
 
+// Phase 5's duplicates among the block's entries [kb, ke): each takes its token's first entry's
+// output (in whichever block owns it), counted as without a host row when that one is.
+template <int BLOCK>
+__device__ __forceinline__ void copy_duplicates(u8* kind, const int* pos, int* hval,
+                                                int* res, int kb, int ke, int kc, int tid,
+                                                int C, int* cnt) {
+  for (int i = kb + tid; i < ke; i += BLOCK) {
+    if (kind[i] == K_DUP) {
+      const int ps = pos[i];
+      const int c = row_smem(hval, ps >> POS_OWNER_SHIFT, C)[ps & POS_SLOT_MASK] & VAL_ENTRY;
+      const int oc = c / kc;
+      res[i] = row_smem(res, oc, C)[c];
+      if (row_smem(kind, oc, C)[c] == K_NOHOST) atomicAdd(&cnt[ST_NOHOST], 1);
+    }
+  }
+}
+
 // A barrier of the row's blocks (the block itself when the row has one).
 __device__ __forceinline__ void sync_row(int C) {
   if (C > 1) cluster_sync();
   else __syncthreads();
+}
+
+// The direct path of a row (abi.cuh: direct_entry; a resident request's page rows, or the
+// positional layout's slot rows): the block's entries [kb, ke) served, counted in rank 0's
+// counters cnt0 (this block's `cnt`); rank 0 writes plan count 0, the status and the counters.
+template <int BLOCK>
+__device__ __forceinline__ void serve_direct(const SwapResolveParams& p, i64 rid, i64 seq,
+                                             int H, int K, bool resident, const i32* tk, i32* o,
+                                             int kb, int ke, int tid, int rank, int C,
+                                             int* cnt0, const int* cnt, i32* plan_count,
+                                             i32* st, int b) {
+  sync_row(C);  // rank 0's counters are zero before anyone adds
+  const DirectRows d = direct_rows(p, rid, seq, H);
+  if (resident) direct_serve<true, BLOCK>(d, tk, o, kb + tid, ke, cnt0);
+  else direct_serve<false, BLOCK>(d, tk, o, kb + tid, ke, cnt0);
+  sync_row(C);
+  if (rank == 0 && tid == 0) {
+    plan_count[b] = 0;
+    write_status(st, cnt[ST_RANGE], cnt[ST_NOHOST], 0);
+    count_row(p.counters, K, 0, cnt[ST_RANGE] + cnt[ST_NOHOST]);
+  }
 }
 
 template <typename ReqT, typename LenT, int BLOCK, bool TABLE = false>
@@ -331,17 +369,9 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
     refuse_row<BLOCK>(o, kb, ke, tid, rank, plan_count, b, st, BADROW_NOT_RESIDENT);
     return;
   }
-  if (resident || seq <= H) {  // the direct path (abi.cuh): every token has a row of its own
-    sync_row(C);               // rank 0's counters are zero before anyone adds
-    const DirectRows d = direct_rows(p, rid, seq, H);
-    if (resident) direct_serve<true, BLOCK>(d, tk, o, kb + tid, ke, cnt0);
-    else direct_serve<false, BLOCK>(d, tk, o, kb + tid, ke, cnt0);
-    sync_row(C);
-    if (rank == 0 && tid == 0) {
-      plan_count[b] = 0;
-      write_status(st, sm.count[ST_RANGE], sm.count[ST_NOHOST], 0);
-      count_row(p.counters, K, 0, sm.count[ST_RANGE] + sm.count[ST_NOHOST]);
-    }
+  if (resident || seq <= H) {  // the direct path: every token has a row of its own
+    serve_direct<BLOCK>(p, rid, seq, H, K, resident, tk, o, kb, ke, tid, rank, C, cnt0, sm.count,
+                        plan_count, st, b);
     return;
   }
 
@@ -606,15 +636,7 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   HS_PHASE(4);
 
   // ---- phase 5: duplicates take their first entry's output; write-back
-  for (int i = kb + tid; i < ke; i += BLOCK) {
-    if (sm.kind[i] == K_DUP) {
-      const int pos = sm.hpos[i];
-      const int c = row_smem(sm.hval, pos >> POS_OWNER_SHIFT, C)[pos & POS_SLOT_MASK] & VAL_ENTRY;
-      const int oc = c / kc;
-      sm.res[i] = row_smem(sm.res, oc, C)[c];
-      if (row_smem(sm.kind, oc, C)[c] == K_NOHOST) atomicAdd(&cnt0[ST_NOHOST], 1);
-    }
-  }
+  copy_duplicates<BLOCK>(sm.kind, sm.hpos, sm.hval, sm.res, kb, ke, kc, tid, C, cnt0);
   write_lru<BLOCK>(rlru, sm.evict, sm.warp_evict[NW], eb, s_hit, sm.warp_hits[NW], hb, E, M,
                    tid);
   __syncthreads();
