@@ -258,6 +258,37 @@ __device__ __forceinline__ void copy_duplicates(u8* kind, const int* pos, int* h
   }
 }
 
+// Phase 4's second pass, one warp's entries [i0, i1): the row's m-th miss (top-k order; this
+// warp's first is mo) takes the row's m-th evictable slot (in the block of the cluster that
+// holds it: tot's evictables before each block), its output the slot's device row; the slot's
+// token (and, token-table instance, the table's entry) and the plan written.
+template <bool TABLE>
+__device__ __forceinline__ void assign_victims(const SwapResolveParams& p, int b, const u8* kind,
+                                               const int* tok, const i64* host_row, int* res,
+                                               i16* evict, const int* tot, const int* loc,
+                                               const i32* sloc, i32* stok, i16* tsl, int i0,
+                                               int i1, int c4, int lane, unsigned below, int mo,
+                                               int C) {
+  for (int g = i0; g < i0 + c4; g += 32) {
+    const int i = g + lane;
+    const bool miss = i < i1 && kind[i] == K_MISS;
+    const unsigned mm = __ballot_sync(FULL_MASK, miss);
+    if (miss) {
+      const int m = mo + __popc(mm & below);
+      int q = 0;  // the block holding the row's m-th evictable slot
+      while (q + 1 < C && tot[3 * (q + 1) + 1] <= m) ++q;
+      const int victim = row_smem(evict, q, C)[C > 1 ? m - tot[3 * q + 1] : m];
+      const int r = TABLE ? sloc[victim] : loc[victim];
+      res[i] = r;
+      if constexpr (TABLE) tsl[tok[i]] = static_cast<i16>(victim);
+      stok[victim] = tok[i];
+      plan_src_row(p, b)[m] = host_row[i];
+      plan_dst_row(p, b)[m] = r;
+    }
+    mo += __popc(mm);
+  }
+}
+
 // A barrier of the row's blocks (the block itself when the row has one).
 __device__ __forceinline__ void sync_row(int C) {
   if (C > 1) cluster_sync();
@@ -611,27 +642,9 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   const int hb = C > 1 ? sm.cluster_tot[3 * rank] : 0;
   const int eb = C > 1 ? sm.cluster_tot[3 * rank + 1] : 0;
   const int mb = C > 1 ? sm.cluster_tot[3 * rank + 2] : 0;
-  {
-    int mo = mb + sm.warp_miss[warp];
-    for (int g = i0; g < i0 + c4; g += 32) {
-      const int i = g + lane;
-      const bool miss = i < i1 && sm.kind[i] == K_MISS;
-      const unsigned mm = __ballot_sync(FULL_MASK, miss);
-      if (miss) {
-        const int m = mo + __popc(mm & below);
-        int q = 0;  // the block holding the row's m-th evictable slot
-        while (q + 1 < C && sm.cluster_tot[3 * (q + 1) + 1] <= m) ++q;
-        const int victim = row_smem(sm.evict, q, C)[C > 1 ? m - sm.cluster_tot[3 * q + 1] : m];
-        const int loc = TABLE ? sloc[victim] : sm.loc[victim];
-        sm.res[i] = loc;
-        if constexpr (TABLE) tsl[sm.tok[i]] = static_cast<i16>(victim);
-        stok[victim] = sm.tok[i];
-        plan_src_row(p, b)[m] = sm.host_row[i];
-        plan_dst_row(p, b)[m] = loc;
-      }
-      mo += __popc(mm);
-    }
-  }
+  assign_victims<TABLE>(p, b, sm.kind, sm.tok, sm.host_row, sm.res, sm.evict, sm.cluster_tot,
+                        sm.loc, sloc, stok, tsl, i0, i1, c4, lane, below,
+                        mb + sm.warp_miss[warp], C);
   sync_row(C);  // misses' outputs and slot tokens visible to every block
   HS_PHASE(4);
 
