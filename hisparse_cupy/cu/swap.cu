@@ -289,6 +289,58 @@ __device__ __forceinline__ void assign_victims(const SwapResolveParams& p, int b
   }
 }
 
+// Phase 3, one warp's LRU positions [p0, p1) (groups of PREFETCH x 32 up to p0 + c3; the
+// first group's slots and, hash instance, their tokens already in slots / held): each slot's
+// hit bit into order[p] (token-table instance: its flag in loc; else the slot claims its
+// token's first entry j, whose output res[j] becomes the slot's device row), the warp's hits
+// and evictables counted into nh and ne.
+template <bool TABLE>
+__device__ __forceinline__ void scan_lru(int (&slots)[PREFETCH], int (&held)[PREFETCH],
+                                         const i16* rlru, const i32* stok, const int* loc,
+                                         int* res, u16* order, const int* hkey, int* hval,
+                                         int p0, int p1, int c3, int lane, int kc, int C,
+                                         int shift, int mask, int& nh, int& ne) {
+  for (int g = p0; g < p0 + c3; g += 32 * PREFETCH) {
+    if (g != p0) {  // uniform; H > PREFETCH * BLOCK only (the first groups are prefetched)
+#pragma unroll
+      for (int u = 0; u < PREFETCH; ++u) {
+        const int p = g + u * 32 + lane;
+        slots[u] = p < p1 ? rlru[p] : 0;
+      }
+      if constexpr (!TABLE) {
+#pragma unroll
+        for (int u = 0; u < PREFETCH; ++u) {
+          const int p = g + u * 32 + lane;
+          held[u] = p < p1 ? stok[slots[u]] : -1;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < PREFETCH; ++u) {
+      if (g + u * 32 >= p0 + c3) break;  // uniform over the warp
+      const int p = g + u * 32 + lane;
+      const bool valid = p < p1;
+      int hit = 0;
+      if (valid) {
+        if constexpr (TABLE) {
+          hit = loc[slots[u]];
+        } else if (held[u] >= 0) {
+          const int j = hash_claim(hkey, hval, held[u], shift, mask, C);
+          if (j >= 0) {
+            hit = 1;  // entry j's output (a device row, >= 0) marks it a hit for phase 4
+            row_smem(res, j / kc, C)[j] = loc[slots[u]];
+          }
+        }
+        order[p] = static_cast<u16>(slots[u] | (hit << 15));
+      }
+      const unsigned hm = __ballot_sync(FULL_MASK, hit);
+      const unsigned vm = __ballot_sync(FULL_MASK, valid);
+      nh += __popc(hm);
+      ne += __popc(vm & ~hm);
+    }
+  }
+}
+
 // A barrier of the row's blocks (the block itself when the row has one).
 __device__ __forceinline__ void sync_row(int C) {
   if (C > 1) cluster_sync();
@@ -500,7 +552,6 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
       if ((val[pos & POS_SLOT_MASK] & VAL_ENTRY) != i) sm.kind[i] = K_DUP;
     }
   }
-  auto claim = [&](int bt) { return hash_claim(sm.hkey, sm.hval, bt, shift, mask, C); };
   // ---- phase 2b (token-table instance, only when the hash holds tokens): the hash holds the
   // tokens the table did not find. A slot holding one (the table missed it: slot_tokens was
   // written by something else, restored, or left by the positional layout) claims it, which
@@ -521,45 +572,8 @@ __global__ void __launch_bounds__(BLOCK, 1) swap_resolve(const SwapResolveParams
   // Token-table instance: a slot that phase 1 or 2b flagged is a hit; no slot tokens, no probe.
   {
     int nh = 0, ne = 0;
-    for (int g = p0; g < p0 + c3; g += 32 * PREFETCH) {
-      if (g != p0) {  // uniform; H > PREFETCH * BLOCK only (the first groups are prefetched)
-#pragma unroll
-        for (int u = 0; u < PREFETCH; ++u) {
-          const int p = g + u * 32 + lane;
-          slots[u] = p < p1 ? rlru[p] : 0;
-        }
-        if constexpr (!TABLE) {
-#pragma unroll
-          for (int u = 0; u < PREFETCH; ++u) {
-            const int p = g + u * 32 + lane;
-            held[u] = p < p1 ? stok[slots[u]] : -1;
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < PREFETCH; ++u) {
-        if (g + u * 32 >= p0 + c3) break;  // uniform over the warp
-        const int p = g + u * 32 + lane;
-        const bool valid = p < p1;
-        int hit = 0;
-        if (valid) {
-          if constexpr (TABLE) {
-            hit = sm.loc[slots[u]];
-          } else if (held[u] >= 0) {
-            const int j = claim(held[u]);
-            if (j >= 0) {
-              hit = 1;  // entry j's output (a device row, >= 0) marks it a hit for phase 4
-              row_smem(sm.res, j / kc, C)[j] = sm.loc[slots[u]];
-            }
-          }
-          sm.order[p] = static_cast<u16>(slots[u] | (hit << 15));
-        }
-        const unsigned hm = __ballot_sync(FULL_MASK, hit);
-        const unsigned vm = __ballot_sync(FULL_MASK, valid);
-        nh += __popc(hm);
-        ne += __popc(vm & ~hm);
-      }
-    }
+    scan_lru<TABLE>(slots, held, rlru, stok, sm.loc, sm.res, sm.order, sm.hkey, sm.hval, p0, p1,
+                    c3, lane, kc, C, shift, mask, nh, ne);
     if (lane == 0) {
       sm.warp_hits[warp] = nh;
       sm.warp_evict[warp] = ne;
