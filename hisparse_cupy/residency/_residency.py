@@ -26,13 +26,16 @@ device keeps (its admission's length, then each step's newest token, recorded by
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from .. import _checks
 from .._checks import StreamLike
-from .._kernels.rows import load_rows
-from ._arena import DeviceArena
 from ._budget import DeviceBudget
+
+if TYPE_CHECKING:  # (CuPy's: imported where a budget needs them, so this module needs NumPy)
+    from ._arena import DeviceArena
 
 __all__ = ["Residency"]
 
@@ -62,6 +65,8 @@ class Residency:
         hands it its parts (:meth:`bind`)."""
         if device_budget is None:
             return Residency(max_requests)
+        from ._arena import DeviceArena
+
         return _Budgeted(DeviceArena(
             max_requests=max_requests, max_len=max_len,
             n_rows=_checks.integer("device_budget", device_budget, 1),
@@ -272,6 +277,8 @@ class _Budgeted(Residency):
 
     def on_write(self, rid: int, start: int, rows: np.ndarray, stream) -> None:
         if self._arena.is_resident(rid):
+            from .._kernels.rows import load_rows
+
             load_rows(self._pool, rows, self._device,
                       self._arena.rows(rid, start, start + len(rows)), stream)
 
