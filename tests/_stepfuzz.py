@@ -139,6 +139,8 @@ class Backend:
         if c.pages is not None:  # pages handed out in random order: no row where the slot
             got = c.pages.take(c.pages.free_pages)  # layout would have it
             c.pages.put(np.random.default_rng(seed).permutation(got))
+        if c.residency.budget is not None:  # the default policy's hysteresis (0: none)
+            c.residency.budget.cooldown = int(np.random.default_rng(seed + 1).integers(0, 4))
         return c
 
     def prefetcher(self, cache, pattern: str, rule: str, group: int, at: str):
@@ -410,6 +412,8 @@ class Fuzz:
         b = self._budget()
         rid = int(self.rng.choice(list(self.active)))
         obj, view = self._pick_stream()
+        if self.rng.random() < 0.03:  # the policy's hysteresis changed mid-run
+            b.cooldown = int(self.rng.integers(0, 4))
         if self.rng.random() < 0.3:  # the cache's default policy
             if self.rng.random() < 0.5:
                 try:
@@ -655,9 +659,12 @@ class Fuzz:
         return lens
 
     def _grow(self, req, lens, obj) -> None:
-        """The engine's part before a step: room in the host pool for its tokens."""
+        """The engine's part before a step: room in the host pool for its tokens; with a device
+        budget, the step's requests touched (the policy's idleness and cooldown count steps)."""
         for b, r in enumerate(req):
             self._grow_to(int(r), int(lens[b].max()), obj)
+        if (budget := self._budget()) is not None:
+            budget.touch(req)
 
     def _eager_step(self, req, lens, S, pad) -> None:
         rng, c, xp = self.rng, self.c, self.xp

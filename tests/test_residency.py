@@ -135,6 +135,46 @@ def test_room_for_demotes_the_longest_idle_then_the_largest():
     b.check()
 
 
+def test_a_cooldown_keeps_moved_requests_where_they_went():
+    """``cooldown`` steps of hysteresis: a demoted request (or a cancelled promotion) is not
+    promotable until that many touches passed; a promoted one is named by room_for only after
+    every other resident; 0 (the default) changes nothing; bad values are refused by name; the
+    engine's own moves are never refused."""
+    b = DeviceBudget(64, 4, block_rows=8)  # block: 2 pages
+    for rid, n in ((0, 40), (1, 80), (2, 40)):
+        b.admit(rid, n)  # 10, 20, 10 pages: 24 free
+    assert b.cooldown == 0
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises((TypeError, ValueError), match="cooldown"):
+            b.cooldown = bad
+    b.cooldown = 3
+    b.demote(1)  # +18 free: 42
+    assert b.promotable() == []  # cooling: demoted 0 steps ago
+    b.touch([0, 2])
+    b.touch([0, 2])
+    assert b.promotable() == []  # 2 steps
+    b.touch([0, 2])
+    assert b.promotable() == [1]  # 3 steps: free to come back
+    b.promote(1)  # (an engine's own move: never refused)
+    b.cancel_promotion(1)
+    assert b.promotable() == [] and b.state(1) == "sparse"  # a cancel cools down too
+    for _ in range(3):
+        b.touch([0, 1, 2])
+    b.promote(1)
+    b.finish_promotion(1)
+    b.touch([1])
+    b.touch([0, 2])  # 1 idle longest, but 2 steps since its promotion: named last
+    assert b.room_for(b.free_pages + 30) == [0, 2, 1]  # +8 +8, then 1 (+18) only when needed
+    assert b.room_for(b.free_pages + 8) == [0]
+    b.touch([0, 2])  # 3 steps since the promotion: 1, the longest idle, first again
+    assert b.room_for(b.free_pages + 8) == [1]
+    b.cooldown = 0
+    b.demote(0)
+    assert 0 in b.promotable()  # no cooldown: at once, as before
+    b.release(0)
+    b.check()
+
+
 def test_room_for_refuses_when_the_first_demotion_has_no_block():
     """A demotion takes its block before its pages return: with fewer free pages than a
     block, no demotion can start, and room_for says so rather than name victims."""
@@ -177,9 +217,9 @@ MOVES = [(0.55, "demote", "sparse"), (0.65, "promote", "promoting"),
 @pytest.mark.slow
 def test_randomized_against_a_model():
     """50k operations at random (admit in any state, grow, demote, promote, finish, cancel,
-    release, the policy's picks carried out): after each the budget's invariants hold, the
-    free pages equal the model's count, the requests not resident are the model's (a lean
-    step's rule), and no device row is held by two requests."""
+    release, the policy's picks carried out, its cooldown changed): after each the budget's
+    invariants hold, the free pages equal the model's count, the requests not resident are the
+    model's (a lean step's rule), and no device row is held by two requests."""
     rng = np.random.default_rng(47)
     n_pages, P, block_rows = 96, 4, 14
     b = DeviceBudget(n_pages, P, block_rows)
@@ -215,6 +255,8 @@ def test_randomized_against_a_model():
                 del model[rid]
             elif op < 0.9 and live:
                 b.touch(rng.choice(live, int(rng.integers(1, len(live) + 1)), replace=False))
+                if rng.random() < 0.02:  # the policy's hysteresis, changed mid-run
+                    b.cooldown = int(rng.integers(0, 6))
             elif op < 0.95:
                 for r in b.room_for(int(rng.integers(0, 40))):
                     b.demote(r)

@@ -91,9 +91,30 @@ class DeviceBudget:
         self._block: dict[int, list[int]] = {}  # rid -> its block (sparse, promoting)
         self._tokens: dict[int, int] = {}  # rid -> tokens (all states)
         self._used: dict[int, int] = {}  # rid -> the clock at its last touch
+        self._moved: dict[int, int] = {}  # rid -> the clock at its last demotion or promotion
         self._clock = 0
+        self._cooldown = 0
 
     # ------------------------------------------------------------------ sizes
+    @property
+    def cooldown(self) -> int:
+        """Steps (:meth:`touch` calls: an engine's steps, and each admission's) a move holds
+        for the default policy, so that requests do not flap between resident and sparse:
+        :meth:`promotable` leaves out a request demoted (or whose promotion was cancelled)
+        fewer steps ago, and :meth:`room_for` names a request promoted fewer steps ago only
+        after every other. Default 0: no cooldown. Moves an engine makes itself are never
+        refused by it."""
+        return self._cooldown
+
+    @cooldown.setter
+    def cooldown(self, steps: int) -> None:
+        self._cooldown = _checks.integer("cooldown", steps, 0)
+
+    def _cooling(self, rid: int) -> bool:
+        """Whether ``rid`` moved fewer than :attr:`cooldown` steps ago."""
+        t = self._moved.get(rid)
+        return t is not None and self._clock - t < self._cooldown
+
     @property
     def n_pages(self) -> int:
         return self._pages.n_pages
@@ -249,6 +270,7 @@ class DeviceBudget:
         if rid in self._block:
             self._pages.put(self._block.pop(rid), fence=fence)
         del self._state[rid], self._tokens[rid], self._used[rid]
+        self._moved.pop(rid, None)
 
     def demote(self, rid: int, *, fence=None, wait=None) -> tuple[np.ndarray, list[int]]:
         """Resident -> sparse: ``rid`` takes a block (its fences to ``wait``), and returns
@@ -265,6 +287,7 @@ class DeviceBudget:
         freed = self._pages.pages(rid)
         self._pages.release(rid, fence=fence)
         self._state[rid] = SPARSE
+        self._moved[rid] = self._clock
         return self.block(rid), freed
 
     def promote(self, rid: int, *, wait=None) -> np.ndarray:
@@ -278,6 +301,7 @@ class DeviceBudget:
                              f"request is promoted")
         self._pages.admit(rid, self._tokens[rid], wait=wait)
         self._state[rid] = PROMOTING
+        self._moved[rid] = self._clock
         return self._pages.rows(rid)
 
     def finish_promotion(self, rid: int, *, fence=None) -> list[int]:
@@ -300,6 +324,7 @@ class DeviceBudget:
         freed = self._pages.pages(rid)
         self._pages.release(rid, fence=fence)
         self._state[rid] = SPARSE
+        self._moved[rid] = self._clock
         return freed
 
     # ------------------------------------------------------------------ the default policy
@@ -312,7 +337,8 @@ class DeviceBudget:
     def room_for(self, pages: int, *, keep: ArrayLike = ()) -> list[int]:
         """The resident requests to demote, in order, so that ``pages`` more pages are free
         afterwards: longest idle first, then those holding the most pages; never one of
-        ``keep``; ties go to the lowest request slot. Empty when they fit already. Raises
+        ``keep``; ties go to the lowest request slot; a request still cooling down from its
+        promotion (:attr:`cooldown`) only after every other. Empty when they fit already. Raises
         :class:`PoolExhausted` when demoting every other resident request would not make the
         room, or when fewer pages are free than the block the first demotion takes (nothing
         is demoted here); its ``free`` is the pages free now, its message says how many the
@@ -321,7 +347,8 @@ class DeviceBudget:
         kept = {int(r) for r in np.asarray(keep, np.int64).reshape(-1).tolist()}
         free = self.free_pages
         cands = sorted((r for r, st in self._state.items() if st == RESIDENT and r not in kept),
-                       key=lambda r: (self._used[r], -len(self._pages.pages(r)), r))
+                       key=lambda r: (self._cooling(r), self._used[r],
+                                      -len(self._pages.pages(r)), r))
         if free < need and free < self.block_pages:  # a demotion takes its block first
             raise PoolExhausted(f"room for {need} pages (a demotion first takes a block of "
                                 f"{self.block_pages})", need, free, "device")
@@ -341,10 +368,12 @@ class DeviceBudget:
 
     def promotable(self) -> list[int]:
         """Sparse requests whose pages fit now, most recently used first (ties: the lowest
-        request slot), taken greedily."""
+        request slot), taken greedily; not one still cooling down from its demotion
+        (:attr:`cooldown`)."""
         free = self.free_pages
         out = []
-        for r in sorted((r for r, st in self._state.items() if st == SPARSE),
+        for r in sorted((r for r, st in self._state.items()
+                         if st == SPARSE and not self._cooling(r)),
                         key=lambda r: (-self._used[r], r)):
             need = self.pages_for(self._tokens[r])
             if need <= free:
@@ -382,3 +411,4 @@ class DeviceBudget:
         assert len(set(held)) == len(held)
         assert sorted(held) == sorted(np.flatnonzero(self._pages.held).tolist())
         assert set(self._used) == set(self._state)
+        assert set(self._moved) <= set(self._state)
