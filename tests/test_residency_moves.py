@@ -45,6 +45,9 @@ def test_without_a_budget_nothing_is_resident_and_every_move_refuses():
     with pytest.raises(ValueError, match="no device budget"):
         r.lean_step(True)
     assert r.switch_promoted() == [] and r.promoting == [] and r.state(3) == "sparse"
+    ordered = []  # bound to a cache: switch_promoted still orders the stream it is given
+    r.bind(tables=None, device=None, pool=None, host=None, order=ordered.append)
+    assert r.switch_promoted("s") == [] and ordered == ["s"]
     with pytest.raises(ValueError, match="rid"):
         r.state(4)
     for call, args in (("demote", (0,)), ("promote", (0,)), ("make_room", (8,)),
@@ -54,6 +57,7 @@ def test_without_a_budget_nothing_is_resident_and_every_move_refuses():
     # the cache's calls: nothing to do, and resident=True refused by name
     assert r.fields() == {} and r.newest_fields() == {} and not r.is_resident(0)
     assert r.on_admit(0, 10, None, None) is None and r.on_admit(0, 10, False, None) is None
+    assert r.on_admit(0, 10, 0, None) is None  # falsy: sparse (DeviceBudget.admit reads so)
     with pytest.raises(ValueError, match="resident=True needs a device budget"):
         r.on_admit(0, 10, True, None)
     r.on_grow(0, 20, None, check=True)

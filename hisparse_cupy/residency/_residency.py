@@ -55,6 +55,7 @@ class Residency:
 
     def __init__(self, max_requests: int):
         self._R = max_requests
+        self._order = None  # cache.order, from bind()
 
     @staticmethod
     def of(device_budget: int | None, device_page: int, *, max_requests: int, max_len: int,
@@ -74,8 +75,9 @@ class Residency:
 
     def bind(self, *, tables, device, pool, host, order) -> None:
         """The parts of the cache the moves touch: its ``tables``, ``device`` rows, host
-        ``pool`` and map (``host``), and ``order`` (``cache.order``). Nothing to keep
-        without a budget."""
+        ``pool`` and map (``host``), and ``order`` (``cache.order``); without a budget only
+        ``order`` (:meth:`switch_promoted` still orders the stream it is given)."""
+        self._order = order
 
     # ------------------------------------------------------------- the engine's face
     def state(self, rid: int) -> str:
@@ -98,7 +100,11 @@ class Residency:
         raise ValueError(f"promote {_NO_BUDGET}")
 
     def switch_promoted(self, stream: StreamLike | None = None) -> list[int]:
-        """The promotions that landed become resident: none without a budget."""
+        """The promotions that landed become resident: none without a budget. ``stream`` is
+        ordered after every earlier call of the cache all the same (``cache.order``), as
+        engines call it before a graph replay."""
+        if self._order is not None:
+            self._order(stream)
         return []
 
     def make_room(self, pages: int, *, keep=(), stream: StreamLike | None = None) -> list[int]:
@@ -145,7 +151,7 @@ class Residency:
         """Admission's first step, before the host pool takes anything: the rows of a sparse
         request's block, or None (its hot slots are its own slot's rows, or it is resident:
         :meth:`is_resident`). Refuses ``resident=True`` without a budget."""
-        if resident is not None and resident is not False:
+        if resident:  # (truthiness, as DeviceBudget.admit reads it)
             raise ValueError(f"resident={resident!r} {_NO_BUDGET}")
         return None
 
@@ -188,8 +194,8 @@ class _Budgeted(Residency):
         self.n_rows = arena.n_rows
 
     def bind(self, *, tables, device, pool, host, order) -> None:
+        super().bind(tables=tables, device=device, pool=pool, host=host, order=order)
         self._tables, self._device, self._pool, self._host = tables, device, pool, host
-        self._order = order  # cache.order: the stream, after every earlier call's work
 
     def state(self, rid: int) -> str:
         return self.budget.state(self._admitted(rid))
