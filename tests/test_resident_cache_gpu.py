@@ -44,7 +44,7 @@ def _run_steps(rng, cache, ids, lens, steps, lean=None):
             cache.grow(r, lens[r] + 1)
         seq = cupy.asarray(n + 1, cupy.int32)
         step = cache.begin_step(req, seq, lean=lean)
-        assert step.lean == (cache.residency.budget.all_resident() if lean is None else lean)
+        assert step.lean == (cache.residency.lean_step() if lean is None else lean)
         rows = cupy.asnumpy(step.newest_rows())
         assert (rows >= 0).all()
         for layer in range(L):
@@ -486,4 +486,33 @@ def test_the_default_policy_makes_room_and_promotes_when_it_returns(rng):
     cache.residency._arena.promoting[0][0].synchronize()
     _run_steps(rng, cache, ids, lens, 3)  # its begin_step switches it
     assert b.state(0) == "resident"
+    cache.close()
+
+
+def test_a_cache_without_a_budget_has_a_residency_that_moves_nothing(rng):
+    """``cache.residency`` without ``device_budget``: nothing resident, every move refused by
+    name, ``admit(resident=True)`` refused with nothing taken (``resident=False`` and None
+    admit sparse), ``switch_promoted`` orders its stream and switches nothing, steps never
+    lean; the names that moved off the cache point to it."""
+    import cupy
+
+    cache = _cache(None)
+    res = cache.residency
+    assert not res.enabled and res.budget is None and res.n_rows is None
+    free = cache.max_requests
+    with pytest.raises(ValueError, match="resident=True needs a device budget"):
+        cache.admit(100, kv=kv_for(0, 0, 100), resident=True)
+    assert cache.active == {} and free == cache.max_requests
+    a = cache.admit(100, kv=kv_for(0, 0, 100), resident=False)
+    b = cache.admit(100, kv=kv_for(1, 0, 100))
+    assert sorted(cache.active) == [a, b] and res.state(a) == res.state(b) == "sparse"
+    for call, args in (("demote", (a,)), ("promote", (a,)), ("make_room", (4,)),
+                       ("promote_ready", ())):
+        with pytest.raises(ValueError, match=f"{call} needs a device budget"):
+            getattr(res, call)(*args)
+    s = cupy.cuda.Stream(non_blocking=True)
+    assert res.switch_promoted(stream=s) == [] and not res.lean_step()
+    with pytest.raises(AttributeError, match=r"moved in 0.2: call cache\.residency\.demote"):
+        cache.demote(a)
+    _run_steps(rng, cache, {a: 0, b: 1}, {a: 100, b: 100}, 2)  # (bytes checked)
     cache.close()
