@@ -42,6 +42,7 @@ def test_refusals_name_what_is_missing(monkeypatch, capsys):
     assert sd.main(["nope.cu"]) == 2 and "not kernel sources" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # (two NVRTC compiles and two disassemblies: 2 s)
 def test_a_real_comparison_where_nvdisasm_is_at_hand(tmp_path, capsys):
     pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC compiles the sources")
     nvd = sd.find_nvdisasm(None)
