@@ -8,5 +8,7 @@ One ``.py`` here per ``hisparse_cupy/cu/*.cu`` family: :mod:`.swap` (the single-
 :mod:`.sums` (a transfer's per-layer checksum, ``cu/sums.cu``); the Prefetcher's staging kernel
 ``cu/predict.cu`` is launched by :mod:`hisparse_cupy.streams._predict`. Shared: :mod:`._abi` (the
 C++ structs mirrored as NumPy dtypes), :mod:`.build` (one RawModule per source, the name
-expressions, :func:`compile_check`), :mod:`.launch` (structs, streams, PDL, launches).
+expressions, :func:`compile_check`), :mod:`.launch` (structs, streams, PDL, launches), and
+:mod:`.rows` (the bulk row moves between the host pool and GPU memory that the cache,
+residency and PD make: the planned copy, or the copy engines for long runs).
 """
