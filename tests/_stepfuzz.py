@@ -325,7 +325,7 @@ class Fuzz:
                 assert (len(c.active), None if c.pages is None else c.pages.free_pages) == \
                     before, f"seed {self.seed}: a refused admission took something"
                 self.refused_resident += 1
-                res["resident"] = bool(rng.random() < 0.5) and None  # None or False: sparse
+                res["resident"] = None if rng.random() < 0.5 else False  # both: sparse
             try:
                 rid = c.admit(n, kv=kv, warm_tokens=warm, prefix=fork, stream=obj, **res)
             finally:

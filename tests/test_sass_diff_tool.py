@@ -43,7 +43,7 @@ def test_refusals_name_what_is_missing(monkeypatch, capsys):
 
 
 @pytest.mark.slow  # (two NVRTC compiles and two disassemblies: 2 s)
-def test_a_real_comparison_where_nvdisasm_is_at_hand(tmp_path, capsys):
+def test_a_real_comparison_where_nvdisasm_is_at_hand(tmp_path):
     pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC compiles the sources")
     nvd = sd.find_nvdisasm(None)
     if nvd is None:
