@@ -289,8 +289,9 @@ class _Budgeted(Residency):
                       self._arena.rows(rid, start, start + len(rows)), stream)
 
     def on_step(self, stream) -> None:
-        if not stream.is_capturing():
-            self.switch_promoted(stream)
+        # (``stream`` is ordered already: begin_step's; no second cache.order per step)
+        if self._arena.promoting and not stream.is_capturing():
+            self._arena.switch(self._host.locs, self._pool, self._device, self._tables, stream)
 
     def on_release(self, rid: int, stream) -> None:
         if rid in self.budget:
