@@ -183,6 +183,16 @@ def integer(name: str, v, lo: int | None = None, hi: int | None = None) -> int:
     return v
 
 
+def fraction(name: str, v) -> float:
+    """A real number in ``[0, 1]`` (an int or a float; not a bool, not NaN)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number in [0, 1], got {type(v).__name__}")
+    v = float(v)
+    if not 0.0 <= v <= 1.0:  # (NaN fails both)
+        raise ValueError(f"{name} must be in [0, 1], got {v}")
+    return v
+
+
 def one_of(name: str, v, choices: tuple[int, ...]) -> int:
     """An int among ``choices``."""
     v = integer(name, v)

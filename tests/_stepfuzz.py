@@ -83,6 +83,14 @@ def draw_config(rng, budget: bool = False) -> dict:
                 device_page=int(rng.choice([4, 8, 16])))
 
 
+def _band(rng) -> tuple[float, float]:
+    """The default policy's watermarks: none (1.0, 1.0) half the time, else a band in [0, 1]."""
+    if rng.random() < 0.5:
+        return (1.0, 1.0)
+    low = float(rng.random())
+    return (low, low + float(rng.random()) * (1.0 - low))
+
+
 class Backend:
     """What differs between the GPU and the model: arrays, objects, streams, graphs."""
 
@@ -140,7 +148,9 @@ class Backend:
             got = c.pages.take(c.pages.free_pages)  # layout would have it
             c.pages.put(np.random.default_rng(seed).permutation(got))
         if c.residency.budget is not None:  # the default policy's hysteresis (0: none)
-            c.residency.budget.cooldown = int(np.random.default_rng(seed + 1).integers(0, 4))
+            g = np.random.default_rng(seed + 1)
+            c.residency.budget.cooldown = int(g.integers(0, 4))
+            c.residency.budget.watermarks = _band(g)
         return c
 
     def prefetcher(self, cache, pattern: str, rule: str, group: int, at: str):
@@ -414,8 +424,12 @@ class Fuzz:
         obj, view = self._pick_stream()
         if self.rng.random() < 0.03:  # the policy's hysteresis changed mid-run
             b.cooldown = int(self.rng.integers(0, 4))
+            b.watermarks = _band(self.rng)
         if self.rng.random() < 0.3:  # the cache's default policy
-            if self.rng.random() < 0.5:
+            if self.rng.random() < 0.2:  # down to the high watermark, the step's requests kept
+                keep = self.rng.choice(list(self.active), int(self.rng.integers(0, 2)))
+                self.moves += len(self.c.residency.shed(keep=keep, stream=obj))
+            elif self.rng.random() < 0.5:
                 try:
                     self.moves += len(self.c.residency.make_room(
                         b.free_pages + int(self.rng.integers(1, 64)), stream=obj))

@@ -175,6 +175,65 @@ def test_a_cooldown_keeps_moved_requests_where_they_went():
     b.check()
 
 
+def test_watermarks_band_the_policy_moves():
+    """``watermarks = (low, high)``: promotable names nothing at or above low and takes
+    requests only while the pages in use stay at or under high; excess names the residents to
+    demote down to high (room_for's order, none cooling down, never one kept; best effort when
+    no set reaches it; empty without a free block); (1.0, 1.0), the default, changes nothing;
+    bad values are refused by name, leaving the band as it was."""
+    b = DeviceBudget(100, 4, block_rows=8)  # block: 2 pages
+    assert b.watermarks == (1.0, 1.0) and b.excess() == []
+    for bad, err in (((0.6, 0.5), ValueError), ((-0.1, 0.5), ValueError),
+                     ((0.2, 1.5), ValueError), ((float("nan"), 0.5), ValueError),
+                     (0.5, TypeError), ((0.1, 0.2, 0.3), TypeError), ((True, 0.5), TypeError),
+                     (("0.1", 0.5), TypeError)):
+        with pytest.raises(err, match="watermarks"):
+            b.watermarks = bad
+    assert b.watermarks == (1.0, 1.0)
+    for rid in range(4):
+        b.admit(rid, 80, resident=False)  # 4 blocks: 8 pages in use
+    b.touch([3])
+    b.touch([2])  # most recently used: 2, 3, then 0, 1
+    b.watermarks = (0.25, 0.5)
+    assert b.watermarks == (0.25, 0.5)
+    assert b.promotable() == [2, 3]  # 20 pages each: in use 8 -> 26 -> 44 <= 50; 0 would be 62
+    for r in (2, 3):
+        b.promote(r)
+        b.finish_promotion(r)  # in use: 40 + 4 = 44
+    assert b.promotable() == []  # 44 >= 25: at or above low, nothing
+    assert b.excess() == []  # 44 <= 50
+    b.grow(2, 120)  # 30 pages: in use 54 > 50
+    assert b.excess() == [3]  # 3 idles longest (touched before 2): 54 - 20 + 2 = 36 <= 50
+    assert b.excess(keep=[3]) == [2]
+    b.touch([3])
+    assert b.excess() == [2]  # now 2 idles longest
+    for _ in range(5):
+        b.touch([2, 3])  # both used now: the one holding more pages first
+    b.cooldown = 5  # (2 and 3 were promoted 6 steps ago: not cooling)
+    b.promote(0)
+    b.finish_promotion(0)  # 0: promoted 0 steps ago; in use 54 + 20 - 2 = 72
+    assert b.excess() == [2]  # 72 - 28 = 44 <= 50; 0 (cooling, idle longest) not named
+    b.watermarks = (0.0, 0.1)  # no set reaches 10 pages in use: each non-cooling one that frees
+    assert b.excess() == [2, 3]
+    b.cooldown = 0
+    assert b.excess() == [0, 2, 3]  # 0 idle longest: 28 + 18 + 28 + 18 = 92 pages free >= 90
+    b.watermarks = (1.0, 1.0)
+    assert b.excess() == [] and b.promotable() == [1]  # no band: 1 fits (28 free), as before
+    b.check()
+
+
+def test_excess_needs_a_free_block():
+    """The first demotion takes its block before its pages return: with fewer free pages than
+    a block, excess names nothing, however far over the high watermark."""
+    b = DeviceBudget(10, 4, block_rows=8)  # block: 2 pages
+    b.admit(0, 40)  # 10 pages: none free
+    b.watermarks = (0.0, 0.5)
+    assert b.free_pages == 0 and b.excess() == []
+    b.release(0)
+    b.admit(0, 32)  # 8 pages, 2 free
+    assert b.excess() == [0]  # 8 - 2 = 6 freed: 2 in use <= 5
+
+
 def test_room_for_refuses_when_the_first_demotion_has_no_block():
     """A demotion takes its block before its pages return: with fewer free pages than a
     block, no demotion can start, and room_for says so rather than name victims."""
@@ -217,9 +276,11 @@ MOVES = [(0.55, "demote", "sparse"), (0.65, "promote", "promoting"),
 @pytest.mark.slow
 def test_randomized_against_a_model():
     """50k operations at random (admit in any state, grow, demote, promote, finish, cancel,
-    release, the policy's picks carried out, its cooldown changed): after each the budget's
-    invariants hold, the free pages equal the model's count, the requests not resident are the
-    model's (a lean step's rule), and no device row is held by two requests."""
+    release, the policy's picks carried out, its cooldown and watermarks changed): after each
+    the budget's invariants hold, the free pages equal the model's count, the requests not
+    resident are the model's (a lean step's rule), no device row is held by two requests, the
+    policy's promotions start under the low watermark and stay under the high one, and its
+    demotions reach the high one or name nothing more."""
     rng = np.random.default_rng(47)
     n_pages, P, block_rows = 96, 4, 14
     b = DeviceBudget(n_pages, P, block_rows)
@@ -257,14 +318,29 @@ def test_randomized_against_a_model():
                 b.touch(rng.choice(live, int(rng.integers(1, len(live) + 1)), replace=False))
                 if rng.random() < 0.02:  # the policy's hysteresis, changed mid-run
                     b.cooldown = int(rng.integers(0, 6))
-            elif op < 0.95:
+                if rng.random() < 0.02:
+                    low = float(rng.random())
+                    b.watermarks = (low, low + float(rng.random()) * (1 - low))
+            elif op < 0.93:
                 for r in b.room_for(int(rng.integers(0, 40))):
                     b.demote(r)
                     model[r][0] = "sparse"
+            elif op < 0.95:
+                high = int(b.watermarks[1] * n_pages + 1e-9)
+                victims = b.excess()
+                for r in victims:
+                    b.demote(r)
+                    model[r][0] = "sparse"
+                # at or under the band now, or nothing more it could demote
+                assert n_pages - b.free_pages <= high or b.excess() == [], i
             else:
+                in_use = n_pages - b.free_pages
+                low, high = (int(x * n_pages + 1e-9) for x in b.watermarks)
                 for r in b.promotable():
+                    assert in_use < low, i
                     b.promote(r)
                     model[r][0] = "promoting"
+                    assert n_pages - b.free_pages <= high, i
         except (PoolExhausted, ValueError, KeyError):
             pass
         assert b.free_pages == expected_free(), i

@@ -1,7 +1,7 @@
 """CPU: the cache's residency rules that need no GPU (``cache.residency``,
 ``residency/_residency.py``): whether a step runs lean, and the default policy's orchestration
-(``make_room``, ``promote_ready``) over a :class:`DeviceBudget`, the moves themselves recorded
-instead of queued; a cache without a budget; the names that moved off the cache."""
+(``make_room``, ``promote_ready``, ``shed``) over a :class:`DeviceBudget`, the moves themselves
+recorded instead of queued; a cache without a budget; the names that moved off the cache."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_without_a_budget_nothing_is_resident_and_every_move_refuses():
     with pytest.raises(ValueError, match="rid"):
         r.state(4)
     for call, args in (("demote", (0,)), ("promote", (0,)), ("make_room", (8,)),
-                       ("promote_ready", ())):
+                       ("promote_ready", ()), ("shed", ())):
         with pytest.raises(ValueError, match=rf"{call} needs a device budget"):
             getattr(r, call)(*args)
     # the cache's calls: nothing to do, and resident=True refused by name
@@ -110,7 +110,21 @@ def test_make_room_demotes_whom_room_for_names_or_nothing():
     b.check()
 
 
-@pytest.mark.parametrize("call", ["demote", "promote", "make_room", "promote_ready"])
+def test_shed_demotes_down_to_the_high_watermark():
+    b = _budget()  # 40 of 64 pages in use: 0 idle longest
+    m = Moves(b)
+    assert m.shed() == [] and m.done == []  # no band: never
+    b.watermarks = (0.25, 0.5)  # 32 pages in use at most
+    assert m.shed() == [0]  # 0 idle longest: 40 - 10 + 2 = 32
+    assert m.shed() == [] and b.free_pages == 32
+    b.watermarks = (0.25, 0.3)  # 19 at most: 2 (+8) alone is all it may demote beside 1 kept
+    assert m.shed(keep=[1]) == [2] and b.free_pages == 40
+    assert m.done == [("demote", 0), ("demote", 2)]
+    assert m.promote_ready() == []  # 24 in use: not under the low watermark (16)
+    b.check()
+
+
+@pytest.mark.parametrize("call", ["demote", "promote", "make_room", "promote_ready", "shed"])
 def test_a_token_count_is_refused(call):
     """0.1.x took the written tokens' count (``demote(rid, n)``, ``make_room(pages,
     written)``...): the cache counts them on the device now (issue 60), so a count given is a
@@ -118,7 +132,7 @@ def test_a_token_count_is_refused(call):
     b = _budget()
     m = Moves(b)
     args = {"demote": (0, 40), "promote": (0, 40), "make_room": (30, {0: 40}),
-            "promote_ready": ({0: 40},)}[call]
+            "promote_ready": ({0: 40},), "shed": ({0: 40},)}[call]
     with pytest.raises(TypeError, match="positional argument"):
         getattr(_Budgeted, call)(m, *args)
     assert m.done == [] and all(b.state(r) == "resident" for r in (0, 1, 2))

@@ -34,6 +34,13 @@ The default policy is replaceable: an engine may call :meth:`~DeviceBudget.demot
   most pages, then the lowest request slot.
 - :meth:`~DeviceBudget.promotable` names the sparse requests whose pages fit now, most recently
   used first, then the lowest request slot.
+- :meth:`~DeviceBudget.excess` names the resident requests to demote so that the pages in use
+  fall to the high watermark (:attr:`~DeviceBudget.watermarks`), in :meth:`room_for`'s order.
+
+Two knobs keep requests from flapping between the states, as engines' residency controllers
+expose them: :attr:`~DeviceBudget.watermarks`, a band over the share of pages in use
+(promotions only below the low one, up to the high one; demotions by :meth:`excess` down to the
+high one), and :attr:`~DeviceBudget.cooldown`, steps a moved request stays put for the policy.
 
 A prefix shared on the host is resident in each child separately; the device pages are never
 shared.
@@ -42,6 +49,8 @@ This module needs NumPy only, so an engine's scheduler can run it anywhere.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -94,6 +103,7 @@ class DeviceBudget:
         self._moved: dict[int, int] = {}  # rid -> the clock at its last demotion or promotion
         self._clock = 0
         self._cooldown = 0
+        self._band = (1.0, 1.0)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -109,6 +119,35 @@ class DeviceBudget:
     @cooldown.setter
     def cooldown(self, steps: int) -> None:
         self._cooldown = _checks.integer("cooldown", steps, 0)
+
+    @property
+    def watermarks(self) -> tuple[float, float]:
+        """``(low, high)``, shares of the budget's pages in use (``0 <= low <= high <= 1``):
+        the default policy's band. :meth:`promotable` names no request while the pages in use
+        are ``low * n_pages`` or more, and takes requests only while the pages in use after
+        each stay at most ``high * n_pages``; :meth:`excess` names the demotions that bring
+        the pages in use down to ``high * n_pages`` (rounded down to whole pages). Between
+        the two a request neither moves up nor down, so growth and admissions have room
+        before the policy demotes, and a demotion does not invite the next promotion.
+        Default ``(1.0, 1.0)``: promote whatever fits, never demote for the share in use.
+        Moves an engine makes itself, and :meth:`room_for`, are never refused by it."""
+        return self._band
+
+    @watermarks.setter
+    def watermarks(self, band) -> None:
+        try:
+            low, high = band
+        except (TypeError, ValueError):
+            raise TypeError(f"watermarks must be a pair (low, high), got {band!r}") from None
+        low = _checks.fraction("watermarks' low", low)
+        high = _checks.fraction("watermarks' high", high)
+        if low > high:
+            raise ValueError(f"watermarks' low ({low}) must be <= their high ({high})")
+        self._band = (low, high)
+
+    def _share_pages(self, share: float) -> int:
+        """``share * n_pages`` rounded down to whole pages (a share of 1.0: every page)."""
+        return int(math.floor(share * self.n_pages + 1e-9))
 
     def _cooling(self, rid: int) -> bool:
         """Whether ``rid`` moved fewer than :attr:`cooldown` steps ago."""
@@ -344,11 +383,8 @@ class DeviceBudget:
         is demoted here); its ``free`` is the pages free now, its message says how many the
         demotions could free."""
         need = _checks.integer("pages", pages, 0)
-        kept = {int(r) for r in np.asarray(keep, np.int64).reshape(-1).tolist()}
         free = self.free_pages
-        cands = sorted((r for r, st in self._state.items() if st == RESIDENT and r not in kept),
-                       key=lambda r: (self._cooling(r), self._used[r],
-                                      -len(self._pages.pages(r)), r))
+        cands = self._demotion_order(keep, cooling=True)
         if free < need and free < self.block_pages:  # a demotion takes its block first
             raise PoolExhausted(f"room for {need} pages (a demotion first takes a block of "
                                 f"{self.block_pages})", need, free, "device")
@@ -368,9 +404,14 @@ class DeviceBudget:
 
     def promotable(self) -> list[int]:
         """Sparse requests whose pages fit now, most recently used first (ties: the lowest
-        request slot), taken greedily; not one still cooling down from its demotion
+        request slot), taken greedily while the pages in use stay at or under the high
+        watermark; none while the pages in use are at or above the low one
+        (:attr:`watermarks`); not one still cooling down from its demotion
         (:attr:`cooldown`)."""
-        free = self.free_pages
+        low, high = (self._share_pages(x) for x in self._band)
+        if self.n_pages - self.free_pages >= low:
+            return []
+        free = self.free_pages - (self.n_pages - high)  # the pages promotions may take
         out = []
         for r in sorted((r for r, st in self._state.items()
                          if st == SPARSE and not self._cooling(r)),
@@ -381,12 +422,42 @@ class DeviceBudget:
                 out.append(r)
         return out
 
+    def excess(self, *, keep: ArrayLike = ()) -> list[int]:
+        """The resident requests to demote, in order, so that the pages in use fall to the
+        high watermark (:attr:`watermarks`): :meth:`room_for`'s order (longest idle first,
+        then those holding the most pages, then the lowest request slot), never one of
+        ``keep`` nor one still cooling down from its promotion (:attr:`cooldown`). Where no
+        such set reaches the watermark, every one of them that frees pages. Empty when the
+        pages in use are at or under it, or when fewer pages are free than the block a
+        demotion first takes. Nothing is demoted here (the cache's ``residency.shed`` does)."""
+        need = self.n_pages - self._share_pages(self._band[1])  # pages to be free
+        free = self.free_pages
+        out = []
+        for r in self._demotion_order(keep, cooling=False):
+            if free >= need or free < self.block_pages:
+                break
+            gain = len(self._pages.pages(r)) - self.block_pages
+            if gain > 0:
+                free += gain
+                out.append(r)
+        return out
+
     # ------------------------------------------------------------------ internals
     def _live(self, rid) -> int:
         rid = int(rid)
         if rid not in self._state:
             raise KeyError(f"rid {rid} is not admitted (or was released)")
         return rid
+
+    def _demotion_order(self, keep: ArrayLike, *, cooling: bool) -> list[int]:
+        """The resident requests not in ``keep`` in the policy's demotion order: longest idle
+        first, then those holding the most pages, then the lowest request slot; those still
+        cooling down from a promotion last (``cooling``) or left out."""
+        kept = {int(r) for r in np.asarray(keep, np.int64).reshape(-1).tolist()}
+        live = [r for r, st in self._state.items() if st == RESIDENT and r not in kept and
+                (cooling or not self._cooling(r))]
+        return sorted(live, key=lambda r: (self._cooling(r), self._used[r],
+                                           -len(self._pages.pages(r)), r))
 
     def _take_block(self, what: str, wait) -> list[int]:
         if self.block_pages > self.free_pages:

@@ -14,7 +14,8 @@ Two faces:
 - **The engine's**: :attr:`~Residency.budget` (the :class:`DeviceBudget`, NumPy only: the
   scheduler's view), :meth:`~Residency.demote`, :meth:`~Residency.promote`,
   :meth:`~Residency.switch_promoted`, :meth:`~Residency.make_room`,
-  :meth:`~Residency.promote_ready`, :meth:`~Residency.lean_step`, :meth:`~Residency.state`.
+  :meth:`~Residency.promote_ready`, :meth:`~Residency.shed`, :meth:`~Residency.lean_step`,
+  :meth:`~Residency.state`.
 - **The cache's** (``on_*``): what admission, growth, host writes and release do to
   residency, and the kernels' arguments (:meth:`~Residency.fields`,
   :meth:`~Residency.newest_fields`). An engine never calls these: the cache does, in order.
@@ -115,6 +116,10 @@ class Residency:
                       stream: StreamLike | None = None) -> list[int]:
         """The default policy's promotions (:class:`_Budgeted`)."""
         raise ValueError(f"promote_ready {_NO_BUDGET}")
+
+    def shed(self, *, keep=(), stream: StreamLike | None = None) -> list[int]:
+        """The default policy's demotions down to the high watermark (:class:`_Budgeted`)."""
+        raise ValueError(f"shed {_NO_BUDGET}")
 
     def lean_step(self, lean: bool | None = None) -> bool:
         """Whether a step begun now runs lean (``begin_step(lean=)``): ``None`` (the default)
@@ -255,6 +260,18 @@ class _Budgeted(Residency):
                 self.promote(r, stream=stream)
                 out.append(r)
         return out
+
+    def shed(self, *, keep=(), stream: StreamLike | None = None) -> list[int]:
+        """The default policy's demotions, at a step boundary on ``stream``: the resident
+        requests :meth:`DeviceBudget.excess` names (the pages in use down to the high
+        watermark, :attr:`DeviceBudget.watermarks`; longest idle first; never one of ``keep``
+        nor one still cooling down from its promotion). Returns the demoted request slots
+        (empty at or under the watermark). An engine calls it between steps, as it calls
+        :meth:`promote_ready`; with the default watermarks it never demotes."""
+        victims = self.budget.excess(keep=keep)
+        for r in victims:
+            self.demote(r, stream=stream)
+        return victims
 
     # ------------------------------------------------------------- the cache's face
     def fields(self) -> dict:
