@@ -69,6 +69,12 @@ def float_fields(dtype: np.dtype) -> frozenset[str]:
     return frozenset(n for n in dtype.names if dtype[n].kind == "f")
 
 
+def _float_views(raw: np.ndarray, floats: frozenset[str]) -> tuple:
+    """The float64 and float32 views of a struct array's bytes, where it has a float field
+    (none of the package's swaps has one: no views to make on their per-step copies)."""
+    return (raw.view(np.float64), raw.view(np.float32)) if floats else (None, None)
+
+
 class Structs:
     """``n`` kernel parameter structs of one dtype in one array (one per layer, or one).
 
@@ -89,12 +95,7 @@ class Structs:
         self.w8, self.w4 = self.raw.view(np.int64), self.raw.view(np.int32)
         self.index = field_words(arr.dtype)
         self.floats = float_fields(arr.dtype)
-        self._float_views()
-
-    def _float_views(self) -> None:
-        # (only where the struct has a float field: none of the package's swaps has one)
-        self.f8, self.f4 = ((self.raw.view(np.float64), self.raw.view(np.float32))
-                            if self.floats else (None, None))
+        self.f8, self.f4 = _float_views(self.raw, self.floats)
 
     @classmethod
     def zeros(cls, dtype: np.dtype, n: int = 1) -> Structs:
@@ -109,7 +110,7 @@ class Structs:
         new.floats = self.floats
         new.base = _address(raw)
         new.w8, new.w4 = raw.view(np.int64), raw.view(np.int32)
-        new._float_views()
+        new.f8, new.f4 = _float_views(raw, self.floats)
         return new
 
     def _view(self, name: str, width: int) -> np.ndarray:
