@@ -133,8 +133,9 @@ def test_the_attention_reads_each_row_format_as_its_values(rng, row):
     here independently), selected rows and -1 entries alike."""
     import cupy
 
+    from hisparse_cupy._kernels.launch import ptr
     from hisparse_cupy.demo._config import HEADS, ROW_FORMATS, V_VALUES
-    from hisparse_cupy.demo._model import ATT_SMEM, ATT_THREADS, Kernels
+    from hisparse_cupy.demo._model import Kernels
 
     k, fp8, rb = Kernels(), row == "fp8", ROW_FORMATS[row]
     n, K, Q = 96, 64, 2
@@ -142,9 +143,10 @@ def test_the_attention_reads_each_row_format_as_its_values(rng, row):
     with s:
         rows = cupy.full((n, rb), 0xAB, cupy.uint8)  # poisoned: every byte must be written
         reqs = cupy.asarray([3], cupy.int32)
-    k.kv_prefill((-(-n * (rb // 16) // 256), 1, 1), (256,),
-                 (rows, np.int64(rows.nbytes), reqs, np.int32(0), np.int32(n), np.int64(0),
-                  np.int32(0), np.int32(5), np.int32(fp8)), stream=s)
+    kv = k.kv_prefill[fp8]
+    kv((-(-n * (rb // 16) // 256), 1, 1),
+       kv.params(base=ptr(rows), layer_bytes=rows.nbytes, reqs=ptr(reqs), p0=0, p1=n, req_rows=0,
+                 shared=0, first=5), s)
     s.synchronize()
     raw = cupy.asnumpy(rows)
     if fp8:
@@ -168,11 +170,13 @@ def test_the_attention_reads_each_row_format_as_its_values(rng, row):
         out = cupy.full((Q, HEADS * V_VALUES), 0x7FC0, cupy.uint16)
         digest = cupy.zeros(1, cupy.uint64)
         step = cupy.zeros(1, cupy.int32)
-    k.attn_partial((nsplit, Q), (ATT_THREADS,),
-                   (dq, dl, np.int64(K), np.int64(0), np.int32(1), np.int32(K), np.int32(chunk),
-                    rows, temp, pm, pl, pa, np.int32(fp8)), shared_mem=ATT_SMEM, stream=s)
-    k.attn_combine((Q, HEADS), (V_VALUES,), (pm, pl, pa, np.int32(nsplit), out, digest, step,
-                                              np.int32(1), np.int32(0)), stream=s)
+    att = k.attn_partial[fp8]
+    att((nsplit, Q), att.params(qraw=ptr(dq), locs=ptr(dl), ld_b=K, ld_s=0, S=1, K=K,
+                                chunk=chunk, rows=ptr(rows), temp=temp, part_m=ptr(pm),
+                                part_l=ptr(pl), part_acc=ptr(pa)), s)
+    k.attn_combine((Q, HEADS), k.attn_combine.params(
+        part_m=ptr(pm), part_l=ptr(pl), part_acc=ptr(pa), nsplit=nsplit, out=ptr(out),
+        digest=ptr(digest), step=ptr(step), n_layers=1, layer=0), s)
     s.synchronize()
     got = _f32(cupy.asnumpy(out)).reshape(Q, HEADS, V_VALUES)
     for b in range(Q):
