@@ -13,7 +13,8 @@ that every compile passes (the runtime's and :func:`hisparse_cupy.compile_check`
   order): ``cu/abi.cuh`` ``static_assert``s the struct's size and each field's, and checks the
   order with a C++20 designated initializer, so a field added, dropped, reordered or retyped
   on one side fails the CPU compile check (NVRTC has no ``offsetof``; with the sizes and the
-  order fixed, and no tail padding, the offsets are fixed too);
+  order fixed, and no tail padding, the offsets are fixed too). The demo model's structs
+  (:data:`DEMO_STRUCTS`, checked by ``demo/model.cu`` with the same macro) get the same;
 - ``HS_<CONSTANT>``: the constants, which the header turns into ``constexpr`` values (a
   missing one is an ``#error``);
 - ``HS_SMEM_<KERNEL>(X)``: an X-macro listing the kernel's shared-memory regions (element
@@ -232,6 +233,68 @@ STRUCTS = {
 }
 
 
+# The decode loop's synthetic model (demo/model.cu, namespace demo; hisparse_cupy.demo._model
+# launches it): one struct per kernel, checked in model.cu as the package's are in cu/abi.cuh.
+# The demo's own, not the library's interface; here so that one table, one set of -D macros and
+# one compile check cover every kernel the package builds. A float field is a float32 word.
+DEMO_STRUCTS = {
+    "KvPrefillParams": _struct([
+        ("base", _P), ("reqs", _P),
+        ("layer_bytes", "i8"), ("req_rows", "i8"),
+        ("p0", "i4"), ("p1", "i4"), ("shared", "i4"), ("first", "i4"),
+    ]),
+    "KvNewestParams": _struct([
+        ("base", _P), ("req", _P), ("lens", _P), ("rows", _P),
+        ("layer_bytes", "i8"),
+        ("max_len", "i4"), ("first", "i4"),
+    ]),
+    "TopkDriftParams": _struct([
+        ("topk", _P), ("step", _P), ("lens", _P),
+        ("a", "i8"), ("salt", "i8"),
+        ("S", "i4"), ("K", "i4"), ("M", "i4"), ("Md", "i4"), ("U", "i4"), ("recent", "i4"),
+    ]),
+    "TopkTableParams": _struct([
+        ("table", _P), ("step", _P), ("topk", _P),
+        ("n_full", "i4"), ("j", "i4"), ("BK", "i4"), ("K", "i4"), ("S", "i4"), ("pad", "i4"),
+    ]),
+    "DirectLocsParams": _struct([
+        ("topk", _P), ("req", _P), ("locs", _P),
+        ("SK", "i4"), ("max_len", "i4"), ("n", "i4"), ("pad", "i4"),
+    ]),
+    "EmbedParams": _struct([("h", _P), ("step", _P), ("n", "i4"), ("pad", "i4")]),
+    "WeightsParams": _struct([
+        ("w", _P), ("n", "i8"), ("seed", "u8"), ("scale", "f4"), ("pad", "i4"),
+    ]),
+    "AttnPartialParams": _struct([
+        ("qraw", _P), ("locs", _P), ("rows", _P), ("part_m", _P), ("part_l", _P),
+        ("part_acc", _P),
+        ("ld_b", "i8"), ("ld_s", "i8"),
+        ("S", "i4"), ("K", "i4"), ("chunk", "i4"), ("temp", "f4"),
+    ]),
+    "AttnCombineParams": _struct([
+        ("part_m", _P), ("part_l", _P), ("part_acc", _P), ("out", _P), ("digest", _P),
+        ("step", _P),
+        ("nsplit", "i4"), ("n_layers", "i4"), ("layer", "i4"), ("pad", "i4"),
+    ]),
+    "IndexFillParams": _struct([("keys", _P), ("n_rows", "i8"), ("layer", "i4"), ("pad", "i4")]),
+    "IndexQueryParams": _struct([("q", _P), ("step", _P), ("n_words", "i4"), ("pad", "i4")]),
+    "IndexerParams": _struct([
+        ("keys", _P), ("q", _P), ("req", _P), ("lens", _P), ("scores", _P),
+        ("S", "i4"), ("max_len", "i4"),
+    ]),
+    "TallyParams": _struct([
+        ("counters", _P), ("weight", _P), ("full", _P), ("acc", _P), ("step", _P),
+        ("n_layers", "i4"), ("stride", "i4"), ("col", "i4"), ("pad", "i4"),
+    ]),
+    "TickParams": _struct([("step", _P), ("lens", _P), ("B", "i4"), ("pad", "i4")]),
+    "GemmBf16Params": _struct([
+        ("A", _P), ("B", _P), ("C", _P),
+        ("lda", "i8"),
+        ("M", "i4"), ("N", "i4"), ("Kd", "i4"), ("pad", "i4"),
+    ]),
+}
+
+
 def new(dtype: np.dtype, n: int = 1) -> np.ndarray:
     """Zeroed parameter structs: a ``(n,)`` array (CuPy passes element 0 by value)."""
     return np.zeros(n, dtype)
@@ -339,7 +402,7 @@ def _literal(value: int) -> str:
 def defines() -> list[tuple[str, str]]:
     """``(name, value)`` pairs every compile defines (see the module docstring)."""
     out: list[tuple[str, str]] = []
-    for struct, dt in STRUCTS.items():
+    for struct, dt in {**STRUCTS, **DEMO_STRUCTS}.items():
         out.append((f"HS_ABI_{struct}_SIZE", str(dt.itemsize)))
         fields = "".join(f"X({struct},{f},{dt[f].itemsize})" for f in dt.names)
         out.append((f"HS_ABI_{struct}_FIELDS(X)", fields))

@@ -14,7 +14,7 @@ from hisparse_cupy._kernels import build
 def test_compile_check_covers_every_instance():
     sizes = build.compile_check()
     assert set(build.INSTANCES) == {"swap.cu", "plan.cu", "plan_probe.cu", "newest.cu",
-                                     "multistep.cu", "predict.cu", "sums.cu"}
+                                     "multistep.cu", "predict.cu", "sums.cu", "demo/model.cu"}
     # the measuring instances are compiled in a module of their own, never the production one
     probe = set(build.COPY_H2D_PROBE.values())
     assert probe == set(build.INSTANCES["plan_probe.cu"])
@@ -185,21 +185,15 @@ def test_a_probe_struct_drift_fails_the_check(sources, monkeypatch):
 
 @pytest.mark.slow
 def test_the_demo_model_compiles():
-    """The decode loop's model kernels (``demo/model.cu``, CuPy RawModule at run time) compile
-    through NVRTC for sm_90 with the demo's options (no GPU needed), and for sm_75 (the
-    indexer's plain path, before the int8 tensor-core mma)."""
-    import re
-
-    from hisparse_cupy.demo._model import Kernels
-
-    path = build.CU_DIR.parent / "demo" / "model.cu"
-    for arch in ("sm_90", "sm_75"):
-        assert build.nvrtc_cubin_size(path, (), ["-std=c++17", f"-arch={arch}"],
-                                       "model.cu") > 1000
-    src = path.read_text()
-    for name in Kernels._NAMES:  # every kernel the Model loads is defined there
-        decl = rf'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+{name}\('
-        assert re.search(decl, src), name
+    """The decode loop's model kernels (``demo/model.cu``) are a source of the package's build:
+    every instance (both row formats of the kernels that read or write rows) compiles through
+    NVRTC with the runtime's options, ABI checks included, for sm_80 and sm_90 (compile_check)
+    and sm_75 (the indexer's plain path, before the int8 tensor-core mma); no GPU needed."""
+    sizes = build.compile_check(files=(build.DEMO_MODEL,))
+    assert sorted(sizes) == [(build.DEMO_MODEL, "sm_80"), (build.DEMO_MODEL, "sm_90")]
+    assert min(sizes.values()) > 1000
+    assert build._nvrtc_compile(build.DEMO_MODEL, build.INSTANCES[build.DEMO_MODEL],
+                                "sm_75") > 1000
 
 
 def test_what_compiled_is_kept_across_processes_and_a_failure_never(tmp_path, monkeypatch):

@@ -82,7 +82,8 @@ def test_check_without_a_gpu_compiles_and_self_checks_and_bench_says_it_needs_on
     doc = json.loads(p.stdout)
     assert doc["ok"] is True and doc["gpu"] is False and doc["why"] == _why()
     assert "error" not in doc and 0 < doc["seconds"] < 600
-    cu = sorted(x.name for x in (Path(hisparse_cupy.__file__).parent / "cu").glob("*.cu"))
+    cu = sorted([*(x.name for x in (Path(hisparse_cupy.__file__).parent / "cu").glob("*.cu")),
+                 "demo/model.cu"])  # the package's kernel sources, and the demo model's
     assert doc["kernel_sources"] == cu and doc["archs"] == ["sm_80", "sm_90"]
     compiled, oracle = doc["checked"]
     assert compiled.startswith(f"compile: every kernel instance of {len(cu)} sources x sm_80, ")

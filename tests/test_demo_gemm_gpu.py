@@ -1,6 +1,7 @@
-"""GPU: the decode loop's cuBLAS matmul keeps its result when limited to fewer SMs; its
-indexer scores what the NumPy formula does; its attention reads FP8 and bf16 rows as the
-values their bytes hold."""
+"""GPU: the decode loop's cuBLAS matmul keeps its result when limited to fewer SMs, and its
+fallback kernel computes the product; its indexer scores what the NumPy formula does; its
+attention reads FP8 and bf16 rows as the values their bytes hold; the newest row is the prompt
+kernel's row in either format."""
 
 from __future__ import annotations
 
@@ -44,6 +45,42 @@ def test_gemm_sm_target(rng):
             g.set_sm_target(-1)
     finally:
         g.close()
+
+
+def _to_bf16_rne(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits, rounded to nearest even (model.cu's float_to_bf16; no NaN)."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def test_the_fallback_matmul_kernel_is_the_product_in_k_order(rng):
+    """Without cuBLAS the decode loop's matmuls run model.cu's gemm_bf16: C = A @ B with A a
+    column slice (rows lda apart, as the output projection passes it), sizes that leave partial
+    tiles, every element written: bit for bit float32 accumulation in k order (a bf16 product
+    is exact in float32, so a fused multiply-add rounds as a multiply and an add do), then
+    bf16 rounded to nearest even."""
+    import cupy
+
+    from hisparse_cupy.demo._model import Gemm, Kernels
+
+    g = Gemm(Kernels())
+    g.close()  # no cuBLAS handle: the fallback kernel runs
+    assert not g.available
+    M, Kd, N = 37, 200, 300
+    full = _bf16(rng.standard_normal((M, 2 * Kd)))
+    b = _bf16(rng.standard_normal((Kd, N)) * 0.05)
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        da, db = cupy.asarray(full)[:, Kd:], cupy.asarray(b)  # rows 2 Kd apart
+        c = cupy.full((M, N), 0x7FC0, cupy.uint16)  # bf16 NaN: every element must be written
+    g(da, db, c, s)
+    got = cupy.asnumpy(c, stream=s)
+    s.synchronize()
+    a32, b32 = _f32(full[:, Kd:]), _f32(b)
+    acc = np.zeros((M, N), np.float32)
+    for k in range(Kd):
+        acc += np.outer(a32[:, k], b32[k])
+    np.testing.assert_array_equal(got, _to_bf16_rne(acc))
 
 
 def test_torch_gemm_matches_the_product_on_the_callers_stream(rng):
@@ -133,8 +170,9 @@ def test_the_attention_reads_each_row_format_as_its_values(rng, row):
     here independently), selected rows and -1 entries alike."""
     import cupy
 
+    from hisparse_cupy._kernels.launch import ptr
     from hisparse_cupy.demo._config import HEADS, ROW_FORMATS, V_VALUES
-    from hisparse_cupy.demo._model import ATT_SMEM, ATT_THREADS, Kernels
+    from hisparse_cupy.demo._model import Kernels
 
     k, fp8, rb = Kernels(), row == "fp8", ROW_FORMATS[row]
     n, K, Q = 96, 64, 2
@@ -142,9 +180,10 @@ def test_the_attention_reads_each_row_format_as_its_values(rng, row):
     with s:
         rows = cupy.full((n, rb), 0xAB, cupy.uint8)  # poisoned: every byte must be written
         reqs = cupy.asarray([3], cupy.int32)
-    k.kv_prefill((-(-n * (rb // 16) // 256), 1, 1), (256,),
-                 (rows, np.int64(rows.nbytes), reqs, np.int32(0), np.int32(n), np.int64(0),
-                  np.int32(0), np.int32(5), np.int32(fp8)), stream=s)
+    kv = k.kv_prefill[fp8]
+    kv((-(-n * (rb // 16) // 256), 1, 1),
+       kv.params(base=ptr(rows), layer_bytes=rows.nbytes, reqs=ptr(reqs), p0=0, p1=n, req_rows=0,
+                 shared=0, first=5), s)
     s.synchronize()
     raw = cupy.asnumpy(rows)
     if fp8:
@@ -168,11 +207,13 @@ def test_the_attention_reads_each_row_format_as_its_values(rng, row):
         out = cupy.full((Q, HEADS * V_VALUES), 0x7FC0, cupy.uint16)
         digest = cupy.zeros(1, cupy.uint64)
         step = cupy.zeros(1, cupy.int32)
-    k.attn_partial((nsplit, Q), (ATT_THREADS,),
-                   (dq, dl, np.int64(K), np.int64(0), np.int32(1), np.int32(K), np.int32(chunk),
-                    rows, temp, pm, pl, pa, np.int32(fp8)), shared_mem=ATT_SMEM, stream=s)
-    k.attn_combine((Q, HEADS), (V_VALUES,), (pm, pl, pa, np.int32(nsplit), out, digest, step,
-                                              np.int32(1), np.int32(0)), stream=s)
+    att = k.attn_partial[fp8]
+    att((nsplit, Q), att.params(qraw=ptr(dq), locs=ptr(dl), ld_b=K, ld_s=0, S=1, K=K,
+                                chunk=chunk, rows=ptr(rows), temp=temp, part_m=ptr(pm),
+                                part_l=ptr(pl), part_acc=ptr(pa)), s)
+    k.attn_combine((Q, HEADS), k.attn_combine.params(
+        part_m=ptr(pm), part_l=ptr(pl), part_acc=ptr(pa), nsplit=nsplit, out=ptr(out),
+        digest=ptr(digest), step=ptr(step), n_layers=1, layer=0), s)
     s.synchronize()
     got = _f32(cupy.asnumpy(out)).reshape(Q, HEADS, V_VALUES)
     for b in range(Q):
@@ -185,3 +226,46 @@ def test_the_attention_reads_each_row_format_as_its_values(rng, row):
             want = (p / p.sum()) @ kv[:, :V_VALUES]
             np.testing.assert_allclose(got[b, h], want, rtol=2e-2, atol=2e-3,
                                        err_msg=f"{row} row {b} head {h}")
+
+
+@pytest.mark.parametrize("row", ["fp8", "bf16"])
+def test_the_newest_row_is_the_prompt_kernels_row(row):
+    """kv_newest writes the newest token's row (position lens[b] - 1 of request slot req[b]) of
+    every layer with the bytes kv_prefill writes for that token, in either format: into the
+    slot layout's row (rows null: row req[b] * max_len + lens[b] - 1) and into given device
+    rows (-1: skipped); no other byte is touched."""
+    import cupy
+
+    from hisparse_cupy._kernels.launch import ptr
+    from hisparse_cupy.demo._config import ROW_FORMATS
+    from hisparse_cupy.demo._model import Kernels
+
+    k, fp8, rb = Kernels(), row == "fp8", ROW_FORMATS[row]
+    L, R, max_len, first = 2, 3, 40, 3
+    req, lens = [2, 0, 1], [5, 40, 17]
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        slots = cupy.arange(R, dtype=cupy.int32)
+        want = cupy.full((L, R * max_len, rb), 0xAB, cupy.uint8)
+        got = cupy.full_like(want, 0xAB)
+        dev = cupy.full((L, 10, rb), 0xAB, cupy.uint8)
+        d_req, d_lens = cupy.asarray(req, cupy.int32), cupy.asarray(lens, cupy.int32)
+        d_rows = cupy.asarray([7, -1, 3], cupy.int32)
+    kv = k.kv_prefill[fp8]  # every position of every slot, in the slot layout
+    kv((-(-max_len * (rb // 16) // 256), R, L),
+       kv.params(base=ptr(want), layer_bytes=want[0].nbytes, reqs=ptr(slots), p0=0, p1=max_len,
+                 req_rows=max_len, shared=0, first=first), s)
+    nw = k.kv_newest[fp8]
+    p = nw.params(req=ptr(d_req), lens=ptr(d_lens), max_len=max_len, first=first)
+    nw((len(req), L), p.set(base=ptr(got), layer_bytes=got[0].nbytes, rows=0), s)
+    nw((len(req), L), p.set(base=ptr(dev), layer_bytes=dev[0].nbytes, rows=ptr(d_rows)), s)
+    W, G, D = (cupy.asnumpy(x, stream=s) for x in (want, got, dev))
+    s.synchronize()
+    assert (W != 0xAB).any(axis=2).all()  # every row of every layer written
+    newest = [r * max_len + n - 1 for r, n in zip(req, lens, strict=True)]
+    for i in range(R * max_len):
+        np.testing.assert_array_equal(G[:, i], W[:, i] if i in newest else 0xAB, err_msg=str(i))
+    for i in range(10):
+        src = {7: newest[0], 3: newest[2]}.get(i)
+        np.testing.assert_array_equal(D[:, i], 0xAB if src is None else W[:, src],
+                                      err_msg=str(i))

@@ -294,6 +294,19 @@ def test_example_on_gpu_every_mode_eager_and_graph(tmp_path):
 
 
 @pytest.mark.gpu
+def test_example_on_gpu_bf16_rows(tmp_path):
+    """--row bf16: the model's bf16 instances (the prompt KV, the newest rows, the attention) in
+    every mode, eager and captured in graphs, each offloaded run bit-identical to gpu-only."""
+    js = tmp_path / "r.json"
+    out = _run(*SMALL, "--row", "bf16", "--eager-and-graph", "--json", str(js))
+    assert "self-check passed" in out and "bf16" in out
+    doc = json.loads(js.read_text())
+    assert doc["self_check"] == "passed" and doc["config"]["row"] == "bf16"
+    assert {(r["mode"], r["exec"]) for r in doc["summary"]} == {
+        (m, e) for m in ("gpu-only", "offload", "overlap", "predict") for e in ("eager", "graph")}
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("partition", ["default", "side8"])
 def test_example_on_gpu_default_configuration(tmp_path, partition):
     """The defaults: lru streams (their measured shape printed), graphs, the predict mode, no SM

@@ -23,6 +23,26 @@ def test_params_hold_the_struct_bytes():
     assert p["B"] == 7
 
 
+def test_a_float_field_holds_its_float_bits():
+    """A float field (the demo model's scales) is written as the float's bits, through put,
+    put_all and a copy's views alike; the integer fields beside it keep theirs."""
+    dt = np.dtype([("ptr", "u8"), ("x", "f4"), ("n", "i4")], align=True)
+    assert launch.float_fields(dt) == {"x"} and launch.float_fields(_abi.PLANNED_COPY) == set()
+    p = Params(dt).set(ptr=0x1234, x=0.375, n=-3)
+    raw = bytes((ctypes.c_char * dt.itemsize).from_address(p.addr))
+    assert raw[8:12] == np.float32(0.375).tobytes() and raw[12:16] == np.int32(-3).tobytes()
+    assert p["x"] == 0.375 and p["n"] == -3 and p["ptr"] == 0x1234
+    st = launch.Structs.zeros(dt, 3)
+    st.put_all(x=2.5, n=7)
+    cp = st.copy()
+    cp.put(1, x=-1.25)
+    assert [cp.get(i, "x") for i in range(3)] == [2.5, -1.25, 2.5]
+    assert [st.get(i, "x") for i in range(3)] == [2.5] * 3
+    assert np.frombuffer(cp.raw, dt)["n"].tolist() == [7, 7, 7]
+    with pytest.raises(TypeError, match="field c of .* is not an aligned 4- or 8-byte word"):
+        launch.field_words(np.dtype([("c", "S4")]))
+
+
 def test_launch_config_passes_one_pointer_to_the_struct():
     cfg = launch._LaunchConfig((256, 1, 1), 1024)
     seen = {}

@@ -86,3 +86,22 @@ def test_the_indexer_is_its_own_kind_inside_the_full_layers_window():
     r = tl.layer_split(st, (True,))
     assert r["win"].tolist() == [15.0] and r["comp"].tolist() == [10.0]
     assert (r["indexer"], r["side_busy"], r["side_in_indexer"]) == (4, 6, 3)
+
+
+def test_the_demo_kernels_are_recognised_by_their_templated_names():
+    """The demo's kernels as the trace names them (namespace demo, a struct argument, the row
+    format's instance): the indexer, bookkeeping, and the model's attention; the structs' names
+    (IndexerParams, TickParams) count for nothing."""
+    assert tl._kind("void demo::indexer(demo::IndexerParams)") == "indexer"
+    assert tl._kind("void demo::index_query(demo::IndexQueryParams)") == "bookkeeping"
+    assert tl._kind("void demo::kv_newest<true>(demo::KvNewestParams)") == "bookkeeping"
+    assert tl._kind("void demo::attn_partial<true>(demo::AttnPartialParams)") == "model"
+    assert tl._kind("void demo::attn_combine(demo::AttnCombineParams)") == "model"
+    assert tl._kind("void hs::swap_resolve<int, int, 1024, false>(hs::SwapResolveParams)") == \
+        "library"
+    st = [dict(name="void demo::attn_partial<false>(demo::AttnPartialParams)", t0=0, t1=1,
+               stream=1, grid=(1,), kind="model", side=False),
+          dict(name="void demo::tick(demo::TickParams)", t0=1, t1=2, stream=1, grid=(1,),
+               kind="bookkeeping", side=False)]
+    assert tl.split_steps(st) == [st]
+    assert tl.layer_split(st, (True,))["comp"].tolist() == [1.0]

@@ -3,8 +3,9 @@
     python tools/sass_diff.py [--rev REV] [--arch sm_90 --arch sm_80] [--nvdisasm PATH]
                               [FILE.cu ...]
 
-Compiles every kernel instance of each ``hisparse_cupy/cu`` source (default: the sources that
-differ from ``REV``, default ``HEAD``) twice with NVRTC, as ``REV`` has it and as the working
+Compiles every kernel instance of each kernel source (``build.INSTANCES``: ``hisparse_cupy/cu``'s,
+and the demo's ``demo/model.cu``; default: the sources that differ from ``REV``, default
+``HEAD``) twice with NVRTC, as ``REV`` has it and as the working
 tree has it, with the same options (``build.check_options``: the ABI defines of this tree,
 the same source digest for both), disassembles both cubins with ``nvdisasm`` and compares them
 kernel by kernel, instruction by instruction (addresses and label numbers left out). A
@@ -52,13 +53,19 @@ def find_nvdisasm(given: str | None) -> str | None:
     return None
 
 
+def _outside_cu() -> list[str]:
+    """The kernel sources outside ``cu/`` (the demo's model), as paths in the repository."""
+    return [f"hisparse_cupy/{f}" for f in build.INSTANCES if "/" in f]
+
+
 def sources_at(rev: str, into: Path) -> Path:
-    """``hisparse_cupy/cu`` as ``rev`` has it, extracted under ``into``."""
-    tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "hisparse_cupy/cu"],
-                         check=True, capture_output=True).stdout
+    """``hisparse_cupy/cu`` and the sources outside it as ``rev`` has them, extracted under
+    ``into``; the package folder they are in."""
+    tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "hisparse_cupy/cu",
+                          *_outside_cu()], check=True, capture_output=True).stdout
     with tarfile.open(fileobj=BytesIO(tar)) as t:
         t.extractall(into, filter="data")
-    return into / "hisparse_cupy" / "cu"
+    return into / "hisparse_cupy"
 
 
 def kernels(sass: str) -> dict[str, list[str]]:
@@ -90,9 +97,10 @@ def disassemble(nvdisasm: str, cubin: bytes, tmp: Path) -> dict[str, list[str]]:
 
 def changed_sources(rev: str) -> list[str]:
     names = subprocess.run(["git", "-C", str(ROOT), "diff", "--name-only", rev, "--",
-                            "hisparse_cupy/cu"], check=True, capture_output=True,
-                           text=True).stdout.split()
-    touched = {Path(n).name for n in names}
+                            "hisparse_cupy/cu", *_outside_cu()], check=True,
+                           capture_output=True, text=True).stdout.split()
+    # the keys of build.INSTANCES: a cu/ file by its name, another by its path in the package
+    touched = {n.removeprefix("hisparse_cupy/cu/").removeprefix("hisparse_cupy/") for n in names}
     if any(not n.endswith(".cu") for n in touched):  # a header: every source includes it
         return sorted(build.INSTANCES)
     return sorted(touched & set(build.INSTANCES))
@@ -129,16 +137,17 @@ def main(argv=None) -> int:
     differ = 0
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        old_dir = sources_at(a.rev, tmp / "rev")
+        old_pkg = sources_at(a.rev, tmp / "rev")
         for arch in a.arch or ["sm_90", "sm_80"]:
             opts = build.check_options(arch)
-            old_opts = [o.replace(str(build.CU_DIR), str(old_dir)) for o in opts]
+            old_opts = [o.replace(str(build.CU_DIR), str(old_pkg / "cu")) for o in opts]
             for f in files:
                 names = build.INSTANCES[f]
-                old = disassemble(nvdisasm, build.nvrtc_cubin(old_dir / f, names, old_opts,
+                old_path = old_pkg / f if "/" in f else old_pkg / "cu" / f
+                old = disassemble(nvdisasm, build.nvrtc_cubin(old_path, names, old_opts,
                                                               f"{f} at {a.rev}"), tmp)
-                new = disassemble(nvdisasm, build.nvrtc_cubin(build.CU_DIR / f, names, opts,
-                                                              f), tmp)
+                new = disassemble(nvdisasm, build.nvrtc_cubin(build.source_path(f), names,
+                                                              opts, f), tmp)
                 for k in sorted(set(old) | set(new)):
                     x, y = old.get(k), new.get(k)
                     if x == y:

@@ -1,7 +1,9 @@
 """Kernel build path: one ``cupy.RawModule`` per ``cu/*.cu``, holding every instance of it.
 
 :data:`INSTANCES` is the static table of every template instance the package launches, by
-source file. :func:`kernel` returns the ``cupy.RawKernel`` of one instance: the file's
+source file: the ``cu/`` sources, and the demo's synthetic model (``demo/model.cu``, a source
+with a folder in its key: that path from the package's folder), which is built, checked and
+cached as they are. :func:`kernel` returns the ``cupy.RawKernel`` of one instance: the file's
 RawModule is created on first use and CuPy compiles it lazily (NVRTC, then its disk cache) and
 per device. The options (:func:`options`) carry a digest of every ``.cu``/``.cuh`` source, so an
 edited header changes CuPy's cache key, and the ABI macros of :mod:`hisparse_cupy._abi`
@@ -34,7 +36,8 @@ import numpy as np
 from .. import _abi
 from .._log import log
 
-CU_DIR = Path(__file__).resolve().parents[1] / "cu"
+PKG_DIR = Path(__file__).resolve().parents[1]
+CU_DIR = PKG_DIR / "cu"
 
 # C++ spelling of the index dtypes kernels accept for req_indices / seq_lens
 INDEX_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
@@ -69,6 +72,14 @@ COMMIT = index_instances("hs::ms::commit<{req}, {len}>")
 MS_INIT = "hs::ms::init"
 PREDICT = index_instances("hs::predict_stage<{req}, {len}>")
 LAYER_SUMS = "hs::layer_sums"  # a transfer's per-layer checksum (hisparse_cupy._kernels.sums)
+# the demo's synthetic model (hisparse_cupy.demo._model launches them): its kernels by name, and
+# those that read or write KV rows once per row format, DEMO_ROWS[name][fp8]
+DEMO_MODEL = "demo/model.cu"
+DEMO = {n: f"demo::{n}" for n in (
+    "topk_drift", "topk_table", "direct_locs", "embed", "weights", "attn_combine", "tally",
+    "tick", "gemm_bf16", "index_fill", "index_query", "indexer")}
+DEMO_ROWS = {n: {fp8: f"demo::{n}<{'true' if fp8 else 'false'}>" for fp8 in (False, True)}
+             for n in ("kv_prefill", "kv_newest", "attn_partial")}
 
 INSTANCES: dict[str, tuple[str, ...]] = {
     "swap.cu": (*(n for per in RESOLVE.values() for n in per.values()), *RESOLVE_TABLE.values()),
@@ -78,13 +89,26 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "multistep.cu": (*GATHER.values(), *COMMIT.values(), MS_INIT),
     "predict.cu": tuple(PREDICT.values()),
     "sums.cu": (LAYER_SUMS,),
+    DEMO_MODEL: (*DEMO.values(), *(n for per in DEMO_ROWS.values() for n in per.values())),
 }
 _FILE_OF = {n: f for f, names in INSTANCES.items() for n in names}
 
 
+def source_path(file: str) -> Path:
+    """Where the source ``file`` (a key of :data:`INSTANCES`) is: in ``cu/``, or, for a key
+    with a folder (the demo's model), at that path from the package's folder."""
+    return PKG_DIR / file if "/" in file else CU_DIR / file
+
+
+def _source_files() -> list[Path]:
+    """Every kernel source and header: ``cu/``'s, then the sources outside it."""
+    return [*sorted(CU_DIR.glob("*.cu*")), *(PKG_DIR / f for f in INSTANCES if "/" in f)]
+
+
 @functools.cache
 def source_digest() -> str:
-    """SHA-256 over every kernel source file (names and contents), hex."""
+    """SHA-256 over every file of ``cu/`` (names and contents), hex: what a source can
+    include. (CuPy's cache key holds the compiled source itself.)"""
     h = hashlib.sha256()
     for p in sorted(CU_DIR.glob("*.cu*")):
         h.update(p.name.encode())
@@ -150,7 +174,7 @@ def kernel(name_expression: str):
     mod = _modules.get((file, opts))
     if mod is None:
         mod = _modules[(file, opts)] = cupy.RawModule(
-            code=(CU_DIR / file).read_text(encoding="utf-8"), options=opts,
+            code=source_path(file).read_text(encoding="utf-8"), options=opts,
             name_expressions=INSTANCES[file])
     k = _kernels[(dev, name_expression)] = mod.get_function(name_expression)
     log.info("kernel %s of %s ready on device %d (NVRTC or CuPy's disk cache)",
@@ -188,7 +212,7 @@ def check_options(arch: str) -> list[str]:
 
 
 def _nvrtc_compile(file: str, names: tuple[str, ...], arch: str) -> int:
-    return nvrtc_cubin_size(CU_DIR / file, names, check_options(arch), f"{file} ({arch})")
+    return nvrtc_cubin_size(source_path(file), names, check_options(arch), f"{file} ({arch})")
 
 
 def nvrtc_cubin_size(path: Path, names: tuple[str, ...], opts, what: str) -> int:
@@ -256,7 +280,7 @@ def compile_check(archs: tuple[str, ...] = ("sm_80", "sm_90"), progress=None,
 
     # the key reads the sources now (source_digest() is cached), so an edited file compiles anew
     h = hashlib.sha256()
-    for p in sorted(CU_DIR.glob("*.cu*")):
+    for p in _source_files():
         h.update(p.name.encode() + b"\0" + p.read_bytes())
     key = (h.hexdigest(), options())
     if files is not None and (unknown := sorted(set(files) - set(INSTANCES))):

@@ -52,26 +52,40 @@ def _address(raw: np.ndarray) -> int:
 @functools.cache
 def field_words(dtype: np.dtype) -> dict[str, tuple[int, int]]:
     """Field -> (width, index in a ``width``-byte-word view of one struct); every field of the
-    package's structs is a 64-bit or a 32-bit word (pointers, sizes, counts)."""
+    package's structs is a 64-bit or a 32-bit word (pointers, sizes, counts; a float, the
+    demo model's scales, is one too)."""
     out = {}
     for name in dtype.names:
         width, off = dtype[name].itemsize, dtype.fields[name][1]
-        if width not in (4, 8) or off % width:
+        if width not in (4, 8) or off % width or dtype[name].kind not in "iuf":
             raise TypeError(f"field {name} of {dtype} is not an aligned 4- or 8-byte word")
         out[name] = (width, off // width)
     return out
 
 
+@functools.cache
+def float_fields(dtype: np.dtype) -> frozenset[str]:
+    """The fields of ``dtype`` that hold a float (written through float views of the words)."""
+    return frozenset(n for n in dtype.names if dtype[n].kind == "f")
+
+
+def _float_views(raw: np.ndarray, floats: frozenset[str]) -> tuple:
+    """The float64 and float32 views of a struct array's bytes, where it has a float field
+    (none of the package's swaps has one: no views to make on their per-step copies)."""
+    return (raw.view(np.float64), raw.view(np.float32)) if floats else (None, None)
+
+
 class Structs:
     """``n`` kernel parameter structs of one dtype in one array (one per layer, or one).
 
-    Every field is written through the array's 64-bit and 32-bit word views, the one way the
-    package writes a field: :meth:`put` (one struct), :meth:`put_all` (every struct), or, on
-    a per-call path, the ``(view, index)`` pairs of :meth:`word` kept by the kernel family's
-    module. ``addr(i)`` is the address a launch passes.
+    Every field is written through the array's 64-bit and 32-bit word views (a float field
+    through their float views), the one way the package writes a field: :meth:`put` (one
+    struct), :meth:`put_all` (every struct), or, on a per-call path, the ``(view, index)`` pairs
+    of :meth:`word` kept by the kernel family's module. ``addr(i)`` is the address a launch
+    passes.
     """
 
-    __slots__ = ("raw", "dtype", "base", "itemsize", "w8", "w4", "index")
+    __slots__ = ("raw", "dtype", "base", "itemsize", "w8", "w4", "index", "floats", "f8", "f4")
 
     def __init__(self, arr: np.ndarray, *, _raw: np.ndarray | None = None):
         self.raw = arr.view(np.uint8) if _raw is None else _raw  # C-contiguous bytes
@@ -80,6 +94,8 @@ class Structs:
         self.base = _address(self.raw)
         self.w8, self.w4 = self.raw.view(np.int64), self.raw.view(np.int32)
         self.index = field_words(arr.dtype)
+        self.floats = float_fields(arr.dtype)
+        self.f8, self.f4 = _float_views(self.raw, self.floats)
 
     @classmethod
     def zeros(cls, dtype: np.dtype, n: int = 1) -> Structs:
@@ -91,15 +107,22 @@ class Structs:
         new = Structs.__new__(Structs)
         raw = new.raw = self.raw.copy()
         new.dtype, new.itemsize, new.index = self.dtype, self.itemsize, self.index
+        new.floats = self.floats
         new.base = _address(raw)
         new.w8, new.w4 = raw.view(np.int64), raw.view(np.int32)
+        new.f8, new.f4 = _float_views(raw, self.floats)
         return new
+
+    def _view(self, name: str, width: int) -> np.ndarray:
+        if name in self.floats:
+            return self.f8 if width == 8 else self.f4
+        return self.w8 if width == 8 else self.w4
 
     def word(self, i: int, name: str) -> tuple[np.ndarray, int]:
         """The word view and index of field ``name`` of struct ``i``."""
         width, w = self.index[name]
         per = self.itemsize // width
-        return (self.w8 if width == 8 else self.w4), i * per + w
+        return self._view(name, width), i * per + w
 
     def put(self, i: int, **fields) -> None:
         for k, v in fields.items():
@@ -110,11 +133,11 @@ class Structs:
         """The same value of each field in every struct."""
         for k, v in fields.items():
             width, w = self.index[k]
-            (self.w8 if width == 8 else self.w4)[w::self.itemsize // width] = v
+            self._view(k, width)[w::self.itemsize // width] = v
 
-    def get(self, i: int, name: str) -> int:
+    def get(self, i: int, name: str) -> int | float:
         view, w = self.word(i, name)
-        return int(view[w])
+        return float(view[w]) if name in self.floats else int(view[w])
 
     def addr(self, i: int) -> int:
         return self.base + i * self.itemsize
@@ -150,7 +173,7 @@ class Params:
         self.i = _i
         self.addr = self.structs.addr(_i)
 
-    def __getitem__(self, field: str) -> int:
+    def __getitem__(self, field: str) -> int | float:
         return self.structs.get(self.i, field)
 
     def set(self, **fields) -> Params:

@@ -2,14 +2,16 @@
 //
 // hisparse_cupy/_abi.py mirrors every struct as a NumPy structured dtype and defines, for each
 // compile, HS_ABI_<Struct>_SIZE and HS_ABI_<Struct>_FIELDS (name and size of every field, in
-// order): the checks below fail the compile (CPU CI runs it) if the two sides disagree. The constants and the
-// shared-memory layouts (X-macros HS_SMEM_<KERNEL>) come from the same module.
+// order): the checks below (HS_ABI_CHECK, abi_check.cuh) fail the compile (CPU CI runs it) if
+// the two sides disagree. The constants and the shared-memory layouts (X-macros
+// HS_SMEM_<KERNEL>) come from the same module.
 //
 // Shapes use B (batch rows), K (entries per step), S (steps), R (request slots), H (hot slots),
 // P (extra-page slots), W = H + P, C (scratch rows), L (layers), D (device rows of a layer).
 // A stride is in elements of the array it belongs to.
 #pragma once
 
+#include "abi_check.cuh"
 #include "common.cuh"
 
 #if !defined(HS_ST_RANGE) || !defined(HS_N_STATUS) || !defined(HS_MAX_HOT) ||               \
@@ -246,17 +248,7 @@ struct MultiStepInitParams {
   i32 R, B, slot_stride, H, table_stride, ref_stride;
 };
 
-// ---- the checks against _abi.py. NVRTC has no offsetof, so the layout is pinned by what it
-// determines: the size of every field, their order (a C++20 designated initializer in
-// _abi.py's order is a compile error when the declaration order differs) and the struct's size
-// (_abi.py's structs have no tail padding, so a field only one side has changes it).
-#define HS_ABI_FIELD_SIZE(S, f, n) static_assert(sizeof(S::f) == (n), #S "." #f ": size differs from _abi.py");
-#define HS_ABI_DESIGNATOR(S, f, n) .f = {},
-#define HS_ABI_CHECK(S)                                                                  \
-  HS_ABI_##S##_FIELDS(HS_ABI_FIELD_SIZE)                                                 \
-  static_assert(sizeof(S{HS_ABI_##S##_FIELDS(HS_ABI_DESIGNATOR)}) == sizeof(S), #S);     \
-  static_assert(sizeof(S) == HS_ABI_##S##_SIZE, #S ": size differs from _abi.py")
-
+// ---- the checks against _abi.py (abi_check.cuh)
 HS_ABI_CHECK(SwapResolveParams);
 HS_ABI_CHECK(PlannedCopyParams);
 HS_ABI_CHECK(PlannedCopyProbeParams);

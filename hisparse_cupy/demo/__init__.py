@@ -56,7 +56,7 @@ from ._args import cpu_config, from_args, parser
 from ._config import Config, host_memory_bytes
 
 # imported on first use (they need CuPy, or are the NumPy backend's)
-_LAZY = {"Rig": "_loop", "prompt_kv": "_loop", "Kernels": "_model", "kv_rows": "_cpu"}
+_LAZY = {"Rig": "_loop", "prompt_kv": "_model", "Kernels": "_model", "kv_rows": "_cpu"}
 __all__ = ["Config", "Kernels", "Rig", "cpu_config", "describe", "from_args",
            "kv_rows", "main", "parser", "partition", "prompt_kv", "report_results", "run_cpu",
            "run_gpu", "run_modes"]

@@ -88,9 +88,9 @@ class Gemm:
         N = b.shape[1]
         lda = a.strides[0] // 2
         if self._lib is None:
-            self.k.gemm_bf16((-(-N // 128), -(-M // 16)), (128,),
-                             (a, b, c, np.int32(M), np.int32(N), np.int32(Kd), np.int64(lda)),
-                             stream=stream)
+            k = self.k.gemm_bf16
+            k((-(-N // 128), -(-M // 16)), k.params(A=a.data.ptr, B=b.data.ptr, C=c.data.ptr,
+                                                    M=M, N=N, Kd=Kd, lda=lda), stream)
             return
         lib = self._lib
         self._ok(lib.cublasSetStream_v2(self._h, ctypes.c_void_p(stream.ptr)), "cublasSetStream")

@@ -21,10 +21,11 @@ import numpy as np
 
 from .._abi import LC_MISSES
 from .._cli.usage import UsageError
+from .._kernels.launch import ptr
 from ..cache import HotBufferCache
 from ..streams import Prefetcher
 from ._config import DEVICE_PAGE, PAGE_TOKENS, Config
-from ._model import Indexer, Kernels, Model
+from ._model import Indexer, Kernels, Model, prompt_kv
 
 
 @dataclasses.dataclass
@@ -51,21 +52,6 @@ def coprime(n: int) -> int:
     while np.gcd(a, n) != 1:
         a += 1
     return a
-
-
-def prompt_kv(k: Kernels, cfg: Config, base: int, layer_bytes: int, reqs, stream,
-              p0: int = 0, req_rows: int = 0, layers: range | None = None) -> None:
-    """The model's prompt KV of positions ``[p0, context)`` of requests ``reqs`` (int32 on the
-    device) for model ``layers`` (default all), written from ``base`` (layers ``layer_bytes``
-    apart): request ``reqs[i]``'s row of position ``p`` at row ``i * req_rows + p - p0`` of
-    each layer."""
-    layers = range(cfg.layers) if layers is None else layers
-    grid = (-(-(cfg.context - p0) * (cfg.row_bytes // 16) // 256), reqs.size, len(layers))
-    k.kv_prefill(grid, (256,), (cupy.uint64(base), np.int64(layer_bytes), reqs, np.int32(p0),
-                                np.int32(cfg.context), np.int64(req_rows),
-                                np.int32(cfg.shared_prefix), np.int32(layers.start),
-                                np.int32(cfg.fp8)),
-                 stream=stream)
 
 
 class Rig:
@@ -145,6 +131,7 @@ class Rig:
         self.table = self.topk_shape = None
         if cfg.topk_model == "lru":
             self._generate()
+        self._structs()
         self.resident = self.kv_buf = self.low = None
         self.cache = self.pf = None
         self.swap_s = 0.0
@@ -180,6 +167,27 @@ class Rig:
                      f"of their {S} x {c.top_k} entries")
         with self.s:
             self.table = cupy.asarray(tab)
+
+    def _structs(self) -> None:
+        """The step's kernels' structs with their fixed fields (a step sets the rest)."""
+        c, k = self.cfg, self.k
+        B, S, K = c.batch, c.mtp, c.top_k
+        fp8 = bool(c.fp8)
+        self._newest = k.kv_newest[fp8]
+        self._newest_p = self._newest.params(req=ptr(self.req), lens=ptr(self.lens),
+                                             max_len=c.max_len)
+        self._table_p = None if self.table is None else k.topk_table.params(
+            table=ptr(self.table), n_full=self.table.shape[1], BK=B * K, K=K, S=S,
+            step=ptr(self.step_ctr), topk=ptr(self.topk))
+        self._drift_p = k.topk_drift.params(
+            topk=ptr(self.topk), S=S, K=K, M=self.M, Md=max(1, self.M // 2), U=self.U,
+            a=int(self.a), recent=c.recent, step=ptr(self.step_ctr), lens=ptr(self.lens))
+        self._direct_p = k.direct_locs.params(topk=ptr(self.topk), req=ptr(self.req), SK=S * K,
+                                              max_len=c.max_len, n=B * S * K,
+                                              locs=ptr(self.locs))
+        self._tally_p = k.tally.params(col=LC_MISSES, full=ptr(self.full_dev),
+                                       acc=ptr(self.moved), step=ptr(self.step_ctr))
+        self._tick_p = k.tick.params(step=ptr(self.step_ctr), lens=ptr(self.lens), B=B)
 
     # ------------------------------------------------------------------ state
     def _prefill(self, base: int, layer_bytes: int, reqs=None, p0: int = 0,
@@ -376,20 +384,20 @@ class Rig:
         B, S, K = c.batch, c.mtp, c.top_k
         gpu_only, R = mode == "gpu-only", self.R
         res = self.resident if gpu_only else self.low  # layers 0 .. (all or R) - 1
-        if res is not None:
-            k.kv_newest((B, res.shape[0]), (96,), (res, np.int64(res[0].nbytes), self.req,
-                                                   self.lens, cupy.uint64(0),
-                                                   np.int32(c.max_len), np.int32(0),
-                                                   np.int32(c.fp8)), stream=s)
+        newest, newest_p = self._newest, self._newest_p
+        if res is not None:  # the slot layout's rows (rows: null)
+            newest((B, res.shape[0]), newest_p.set(base=res.data.ptr, layer_bytes=res[0].nbytes,
+                                                   rows=0, first=0), s)
         if not gpu_only:
             cache = self.cache
             st = cache.begin_step(self.req, self.lens, stream=s, prefetcher=self.pf,
                                   lean=None if c.lean else False)
             self.lean = st.lean
             rows = st.newest_rows()  # the model writes this step's KV there
-            k.kv_newest((B, len(self.cached)), (96,),
-                        (cache.device, np.int64(cache.device[0].nbytes), self.req, self.lens,
-                         rows, np.int32(c.max_len), np.int32(R), np.int32(c.fp8)), stream=s)
+            dev = cache.device
+            newest((B, len(self.cached)), newest_p.set(base=dev.data.ptr,
+                                                       layer_bytes=dev[0].nbytes,
+                                                       rows=rows.data.ptr, first=R), s)
             self.backup(st)  # before any later swap that may select these tokens
         m.start(self.step_ctr)
         if self.indexer is not None:
@@ -403,22 +411,13 @@ class Rig:
                 self.indexer.score(self.full_rank[layer], self.req, self.lens)
             if self.full[layer] and self.table is not None:
                 n = B * S * K  # draft s of step t: the table's step t * S + s
-                k.topk_table((-(-n // 256),), (256,),
-                             (self.table, np.int32(self.table.shape[1]),
-                              np.int32(self.full_rank[layer]), np.int32(B * K), np.int32(K),
-                              np.int32(S), self.step_ctr, self.topk), stream=s)
+                k.topk_table((-(-n // 256),), self._table_p.set(j=self.full_rank[layer]), s)
             elif self.full[layer]:
-                k.topk_drift((-(-K // 256), B * S), (256,),
-                             (self.topk, np.int32(S), np.int32(K), np.int32(self.M),
-                              np.int32(max(1, self.M // 2)), np.int32(self.U), self.a,
-                              np.int64(self.salt[layer]), np.int32(c.recent), self.step_ctr,
-                              self.lens), stream=s)
+                k.topk_drift((-(-K // 256), B * S), self._drift_p.set(salt=self.salt[layer]), s)
             direct = gpu_only or layer < R
             if self.full[layer] and direct:
                 n = B * S * K
-                k.direct_locs((-(-n // 256),), (256,),
-                              (self.topk, self.req, np.int32(S * K), np.int32(c.max_len),
-                               np.int32(n), self.locs), stream=s)
+                k.direct_locs((-(-n // 256),), self._direct_p, s)
             if direct:
                 out, rows = locs, res[layer]
             elif self.time_host:
@@ -434,10 +433,10 @@ class Rig:
         if not gpu_only:
             st.finish()
             ctr = cache.counters.device  # the step's rows moved and misses, from its counters
-            k.tally((1,), (128,), (ctr, np.int32(ctr.shape[0]), np.int32(ctr.shape[1]),
-                                   np.int32(LC_MISSES), self.weight[mode != "offload"],
-                                   self.full_dev, self.moved, self.step_ctr), stream=s)
-        k.tick((1,), (128,), (self.step_ctr, self.lens, np.int32(B)), stream=s)
+            k.tally((1,), self._tally_p.set(counters=ctr.data.ptr, n_layers=ctr.shape[0],
+                                            stride=ctr.shape[1],
+                                            weight=self.weight[mode != "offload"].data.ptr), s)
+        k.tick((1,), self._tick_p, s)
 
     # ------------------------------------------------------------------ one mode
     def run(self, mode: str, exec_: str, progress) -> RunResult:

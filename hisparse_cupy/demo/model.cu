@@ -1,13 +1,22 @@
-// hisparse_cupy demo: the synthetic model's kernels (not part of the library's ABI).
+// hisparse_cupy demo: the synthetic model's kernels (the demo's own, not the library's interface).
+//
+// Built and launched as the package's kernels are: every kernel takes one parameter struct by
+// value, declared here and mirrored in hisparse_cupy/_abi.py (DEMO_STRUCTS), whose -D macros
+// every compile passes and HS_ABI_CHECK (cu/abi_check.cuh) checks each struct against (size,
+// field sizes, field order). hisparse_cupy/_kernels/build.py compiles this file into one
+// RawModule holding the name expressions of its DEMO and DEMO_ROWS tables, with the package's
+// options (compile_check() covers it), and hisparse_cupy.demo._model launches them through the
+// package's launcher (cuLaunchKernelEx with one pointer to the struct). Kernels live in
+// namespace demo; a struct is its kernel's name in CamelCase + Params.
 //
 // KV rows are MLA-like: D_ROW = 576 values, the first D_V = 512 of which are the value (the
-// latent), all 576 the key, in one of two formats (every kernel that reads or writes rows takes
-// `fp8`):
-//   - FP8 (fp8 = 1, the default): GLM-5.2's cached row, 656 bytes = 41 chunks of 16: the 512
+// latent), all 576 the key, in one of two formats, a template parameter of every kernel that
+// reads or writes rows (FP8: one instance per format):
+//   - FP8 (FP8 = true, the default): GLM-5.2's cached row, 656 bytes = 41 chunks of 16: the 512
 //     latent values as e4m3 (chunks 0-31), their 4 float32 scales, one per 128 values (chunk
 //     32), the 64 RoPE values as bf16 (chunks 33-40). A value is its e4m3 value times its
 //     block's scale (a power of two: exact in float);
-//   - bf16 (fp8 = 0): 576 bf16 values, 1152 bytes = 72 chunks.
+//   - bf16 (FP8 = false): 576 bf16 values, 1152 bytes = 72 chunks.
 // A token's row in layer l of request slot r at position p is a pure function of (l, r, p):
 // every mode (GPU-only, offload, overlap) and the host pool hold the same bytes, so the
 // attention outputs must agree bit for bit.
@@ -15,6 +24,8 @@
 // Every kernel that changes from step to step reads the step index and the sequence lengths
 // from device memory, so one captured decode step replays for every step.
 // ASCII only (NVRTC reads the source as bytes).
+
+#include "abi_check.cuh"
 
 #define D_ROW 576
 #define D_V 512
@@ -26,6 +37,8 @@
 #define QS 580           // padded row stride (floats) of the query and tile buffers
 #define ATT_THREADS 256
 #define INFINITY __int_as_float(0x7f800000)
+
+namespace demo {
 
 typedef unsigned long long u64;
 
@@ -59,15 +72,16 @@ __device__ __forceinline__ float e4m3_to_float(unsigned int b) {
   return (b & 0x80u) ? -v : v;
 }
 
-// Chunk c (16 bytes) of token (r, p)'s row in layer l: fp8 = 0, eight bf16 values (c < 72);
-// fp8 = 1, sixteen e4m3 bytes (c < 32; never the NaN pattern S.1111.111), the four scales
-// (c = 32: 2^-9 .. 2^-12) or eight bf16 RoPE values (c = 33..40).
-__device__ __forceinline__ uint4 kv_chunk(int l, int r, long long p, int c, int fp8) {
+// Chunk c (16 bytes) of token (r, p)'s row in layer l: bf16, eight bf16 values (c < 72); FP8,
+// sixteen e4m3 bytes (c < 32; never the NaN pattern S.1111.111), the four scales (c = 32:
+// 2^-9 .. 2^-12) or eight bf16 RoPE values (c = 33..40).
+template <bool FP8>
+__device__ __forceinline__ uint4 kv_chunk(int l, int r, long long p, int c) {
   const u64 key = mix64((static_cast<u64>(l) << 56) ^ (static_cast<u64>(r) << 40) ^
                         static_cast<u64>(p)) + static_cast<u64>(c) * 0x9E3779B97F4A7C15ULL;
   unsigned int w[4];
   for (int i = 0; i < 4; ++i) {
-    if (fp8 && c < FP8_SCALES) {
+    if (FP8 && c < FP8_SCALES) {
       unsigned int x = static_cast<unsigned int>(mix64(key + i) >> 32), y = 0;
       for (int j = 0; j < 4; ++j) {
         unsigned int byte = (x >> (8 * j)) & 0xFFu;
@@ -75,7 +89,7 @@ __device__ __forceinline__ uint4 kv_chunk(int l, int r, long long p, int c, int 
         y |= byte << (8 * j);
       }
       w[i] = y;
-    } else if (fp8 && c == FP8_SCALES) {
+    } else if (FP8 && c == FP8_SCALES) {
       w[i] = (127u - 9u - static_cast<unsigned int>(mix64(key + i) & 3u)) << 23;
     } else {
       const unsigned short a = hash_bf16(mix64(key + 2 * i));
@@ -92,38 +106,58 @@ __device__ __forceinline__ uint4 kv_chunk(int l, int r, long long p, int c, int 
 // req_rows = 0: one request's rows from 0, an admission's KV). Positions below `shared` carry
 // request 0's bytes (requests forked from its first `shared` tokens).
 // grid (ceil((p1 - p0) * chunks / 256), n_req, layers), chunks: FP8_CHUNKS or BF16_CHUNKS
-extern "C" __global__ void kv_prefill(unsigned char* base, long long layer_bytes,
-                                      const int* reqs, int p0, int p1, long long req_rows,
-                                      int shared, int first, int fp8) {
-  const int NC = fp8 ? FP8_CHUNKS : BF16_CHUNKS;
+struct KvPrefillParams {
+  unsigned char* base;    // row 0 of layer 0 (device or mapped host)
+  const int* reqs;        // [n_req] request slots
+  long long layer_bytes;  // from a layer's rows to the next layer's
+  long long req_rows;     // rows from one request's first row to the next's (0: one request)
+  int p0, p1;             // positions [p0, p1)
+  int shared;             // positions below it carry request 0's bytes
+  int first;              // the model layer of the rows at base
+};
+HS_ABI_CHECK(KvPrefillParams);
+
+template <bool FP8>
+__global__ void kv_prefill(const KvPrefillParams p) {
+  constexpr int NC = FP8 ? FP8_CHUNKS : BF16_CHUNKS;
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= static_cast<long long>(p1 - p0) * NC) return;
+  if (i >= static_cast<long long>(p.p1 - p.p0) * NC) return;
   const int l = blockIdx.z;
-  const long long p = p0 + i / NC;
-  const int r = p < shared ? 0 : reqs[blockIdx.y];
+  const long long pos = p.p0 + i / NC;
+  const int r = pos < p.shared ? 0 : p.reqs[blockIdx.y];
   const int c = static_cast<int>(i % NC);
-  uint4* dst = reinterpret_cast<uint4*>(base + l * layer_bytes +
-                                        (blockIdx.y * req_rows + p - p0) * (16 * NC));
-  dst[c] = kv_chunk(first + l, r, p, c, fp8);
+  uint4* dst = reinterpret_cast<uint4*>(p.base + l * p.layer_bytes +
+                                        (blockIdx.y * p.req_rows + pos - p.p0) * (16 * NC));
+  dst[c] = kv_chunk<FP8>(p.first + l, r, pos, c);
 }
 
 // The newest token (position lens[b] - 1) of every batch row, every layer: into device row
 // rows[b] (the cache's newest_rows(); -1 skips) or, with rows == nullptr, row
 // req[b] * max_len + lens[b] - 1 (resident KV). Model layers first .. first + gridDim.y - 1,
 // the first at base. grid (B, layers), 96 threads.
-extern "C" __global__ void kv_newest(unsigned char* base, long long layer_bytes, const int* req,
-                                     const int* lens, const int* rows, int max_len, int first,
-                                     int fp8) {
-  const int NC = fp8 ? FP8_CHUNKS : BF16_CHUNKS;
+struct KvNewestParams {
+  unsigned char* base;    // row 0 of the first layer's rows
+  const int* req;         // [B] request slots
+  const int* lens;        // [B] lengths (the newest token's included)
+  const int* rows;        // [B] device rows, or null: the slot layout's rows
+  long long layer_bytes;  // from a layer's rows to the next layer's
+  int max_len;            // rows per request slot in the slot layout
+  int first;              // the model layer of the rows at base
+};
+HS_ABI_CHECK(KvNewestParams);
+
+template <bool FP8>
+__global__ void kv_newest(const KvNewestParams p) {
+  constexpr int NC = FP8 ? FP8_CHUNKS : BF16_CHUNKS;
   const int b = blockIdx.x, l = blockIdx.y, c = threadIdx.x;
   if (c >= NC) return;
-  const int r = req[b];
-  const long long p = lens[b] - 1;
-  const long long row = rows ? static_cast<long long>(rows[b])
-                             : static_cast<long long>(r) * max_len + p;
+  const int r = p.req[b];
+  const long long pos = p.lens[b] - 1;
+  const long long row = p.rows ? static_cast<long long>(p.rows[b])
+                               : static_cast<long long>(r) * p.max_len + pos;
   if (row < 0) return;
-  uint4* dst = reinterpret_cast<uint4*>(base + l * layer_bytes + row * (16 * NC));
-  dst[c] = kv_chunk(first + l, r, p, c, fp8);
+  uint4* dst = reinterpret_cast<uint4*>(p.base + l * p.layer_bytes + row * (16 * NC));
+  dst[c] = kv_chunk<FP8>(p.first + l, r, pos, c);
 }
 
 // Drifting top-k of one full layer, int32 [B, S, K]: entry k < K - nrec of draft step s is
@@ -131,58 +165,105 @@ extern "C" __global__ void kv_newest(unsigned char* base, long long layer_bytes,
 // salt) mod U (a bijection: gcd(a, U) = 1), so each step M tokens of the window are new; the
 // last nrec = min(recent, t + 1) entries are the newest tokens lens[b] - nrec .. lens[b] - 1.
 // grid (ceil(K / 256), B * S)
-extern "C" __global__ void topk_drift(int* topk, int S, int K, int M, int Md, int U, long long a,
-                                      long long salt, int recent, const int* step,
-                                      const int* lens) {
+struct TopkDriftParams {
+  int* topk;              // [B, S, K]
+  const int* step;        // the step index t (device scalar)
+  const int* lens;        // [B]
+  long long a, salt;      // the bijection's multiplier and the layer's salt
+  int S, K, M, Md, U, recent;
+};
+HS_ABI_CHECK(TopkDriftParams);
+
+__global__ void topk_drift(const TopkDriftParams p) {
   const int k = blockIdx.x * blockDim.x + threadIdx.x;
-  if (k >= K) return;
-  const int bs = blockIdx.y, b = bs / S, s = bs % S;
-  const int t = *step;
-  const int nrec = min(recent, t + 1);
+  if (k >= p.K) return;
+  const int bs = blockIdx.y, b = bs / p.S, s = bs % p.S;
+  const int t = *p.step;
+  const int nrec = min(p.recent, t + 1);
   int tok;
-  if (k >= K - nrec) {
-    tok = lens[b] - (K - k);
+  if (k >= p.K - nrec) {
+    tok = p.lens[b] - (p.K - k);
   } else {
-    const long long pos = (static_cast<long long>(t) * M + static_cast<long long>(s) * Md +
-                           7919LL * b + salt + k) % U;
-    tok = static_cast<int>((pos * a + 131LL * b + salt) % U);
+    const long long pos = (static_cast<long long>(t) * p.M + static_cast<long long>(s) * p.Md +
+                           7919LL * b + p.salt + k) % p.U;
+    tok = static_cast<int>((pos * p.a + 131LL * b + p.salt) % p.U);
   }
-  topk[static_cast<long long>(bs) * K + k] = tok;
+  p.topk[static_cast<long long>(bs) * p.K + k] = tok;
 }
 
 // --topk-model lru: full layer j's top-k of this step from the pre-generated streams, table
 // int32 [steps * S, n_full, BK] (BK = B * K): topk [B, S, K], draft s of decode step t from the
 // table's step t * S + s (S = 1: [B, K], step t). The step index is read on the device (graphs).
-extern "C" __global__ void topk_table(const int* table, int n_full, int j, int BK, int K,
-                                      int S, const int* step, int* topk) {
+// grid (ceil(BK * S / 256)), 256 threads.
+struct TopkTableParams {
+  const int* table;       // [steps * S, n_full, BK]
+  const int* step;        // the decode step t (device scalar)
+  int* topk;              // [B, S, K]
+  int n_full, j;          // full layers, and this one's rank among them
+  int BK, K, S;
+  int pad;
+};
+HS_ABI_CHECK(TopkTableParams);
+
+__global__ void topk_table(const TopkTableParams p) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= BK * S) return;
-  const int k = i % K, s = (i / K) % S, b = i / (K * S);
-  topk[i] = table[((static_cast<long long>(*step) * S + s) * n_full + j) * BK + b * K + k];
+  if (i >= p.BK * p.S) return;
+  const int k = i % p.K, s = (i / p.K) % p.S, b = i / (p.K * p.S);
+  p.topk[i] = p.table[((static_cast<long long>(*p.step) * p.S + s) * p.n_full + p.j) * p.BK +
+                      b * p.K + k];
 }
 
 // GPU-only page table: locs = req[b] * max_len + token (-1 for a negative token). n = B * S * K.
-extern "C" __global__ void direct_locs(const int* topk, const int* req, int SK, int max_len,
-                                       int n, int* locs) {
+// grid (ceil(n / 256)), 256 threads.
+struct DirectLocsParams {
+  const int* topk;        // [B, S, K]
+  const int* req;         // [B]
+  int* locs;              // [B, S, K]
+  int SK, max_len, n;
+  int pad;
+};
+HS_ABI_CHECK(DirectLocsParams);
+
+__global__ void direct_locs(const DirectLocsParams p) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const int t = topk[i];
-  locs[i] = t < 0 ? -1 : req[i / SK] * max_len + t;
+  if (i >= p.n) return;
+  const int t = p.topk[i];
+  p.locs[i] = t < 0 ? -1 : p.req[i / p.SK] * p.max_len + t;
 }
 
-// The step's input hidden state, bf16 [Q, D]: a function of (step, row, column).
-extern "C" __global__ void embed(unsigned short* h, int n, int D, const int* step) {
+// The step's input hidden state, bf16 [Q, D] (n = Q * D values): a function of (step, index).
+// grid (ceil(n / 256)), 256 threads.
+struct EmbedParams {
+  unsigned short* h;
+  const int* step;        // device scalar
+  int n;
+  int pad;
+};
+HS_ABI_CHECK(EmbedParams);
+
+__global__ void embed(const EmbedParams p) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  h[i] = hash_bf16(mix64((static_cast<u64>(*step) << 40) ^ static_cast<u64>(i) ^
-                         0x5851F42D4C957F2DULL));
+  if (i >= p.n) return;
+  p.h[i] = hash_bf16(mix64((static_cast<u64>(*p.step) << 40) ^ static_cast<u64>(i) ^
+                           0x5851F42D4C957F2DULL));
 }
 
 // Weights, bf16 [n]: uniform in [-scale, scale) (scale a power of two keeps them exact).
-extern "C" __global__ void weights(unsigned short* w, long long n, u64 seed, float scale) {
+// grid (ceil(n / 256)), 256 threads.
+struct WeightsParams {
+  unsigned short* w;
+  long long n;
+  u64 seed;
+  float scale;
+  int pad;
+};
+HS_ABI_CHECK(WeightsParams);
+
+__global__ void weights(const WeightsParams p) {
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  w[i] = float_to_bf16(bf16_to_float(hash_bf16(mix64(seed ^ static_cast<u64>(i)))) * scale);
+  if (i >= p.n) return;
+  p.w[i] = float_to_bf16(bf16_to_float(hash_bf16(mix64(p.seed ^ static_cast<u64>(i)))) *
+                         p.scale);
 }
 
 // Sparse MLA-style attention, split over the K selected rows (flash-decoding), part 1.
@@ -190,12 +271,23 @@ extern "C" __global__ void weights(unsigned short* w, long long n, u64 seed, flo
 // scaled by temp); its selected rows are locs[b * ld_b + s * ld_s + k], k < K (-1: skipped).
 // Block (split, q): rows [split * chunk, min(K, (split + 1) * chunk)). Per head: running max m,
 // sum l, and acc[D_V] = sum_j exp(score_j - m) * value_j. Fixed order: deterministic. Rows in
-// the format `fp8` says, read as their 576 float values (FP8: e4m3 times the block's scale).
-// grid (n_split, Q), ATT_THREADS threads, dynamic smem att_smem_bytes().
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-attn_partial(const unsigned short* qraw, const int* locs, long long ld_b, long long ld_s, int S,
-             int K, int chunk, const unsigned char* rows, float temp, float* part_m,
-             float* part_l, float* part_acc, int fp8) {
+// the format FP8 says, read as their 576 float values (FP8: e4m3 times the block's scale).
+// grid (n_split, Q), ATT_THREADS threads, dynamic smem ATT_SMEM (hisparse_cupy.demo._model).
+struct AttnPartialParams {
+  const unsigned short* qraw;  // [Q, NH * D_ROW] bf16
+  const int* locs;             // row b * ld_b + s * ld_s: query row b * S + s's K rows
+  const unsigned char* rows;   // [D, row bytes]
+  float* part_m;               // [Q, n_split, NH]
+  float* part_l;               // [Q, n_split, NH]
+  float* part_acc;             // [Q, n_split, NH, D_V]
+  long long ld_b, ld_s;
+  int S, K, chunk;             // chunk: rows of a split (a multiple of TR)
+  float temp;                  // the query's scale after normalisation
+};
+HS_ABI_CHECK(AttnPartialParams);
+
+template <bool FP8>
+__global__ void __launch_bounds__(ATT_THREADS) attn_partial(const AttnPartialParams p) {
   extern __shared__ float4 smem4[];
   float* q_s = reinterpret_cast<float*>(smem4);  // [NH][QS]
   float* kv_s = q_s + NH * QS;                     // [TR][QS]
@@ -205,11 +297,11 @@ attn_partial(const unsigned short* qraw, const int* locs, long long ld_b, long l
   int* ok_s = reinterpret_cast<int*>(nrm_s + NH);  // [TR]
   const int split = blockIdx.x, q = blockIdx.y, nsplit = gridDim.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int b = q / S, s = q % S;
-  const int* lrow = locs + b * ld_b + s * ld_s;
+  const int b = q / p.S, s = q % p.S;
+  const int* lrow = p.locs + b * p.ld_b + s * p.ld_s;
 
   // query: load, then normalise each head (warp w: heads w and w + 8)
-  const unsigned short* qr = qraw + static_cast<long long>(q) * NH * D_ROW;
+  const unsigned short* qr = p.qraw + static_cast<long long>(q) * NH * D_ROW;
   for (int i = tid; i < NH * D_ROW; i += ATT_THREADS)
     q_s[(i / D_ROW) * QS + i % D_ROW] = bf16_to_float(qr[i]);
   __syncthreads();
@@ -217,7 +309,7 @@ attn_partial(const unsigned short* qraw, const int* locs, long long ld_b, long l
     float ss = 0.0f;
     for (int d = lane; d < D_ROW; d += 32) ss += q_s[h * QS + d] * q_s[h * QS + d];
     for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) nrm_s[h] = temp * rsqrtf(ss + 1e-20f);
+    if (lane == 0) nrm_s[h] = p.temp * rsqrtf(ss + 1e-20f);
   }
   __syncthreads();
   for (int i = tid; i < NH * D_ROW; i += ATT_THREADS) {
@@ -229,7 +321,7 @@ attn_partial(const unsigned short* qraw, const int* locs, long long ld_b, long l
   float acc[NH][2];
 #pragma unroll
   for (int h = 0; h < NH; ++h) acc[h][0] = acc[h][1] = 0.0f;
-  const int k0 = split * chunk, k1 = min(K, k0 + chunk);
+  const int k0 = split * p.chunk, k1 = min(p.K, k0 + p.chunk);
   for (int kt = k0; kt < k1; kt += TR) {
     __syncthreads();  // the previous tile is consumed (and the query is ready)
     if (tid < TR) {
@@ -237,12 +329,12 @@ attn_partial(const unsigned short* qraw, const int* locs, long long ld_b, long l
       ok_s[tid] = (k < k1 && lrow[k] >= 0) ? lrow[k] : -1;
     }
     __syncthreads();
-    const int NC = fp8 ? FP8_CHUNKS : BF16_CHUNKS;
+    constexpr int NC = FP8 ? FP8_CHUNKS : BF16_CHUNKS;
     for (int i = tid; i < TR * NC; i += ATT_THREADS) {
       const int r = i / NC, c = i % NC;
       const int loc = ok_s[r];
-      const unsigned char* row = rows + static_cast<long long>(loc) * (16 * NC);
-      if (fp8 && c < FP8_SCALES) {  // 16 latent values: e4m3 times their block's scale
+      const unsigned char* row = p.rows + static_cast<long long>(loc) * (16 * NC);
+      if (FP8 && c < FP8_SCALES) {  // 16 latent values: e4m3 times their block's scale
         float* dst = kv_s + r * QS + c * 16;
         if (loc < 0) {
           for (int j = 0; j < 16; ++j) dst[j] = 0.0f;
@@ -255,9 +347,9 @@ attn_partial(const unsigned short* qraw, const int* locs, long long ld_b, long l
         }
         continue;
       }
-      if (fp8 && c == FP8_SCALES) continue;  // (read with the latent values)
+      if (FP8 && c == FP8_SCALES) continue;  // (read with the latent values)
       // eight bf16 values: a bf16 row's chunk c, or an FP8 row's RoPE values
-      float* dst = kv_s + r * QS + (fp8 ? D_V + (c - FP8_SCALES - 1) * 8 : c * 8);
+      float* dst = kv_s + r * QS + (FP8 ? D_V + (c - FP8_SCALES - 1) * 8 : c * 8);
       if (loc < 0) {
         for (int j = 0; j < 8; ++j) dst[j] = 0.0f;
       } else {
@@ -292,9 +384,9 @@ attn_partial(const unsigned short* qraw, const int* locs, long long ld_b, long l
         const float c = __expf(m - mt);
         float sum = 0.0f;
         for (int r = 0; r < TR; ++r) {
-          const float p = __expf(p_s[r * NH + tid] - mt);
-          p_s[r * NH + tid] = p;
-          sum += p;
+          const float e = __expf(p_s[r * NH + tid] - mt);
+          p_s[r * NH + tid] = e;
+          sum += e;
         }
         c_s[tid] = c;
         l = l * c + sum;
@@ -308,10 +400,10 @@ attn_partial(const unsigned short* qraw, const int* locs, long long ld_b, long l
       for (int h = 0; h < NH; ++h) {
         float a0 = acc[h][0] * c_s[h], a1 = acc[h][1] * c_s[h];
         for (int r = 0; r < TR; ++r) {
-          const float p = p_s[r * NH + h];
+          const float w = p_s[r * NH + h];
           const float2 v = *reinterpret_cast<const float2*>(kv_s + r * QS + d);
-          a0 += p * v.x;
-          a1 += p * v.y;
+          a0 += w * v.x;
+          a1 += w * v.y;
         }
         acc[h][0] = a0;
         acc[h][1] = a1;
@@ -320,12 +412,12 @@ attn_partial(const unsigned short* qraw, const int* locs, long long ld_b, long l
   }
   const long long base = (static_cast<long long>(q) * nsplit + split) * NH;
   if (tid < NH) {
-    part_m[base + tid] = m;
-    part_l[base + tid] = l;
+    p.part_m[base + tid] = m;
+    p.part_l[base + tid] = l;
   }
 #pragma unroll
   for (int h = 0; h < NH; ++h)
-    *reinterpret_cast<float2*>(part_acc + (base + h) * D_V + 2 * tid) =
+    *reinterpret_cast<float2*>(p.part_acc + (base + h) * D_V + 2 * tid) =
         make_float2(acc[h][0], acc[h][1]);
 }
 
@@ -333,29 +425,40 @@ attn_partial(const unsigned short* qraw, const int* locs, long long ld_b, long l
 // digest[step * n_layers + layer] (a wrapping sum of hashed (index, value) pairs: independent of
 // the summation order, so it is deterministic, and any changed bit changes it).
 // grid (Q, NH): one block per query row and head, D_V threads.
-extern "C" __global__ void attn_combine(const float* part_m, const float* part_l,
-                                        const float* part_acc, int nsplit, unsigned short* out,
-                                        u64* digest, const int* step, int n_layers, int layer) {
+struct AttnCombineParams {
+  const float* part_m;    // attn_partial's outputs
+  const float* part_l;
+  const float* part_acc;
+  unsigned short* out;    // [Q, NH * D_V] bf16
+  u64* digest;            // [steps, n_layers]
+  const int* step;        // device scalar
+  int nsplit, n_layers, layer;
+  int pad;
+};
+HS_ABI_CHECK(AttnCombineParams);
+
+__global__ void attn_combine(const AttnCombineParams p) {
   const int q = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
-  const long long base = static_cast<long long>(q) * nsplit * NH + h;
+  const long long base = static_cast<long long>(q) * p.nsplit * NH + h;
   float mx = -INFINITY;
-  for (int sp = 0; sp < nsplit; ++sp) mx = fmaxf(mx, part_m[base + sp * NH]);
+  for (int sp = 0; sp < p.nsplit; ++sp) mx = fmaxf(mx, p.part_m[base + sp * NH]);
   float num = 0.0f, den = 0.0f;
   if (mx != -INFINITY) {
-    for (int sp = 0; sp < nsplit; ++sp) {
-      const float ms = part_m[base + sp * NH];
+    for (int sp = 0; sp < p.nsplit; ++sp) {
+      const float ms = p.part_m[base + sp * NH];
       if (ms == -INFINITY) continue;
       const float w = __expf(ms - mx);
-      den += part_l[base + sp * NH] * w;
-      num += part_acc[(base + sp * NH) * D_V + d] * w;
+      den += p.part_l[base + sp * NH] * w;
+      num += p.part_acc[(base + sp * NH) * D_V + d] * w;
     }
   }
   const unsigned short o = float_to_bf16(den > 0.0f ? num / den : 0.0f);
   const long long idx = (static_cast<long long>(q) * NH + h) * D_V + d;
-  out[idx] = o;
+  p.out[idx] = o;
   u64 dig = mix64((static_cast<u64>(idx) << 16) | o);
   for (int o2 = 16; o2; o2 >>= 1) dig += __shfl_xor_sync(0xffffffffu, dig, o2);
-  if ((d & 31) == 0) atomicAdd(digest + static_cast<long long>(*step) * n_layers + layer, dig);
+  if ((d & 31) == 0)
+    atomicAdd(p.digest + static_cast<long long>(*p.step) * p.n_layers + p.layer, dig);
 }
 
 // The lightning indexer's cost (DSA): on every full layer each query row scores every token of
@@ -418,37 +521,63 @@ __device__ __forceinline__ void idx_load(const unsigned char* base, int t, int l
 
 // The key cache of one full layer: n_rows tokens (whole key blocks) of int8 values and a scale
 // in [1/512, 2/512), a function of (layer, word). grid (ceil(n_rows * 33 / 256)), 256 threads.
-extern "C" __global__ void index_fill(unsigned int* keys, long long n_rows, int layer) {
+struct IndexFillParams {
+  unsigned int* keys;     // [n_rows * IDX_ROW / 4] words
+  long long n_rows;
+  int layer;
+  int pad;
+};
+HS_ABI_CHECK(IndexFillParams);
+
+__global__ void index_fill(const IndexFillParams p) {
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n_rows * (IDX_ROW / 4)) return;
-  const u64 h = mix64((static_cast<u64>(layer) << 48) ^ static_cast<u64>(i) ^
+  if (i >= p.n_rows * (IDX_ROW / 4)) return;
+  const u64 h = mix64((static_cast<u64>(p.layer) << 48) ^ static_cast<u64>(i) ^
                       0xA24BAED4963EE407ULL);
-  keys[i] = (i % (IDX_BLK * IDX_ROW / 4) >= IDX_BLK * IDX_D / 4)
-                ? __float_as_uint((1.0f + static_cast<float>(h >> 41) * (1.0f / (1 << 23))) /
-                                  512.0f)
-                : static_cast<unsigned int>(h);
+  p.keys[i] = (i % (IDX_BLK * IDX_ROW / 4) >= IDX_BLK * IDX_D / 4)
+                  ? __float_as_uint((1.0f + static_cast<float>(h >> 41) * (1.0f / (1 << 23))) /
+                                    512.0f)
+                  : static_cast<unsigned int>(h);
 }
 
 // The step's indexer queries, int8 [Q, IDX_H, IDX_D]: a function of (step, index).
-extern "C" __global__ void index_query(unsigned int* q, int n_words, const int* step) {
+// grid (ceil(n_words / 256)), 256 threads.
+struct IndexQueryParams {
+  unsigned int* q;        // [n_words]
+  const int* step;        // device scalar
+  int n_words;
+  int pad;
+};
+HS_ABI_CHECK(IndexQueryParams);
+
+__global__ void index_query(const IndexQueryParams p) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n_words) return;
-  q[i] = static_cast<unsigned int>(mix64((static_cast<u64>(*step) << 36) ^ static_cast<u64>(i) ^
-                                         0x3C6EF372FE94F82BULL));
+  if (i >= p.n_words) return;
+  p.q[i] = static_cast<unsigned int>(mix64((static_cast<u64>(*p.step) << 36) ^
+                                           static_cast<u64>(i) ^ 0x3C6EF372FE94F82BULL));
 }
 
 // Query row q = b * S + s scores tokens [0, lens[b]) of request req[b]'s keys into
 // scores[q * max_len + t]. grid (ceil(max_len / IDX_TOK), Q), IDX_WARPS * 32 threads; blocks
 // past the length return (the grid is fixed, so a captured step replays at any length).
-extern "C" __global__ void __launch_bounds__(IDX_WARPS * 32)
-indexer(const unsigned char* keys, const signed char* q, const int* req, const int* lens, int S,
-        int max_len, float* scores) {
-  const int qrow = blockIdx.y, b = qrow / S, len = lens[b];
+struct IndexerParams {
+  const unsigned char* keys;  // the layer's key cache (Indexer.keys[j])
+  const signed char* q;       // [Q, IDX_H * IDX_D]
+  const int* req;             // [B]
+  const int* lens;            // [B]
+  float* scores;              // [Q, max_len]
+  int S, max_len;
+};
+HS_ABI_CHECK(IndexerParams);
+
+__global__ void __launch_bounds__(IDX_WARPS * 32) indexer(const IndexerParams p) {
+  const signed char* const q = p.q;
+  const int qrow = blockIdx.y, b = qrow / p.S, len = p.lens[b];
   const int t0 = blockIdx.x * IDX_TOK;
   if (t0 >= len) return;
-  const long long slot_blocks = (max_len + IDX_BLK - 1) / IDX_BLK;
-  const unsigned char* base = keys + req[b] * slot_blocks * (IDX_BLK * IDX_ROW);
-  float* out = scores + static_cast<long long>(qrow) * max_len;
+  const long long slot_blocks = (p.max_len + IDX_BLK - 1) / IDX_BLK;
+  const unsigned char* base = p.keys + p.req[b] * slot_blocks * (IDX_BLK * IDX_ROW);
+  float* out = p.scores + static_cast<long long>(qrow) * p.max_len;
 #if __CUDA_ARCH__ >= 800
   // the query row (8 KB) into shared memory in 16-byte loads, once per block; the warps build
   // their A fragments from there
@@ -545,38 +674,69 @@ indexer(const unsigned char* keys, const signed char* q, const int* req, const i
 // full layer's misses again for every shared layer its replays serve), acc[2 step + 1] =
 // sum_l full[l] * misses_l. counters: uint64 [n_layers, stride], misses in column col. One
 // block. Once per step (not per swap), so the tally stays off the layers' path.
-extern "C" __global__ void tally(const u64* counters, int n_layers, int stride, int col,
-                                 const int* weight, const int* full, u64* acc,
-                                 const int* step) {
+struct TallyParams {
+  const u64* counters;    // [n_layers, stride]
+  const int* weight;      // [n_layers]
+  const int* full;        // [n_layers]
+  u64* acc;               // [steps, 2]
+  const int* step;        // device scalar
+  int n_layers, stride, col;
+  int pad;
+};
+HS_ABI_CHECK(TallyParams);
+
+__global__ void tally(const TallyParams p) {
   __shared__ u64 s_moved, s_full;
   if (threadIdx.x == 0) s_moved = s_full = 0;
   __syncthreads();
   u64 moved = 0, in_full = 0;
-  for (int l = threadIdx.x; l < n_layers; l += blockDim.x) {
-    const u64 m = counters[static_cast<long long>(l) * stride + col];
-    moved += m * static_cast<u64>(weight[l]);
-    in_full += full[l] ? m : 0;
+  for (int l = threadIdx.x; l < p.n_layers; l += blockDim.x) {
+    const u64 m = p.counters[static_cast<long long>(l) * p.stride + p.col];
+    moved += m * static_cast<u64>(p.weight[l]);
+    in_full += p.full[l] ? m : 0;
   }
   atomicAdd(&s_moved, moved);
   atomicAdd(&s_full, in_full);
   __syncthreads();
   if (threadIdx.x == 0) {
-    acc[2 * (*step)] = s_moved;
-    acc[2 * (*step) + 1] = s_full;
+    p.acc[2 * (*p.step)] = s_moved;
+    p.acc[2 * (*p.step) + 1] = s_full;
   }
 }
 
 // End of a step: step += 1, every length += 1. One block.
-extern "C" __global__ void tick(int* step, int* lens, int B) {
-  for (int b = threadIdx.x; b < B; b += blockDim.x) lens[b] += 1;
-  if (threadIdx.x == 0) *step += 1;
+struct TickParams {
+  int* step;              // device scalar
+  int* lens;              // [B]
+  int B;
+  int pad;
+};
+HS_ABI_CHECK(TickParams);
+
+__global__ void tick(const TickParams p) {
+  for (int b = threadIdx.x; b < p.B; b += blockDim.x) p.lens[b] += 1;
+  if (threadIdx.x == 0) *p.step += 1;
 }
 
 // Fallback matmul when cuBLAS cannot be loaded: C[M, N] = A[M, Kd] x B[Kd, N], bf16 in and
 // out, fp32 accumulation in k order; A's rows lda elements apart (B and C dense).
 // grid (ceil(N / 128), ceil(M / 16)), 128 threads.
-extern "C" __global__ void gemm_bf16(const unsigned short* A, const unsigned short* B,
-                                     unsigned short* C, int M, int N, int Kd, long long lda) {
+struct GemmBf16Params {
+  const unsigned short* A;  // [M, Kd], rows lda apart
+  const unsigned short* B;  // [Kd, N]
+  unsigned short* C;        // [M, N]
+  long long lda;
+  int M, N, Kd;
+  int pad;
+};
+HS_ABI_CHECK(GemmBf16Params);
+
+__global__ void gemm_bf16(const GemmBf16Params p) {
+  const unsigned short* const A = p.A;
+  const unsigned short* const B = p.B;
+  unsigned short* const C = p.C;
+  const int M = p.M, N = p.N, Kd = p.Kd;
+  const long long lda = p.lda;
   __shared__ float a_s[16][64];
   const int n = blockIdx.x * 128 + threadIdx.x, m0 = blockIdx.y * 16;
   float acc[16];
@@ -601,3 +761,5 @@ extern "C" __global__ void gemm_bf16(const unsigned short* A, const unsigned sho
     for (int mi = 0; mi < 16 && m0 + mi < M; ++mi)
       C[static_cast<long long>(m0 + mi) * N + n] = float_to_bf16(acc[mi]);
 }
+
+}  // namespace demo
