@@ -34,9 +34,11 @@ def _shm() -> str:
 
 def _listing() -> set[str]:
     """The shared pools' directory's entries, less other test processes' pools (suites that run
-    side by side on one machine share /dev/shm)."""
+    side by side on one machine share /dev/shm) and POSIX named semaphores (``sem.*``: other
+    processes' multiprocessing locks come and go there; a pool makes none)."""
     mine = f"hs-test-{os.getpid()}-"
-    return {e for e in os.listdir(_shm()) if e.startswith(mine) or not e.startswith("hs-test-")}
+    return {e for e in os.listdir(_shm())
+            if (e.startswith(mine) or not e.startswith("hs-test-")) and not e.startswith("sem.")}
 
 
 @pytest.fixture

@@ -39,6 +39,11 @@ def test_refusals_name_what_is_missing(monkeypatch, capsys):
     monkeypatch.setattr(sd, "find_nvdisasm", lambda given: None)
     assert sd.main([]) == 2 and "no nvdisasm" in capsys.readouterr().err
     monkeypatch.setattr(sd, "find_nvdisasm", lambda given: "/bin/true")
+
+    def no_git(*a, **k):  # the arguments are refused before the tree is compared with git
+        raise AssertionError("git was asked before the arguments were checked")
+
+    monkeypatch.setattr(sd.subprocess, "run", no_git)
     assert sd.main(["nope.cu"]) == 2 and "not kernel sources" in capsys.readouterr().err
 
 

@@ -120,16 +120,16 @@ def main(argv=None) -> int:
         print("sass_diff: no nvdisasm (--nvdisasm, $NVDISASM, PATH or pip install "
               "nvidia-cuda-nvdisasm)", file=sys.stderr)
         return 2
-    if subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", a.rev, "--",
-                       "hisparse_cupy/_abi.py"]).returncode:
-        print(f"sass_diff: hisparse_cupy/_abi.py differs from {a.rev}: the kernels' defines "
-              f"differ too, so their code is not comparable this way", file=sys.stderr)
-        return 2
     files = a.files or changed_sources(a.rev)
     unknown = sorted(set(files) - set(build.INSTANCES))
     if unknown:
         print(f"sass_diff: not kernel sources: {unknown} (known: {sorted(build.INSTANCES)})",
               file=sys.stderr)
+        return 2
+    if subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", a.rev, "--",
+                       "hisparse_cupy/_abi.py"]).returncode:
+        print(f"sass_diff: hisparse_cupy/_abi.py differs from {a.rev}: the kernels' defines "
+              f"differ too, so their code is not comparable this way", file=sys.stderr)
         return 2
     if not files:
         print(f"sass_diff: no kernel source differs from {a.rev}")
