@@ -179,8 +179,12 @@ def test_sweep_flags():
     assert (c.sweep["concurrencies"], c.sweep["host_gb"]) == ([1, 4], 50.0)
     assert from_args([]).sweep is None
     c = from_args(["--sweep", "--mtp", "3"])  # MTP in the sweep: every mode, 3 draft steps
-    assert c.mtp == 3 and c.sweep is not None
+    assert c.mtp == 3 and c.sweep is not None and c.sweep["offload"] == "overlap"
+    assert from_args(["--sweep", "--sweep-offload", "predict"]).sweep["offload"] == "predict"
     for argv, msg in ((["--gpu-budget", "20"], "--gpu-budget sets up --sweep"),
+                      (["--sweep-offload", "predict"], "--sweep-offload sets up --sweep"),
+                      (["--sweep", "--sweep-offload", "predict", "--mtp", "2"],
+                       "not with --mtp 2-4"),
                       (["--concurrency", "2"], "--concurrency sets up --sweep"),
                       (["--sweep", "--batch", "4"], "--sweep runs its own concurrencies"),
                       (["--sweep", "--no-lean"], "leave out --no-lean"),
@@ -280,3 +284,14 @@ def test_run_sweep_with_a_stand_in_rig(monkeypatch, tmp_path, capsys):
         "layer 5 differs" in out
     assert run.run_sweep(cfg, concurrencies=[17], **kw) == 2  # 110 GB hold 16 (FP8 rows)
     assert "--concurrency 17 needs" in capsys.readouterr().out and len(pools) == 2
+    calls.clear()  # the managed and sparse rows with prediction (--sweep-offload predict)
+    bad.clear()
+    assert run.run_sweep(cfg, concurrencies=[1], offload="predict", **kw) == 0
+    assert calls == [(1, m, k) for m, k in (("gpu-only", None), ("predict", plans[1].resident),
+                                             ("offload", None), ("predict", None))]
+    doc = json.loads(js.read_text())
+    assert doc["offload"] == "predict" and doc["self_check"] == "passed"
+    assert {r["mode"] for r in doc["rows"]} == {"gpu-only", "resident", "sparse",
+                                                "sparse-no-overlap"}
+    with pytest.raises(ValueError, match="offload must be"):
+        run.runs("bogus")

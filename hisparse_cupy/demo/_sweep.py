@@ -94,13 +94,18 @@ def add_arguments(a) -> None:
       help="--sweep: host memory for the pinned pool (default: 80%% of this machine's)")
     a("--concurrency", type=int, action="append", metavar="N",
       help="--sweep: this concurrency (repeatable; default: the plan's rows)")
+    a("--sweep-offload", choices=("overlap", "predict"), default="overlap",
+      help="--sweep: the mode of the residency-managed and all-sparse rows: overlap "
+           "(default) or predict (overlap + the next full layer's likely misses staged; not "
+           "with --mtp 2-4)")
 
 
 def sweep_args(ns, given: set[str]) -> dict | None:
     """``run_sweep``'s keyword arguments from the parsed flags, or None without ``--sweep``;
     ``SystemExit`` naming a flag that does not go with it."""
     if not ns.sweep:
-        bad = [f for f in ("gpu_budget", "host_gb", "concurrency") if f in given]
+        bad = [f for f in ("gpu_budget", "host_gb", "concurrency", "sweep_offload")
+               if f in given]
         if bad:
             raise UsageError(f"demo: --{bad[0].replace('_', '-')} sets up --sweep: add it")
         return None
@@ -112,6 +117,9 @@ def sweep_args(ns, given: set[str]) -> dict | None:
             flag = "no-lean" if f == "lean" else f.replace("_", "-")
             raise UsageError(f"demo: --sweep runs its own modes and budgets, graphed, without "
                              f"shared prefixes: leave out --{flag}")
+    if ns.sweep_offload == "predict" and ns.mtp > 1:
+        raise UsageError("demo: --sweep-offload predict stages for single-step swaps: not with "
+                         "--mtp 2-4")
     from ._config import host_memory_bytes
 
     host = ns.host_gb if ns.host_gb is not None else 0.8 * host_memory_bytes() / GB
@@ -123,7 +131,8 @@ def sweep_args(ns, given: set[str]) -> dict | None:
     except ValueError as e:
         raise UsageError(f"demo: {e}") from None
     return {"gpu_budget_gb": ns.gpu_budget, "host_gb": host,
-            "concurrencies": sorted(set(ns.concurrency)) if ns.concurrency else None}
+            "concurrencies": sorted(set(ns.concurrency)) if ns.concurrency else None,
+            "offload": ns.sweep_offload}
 
 
 @dataclass(frozen=True)

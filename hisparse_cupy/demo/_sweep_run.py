@@ -6,7 +6,8 @@ runs, steps graphed, on the same ``n`` requests (the same top-k streams, the sam
 - ``gpu-only``: every layer's KV and the indexer's key cache on the GPU. Run at every ``n``,
   inside the budget or not (``fits``: whether its bytes fit ``--gpu-budget``; outside it the
   row is the reference of the self-check and the TPOT at the same batch, marked as such);
-- ``resident``: the residency-managed cache (IndexCache overlap on): ``k`` requests
+- ``resident``: the residency-managed cache (IndexCache overlap on; with ``--sweep-offload
+  predict``, prediction too, as in ``sparse``): ``k`` requests
   resident, the largest ``k`` whose pages and a hot buffer for each other request fit what
   ``--gpu-budget`` leaves after the indexer's key cache and the resident layers
   (:func:`._sweep.plan`), the others sparse, with a device budget of exactly those rows
@@ -39,9 +40,16 @@ from ._config import GB, Config
 # the configuration's fields each run sets itself (left out of the JSON's "config")
 _PER_RUN = ("json", "png", "sweep", "batch", "modes", "execs", "device_budget",
             "resident_requests", "lean")
-# the sweep's runs: (row mode, demo mode, device budget: "managed" or None)
-RUNS = (("gpu-only", "gpu-only", None), ("resident", "overlap", "managed"),
-        ("sparse-no-overlap", "offload", None), ("sparse", "overlap", None))
+
+
+def runs(offload: str = "overlap") -> tuple:
+    """The sweep's runs, ``(row mode, demo mode, device budget: "managed" or None)``; the
+    managed and all-sparse rows run the demo's ``offload`` mode (``"overlap"`` or
+    ``"predict"``), the plain offload beside them gives the sparse row's hidden share."""
+    if offload not in ("overlap", "predict"):
+        raise ValueError(f"offload must be 'overlap' or 'predict', got {offload!r}")
+    return (("gpu-only", "gpu-only", None), ("resident", offload, "managed"),
+            ("sparse-no-overlap", "offload", None), ("sparse", offload, None))
 
 
 def row(mode: str, n: int, result, *, fits: bool, gpu_bytes: int, host_gb: float,
@@ -84,10 +92,10 @@ def against_gpu_only(rows: list[dict]) -> None:
 
 
 def document(cfg: Config, rows: list[dict], *, gpu_budget_gb: float, host_gb: float,
-             plan_rows, errors: list[str], extra: dict) -> dict:
+             plan_rows, errors: list[str], extra: dict, offload: str = "overlap") -> dict:
     """The sweep's JSON: the fields docs/design.md section 11 lists, then what ran."""
     return {"context": cfg.context, "gpu_budget_gb": gpu_budget_gb, "row_bytes": cfg.row_bytes,
-            "mtp": cfg.mtp,
+            "mtp": cfg.mtp, "offload": offload,
             "model": f"{cfg.model} (hidden {cfg.hidden}), indexer "
                      f"{'on' if cfg.indexer else 'off'}",
             "self_check": "passed" if not errors else "failed", "rows": rows,
@@ -163,10 +171,11 @@ def _kv_bytes(rig) -> int:
 
 
 def run_sweep(cfg: Config, *, gpu_budget_gb: float, host_gb: float,
-              concurrencies=None) -> int:
-    """The sweep (module docstring); returns the exit status (1: a self-check failed, 2: a
-    concurrency the host pool does not hold, or whose gpu-only reference does not fit this
-    GPU)."""
+              concurrencies=None, offload: str = "overlap") -> int:
+    """The sweep (module docstring; ``offload``: :func:`runs`); returns the exit status (1: a
+    self-check failed, 2: a concurrency the host pool does not hold, or whose gpu-only
+    reference does not fit this GPU)."""
+    plan_runs = runs(offload)
     import cupy
 
     from ..host import HostKVPool
@@ -210,14 +219,14 @@ def run_sweep(cfg: Config, *, gpu_budget_gb: float, host_gb: float,
     try:
         for p in plans:
             n = p.concurrency
-            c = dataclasses.replace(cfg, batch=n, modes=tuple(r[1] for r in RUNS),
+            c = dataclasses.replace(cfg, batch=n, modes=tuple(r[1] for r in plan_runs),
                                     execs=("graph",), device_budget=None,
                                     resident_requests=None, json=None, png=None, sweep=None)
             rig = Rig(c, s, log, pool=pool, paged=True)
             shapes[n] = rig.topk_shape
             results = []
             try:
-                for mode, demo_mode, budget in RUNS:
+                for mode, demo_mode, budget in plan_runs:
                     want = max(p.resident, 0) if budget == "managed" else None
                     if c.resident_requests != want:  # another device budget: a new cache
                         rig.free_cache()
@@ -237,17 +246,18 @@ def run_sweep(cfg: Config, *, gpu_budget_gb: float, host_gb: float,
                 del rig  # (its KV buffers and indexer keys before the next n's)
             # the runs named by their rows (two of them are the demo's overlap mode)
             named = [dataclasses.replace(r, mode=m) if m != "gpu-only" else r
-                     for r, (m, _, _) in zip(results, RUNS, strict=False)]
+                     for r, (m, _, _) in zip(results, plan_runs, strict=False)]
             errors += [f"n {n}: {e}" for e in self_check(named)]
     finally:
         pool.close()
     hidden_share(rows)
     against_gpu_only(rows)
     doc = document(cfg, rows, gpu_budget_gb=gpu_budget_gb, host_gb=host_gb, plan_rows=plans,
-                   errors=errors, extra={"device": name, "topk_shape": shapes,
+                   errors=errors, offload=offload, extra={"device": name, "topk_shape": shapes,
                                          "wall_s": round(time.perf_counter() - t0, 1)})
     print()
     mtp = f", {cfg.mtp} draft steps a step (acceptance not modelled)" if cfg.mtp > 1 else ""
+    mtp += ", managed and sparse rows with prediction" if offload == "predict" else ""
     print(f"load sweep, context {cfg.context}{mtp}: TPOT = mean step time after {cfg.warmup} "
           f"warm-up steps ({cfg.steps} timed, CUDA events); tokens/s = n / TPOT; GPU GB = "
           f"the KV and indexer keys on the GPU; gpu-only outside the budget (fits no) is the "
