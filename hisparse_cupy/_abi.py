@@ -9,8 +9,10 @@ so the oracle (:mod:`hisparse_cupy.reference`) can use it without CuPy.
 How the two sides are kept equal: :func:`defines` turns everything here into ``-D`` macros
 that every compile passes (the runtime's and :func:`hisparse_cupy.compile_check`'s):
 
-- ``HS_ABI_<STRUCT>_SIZE`` and ``HS_ABI_<STRUCT>_FIELDS(X)`` (every field's name and size, in
-  order): ``cu/abi.cuh`` ``static_assert``s the struct's size and each field's, and checks the
+- ``HS_ABI_<STRUCT>_SIZE`` and ``HS_ABI_<STRUCT>_FIELDS(X)`` (every field's name, size and
+  whether it is a float, in order): ``cu/abi.cuh`` ``static_assert``s the struct's size and
+  each field's size and kind (a float written as an int of the same size reads as a
+  different number), and checks the
   order with a C++20 designated initializer, so a field added, dropped, reordered or retyped
   on one side fails the CPU compile check (NVRTC has no ``offsetof``; with the sizes and the
   order fixed, and no tail padding, the offsets are fixed too). The demo model's structs
@@ -404,7 +406,8 @@ def defines() -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for struct, dt in {**STRUCTS, **DEMO_STRUCTS}.items():
         out.append((f"HS_ABI_{struct}_SIZE", str(dt.itemsize)))
-        fields = "".join(f"X({struct},{f},{dt[f].itemsize})" for f in dt.names)
+        fields = "".join(f"X({struct},{f},{dt[f].itemsize},{int(dt[f].kind == 'f')})"
+                         for f in dt.names)
         out.append((f"HS_ABI_{struct}_FIELDS(X)", fields))
     for name, value in CONSTANTS.items():
         out.append((f"HS_{name}", _literal(value)))

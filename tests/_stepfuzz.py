@@ -426,7 +426,7 @@ class Fuzz:
             b.cooldown = int(self.rng.integers(0, 4))
             b.watermarks = _band(self.rng)
         if self.rng.random() < 0.3:  # the cache's default policy
-            if self.rng.random() < 0.2:  # down to the high watermark, the step's requests kept
+            if self.rng.random() < 0.2:  # down to the high watermark, 0 or 1 request kept
                 keep = self.rng.choice(list(self.active), int(self.rng.integers(0, 2)))
                 self.moves += len(self.c.residency.shed(keep=keep, stream=obj))
             elif self.rng.random() < 0.5:

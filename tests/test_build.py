@@ -119,7 +119,7 @@ def test_digest_covers_headers(sources):
 def test_options_carry_the_abi_and_no_include_outside_cu():
     opts = build.options()
     assert "-DHS_ST_NOHOST=1" in opts
-    assert any(o.startswith("-DHS_ABI_SwapResolveParams_FIELDS(X)=X(SwapResolveParams,topk,8)")
+    assert any(o.startswith("-DHS_ABI_SwapResolveParams_FIELDS(X)=X(SwapResolveParams,topk,8,0)")
                for o in opts)
     for p in build.CU_DIR.glob("*.cu*"):
         for line in p.read_text().splitlines():

@@ -67,7 +67,7 @@ def test_demo_structs_are_words_without_tail_padding():
         assert all(dt[f].kind in "iu" or f in ("temp", "scale") for f in dt.names), name
     opts = build.options()
     assert "-DHS_ABI_KvPrefillParams_SIZE=48" in opts
-    assert any(o.startswith("-DHS_ABI_AttnPartialParams_FIELDS(X)=X(AttnPartialParams,qraw,8)")
+    assert any(o.startswith("-DHS_ABI_AttnPartialParams_FIELDS(X)=X(AttnPartialParams,qraw,8,0)")
                for o in opts)
 
 
@@ -98,6 +98,17 @@ def test_a_demo_field_type_drift_fails_the_check(monkeypatch):
     fields.append(("pad", "i4"))  # (no tail padding)
     _drifted(monkeypatch, "KvPrefillParams", np.dtype(fields, align=True))
     with pytest.raises(build.CompileError, match="KvPrefillParams.req_rows: size differs"):
+        build.compile_check(archs=("sm_90",), files=(build.DEMO_MODEL,))
+
+
+def test_a_float_field_read_as_an_int_fails_the_check(monkeypatch):
+    """The attention's temperature is a float32 word: the same 4 bytes written as an int32 would
+    read as a denormal float, in every mode alike (no self-check would see it): the compile
+    check refuses the drift."""
+    dt = _abi.DEMO_STRUCTS["AttnPartialParams"]
+    _drifted(monkeypatch, "AttnPartialParams",
+             np.dtype([(n, "i4" if n == "temp" else dt[n]) for n in dt.names], align=True))
+    with pytest.raises(build.CompileError, match="AttnPartialParams.temp: float on one side"):
         build.compile_check(archs=("sm_90",), files=(build.DEMO_MODEL,))
 
 

@@ -222,6 +222,20 @@ def test_watermarks_band_the_policy_moves():
     b.check()
 
 
+def test_the_low_watermark_is_a_share_not_rounded():
+    """promotable names nothing while the pages in use are ``low * n_pages`` or more, that
+    product unrounded: 5 pages in use of 10 are under 0.55 but not under 0.5."""
+    b = DeviceBudget(10, 4, block_rows=4)  # block: 1 page
+    b.admit(0, 16, resident=True)  # 4 pages
+    b.admit(1, 4, resident=False)  # its block: 5 in use
+    b.watermarks = (0.55, 1.0)
+    assert b.promotable() == [1]
+    b.watermarks = (0.5, 1.0)
+    assert b.promotable() == []
+    b.watermarks = (0.55, 0.55)  # promoting 1 takes its page before its block returns: 6 > 5.5
+    assert b.promotable() == []
+
+
 def test_excess_needs_a_free_block():
     """The first demotion takes its block before its pages return: with fewer free pages than
     a block, excess names nothing, however far over the high watermark."""
@@ -327,15 +341,22 @@ def test_randomized_against_a_model():
                     model[r][0] = "sparse"
             elif op < 0.95:
                 high = int(b.watermarks[1] * n_pages + 1e-9)
-                victims = b.excess()
+                free0, victims = b.free_pages, b.excess()
+                gains = [b.pages_for(model[r][1]) - bp for r in victims]
+                assert all(g > 0 for g in gains) and (free0 >= bp or not victims), i
+                if victims:  # each one needed: without the last, still over the band
+                    assert n_pages - free0 - sum(gains[:-1]) > high, i
                 for r in victims:
                     b.demote(r)
                     model[r][0] = "sparse"
-                # at or under the band now, or nothing more it could demote
-                assert n_pages - b.free_pages <= high or b.excess() == [], i
+                if b.cooldown == 0 and free0 >= bp:  # none cooling: at or under the band,
+                    # or no resident left whose demotion frees a page
+                    assert n_pages - b.free_pages <= high or all(
+                        st != "resident" or b.pages_for(n) <= bp
+                        for st, n in model.values()), i
             else:
                 in_use = n_pages - b.free_pages
-                low, high = (int(x * n_pages + 1e-9) for x in b.watermarks)
+                low, high = b.watermarks[0] * n_pages, int(b.watermarks[1] * n_pages + 1e-9)
                 for r in b.promotable():
                     assert in_use < low, i
                     b.promote(r)

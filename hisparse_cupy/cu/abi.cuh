@@ -1,7 +1,7 @@
 // hisparse_cupy: the kernel ABI. One parameter struct per kernel family, taken by value.
 //
 // hisparse_cupy/_abi.py mirrors every struct as a NumPy structured dtype and defines, for each
-// compile, HS_ABI_<Struct>_SIZE and HS_ABI_<Struct>_FIELDS (name and size of every field, in
+// compile, HS_ABI_<Struct>_SIZE and HS_ABI_<Struct>_FIELDS (name, size and kind of every field, in
 // order): the checks below (HS_ABI_CHECK, abi_check.cuh) fail the compile (CPU CI runs it) if
 // the two sides disagree. The constants and the shared-memory layouts (X-macros
 // HS_SMEM_<KERNEL>) come from the same module.

@@ -244,7 +244,7 @@ def run_sweep(cfg: Config, *, gpu_budget_gb: float, host_gb: float,
             finally:
                 rig.close()
                 del rig  # (its KV buffers and indexer keys before the next n's)
-            # the runs named by their rows (two of them are the demo's overlap mode)
+            # the runs named by their rows (two of them run the same demo mode)
             named = [dataclasses.replace(r, mode=m) if m != "gpu-only" else r
                      for r, (m, _, _) in zip(results, plan_runs, strict=False)]
             errors += [f"n {n}: {e}" for e in self_check(named)]

@@ -126,11 +126,14 @@ class DeviceBudget:
         the default policy's band. :meth:`promotable` names no request while the pages in use
         are ``low * n_pages`` or more, and takes requests only while the pages in use after
         each stay at most ``high * n_pages``; :meth:`excess` names the demotions that bring
-        the pages in use down to ``high * n_pages`` (rounded down to whole pages). Between
+        the pages in use down to ``high * n_pages`` (rounded down to whole pages; ``low *
+        n_pages`` is compared unrounded). Between
         the two a request neither moves up nor down, so growth and admissions have room
         before the policy demotes, and a demotion does not invite the next promotion.
-        Default ``(1.0, 1.0)``: promote whatever fits, never demote for the share in use.
-        Moves an engine makes itself, and :meth:`room_for`, are never refused by it."""
+        Pages in use count the sparse requests' blocks as well as the resident requests'
+        pages, so a band is set above what the blocks alone take. Default ``(1.0, 1.0)``:
+        promote whatever fits, never demote for the share in use. Moves an engine makes
+        itself, and :meth:`room_for`, are never refused by it."""
         return self._band
 
     @watermarks.setter
@@ -384,18 +387,10 @@ class DeviceBudget:
         demotions could free."""
         need = _checks.integer("pages", pages, 0)
         free = self.free_pages
-        cands = self._demotion_order(keep, cooling=True)
         if free < need and free < self.block_pages:  # a demotion takes its block first
             raise PoolExhausted(f"room for {need} pages (a demotion first takes a block of "
                                 f"{self.block_pages})", need, free, "device")
-        out = []
-        for r in cands:
-            if free >= need:
-                break
-            gain = len(self._pages.pages(r)) - self.block_pages
-            if gain > 0:  # a request shorter than a block frees nothing by moving
-                free += gain
-                out.append(r)
+        out, free = self._victims(need, self._demotion_order(keep, cooling=True))
         if free < need:
             raise PoolExhausted(f"room for {need} pages (demoting every resident request not "
                                 f"kept would free {free - self.free_pages} more)", need,
@@ -408,10 +403,10 @@ class DeviceBudget:
         watermark; none while the pages in use are at or above the low one
         (:attr:`watermarks`); not one still cooling down from its demotion
         (:attr:`cooldown`)."""
-        low, high = (self._share_pages(x) for x in self._band)
-        if self.n_pages - self.free_pages >= low:
+        low, high = self._band
+        if self.n_pages - self.free_pages >= low * self.n_pages:
             return []
-        free = self.free_pages - (self.n_pages - high)  # the pages promotions may take
+        free = self.free_pages - (self.n_pages - self._share_pages(high))  # promotions may take
         out = []
         for r in sorted((r for r, st in self._state.items()
                          if st == SPARSE and not self._cooling(r)),
@@ -431,16 +426,7 @@ class DeviceBudget:
         pages in use are at or under it, or when fewer pages are free than the block a
         demotion first takes. Nothing is demoted here (the cache's ``residency.shed`` does)."""
         need = self.n_pages - self._share_pages(self._band[1])  # pages to be free
-        free = self.free_pages
-        out = []
-        for r in self._demotion_order(keep, cooling=False):
-            if free >= need or free < self.block_pages:
-                break
-            gain = len(self._pages.pages(r)) - self.block_pages
-            if gain > 0:
-                free += gain
-                out.append(r)
-        return out
+        return self._victims(need, self._demotion_order(keep, cooling=False))[0]
 
     # ------------------------------------------------------------------ internals
     def _live(self, rid) -> int:
@@ -458,6 +444,20 @@ class DeviceBudget:
                 (cooling or not self._cooling(r))]
         return sorted(live, key=lambda r: (self._cooling(r), self._used[r],
                                            -len(self._pages.pages(r)), r))
+
+    def _victims(self, need: int, order: list[int]) -> tuple[list[int], int]:
+        """The requests of ``order`` to demote, one after another, until ``need`` pages are
+        free (each takes a block first: none once fewer pages are free than a block; one
+        shorter than a block frees nothing and is passed over), and the pages free after."""
+        free, out = self.free_pages, []
+        for r in order:
+            if free >= need or free < self.block_pages:
+                break
+            gain = len(self._pages.pages(r)) - self.block_pages
+            if gain > 0:
+                free += gain
+                out.append(r)
+        return out, free
 
     def _take_block(self, what: str, wait) -> list[int]:
         if self.block_pages > self.free_pages:
