@@ -20,7 +20,8 @@
 #      arguments, --no-demo skips it; --sweep=CONTEXTS (e.g. 32768,131072): the load sweep at
 #      each context (demo --sweep, 40 GB budget, 8192 hot slots, 30 + 30 steps: the README
 #      headline's command; ~100 s each at 128k on an H200), JSON
-#      + PNG in results;
+#      + PNG in results; --sweep-args="ARGS" adds sweep flags to each (e.g. "--gpu-budget 24
+#      --concurrency 4 --concurrency 8" on an 80 GB H100, "--sweep-offload predict", "--mtp 3");
 #   7. --models=PROMPTS (e.g. 16384,32768): transformers' GLM-5 and DeepSeek-V3.2 decode through
 #      the cache against their own decode (examples/transformers_decode.py: every request sparse,
 #      then resident under a budget) and their indexers' top-k streams (benchmarks/
@@ -41,7 +42,7 @@
 # Usage: bash tools/gpu_check.sh [--no-tests] [--no-sanitize] [--no-bench] [--full-bench]
 #                                [--full=bench_NAME ...]   (that benchmark in full, others quick)
 #                                [--peer=DIR] [--peer-full] [--tests=PYTEST_ARGS] [--no-demo]
-#                                [--demo=ARGS] [--sweep=CONTEXTS] [--fuzz-steps=N]
+#                                [--demo=ARGS] [--sweep=CONTEXTS] [--sweep-args=ARGS] [--fuzz-steps=N]
 #                                [--fuzz-procs=N] [--fuzz-budget-seeds=N] [--shm-huge=GB]
 #                                [--sanitize=swap,plan,...]   (those tools/sanitize_*.py only)
 #                                [--models=PROMPTS]
@@ -54,7 +55,7 @@ PY=${PYTHON:-python3}
 tests=1 sanitize=1 bench=1 quick=--quick full_only= peer= peer_mode=--quick test_args=tests demo=1
 demo_args="--steps 100 --warmup 20 --eager-and-graph" fuzz_steps=100000 fuzz_procs=12 shm_huge=
 fuzz_budget_seeds=250
-sanitize_only= sweeps= models=
+sanitize_only= sweeps= sweep_args= models=
 for a in "$@"; do
   case $a in
     --no-tests) tests=0 ;; --no-sanitize) sanitize=0 ;; --no-bench) bench=0 ;;
@@ -65,6 +66,7 @@ for a in "$@"; do
     --peer-full) peer_mode= ;;
     --tests=*) test_args=${a#--tests=} ;;
     --no-demo) demo=0 ;; --demo=*) demo_args=${a#--demo=} ;; --sweep=*) sweeps=${a#--sweep=} ;;
+    --sweep-args=*) sweep_args=${a#--sweep-args=} ;;
     --fuzz-steps=*) fuzz_steps=${a#--fuzz-steps=} ;; --fuzz-procs=*) fuzz_procs=${a#--fuzz-procs=} ;;
     --fuzz-budget-seeds=*) fuzz_budget_seeds=${a#--fuzz-budget-seeds=} ;;
     --shm-huge=*) shm_huge=${a#--shm-huge=} ;;
@@ -155,10 +157,11 @@ fi
 
 for ctx in ${sweeps//,/ }; do
   t0=$SECONDS
-  $PY -m hisparse_cupy demo --sweep --context "$ctx" --hot 8192 --warmup 30 --steps 30 \
+  # shellcheck disable=SC2086
+  $PY -m hisparse_cupy demo --sweep --context "$ctx" --hot 8192 --warmup 30 --steps 30 $sweep_args \
     --json "$OUT/results/sweep_$ctx.json" --png "$OUT/results/sweep_$ctx.png" >"$OUT/sweep_$ctx.log" 2>&1
   rc=$?
-  summary "demo --sweep --context $ctx rc=$rc ($((SECONDS - t0)) s): $(grep -E 'self-check|SELF-CHECK' "$OUT/sweep_$ctx.log" | head -n 1)"
+  summary "demo --sweep --context $ctx $sweep_args rc=$rc ($((SECONDS - t0)) s): $(grep -E 'self-check|SELF-CHECK' "$OUT/sweep_$ctx.log" | head -n 1)"
   [ $rc = 0 ] || fail=1
 done
 
