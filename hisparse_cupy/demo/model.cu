@@ -3,7 +3,7 @@
 // Built and launched as the package's kernels are: every kernel takes one parameter struct by
 // value, declared here and mirrored in hisparse_cupy/_abi.py (DEMO_STRUCTS), whose -D macros
 // every compile passes and HS_ABI_CHECK (cu/abi_check.cuh) checks each struct against (size,
-// field sizes, field order). hisparse_cupy/_kernels/build.py compiles this file into one
+// field sizes and kinds, field order). hisparse_cupy/_kernels/build.py compiles this file into one
 // RawModule holding the name expressions of its DEMO and DEMO_ROWS tables, with the package's
 // options (compile_check() covers it), and hisparse_cupy.demo._model launches them through the
 // package's launcher (cuLaunchKernelEx with one pointer to the struct). Kernels live in
