@@ -32,7 +32,9 @@ pool of 1-16 tokens a page, its pages handed out in random order) and then decod
   library's own events: ``docs/design.md`` section 9), on the GPU a call's stream at times held
   busy first (its work lands late, after later calls' work on other streams), one step in ten
   with CuPy's current stream another one held busy (every call must queue what it needs on the
-  stream it is given), and captured steps replayed with new batches and ``num_real``;
+  stream it is given), and captured steps replayed with new batches and ``num_real`` (captured
+  in CuPy's relaxed mode or torch's global one, at times with a host pool collected unclosed
+  inside the capture: the collector runs where it likes);
 - on the GPU, prefill and draft KV at times made on another stream than the call's and dropped
   right after the call, its memory reused at once by a new array on that stream (the call must
   hold what it still reads); promotions cancelled mid-fill (demoted or released at once,
@@ -52,6 +54,7 @@ slot's previous request is caught too. Counters stay on the device; the host rea
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -211,7 +214,8 @@ class Fuzz:
         self.lean_steps = self.lean_asked = self.indexer_calls = self.engine_admits = 0
         self.refused_resident = 0  # resident=True without a budget, refused
         self.busy_now = False
-        self.holds = self.cancels = self.refused_counts = 0
+        self.holds = self.cancels = self.refused_counts = self.orphans = 0
+        self.global_captures = 0
         self._freed: list = []  # (stream, shape) of KV arrays dropped after the last call
         self._junk: list = []  # the arrays that reused their memory (kept a while)
         self.kinds_used: set = set()
@@ -961,11 +965,26 @@ class Fuzz:
 
         body()  # warm-up: num_real 0, nothing selected
         view.synchronize()
-        view.begin_capture()
+        # at times a host pool collected unclosed inside the capture (the collector runs
+        # where it likes, in either capture mode): it must make no CUDA call there
+        orphan = self._orphan_pool() if self.rng.random() < 0.3 else None
+        rt = cupy.cuda.runtime  # CuPy captures in relaxed mode, torch.cuda.graph in global
+        strict = self.rng.random() < 0.5
+        self.global_captures += strict
+        view.begin_capture(rt.streamCaptureModeGlobal if strict else rt.streamCaptureModeRelaxed)
+        if orphan is not None:
+            del orphan
+            gc.collect()
         body()
         g["graph"] = view.end_capture()
         self._graph = g
         return g
+
+    def _orphan_pool(self):
+        from hisparse_cupy import HostKVPool
+
+        self.orphans += 1
+        return HostKVPool(1, 16, 64, threads=1, alloc=str(self.rng.choice(["mmap", "cuda"])))
 
     # ------------------------------------------------------------------ results
     def summary(self) -> dict:
@@ -986,7 +1005,8 @@ class Fuzz:
                     refused_forks=self.refused_forks, moves=self.moves,
                     lean_steps=self.lean_steps, lean_asked=self.lean_asked,
                     indexer_calls=self.indexer_calls, engine_admits=self.engine_admits,
-                    holds=self.holds, cancels=self.cancels,
+                    holds=self.holds, cancels=self.cancels, orphans=self.orphans,
+                    global_captures=self.global_captures,
                     refused_counts=self.refused_counts, refused_resident=self.refused_resident,
                     # stagings the GPU's prefetcher launched in an indexer's window (host count:
                     # a captured step's once)
@@ -1065,7 +1085,8 @@ def main(argv=None) -> int:
     tot = {k: sum(r[k] for r in res)
            for k in ("steps", "calls", "graph_steps", "toggles", "busy_steps", "forks",
                      "refused_forks", "moves", "lean_steps", "lean_asked", "indexer_calls",
-                     "window_stagings", "engine_admits", "holds", "cancels",
+                     "window_stagings", "engine_admits", "holds", "cancels", "orphans",
+                     "global_captures",
                      "refused_counts", "refused_resident")}
     kinds = sorted(set().union(*(r["streams"] for r in res)))
     print(f"step fuzz ({'CPU model' if a.cpu else 'GPU'}): {len(res)} seeds, {tot['steps']} "
@@ -1079,6 +1100,8 @@ def main(argv=None) -> int:
           f"{tot['lean_steps']} lean steps ({tot['lean_asked']} asked lean=True), "
           f"{tot['indexer_calls']} before_indexer calls ({tot['window_stagings']} stagings "
           f"launched there), "
+          f"{tot['global_captures']} steps captured in global mode, "
+          f"{tot['orphans']} host pools collected unclosed inside a capture, "
           f"{tot['busy_steps']} steps "
           f"with CuPy's current "
           f"stream busy, streams {kinds}, {wall:.0f} s: "

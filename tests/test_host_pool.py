@@ -376,20 +376,80 @@ def test_a_large_pool_says_its_setup_in_two_lines(no_cuda, monkeypatch, capsys):
     assert "touched" in lines[1] and "registered" in lines[1] and "GB/s" in lines[1]
 
 
-def test_a_pool_dropped_unclosed_is_released_when_collected(no_cuda, monkeypatch):
-    """A pool nobody closed unregisters its chunks (once each) and unmaps when collected: a
-    registration left behind would collide with a later mapping at the same addresses."""
+def test_a_pool_dropped_unclosed_is_released_at_a_safe_point_not_by_the_collector(
+        no_cuda, monkeypatch):
+    """A pool nobody closed makes no CUDA call from the collector (which may run while a stream
+    captures a CUDA graph: a synchronization there breaks the capture); its release waits for
+    ``release_collected``, which synchronizes first, then unregisters its chunks (once each)
+    and unmaps: a registration left behind would collide with a later mapping at the same
+    addresses."""
     import gc
 
-    unreg = []
+    log = []
     monkeypatch.setattr(hp, "_REGISTER_CHUNK", 3 * PAGE)
-    monkeypatch.setattr(hp, "_unregister", unreg.append)
+    monkeypatch.setattr(hp, "_unregister", lambda ptr: log.append(ptr))
+    monkeypatch.setattr(hp, "_synchronize", lambda: log.append("sync"))
     pool = hp.HostKVPool(1, 10 * PAGE // 64, 64, alloc="mmap")
     base, n = pool.numpy.ctypes.data, len(pool.chunk_edges) + 1
     del pool
     gc.collect()
-    assert unreg == [base + i * 3 * PAGE for i in range(n)] and n == 4
+    assert log == [] and _mapped(base)
+    assert hp.HostKVPool.release_collected() == 1
+    assert log == ["sync"] + [base + i * 3 * PAGE for i in range(n)] and n == 4
     assert not _mapped(base)
+    assert hp.HostKVPool.release_collected() == 0 and len(log) == 5  # nothing left: no sync
+
+
+@pytest.mark.parametrize("where", ["setup", "close"])
+def test_a_collected_pool_is_released_by_the_next_pools_setup_or_close(no_cuda, monkeypatch,
+                                                                        where):
+    import gc
+
+    log = []
+    monkeypatch.setattr(hp, "_unregister", lambda ptr: log.append(ptr))
+    monkeypatch.setattr(hp, "_synchronize", lambda: log.append("sync"))
+    other = hp.HostKVPool(1, 64, 64) if where == "close" else None
+    pool = hp.HostKVPool(1, 64, 64)
+    base = pool.numpy.ctypes.data
+    del pool
+    gc.collect()
+    assert base not in log
+    if other is None:
+        other = hp.HostKVPool(1, 64, 64)
+        assert log == ["sync", base]  # (its mapping may be the new pool's now)
+        other.close()
+    else:
+        other.close()  # its own release after a sync, then the collected one's after another
+        assert log[-2:] == ["sync", base] and log.count("sync") == 2 and not _mapped(base)
+
+
+def test_a_failing_collected_release_is_logged_and_the_others_still_run(no_cuda, monkeypatch,
+                                                                         caplog):
+    import gc
+
+    done = []
+
+    def unregister(ptr):
+        if not done:
+            done.append("failed")
+            raise RuntimeError("unregister failed")
+        done.append(ptr)
+
+    monkeypatch.setattr(hp, "_unregister", unregister)
+    pools = [hp.HostKVPool(1, 64, 64) for _ in range(2)]
+    del pools
+    gc.collect()
+    with caplog.at_level("WARNING", logger="hisparse_cupy"):
+        assert hp.HostKVPool.release_collected() == 2
+    assert done[0] == "failed" and len(done) == 2 and "collected unclosed failed" in caplog.text
+
+
+def test_a_pool_collected_unclosed_is_released_at_exit():
+    code = _STUBS + ("import gc\np = hp.HostKVPool(1, 64, 64)\ndel p\ngc.collect()\n"
+                     "hp._unregister = lambda p: print('unregistered', flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-500:]
+    assert r.stdout.split() == ["unregistered"]
 
 
 # ------------------------------------------------------------------ segments: faults (review)

@@ -151,3 +151,37 @@ def test_a_pool_registered_in_chunks_reads_right_across_their_edges(rng, monkeyp
             assert len(pool.chunk_edges) == (0 if kw.get("alloc") == "cuda" else 5), kw
             cache.close()
         monkeypatch.setattr(hp, "_REGISTER_CHUNK", 1 << 20)
+
+
+@pytest.mark.parametrize("mode", ["relaxed", "global"])
+@pytest.mark.parametrize("alloc", ["mmap", "cuda"])
+def test_a_pool_collected_while_a_stream_captures_leaves_the_capture_whole(mode, alloc):
+    """The collector may run inside an engine's graph capture (any stream, either capture
+    mode): a pool collected unclosed there must make no CUDA call (a device synchronization
+    invalidates the capture), and is released at the next safe point."""
+    import gc
+
+    import cupy
+
+    from hisparse_cupy import HostKVPool
+
+    rt = cupy.cuda.runtime
+    pool = HostKVPool(1, 64, 64, alloc=alloc)
+    x = cupy.arange(1, 9, dtype=cupy.int32)
+    y = cupy.full(8, -1, cupy.int32)
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        cupy.multiply(x, 2, out=y)  # (its kernel loaded before the capture)
+    s.synchronize()
+    y.fill(-1)
+    s.begin_capture(rt.streamCaptureModeRelaxed if mode == "relaxed"
+                    else rt.streamCaptureModeGlobal)
+    with s:
+        cupy.multiply(x, 2, out=y)
+    del pool
+    gc.collect()
+    graph = s.end_capture()  # raised before: the capture was invalidated
+    graph.launch(s)
+    s.synchronize()
+    assert (cupy.asnumpy(y) == 2 * np.arange(1, 9)).all()
+    assert HostKVPool.release_collected() == 1
