@@ -20,11 +20,14 @@ Three ways to get a :class:`HostKVPool`:
   registered pinned and mapped in place; :meth:`close` unregisters it and frees nothing.
 
 Large pools print a line before and after their setup (stderr, or the package's logger where
-configured). A pool dropped without :meth:`close` is released when collected.
+configured). A pool dropped without :meth:`close` is released at a place that synchronizes
+the device anyway (the next pool's setup or close, :meth:`HostKVPool.release_collected`, the
+exit), never by the collector, which may run while a stream captures a CUDA graph.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import mmap
@@ -168,15 +171,53 @@ def _say(msg: str) -> None:
         print(f"hisparse_cupy: {msg}", file=sys.stderr, flush=True)
 
 
+# Releases of pools collected unclosed. The collector may run at any moment, on any thread,
+# also while a stream captures a CUDA graph, where a device synchronization or an unregister
+# would invalidate the capture (and, if it failed, leave the memory unregistered under queued
+# reads). So a collected pool's release waits here for a place that synchronizes the device
+# anyway: the next pool's setup or close, HostKVPool.release_collected(), or the exit.
+_collected: list = []
+_exiting = False
+
+
 def _finalizer(pool, release) -> weakref.finalize:
-    """``release`` (not holding ``pool``) run by :meth:`close` or when ``pool`` is collected
-    unclosed: a registration must not outlive its mapping (a later one may get its addresses)."""
-    def run() -> None:
+    """Set up ``release`` (not holding ``pool``): :meth:`HostKVPool.close` detaches it and runs
+    it after a device synchronization; if ``pool`` is collected unclosed, it is queued in
+    ``_collected`` (run there at exit). A registration must not outlive its mapping (a later
+    one may get its addresses)."""
+    return weakref.finalize(pool, _on_collect, release)
+
+
+def _on_collect(release) -> None:
+    _collected.append(release)  # (atomic: the collector needs no lock)
+    if _exiting:
+        _release_collected()
+
+
+def _release_collected() -> int:
+    """Run the queued releases after one device synchronization (a pool collected after it
+    waits for the next); a failing one is logged and the others still run. Returns how many
+    ran."""
+    taken = []
+    while _collected:
+        with contextlib.suppress(IndexError):  # (another thread took the last one)
+            taken.append(_collected.pop())
+    if taken:
+        _synchronize()
+    for release in taken:
         try:
-            _synchronize()
-        finally:
             release()
-    return weakref.finalize(pool, run)
+        except Exception as e:  # noqa: BLE001 - the rest must still be released
+            log.warning("releasing a host pool collected unclosed failed: %r", e)
+    return len(taken)
+
+
+@atexit.register
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True  # finalizers that run after this release at once
+    with contextlib.suppress(Exception):  # (the CUDA context may be gone already)
+        _release_collected()
 
 
 def _close_map(mm: mmap.mmap) -> None:
@@ -239,26 +280,28 @@ class HostKVPool:
         self._shape(n_layers, n_rows, row_bytes)
         nbytes = self.n_layers * self.layer_bytes
         self.name, self.owner, self.timings = None, False, {}
-        if alloc == "cuda":
-            rt = cupy.cuda.runtime
-            flags = rt.hostAllocMapped | (rt.hostAllocPortable if portable else 0)
-            self._mem = cupy.cuda.PinnedMemory(nbytes, flags)
-            self._dptr = rt.pointerGetAttributes(self._mem.ptr).devicePointer
-            self._release, self.chunk_edges = None, ()
-            self._host = np.ndarray((self.n_layers, self.n_rows, self.row_bytes), np.uint8,
-                                    buffer=cupy.cuda.PinnedMemoryPointer(self._mem, 0))
-        elif path is None:
-            host_shm.check_room(nbytes)
-            mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            # a fork would copy pinned private pages: a child does not see it (as cudaHostAlloc)
-            _advise(mm, "MADV_DONTFORK")
-            self._setup(lambda: np.frombuffer(mm, np.uint8, nbytes), lambda: _close_map(mm),
-                        huge_pages and _advise(mm, "MADV_HUGEPAGE"), threads=threads,
-                        portable=portable)
-        else:
-            self._create_shared(path, shared_name, nbytes, threads, huge_pages, segments)
-        self.timings["setup_s"] = time.perf_counter() - t0
-        self._check_alignment()
+        with self._closed_on_error():
+            if alloc == "cuda":
+                rt = cupy.cuda.runtime
+                flags = rt.hostAllocMapped | (rt.hostAllocPortable if portable else 0)
+                self._mem = cupy.cuda.PinnedMemory(nbytes, flags)
+                self._dptr = rt.pointerGetAttributes(self._mem.ptr).devicePointer
+                held = [self._mem]  # freed (cudaFreeHost, which synchronizes) by the release
+                self._release, self.chunk_edges = _finalizer(self, held.clear), ()
+                self._host = np.ndarray((self.n_layers, self.n_rows, self.row_bytes), np.uint8,
+                                        buffer=cupy.cuda.PinnedMemoryPointer(self._mem, 0))
+            elif path is None:
+                host_shm.check_room(nbytes)
+                mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                # a fork would copy pinned private pages: a child does not see it (as cudaHostAlloc)
+                _advise(mm, "MADV_DONTFORK")
+                self._setup(lambda: np.frombuffer(mm, np.uint8, nbytes), lambda: _close_map(mm),
+                            huge_pages and _advise(mm, "MADV_HUGEPAGE"), threads=threads,
+                            portable=portable)
+            else:
+                self._create_shared(path, shared_name, nbytes, threads, huge_pages, segments)
+            self.timings["setup_s"] = time.perf_counter() - t0
+            self._check_alignment()
 
     def _create_shared(self, path: str, name: str, nbytes: int, threads: int,
                        huge: bool, segments: int) -> None:
@@ -354,10 +397,11 @@ class HostKVPool:
                              f"{_HEADER + nbytes}")
         self.name, self.owner, self.timings = name, False, {}
         self.segments = len(seg.sizes)
-        self._setup(lambda: seg.array(_HEADER, nbytes), seg.close, False, threads=0,
-                    portable=True)
-        self.timings["setup_s"] = time.perf_counter() - t0
-        self._check_alignment()
+        with self._closed_on_error():
+            self._setup(lambda: seg.array(_HEADER, nbytes), seg.close, False, threads=0,
+                        portable=True)
+            self.timings["setup_s"] = time.perf_counter() - t0
+            self._check_alignment()
         return self
 
     @classmethod
@@ -378,20 +422,21 @@ class HostKVPool:
         self = cls.__new__(cls)
         self._shape(*array.shape)
         self.name, self.owner, self.timings = None, False, {}
-        self._dptr, chunks = _register_all(array.ctypes.data, array.nbytes)
-        self.chunk_edges = tuple(c - chunks[0] for c in chunks[1:])
-        self._mem = array
-        self._host = array
-        timings = self.timings
+        with self._closed_on_error():
+            self._dptr, chunks = _register_all(array.ctypes.data, array.nbytes)
+            self.chunk_edges = tuple(c - chunks[0] for c in chunks[1:])
+            self._mem = array
+            self._host = array
+            timings = self.timings
 
-        def release() -> None:
-            t = time.perf_counter()
-            _unregister_all(chunks)
-            timings["unregister_s"] = time.perf_counter() - t
+            def release() -> None:
+                t = time.perf_counter()
+                _unregister_all(chunks)
+                timings["unregister_s"] = time.perf_counter() - t
 
-        self._release = _finalizer(self, release)
-        self.timings["setup_s"] = self.timings["register_s"] = time.perf_counter() - t0
-        self._check_alignment()
+            self._release = _finalizer(self, release)
+            self.timings["setup_s"] = self.timings["register_s"] = time.perf_counter() - t0
+            self._check_alignment()
         return self
 
     # ----------------------------------------------------------------- internals
@@ -405,6 +450,20 @@ class HostKVPool:
         self.row_bytes = _checks.row_bytes("row_bytes", row_bytes)
         self.layer_bytes = self.n_rows * self.row_bytes
         require_gpu()  # before any CUDA call (or a shared-memory file)
+        _release_collected()  # (a setup synchronizes the device anyway)
+        self._mem = self._release = None
+
+    @contextlib.contextmanager
+    def _closed_on_error(self):
+        """A setup that fails once its release is set up runs it now (a setup is a place to
+        synchronize), not when collected."""
+        try:
+            yield
+        except BaseException:
+            if self._release is not None:
+                with contextlib.suppress(Exception):  # (the setup's error is the one to see)
+                    self.close()
+            raise
 
     def _setup(self, rows_of, unmap, huge: bool, *, threads: int, portable: bool,
                publish=None, on_close=None) -> None:
@@ -489,14 +548,25 @@ class HostKVPool:
         if self._mem is not None:
             _synchronize()
             t0 = time.perf_counter()
-            release, self._release = self._release, None
+            fin, self._release = self._release, None
             self._host = None
             self._mem = None
             try:
-                if release is not None:
-                    release()
+                got = fin.detach() if fin is not None else None
+                if got is not None:
+                    got[2][0]()  # the release (its finalizer's one argument)
             finally:
                 self.timings["teardown_s"] = time.perf_counter() - t0
+            _release_collected()
+
+    @staticmethod
+    def release_collected() -> int:
+        """Release the pools collected without :meth:`close` (their registrations, memory and
+        shared names), after one device synchronization; returns how many. The collector may
+        run while a stream captures a CUDA graph, where a synchronization would break the
+        capture, so a collected pool waits for this call, the next pool's setup or
+        :meth:`close`, or the process's exit. Never call it while capturing."""
+        return _release_collected()
 
     def __enter__(self) -> HostKVPool:
         return self
