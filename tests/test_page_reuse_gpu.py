@@ -6,7 +6,8 @@ late work visibly lands late, and every byte read back.
 1. a demotion's freed pages taken by another request's growth on another stream;
 2. a cancelled promotion's fill still in flight when its pages are taken;
 3. the token count a demotion or promotion works from (the cache's own, not a wrong one);
-4. a resident request's token that was never written: -1 and NOHOST, as the sparse path;
+4. a token that was never written, of a resident request or of a sparse one below H (the
+   positional layout): -1 and NOHOST, as the LRU path past H;
 5. prefill KV given on the GPU, freed by the caller right after the call and its memory
    reused on the stream it was allocated on, before the admission's copy ran.
 """
@@ -222,6 +223,27 @@ def test_a_resident_requests_unwritten_token_is_nohost_as_sparse():
         assert (rows[[0, 3]] >= 0).all(), resident
         assert (rows[[1, 2]] == -1).all(), (resident, rows)
         assert status[_abi.ST_NOHOST] == 2, (resident, status)
+    cache.close()
+
+
+def test_a_positional_requests_unwritten_token_is_nohost():
+    """Case 4 below H: a sparse request of 40 tokens (the positional layout, H = 64) in a slot
+    another request used before, grown to 50 and stepped at length 50 (tokens 40..48 never
+    written). A swap selecting tokens 45 and 46 gives -1 and counts NOHOST twice, where it
+    served the slots' old rows with status 0 before; token 10 and the newest (49) are
+    served, their bytes checked."""
+    import cupy
+
+    cache = _cache(R * (512 + 2 * _block()))
+    s = cupy.cuda.get_current_stream()
+    old = cache.admit(60, kv=kv_for(7, 0, 60), resident=False)  # the slot's rows, written
+    cache.release(old)
+    rid = cache.admit(40, kv=kv_for(0, 0, 40), resident=False)
+    cache.grow(rid, 50)
+    _newest(cache, rid, 0, 50, s)
+    rows, status = _swap_bytes(cache, rid, 0, 50, [10, 45, 46, 49])
+    assert (rows[[0, 3]] >= 0).all() and (rows[[1, 2]] == -1).all(), rows
+    assert status[_abi.ST_NOHOST] == 2, status
     cache.close()
 
 

@@ -174,3 +174,44 @@ def test_a_token_never_written_is_nohost_as_in_the_sparse_swap():
         np.testing.assert_array_equal(res.status, sparse.status)
         newest = tk == (lens - 1)[:, None]
         assert (res.device_locs[newest] >= 0).all()
+
+
+def test_a_positional_rows_token_never_written_is_nohost():
+    """A sparse request of ``seq <= H`` (the positional layout) whose engine stepped past its
+    written tokens: a token without a host row (never written, not the newest) is -1 and
+    counts NOHOST, as the LRU path past H and a resident row give, instead of its slot's old
+    bytes with status 0 (the slot may hold the previous request's row). In the single- and
+    the multi-step oracle alike; the newest token (``seq - 1``) is served."""
+    rng = np.random.default_rng(11)
+    hits = 0
+    for _ in range(100):
+        B, S, K = 3, int(rng.integers(1, 4)), 12
+        req = rng.permutation(R)[:B]
+        lens = rng.integers(2, H - S + 2, B)[:, None] + np.arange(S)[None]  # every step <= H
+        tk = _topk(rng, B, S, K, lens)
+        st = _sparse_state()
+        st["host_locs"][rng.random(st["host_locs"].shape) < 0.3] = -1  # never written
+        direct = ref.resident_swap(tk, req, lens, resident=np.ones(R, bool),
+                                   page_table=st["slot_locs"][:, :H], page_tokens=1,
+                                   hot_size=H, max_len=MAX_LEN, host_locs=st["host_locs"])
+        if S == 1:
+            got = ref.swap_in(tk[:, 0], req, lens[:, 0], **st)
+            locs = got.device_locs[:, None]
+        else:
+            got = ref.multistep_swap_in(
+                tk, req, lens, host_locs=st["host_locs"], slot_tokens=st["slot_tokens"],
+                slot_locs=st["slot_locs"], scratch_locs=np.full((R, 4), -1, np.int32),
+                ref=np.zeros((R, H), np.uint32), clock=np.tile(np.uint32([1, 0]), (R, 1)),
+                hot_size=H, n_host_rows=st["n_host_rows"])
+            locs = got.device_locs
+        np.testing.assert_array_equal(locs, direct.device_locs[:, :S])
+        np.testing.assert_array_equal(got.status, direct.status)
+        b, s, i = np.nonzero(tk >= 0)
+        unwritten = (st["host_locs"][req[b], np.clip(tk[b, s, i], 0, MAX_LEN - 1)] < 0) & \
+            (tk[b, s, i] != lens[b, s] - 1) & (tk[b, s, i] < lens[b, s])
+        assert (locs[b[unwritten], s[unwritten], i[unwritten]] == -1).all()
+        cols = np.arange(K)[None, None] < lens[:, :, None]  # entries i >= seq are -1 here
+        newest = (tk == (lens - 1)[:, :, None]) & cols
+        assert (locs[newest] >= 0).all()
+        hits += int(unwritten.sum())
+    assert hits > 0

@@ -371,9 +371,10 @@ __device__ __forceinline__ void write_status(i32* st, int range, int nohost, int
 // Entry i of a row: a -1 token, or i >= seq while seq <= H, is -1 with no status; a token
 // outside [0, lim) is -1 and counts RANGE (lim: seq while seq <= H, else min(seq, the host
 // map's width), the sparse swaps' limits); a token without a row (-1: a page the engine did not
-// take, a slot without a row) is -1 and counts NOHOST, and so is a resident request's token that
-// was never written (its host row -1; the newest token seq - 1 excepted: this step writes it),
-// as the sparse path gives. Every valid entry counts as a hit.
+// take, a slot without a row) is -1 and counts NOHOST, and so is a token that was never written
+// (its host row -1; the newest token seq - 1 excepted: this step writes it), as the LRU path
+// gives: a positional slot may still hold its previous request's row. Every valid entry counts
+// as a hit.
 // (32-bit arithmetic: a token is below max_len, an int32, and a 64-bit division is emulated)
 __device__ __forceinline__ int page_row(const i32* pages, int stride, int PT, int t) {
   const int g = t / PT;
@@ -383,7 +384,7 @@ __device__ __forceinline__ int page_row(const i32* pages, int stride, int PT, in
 struct DirectRows {
   const i32* pages;  // the request's page table row (a resident request)
   const i32* sloc;   // its slot rows (the positional layout)
-  const i64* hloc;   // its host rows (a resident request: -1, a token never written)
+  const i64* hloc;   // its host rows (-1: a token never written)
   i32 page_stride, page_tokens;
   int cols;          // entries i >= cols are -1: seq while seq <= H, else no limit
   int lim;           // tokens >= lim are out of range
@@ -401,13 +402,13 @@ __device__ __forceinline__ DirectRows direct_rows(const P& p, i64 rid, i64 seq, 
                     static_cast<int>(seq <= w ? seq - 1 : -1)};
 }
 // Entry i (token tok): its row (>= 0), or DIRECT_SKIP / DIRECT_RANGE / DIRECT_NOROW. PAGED: the
-// rows of a resident request (compiled apart, so neither source costs the other a branch),
-// where a token never written (no host row, not the newest) is NOROW, as the sparse path has it.
+// rows of a resident request (compiled apart, so neither source costs the other a branch). A
+// token never written (no host row, not the newest) is NOROW in both, as the LRU path has it.
 template <bool PAGED>
 __device__ __forceinline__ int direct_entry(const DirectRows& d, int tok, int i) {
   if (tok == -1 || i >= d.cols) return DIRECT_SKIP;
   if (tok < 0 || tok >= d.lim) return DIRECT_RANGE;
-  if (PAGED && tok != d.newest && d.hloc[tok] < 0) return DIRECT_NOROW;
+  if (tok != d.newest && d.hloc[tok] < 0) return DIRECT_NOROW;
   const int r = PAGED ? page_row(d.pages, d.page_stride, d.page_tokens, tok) : d.sloc[tok];
   return r >= 0 ? r : DIRECT_NOROW;
 }

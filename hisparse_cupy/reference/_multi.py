@@ -132,7 +132,8 @@ def multistep_swap_in(
                     continue
                 if seq <= H:  # the positional layout: the direct path (token t in slot t)
                     r = direct_entry(tok, i, seq, hot_size=H, max_len=max_len,
-                                     row_of=slot_locs[rid].__getitem__)
+                                     row_of=slot_locs[rid].__getitem__,
+                                     host_row=host_locs[rid])
                     if r >= 0:
                         out[b, s, i] = r
                         toks[b, s, i] = tok

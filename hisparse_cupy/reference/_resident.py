@@ -16,9 +16,10 @@ where the sparse swap of the same call gives -1:
 - ``seq > H``: ``t`` outside ``[0, min(seq, max_len))`` is -1 and counts ``RANGE``;
 - a token without a row (-1: a page the engine did not take, a slot without a row) is -1 and
   counts ``NOHOST``;
-- a resident request's token that was never written (its ``host_locs`` entry -1), other than
-  the newest (``seq - 1``, which the step writes), is -1 and counts ``NOHOST``: the sparse path
-  has no row for it either (no host row to load).
+- a token that was never written (its ``host_locs`` entry -1), other than the newest
+  (``seq - 1``, which the step writes), is -1 and counts ``NOHOST``, in a resident row and in
+  the positional layout alike: the LRU path has no row for it either (no host row to load),
+  and a positional slot may still hold its previous request's row.
 
 Multi-step calls (``[B, S, K]``, lengths ``[B]`` or ``[B, S]``) apply this per step. Rows that
 are padding, name a request slot outside ``[0, R)``, have a negative length, or whose request
@@ -51,8 +52,7 @@ def direct_entry(t: int, i: int, seq: int, *, hot_size: int, max_len: int, row_o
                  host_row=None) -> int:
     """Entry ``i`` (token ``t``) of a direct row: its row (``row_of(t)``, >= 0), or
     ``DIRECT_SKIP`` (-1, no status), ``DIRECT_RANGE`` or ``DIRECT_NOROW`` (see above).
-    ``host_row``: a resident request's ``host_locs`` row (its tokens never written are
-    NOROW)."""
+    ``host_row``: the request's ``host_locs`` row (its tokens never written are NOROW)."""
     if t == -1 or (seq <= hot_size and i >= seq):
         return DIRECT_SKIP
     lim = seq if seq <= hot_size else min(seq, max_len)

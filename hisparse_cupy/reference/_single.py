@@ -76,7 +76,8 @@ def swap_in(
         if seq <= H:  # the positional layout: the direct path (token t in slot t)
             for i in range(K):
                 r = direct_entry(int(row[i]), i, seq, hot_size=H, max_len=max_len,
-                                 row_of=slot_locs[rid].__getitem__)
+                                 row_of=slot_locs[rid].__getitem__,
+                                 host_row=host_locs[rid])
                 if r >= 0:
                     out[b, i] = r
                 elif r == DIRECT_RANGE:
