@@ -116,6 +116,9 @@ class ModelCache:
         base = rid * self.max_len + start
         self.host[:, base: base + n] = kv
         self.host_locs[rid, start: start + n] = base + np.arange(n)
+        for t in self.layer_state:  # hot copies of rewritten tokens are stale (the cache's rule)
+            st = t["slot_tokens"][rid, : self.hot_size]  # (slot p holding token p: in place)
+            st[(st >= start) & (st < start + n) & (st != np.arange(self.hot_size))] = -1
 
     def release(self, rid, *, stream=None):
         self._reset(rid)
