@@ -191,12 +191,12 @@ NEWEST_ROWS = _struct([
     ("req", _P), ("lens", _P), ("num_real", _P), ("slot_locs", _P), ("slot_tokens", _P),
     ("host_locs", _P), ("rows_out", _P), ("plan_src", _P), ("plan_dst", _P),
     ("plan_count", _P), ("host_pages", _P), ("own_from", _P), ("resident", _P),
-    ("dev_pages", _P), ("written", _P),
-    ("slot_layer_stride", "i8"), ("n_host_rows", "i8"),
+    ("dev_pages", _P), ("written", _P), ("token_slot", _P),
+    ("slot_layer_stride", "i8"), ("n_host_rows", "i8"), ("table_layer_stride", "i8"),
     ("B", "i4"), ("R", "i4"), ("max_len", "i4"), ("slot_stride", "i4"), ("H", "i4"),
     ("host_stride", "i4"), ("lens_stride", "i4"), ("n_layers", "i4"), ("record", "i4"),
     ("page_tokens", "i4"), ("pages_stride", "i4"), ("dev_page_tokens", "i4"),
-    ("dev_page_stride", "i4"), ("pad", "i4"),
+    ("dev_page_stride", "i4"), ("table_stride", "i4"),
 ])
 
 MULTISTEP = _struct([  # gather and commit take the same struct

@@ -204,6 +204,8 @@ class ModelStep:
                 if slot == c.hot_size:
                     for tb in c.layer_state:
                         tb["slot_tokens"][rid, slot] = t
+                        hot = tb["slot_tokens"][rid, : c.hot_size]
+                        hot[hot == t] = -1  # a rejected draft's copy (the cache's rule)
                 if write_host:
                     c.host[:, rid * c.max_len + t] = c.device[:, rows[b]]
         return rows

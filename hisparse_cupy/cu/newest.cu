@@ -5,7 +5,9 @@
 // (positional layout while seq_len <= H, the newest-token slot H after; slot H's device row is
 // the same in every layer, since admissions rotate hot slots only). Writes its device row to
 // rows_out[b]. With `record`, past H, marks slot H of every layer as holding t (the multi-step
-// swap finds the newest token there) and, if t has a host row of the request's own, writes a
+// swap finds the newest token there; a hot slot the token -> slot table names as still holding t,
+// a multi-step swap's copy of a draft at t that the verify step rejected, is emptied: its row
+// holds the draft's KV, not this token's) and, if t has a host row of the request's own, writes a
 // one-entry D2H plan (device row -> that host row) that planned_copy runs for every layer and
 // records the row in host_locs (the token becomes loadable once the copy, queued right after on
 // the same stream, has landed). Token t's host row is page * page_tokens + t % page_tokens, page
@@ -45,7 +47,14 @@ __global__ void __launch_bounds__(NEWEST_BLOCK) newest_rows(const NewestRowsPara
   if (p.record) {
     if (p.written) p.written[rid] = static_cast<i32>(seq);
     if (!resident && slot == p.H && p.slot_tokens) {
-      for (int l = 0; l < p.n_layers; ++l) slot_tokens_row(p, l, rid)[slot] = static_cast<i32>(t);
+      for (int l = 0; l < p.n_layers; ++l) {
+        i32* st = slot_tokens_row(p, l, rid);
+        st[slot] = static_cast<i32>(t);
+        if (p.token_slot && t < p.table_stride) {  // a stale hot copy of t (a rejected draft)
+          const int e = p.token_slot[l * p.table_layer_stride + rid * p.table_stride + t];
+          if (e >= 0 && e < p.H && st[e] == static_cast<i32>(t)) st[e] = -1;
+        }
+      }
     }
     const i64 g = t / p.page_tokens;
     const i32 page = g < p.pages_stride ? row_at(p.host_pages, rid, p.pages_stride)[g] : -1;
