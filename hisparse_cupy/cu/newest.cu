@@ -23,6 +23,8 @@
 
 namespace hs {
 
+constexpr int NEWEST_LAYERS = 8;  // layers whose table entries a thread loads at once
+
 template <typename ReqT, typename LenT>
 __global__ void __launch_bounds__(NEWEST_BLOCK) newest_rows(const NewestRowsParams p) {
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
@@ -47,12 +49,32 @@ __global__ void __launch_bounds__(NEWEST_BLOCK) newest_rows(const NewestRowsPara
   if (p.record) {
     if (p.written) p.written[rid] = static_cast<i32>(seq);
     if (!resident && slot == p.H && p.slot_tokens) {
-      for (int l = 0; l < p.n_layers; ++l) {
-        i32* st = slot_tokens_row(p, l, rid);
-        st[slot] = static_cast<i32>(t);
-        if (p.token_slot && t < p.table_stride) {  // a stale hot copy of t (a rejected draft)
-          const int e = p.token_slot[l * p.table_layer_stride + rid * p.table_stride + t];
-          if (e >= 0 && e < p.H && st[e] == static_cast<i32>(t)) st[e] = -1;
+      const bool table = p.token_slot != nullptr && t < p.table_stride;
+      // NEWEST_LAYERS layers at a time, each pass's loads issued before their uses: a stale hot
+      // copy of t (a rejected draft's) is the slot the table names, if it still holds t
+      for (int l0 = 0; l0 < p.n_layers; l0 += NEWEST_LAYERS) {
+        int e[NEWEST_LAYERS];
+        i32 held[NEWEST_LAYERS];
+#pragma unroll
+        for (int u = 0; u < NEWEST_LAYERS; ++u) {
+          const int l = l0 + u;
+          e[u] = table && l < p.n_layers
+                     ? p.token_slot[l * p.table_layer_stride + rid * p.table_stride + t]
+                     : -1;
+        }
+#pragma unroll
+        for (int u = 0; u < NEWEST_LAYERS; ++u) {
+          const int l = l0 + u;
+          held[u] = e[u] >= 0 && e[u] < p.H && l < p.n_layers ? slot_tokens_row(p, l, rid)[e[u]]
+                                                               : -1;
+        }
+#pragma unroll
+        for (int u = 0; u < NEWEST_LAYERS; ++u) {
+          const int l = l0 + u;
+          if (l >= p.n_layers) break;
+          i32* st = slot_tokens_row(p, l, rid);
+          st[slot] = static_cast<i32>(t);
+          if (held[u] == static_cast<i32>(t)) st[e[u]] = -1;
         }
       }
     }
