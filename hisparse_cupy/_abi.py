@@ -57,6 +57,7 @@ RESOLVE_MAX_CLUSTER = 8  # most resolve blocks per batch row (a thread-block clu
 COPY_WARPS = 8  # warps per block of the planned copy
 PREDICT_BLOCK = 512  # threads of a prediction stager block (it takes requests in turn)
 NEWEST_BLOCK = 128
+NEWEST_LAYERS = 8  # layers whose token -> slot entries a newest_rows thread loads at once
 
 # multi-step (MTP) swap
 MS_MIN_STEPS, MS_MAX_STEPS = 2, 4
@@ -107,6 +108,7 @@ CONSTANTS = {
     "RESOLVE_VAL_EMPTY": RESOLVE_VAL_EMPTY, "RESOLVE_KEY_EMPTY": RESOLVE_KEY_EMPTY,
     "PREDICT_KEY_EMPTY": PREDICT_KEY_EMPTY, "PREDICT_RULE_SELECTION": PREDICT_RULES["selection"],
     "COPY_WARPS": COPY_WARPS, "PREDICT_BLOCK": PREDICT_BLOCK, "NEWEST_BLOCK": NEWEST_BLOCK,
+    "NEWEST_LAYERS": NEWEST_LAYERS,
     "MS_MAX_TOKENS": MS_MAX_TOKENS, "MS_MAX_STEPS": MS_MAX_STEPS,
     "MS_META_INIT": MS_META_INIT, "MS_EMPTY": MS_EMPTY, "MS_NONE": MS_NONE,
     "MS_C_MISS": MS_C_MISS, "MS_C_RANGE": MS_C_RANGE, "MS_C_NOHOST": MS_C_NOHOST,

@@ -40,6 +40,7 @@ constexpr int RESOLVE_CLUSTER_BLOCK = HS_RESOLVE_CLUSTER_BLOCK;
 constexpr int RESOLVE_MAX_CLUSTER = HS_RESOLVE_MAX_CLUSTER;
 constexpr int COPY_WARPS = HS_COPY_WARPS;
 constexpr int NEWEST_BLOCK = HS_NEWEST_BLOCK;
+constexpr int NEWEST_LAYERS = HS_NEWEST_LAYERS;
 // the resolve's shared hash: bucket values and the empty key
 constexpr int RESOLVE_VAL_ENTRY = HS_RESOLVE_VAL_ENTRY;
 constexpr int RESOLVE_VAL_CLAIMED = HS_RESOLVE_VAL_CLAIMED;

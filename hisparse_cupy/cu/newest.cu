@@ -23,8 +23,6 @@
 
 namespace hs {
 
-constexpr int NEWEST_LAYERS = 8;  // layers whose table entries a thread loads at once
-
 template <typename ReqT, typename LenT>
 __global__ void __launch_bounds__(NEWEST_BLOCK) newest_rows(const NewestRowsParams p) {
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
