@@ -57,6 +57,7 @@ RESOLVE_MAX_CLUSTER = 8  # most resolve blocks per batch row (a thread-block clu
 COPY_WARPS = 8  # warps per block of the planned copy
 PREDICT_BLOCK = 512  # threads of a prediction stager block (it takes requests in turn)
 NEWEST_BLOCK = 128
+NEWEST_LAYERS = 8  # layers whose token -> slot entries a newest_rows thread loads at once
 
 # multi-step (MTP) swap
 MS_MIN_STEPS, MS_MAX_STEPS = 2, 4
@@ -107,6 +108,7 @@ CONSTANTS = {
     "RESOLVE_VAL_EMPTY": RESOLVE_VAL_EMPTY, "RESOLVE_KEY_EMPTY": RESOLVE_KEY_EMPTY,
     "PREDICT_KEY_EMPTY": PREDICT_KEY_EMPTY, "PREDICT_RULE_SELECTION": PREDICT_RULES["selection"],
     "COPY_WARPS": COPY_WARPS, "PREDICT_BLOCK": PREDICT_BLOCK, "NEWEST_BLOCK": NEWEST_BLOCK,
+    "NEWEST_LAYERS": NEWEST_LAYERS,
     "MS_MAX_TOKENS": MS_MAX_TOKENS, "MS_MAX_STEPS": MS_MAX_STEPS,
     "MS_META_INIT": MS_META_INIT, "MS_EMPTY": MS_EMPTY, "MS_NONE": MS_NONE,
     "MS_C_MISS": MS_C_MISS, "MS_C_RANGE": MS_C_RANGE, "MS_C_NOHOST": MS_C_NOHOST,
@@ -191,12 +193,12 @@ NEWEST_ROWS = _struct([
     ("req", _P), ("lens", _P), ("num_real", _P), ("slot_locs", _P), ("slot_tokens", _P),
     ("host_locs", _P), ("rows_out", _P), ("plan_src", _P), ("plan_dst", _P),
     ("plan_count", _P), ("host_pages", _P), ("own_from", _P), ("resident", _P),
-    ("dev_pages", _P), ("written", _P),
-    ("slot_layer_stride", "i8"), ("n_host_rows", "i8"),
+    ("dev_pages", _P), ("written", _P), ("token_slot", _P),
+    ("slot_layer_stride", "i8"), ("n_host_rows", "i8"), ("table_layer_stride", "i8"),
     ("B", "i4"), ("R", "i4"), ("max_len", "i4"), ("slot_stride", "i4"), ("H", "i4"),
     ("host_stride", "i4"), ("lens_stride", "i4"), ("n_layers", "i4"), ("record", "i4"),
     ("page_tokens", "i4"), ("pages_stride", "i4"), ("dev_page_tokens", "i4"),
-    ("dev_page_stride", "i4"), ("pad", "i4"),
+    ("dev_page_stride", "i4"), ("table_stride", "i4"),
 ])
 
 MULTISTEP = _struct([  # gather and commit take the same struct

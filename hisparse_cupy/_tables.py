@@ -118,6 +118,21 @@ class LayerTables:
             self.lru[:, rid] = cupy.asarray(order)
         return np.concatenate([np.arange(w), [H]]), np.concatenate([warm, [n - 1]])
 
+    def drop_tokens(self, rid: int, start: int, stop: int, stream) -> None:
+        """Request slot ``rid``'s hot slots (``0 .. H-1``) holding tokens ``[start, stop)``
+        emptied in every layer, on ``stream``: their KV was rewritten (an MTP draft rejected,
+        its position given a new token), so the rows those slots hold are stale. The next swap
+        that selects such a token misses and loads its new row. The token -> slot entries need
+        no change (never trusted without the slot table); an emptied slot is an LRU or CLOCK
+        victim like any empty one. Left as they are: slot ``p`` holding token ``p`` (below H:
+        the positional layout reads token p in slot p's row, which the engine writes with the
+        new KV, as it writes every token a request below H holds), and the extra page (slot
+        H: the newest token, which the model writes in place each step)."""
+        with stream:
+            t = self.slot_tokens[:, rid, : self.hot_size]
+            own = t == cupy.arange(self.hot_size, dtype=t.dtype)
+            t[...] = cupy.where((t >= start) & (t < stop) & ~own, -1, t)
+
     def reset(self, rid: int, stream) -> None:
         """Request slot ``rid``'s tables back to empty on ``stream`` (token -> slot entries,
         never trusted without the slot table, stay); :meth:`init_multistep` after the slots

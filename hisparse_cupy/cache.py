@@ -389,7 +389,11 @@ class HotBufferCache:
             ``kv`` may be dropped when the call returns).
 
         Tokens below ``pages.own_from(rid)`` lie in shared pages and are refused; paged, the
-        tokens must have pages (:meth:`grow`).
+        tokens must have pages (:meth:`grow`). Rewriting a token's KV (an MTP draft the verify
+        step rejected, its position given a new token) is what this call is for: the hot slots
+        that held those tokens are emptied in every layer, so the next swap loads the new rows.
+        Slot p holding token p (below H) keeps it: the positional layout reads token p in slot
+        p's row, so write the new KV there too, as for any token a request below H holds.
         """
         rid = self._admitted(rid)
         start = _checks.integer("start", start, 0)
@@ -411,6 +415,7 @@ class HotBufferCache:
         self.host.store(rows, kv, on_host, s)
         with s:
             self.host_locs[rid, start: start + n] = cupy.asarray(rows)
+        self.tables.drop_tokens(rid, start, start + n, s)  # hot copies of them are stale
         self.residency.on_write(rid, start, rows, s)  # a resident request's pages too
         if not on_host:  # the caller may drop it now: held until its copy ran
             self._order.keep(s, kv)

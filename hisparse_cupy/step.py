@@ -318,7 +318,7 @@ class Step:
             num_real=self.num_real, key=self.dtypes, slot_locs=c.tables.slot_locs[0],
             slot_tokens=c.tables.slot_tokens, host_locs=c.host_locs, host=c.host,
             hot_size=c.hot_size, record=record, stream=self.stream,
-            **c.residency.newest_fields())
+            token_slot=c.tables.token_slot, **c.residency.newest_fields())
 
     def newest_rows(self) -> cupy.ndarray:
         """Device row (in every layer) of each row's newest token ``seq_len - 1``: int32

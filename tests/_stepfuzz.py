@@ -64,6 +64,7 @@ import numpy as np
 from hisparse_cupy import PoolExhausted
 from hisparse_cupy.testing.selfcheck import pattern
 
+VERSION_SHIFT = 40  # a draft's version, above every token's pattern id (uid * max_len + token)
 CHECKS = ("missing row", "two rows for one token", "wrong bytes", "row for an invalid entry",
           "newest row")
 
@@ -203,6 +204,10 @@ class Fuzz:
         self.sync_every = sync_every
         self.active: dict[int, list] = {}  # rid -> [uid, n (tokens held, newest n - 1)]
         self.origin: dict[int, list] = {}  # rid -> [(bound, uid)]: tokens a fork shares
+        # rid -> {token: version}: drafts written with other bytes than their final ones (a
+        # rejected MTP draft's; its position gets its final bytes later: write_host of the next
+        # call's drafts, or the newest token's row)
+        self.ver: dict[int, dict[int, int]] = {}
         self.grown: dict[int, int] = {}  # rid -> the tokens it has pages for (grown ahead)
         self.uid = 0
         self.hist: dict[int, np.ndarray] = {}  # rid -> tokens selected last
@@ -216,6 +221,7 @@ class Fuzz:
         self.busy_now = False
         self.holds = self.cancels = self.refused_counts = self.orphans = 0
         self.global_captures = 0
+        self.rewrites = 0  # draft writes with other bytes than their final ones
         self._freed: list = []  # (stream, shape) of KV arrays dropped after the last call
         self._junk: list = []  # the arrays that reused their memory (kept a while)
         self.kinds_used: set = set()
@@ -258,13 +264,13 @@ class Fuzz:
         return view if view is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ lifecycle
-    def _kv(self, uid: int, start: int, n: int, view):
+    def _kv(self, uid: int, start: int, n: int, view, version: int = 0):
         """The KV rows of instance ``uid``'s tokens ``[start, start + n)``: on the host, or on
         the GPU made on ``view`` or (at times) on another stream, complete before the call
         (the engine's own order for its own data). :meth:`_reuse_freed` after the call drops
         it there and reuses its memory at once."""
         xp = self.xp
-        ids = uid * self.max_len + np.arange(start, start + n)
+        ids = uid * self.max_len + np.arange(start, start + n) + (version << VERSION_SHIFT)
         on_device = self.be.gpu and self.rng.random() < 0.5
         mod = xp if on_device else np
         at = view
@@ -349,6 +355,7 @@ class Fuzz:
                 self._reuse_freed()
             self.engine_admits += pages is not None
             self.active[rid] = [self.uid, n]
+            self.ver.pop(rid, None)
             self.grown[rid] = n
             self.origin[rid] = [] if fork is None else self._fork_origin(*fork)
             self.forks += fork is not None
@@ -508,6 +515,9 @@ class Fuzz:
         ids = self.active[rid][0] * self.max_len + tok
         for lim, u in reversed(self.origin[rid]):  # the lowest bound decides last
             ids = np.where(tok < lim, u * self.max_len + tok, ids)
+        if self.ver.get(rid):  # drafts written with other bytes (their version)
+            v = np.vectorize(lambda t: self.ver[rid].get(int(t), 0), otypes=[np.int64])(tok)
+            ids = ids + (v << VERSION_SHIFT)
         return ids
 
     # ------------------------------------------------------------------ top-k
@@ -650,7 +660,9 @@ class Fuzz:
     def _drafts(self, req, lens, obj, view) -> None:
         """The draft tokens a ``[B, S]`` step may select, written first: their host rows, and
         for those below H (a request in positional layout reads token t from slot t) the row
-        of slot t in every layer."""
+        of slot t in every layer. At times with bytes of another version than their final
+        ones: drafts the verify step will reject, whose positions get their final bytes later
+        (the next call's drafts, or the newest token's row), as an MTP engine rewrites them."""
         xp = self.xp
         for b, r in enumerate(req):
             hi = int(lens[b].max()) - 1
@@ -658,7 +670,15 @@ class Fuzz:
             if hi < lo:
                 continue
             uid = self.active[int(r)][0]
-            self.c.write_host(int(r), lo, self._kv(uid, lo, hi - lo + 1, view), stream=obj)
+            v = 0 if self.rng.random() < 0.6 else int(self.rng.integers(1, 4))
+            vers = self.ver.setdefault(int(r), {})
+            for tok in range(lo, hi + 1):
+                if v:
+                    vers[tok] = v
+                else:
+                    vers.pop(tok, None)
+            self.rewrites += v > 0
+            self.c.write_host(int(r), lo, self._kv(uid, lo, hi - lo + 1, view, v), stream=obj)
             self._reuse_freed()
             t = np.arange(lo, min(hi + 1, self.H))
             b = self._budget()
@@ -668,7 +688,8 @@ class Fuzz:
                     for layer in range(self.L):
                         rows = self.c.tables.slot_locs[layer, int(r), xp.asarray(t)]
                         self.c.device_rows(layer)[rows] = pattern(
-                            layer, uid * self.max_len + t, self.row, xp=xp)
+                            layer, uid * self.max_len + t + (v << VERSION_SHIFT), self.row,
+                            xp=xp)
 
     def _lens_arg(self, lens, S, nr):
         """``[B, S]`` lengths, or ``[B]`` (half the time) when the real rows' steps are equal."""
@@ -723,6 +744,8 @@ class Fuzz:
         xp = self.xp
         uid = np.array([self.active[int(r)][0] for r in req], np.int64)
         ids = uid * self.max_len + lens[:, 0] - 1
+        for r, t in zip(req[:nr], lens[:nr, 0] - 1, strict=True):  # its final bytes now
+            self.ver.get(int(r), {}).pop(int(t), None)
         r = rows[:nr]
         for layer in range(self.L) if layers is None else layers:
             self.c.device_rows(layer)[r] = pattern(layer, ids, self.row, xp=xp)
@@ -1005,8 +1028,8 @@ class Fuzz:
                     refused_forks=self.refused_forks, moves=self.moves,
                     lean_steps=self.lean_steps, lean_asked=self.lean_asked,
                     indexer_calls=self.indexer_calls, engine_admits=self.engine_admits,
-                    holds=self.holds, cancels=self.cancels, orphans=self.orphans,
-                    global_captures=self.global_captures,
+                    holds=self.holds, cancels=self.cancels, rewrites=self.rewrites,
+                    orphans=self.orphans, global_captures=self.global_captures,
                     refused_counts=self.refused_counts, refused_resident=self.refused_resident,
                     # stagings the GPU's prefetcher launched in an indexer's window (host count:
                     # a captured step's once)
@@ -1085,8 +1108,8 @@ def main(argv=None) -> int:
     tot = {k: sum(r[k] for r in res)
            for k in ("steps", "calls", "graph_steps", "toggles", "busy_steps", "forks",
                      "refused_forks", "moves", "lean_steps", "lean_asked", "indexer_calls",
-                     "window_stagings", "engine_admits", "holds", "cancels", "orphans",
-                     "global_captures",
+                     "window_stagings", "engine_admits", "holds", "cancels", "rewrites",
+                     "orphans", "global_captures",
                      "refused_counts", "refused_resident")}
     kinds = sorted(set().union(*(r["streams"] for r in res)))
     print(f"step fuzz ({'CPU model' if a.cpu else 'GPU'}): {len(res)} seeds, {tot['steps']} "
@@ -1096,7 +1119,8 @@ def main(argv=None) -> int:
           f"written pages, {tot['moves']} residency moves ({tot['cancels']} promotions "
           f"cancelled mid-fill, {tot['refused_counts']} token counts refused, "
           f"{tot['refused_resident']} resident=True without a budget refused), "
-          f"{tot['holds']} calls behind a held stream, "
+          f"{tot['holds']} calls behind a held stream, {tot['rewrites']} draft writes to be "
+          f"rewritten (rejected), "
           f"{tot['lean_steps']} lean steps ({tot['lean_asked']} asked lean=True), "
           f"{tot['indexer_calls']} before_indexer calls ({tot['window_stagings']} stagings "
           f"launched there), "

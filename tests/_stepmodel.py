@@ -116,6 +116,9 @@ class ModelCache:
         base = rid * self.max_len + start
         self.host[:, base: base + n] = kv
         self.host_locs[rid, start: start + n] = base + np.arange(n)
+        for t in self.layer_state:  # hot copies of rewritten tokens are stale (the cache's rule)
+            st = t["slot_tokens"][rid, : self.hot_size]  # (slot p holding token p: in place)
+            st[(st >= start) & (st < start + n) & (st != np.arange(self.hot_size))] = -1
 
     def release(self, rid, *, stream=None):
         self._reset(rid)
@@ -201,6 +204,8 @@ class ModelStep:
                 if slot == c.hot_size:
                     for tb in c.layer_state:
                         tb["slot_tokens"][rid, slot] = t
+                        hot = tb["slot_tokens"][rid, : c.hot_size]
+                        hot[hot == t] = -1  # a rejected draft's copy (the cache's rule)
                 if write_host:
                     c.host[:, rid * c.max_len + t] = c.device[:, rows[b]]
         return rows

@@ -28,7 +28,7 @@ class NewestBuffers:
 def newest_rows(out: NewestBuffers, *, req, lens, lens_stride: int, num_real, key, slot_locs,
                 slot_tokens, host_locs, host, hot_size: int, record: bool,
                 stream, resident=None, dev_pages=None, dev_page_tokens: int = 0,
-                written=None) -> cupy.ndarray:
+                written=None, token_slot=None) -> cupy.ndarray:
     """Queue the kernel for ``B = req.shape[0]`` rows on ``stream``; ``slot_locs`` is one
     layer's (slot H's row is the same in every layer), ``slot_tokens`` all layers'
     (``record``: slot H of every layer is marked as holding the newest token past H, and the
@@ -37,7 +37,9 @@ def newest_rows(out: NewestBuffers, *, req, lens, lens_stride: int, num_real, ke
     (uint8 ``[R]``, int32 ``[R, n]`` contiguous, ``dev_page_tokens`` a page): a resident
     request's newest row is its device page's row; ``written`` (int32 ``[R]``, ``record``):
     each real row's request gets its length there (the count of tokens written that a device
-    budget's moves work from). Returns ``out.rows[:B]``."""
+    budget's moves work from). ``token_slot`` (int16 ``[L, R, n]``, ``record``): the token ->
+    slot table, through which a hot slot still holding the newest token (an MTP draft
+    admitted before its position got this token) is emptied. Returns ``out.rows[:B]``."""
     B = req.shape[0]
     L, R, W = slot_tokens.shape
     p = Params(_abi.NEWEST_ROWS).set(
@@ -50,7 +52,9 @@ def newest_rows(out: NewestBuffers, *, req, lens, lens_stride: int, num_real, ke
         slot_stride=W, H=hot_size, host_stride=host_locs.strides[0] // 8,
         lens_stride=lens_stride, n_layers=L, record=1 if record else 0,
         resident=ptr(resident), dev_pages=ptr(dev_pages), dev_page_tokens=dev_page_tokens,
-        written=ptr(written),
+        written=ptr(written), token_slot=ptr(token_slot),
+        table_layer_stride=0 if token_slot is None else token_slot.strides[0] // 2,
+        table_stride=0 if token_slot is None else token_slot.strides[1] // 2,
         dev_page_stride=0 if dev_pages is None else dev_pages.shape[1])
     launch(build.kernel(build.NEWEST[key]), -(-B // _abi.NEWEST_BLOCK), _abi.NEWEST_BLOCK, p,
            stream=stream)

@@ -40,6 +40,7 @@ constexpr int RESOLVE_CLUSTER_BLOCK = HS_RESOLVE_CLUSTER_BLOCK;
 constexpr int RESOLVE_MAX_CLUSTER = HS_RESOLVE_MAX_CLUSTER;
 constexpr int COPY_WARPS = HS_COPY_WARPS;
 constexpr int NEWEST_BLOCK = HS_NEWEST_BLOCK;
+constexpr int NEWEST_LAYERS = HS_NEWEST_LAYERS;
 // the resolve's shared hash: bucket values and the empty key
 constexpr int RESOLVE_VAL_ENTRY = HS_RESOLVE_VAL_ENTRY;
 constexpr int RESOLVE_VAL_CLAIMED = HS_RESOLVE_VAL_CLAIMED;
@@ -186,13 +187,17 @@ struct NewestRowsParams {
   const u8* resident;      // [R] or null: a resident request's newest row is its page row
   const i32* dev_pages;    // [R, dev_page_stride]: device pages of resident requests
   i32* written;            // [R] or null (record): a real row's request wrote seq_len tokens
+  const i16* token_slot;   // [L, R, table_stride] or null: the token -> slot table (record: a
+                           // hot slot still holding the newest token, an MTP draft admitted
+                           // before its position got this token, is emptied)
   i64 slot_layer_stride;
   i64 n_host_rows;         // rows per layer of the host pool: a backup never writes past them
+  i64 table_layer_stride;
   i32 B, R, max_len, slot_stride, H, host_stride, lens_stride, n_layers;
   i32 record;              // 1: record host_locs, slot tokens and the backup plan
   i32 page_tokens, pages_stride;  // token t's host row: page[t / page_tokens] * page_tokens + ...
   i32 dev_page_tokens, dev_page_stride;  // the same for a resident request's device row
-  i32 pad;
+  i32 table_stride;
 };
 
 // ---- multi-step gather + commit (multistep.cu); both kernels take this struct.

@@ -5,7 +5,9 @@
 // (positional layout while seq_len <= H, the newest-token slot H after; slot H's device row is
 // the same in every layer, since admissions rotate hot slots only). Writes its device row to
 // rows_out[b]. With `record`, past H, marks slot H of every layer as holding t (the multi-step
-// swap finds the newest token there) and, if t has a host row of the request's own, writes a
+// swap finds the newest token there; a hot slot the token -> slot table names as still holding t,
+// a multi-step swap's copy of a draft at t that the verify step rejected, is emptied: its row
+// holds the draft's KV, not this token's) and, if t has a host row of the request's own, writes a
 // one-entry D2H plan (device row -> that host row) that planned_copy runs for every layer and
 // records the row in host_locs (the token becomes loadable once the copy, queued right after on
 // the same stream, has landed). Token t's host row is page * page_tokens + t % page_tokens, page
@@ -45,7 +47,34 @@ __global__ void __launch_bounds__(NEWEST_BLOCK) newest_rows(const NewestRowsPara
   if (p.record) {
     if (p.written) p.written[rid] = static_cast<i32>(seq);
     if (!resident && slot == p.H && p.slot_tokens) {
-      for (int l = 0; l < p.n_layers; ++l) slot_tokens_row(p, l, rid)[slot] = static_cast<i32>(t);
+      const bool table = p.token_slot != nullptr && t < p.table_stride;
+      // NEWEST_LAYERS layers at a time, each pass's loads issued before their uses: a stale hot
+      // copy of t (a rejected draft's) is the slot the table names, if it still holds t
+      for (int l0 = 0; l0 < p.n_layers; l0 += NEWEST_LAYERS) {
+        int e[NEWEST_LAYERS];
+        i32 held[NEWEST_LAYERS];
+#pragma unroll
+        for (int u = 0; u < NEWEST_LAYERS; ++u) {
+          const int l = l0 + u;
+          e[u] = table && l < p.n_layers
+                     ? p.token_slot[l * p.table_layer_stride + rid * p.table_stride + t]
+                     : -1;
+        }
+#pragma unroll
+        for (int u = 0; u < NEWEST_LAYERS; ++u) {
+          const int l = l0 + u;
+          held[u] = e[u] >= 0 && e[u] < p.H && l < p.n_layers ? slot_tokens_row(p, l, rid)[e[u]]
+                                                               : -1;
+        }
+#pragma unroll
+        for (int u = 0; u < NEWEST_LAYERS; ++u) {
+          const int l = l0 + u;
+          if (l >= p.n_layers) break;
+          i32* st = slot_tokens_row(p, l, rid);
+          st[slot] = static_cast<i32>(t);
+          if (held[u] == static_cast<i32>(t)) st[e[u]] = -1;
+        }
+      }
     }
     const i64 g = t / p.page_tokens;
     const i32 page = g < p.pages_stride ? row_at(p.host_pages, rid, p.pages_stride)[g] : -1;
