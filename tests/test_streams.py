@@ -939,7 +939,8 @@ def test_sm_partition_streams_keep_to_their_sms(main):
         side, other = part.stream("side"), part.stream("main", priority=-1)
         seen = {}
         for name, s in (("side", side), ("main", other)):
-            out = cp.full(4 * n_sm, -1, cp.int32)
+            with s:  # the fill ordered before the kernel (made on the current stream, it
+                out = cp.full(4 * n_sm, -1, cp.int32)  # could land after: -1 read back)
             smid((out.size,), (128,), (out, np.int64(20000)), stream=s)
             s.synchronize()
             seen[name] = set(cp.asnumpy(out).tolist())
@@ -948,7 +949,8 @@ def test_sm_partition_streams_keep_to_their_sms(main):
         assert len(seen["main"]) <= part.main_sms
         assert seen["side"].isdisjoint(seen["main"])
         # fork / join across the groups in a captured graph
-        x = cp.full(4, -1, cp.int32)
+        with other:  # (the graph runs on it: the fill lands first)
+            x = cp.full(4, -1, cp.int32)
         fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
         other.begin_capture()
         fork.record(other)
