@@ -44,49 +44,57 @@ def test_a_float_field_holds_its_float_bits():
 
 
 def test_launch_config_passes_one_pointer_to_the_struct():
+    pytest.importorskip("cuda.bindings", reason="the launch goes through cuda-python")
     cfg = launch._LaunchConfig((256, 1, 1), 1024)
     seen = {}
 
     def fake_launch(config, func, params, extra):
-        c = launch._CUlaunchConfig.from_address(config)
         arg0 = ctypes.c_void_p.from_address(params).value
         seen["B"] = ctypes.c_int32.from_address(arg0 + _abi.PLANNED_COPY.fields["B"][1]).value
-        seen["grid"] = (c.gridDimX, c.gridDimY, c.gridDimZ)
-        seen["smem"], seen["stream"], seen["func"] = c.sharedMemBytes, c.hStream, func
-        seen["pdl"] = (c.numAttrs, c.attrs[0].id, c.attrs[0].value[0])
-        return 0
+        seen["grid"] = (config.gridDimX, config.gridDimY, config.gridDimZ)
+        seen["smem"], seen["stream"] = config.sharedMemBytes, int(config.hStream)
+        seen["func"], seen["extra"] = func, extra
+        a = config.attrs[0]
+        seen["pdl"] = (config.numAttrs, int(a.id), a.value.programmaticStreamSerializationAllowed)
+        return (0,)
 
     cfg.call = fake_launch
     p = Params(_abi.PLANNED_COPY).set(B=3)
     cfg.launch(0xF00, (7, 2, 1), 0x5000, p.addr)
     assert seen == {"B": 3, "grid": (7, 2, 1), "smem": 1024, "stream": 0x5000, "func": 0xF00,
-                    "pdl": (1, 6, 1)}
+                    "extra": 0, "pdl": (1, 6, 1)}
     p.set(B=9)  # a later launch with the same struct object sees the new values
     cfg.launch(0xF00, (1, 1, 1), 0x6000, p.addr)
     assert seen["B"] == 9 and seen["grid"] == (1, 1, 1) and seen["stream"] == 0x6000
 
 
-def test_launch_structures_match_the_driver_abi():
-    # cuda.h: CUlaunchAttribute is 72 bytes (id, pad, 64-byte value union); CUlaunchConfig puts
-    # hStream at 32 and numAttrs at 48 (x86-64)
-    assert ctypes.sizeof(launch._CUlaunchAttribute) == 72
-    assert launch._CUlaunchConfig.hStream.offset == 32
-    assert launch._CUlaunchConfig.attrs.offset == 40
-    assert launch._CUlaunchConfig.numAttrs.offset == 48
-    plain = launch._LaunchConfig((32, 1, 1), 0, pdl=False)
-    assert plain.cfg.numAttrs == 0
+def test_a_failed_launch_names_the_call_and_the_drivers_error(monkeypatch):
+    pytest.importorskip("cuda.bindings", reason="the launch goes through cuda-python")
+    from types import SimpleNamespace
+
+    cfg = launch._LaunchConfig((32, 1, 1), 0, pdl=False)
+    bad = launch._cu().CUresult.CUDA_ERROR_INVALID_VALUE
+    cfg.call = lambda *a: (bad,)
+    names = {int(bad): b"CUDA_ERROR_INVALID_VALUE"}  # (the driver's answer, without a driver)
+    monkeypatch.setattr(launch, "_cu", lambda: SimpleNamespace(
+        cuGetErrorName=lambda r: (0, names[int(r)])))
+    with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx failed: 1 \(CUDA_ERROR_INVALID_"
+                                           r"VALUE\)"):
+        cfg.launch(0xF00, (1, 1, 1), 0, Params(_abi.PLANNED_COPY).addr)
+    assert cfg.cfg.numAttrs == 0
 
 
 @pytest.mark.parametrize("pdl", [False, True])
 def test_cluster_dimension_attribute(pdl):
-    # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION (4): CUlaunchAttributeValue.clusterDim = {x, y, z}
+    # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION (4): CUlaunchAttributeValue.clusterDim = {x, y, z};
+    # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (6)
+    pytest.importorskip("cuda.bindings", reason="the launch goes through cuda-python")
     cfg = launch._LaunchConfig((1024, 1, 1), 0, pdl=pdl, cluster=4)
-    a = cfg.cfg.attrs
-    attrs = {a[i].id: ctypes.string_at(ctypes.addressof(a[i]) + 8, 64)  # the value union
-             for i in range(cfg.cfg.numAttrs)}
+    attrs = {int(a.id): a.value for a in cfg.cfg.attrs[:cfg.cfg.numAttrs]}
     assert cfg.cfg.numAttrs == 1 + pdl
-    assert np.frombuffer(attrs[4][:12], np.uint32).tolist() == [4, 1, 1]
-    assert (6 in attrs) == pdl
+    d = attrs[4].clusterDim
+    assert (d.x, d.y, d.z) == (4, 1, 1)
+    assert (6 in attrs) == pdl and (not pdl or attrs[6].programmaticStreamSerializationAllowed)
     assert launch._LaunchConfig((1024, 1, 1), 0, pdl=False, cluster=1).cfg.numAttrs == 0
 
 

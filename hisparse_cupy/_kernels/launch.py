@@ -1,15 +1,14 @@
 """The one launch path of the package, and the caller's stream.
 
 Every kernel takes one parameter struct by value (:mod:`hisparse_cupy._abi`): a
-:class:`Structs`
-holds one or many (one per layer) as bytes, written through word views; a :class:`Params` is one
-of them. :func:`launch` queues a kernel with it through
-the driver's ``cuLaunchKernelEx`` (called with ctypes; the driver copies the struct at the
-launch, and into
-the graph node under capture), with Programmatic Dependent Launch when ``pdl=True`` on a device
-of compute capability 9.0 or newer: the programmatic-stream-serialization attribute lets the
-kernel start while the previous kernel on the stream finishes, and the kernel calls
-``hs::pdl_wait()`` before reading what that kernel wrote. The launch configuration is cached
+:class:`Structs` holds one or many (one per layer) as bytes, written through word views; a
+:class:`Params` is one of them. :func:`launch` queues a kernel with it through the driver's
+``cuLaunchKernelEx`` (through cuda-python's ``cuda.bindings.driver``; the driver copies the
+struct at the launch, and into the graph node under capture), with Programmatic Dependent
+Launch when ``pdl=True`` on a device of compute capability 9.0 or newer: the
+programmatic-stream-serialization attribute lets the kernel start while the previous kernel on
+the stream finishes, and the kernel calls ``hs::pdl_wait()`` before reading what that kernel
+wrote. The launch configuration is cached
 per (block, shared memory, PDL), so a launch sets the grid and the stream only when they
 changed and passes one pointer (to the struct's bytes) as the argument block.
 
@@ -305,89 +304,64 @@ def _opt_in_smem(kernel, shared_mem: int, dev: int) -> None:
     _smem_set[key] = shared_mem
 
 
-# The driver's launch structures (cuda.h, CUDA 12.0+; stable ABI): called through ctypes, whose
-# per-call cost is a fraction of a generated binding's (tools/host_overhead.py measures it).
-_ATTR_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-
-
-class _CUlaunchAttribute(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
-                ("value", ctypes.c_char * 64)]  # CUlaunchAttributeValue: a 64-byte union
-
-
-class _CUlaunchConfig(ctypes.Structure):
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
-                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
-                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_CUlaunchAttribute)), ("numAttrs", ctypes.c_uint)]
-
-
+# The driver's launch through cuda-python (cuda.bindings.driver, which both CUDA extras
+# install): its CUlaunchConfig and CUlaunchAttribute carry the block, the shared memory, the
+# stream and the PDL / cluster attributes; cuLaunchKernelEx takes the kernel's argument block
+# as one address (void *kernelParams[1]). tools/host_overhead.py measures the per-call cost.
 @functools.cache
-def _driver():
-    """``(cuLaunchKernelEx, cuGetErrorName, cuOccupancyMaxActiveClusters)`` of the driver."""
-    lib = ctypes.CDLL("libcuda.so.1" if os.name != "nt" else "nvcuda.dll")
+def _cu():
+    """``cuda.bindings.driver``, imported on the first launch (a CPU install without
+    cuda-bindings can still import the package)."""
     try:
-        fn = lib.cuLaunchKernelEx
-        occ = lib.cuOccupancyMaxActiveClusters
-    except AttributeError as e:
-        raise RuntimeError("the CUDA driver has no cuLaunchKernelEx: hisparse_cupy needs a "
-                           "CUDA 12.0 or newer driver") from e
-    fn.argtypes = [ctypes.c_void_p] * 4
-    fn.restype = ctypes.c_int
-    name = lib.cuGetErrorName
-    name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-    name.restype = ctypes.c_int
-    occ.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_void_p]
-    occ.restype = ctypes.c_int
-    return fn, name, occ
+        from cuda.bindings import driver
+    except ImportError as e:
+        raise ImportError("hisparse_cupy launches its kernels through cuda-python: install "
+                          "cuda-bindings (the cuda12 / cuda13 extras bring it)") from e
+    return driver
 
 
-def _check(err: int, what: str) -> None:
-    if err:
-        msg = ctypes.c_char_p()
-        _driver()[1](err, ctypes.byref(msg))
-        raise RuntimeError(f"{what} failed: {err} ({(msg.value or b'?').decode()})")
+def _check(result, what: str) -> None:
+    """Raise ``RuntimeError`` naming ``what`` and the driver's error for a failed call."""
+    if int(result):  # CUresult.CUDA_SUCCESS is 0
+        cu = _cu()
+        _, name = cu.cuGetErrorName(result)
+        raise RuntimeError(f"{what} failed: {int(result)} "
+                           f"({(name or b'?').decode(errors='replace')})")
 
 
 class _LaunchConfig:
-    """A cached CUlaunchConfig (with the PDL attribute or without, with a cluster dimension or
-    without) and its one-pointer argument block. A lock keeps two threads from interleaving the
-    fill of the shared config and the launch."""
+    """A cached ``CUlaunchConfig`` (with the PDL attribute or without, with a cluster dimension
+    or without) and its one-pointer argument block. A lock keeps two threads from interleaving
+    the fill of the shared config and the launch."""
 
     def __init__(self, block: tuple[int, int, int], shared_mem: int, pdl: bool = True,
                  cluster: int = 1):
-        cfg = self.cfg = _CUlaunchConfig()
+        cu = _cu()
+        cfg = self.cfg = cu.CUlaunchConfig()
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
         cfg.sharedMemBytes = shared_mem
-        self.attrs = (_CUlaunchAttribute * 2)()  # zeroed
-        n = 0
-        for on, attr_id, words in (
-            (pdl, _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, (1,)),  # ...Allowed = 1
-            (cluster > 1, _ATTR_CLUSTER_DIMENSION, (cluster, 1, 1)),  # clusterDim {x, y, z}
-        ):
-            if on:
-                self.attrs[n].id = attr_id
-                raw = b"".join(w.to_bytes(4, "little") for w in words)
-                # the value union's bytes (a c_char array's setter would stop at a zero byte)
-                ctypes.memmove(ctypes.addressof(self.attrs[n]) + _CUlaunchAttribute.value.offset,
-                               raw, len(raw))
-                n += 1
-        if n:
-            cfg.attrs = ctypes.cast(self.attrs, ctypes.POINTER(_CUlaunchAttribute))
-            cfg.numAttrs = n
-        self.cfg_addr = ctypes.addressof(cfg)
+        ids = cu.CUlaunchAttributeID
+        attrs = []
+        if pdl:  # the kernel may start while the previous one drains (it waits in pdl_wait)
+            a = cu.CUlaunchAttribute()
+            a.id = ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            a.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(a)
+        if cluster > 1:
+            a = cu.CUlaunchAttribute()
+            a.id = ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = cluster, 1, 1
+            attrs.append(a)
+        cfg.attrs = attrs
+        cfg.numAttrs = len(attrs)
         self.grid = (0, 0, 0)
         self.stream = -1
         self.args = np.zeros(1, np.uintp)  # void* kernelParams[1]: the struct's address
-        self.args_addr = self.args.ctypes.data
-        self.call = None  # the driver's cuLaunchKernelEx, resolved at the first launch
+        self.args_addr = int(self.args.ctypes.data)
+        self.call = cu.cuLaunchKernelEx
         self.lock = threading.Lock()
 
-    def launch(self, func: int, grid, stream_ptr: int, params_addr: int) -> None:
-        if self.call is None:
-            self.call = _driver()[0]
+    def launch(self, func, grid, stream_ptr: int, params_addr: int) -> None:
         with self.lock:
             cfg = self.cfg
             if grid != self.grid:
@@ -395,7 +369,7 @@ class _LaunchConfig:
             if stream_ptr != self.stream:
                 cfg.hStream = self.stream = stream_ptr
             self.args[0] = params_addr
-            err = self.call(self.cfg_addr, func, self.args_addr, None)
+            err, = self.call(cfg, func, self.args_addr, 0)
         _check(err, "cuLaunchKernelEx")
 
 
@@ -423,7 +397,7 @@ class Launcher:
                       shared_mem, pdl, cluster)
         self.cfg = cfg
         # RawKernel.kernel loads the module on this device (CuPy compiles it on first use)
-        self.func = kernel.kernel.ptr
+        self.func = _cu().CUfunction(kernel.kernel.ptr)
 
     def __call__(self, grid: tuple[int, int, int], stream_ptr: int, params_addr: int) -> None:
         if grid[0] > 0 and grid[1] > 0 and grid[2] > 0:  # CUDA rejects empty grids
@@ -448,10 +422,9 @@ def _max_active_clusters(kernel, device_id: int, block: tuple[int, int, int], sh
         _opt_in_smem(kernel, shared_mem, device_id)
     cfg = _LaunchConfig(block, shared_mem, False, cluster)
     cfg.cfg.gridDimX, cfg.cfg.gridDimY, cfg.cfg.gridDimZ = cluster, 1, 1
-    n = ctypes.c_int()
-    _check(_driver()[2](ctypes.byref(n), kernel.kernel.ptr, cfg.cfg_addr),
-           "cuOccupancyMaxActiveClusters")
-    return n.value
+    err, n = _cu().cuOccupancyMaxActiveClusters(_cu().CUfunction(kernel.kernel.ptr), cfg.cfg)
+    _check(err, "cuOccupancyMaxActiveClusters")
+    return int(n)
 
 
 def max_active_clusters(kernel, block, shared_mem: int, cluster: int) -> int:
