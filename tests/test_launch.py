@@ -84,6 +84,48 @@ def test_a_failed_launch_names_the_call_and_the_drivers_error(monkeypatch):
     assert cfg.cfg.numAttrs == 0
 
 
+_STUB_LAUNCH = r"""
+import ctypes, sys, tempfile
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import launch_overhead_stub as t
+stub = t.stub_driver(Path(tempfile.mkdtemp()))
+from cuda.bindings import driver as cu
+from hisparse_cupy import _abi
+from hisparse_cupy._kernels import launch
+p = launch.Params(_abi.PLANNED_COPY).set(B=3)
+launch._LaunchConfig((256, 1, 1), 1024, True).launch(cu.CUfunction(0xF00), (7, 2, 1), 0x5000,
+                                                    p.addr)
+last = (ctypes.c_longlong * 12).in_dll(stub, "hs_last")
+arg0 = last[10]
+print(*last[:10], last[11], arg0 == p.addr)
+"""
+
+
+def test_a_launch_reaches_the_driver_with_its_config_through_cuda_python(tmp_path):
+    """The real binding (not a fake call) against a no-op driver that records what
+    cuLaunchKernelEx got: the grid, block, shared memory, stream, the PDL attribute, the kernel
+    and one pointer to the struct (run in its own process: the stand-in takes the driver's
+    name)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("cuda.bindings", reason="the launch goes through cuda-python")
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler to build the stand-in driver")
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    r = subprocess.run([sys.executable, "-c", _STUB_LAUNCH, str(tools)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = r.stdout.split()
+    # grid 7 2 1, block 256, 1024 B, stream 0x5000, 1 attribute: PDL (6) allowed (1), kernel
+    # 0xF00, extra NULL, kernelParams[0] the struct's address
+    assert got == ["7", "2", "1", "256", "1024", str(0x5000), "1", "6", "1", str(0xF00), "0",
+                   "True"], got
+
+
 @pytest.mark.parametrize("pdl", [False, True])
 def test_cluster_dimension_attribute(pdl):
     # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION (4): CUlaunchAttributeValue.clusterDim = {x, y, z};

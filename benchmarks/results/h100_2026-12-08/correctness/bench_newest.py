@@ -1,8 +1,12 @@
 """Cost of Step.backup_newest (the newest kernel, record=True, plus its D2H copy) and of the
 newest kernel alone (write_host=False), per call, on whichever tree PYTHONPATH names.
 78 layers, 656-byte rows, every request past H (so slot H is recorded in every layer)."""
-import json, sys
-import cupy, numpy as np
+import json
+import sys
+
+import cupy
+import numpy as np
+
 from hisparse_cupy import HotBufferCache
 
 L, R, H, K, MAXLEN = 78, 32, 512, 256, 2048
@@ -15,7 +19,7 @@ for B in (1, 8, 32):
     req = cupy.asarray(rids[:B], cupy.int32)
     for wh in (False, True):
         times = []
-        for rep in range(7):
+        for _rep in range(7):
             lens = cupy.asarray(rng.integers(1200, 1900, B), cupy.int32)
             step = c.begin_step(req, lens)
             s = step.stream
@@ -25,7 +29,8 @@ for B in (1, 8, 32):
             a.record(s)
             for _ in range(200):
                 step.backup_newest(write_host=wh)
-            b.record(s); b.synchronize()
+            b.record(s)
+            b.synchronize()
             times.append(cupy.cuda.get_elapsed_time(a, b) * 1000 / 200)
             step.finish()
         out[f"B{B}_writehost{int(wh)}_us"] = float(np.median(times))
