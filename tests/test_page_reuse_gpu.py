@@ -247,6 +247,33 @@ def test_a_positional_requests_unwritten_token_is_nohost():
     cache.close()
 
 
+def test_a_positional_rows_tokens_past_max_len_are_range():
+    """A cache whose hot size exceeds max_len (64 slots, max_len 32): a positional row stepped
+    at length 40 > max_len. Tokens 35 and 36 (past max_len, below the length) are -1 and count
+    RANGE; the never-written check reads no host row there (the last request slot's would lie
+    past the host map). Token 10 is served."""
+    import cupy
+
+    from hisparse_cupy import HotBufferCache
+
+    ml, rows = 32, 656
+    cache = HotBufferCache(n_layers=2, max_requests=2, max_len=ml, row_bytes=rows, hot_size=64,
+                           top_k=8, extra_page=4)
+    kv = np.random.default_rng(5).integers(0, 256, (2, 20, rows), dtype=np.uint8)
+    cache.admit(20, kv=kv)
+    rid = cache.admit(20, kv=kv)  # the last request slot
+    tk = cupy.asarray(np.array([[10, 35, 36, -1, -1, -1, -1, -1]], np.int32))
+    step = cache.begin_step(cupy.asarray([rid], cupy.int32), cupy.asarray([40], cupy.int32))
+    for layer in range(2):
+        got = cupy.asnumpy(step.swap(layer, tk))[0]
+        assert got[0] >= 0 and (got[1:3] == -1).all(), got
+        assert (cupy.asnumpy(cache.device_rows(layer)[int(got[0])]) == kv[layer, 10]).all()
+        status = cupy.asnumpy(cache.status[0])
+        assert status[_abi.ST_RANGE] == 2 and status[_abi.ST_NOHOST] == 0, status
+    step.finish()
+    cache.close()
+
+
 @pytest.mark.parametrize("resident", [False, True])
 def test_prefill_kv_freed_by_the_caller_after_the_call(resident):
     """Case 5: the prompt's KV on the GPU, allocated on stream X; the admission queued on

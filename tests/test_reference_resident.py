@@ -215,3 +215,35 @@ def test_a_positional_rows_token_never_written_is_nohost():
         assert (locs[newest] >= 0).all()
         hits += int(unwritten.sum())
     assert hits > 0
+
+
+def test_a_positional_rows_tokens_past_max_len_are_range_not_read():
+    """``hot_size`` may exceed ``max_len`` (the defaults: 4096 slots, any shorter max_len), so a
+    positional row (``seq <= H``) can be longer than its ``host_locs`` row when an engine passes
+    ``seq > max_len``. Its tokens at or past ``max_len`` are -1 and count RANGE, as past H (the
+    status contract, ``_checks.raise_on_status``: RANGE from ``min(seq, max_len)``); the
+    never-written check must not read ``host_locs`` there (past the row, past the array for the
+    last request slot). Single- and multi-step oracles and the direct path agree."""
+    Hs, Ws, ML, Rs = 8, 10, 4, 2
+    host_locs = np.arange(Rs * ML, dtype=np.int64).reshape(Rs, ML)
+    slot_locs = (np.arange(Rs)[:, None] * Ws + np.arange(Ws)).astype(np.int32)
+    slot_tokens = np.tile(np.arange(Ws, dtype=np.int32), (Rs, 1))  # positional: t in slot t
+    tk = np.array([[[0, 3, 4, 5]]], np.int32)  # 4, 5 >= max_len, < seq
+    req, lens = np.array([Rs - 1]), np.array([[6]])
+    single = ref.swap_in(tk[:, 0], req, lens[:, 0], host_locs=host_locs,
+                         slot_tokens=slot_tokens.copy(), slot_locs=slot_locs,
+                         lru=np.tile(np.arange(Hs, dtype=np.int16), (Rs, 1)), hot_size=Hs,
+                         n_host_rows=Rs * ML)
+    multi = ref.multistep_swap_in(
+        tk, req, lens, host_locs=host_locs, slot_tokens=slot_tokens.copy(),
+        slot_locs=slot_locs, scratch_locs=np.full((Rs, 4), -1, np.int32),
+        ref=np.zeros((Rs, Hs), np.uint32), clock=np.tile(np.uint32([1, 0]), (Rs, 1)),
+        hot_size=Hs, n_host_rows=Rs * ML)
+    direct = ref.resident_swap(tk, req, lens, resident=np.ones(Rs, bool),
+                               page_table=slot_locs[:, :Hs], page_tokens=1, hot_size=Hs,
+                               max_len=ML, host_locs=host_locs)
+    want = [slot_locs[Rs - 1, 0], slot_locs[Rs - 1, 3], -1, -1]
+    for got in (single.device_locs[0], multi.device_locs[0, 0], direct.device_locs[0, 0]):
+        assert got.tolist() == want
+    for st in (single.status, multi.status, direct.status):
+        assert st[0, ref.ST_RANGE] == 2 and st[0, ref.ST_NOHOST] == 0
