@@ -374,8 +374,8 @@ __device__ __forceinline__ void write_status(i32* st, int range, int nohost, int
 //     (the same in every layer; page_row);
 //   - the positional layout of a request of seq <= H: token t in hot slot t, slot_locs[t].
 // Entry i of a row: a -1 token, or i >= seq while seq <= H, is -1 with no status; a token
-// outside [0, lim) is -1 and counts RANGE (lim: seq while seq <= H, else min(seq, the host
-// map's width), the sparse swaps' limits); a token without a row (-1: a page the engine did not
+// outside [0, lim) is -1 and counts RANGE (lim: min(seq, the host map's width), the sparse
+// swaps' limit; a positional row too, since H may exceed max_len); a token without a row (-1: a page the engine did not
 // take, a slot without a row) is -1 and counts NOHOST, and so is a token that was never written
 // (its host row -1; the newest token seq - 1 excepted: this step writes it), as the LRU path
 // gives: a positional slot may still hold its previous request's row. Every valid entry counts
@@ -400,7 +400,7 @@ enum : int { DIRECT_SKIP = -1, DIRECT_RANGE = -2, DIRECT_NOROW = -3 };
 template <typename P>
 __device__ __forceinline__ DirectRows direct_rows(const P& p, i64 rid, i64 seq, int H) {
   const int w = p.host_stride;  // seq <= H or the host map's width bounds both: int32
-  const int lim = seq <= H ? static_cast<int>(seq) : (seq < w ? static_cast<int>(seq) : w);
+  const int lim = seq < w ? static_cast<int>(seq) : w;  // (H may exceed the width: max_len)
   return DirectRows{p.page_table ? row_at(p.page_table, rid, p.page_stride) : nullptr,
                     slot_locs_row(p, rid), host_locs_row(p, rid), p.page_stride,
                     p.page_tokens, seq <= H ? static_cast<int>(seq) : 0x7fffffff, lim,

@@ -55,7 +55,7 @@ def direct_entry(t: int, i: int, seq: int, *, hot_size: int, max_len: int, row_o
     ``host_row``: the request's ``host_locs`` row (its tokens never written are NOROW)."""
     if t == -1 or (seq <= hot_size and i >= seq):
         return DIRECT_SKIP
-    lim = seq if seq <= hot_size else min(seq, max_len)
+    lim = min(seq, max_len)  # (a positional row may be longer than max_len: H > max_len)
     if not 0 <= t < lim:
         return DIRECT_RANGE
     if host_row is not None and t != seq - 1 and host_row[t] < 0:
