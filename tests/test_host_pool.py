@@ -385,6 +385,7 @@ def test_a_pool_dropped_unclosed_is_released_at_a_safe_point_not_by_the_collecto
     addresses."""
     import gc
 
+    hp.HostKVPool.release_collected()  # (pools other tests left: stubbed)
     log = []
     monkeypatch.setattr(hp, "_REGISTER_CHUNK", 3 * PAGE)
     monkeypatch.setattr(hp, "_unregister", lambda ptr: log.append(ptr))
@@ -405,6 +406,7 @@ def test_a_collected_pool_is_released_by_the_next_pools_setup_or_close(no_cuda, 
                                                                         where):
     import gc
 
+    hp.HostKVPool.release_collected()  # (pools other tests left: stubbed)
     log = []
     monkeypatch.setattr(hp, "_unregister", lambda ptr: log.append(ptr))
     monkeypatch.setattr(hp, "_synchronize", lambda: log.append("sync"))
@@ -427,6 +429,7 @@ def test_a_failing_collected_release_is_logged_and_the_others_still_run(no_cuda,
                                                                          caplog):
     import gc
 
+    hp.HostKVPool.release_collected()  # (pools other tests left: stubbed)
     done = []
 
     def unregister(ptr):
@@ -442,6 +445,39 @@ def test_a_failing_collected_release_is_logged_and_the_others_still_run(no_cuda,
     with caplog.at_level("WARNING", logger="hisparse_cupy"):
         assert hp.HostKVPool.release_collected() == 2
     assert done[0] == "failed" and len(done) == 2 and "collected unclosed failed" in caplog.text
+
+
+def test_a_failed_synchronization_keeps_the_collected_pools_queued(no_cuda, monkeypatch,
+                                                                   caplog):
+    """The synchronization before the queued releases can fail (a stream capturing, a sticky
+    error): no release may run then, none may be dropped (its memory would be unmapped while
+    still registered). ``release_collected`` raises and keeps them queued; a pool's setup logs
+    it and goes on; the next synchronization that works releases them."""
+    import gc
+
+    hp.HostKVPool.release_collected()  # (pools other tests left: stubbed)
+    unreg, fail = [], [True]
+
+    def sync():
+        if fail[0]:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(hp, "_unregister", unreg.append)
+    monkeypatch.setattr(hp, "_synchronize", sync)
+    pool = hp.HostKVPool(1, 64, 64)
+    base = pool.numpy.ctypes.data
+    del pool
+    gc.collect()
+    with pytest.raises(RuntimeError, match="capturing"):
+        hp.HostKVPool.release_collected()
+    assert unreg == [] and _mapped(base)
+    with caplog.at_level("WARNING", logger="hisparse_cupy"):
+        other = hp.HostKVPool(1, 64, 64)  # a setup: logged, not raised
+    assert unreg == [] and _mapped(base) and "stay registered" in caplog.text
+    fail[0] = False
+    assert hp.HostKVPool.release_collected() == 1
+    assert unreg == [base] and not _mapped(base)
+    other.close()
 
 
 def test_a_pool_collected_unclosed_is_released_at_exit():
