@@ -20,9 +20,9 @@ Three ways to get a :class:`HostKVPool`:
   registered pinned and mapped in place; :meth:`close` unregisters it and frees nothing.
 
 Large pools print a line before and after their setup (stderr, or the package's logger where
-configured). A pool dropped without :meth:`close` is released at a place that synchronizes
-the device anyway (the next pool's setup or close, :meth:`HostKVPool.release_collected`, the
-exit), never by the collector, which may run while a stream captures a CUDA graph.
+configured). A pool dropped without :meth:`close` is released later, never by the collector,
+which may run while a stream captures a CUDA graph: at the next pool's setup or close (one
+device synchronization then), :meth:`HostKVPool.release_collected`, or the exit.
 """
 
 from __future__ import annotations
@@ -174,8 +174,9 @@ def _say(msg: str) -> None:
 # Releases of pools collected unclosed. The collector may run at any moment, on any thread,
 # also while a stream captures a CUDA graph, where a device synchronization or an unregister
 # would invalidate the capture (and, if it failed, leave the memory unregistered under queued
-# reads). So a collected pool's release waits here for a place that synchronizes the device
-# anyway: the next pool's setup or close, HostKVPool.release_collected(), or the exit.
+# reads). So a collected pool's release waits here: for the next pool's setup or close (which
+# then synchronize the device once), HostKVPool.release_collected(), or the exit. A shared
+# pool's name is unlinked by its own finalizer when collected (no CUDA call).
 _collected: list = []
 _exiting = False
 
@@ -194,21 +195,35 @@ def _on_collect(release) -> None:
         _release_collected()
 
 
-def _release_collected() -> int:
+def _release_collected(quiet: bool = False) -> int:
     """Run the queued releases after one device synchronization (a pool collected after it
-    waits for the next); a failing one is logged and the others still run. Returns how many
-    ran."""
+    waits for the next); returns how many ran. A failing release is logged and the others
+    still run. If the synchronization fails (a stream capturing, a sticky error), every
+    release taken goes back in the queue (its memory stays registered and mapped) and the
+    error is raised, or with ``quiet`` logged (0 returned)."""
     taken = []
     while _collected:
         with contextlib.suppress(IndexError):  # (another thread took the last one)
             taken.append(_collected.pop())
-    if taken:
+    if not taken:
+        return 0
+    try:
         _synchronize()
-    for release in taken:
+    except BaseException as e:
+        _collected.extend(taken)
+        if not quiet or not isinstance(e, Exception):
+            raise
+        log.warning("%d host pool(s) collected unclosed stay registered: the device "
+                    "synchronization before their release failed: %r", len(taken), e)
+        return 0
+    for i, release in enumerate(taken):
         try:
             release()
         except Exception as e:  # noqa: BLE001 - the rest must still be released
             log.warning("releasing a host pool collected unclosed failed: %r", e)
+        except BaseException:
+            _collected.extend(taken[i + 1:])
+            raise
     return len(taken)
 
 
@@ -450,7 +465,7 @@ class HostKVPool:
         self.row_bytes = _checks.row_bytes("row_bytes", row_bytes)
         self.layer_bytes = self.n_rows * self.row_bytes
         require_gpu()  # before any CUDA call (or a shared-memory file)
-        _release_collected()  # (a setup synchronizes the device anyway)
+        _release_collected(quiet=True)  # pools collected unclosed: one sync, if any wait
         self._mem = self._release = None
 
     @contextlib.contextmanager
@@ -461,8 +476,10 @@ class HostKVPool:
             yield
         except BaseException:
             if self._release is not None:
-                with contextlib.suppress(Exception):  # (the setup's error is the one to see)
+                try:
                     self.close()
+                except Exception as e:  # noqa: BLE001 - the setup's error is the one to raise
+                    log.warning("releasing a host pool whose setup failed failed too: %r", e)
             raise
 
     def _setup(self, rows_of, unmap, huge: bool, *, threads: int, portable: bool,
@@ -557,15 +574,18 @@ class HostKVPool:
                     got[2][0]()  # the release (its finalizer's one argument)
             finally:
                 self.timings["teardown_s"] = time.perf_counter() - t0
-            _release_collected()
+            _release_collected(quiet=True)
 
     @staticmethod
     def release_collected() -> int:
-        """Release the pools collected without :meth:`close` (their registrations, memory and
-        shared names), after one device synchronization; returns how many. The collector may
-        run while a stream captures a CUDA graph, where a synchronization would break the
+        """Release the pools collected without :meth:`close` (unregister, unmap or free their
+        memory), after one device synchronization; returns how many. The collector may run
+        while a stream captures a CUDA graph, where a synchronization would break the
         capture, so a collected pool waits for this call, the next pool's setup or
-        :meth:`close`, or the process's exit. Never call it while capturing."""
+        :meth:`close` (which then synchronize the device once; a failing synchronization
+        there is logged and the pools stay queued), or the process's exit. Never call it
+        while any stream captures; a failing synchronization raises, the pools still
+        queued."""
         return _release_collected()
 
     def __enter__(self) -> HostKVPool:
