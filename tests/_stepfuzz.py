@@ -1124,7 +1124,7 @@ def main(argv=None) -> int:
           f"{tot['lean_steps']} lean steps ({tot['lean_asked']} asked lean=True), "
           f"{tot['indexer_calls']} before_indexer calls ({tot['window_stagings']} stagings "
           f"launched there), "
-          f"{tot['global_captures']} steps captured in global mode, "
+          f"{tot['global_captures']} captures in global mode, "
           f"{tot['orphans']} host pools collected unclosed inside a capture, "
           f"{tot['busy_steps']} steps "
           f"with CuPy's current "

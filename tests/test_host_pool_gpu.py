@@ -166,14 +166,15 @@ def test_a_pool_collected_while_a_stream_captures_leaves_the_capture_whole(mode,
     from hisparse_cupy import HostKVPool
 
     rt = cupy.cuda.runtime
+    HostKVPool.release_collected()  # (pools earlier tests dropped)
     pool = HostKVPool(1, 64, 64, alloc=alloc)
-    x = cupy.arange(1, 9, dtype=cupy.int32)
-    y = cupy.full(8, -1, cupy.int32)
     s = cupy.cuda.Stream(non_blocking=True)
-    with s:
+    with s:  # every array filled on the stream the graph runs on
+        x = cupy.arange(1, 9, dtype=cupy.int32)
+        y = cupy.full(8, -1, cupy.int32)
         cupy.multiply(x, 2, out=y)  # (its kernel loaded before the capture)
+        y.fill(-1)
     s.synchronize()
-    y.fill(-1)
     s.begin_capture(rt.streamCaptureModeRelaxed if mode == "relaxed"
                     else rt.streamCaptureModeGlobal)
     with s:
@@ -184,4 +185,4 @@ def test_a_pool_collected_while_a_stream_captures_leaves_the_capture_whole(mode,
     graph.launch(s)
     s.synchronize()
     assert (cupy.asnumpy(y) == 2 * np.arange(1, 9)).all()
-    assert HostKVPool.release_collected() == 1
+    assert HostKVPool.release_collected() >= 1  # this one (and any the collector added)

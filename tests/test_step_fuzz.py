@@ -93,6 +93,7 @@ def test_the_fuzz_forks_and_checks_a_forks_shared_tokens(monkeypatch):
     got = [f.run(300) for f in runs]
     assert sum(r["forks"] for r in got) > 0
     assert sum(r["refused_forks"] for r in got) > 0  # past the written tokens: refused
+    assert sum(r["rewrites"] for r in got) > 0  # rejected drafts drawn (their bytes checked)
     assert all(r["errors"] == dict.fromkeys(CHECKS, 0) for r in got)
     monkeypatch.setattr(Fuzz, "_fork_origin", lambda self, parent, p: [])
     failed = 0
@@ -135,6 +136,16 @@ def test_the_fuzz_catches_a_fork_past_the_written_tokens(monkeypatch):
 def test_step_fuzz_gpu(seed):
     r = Fuzz(True, 1000 + seed).run(300)
     assert r["errors"] == dict.fromkeys(CHECKS, 0)
+
+
+@pytest.mark.gpu
+def test_the_gpu_fuzz_draws_captures_in_global_mode_and_pools_collected_inside_them():
+    """The states only the GPU fuzz reaches are drawn, bytes checked: steps captured in torch's
+    global mode, host pools collected unclosed inside a capture, rejected drafts."""
+    got = [Fuzz(True, 2000 + seed).run(300) for seed in range(6)]
+    assert all(r["errors"] == dict.fromkeys(CHECKS, 0) for r in got)
+    for key in ("global_captures", "orphans", "rewrites", "graph_steps"):
+        assert sum(r[key] for r in got) > 0, key
 
 
 def test_a_seed_whose_call_raises_is_a_failure_with_its_traceback(monkeypatch):

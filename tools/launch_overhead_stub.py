@@ -47,12 +47,16 @@ typedef struct {  /* CUlaunchConfig (cuda.h, CUDA 12.0+) */
 long long hs_last[12];
 static CUresult ok(void) { return 0; }
 CUresult cuLaunchKernelEx(const Config* c, void* f, void** a, void** e);
-/* the bindings look every entry point up here: the launch is the recording one, the rest
-   succeed at once */
+CUresult cuGetErrorName(int e, const char** s);
+CUresult cuOccupancyMaxActiveClusters(int* n, void* f, const void* c);
+/* the bindings look every entry point up here: this file's own, or one that succeeds at once */
 static void* lookup(const char* s) {
-  return strcmp(s, "cuLaunchKernelEx") == 0 ? (void*)cuLaunchKernelEx : (void*)ok; }
+  if (strcmp(s, "cuLaunchKernelEx") == 0) return (void*)cuLaunchKernelEx;
+  if (strcmp(s, "cuGetErrorName") == 0) return (void*)cuGetErrorName;
+  if (strcmp(s, "cuOccupancyMaxActiveClusters") == 0) return (void*)cuOccupancyMaxActiveClusters;
+  return (void*)ok; }
 CUresult cuGetProcAddress_v2(const char* s, void** p, int v, unsigned long long f, int* st) {
-  (void)v; (void)f; *p = lookup(s); if (st) *st = 1; return 0; }
+  (void)v; (void)f; *p = lookup(s); if (st) *st = 0; return 0; }  /* 0: found */
 CUresult cuGetProcAddress(const char* s, void** p, int v, unsigned long long f) {
   (void)v; (void)f; *p = lookup(s); return 0; }
 CUresult cuDriverGetVersion(int* v) { *v = 13000; return 0; }

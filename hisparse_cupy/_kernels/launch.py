@@ -8,9 +8,9 @@ struct at the launch, and into the graph node under capture), with Programmatic 
 Launch when ``pdl=True`` on a device of compute capability 9.0 or newer: the
 programmatic-stream-serialization attribute lets the kernel start while the previous kernel on
 the stream finishes, and the kernel calls ``hs::pdl_wait()`` before reading what that kernel
-wrote. The launch configuration is cached
-per (block, shared memory, PDL), so a launch sets the grid and the stream only when they
-changed and passes one pointer (to the struct's bytes) as the argument block.
+wrote. The launch configuration is cached per (block, shared memory, PDL, cluster size), so a
+launch sets the grid and the stream only when they changed and passes one pointer (to the
+struct's bytes) as the argument block.
 
 :func:`as_stream` turns whatever the caller passed as ``stream=`` into a CuPy stream object:
 ``None`` (CuPy's current stream), a ``cupy.cuda.Stream`` or ``ExternalStream``, an object with
