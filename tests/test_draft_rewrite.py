@@ -21,36 +21,46 @@ def _kv(tokens, version: int) -> np.ndarray:
                            (L, t.size, ROW)).copy()
 
 
+SIZES = dict(n_layers=L, max_requests=1, max_len=MAX_LEN, row_bytes=ROW, hot_size=H, top_k=K,
+             extra_page=P, max_steps=S)
+
+
+def _step(c, xp, rid: int, lens: list, tk: list, version: int = 0) -> list:
+    """One decode step of request ``rid`` at ``lens`` (several: a multi-step call, ``tk`` its
+    ``[S, K]`` top-k; one: single-step, ``tk`` ``[1, K]``): the newest token's row written as
+    the model writes it (at ``version``), backed up, every layer swapped. Returns the swaps'
+    outputs."""
+    multi = len(lens) > 1
+    step = c.begin_step(xp.asarray([rid], xp.int32),
+                        xp.asarray([lens] if multi else lens, xp.int32))
+    rows = step.newest_rows()
+    for layer in range(L):
+        c.device_rows(layer)[rows] = xp.asarray(_kv([lens[0] - 1], version)[layer])
+    step.backup_newest()
+    top = xp.asarray(np.asarray([tk] if multi else tk, np.int32))
+    out = [step.swap(layer, top) for layer in range(L)]
+    step.finish()
+    return out
+
+
 def _drafts_then_rewrite(c, xp, rows_of):
     """Request of 10 tokens. Call 1 (lengths 11, 12, 13): drafts 11 and 12 written to the host
     (version 0) and selected, so the swap takes them into hot slots. Draft 12 is rejected: the
     engine writes position 12's new token (version 1). Call 2 (lengths 12, 13, 14) selects 12:
     it must read version 1. Returns the bytes call 2 served for token 12, per layer."""
     rid = c.admit(10, kv=_kv(range(10), 0))
-
-    def call(lens, tk):
-        step = c.begin_step(xp.asarray([rid], xp.int32), xp.asarray([lens], xp.int32))
-        rows = step.newest_rows()
-        for layer in range(L):  # the newest token's row, as the model writes it
-            c.device_rows(layer)[rows] = xp.asarray(_kv([lens[0] - 1], 0)[layer])
-        step.backup_newest()
-        out = [step.swap(layer, xp.asarray(np.asarray([tk], np.int32))) for layer in range(L)]
-        step.finish()
-        return out
-
     c.write_host(rid, 11, _kv([11, 12], 0))
-    call([11, 12, 13], [[0, 1, 2, 3], [0, 1, 2, 3], [12, 11, 1, 2]])
+    _step(c, xp, rid, [11, 12, 13], [[0, 1, 2, 3], [0, 1, 2, 3], [12, 11, 1, 2]])
     c.write_host(rid, 11, _kv([11], 0))  # 11 accepted (same bytes), 12 rejected: rewritten
     c.write_host(rid, 12, _kv([12], 1))
-    out = call([12, 13, 14], [[0, 1, 2, 3], [12, 0, 1, 2], [12, 13, 1, 2]])
+    out = _step(c, xp, rid, [12, 13, 14], [[0, 1, 2, 3], [12, 0, 1, 2], [12, 13, 1, 2]])
     return [rows_of(c, layer, out[layer]) for layer in range(L)]
 
 
 def test_a_rewritten_draft_is_served_new_in_the_model():
     import _stepmodel
 
-    c = _stepmodel.ModelCache(n_layers=L, max_requests=1, max_len=MAX_LEN, row_bytes=ROW,
-                              hot_size=H, top_k=K, extra_page=P, max_steps=S)
+    c = _stepmodel.ModelCache(**SIZES)
 
     def rows_of(c, layer, out):
         return [int(c.device[layer, out[0, s, 0], 0]) for s in (1, 2)]
@@ -64,8 +74,7 @@ def test_a_rewritten_draft_is_served_new():
     cupy = pytest.importorskip("cupy")
     from hisparse_cupy import HotBufferCache
 
-    c = HotBufferCache(n_layers=L, max_requests=1, max_len=MAX_LEN, row_bytes=ROW, hot_size=H,
-                       top_k=K, extra_page=P, max_steps=S)
+    c = HotBufferCache(**SIZES)
 
     def rows_of(c, layer, out):
         o = cupy.asnumpy(out)
@@ -85,32 +94,17 @@ def _rejected_as_newest(c, xp, rows_of):
     (version 1) at 11; call 3, single-step at length 13, selects 11. Returns the bytes served
     for it, per layer."""
     rid = c.admit(10, kv=_kv(range(10), 0))
-
-    def call(lens, tk, version):
-        multi = len(lens) > 1  # [B, S] lengths and top-k, else single-step [B] and [B, K]
-        step = c.begin_step(xp.asarray([rid], xp.int32),
-                            xp.asarray([lens] if multi else lens, xp.int32))
-        rows = step.newest_rows()
-        for layer in range(L):
-            c.device_rows(layer)[rows] = xp.asarray(_kv([lens[0] - 1], version)[layer])
-        step.backup_newest()
-        top = xp.asarray(np.asarray([tk] if multi else tk, np.int32))
-        out = [step.swap(layer, top) for layer in range(L)]
-        step.finish()
-        return out
-
     c.write_host(rid, 11, _kv([11, 12], 0))
-    call([11, 12, 13], [[0, 1, 2, 3], [0, 1, 2, 3], [12, 11, 1, 2]], 0)
-    call([12, 13, 14], [[1, 2, 11, -1], [1, 2, 11, -1], [1, 2, 11, -1]], 1)
-    out = call([13], [[11, 0, 1, 2]], 0)
+    _step(c, xp, rid, [11, 12, 13], [[0, 1, 2, 3], [0, 1, 2, 3], [12, 11, 1, 2]])
+    _step(c, xp, rid, [12, 13, 14], [[1, 2, 11, -1], [1, 2, 11, -1], [1, 2, 11, -1]], 1)
+    out = _step(c, xp, rid, [13], [[11, 0, 1, 2]])
     return [rows_of(c, layer, out[layer]) for layer in range(L)]
 
 
 def test_a_rejected_draft_rewritten_as_the_next_newest_token_in_the_model():
     import _stepmodel
 
-    c = _stepmodel.ModelCache(n_layers=L, max_requests=1, max_len=MAX_LEN, row_bytes=ROW,
-                              hot_size=H, top_k=K, extra_page=P, max_steps=S)
+    c = _stepmodel.ModelCache(**SIZES)
 
     def rows_of(c, layer, out):
         assert out[0, 0] >= 0
@@ -124,8 +118,7 @@ def test_a_rejected_draft_rewritten_as_the_next_newest_token():
     cupy = pytest.importorskip("cupy")
     from hisparse_cupy import HotBufferCache
 
-    c = HotBufferCache(n_layers=L, max_requests=1, max_len=MAX_LEN, row_bytes=ROW, hot_size=H,
-                       top_k=K, extra_page=P, max_steps=S)
+    c = HotBufferCache(**SIZES)
 
     def rows_of(c, layer, out):
         r = int(cupy.asnumpy(out)[0, 0])

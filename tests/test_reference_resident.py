@@ -45,6 +45,26 @@ def _pages(rng):
     return rng.permutation(R * n).reshape(R, n).astype(np.int32)
 
 
+def _multistep(tk, req, lens, st, hot_size=H, marks=None):
+    """The multi-step oracle over one layer's sparse state ``st`` (no scratch rows, a fresh
+    clock; ``marks``: its reference epochs, zeros by default)."""
+    R_ = st["host_locs"].shape[0]
+    return ref.multistep_swap_in(
+        tk, req, lens, host_locs=st["host_locs"], slot_tokens=st["slot_tokens"],
+        slot_locs=st["slot_locs"], scratch_locs=np.full((R_, 4), -1, np.int32),
+        ref=np.zeros((R_, hot_size), np.uint32) if marks is None else marks,
+        clock=np.tile(np.uint32([1, 0]), (R_, 1)), hot_size=hot_size,
+        n_host_rows=st["n_host_rows"])
+
+
+def _positional_direct(tk, req, lens, st, hot_size=H, max_len=MAX_LEN):
+    """The direct path over the positional layout: every request resident, its slot rows as
+    one-token pages (what a sparse row of ``seq <= H`` must give)."""
+    return ref.resident_swap(tk, req, lens, resident=np.ones(st["host_locs"].shape[0], bool),
+                             page_table=st["slot_locs"][:, :hot_size], page_tokens=1,
+                             hot_size=hot_size, max_len=max_len, host_locs=st["host_locs"])
+
+
 def test_minus_one_and_status_match_the_sparse_swap():
     rng = np.random.default_rng(1)
     for _ in range(200):
@@ -125,20 +145,14 @@ def test_the_positional_layout_is_the_direct_path_through_its_slot_rows():
         locs[rng.random(locs.shape) < 0.1] = -1  # slots without a row
         st["slot_locs"] = locs.astype(np.int32)
         before = {k: v.copy() for k, v in st.items() if isinstance(v, np.ndarray)}
-        direct = ref.resident_swap(tk, req, lens, resident=np.ones(R, bool),
-                                   page_table=st["slot_locs"][:, :H], page_tokens=1,
-                                   hot_size=H, max_len=MAX_LEN, host_locs=st["host_locs"])
+        direct = _positional_direct(tk, req, lens, st)
         nohost += int(direct.status[:, ref.ST_NOHOST].sum())
         if S == 1:
             got = ref.swap_in(tk[:, 0], req, lens[:, 0], **st)
             np.testing.assert_array_equal(got.device_locs, direct.device_locs[:, 0])
         else:
             marks = np.zeros((R, H), np.uint32)
-            got = ref.multistep_swap_in(
-                tk, req, lens, host_locs=st["host_locs"], slot_tokens=st["slot_tokens"],
-                slot_locs=st["slot_locs"], scratch_locs=np.full((R, 4), -1, np.int32), ref=marks,
-                clock=np.tile(np.uint32([1, 0]), (R, 1)), hot_size=H,
-                n_host_rows=st["n_host_rows"])
+            got = _multistep(tk, req, lens, st, marks=marks)
             np.testing.assert_array_equal(got.device_locs, direct.device_locs)
             b, s, i = np.nonzero(direct.device_locs >= 0)
             want = np.zeros((R, H), np.uint32)
@@ -191,18 +205,12 @@ def test_a_positional_rows_token_never_written_is_nohost():
         tk = _topk(rng, B, S, K, lens)
         st = _sparse_state()
         st["host_locs"][rng.random(st["host_locs"].shape) < 0.3] = -1  # never written
-        direct = ref.resident_swap(tk, req, lens, resident=np.ones(R, bool),
-                                   page_table=st["slot_locs"][:, :H], page_tokens=1,
-                                   hot_size=H, max_len=MAX_LEN, host_locs=st["host_locs"])
+        direct = _positional_direct(tk, req, lens, st)
         if S == 1:
             got = ref.swap_in(tk[:, 0], req, lens[:, 0], **st)
             locs = got.device_locs[:, None]
         else:
-            got = ref.multistep_swap_in(
-                tk, req, lens, host_locs=st["host_locs"], slot_tokens=st["slot_tokens"],
-                slot_locs=st["slot_locs"], scratch_locs=np.full((R, 4), -1, np.int32),
-                ref=np.zeros((R, H), np.uint32), clock=np.tile(np.uint32([1, 0]), (R, 1)),
-                hot_size=H, n_host_rows=st["n_host_rows"])
+            got = _multistep(tk, req, lens, st)
             locs = got.device_locs
         np.testing.assert_array_equal(locs, direct.device_locs[:, :S])
         np.testing.assert_array_equal(got.status, direct.status)
@@ -225,23 +233,20 @@ def test_a_positional_rows_tokens_past_max_len_are_range_not_read():
     never-written check must not read ``host_locs`` there (past the row, past the array for the
     last request slot). Single- and multi-step oracles and the direct path agree."""
     Hs, Ws, ML, Rs = 8, 10, 4, 2
-    host_locs = np.arange(Rs * ML, dtype=np.int64).reshape(Rs, ML)
-    slot_locs = (np.arange(Rs)[:, None] * Ws + np.arange(Ws)).astype(np.int32)
-    slot_tokens = np.tile(np.arange(Ws, dtype=np.int32), (Rs, 1))  # positional: t in slot t
+
+    def state():
+        return dict(host_locs=np.arange(Rs * ML, dtype=np.int64).reshape(Rs, ML),
+                    slot_tokens=np.tile(np.arange(Ws, dtype=np.int32), (Rs, 1)),  # t in slot t
+                    slot_locs=(np.arange(Rs)[:, None] * Ws + np.arange(Ws)).astype(np.int32),
+                    n_host_rows=Rs * ML)
+
     tk = np.array([[[0, 3, 4, 5]]], np.int32)  # 4, 5 >= max_len, < seq
     req, lens = np.array([Rs - 1]), np.array([[6]])
-    single = ref.swap_in(tk[:, 0], req, lens[:, 0], host_locs=host_locs,
-                         slot_tokens=slot_tokens.copy(), slot_locs=slot_locs,
-                         lru=np.tile(np.arange(Hs, dtype=np.int16), (Rs, 1)), hot_size=Hs,
-                         n_host_rows=Rs * ML)
-    multi = ref.multistep_swap_in(
-        tk, req, lens, host_locs=host_locs, slot_tokens=slot_tokens.copy(),
-        slot_locs=slot_locs, scratch_locs=np.full((Rs, 4), -1, np.int32),
-        ref=np.zeros((Rs, Hs), np.uint32), clock=np.tile(np.uint32([1, 0]), (Rs, 1)),
-        hot_size=Hs, n_host_rows=Rs * ML)
-    direct = ref.resident_swap(tk, req, lens, resident=np.ones(Rs, bool),
-                               page_table=slot_locs[:, :Hs], page_tokens=1, hot_size=Hs,
-                               max_len=ML, host_locs=host_locs)
+    single = ref.swap_in(tk[:, 0], req, lens[:, 0], **state(), hot_size=Hs,
+                         lru=np.tile(np.arange(Hs, dtype=np.int16), (Rs, 1)))
+    multi = _multistep(tk, req, lens, state(), hot_size=Hs)
+    direct = _positional_direct(tk, req, lens, state(), hot_size=Hs, max_len=ML)
+    slot_locs = state()["slot_locs"]
     want = [slot_locs[Rs - 1, 0], slot_locs[Rs - 1, 3], -1, -1]
     for got in (single.device_locs[0], multi.device_locs[0, 0], direct.device_locs[0, 0]):
         assert got.tolist() == want
