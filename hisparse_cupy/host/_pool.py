@@ -569,9 +569,10 @@ class HostKVPool:
             self._host = None
             self._mem = None
             try:
-                got = fin.detach() if fin is not None else None
+                got = fin.detach() if fin is not None else None  # (obj, func, args, kwargs)
                 if got is not None:
-                    got[2][0]()  # the release (its finalizer's one argument)
+                    _, _, (release,), _ = got
+                    release()
             finally:
                 self.timings["teardown_s"] = time.perf_counter() - t0
             _release_collected(quiet=True)
