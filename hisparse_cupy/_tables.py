@@ -17,6 +17,8 @@ host pool's map (:class:`~hisparse_cupy._cache_rows.CacheRows`).
 
 from __future__ import annotations
 
+import functools
+
 import cupy
 import numpy as np
 
@@ -35,6 +37,16 @@ def rows_needed(*, max_requests: int, hot_size: int = 4096, top_k: int = 2048,
         C = MultiStepConfig(max_requests, hot_size, extra_page, top_k, max_steps=max_steps,
                             scratch=scratch).scratch
     return max_requests * (hot_size + extra_page + C)
+
+
+@functools.cache
+def _drop_tokens() -> cupy.ElementwiseKernel:
+    """One launch over a request slot's ``[L, H]`` hot slots (a strided view, read and written
+    in place): a slot ``p`` holding a token in ``[start, stop)`` other than ``p`` is emptied
+    (:meth:`LayerTables.drop_tokens`; the CuPy expression it replaces took nine launches)."""
+    return cupy.ElementwiseKernel(
+        "int32 start, int32 stop, int32 H", "int32 t",
+        "if (t >= start && t < stop && t != (int)(i % H)) t = -1;", "hs_drop_tokens")
 
 
 class LayerTables:
@@ -129,9 +141,7 @@ class LayerTables:
         new KV, as it writes every token a request below H holds), and the extra page (slot
         H: the newest token, which the model writes in place each step)."""
         with stream:
-            t = self.slot_tokens[:, rid, : self.hot_size]
-            own = t == cupy.arange(self.hot_size, dtype=t.dtype)
-            t[...] = cupy.where((t >= start) & (t < stop) & ~own, -1, t)
+            _drop_tokens()(start, stop, self.hot_size, self.slot_tokens[:, rid, : self.hot_size])
 
     def reset(self, rid: int, stream) -> None:
         """Request slot ``rid``'s tables back to empty on ``stream`` (token -> slot entries,
