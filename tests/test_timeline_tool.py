@@ -105,3 +105,14 @@ def test_the_demo_kernels_are_recognised_by_their_templated_names():
                kind="bookkeeping", side=False)]
     assert tl.split_steps(st) == [st]
     assert tl.layer_split(st, (True,))["comp"].tolist() == [1.0]
+
+
+@pytest.mark.parametrize("flags", [["--warmup", "3"], ["--steps=8"]])
+def test_warmup_and_steps_among_the_demo_flags_are_refused(flags, capsys):
+    """``-- --warmup 3`` once overrode the tool's warm-up and profiled steps 4-6, while the hot
+    buffers were still filling: refused by name before anything is loaded."""
+    with pytest.raises(SystemExit) as e:
+        tl.main(["--batch", "8", "--", "--context", "131072", *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert flags[0].split("=")[0] in err and "before --" in err

@@ -130,6 +130,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("demo", nargs="*", help="demo flags (after --)")
     ns = ap.parse_args(argv)
+    own = [f for f in ns.demo if f.split("=")[0] in ("--warmup", "--steps")]
+    if own:  # the demo's parser would take the last one, and the tool would profile other steps
+        ap.error(f"{own[0].split('=')[0]} is the tool's own: give it before --, not among the "
+                 f"demo flags (the profiled steps come after --warmup steps from admission, "
+                 f"while the hot buffers fill)")
 
     import cupy
     import torch  # noqa: F401  (its profiler records CuPy's kernels too: CUPTI is per process)
