@@ -17,7 +17,9 @@ cuBLAS's included, with its start and end on the device) and splits each step by
 Printed per mode, averaged over the profiled steps after the first: the step, the windows of
 the full and of the shared layers, the compute, the side kernels' busy time (replays,
 prediction's stager and copies: kernels the step's path does not wait for in order), and the
-swap kernels' own durations. gpu-only is the reference each mode is compared with.
+swap kernels' own durations, and the swapped full layers' misses a step (how far the hot
+buffers have filled since admission: a timeline of the first steps measures a fill, not the
+steady state). gpu-only is the reference each mode is compared with.
 
     python tools/timeline_step.py --batch 1 [--modes gpu-only overlap predict] [--steps 4]
         [--warmup 20] [demo flags after --, e.g. -- --group-replay-batch 0] [--json out.json]
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
         for mode in ns.modes:
             rig.run(mode, "graph", None)  # kernels loaded, pools touched
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                rig.run(mode, "graph", None)
+                run = rig.run(mode, "graph", None)
             with tempfile.TemporaryDirectory() as tmp:  # nothing left behind in /tmp
                 path = os.path.join(tmp, "trace.json")
                 prof.export_chrome_trace(path)
@@ -184,6 +186,10 @@ def main(argv=None) -> int:
                 per_layer_compute_us=np.mean([x["comp"] for x in rows], axis=0).round(2)
                 .tolist(),
                 streams=sorted({str(k["stream"]) for st in steps for k in st}),
+                # the swapped full layers' misses a step, over the timed steps: how far the hot
+                # buffers have filled since admission (0 for gpu-only)
+                full_misses_per_step=float(np.mean(run.misses)) if len(run.misses) else 0.0,
+                swapped_full_layers=int(np.asarray(rig.full[rig.R:], bool).sum()),
                 last_step=last)
             results[mode] = r
             print(f"{mode:9s} step {r['step_us']:9.1f} us | windows: full "
@@ -192,6 +198,8 @@ def main(argv=None) -> int:
                   f"busy {r['side_busy_us']:8.1f} (in the indexer {r['side_in_indexer_us']:.1f}) "
                   f"| indexer {r['indexer_us']:.1f} | " + ", ".join(
                       f"{n} {v:.1f}" for n, v in r["library_us"].items() if v) +
+                  f" | full-layer misses {r['full_misses_per_step']:.0f} a step "
+                  f"({r['full_misses_per_step'] / max(1, r['swapped_full_layers']):.0f} a layer)"
                   f" | {r['steps']} steps, streams {r['streams']}", flush=True)
     finally:
         rig.close()
