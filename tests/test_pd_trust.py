@@ -716,3 +716,39 @@ def test_hostile_traffic_mixed_with_real_requests_at_random(rng):
         tx.close()
         puller.close()
         rx.close()
+
+
+def test_a_copy_ticket_naming_another_shared_pool_is_refused():
+    """The same-node path writes the pool the ticket *names* (attached by name and identity)
+    at the rows its descriptors give: a ticket whose ``shm`` names another pool of the same
+    shape on the node, with this pool's base and descriptors kept, would land the copies in that
+    other pool's rows while this receiver counted an arrival nobody wrote. Its begin carries
+    the digest the sender computes from the ticket it holds: refused as altered, nothing
+    granted, the pages untouched."""
+    import types
+
+    from hisparse_cupy.host import _shm as host_shm
+
+    pages = CountingPages(16, P)
+    pool = np.full((L, 16 * P, RB), POISON, np.uint8)
+    rx = KVReceiver(types.SimpleNamespace(numpy=pool, name="kv-a", identity=(
+        host_shm.node_id(), 1, 2)), pages)
+    raw = raw_agent()
+    conn = _nixl.metadata(raw, keys=False)
+    try:
+        for field, value in (("name", "kv-b"), ("identity", [host_shm.node_id(), 3, 4]),
+                             ("bytes", pool.nbytes + P * RB)):
+            t = rx.reserve(field, 20)
+            raw.add_remote_agent(base64.b64decode(t["metadata"]))
+            other = _protocol.check_ticket({**t, "shm": {**t["shm"], field: value}})
+            say(raw, rx, "begin", xfer_id=t["xfer_id"], token=t["token"], tag=f"{field}/0",
+                how="copy", verify=False, metadata=conn,
+                digest=_protocol.ticket_digest(other))
+            kind, f = _heard(raw, rx)
+            assert kind == "fail" and "altered" in f["why"], (field, kind, f)
+            assert [r for r, _ in failures(rx)] == [field]
+            assert (pool[:, ticket_rows(t, pool)] == POISON).all()
+        assert not rx.in_progress and pages.free_pages == 16 and not rx.quarantined
+        pages.check()
+    finally:
+        rx.close()

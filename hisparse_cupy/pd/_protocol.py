@@ -127,6 +127,12 @@ def digest(n_layers: int, n_tokens: int, row_bytes: int, descs: np.ndarray, base
     return h.hexdigest()
 
 
+def ticket_digest(t: dict) -> str:
+    """The :func:`digest` a sender computes from ticket ``t`` (checked: :func:`check_ticket`)."""
+    return digest(t["n_layers"], t["n_tokens"], t["row_bytes"], t["descs"],
+                  t["shm"]["base"] if "shm" in t else 0)
+
+
 def check_ticket(t) -> dict:
     """The ticket checked (its version, its fields' types, its descriptors against its runs, a
     shared pool holding every descriptor): a copy with ``runs`` and ``descs`` as arrays."""

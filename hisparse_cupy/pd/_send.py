@@ -115,7 +115,7 @@ class KVSender:
             raise ValueError("ticket's receiver takes pulls only (KVReceiver(push=True) takes "
                              "WRITEs): send it with KVSender(pull=None or True)")
         name = self._connect(t)
-        t["digest"] = _protocol.digest(L, n, rb, t["descs"], t["shm"]["base"] if "shm" in t else 0)
+        t["digest"] = _protocol.ticket_digest(t)
         t["tag"] = f"{t['xfer_id']}/{next(self._attempt)}"  # a resend's words told apart
         if any(w.rsplit("/", 1)[0] == t["xfer_id"] for w in self._words):
             raise ValueError(f"ticket {t['xfer_id']} is being sent already")
