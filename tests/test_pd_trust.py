@@ -343,38 +343,38 @@ def test_the_same_node_paths_copies_are_granted_like_writes():
     raw = raw_agent()
     conn = _nixl.metadata(raw, keys=False)
 
-    def begin(t, base, tag, to=rx):
+    def begin(t, shm, tag, to=rx):
         say(raw, to, "begin", xfer_id=t["xfer_id"], token=t["token"], tag=tag, how="copy",
             verify=False, metadata=conn,
-            digest=_protocol.digest(L, t["n_tokens"], RB, np.asarray(t["descs"], np.uint64), base))
+            digest=_protocol.digest(L, t["n_tokens"], RB, np.asarray(t["descs"], np.uint64), shm))
 
     try:
         ta = rx.reserve("a", 40)
-        base = ta["shm"]["base"]
+        shm = ta["shm"]
         raw.add_remote_agent(base64.b64decode(ta["metadata"]))
-        begin(ta, base, "a/0")
+        begin(ta, shm, "a/0")
         assert _heard(raw, rx) == ("grant", {"tag": "a/0"})
         kv = make_kv(40, L, 40, RB)
         pool[:, ticket_rows(ta, pool)] = kv  # the sender's copies
         say(raw, rx, "done", xfer_id=ta["xfer_id"], token=ta["token"], tag="a/0",
-            digest=_protocol.digest(L, 40, RB, np.asarray(ta["descs"], np.uint64), base))
+            digest=_protocol.digest(L, 40, RB, np.asarray(ta["descs"], np.uint64), shm))
         assert _heard(raw, rx) == ("ok", {"tag": "a/0"})
         (a,) = arrivals(rx, 1)
         tb = rx.reserve("b", 20)
         rx.cancel("b")
         tc = rx.reserve("c", 20)  # b's pages, at once
         assert sorted(ticket_rows(tc, pool)) == sorted(ticket_rows(tb, pool))
-        begin(tb, base, "b/0")
+        begin(tb, shm, "b/0")
         kind, f = _heard(raw, rx)
         assert kind == "fail" and "ended (cancelled)" in f["why"]
-        begin(tc, base + RB, "c/0")  # a digest over another base: an altered shm
+        begin(tc, {**shm, "base": shm["base"] + RB}, "c/0")  # an altered shm's digest
         kind, f = _heard(raw, rx)
         failed = failures(rx)
         assert [r for r, _ in failed] == ["c"] and "altered" in failed[0][1]
         assert kind == "fail" and "altered" in f["why"]
         tp = plain.reserve("p", 10)  # a receiver without a shared pool takes no copies
         raw.add_remote_agent(base64.b64decode(tp["metadata"]))
-        begin(tp, 0, "p/0", to=plain)
+        begin(tp, None, "p/0", to=plain)
         failed = failures(plain)
         assert [r for r, _ in failed] == ["p"] and "no 'copy' writes" in failed[0][1]
         assert (pool[:, ticket_rows(tc, pool)] == POISON).all()
@@ -495,7 +495,7 @@ def test_a_bare_or_forged_notification_completes_nothing(push):
         assert len(set(ids + toks)) == len(ids) + 2 and not any(
             a[:8] == b[:8] for a in ids for b in ids if a != b)  # no shared prefix
         raw.add_remote_agent(base64.b64decode(ta["metadata"]))
-        digest = _protocol.digest(L, 20, RB, np.asarray(ta["descs"], np.uint64), 0)
+        digest = _protocol.digest(L, 20, RB, np.asarray(ta["descs"], np.uint64), None)
         said = [("done", ta["xfer_id"], ta["token"], {"digest": digest}),  # bare
                 ("done", tb["xfer_id"], ta["token"], {}),  # another's id, this token
                 ("withdraw", tb["xfer_id"], ta["token"], {}),

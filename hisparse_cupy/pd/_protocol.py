@@ -32,8 +32,9 @@ or ``token`` is None to :func:`parse` (counted and ignored); a token is compared
 :func:`same_secret`; a peer's text goes into a reason through :func:`text`.
 
 **The digest** (:func:`digest`): SHA-256 of what a ticket lets land (its sizes, its
-destination descriptors, the shared pool's base). The receiver keeps its own; a write's
-``begin`` and ``done`` carry the sender's, so a ticket altered in transit is refused.
+destination descriptors, and the shared pool's name, identity, base and size: the same-node
+path writes the pool the ticket names). The receiver keeps its own; a write's ``begin`` and
+``done`` carry the sender's, so a ticket altered in transit is refused.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import numpy as np
 
 from .._checks import integer
 
-TICKET_VERSION = 2
+TICKET_VERSION = 3  # 3: the digest covers the shared pool's name
 TO_RECEIVER = ("offer", "withdraw", "begin", "done", "abort")
 TO_SENDER = ("grant", "ok", "fail")
 MAX_MESSAGE = 1 << 26  # longer notifications are not parsed (an offer of 1M descriptors fits)
@@ -119,18 +120,24 @@ def text(v, n: int) -> str:
     return f"a {type(v).__name__}"
 
 
-def digest(n_layers: int, n_tokens: int, row_bytes: int, descs: np.ndarray, base: int) -> str:
+def digest(n_layers: int, n_tokens: int, row_bytes: int, descs: np.ndarray,
+           shm: dict | None) -> str:
     """SHA-256 (hex) of what a ticket lets land: its sizes, its destination descriptors
-    ``[addr, bytes]`` and the shared pool's base address (0: none)."""
-    h = hashlib.sha256(f"{n_layers},{n_tokens},{row_bytes},{base};".encode())
+    ``[addr, bytes]`` and the shared pool that holds them (None: none), all of what names it:
+    ``name`` and ``identity`` (what the same-node path attaches) and ``base`` and ``bytes``
+    (where the descriptors point in it)."""
+    pool = None if shm is None else [str(shm["name"]), [str(shm["identity"][0]),
+                                                        *map(int, shm["identity"][1:])],
+                                     int(shm["base"]), int(shm["bytes"])]
+    h = hashlib.sha256(f"{n_layers},{n_tokens},{row_bytes};".encode())
+    h.update(json.dumps(pool, separators=(",", ":")).encode("utf-8", "surrogatepass") + b";")
     h.update(np.ascontiguousarray(descs[:, :2], dtype="<u8").tobytes())
     return h.hexdigest()
 
 
 def ticket_digest(t: dict) -> str:
     """The :func:`digest` a sender computes from ticket ``t`` (checked: :func:`check_ticket`)."""
-    return digest(t["n_layers"], t["n_tokens"], t["row_bytes"], t["descs"],
-                  t["shm"]["base"] if "shm" in t else 0)
+    return digest(t["n_layers"], t["n_tokens"], t["row_bytes"], t["descs"], t.get("shm"))
 
 
 def check_ticket(t) -> dict:

@@ -136,12 +136,12 @@ class KVReceiver(Quarantine):
         addr = layer + pg[first] * (P * rb)
         descs = np.stack([addr, np.broadcast_to(cnt * rb, addr.shape)], -1).reshape(-1, 2)
         descs = descs.astype(np.uint64)
-        base = self._shm["base"] if self._shm else 0
         now = self._clock()
         r = Reservation(req_id=req_id, xfer_id=secrets.token_hex(16),
                         token=secrets.token_hex(16), pages=pages, n_tokens=n, t0=now,
                         deadline=now + t, descs=descs, rows=pg[first] * P, counts=cnt,
-                        digest=_protocol.digest(self.n_layers, n, rb, descs, base), verify=verify)
+                        digest=_protocol.digest(self.n_layers, n, rb, descs, self._shm),
+                        verify=verify)
         self._live[req_id] = self._by_xfer[r.xfer_id] = r
         return _protocol.new_ticket(
             agent=self.name, instance=self.instance, metadata=self._md, xfer_id=r.xfer_id,
