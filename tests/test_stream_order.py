@@ -1,0 +1,73 @@
+"""Rule 1 of ``hisparse_cupy._order`` (calls in the order the host makes them), with stand-in
+streams and events: no GPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from hisparse_cupy import _order
+
+
+class Event:
+    def __init__(self, **_):
+        self.on = None
+
+    def record(self, stream):
+        assert not stream.capturing, "an event recorded on a capturing stream joins its graph"
+        self.on = stream.name
+
+
+class Stream:
+    def __init__(self, name, ptr):
+        self.name, self.ptr, self.capturing, self.waited = name, ptr, False, []
+
+    def is_capturing(self):
+        return self.capturing
+
+    def wait_event(self, ev):
+        assert not self.capturing, "a capture may not wait for work outside it"
+        self.waited.append(ev.on)
+
+
+@pytest.fixture
+def order(monkeypatch):
+    monkeypatch.setattr(_order, "cupy", SimpleNamespace(cuda=SimpleNamespace(Event=Event)))
+    return _order.StreamOrder()
+
+
+def test_a_change_of_stream_waits_for_the_previous_calls_stream(order):
+    a, b = Stream("A", 1), Stream("B", 2)
+    order.enter(a)
+    order.enter(a)
+    assert a.waited == []  # one stream throughout: no event
+    order.enter(b)
+    order.enter(a)
+    assert b.waited == ["A"] and a.waited == ["B"]
+
+
+def test_a_call_inside_a_capture_leaves_the_order_to_the_eager_calls(order):
+    """An eager step on B, an admission on A, a step captured on B (no wait: a capture may
+    not depend on outside work), then ``cache.order(B)`` before the replay: B waits for A.
+    Were the capture counted as the last call, the replay would not follow the admission."""
+    a, b = Stream("A", 1), Stream("B", 2)
+    order.enter(b)  # the warm-up step
+    order.enter(a)  # admit(..., stream=A)
+    b.capturing = True
+    order.enter(b)  # begin_step and the swaps, captured
+    order.enter(b)
+    b.capturing = False
+    order.enter(b)  # cache.order(B) before graph.replay(B)
+    assert b.waited == ["A"]
+
+
+def test_a_call_while_the_previous_stream_captures_records_nothing_there(order):
+    a, b = Stream("A", 1), Stream("B", 2)
+    order.enter(b)
+    b.capturing = True  # the engine captures on B with no cache call in it yet
+    order.enter(a)  # a call on A meanwhile: nothing is recorded on B
+    assert a.waited == []
+    b.capturing = False
+    order.enter(b)
+    assert b.waited == ["A"]
