@@ -9,10 +9,11 @@ Three rules, each kept here once:
    on the previous call's stream. Every call's device work therefore follows the work of every
    earlier call (of the tables, flags and rows it reads), on whatever stream either was queued.
    One stream throughout costs nothing (no event); a change of stream costs one event. A
-   stream that is capturing a CUDA graph neither waits nor is recorded (a capture may not
-   depend on work outside it): the engine begins a capture after an eager call on the same
-   stream (a warm-up step), and a replay runs after a cache call on its stream (``grow``,
-   ``residency.switch_promoted``, or :meth:`~hisparse_cupy.HotBufferCache.order`).
+   stream that is capturing a CUDA graph neither waits nor is recorded, nor counts as the last
+   call (a capture may not depend on work outside it): the engine begins a capture after an
+   eager call on the same stream (a warm-up step), and a replay runs after a cache call on its
+   stream (``grow``, ``residency.switch_promoted``, or
+   :meth:`~hisparse_cupy.HotBufferCache.order`), which waits for the last eager call's work.
 2. **A page carries the fence of the last work that touches it**
    (:class:`~hisparse_cupy.host.HostPages`'s ``fence=`` and ``wait=``): a path that gives
    pages back (a release, a demotion, a cancelled promotion, a switch) attaches an event
@@ -46,12 +47,13 @@ class StreamOrder:
     def enter(self, stream) -> None:
         """Rule 1: ``stream`` (a CuPy stream object) follows every earlier call's work. Also
         drops the arrays held (rule 3) whose reads have run."""
-        last, self._last = self._last, stream
-        if last is not None and last.ptr != stream.ptr and not stream.is_capturing() \
-                and not last.is_capturing():
-            ev = cupy.cuda.Event(disable_timing=True)
-            ev.record(last)
-            stream.wait_event(ev)
+        if not stream.is_capturing():  # a capture neither waits nor counts as the last call:
+            # the next eager call (a replay's order()) follows the last eager call's work
+            last, self._last = self._last, stream
+            if last is not None and last.ptr != stream.ptr and not last.is_capturing():
+                ev = cupy.cuda.Event(disable_timing=True)
+                ev.record(last)
+                stream.wait_event(ev)
         if self._held:
             self._held = [(e, objs) for e, objs in self._held if not e.done]
 
