@@ -35,8 +35,9 @@ def _send(states, *, release_fails: int = 0, words=("grant",)):
     return _pending.PendingSend(link, t, "write", 0.0, 1e9, handle="H", pin="K"), calls
 
 
-def _drive(p, rounds=5):
-    p.start()
+def _drive(p, rounds=5, *, start=True):
+    if start:
+        p.start()
     for _ in range(rounds):
         p.advance()
 
@@ -58,7 +59,7 @@ def test_a_write_nixl_will_not_let_go_is_never_aborted():
     p, calls = _send(["PROC", "ERR"], release_fails=3)
     _drive(p, rounds=2)
     assert p.ended and ("say", "abort") not in calls and ("unpin", "K") not in calls
-    _drive(p, rounds=5)
+    _drive(p, rounds=5, start=False)
     assert calls[-2:] == [("release", "H"), ("unpin", "K")]
     assert ("say", "abort") not in calls  # the receiver's quarantine decides, not the sender
 

@@ -71,7 +71,7 @@ class PendingSend:
         if self._copy is not None:
             try:
                 self._event = self._copy()
-            except Exception as e:  # (nothing queued: the copies raise before they start)
+            except Exception as e:  # (what was queued has run: the copier waits for it)
                 self._abort(RuntimeError(f"the copies of {self.xfer_id} did not start ({e!r})"))
             return
         try:
@@ -84,11 +84,27 @@ class PendingSend:
                                      f"({st})"))
 
     def _abort(self, error: Exception) -> None:
-        """The write can no longer write: tell the receiver (its pages may go back), fail."""
-        with contextlib.suppress(Exception):
-            self._say("abort", why=str(error)[:200])
+        """The write failed: fail, and tell the receiver (its pages may go back) once it can
+        write no more, i.e. for a WRITE once NIXL released its handle; a handle NIXL keeps (it
+        may still be writing) is tried again when the send lets go, and the receiver is not
+        told: it quarantines the granted pages at its deadline."""
+        if self._copy is not None or self._release_handle():
+            with contextlib.suppress(Exception):
+                self._say("abort", why=str(error)[:200])
         self._phase = "told"
         self.fail(error)
+
+    def _release_handle(self) -> bool:
+        """Release the WRITE's NIXL handle, if any (NIXL stops what it can of the transfer, or
+        refuses): True once none is held."""
+        if self._handle is None:
+            return True
+        try:
+            self._link.agent.release_xfer_handle(self._handle)
+        except Exception:
+            return False
+        self._handle = None
+        return True
 
     def _writing(self) -> str:
         """``"PROC"`` while the granted WRITE or copies may still write, ``"DONE"``, or
@@ -229,16 +245,15 @@ class PendingSend:
             self._phase = "told"
         if self._phase == "writing":
             st = self._writing()
-            if st == "PROC":
+            if st == "PROC" or not self._release_handle():  # may still write: kept
                 return False
             if st != "DONE" or self._copy is not None:  # (a WRITE's done went with it)
                 with contextlib.suppress(Exception):
                     self._say("abort", why=f"the sender gave up ({st})")
             self._phase = "told"
-        handle, self._handle, self._keep = self._handle, None, None
-        if handle is not None:
-            with contextlib.suppress(Exception):
-                self._link.agent.release_xfer_handle(handle)
+        if not self._release_handle():  # NIXL kept the handle: so are kv and its registration
+            return False
+        self._keep = None
         self._link.unpin(self.pin_key)
         self._released = True
         return True

@@ -295,7 +295,11 @@ class KVSender:
                     self._streams[dev] = cupy.cuda.Stream(non_blocking=True)
                 s = self._streams[dev]
                 s.wait_event(ready)
-                store_rows(pool, rows, cupy.asarray(kv), s)
+                try:
+                    store_rows(pool, rows, cupy.asarray(kv), s)
+                except BaseException:  # one copy per run: runs queued before the failure land
+                    s.synchronize()  # before the abort gives the receiver its pages back
+                    raise
                 return s.record()
 
         return copy
