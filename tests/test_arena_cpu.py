@@ -92,6 +92,12 @@ def arena(monkeypatch):
     return a
 
 
+def _page_rows(a, rid):
+    """Device rows of every page ``rid`` holds, in token order."""
+    pg = np.asarray(a.budget.pages(rid), np.int64)
+    return (pg[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
+
+
 def _resident(a, rid, n, pages_for, rng):
     """``rid`` admitted resident with ``n`` tokens written and pages for ``pages_for``
     (grown ahead): its page rows hold token ids ``1000 * rid + t``."""
@@ -152,3 +158,83 @@ def test_a_promotion_fills_the_written_tokens_and_the_switch_the_later_ones(aren
     want = np.where(host_locs[2, :36] >= 0, host_locs[2, :36], -9)
     assert (a.dev[rows] == want).all()
     assert (a.page_table[2, : len(a.budget._pages.pages(2))] >= 0).all()
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_a_write_past_the_budgets_tokens_is_refused_before_anything_changes(arena, resident):
+    """Under a device budget ``write_host`` reaches tokens the budget counts (the engine grows
+    a request first, as a paged pool requires): past them a resident request's pages have no
+    rows for the new tokens (its load would fail after the host store ran), and a sparse
+    request's promotion would fill its pages only up to the count, leaving tokens written
+    past it stale in its last page. Refused by name, with the count."""
+    from hisparse_cupy.residency._residency import _Budgeted
+
+    res = _Budgeted(arena)
+    arena.admit(1, 20, resident, Stream())
+    res.check_write(1, 0, 20)  # within: nothing said
+    with pytest.raises(ValueError, match=r"tokens 20\.\.22 of request slot 1: the device "
+                                         r"budget counts 20 \(grow\(\) it first\)"):
+        res.check_write(1, 20, 22)
+    arena.budget.grow(1, 22)
+    res.check_write(1, 20, 22)
+    from hisparse_cupy.residency._residency import Residency
+
+    Residency(R).check_write(1, 20, 99)  # without a budget: nothing to check
+
+
+def test_a_promotion_of_a_request_run_past_its_grow_loads_every_token_its_pages_hold(arena):
+    """An engine that ran two steps without ``grow`` (the slot layout needs none for its host
+    rows): the budget counts 10 tokens, the device has 12 written, both backed up to the host.
+    The promotion takes pages for 10 (tokens 0..11: page 2 is 8..11) and its fill loads 10;
+    the switch loads 10 and 11 too, where they lie in page 2, instead of leaving the rows the
+    page held before (another request's) to be served."""
+    a, t = arena, Tables()
+    assert a.admit(1, 10, False, contextlib.nullcontext()) is not None
+    host_locs = np.full((R, MAXLEN), -1, np.int64)
+    host_locs[1, :12] = 1000 + np.arange(12)
+    a.written[1] = 12
+    a._side = Stream()
+    a.promote(1, None, lambda rid, lo, hi: host_locs[rid, lo:hi].clip(0), None, Stream())
+    assert a.switch(host_locs, None, None, t, Stream()) == [1]
+    rows = _page_rows(a, 1)
+    assert rows.size == 12
+    assert (a.dev[rows] == 1000 + np.arange(12)).all()
+
+
+def test_a_resident_grow_loads_the_host_rows_its_new_pages_tokens_already_have(arena, rng):
+    """A resident request grown late (its steps past the last page backed their tokens up to
+    the host only: no page to write in): the new pages get those rows at the grow, and a grow
+    before the tokens are written (the engine's usual order) loads nothing."""
+    a = arena
+    rows = _resident(a, 0, 8, 8, rng)  # pages 0..7
+    host_locs = np.full((R, MAXLEN), -1, np.int64)
+    host_locs[0, 8:10] = 500 + np.arange(2)  # tokens 8, 9: backed up, no page held them
+    a.grow(0, 12, Stream(), host_locs=host_locs, pool=None, device=None)
+    new = _page_rows(a, 0)[8:12]
+    assert (a.dev[new[:2]] == 500 + np.arange(2)).all() and (a.dev[new[2:]] == -9).all()
+    a.grow(0, 16, Stream(), host_locs=host_locs, pool=None, device=None)  # nothing written
+    assert (a.dev[_page_rows(a, 0)[12:16]] == -9).all()
+    assert (a.dev[rows] == np.arange(8)).all()  # the pages it had: untouched
+
+
+def test_a_rewrite_while_promoting_reaches_the_pages_at_the_switch(arena):
+    """``write_host`` of a token below the fill's count while the request promotes (the fill,
+    on a side stream, may have read its old host row): the switch loads it again, as a
+    resident request's pages (``on_write``) or a sparse one's hot slots (dropped) would serve
+    the new bytes."""
+    from hisparse_cupy.residency._residency import _Budgeted
+
+    a, t = arena, Tables()
+    res = _Budgeted(a)
+    assert a.admit(1, 10, False, contextlib.nullcontext()) is not None
+    host_locs = np.full((R, MAXLEN), -1, np.int64)
+    host_locs[1, :10] = 1000 + np.arange(10)
+    a.written[1] = 10
+    a._side = Stream()
+    a.promote(1, None, lambda rid, lo, hi: host_locs[rid, lo:hi].clip(0), None, Stream())
+    a.host[host_locs[1, 3]] = 77777  # write_host(1, 3, new kv): the host row rewritten
+    res.on_write(1, 3, host_locs[1, 3:4], Stream())
+    assert a.switch(host_locs, None, None, t, Stream()) == [1]
+    rows = _page_rows(a, 1)
+    assert a.dev[rows[3]] == 77777
+    assert (a.dev[rows[:10]] == a.host[host_locs[1, :10]]).all()
