@@ -388,10 +388,11 @@ class HotBufferCache:
         stream : any stream kind (default: CuPy's current stream); as :meth:`admit`'s (a GPU
             ``kv`` may be dropped when the call returns).
 
-        Tokens below ``pages.own_from(rid)`` lie in shared pages and are refused; paged, the
-        tokens must have pages (:meth:`grow`). Rewriting a token's KV (an MTP draft the verify
-        step rejected, its position given a new token) is what this call is for: the hot slots
-        that held those tokens are emptied in every layer, so the next swap loads the new rows.
+        Tokens below ``pages.own_from(rid)`` lie in shared pages and are refused; paged, or
+        under a device budget, the tokens must have been grown to (:meth:`grow`). Rewriting a
+        token's KV (an MTP draft the verify step rejected, its position given a new token) is
+        what this call is for: the hot slots that held those tokens are emptied in every layer,
+        so the next swap loads the new rows.
         Slot p holding token p (below H) keeps it: the positional layout reads token p in slot
         p's row, so write the new KV there too, as for any token a request below H holds.
         """
@@ -409,6 +410,7 @@ class HotBufferCache:
         if self.host.paged and start + n > self.pages.tokens(rid):
             raise ValueError(f"tokens {start}..{start + n}: request slot {rid} has pages for "
                              f"{self.pages.tokens(rid)} tokens (grow() it first)")
+        self.residency.check_write(rid, start, start + n)
         if n == 0:
             return
         rows = self.host.rows(rid, start, start + n)

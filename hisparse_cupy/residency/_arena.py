@@ -35,7 +35,9 @@ class DeviceArena:
         self.page_table = cupy.full((max_requests, -(-max_len // P)), -1, cupy.int32)
         self.written = cupy.zeros(max_requests, cupy.int32)
         # rid -> (the fill's end, the tokens it copies: int32 [1] on the device)
-        self.promoting: dict[int, tuple[cupy.cuda.Event, cupy.ndarray]] = {}
+        # rid -> (the fill's event, the device count it read, the first token the switch
+        # reloads at the latest: the tokens the fill had pages for, or a rewrite's first)
+        self.promoting: dict[int, tuple[cupy.cuda.Event, cupy.ndarray, int]] = {}
         self._side: cupy.cuda.Stream | None = None  # the fills' stream
 
     @property
@@ -84,16 +86,45 @@ class DeviceArena:
         if n > self.budget.tokens(rid):
             self.budget.check_grow(rid, n)
 
-    def grow(self, rid: int, n: int, stream) -> None:
+    def grow(self, rid: int, n: int, stream, *, host_locs=None, pool=None, device=None) -> None:
         """Pages for a resident (or promoting) request's tokens up to ``n``, nothing where it
         has them (``stream`` waits for the new pages' fences); a resident request's table
-        entries written on ``stream`` (a promoting one's whole row is written at its
-        switch)."""
-        if n > self.budget.tokens(rid) and \
-                self.budget.grow(rid, n, wait=StreamOrder.waiter(stream)) and \
-                self.is_resident(rid):
+        entries written on ``stream`` (a promoting one's whole row is written at its switch),
+        and, given ``host_locs`` (with ``pool`` and ``device``), the host rows that exist for
+        the new pages' tokens loaded into them there (none where the engine grows before each
+        step; a step run before its grow backed its token up to the host only)."""
+        if n <= self.budget.tokens(rid):
+            return
+        had = len(self.budget.pages(rid)) * self.budget.page_tokens if self.is_resident(rid) \
+            else 0
+        if self.budget.grow(rid, n, wait=StreamOrder.waiter(stream)) and self.is_resident(rid):
             with stream:
                 self._write_pages(rid)
+            if host_locs is not None:
+                self._load_written(rid, had, host_locs, pool, device, stream, 0)
+
+    def _load_written(self, rid: int, first: int, host_locs, pool, device, stream, lo) -> None:
+        """On ``stream``: the host rows that exist (``host_locs`` set) of ``rid``'s tokens from
+        ``first`` to the end of its pages, those at or past ``lo`` (an int or a device count),
+        loaded into its pages (their rows read from its page table row, written before: no
+        host -> device copy)."""
+        P = self.budget.page_tokens
+        end = min(len(self.budget.pages(rid)) * P, host_locs.shape[1])
+        if end <= first:
+            return
+        with stream:
+            t = cupy.arange(first, end, dtype=cupy.int64)
+            dst = (self.page_table[rid, t // P].astype(cupy.int64) * P + t % P).astype(
+                cupy.int32)
+            hl = host_locs[rid, first:end]
+            src = cupy.where((t >= lo) & (hl >= 0), hl, -1)
+        load_rows(pool, src, device, dst, stream)
+
+    def rewrote(self, rid: int, start: int) -> None:
+        """A promoting request's tokens from ``start`` were rewritten on the host (the fill
+        may have read their old rows): its switch reloads them."""
+        ev, n0, lo = self.promoting[rid]
+        self.promoting[rid] = (ev, n0, min(lo, start))
 
     def rows(self, rid: int, start: int, stop: int) -> np.ndarray:
         """Device rows of a resident request's tokens ``[start, stop)``."""
@@ -127,7 +158,7 @@ class DeviceArena:
         copy. A promotion in flight is cancelled instead: its pages go back carrying its
         fill's event (nothing waits for it)."""
         if rid in self.budget and self.budget.state(rid) == PROMOTING:
-            ev, _ = self.promoting.pop(rid)
+            ev, *_ = self.promoting.pop(rid)
             self.budget.cancel_promotion(rid, fence=ev)
             return
         if not self.is_resident(rid):
@@ -181,31 +212,29 @@ class DeviceArena:
         with side:
             dst = cupy.asarray(rows.astype(np.int32))
         load_rows(pool, host_rows(rid, 0, len(rows)), device, dst, stream=side, count=count)
-        self.promoting[rid] = (side.record(), count)
+        self.promoting[rid] = (side.record(), count, len(rows))
 
     def switch(self, host_locs, pool, device, tables, stream) -> list[int]:
         """At a step boundary, on ``stream`` (no wait): every promoting request whose fill has
-        landed gets the rows of the tokens written since the fill's count (their host rows,
-        which the backups keep current: ``host_locs`` entries set, past that count), then its
-        flag; its slot tables are emptied (no slot names a row of its block, which is its next
+        landed gets the rows of the tokens the fill did not load, to the end of its pages
+        (their host rows, which the backups keep current: ``host_locs`` entries set, from the
+        fill's count, or from the tokens it had pages for where fewer: a step run before its
+        grow, or from the first token rewritten meanwhile: :meth:`rewrote`), then its flag;
+        its slot tables are emptied (no slot names a row of its block, which is its next
         owner's: a ``mirror_layer`` reads every slot) and its block returns to the budget,
         carrying the event after all that. Returns those request slots."""
-        done = [r for r, (ev, _) in self.promoting.items() if ev.done]
+        done = [r for r, (ev, *_) in self.promoting.items() if ev.done]
         if not done:
             return done
         with StreamOrder.fence(stream) as fence:
             for r in done:
-                ev, n0 = self.promoting.pop(r)
+                ev, n0, reload = self.promoting.pop(r)
                 stream.wait_event(ev)
-                paged = self.budget.tokens(r)
-                with stream:
-                    t = cupy.arange(paged, dtype=cupy.int64)
-                    hl = host_locs[r, :paged]
-                    src = cupy.where((t >= n0.astype(cupy.int64)) & (hl >= 0), hl, -1)
-                    dst = cupy.asarray(self.budget.rows(r).astype(np.int32))
-                load_rows(pool, src, device, dst, stream)
                 with stream:  # the table written here only: a growth's entries are in it
                     self._write_pages(r)
+                    lo = cupy.minimum(n0.astype(cupy.int64), reload)
+                self._load_written(r, 0, host_locs, pool, device, stream, lo)
+                with stream:
                     self.resident[r] = 1
                 tables.place(r, None, stream)
                 tables.reset(r, stream)

@@ -246,6 +246,13 @@ class DeviceBudget:
             raise ValueError(f"rid {rid} is sparse: its tokens have no device pages")
         return self._pages.rows(rid, start, stop)
 
+    def pages(self, rid: int) -> list[int]:
+        """The device pages a resident or promoting request holds, in token order (none for a
+        sparse one). The last may have rows past the request's count: where a token written
+        before a grow counted it lies."""
+        rid = self._live(rid)
+        return [] if self._state[rid] == SPARSE else self._pages.pages(rid)
+
     def page_table(self, rid: int, width: int) -> np.ndarray:
         """int32 ``[width]``: a resident or promoting request's device pages, then -1 (the row
         of the device page table the kernels read)."""

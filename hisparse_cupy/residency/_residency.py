@@ -172,9 +172,13 @@ class Residency:
         """Pages for a resident request's tokens up to ``n`` (``check``: raise what growing
         would, taking nothing): nothing without a budget."""
 
+    def check_write(self, rid: int, start: int, stop: int) -> None:
+        """Raise ``ValueError`` where a write of tokens ``[start, stop)`` reaches past what the
+        budget counts for ``rid`` (before anything is written). Nothing without a budget."""
+
     def on_write(self, rid: int, start: int, rows: np.ndarray, stream) -> None:
         """Host rows ``rows`` of tokens ``start..`` just written: a resident request's pages
-        get them too. Nothing without a budget."""
+        get them too, a promoting one's at its switch. Nothing without a budget."""
 
     def on_release(self, rid: int, stream) -> None:
         """``rid``'s pages and block back to the budget (a no-op for a slot it never held)."""
@@ -296,10 +300,21 @@ class _Budgeted(Residency):
         if check:
             self._arena.check_grow(rid, n)
         else:
-            self._arena.grow(rid, n, stream)
+            self._arena.grow(rid, n, stream, host_locs=self._host.locs, pool=self._pool,
+                             device=self._device)
+
+    def check_write(self, rid: int, start: int, stop: int) -> None:
+        # A resident request's pages cover its counted tokens only, and a promotion fills up to
+        # the count: a token written past it would be served from a page nobody filled.
+        have = self.budget.tokens(rid)
+        if stop > have:
+            raise ValueError(f"tokens {start}..{stop} of request slot {rid}: the device budget "
+                             f"counts {have} (grow() it first)")
 
     def on_write(self, rid: int, start: int, rows: np.ndarray, stream) -> None:
-        if self._arena.is_resident(rid):
+        if rid in self._arena.promoting:  # its fill may have read the old rows
+            self._arena.rewrote(rid, start)
+        elif self._arena.is_resident(rid):
             from .._kernels.rows import load_rows
 
             load_rows(self._pool, rows, self._device,
