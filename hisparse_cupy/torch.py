@@ -156,6 +156,9 @@ class TorchCache:
                 _view(req), _view(seq_lens), None if num_real is None else _view(num_real),
                 stream=s, prefetcher=self.prefetcher)
             self._step = (key, st)
+        else:  # a cache call on another stream since (write_host, admit, a move) is followed,
+            # as begin_step would (rule 1; no event while the stream is the last call's)
+            self.cache.order(self._step[1].stream)
         return self._step[1]
 
     def forget_step(self) -> None:

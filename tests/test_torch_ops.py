@@ -243,3 +243,59 @@ def test_a_compiled_kv_write_and_backup_reach_the_cache_and_the_host(rng):
             np.testing.assert_array_equal(t.c.pool.layer(layer)[host], kv[layer],
                                           err_msg=f"host {it} {layer}")
     t.c.close()
+
+
+@pytest.mark.gpu
+def test_a_reused_step_follows_a_cache_call_on_another_busy_stream():
+    """The TorchCache reuses its Step while the buffers and the stream stay the same; a cache
+    call between two steps on another stream (a rewritten token's ``write_host`` on a copy
+    stream still busy) must come before the next step's swap, as ``begin_step`` orders it:
+    the rewritten token is served its new bytes, not its old hot copy."""
+    torch = _torch()
+    import cupy
+
+    from hisparse_cupy import HotBufferCache
+    from hisparse_cupy.torch import TorchCache
+
+    n_layers, row = 2, 16
+
+    def kv(a, n, v=0):
+        t = ((np.arange(a, a + n) * 3 + v) % 256).astype(np.uint8)
+        return np.broadcast_to(t[None, :, None], (n_layers, n, row)).copy()
+
+    spin = cupy.RawKernel(r'extern "C" __global__ void spin(long long n) {'
+                          r' long long t = clock64(); while (clock64() - t < n); }', "spin")
+    c = HotBufferCache(n_layers=n_layers, max_requests=2, max_len=256, row_bytes=row,
+                       hot_size=16, top_k=4, extra_page=4)
+    try:
+        tc = TorchCache(c)
+        S, X = torch.cuda.Stream(), cupy.cuda.Stream(non_blocking=True)
+        rid = c.admit(40, kv(0, 40))
+        cupy.cuda.Device().synchronize()
+        d = dict(dtype=torch.int32, device="cuda")
+        with torch.cuda.stream(S):
+            req, lens = torch.tensor([rid], **d), torch.tensor([41], **d)
+            tk = torch.tensor([[30, 31, 32, 40]], **d)
+
+        def step(seq):
+            with torch.cuda.stream(S):
+                lens.fill_(seq)
+                r = tc.newest_rows(req, lens).long()
+                for layer in range(n_layers):
+                    tc.device_rows[layer][r] = torch.as_tensor(kv(seq - 1, 1)[layer],
+                                                               device="cuda")
+                tc.backup_newest(req, lens)
+                o = tc.swap(0, tk, req, lens)
+                tc.finish()
+            S.synchronize()
+            o = o.cpu().numpy()[0]
+            return cupy.asnumpy(c.device_rows(0)[cupy.asarray(o)])[:, 0]
+
+        assert step(41)[1] == kv(31, 1)[0, 0, 0]  # token 31 now in a hot slot
+        with X:
+            spin((1,), (1,), (np.int64(1_000_000_000),))  # the copy stream is busy
+        c.write_host(rid, 31, cupy.asarray(kv(31, 1, 100)), stream=X)  # rewritten
+        assert step(42)[1] == kv(31, 1, 100)[0, 0, 0]
+    finally:
+        cupy.cuda.Device().synchronize()
+        c.close()
