@@ -422,3 +422,33 @@ def test_a_fence_done_is_dropped_and_groups_do_not_pile_up():
         assert hp.fences(range(16)) == [f] or all(x.done for x in hp.fences(range(16)))
     assert len(hp._groups) <= 64 + 2 * 16
     hp.check()
+
+
+def test_a_fence_that_fails_its_wait_takes_nothing():
+    """``take`` (and ``admit``, ``grow``) wait for the fences of the pages they pop; a wait
+    that raises (a CUDA error, the engine's ``wait=``) leaves the pages free, in their order,
+    still carrying their fences: nothing taken, as a refusal promises."""
+    from hisparse_cupy.host import HostPages
+
+    class Failing(Fence):
+        def synchronize(self):
+            raise RuntimeError("CUDA error")
+
+    hp = HostPages(8, 4)
+    held = hp.take(3)
+    bad = Failing("bad")
+    hp.put(held, fence=bad)
+    before = hp.free_pages
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        hp.take(3)
+    assert hp.free_pages == before and hp.fences(held) == [bad]
+
+    def refuse(fences):
+        raise RuntimeError("the engine's wait failed")
+
+    with pytest.raises(RuntimeError, match="wait failed"):
+        hp.admit(0, 12, wait=refuse)
+    assert hp.free_pages == before and hp.fences(held) == [bad] and 0 not in hp
+    bad.done = True
+    assert sorted(hp.take(3)) == sorted(held)  # the same pages, first out as before
+    hp.check()

@@ -733,3 +733,31 @@ def test_a_push_tickets_metadata_lets_its_holder_read_any_row_of_the_pool():
         raw.deregister_memory(reg)
         tx.close()
         rx.close()
+
+
+def test_a_reservation_whose_fence_raises_takes_nothing():
+    """``KVReceiver(fence=)`` runs after the pages are taken, before the ticket leaves; a
+    fence that raises (the engine's CUDA error) gives the pages back: nothing reserved,
+    nothing held, and the next reservation gets them."""
+    from test_pd import receiver
+
+    calls = [0]
+
+    def fence():
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("the engine's fence failed")
+
+    rx, pool, pages = receiver(16, fence=fence)
+    try:
+        free = pages.free_pages
+        with pytest.raises(RuntimeError, match="fence failed"):
+            rx.reserve("a", 40)
+        assert pages.free_pages == free and not rx.in_flight and not pages.held.any()
+        t = rx.reserve("a", 40)  # the same request again: reserved now
+        assert t["n_tokens"] == 40 and pages.free_pages == free - pages.pages_for(40)
+        rx.cancel("a")
+        assert pages.free_pages == free
+        pages.check()
+    finally:
+        rx.close()

@@ -309,17 +309,22 @@ class HostPages:
 
     def _pop(self, n: int, wait) -> list[int]:
         """``n`` pages off the free list, their fences handed to ``wait`` (default: waited
-        for on the host) and cleared."""
+        for on the host) and cleared. A wait that raises puts them back, in their order and
+        still fenced: nothing taken (the callers change nothing before this)."""
         got = [self._free.pop() for _ in range(n)]
         if got and self._groups:
             fences = self.fences(got)
-            self._fenced[got] = -1
             if fences:
-                if wait is None:
-                    for f in fences:
-                        f.synchronize()
-                else:
-                    wait(fences)
+                try:
+                    if wait is None:
+                        for f in fences:
+                            f.synchronize()
+                    else:
+                        wait(fences)
+                except BaseException:
+                    self._free.extend(reversed(got))
+                    raise
+            self._fenced[got] = -1
         return got
 
     def _fence(self, pg: np.ndarray, fence) -> None:

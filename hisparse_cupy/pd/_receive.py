@@ -127,7 +127,11 @@ class KVReceiver(Quarantine):
             _sums.check_row_bytes(self.row_bytes)
         pages = self.pages.take(self.pages.pages_for(n))
         if self._fence is not None:
-            self._fence()
+            try:
+                self._fence()
+            except BaseException:  # nothing reserved: the pages go back
+                self.pages.put(pages)
+                raise
         P, rb = self.page_tokens, self.row_bytes
         pg = np.asarray(pages, np.int64)
         first, last = consecutive_runs(pg)  # runs of consecutive pages
