@@ -761,3 +761,24 @@ def test_a_reservation_whose_fence_raises_takes_nothing():
         pages.check()
     finally:
         rx.close()
+
+
+def test_a_batch_nixl_cannot_hand_over_is_counted_and_named(monkeypatch):
+    """NIXL's binding decodes each sender's agent name as it hands a batch of notifications
+    over; a peer whose name is not UTF-8 makes it raise (the batch is lost below the package).
+    ``poll`` does not raise: the batch is counted in ``errors`` and named in ``last_error``."""
+    from test_pd import receiver
+
+    rx, pool, pages = receiver(16)
+    try:
+        def lost():
+            raise UnicodeDecodeError("utf-8", b"\xffevil", 0, 1, "invalid start byte")
+
+        monkeypatch.setattr(rx._agent, "get_new_notifs", lost)
+        errors = rx.stats["errors"]
+        got = rx.poll()
+        assert not got.done and not got.timed_out and not got.failed
+        assert rx.stats["errors"] == errors + 1
+        assert rx.last_error.startswith("get_new_notifs: UnicodeDecodeError")
+    finally:
+        rx.close()

@@ -31,15 +31,20 @@ Sent = collections.namedtuple("Sent", "req_id xfer_id bytes seconds descriptors"
 Sent.__doc__ = "A completed send: ``bytes`` in ``seconds`` (the call), the ticket's descriptors"
 
 
-def messages(a, kinds, stats, junk: str):
+def messages(a, kinds, stats, junk: str, on_error=None):
     """Agent ``a``'s new notifications that parse as control messages of ``kinds``, as
     ``(sender, kind, fields)``; every other one counted in ``stats[junk]``. Never raises: a
-    batch NIXL fails to hand over (its binding decodes each sender's name) is counted in
-    ``stats["errors"]``."""
+    batch NIXL fails to hand over is counted in ``stats["errors"]`` and its exception given to
+    ``on_error``. NIXL's binding decodes each sender's agent name, so one peer whose name is
+    not UTF-8 makes it drop the whole batch it came in (taken off NIXL's queue first): those
+    messages are lost, and their transfers end at their deadlines (a granted write's pages
+    quarantined), never with a wrong byte."""
     try:
         batch = a.get_new_notifs()
-    except Exception:
+    except Exception as e:
         stats["errors"] = stats.get("errors", 0) + 1
+        if on_error is not None:
+            on_error(e)
         return
     for sender, msgs in batch.items():
         sender = sender.decode("utf-8", "replace") if isinstance(sender, bytes) else str(sender)

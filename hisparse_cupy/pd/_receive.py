@@ -175,13 +175,16 @@ class KVReceiver(Quarantine):
     def _progress(self, done: list, failed: list) -> None:
         """One look: the new messages, then the READs in flight and the quarantined ones."""
         for sender, kind, f in _nixl.messages(self._agent, _protocol.TO_RECEIVER, self.stats,
-                                              "malformed"):
+                                              "malformed", self._batch_lost):
             self._guard(self._on, sender, kind, f, done, failed)
         for r in [r for r in self._by_xfer.values() if r.handle is not None]:
             self._guard(self._check_read, r, done, failed)
         for r in [r for r in self._quarantine.values() if r.handle is not None and
                   r.lost is None]:
             self._guard(self._check_quarantined, r)
+
+    def _batch_lost(self, e: Exception) -> None:
+        self.last_error = f"get_new_notifs: {e!r}"[:1000]
 
     def _guard(self, fn, *args) -> None:
         """``fn(*args)``; an exception is counted in ``stats["errors"]``, not raised."""
