@@ -40,7 +40,8 @@ pool of 1-16 tokens a page, its pages handed out in random order) and then decod
   hold what it still reads); promotions cancelled mid-fill (demoted or released at once,
   the fill held back behind a busy stream), their pages taken by the next growth; moves asked
   at times with a token count, right or off by one either way (refused: the cache counts
-  the written tokens itself).
+  the written tokens itself); ``write_host`` at times past the tokens the device budget counts
+  (refused: grow first).
 
 After every step every output entry is checked: -1 exactly where the semantics say (padding
 rows and columns, -1, out of range), a row elsewhere, one row per token within a call, and the
@@ -220,6 +221,7 @@ class Fuzz:
         self.refused_resident = 0  # resident=True without a budget, refused
         self.busy_now = False
         self.holds = self.cancels = self.refused_counts = self.orphans = 0
+        self.refused_writes = 0  # write_host past the budget's count, refused
         self.global_captures = 0
         self.rewrites = 0  # draft writes with other bytes than their final ones
         self._freed: list = []  # (stream, shape) of KV arrays dropped after the last call
@@ -494,6 +496,25 @@ class Fuzz:
         assert self._budget().state(rid) == state, f"a refused {call} moved request {rid}"
         self.refused_counts += 1
 
+    def _refuse_write(self, rid: int, uid: int, budget, obj, view) -> None:
+        """At times a write past the tokens the device budget counts, as an engine that did
+        not grow first: refused by name before anything is written (the bytes checked after
+        every step show nothing was)."""
+        have = budget.tokens(rid)
+        if have >= self.max_len:
+            return
+        n = 1 + int(self.rng.integers(0, min(2, self.max_len - have)))
+        try:
+            self.c.write_host(rid, have, self._kv(uid, have, n, view, 1), stream=obj)
+        except ValueError as e:
+            if "grow() it first" not in str(e):
+                raise
+        else:
+            raise AssertionError(f"seed {self.seed}: write_host past the {have} tokens the "
+                                 f"budget counts for request {rid} was taken")
+        self._reuse_freed()
+        self.refused_writes += 1
+
     def _grow_ahead(self) -> None:
         """The engine takes pages ahead of its steps (a paged pool): a request grown to more
         tokens than it has written."""
@@ -678,6 +699,8 @@ class Fuzz:
                 else:
                     vers.pop(tok, None)
             self.rewrites += v > 0
+            if (budget := self._budget()) is not None and self.rng.random() < 0.05:
+                self._refuse_write(int(r), uid, budget, obj, view)
             self.c.write_host(int(r), lo, self._kv(uid, lo, hi - lo + 1, view, v), stream=obj)
             self._reuse_freed()
             t = np.arange(lo, min(hi + 1, self.H))
@@ -1031,6 +1054,7 @@ class Fuzz:
                     holds=self.holds, cancels=self.cancels, rewrites=self.rewrites,
                     orphans=self.orphans, global_captures=self.global_captures,
                     refused_counts=self.refused_counts, refused_resident=self.refused_resident,
+                    refused_writes=self.refused_writes,
                     # stagings the GPU's prefetcher launched in an indexer's window (host count:
                     # a captured step's once)
                     window_stagings=getattr(getattr(self.pf, "_predictor", None), "windows", 0),
@@ -1110,7 +1134,7 @@ def main(argv=None) -> int:
                      "refused_forks", "moves", "lean_steps", "lean_asked", "indexer_calls",
                      "window_stagings", "engine_admits", "holds", "cancels", "rewrites",
                      "orphans", "global_captures",
-                     "refused_counts", "refused_resident")}
+                     "refused_counts", "refused_resident", "refused_writes")}
     kinds = sorted(set().union(*(r["streams"] for r in res)))
     print(f"step fuzz ({'CPU model' if a.cpu else 'GPU'}): {len(res)} seeds, {tot['steps']} "
           f"steps, {tot['calls']} swap calls, {tot['graph_steps']} graph replays, "
@@ -1118,7 +1142,8 @@ def main(argv=None) -> int:
           f"past the written tokens refused), {tot['engine_admits']} admissions of engine-"
           f"written pages, {tot['moves']} residency moves ({tot['cancels']} promotions "
           f"cancelled mid-fill, {tot['refused_counts']} token counts refused, "
-          f"{tot['refused_resident']} resident=True without a budget refused), "
+          f"{tot['refused_resident']} resident=True without a budget refused, "
+          f"{tot['refused_writes']} writes past the budget's count refused), "
           f"{tot['holds']} calls behind a held stream, {tot['rewrites']} draft writes to be "
           f"rewritten (rejected), "
           f"{tot['lean_steps']} lean steps ({tot['lean_asked']} asked lean=True), "

@@ -148,6 +148,16 @@ def test_the_gpu_fuzz_draws_captures_in_global_mode_and_pools_collected_inside_t
         assert sum(r[key] for r in got) > 0, key
 
 
+@pytest.mark.gpu
+def test_the_budget_fuzz_draws_its_moves_and_refusals():
+    """Under a device budget in every seed, bytes checked: residency moves, token counts and
+    writes past the budget's count refused (an engine that did not grow first)."""
+    got = [Fuzz(True, 3000 + seed, budget=True).run(150) for seed in range(8)]
+    assert all(r["errors"] == dict.fromkeys(CHECKS, 0) for r in got)
+    for key in ("moves", "refused_counts", "refused_writes"):
+        assert sum(r[key] for r in got) > 0, key
+
+
 def test_a_seed_whose_call_raises_is_a_failure_with_its_traceback(monkeypatch):
     """A call that raises (here PoolExhausted, as a GPU seed's grow did) fails its seed with
     the exception and where it came from; it does not end the run (a worker pool could not
