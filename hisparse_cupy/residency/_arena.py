@@ -34,9 +34,9 @@ class DeviceArena:
         self.resident = cupy.zeros(max_requests, cupy.uint8)
         self.page_table = cupy.full((max_requests, -(-max_len // P)), -1, cupy.int32)
         self.written = cupy.zeros(max_requests, cupy.int32)
-        # rid -> (the fill's end, the tokens it copies: int32 [1] on the device)
-        # rid -> (the fill's event, the device count it read, the first token the switch
-        # reloads at the latest: the tokens the fill had pages for, or a rewrite's first)
+        # rid -> (the fill's end, the tokens it copies: int32 [1] on the device, the first
+        # token the switch reloads at the latest: the tokens the fill had pages for, or the
+        # first a rewrite reached meanwhile)
         self.promoting: dict[int, tuple[cupy.cuda.Event, cupy.ndarray, int]] = {}
         self._side: cupy.cuda.Stream | None = None  # the fills' stream
 
