@@ -259,6 +259,9 @@ def lengths(x, B: int, steps: int | None = None) -> tuple[cupy.ndarray, int, int
         if not arr.flags.c_contiguous:
             raise ValueError(f"seq_lens must be contiguous (strides {arr.strides})")
         return arr, 1, 0
+    if arr.shape[1] == 0:
+        raise ValueError(f"seq_lens has 0 step columns (shape {tuple(arr.shape)}): give [B] or "
+                         f"[B, S] with S >= 1")
     if steps is not None and arr.shape[1] < steps:
         raise ValueError(f"seq_lens has {arr.shape[1]} step column(s), the call has {steps} "
                          f"steps")

@@ -89,3 +89,14 @@ def test_scalars(fake_cupy):
         _checks.row_bytes("row_bytes", 650)
     with pytest.raises(ValueError, match="num_real must hold exactly one int32"):
         _checks.device_scalar("num_real", A(2))
+
+
+def test_seq_lens_without_a_step_column_is_refused(fake_cupy):
+    """``seq_lens`` ``[B, 0]`` holds no length: a single-step call read column 0 of it anyway
+    (the kernel's ``lens[b * stride]``: a null pointer, or a neighbour's value for a slice)."""
+    for lens in (A(4, 0), FakeDeviceArray(np.zeros((4, 3), np.int32))[:, :0]):
+        for steps in (None, 2):
+            with pytest.raises(ValueError, match=r"seq_lens has 0 step columns"):
+                _checks.lengths(lens, 4, steps)
+    arr, row, step = _checks.lengths(A(4, 3), 4)
+    assert (row, step) == (3, 1)
