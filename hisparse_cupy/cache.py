@@ -414,13 +414,15 @@ class HotBufferCache:
         if n == 0:
             return
         rows = self.host.rows(rid, start, start + n)
-        self.host.store(rows, kv, on_host, s)
-        with s:
-            self.host_locs[rid, start: start + n] = cupy.asarray(rows)
-        self.tables.drop_tokens(rid, start, start + n, s)  # hot copies of them are stale
-        self.residency.on_write(rid, start, rows, s)  # a resident request's pages too
-        if not on_host:  # the caller may drop it now: held until its copy ran
-            self._order.keep(s, kv)
+        try:
+            self.host.store(rows, kv, on_host, s)
+            with s:
+                self.host_locs[rid, start: start + n] = cupy.asarray(rows)
+            self.tables.drop_tokens(rid, start, start + n, s)  # hot copies of them are stale
+            self.residency.on_write(rid, start, rows, s)  # a resident request's pages too
+        finally:  # the caller may drop kv now, even if a step above raised: held until its
+            if not on_host:  # copy (queued first) ran
+                self._order.keep(s, kv)
         self.host.wrote(rid, start, start + n)
 
     def release(self, rid: int, *, stream: StreamLike | None = None) -> None:

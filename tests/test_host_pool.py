@@ -652,3 +652,39 @@ def test_a_failure_after_the_name_is_linked_unlinks_it(calls, name, monkeypatch)
     gc.collect()
     assert not os.path.exists(os.path.join(_shm(), name))
     assert sorted(calls["unreg"]) == sorted(p for p, _ in calls["reg"])
+
+
+def test_a_buffer_pool_collected_unclosed_keeps_its_buffer_until_unregistered(no_cuda,
+                                                                              monkeypatch):
+    """A ``from_buffer`` pool the engine drops without ``close()`` is released later (never
+    from the collector): its registration must not outlive the mapping it names, or the
+    engine's next buffer at those addresses would count as registered with the old pages.
+    The release holds the array until it unregistered."""
+    import gc
+    import weakref
+
+    log = []
+    monkeypatch.setattr(hp, "_unregister", lambda ptr: log.append(ptr))
+
+    class Buffer(np.ndarray):  # a NumPy array the test can watch die
+        pass
+
+    arr = np.zeros((2, 64, 256), np.uint8).view(Buffer)
+    base = arr.ctypes.data
+    alive = weakref.ref(arr)
+    p = hp.HostKVPool.from_buffer(arr)
+    del arr, p
+    gc.collect()
+    assert alive() is not None and log == []  # held: its release waits, still registered
+    hp.HostKVPool.release_collected()
+    assert log == [base]
+    gc.collect()
+    assert alive() is None  # let go once unregistered
+
+
+def test_a_read_only_buffer_is_refused(no_cuda):
+    """The cache writes the pool (admissions, backups): a read-only array (a view of bytes)
+    is refused by name."""
+    ro = np.frombuffer(bytes(2 * 64 * 256), np.uint8).reshape(2, 64, 256)
+    with pytest.raises(ValueError, match="array must be writeable"):
+        hp.HostKVPool.from_buffer(ro)

@@ -434,6 +434,9 @@ class HostKVPool:
                              f"array, got {array.dtype} {array.shape}")
         if array.ctypes.data % 16:
             raise ValueError("array must be 16-byte aligned")
+        if not array.flags.writeable:
+            raise ValueError("array must be writeable (the cache writes the pool: admissions, "
+                             "backups)")
         self = cls.__new__(cls)
         self._shape(*array.shape)
         self.name, self.owner, self.timings = None, False, {}
@@ -442,11 +445,12 @@ class HostKVPool:
             self.chunk_edges = tuple(c - chunks[0] for c in chunks[1:])
             self._mem = array
             self._host = array
-            timings = self.timings
+            timings, held = self.timings, [array]  # the mapping outlives its registration
 
             def release() -> None:
                 t = time.perf_counter()
                 _unregister_all(chunks)
+                held.clear()
                 timings["unregister_s"] = time.perf_counter() - t
 
             self._release = _finalizer(self, release)
