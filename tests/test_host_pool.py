@@ -688,3 +688,54 @@ def test_a_read_only_buffer_is_refused(no_cuda):
     ro = np.frombuffer(bytes(2 * 64 * 256), np.uint8).reshape(2, 64, 256)
     with pytest.raises(ValueError, match="array must be writeable"):
         hp.HostKVPool.from_buffer(ro)
+
+
+def test_a_creator_unlinks_only_its_own_name(no_cuda, name):
+    """A shared pool's creator unlinks its name at close or exit, and only while the name is
+    still its pool's: removed and taken by another pool meanwhile, the other pool's name
+    stays."""
+    p = hp.HostKVPool(1, 64, 64, shared_name=name, segments=1)
+    path = hp.host_shm.path(name)
+    os.unlink(path)  # removed behind its back (an operator, a crashed cleanup)
+    q = hp.HostKVPool(1, 64, 64, shared_name=name, segments=1)  # the name taken again
+    assert q.owner and q.identity != p.identity
+    p.close()
+    assert os.path.exists(path)  # q's
+    hp.HostKVPool.attach(name, identity=q.identity).close()
+    q.close()
+    assert not os.path.exists(path)
+
+
+_FORK = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from hisparse_cupy.host import _pool as hp
+hp.require_gpu = lambda: None
+hp._register = lambda ptr, nbytes: ptr
+hp._unregister = lambda ptr: None
+hp._synchronize = lambda: None
+p = hp.HostKVPool(1, 64, 64, shared_name=sys.argv[2], segments=1)
+path = hp.host_shm.path(sys.argv[2])
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a helper the engine forked, ending with a normal interpreter exit
+os.waitpid(pid, 0)
+print(os.path.exists(path))
+p.close()
+print(os.path.exists(path))
+"""
+
+
+def test_a_forked_child_leaves_its_parents_pool_name(name):
+    """A child forked from a shared pool's creator inherits its exit handlers; at its exit it
+    must not unlink the parent's live pool name (attaches would fail, another creator could
+    take it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    r = subprocess.run([sys.executable, "-c", _FORK, root, name], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["True", "False"]

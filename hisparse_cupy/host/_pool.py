@@ -346,8 +346,10 @@ class HostKVPool:
             finally:
                 os.close(d)
 
-        # the creator owns the name: unlink it at close, or at exit if never closed
-        unlink = weakref.finalize(self, host_shm.unlink, path)
+        # the creator owns the name: unlink it at close, or at exit if never closed (this
+        # process only, and only while the name is still this pool's)
+        ident = host_shm.identity(fd)
+        unlink = weakref.finalize(self, host_shm.unlink_own, path, os.getpid(), ident)
         seg = None
         try:
             seg = host_shm.create(fd, where,
@@ -369,7 +371,7 @@ class HostKVPool:
                 seg.close()
             raise
         self.name, self.owner, self.segments = name, True, len(seg.sizes)
-        self.identity = host_shm.identity(fd)
+        self.identity = ident
 
     @classmethod
     def attach(cls, name: str, n_layers: int | None = None, n_rows: int | None = None,

@@ -175,6 +175,20 @@ def unlink(p: str) -> None:
         os.unlink(p)
 
 
+def unlink_own(p: str, pid: int, ident: tuple) -> None:
+    """Unlink name ``p`` if it still names the pool ``ident`` (:func:`identity`) and this is
+    the process that linked it (``pid``): a child forked from the creator that exits, or a
+    creator whose name was removed and taken by another pool, leaves the name alone."""
+    if os.getpid() != pid:
+        return
+    try:
+        st = os.stat(p, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if (int(st.st_dev), int(st.st_ino)) == tuple(ident[1:]):
+        unlink(p)
+
+
 def check_room(nbytes: int, where: str | None = None) -> None:
     """Refuse a pool the machine cannot hold before touching it: a touch past the memory
     wakes the OOM killer, past the end of a shared pool's tmpfs (``where``) it is a SIGBUS."""
