@@ -14,6 +14,9 @@ Three rules, each kept here once:
    eager call on the same stream (a warm-up step), and a replay runs after a cache call on its
    stream (``grow``, ``residency.switch_promoted``, or
    :meth:`~hisparse_cupy.HotBufferCache.order`), which waits for the last eager call's work.
+   The per-thread default stream (handle 2) is a different stream in each thread: a call from
+   another thread than the last one's, when that one ran there, is refused (nothing can be
+   recorded on another thread's per-thread stream).
 2. **A page carries the fence of the last work that touches it**
    (:class:`~hisparse_cupy.host.HostPages`'s ``fence=`` and ``wait=``): a path that gives
    pages back (a release, a demotion, a cancelled promotion, a switch) attaches an event
@@ -31,8 +34,11 @@ Three rules, each kept here once:
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import cupy
+
+_PER_THREAD = 2  # cudaStreamPerThread: another stream in each thread
 
 __all__ = ["StreamOrder"]
 
@@ -42,6 +48,7 @@ class StreamOrder:
 
     def __init__(self):
         self._last = None  # the stream of the last call (a CuPy stream object, kept alive)
+        self._thread = None  # the thread that made it (the per-thread stream is per thread)
         self._held: list[tuple[cupy.cuda.Event, tuple]] = []
 
     def enter(self, stream) -> None:
@@ -49,7 +56,13 @@ class StreamOrder:
         drops the arrays held (rule 3) whose reads have run."""
         if not stream.is_capturing():  # a capture neither waits nor counts as the last call:
             # the next eager call (a replay's order()) follows the last eager call's work
-            last, self._last = self._last, stream
+            last, me = self._last, threading.get_ident()
+            if last is not None and last.ptr == _PER_THREAD and self._thread != me:
+                raise ValueError(
+                    "the cache's last call ran on another thread's per-thread default stream "
+                    "(handle 2, CuPy's Stream.ptds): its work cannot be ordered from this "
+                    "thread; give calls made from several threads explicit streams")
+            self._last, self._thread = stream, me
             if last is not None and last.ptr != stream.ptr and not last.is_capturing():
                 ev = cupy.cuda.Event(disable_timing=True)
                 ev.record(last)

@@ -71,3 +71,32 @@ def test_a_call_while_the_previous_stream_captures_records_nothing_there(order):
     b.capturing = False
     order.enter(b)
     assert b.waited == ["A"]
+
+
+def test_the_per_thread_default_stream_of_another_thread_is_refused(order):
+    """Handle 2 (``cudaStreamPerThread``) is a different stream in each thread: the last call
+    made on it in one thread cannot be recorded, nor waited for, from another (an event
+    recorded on handle 2 there records the caller's own). Refused by name; one thread on it
+    throughout, or explicit streams, are ordered as ever."""
+    import threading
+
+    ptds, other = Stream("ptds", 2), Stream("B", 7)
+    order.enter(ptds)
+    order.enter(ptds)  # the same thread: nothing to order
+    order.enter(other)
+    assert other.waited == ["ptds"]
+    order.enter(ptds)  # back on this thread's per-thread stream: waits for B's work
+    assert ptds.waited == ["B"]
+    errors = []
+
+    def call(stream):
+        try:
+            order.enter(stream)
+        except ValueError as e:
+            errors.append(str(e))
+
+    for stream in (Stream("ptds", 2), Stream("C", 9)):  # from another thread
+        t = threading.Thread(target=call, args=(stream,))
+        t.start()
+        t.join()
+    assert len(errors) == 2 and all("per-thread default stream" in e for e in errors)
