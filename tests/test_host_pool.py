@@ -739,3 +739,23 @@ def test_a_forked_child_leaves_its_parents_pool_name(name):
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["True", "False"]
+
+
+def test_attach_opens_only_this_users_regular_pool_file(no_cuda, name, tmp_path):
+    """``attach`` maps what the name holds into the process and registers it: a symbolic link
+    (to a file anywhere) or a file of another owner is refused by name, not mapped."""
+    p = hp.HostKVPool(1, 64, 64, shared_name=name, segments=1)
+    path = hp.host_shm.path(name)
+    link = f"{name}-link"
+    os.symlink(path, hp.host_shm.path(link))
+    try:
+        with pytest.raises(ValueError, match="is not a host pool file"):
+            hp.HostKVPool.attach(link)
+    finally:
+        os.unlink(hp.host_shm.path(link))
+    hp.HostKVPool.attach(name).close()
+    if os.geteuid() == 0:  # root can give the file away: the owner check is then reachable
+        os.chown(path, 12345, -1)
+        with pytest.raises(ValueError, match="of this user"):
+            hp.HostKVPool.attach(name)
+    p.close()

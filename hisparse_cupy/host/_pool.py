@@ -32,6 +32,7 @@ import contextlib
 import logging
 import mmap
 import os
+import stat
 import sys
 import time
 import weakref
@@ -384,13 +385,19 @@ class HostKVPool:
         :attr:`identity`): ``FileNotFoundError`` if the name is another pool's now."""
         t0 = time.perf_counter()
         path = host_shm.path(name)
-        try:
-            fd = os.open(path, os.O_RDWR)
+        try:  # the name itself, not where a link would lead
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
         except FileNotFoundError:
             raise FileNotFoundError(f"no host pool named {name!r} ({path}): its creator closed "
                                     f"it or never made it") from None
+        except OSError as e:  # ELOOP: a symbolic link
+            raise ValueError(f"{path} is not a host pool file ({e.strerror})") from None
         self = cls.__new__(cls)
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise ValueError(f"{path} is not a host pool file of this user (a regular file "
+                                 f"owned by uid {os.geteuid()}; a creator makes it so)")
             self.identity = host_shm.identity(fd)
             if identity is not None and list(identity) != list(self.identity):
                 raise FileNotFoundError(f"host pool {name!r} is another pool than the one asked "
