@@ -759,3 +759,30 @@ def test_attach_opens_only_this_users_regular_pool_file(no_cuda, name, tmp_path)
         with pytest.raises(ValueError, match="of this user"):
             hp.HostKVPool.attach(name)
     p.close()
+
+
+def test_a_release_waits_for_every_device_in_use(monkeypatch):
+    """A pool is registered for every device (portable): its release waits for each device
+    with a context, not only the calling thread's current one (a thread starts on device 0
+    while the pool's kernels may run on device 1)."""
+    import types
+
+    synced, current = [], [0]
+
+    class Device:
+        def __init__(self, d):
+            self.d = d
+
+        def __enter__(self):
+            self.prev, current[0] = current[0], self.d
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    runtime = types.SimpleNamespace(deviceSynchronize=lambda: synced.append(current[0]),
+                                    getDevice=lambda: current[0])
+    monkeypatch.setattr(hp, "cupy", types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=Device, runtime=runtime)))
+    monkeypatch.setattr(hp, "_devices_in_use", lambda: [1, 3])
+    hp._synchronize()
+    assert synced == [1, 3] and current[0] == 0

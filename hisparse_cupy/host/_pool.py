@@ -69,7 +69,31 @@ def _unregister(ptr: int) -> None:
 
 
 def _synchronize() -> None:
-    cupy.cuda.Device().synchronize()
+    """Wait for the work of every device this process has a context on: a pool is registered
+    for each (portable), and the calling thread's current device need not be the one whose
+    kernels read it."""
+    for d in _devices_in_use():
+        with cupy.cuda.Device(d):
+            cupy.cuda.runtime.deviceSynchronize()
+
+
+def _devices_in_use() -> list[int]:
+    """The devices whose primary context is active (the current one where the driver cannot
+    say): synchronizing another would create its context."""
+    try:
+        from cuda.bindings import driver
+
+        out = []
+        for d in range(cupy.cuda.runtime.getDeviceCount()):
+            err, dev = driver.cuDeviceGet(d)
+            err2, _, active = driver.cuDevicePrimaryCtxGetState(dev)
+            if int(err) or int(err2):
+                raise RuntimeError(f"device {d}: {err!r} {err2!r}")
+            if active:
+                out.append(d)
+        return out or [cupy.cuda.runtime.getDevice()]
+    except Exception:  # no bindings, or a driver that will not say: the current device
+        return [cupy.cuda.runtime.getDevice()]
 
 
 def default_threads() -> int:
