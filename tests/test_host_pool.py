@@ -786,3 +786,23 @@ def test_a_release_waits_for_every_device_in_use(monkeypatch):
     monkeypatch.setattr(hp, "_devices_in_use", lambda: [1, 3])
     hp._synchronize()
     assert synced == [1, 3] and current[0] == 0
+
+
+def test_a_registration_whose_address_query_fails_is_undone(monkeypatch):
+    """``_register`` pins, then asks for the device address: a failure between the two leaves
+    nothing registered (the chunk is not yet in the caller's list, which undoes the rest)."""
+    import types
+
+    log = []
+
+    def attrs(ptr):
+        raise RuntimeError("cudaErrorInvalidValue")
+
+    runtime = types.SimpleNamespace(hostRegister=lambda p, n, f: log.append(("reg", p)),
+                                    hostUnregister=lambda p: log.append(("unreg", p)),
+                                    pointerGetAttributes=attrs)
+    monkeypatch.setattr(hp, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=runtime)))
+    with pytest.raises(RuntimeError, match="InvalidValue"):
+        hp._register(0x1000, 4096)
+    assert log == [("reg", 0x1000), ("unreg", 0x1000)]

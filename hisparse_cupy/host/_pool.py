@@ -61,7 +61,11 @@ def _register(ptr: int, nbytes: int, portable: bool = True) -> int:
     With :func:`_unregister`, a registered pool's only CUDA calls (the CPU tests stub both)."""
     rt = cupy.cuda.runtime
     rt.hostRegister(ptr, nbytes, (_REGISTER_PORTABLE if portable else 0) | _REGISTER_MAPPED)
-    return rt.pointerGetAttributes(ptr).devicePointer
+    try:
+        return rt.pointerGetAttributes(ptr).devicePointer
+    except BaseException:  # not in the caller's list of chunks yet: undone here
+        rt.hostUnregister(ptr)
+        raise
 
 
 def _unregister(ptr: int) -> None:
