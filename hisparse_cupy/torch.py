@@ -119,6 +119,7 @@ class TorchCache:
             n = cache.max_batch * max(1, cache.max_steps) * cache.top_k
             self._anchor = cupy.empty((2, n), cupy.int32)
             self._full_rank = {f: j for j, f in enumerate(prefetcher.pattern.full_layers)}
+            cupy.cuda.get_current_stream().synchronize()  # (as the Prefetcher's buffers)
         _caches[self.id] = self
 
     # the model's calls (each one operator)

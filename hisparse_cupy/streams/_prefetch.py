@@ -223,6 +223,10 @@ class Prefetcher:
         self.predict_stats = None
         self._reset_step()
         self.set_predict(predict)
+        # Its buffers came from CuPy's pool on the current stream, whose queued work may still
+        # write memory freed there; the steps write them on any stream: construction ends when
+        # that work landed (as the cache's does).
+        cupy.cuda.get_current_stream().synchronize()
 
     # ------------------------------------------------------------------ state
     def _side_stream(self, priority: int | None) -> cupy.cuda.Stream:
@@ -477,6 +481,9 @@ class Prefetcher:
         layer mirror its full layer, device rows included
         (:meth:`HotBufferCache.mirror_layer`): while prefetch was off each layer ran its own
         swaps, and multi-step swaps leave layers in different slot -> row layouts.
+
+        A CUDA graph captured before keeps its mode: capture again after this call (a replay of
+        a graph of the other mode serves wrong rows; ``docs/overlap_hazards.md``, hazard 9).
         """
         enabled = bool(enabled)
         if enabled == self._enabled:
