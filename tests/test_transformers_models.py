@@ -39,9 +39,9 @@ def model_of(kind: str, device="cpu"):
         pytest.skip(f"transformers {transformers.__version__} has no {kind} ({e})")
 
 
-def greedy(model, ids, sparse=None):
+def greedy(model, ids, sparse=None, **extra):
     kw = dict(max_new_tokens=NEW, do_sample=False, output_logits=True,
-              return_dict_in_generate=True)
+              return_dict_in_generate=True, **extra)
     with torch.no_grad():
         out = model.generate(ids, **kw) if sparse is None else sparse.generate(ids, **kw)
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
@@ -73,6 +73,24 @@ def test_the_oracle_backend_decodes_as_the_model_does(kind, form):
     assert not sparse.rows.free == [] and sorted(sparse.rows.free) == [0, 1]  # released
     # the model's own attention is back
     assert torch.equal(greedy(model, ids)[0], want_tokens)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prefill_given_other_positions_decodes_as_the_model_does(kind):
+    """``position_ids`` offset from the cache indices: the model's causal mask goes by cache
+    index, and so must the prefill's selected rows (bounded by the positions, a query saw
+    later tokens the indexer picked among masked ties: other tokens, logits off by 0.7)."""
+    model = model_of(kind)
+    ids = prompt(model)
+    pos = torch.arange(PROMPT)[None] + 90
+    want_tokens, want_logits = greedy(model, ids, position_ids=pos)
+    sparse = SparseMLA(model, hot_size=HOT, max_len=PROMPT + NEW + 1, backend="oracle")
+    try:
+        tokens, logits = greedy(model, ids, sparse, position_ids=pos)
+    finally:
+        sparse.remove()
+    assert torch.equal(tokens, want_tokens)
+    assert (logits - want_logits).abs().max().item() < 1e-4
 
 
 def test_a_hot_buffer_that_serves_a_wrong_row_differs():
@@ -150,6 +168,23 @@ def test_the_cuda_backend_decodes_as_the_model_does(kind, budget, overlap):
     if budget is None:
         full = np.asarray(c["selected"]) > 0  # (a prefetcher's shared layers run no swap)
         assert (np.asarray(c["misses"])[full] > 0).all(), c
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_cuda_backend_decodes_a_prompt_shorter_than_the_top_k(kind):
+    """A sequence shorter than the indexer's top-k (K 16 here; 2048 in the published models):
+    the model's indexer returns that many picks, and the swap's output is as wide."""
+    model = model_of(kind, "cuda")
+    ids = prompt(model, batch=2, device="cuda")[:, :6]
+    want_tokens, want_logits = greedy(model, ids)
+    sparse = SparseMLA(model, hot_size=HOT, max_len=PROMPT + NEW + 1, max_requests=2)
+    try:
+        tokens, logits = greedy(model, ids, sparse)
+    finally:
+        sparse.remove()
+    assert torch.equal(tokens, want_tokens)
+    assert (logits - want_logits).abs().max().item() < 1e-4
 
 
 def test_the_topk_stream_tool_measures_the_indexers_picks_beside_the_generator(tmp_path):

@@ -160,7 +160,8 @@ class CacheRows:
 
         s = torch.cuda.current_stream()
         if self.prefetcher is None:
-            locs = self.out[:len(self.req)]
+            B, k = len(self.req), top_k.shape[-1]  # k <= K: the indexer's top-k is shorter
+            locs = self.out.view(-1)[: B * k].view(B, k)  # while the sequence is (contiguous)
             self.step.swap(layer, top_k.to(torch.int32).contiguous(), out=locs)
         else:
             locs = to_torch(self.step.swap(layer, top_k), stream=s)

@@ -149,7 +149,7 @@ def _forward(self, hidden_states, position_embeddings, attention_mask, cache=Non
         if layer == sp.n_layers - 1:
             sp.rows.end()
     else:
-        out = _prefill(self, sp, q_nope, q_rope, entry.prompt, top_k, position_ids)
+        out = _prefill(self, sp, q_nope, q_rope, entry.prompt, top_k)
         if layer == sp.n_layers - 1:
             rids: list[int] = []
             try:
@@ -165,11 +165,13 @@ def _forward(self, hidden_states, position_embeddings, attention_mask, cache=Non
     return (out, None, top_k) if sp.returns_top_k else (out, None)
 
 
-def _prefill(attn, sp, q_nope, q_rope, prompt, top_k, position_ids):
+def _prefill(attn, sp, q_nope, q_rope, prompt, top_k):
     """The prompt's attention over each query's selected rows of the prompt, queries in chunks
     of ``sp.prefill_chunk`` (a chunk's rows: chunk x K x 576 values)."""
     B, S = prompt.shape[:2]
-    pos = position_ids[0] if position_ids is not None else torch.arange(S, device=prompt.device)
+    # the causal bound is the cache index (the model's mask is), not position_ids: a prefill
+    # starts from an empty cache, so query i sees keys 0..i whatever positions the caller gave
+    pos = torch.arange(S, device=prompt.device)
     outs = []
     batch = torch.arange(B, device=prompt.device)[:, None, None]
     for a in range(0, S, sp.prefill_chunk):
