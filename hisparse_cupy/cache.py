@@ -324,8 +324,12 @@ class HotBufferCache:
                 t.init_multistep(rid, s)
                 dev = rid * self.rows_per_request + slots if block is None else block[slots]
                 load_rows(self.pool, rows[tokens], self.device, dev, s)
-        except BaseException:
-            res.on_release(rid, s)
+        except BaseException:  # the slot back as release() leaves one (tables reset too: a
+            res.on_release(rid, s)  # mirror_layer walks every slot's, a freed block's rows)
+            self.tables.reset(rid, s)
+            self.tables.init_multistep(rid, s)
+            with s:
+                self.host_locs[rid] = -1
             self.host.release(rid, s)  # (its pages carry the event after what was queued)
             heapq.heappush(self._free, rid)
             raise
