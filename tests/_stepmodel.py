@@ -12,6 +12,7 @@ Streams, ``pdl`` and graph capture have no meaning here and are accepted and ign
 from __future__ import annotations
 
 import copy
+import heapq
 from types import SimpleNamespace
 
 import numpy as np
@@ -49,7 +50,7 @@ class ModelCache:
                             ref=np.zeros((R, H), np.uint32),
                             clock=np.tile(np.array([1, 0], np.uint32), (R, 1)))
                        for layer in range(L)]
-        self._free = list(range(R - 1, -1, -1))
+        self._free = list(range(R))  # a heap: admissions take the lowest free slot, as the cache
         self._len: dict[int, int] = {}
 
     # the driver reads and writes these through the same calls as on the GPU
@@ -80,7 +81,7 @@ class ModelCache:
             if parent not in self._len or not 1 <= p <= n or \
                     (self.host_locs[parent, :p] < 0).any():  # every token written
                 raise ValueError(f"prefix {prefix}")
-        rid = self._free.pop()
+        rid = heapq.heappop(self._free)
         base = rid * self.max_len
         if p:
             self.host[:, base: base + p] = self.host[:, self.host_locs[parent, :p]]
@@ -124,7 +125,7 @@ class ModelCache:
         self._reset(rid)
         self.host_locs[rid] = -1
         del self._len[rid]
-        self._free.append(rid)
+        heapq.heappush(self._free, rid)
 
     def mirror_layer(self, src, dst, *, rows=True, stream=None):
         if rows and src != dst:
