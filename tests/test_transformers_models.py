@@ -93,6 +93,21 @@ def test_a_prefill_given_other_positions_decodes_as_the_model_does(kind):
     assert (logits - want_logits).abs().max().item() < 1e-4
 
 
+def test_beam_search_is_refused_by_name_and_frees_its_slots():
+    """Beam search reorders the cache between steps, which would have to move rows between
+    request slots: refused with a NotImplementedError that names it (before: an AttributeError
+    from inside transformers), and the slots it took are free again."""
+    model = model_of(KINDS[0])
+    sparse = SparseMLA(model, hot_size=HOT, max_len=PROMPT + NEW + 1, max_requests=2,
+                       backend="oracle")
+    try:
+        with pytest.raises(NotImplementedError, match="beam search"):
+            sparse.generate(prompt(model), max_new_tokens=4, num_beams=2, do_sample=False)
+        assert sorted(sparse.rows.free) == [0, 1]
+    finally:
+        sparse.remove()
+
+
 def test_a_hot_buffer_that_serves_a_wrong_row_differs():
     """The comparison above can fail: a swap that hands back token t - 1's row for token t
     moves the logits far past the tolerance."""

@@ -55,6 +55,8 @@ class _RowLayer(DynamicLayer):
     """One layer's view for transformers: its length, the prompt's rows while it prefills, and
     the indexer's keys (grown in place, doubling)."""
 
+    is_croppable = False  # (its rows live in the cache's request slots, not in this layer)
+
     def __init__(self):
         super().__init__()
         self.n = self._nkeys = 0
@@ -101,6 +103,26 @@ class RowCache(Cache):
 
     def update_indexer(self, k: torch.Tensor, layer_idx: int) -> torch.Tensor:
         return self.layers[layer_idx].update_indexer(k)
+
+    # What transformers does to a cache for beam search, assisted decoding and the like: the
+    # rows live in the cache's request slots, which these would have to move; refused by name
+    # (before: an AttributeError from inside transformers, one layer's keys already moved).
+    def _unsupported(self, what: str):
+        raise NotImplementedError(f"SparseMLA's cache does not support {what} (beam search, "
+                                  f"contrastive or assisted decoding): decode greedily or "
+                                  f"sample, one sequence per request")
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._unsupported("reorder_cache")
+
+    def crop(self, max_length: int) -> None:
+        self._unsupported("crop")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices) -> None:
+        self._unsupported("batch_select_indices")
 
     def close(self) -> None:
         """Give the requests' slots back (their host rows and hot buffers); idempotent."""
