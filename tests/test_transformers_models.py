@@ -93,6 +93,29 @@ def test_a_prefill_given_other_positions_decodes_as_the_model_does(kind):
     assert (logits - want_logits).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("padded_row", [1, 0])
+def test_a_padded_prompt_is_refused_however_its_mask_arrives(kind, padded_row):
+    """Padding transformers finds itself (``pad_token_id`` in the input, no attention_mask
+    given) reached the prefill: padded queries attended nothing (NaN logits), and with row 0
+    padded every row took row 0's positions. Refused before anything is admitted."""
+    model = model_of(kind)
+    ids = prompt(model, batch=2)
+    ids[padded_row, :10] = 1
+    model.generation_config.pad_token_id = 1
+    sparse = SparseMLA(model, hot_size=HOT, max_len=PROMPT + NEW + 1, max_requests=2,
+                       backend="oracle")
+    try:
+        with pytest.raises(ValueError, match="the prompt is padded"):
+            greedy(model, ids, sparse)
+        assert sorted(sparse.rows.free) == [0, 1]
+        tokens, _ = greedy(model, ids[1 - padded_row:2 - padded_row], sparse)  # unpadded: fine
+        assert tokens.shape == (1, NEW)
+    finally:
+        sparse.remove()
+        model.generation_config.pad_token_id = None
+
+
 def test_beam_search_is_refused_by_name_and_frees_its_slots():
     """Beam search reorders the cache between steps, which would have to move rows between
     request slots: refused with a NotImplementedError that names it (before: an AttributeError

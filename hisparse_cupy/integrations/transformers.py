@@ -156,6 +156,11 @@ def _forward(self, hidden_states, position_embeddings, attention_mask, cache=Non
         if entry.n:
             raise NotImplementedError("SparseMLA prefills an empty cache once (no chunked or "
                                       "second prefill)")
+        if layer == 0 and _padded(attention_mask):
+            raise ValueError("the prompt is padded (the model's attention mask hides some of "
+                             "a query's earlier tokens: pad_token_id in input_ids, or an "
+                             "attention_mask): SparseMLA takes requests of one length, no "
+                             "padding")
         entry.prompt = rows.to(sp.dtype)
     entry.n += S
     if getattr(self, "indexer", None) is not None:
@@ -185,6 +190,18 @@ def _forward(self, hidden_states, position_embeddings, attention_mask, cache=Non
             for e in cache.layers:
                 e.prompt = None
     return (out, None, top_k) if sp.returns_top_k else (out, None)
+
+
+def _padded(mask) -> bool:
+    """Whether the model's 4-D prefill mask ``[B, 1, S, S]`` hides a key at or before its query
+    (padding: a causal mask hides only later keys); None: no mask, no padding."""
+    if mask is None:
+        return False
+    m = mask[:, 0]
+    hidden = ~m if m.dtype == torch.bool else m < torch.finfo(m.dtype).min / 2
+    S, T = m.shape[-2:]
+    earlier = torch.ones(S, T, dtype=torch.bool, device=m.device).tril(T - S)
+    return bool((hidden & earlier).any())
 
 
 def _prefill(attn, sp, q_nope, q_rope, prompt, top_k):
