@@ -311,11 +311,7 @@ class SparseMLA:
         if input_ids.ndim != 2 or not 1 <= input_ids.shape[0] <= self.max_requests:
             raise ValueError(f"input_ids must be [B, n] with B <= max_requests "
                              f"({self.max_requests}), got shape {list(input_ids.shape)}")
-        mask = kwargs.get("attention_mask")
-        if mask is not None and not bool(mask.all()):
-            raise ValueError("attention_mask has padding: SparseMLA takes requests of one "
-                             "length (no padding)")
-        cache = self.new_cache()
+        cache = self.new_cache()  # (padding, however the mask arrives: refused at the prefill)
         name = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
             else "past_key_values"  # (renamed after transformers 5.17)
         side = None
