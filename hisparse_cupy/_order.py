@@ -15,8 +15,8 @@ Three rules, each kept here once:
    stream (``grow``, ``residency.switch_promoted``, or
    :meth:`~hisparse_cupy.HotBufferCache.order`), which waits for the last eager call's work.
    The per-thread default stream (handle 2) is a different stream in each thread: a call from
-   another thread than the last one's, when that one ran there, is refused (nothing can be
-   recorded on another thread's per-thread stream).
+   another thread than the last one's, when that one ran there, waits for the device on the
+   host (nothing can be recorded on another thread's per-thread stream).
 2. **A page carries the fence of the last work that touches it**
    (:class:`~hisparse_cupy.host.HostPages`'s ``fence=`` and ``wait=``): a path that gives
    pages back (a release, a demotion, a cancelled promotion, a switch) attaches an event
@@ -58,10 +58,11 @@ class StreamOrder:
             # the next eager call (a replay's order()) follows the last eager call's work
             last, me = self._last, threading.get_ident()
             if last is not None and last.ptr == _PER_THREAD and self._thread != me:
-                raise ValueError(
-                    "the cache's last call ran on another thread's per-thread default stream "
-                    "(handle 2, CuPy's Stream.ptds): its work cannot be ordered from this "
-                    "thread; give calls made from several threads explicit streams")
+                # another thread's per-thread default stream: no event can be recorded on it
+                # from here, so the device is waited for instead (a host sync, on this path
+                # only; give calls from several threads explicit streams to avoid it)
+                cupy.cuda.runtime.deviceSynchronize()
+                last = None
             self._last, self._thread = stream, me
             if last is not None and last.ptr != stream.ptr and not last.is_capturing():
                 ev = cupy.cuda.Event(disable_timing=True)

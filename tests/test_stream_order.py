@@ -31,9 +31,18 @@ class Stream:
         self.waited.append(ev.on)
 
 
+SYNCS = []  # device synchronizations, by thread name
+
+
 @pytest.fixture
 def order(monkeypatch):
-    monkeypatch.setattr(_order, "cupy", SimpleNamespace(cuda=SimpleNamespace(Event=Event)))
+    import threading
+
+    SYNCS.clear()
+    runtime = SimpleNamespace(
+        deviceSynchronize=lambda: SYNCS.append(threading.current_thread().name))
+    monkeypatch.setattr(_order, "cupy", SimpleNamespace(cuda=SimpleNamespace(
+        Event=Event, runtime=runtime)))
     return _order.StreamOrder()
 
 
@@ -73,30 +82,30 @@ def test_a_call_while_the_previous_stream_captures_records_nothing_there(order):
     assert b.waited == ["A"]
 
 
-def test_the_per_thread_default_stream_of_another_thread_is_refused(order):
+def test_the_per_thread_default_stream_of_another_thread_is_waited_for(order):
     """Handle 2 (``cudaStreamPerThread``) is a different stream in each thread: the last call
-    made on it in one thread cannot be recorded, nor waited for, from another (an event
-    recorded on handle 2 there records the caller's own). Refused by name; one thread on it
-    throughout, or explicit streams, are ordered as ever."""
+    made on it in one thread cannot be recorded, nor waited for by an event, from another (an
+    event recorded on handle 2 there records the caller's own). The next call from another
+    thread waits for the device on the host instead, and the cache goes on; one thread on it
+    throughout, or explicit streams, are ordered by events as ever."""
     import threading
 
     ptds, other = Stream("ptds", 2), Stream("B", 7)
     order.enter(ptds)
     order.enter(ptds)  # the same thread: nothing to order
     order.enter(other)
-    assert other.waited == ["ptds"]
+    assert other.waited == ["ptds"] and SYNCS == []
     order.enter(ptds)  # back on this thread's per-thread stream: waits for B's work
     assert ptds.waited == ["B"]
-    errors = []
+    mine = Stream("C", 9)
 
-    def call(stream):
-        try:
-            order.enter(stream)
-        except ValueError as e:
-            errors.append(str(e))
+    def call():
+        order.enter(mine)
 
-    for stream in (Stream("ptds", 2), Stream("C", 9)):  # from another thread
-        t = threading.Thread(target=call, args=(stream,))
-        t.start()
-        t.join()
-    assert len(errors) == 2 and all("per-thread default stream" in e for e in errors)
+    t = threading.Thread(target=call, name="other")
+    t.start()
+    t.join()
+    assert SYNCS == ["other"] and mine.waited == []  # the device waited for, no event
+    d = Stream("D", 11)
+    order.enter(d)  # back here: C (explicit) is ordered by an event again
+    assert d.waited == ["C"] and SYNCS == ["other"]
