@@ -71,3 +71,18 @@ def test_a_completed_write_is_released_without_an_abort():
     _drive(p)
     assert p.result is not None and p.error is None
     assert calls == [("say", "begin"), ("release", "H"), ("unpin", "K")]
+
+
+def test_a_write_whose_release_was_refused_once_is_never_aborted():
+    """The send expires while its WRITE may still write; NIXL refuses the release once, then
+    takes it when the WRITE reports ERR. A release taken after a refusal may have stopped
+    nothing (some NIXL versions drop the request without cancelling it then): the receiver is
+    not told abort, and quarantines the granted pages at its deadline."""
+    p, calls = _send(["PROC", "DONE", "ERR"], release_fails=1)
+    p.start()
+    p.advance()  # granted: the WRITE is posted, PROC
+    p.expire()  # the sender gives up while it writes
+    for _ in range(4):
+        p.advance()
+    assert ("release", "H") in calls and ("say", "abort") not in calls
+    assert calls[-1] == ("unpin", "K")

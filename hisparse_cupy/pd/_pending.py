@@ -40,6 +40,7 @@ class PendingSend:
         self.descriptors, self.t0, self.deadline = len(t["descs"]), t0, deadline
         self.result, self._ended, self.error, self._released = None, False, None, False
         self.stale = False  # NIXL failed to reach the receiver (its metadata may be stale)
+        self._refused = False  # NIXL refused to release the WRITE once: never abort after
         self.state = "QUEUED" if kind == "write" else "PROC"
         # queued -> asking (begin sent) -> writing (granted) -> told (waits for the receiver's
         # word); a pull is told from its offer on
@@ -88,7 +89,7 @@ class PendingSend:
         write no more, i.e. for a WRITE once NIXL released its handle; a handle NIXL keeps (it
         may still be writing) is tried again when the send lets go, and the receiver is not
         told: it quarantines the granted pages at its deadline."""
-        if self._copy is not None or self._release_handle():
+        if self._copy is not None or (self._release_handle() and not self._refused):
             with contextlib.suppress(Exception):
                 self._say("abort", why=str(error)[:200])
         self._phase = "told"
@@ -96,12 +97,15 @@ class PendingSend:
 
     def _release_handle(self) -> bool:
         """Release the WRITE's NIXL handle, if any (NIXL stops what it can of the transfer, or
-        refuses): True once none is held."""
+        refuses): True once none is held. A refusal is remembered: a later release that NIXL
+        takes may not have stopped anything (some versions drop the request then without
+        cancelling it), so the receiver is never told abort after one."""
         if self._handle is None:
             return True
         try:
             self._link.agent.release_xfer_handle(self._handle)
         except Exception:
+            self._refused = True
             return False
         self._handle = None
         return True
@@ -247,8 +251,8 @@ class PendingSend:
             st = self._writing()
             if st == "PROC" or not self._release_handle():  # may still write: kept
                 return False
-            if st != "DONE" or self._copy is not None:  # (a WRITE's done went with it)
-                with contextlib.suppress(Exception):
+            if (st != "DONE" or self._copy is not None) and not self._refused:  # (a WRITE's
+                with contextlib.suppress(Exception):  # done went with it)
                     self._say("abort", why=f"the sender gave up ({st})")
             self._phase = "told"
         if not self._release_handle():  # NIXL kept the handle: so are kv and its registration
