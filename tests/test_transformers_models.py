@@ -116,6 +116,25 @@ def test_a_padded_prompt_is_refused_however_its_mask_arrives(kind, padded_row):
         model.generation_config.pad_token_id = None
 
 
+def test_the_padding_check_reads_every_mask_the_attentions_pass():
+    """The eager and sdpa attentions pass a 4-D mask (bool or additive), flash attention a 2-D
+    one, flex attention a block mask the check cannot read (refused by name)."""
+    from hisparse_cupy.integrations.transformers import _padded
+
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()[None, None].expand(2, 1, 4, 4)
+    assert not _padded(causal) and not _padded(None)
+    pad = causal.clone()
+    pad[1, 0, :, 0] = False  # row 1's first key hidden from every query: padding
+    assert _padded(pad)
+    additive = torch.zeros(2, 1, 4, 4).masked_fill(~causal, torch.finfo(torch.float32).min)
+    assert not _padded(additive)
+    assert _padded(additive.masked_fill(~pad, torch.finfo(torch.float32).min))
+    assert not _padded(torch.ones(2, 4, dtype=torch.long))
+    assert _padded(torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]]))
+    with pytest.raises(TypeError, match="attn_implementation"):
+        _padded(object())
+
+
 def test_beam_search_is_refused_by_name_and_frees_its_slots():
     """Beam search reorders the cache between steps, which would have to move rows between
     request slots: refused with a NotImplementedError that names it (before: an AttributeError

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -418,8 +419,10 @@ class HostKVPool:
         except FileNotFoundError:
             raise FileNotFoundError(f"no host pool named {name!r} ({path}): its creator closed "
                                     f"it or never made it") from None
-        except OSError as e:  # ELOOP: a symbolic link
-            raise ValueError(f"{path} is not a host pool file ({e.strerror})") from None
+        except OSError as e:
+            if e.errno != errno.ELOOP:  # (permissions, descriptors: as they are)
+                raise
+            raise ValueError(f"{path} is not a host pool file (a symbolic link)") from None
         self = cls.__new__(cls)
         try:
             st = os.fstat(fd)

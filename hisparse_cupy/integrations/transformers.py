@@ -193,10 +193,18 @@ def _forward(self, hidden_states, position_embeddings, attention_mask, cache=Non
 
 
 def _padded(mask) -> bool:
-    """Whether the model's 4-D prefill mask ``[B, 1, S, S]`` hides a key at or before its query
-    (padding: a causal mask hides only later keys); None: no mask, no padding."""
+    """Whether the model's prefill mask shows padding: a 4-D ``[B, 1, S, T]`` one hiding a
+    key at or before its query (a causal mask hides only later keys), a 2-D ``[B, T]`` one
+    (flash attention's) with a zero; None: no mask, no padding. Another kind (flex
+    attention's block mask) cannot be read here: refused by name."""
     if mask is None:
         return False
+    if not isinstance(mask, torch.Tensor) or mask.ndim not in (2, 4):
+        raise TypeError(f"SparseMLA reads the model's attention mask as a 2-D or 4-D tensor, "
+                        f"got {type(mask).__name__}: load the model with "
+                        f"attn_implementation='eager' or 'sdpa'")
+    if mask.ndim == 2:
+        return not bool(mask.bool().all())
     m = mask[:, 0]
     hidden = ~m if m.dtype == torch.bool else m < torch.finfo(m.dtype).min / 2
     S, T = m.shape[-2:]
