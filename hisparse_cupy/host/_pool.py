@@ -22,7 +22,10 @@ Three ways to get a :class:`HostKVPool`:
 Large pools print a line before and after their setup (stderr, or the package's logger where
 configured). A pool dropped without :meth:`close` is released later, never by the collector,
 which may run while a stream captures a CUDA graph: at the next pool's setup or close (one
-device synchronization then), :meth:`HostKVPool.release_collected`, or the exit.
+device synchronization then), :meth:`HostKVPool.release_collected`, or the exit. A release
+synchronizes every device this process has a context on (a pool is registered for each): in
+a process driving several GPUs, close pools between steps, not while another thread captures
+a graph.
 """
 
 from __future__ import annotations
