@@ -182,6 +182,18 @@ def test_a_write_past_the_budgets_tokens_is_refused_before_anything_changes(aren
     Residency(R).check_write(1, 20, 99)  # without a budget: nothing to check
 
 
+def _promoted(a, rid, n, written):
+    """``rid`` admitted sparse with ``n`` tokens, ``written`` of them backed up to the host
+    (host row of token t: ``1000 * rid + t``), then promoted (its fill run): the host map."""
+    assert a.admit(rid, n, False, contextlib.nullcontext()) is not None
+    host_locs = np.full((R, MAXLEN), -1, np.int64)
+    host_locs[rid, :written] = 1000 * rid + np.arange(written)
+    a.written[rid] = written
+    a._side = Stream()
+    a.promote(rid, None, lambda r, lo, hi: host_locs[r, lo:hi].clip(0), None, Stream())
+    return host_locs
+
+
 def test_a_promotion_of_a_request_run_past_its_grow_loads_every_token_its_pages_hold(arena):
     """An engine that ran two steps without ``grow`` (the slot layout needs none for its host
     rows): the budget counts 10 tokens, the device has 12 written, both backed up to the host.
@@ -189,12 +201,7 @@ def test_a_promotion_of_a_request_run_past_its_grow_loads_every_token_its_pages_
     the switch loads 10 and 11 too, where they lie in page 2, instead of leaving the rows the
     page held before (another request's) to be served."""
     a, t = arena, Tables()
-    assert a.admit(1, 10, False, contextlib.nullcontext()) is not None
-    host_locs = np.full((R, MAXLEN), -1, np.int64)
-    host_locs[1, :12] = 1000 + np.arange(12)
-    a.written[1] = 12
-    a._side = Stream()
-    a.promote(1, None, lambda rid, lo, hi: host_locs[rid, lo:hi].clip(0), None, Stream())
+    host_locs = _promoted(a, 1, 10, 12)
     assert a.switch(host_locs, None, None, t, Stream()) == [1]
     rows = _page_rows(a, 1)
     assert rows.size == 12
@@ -226,12 +233,7 @@ def test_a_rewrite_while_promoting_reaches_the_pages_at_the_switch(arena):
 
     a, t = arena, Tables()
     res = _Budgeted(a)
-    assert a.admit(1, 10, False, contextlib.nullcontext()) is not None
-    host_locs = np.full((R, MAXLEN), -1, np.int64)
-    host_locs[1, :10] = 1000 + np.arange(10)
-    a.written[1] = 10
-    a._side = Stream()
-    a.promote(1, None, lambda rid, lo, hi: host_locs[rid, lo:hi].clip(0), None, Stream())
+    host_locs = _promoted(a, 1, 10, 10)
     a.host[host_locs[1, 3]] = 77777  # write_host(1, 3, new kv): the host row rewritten
     res.on_write(1, 3, host_locs[1, 3:4], Stream())
     assert a.switch(host_locs, None, None, t, Stream()) == [1]

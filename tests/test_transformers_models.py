@@ -52,6 +52,22 @@ def prompt(model, batch=1, device="cpu"):
     return torch.randint(2, model.config.vocab_size, (batch, PROMPT), generator=g).to(device)
 
 
+def decodes_as_the_model(model, ids, *, generate=None, **sparse_kw) -> dict:
+    """``ids`` through the model's own greedy decode and through a ``SparseMLA`` of
+    ``sparse_kw``: the same tokens, logits within 1e-4; the cache's counters."""
+    generate = generate or {}
+    want_tokens, want_logits = greedy(model, ids, **generate)
+    sparse = SparseMLA(model, hot_size=HOT, max_len=PROMPT + NEW + 1, **sparse_kw)
+    try:
+        tokens, logits = greedy(model, ids, sparse, **generate)
+        c = sparse.counters()
+    finally:
+        sparse.remove()
+    assert torch.equal(tokens, want_tokens)
+    assert (logits - want_logits).abs().max().item() < 1e-4
+    return c
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("form", _mla.FORMS)
 def test_the_oracle_backend_decodes_as_the_model_does(kind, form):
@@ -81,16 +97,8 @@ def test_a_prefill_given_other_positions_decodes_as_the_model_does(kind):
     index, and so must the prefill's selected rows (bounded by the positions, a query saw
     later tokens the indexer picked among masked ties: other tokens, logits off by 0.7)."""
     model = model_of(kind)
-    ids = prompt(model)
-    pos = torch.arange(PROMPT)[None] + 90
-    want_tokens, want_logits = greedy(model, ids, position_ids=pos)
-    sparse = SparseMLA(model, hot_size=HOT, max_len=PROMPT + NEW + 1, backend="oracle")
-    try:
-        tokens, logits = greedy(model, ids, sparse, position_ids=pos)
-    finally:
-        sparse.remove()
-    assert torch.equal(tokens, want_tokens)
-    assert (logits - want_logits).abs().max().item() < 1e-4
+    decodes_as_the_model(model, prompt(model), backend="oracle",
+                         generate=dict(position_ids=torch.arange(PROMPT)[None] + 90))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -211,17 +219,8 @@ def test_the_cuda_backend_decodes_as_the_model_does(kind, budget, overlap):
     (``budget`` rows a layer hold both requests whole), or GLM-5's shared layers through a
     Prefetcher."""
     model = model_of(kind, "cuda")
-    ids = prompt(model, batch=2, device="cuda")
-    want_tokens, want_logits = greedy(model, ids)
-    sparse = SparseMLA(model, hot_size=HOT, max_len=PROMPT + NEW + 1, max_requests=2,
-                       device_budget=budget, overlap=overlap)
-    try:
-        tokens, logits = greedy(model, ids, sparse)
-        c = sparse.counters()
-    finally:
-        sparse.remove()
-    assert torch.equal(tokens, want_tokens)
-    assert (logits - want_logits).abs().max().item() < 1e-4
+    c = decodes_as_the_model(model, prompt(model, batch=2, device="cuda"), max_requests=2,
+                             device_budget=budget, overlap=overlap)
     if budget is None:
         full = np.asarray(c["selected"]) > 0  # (a prefetcher's shared layers run no swap)
         assert (np.asarray(c["misses"])[full] > 0).all(), c
@@ -233,15 +232,7 @@ def test_the_cuda_backend_decodes_a_prompt_shorter_than_the_top_k(kind):
     """A sequence shorter than the indexer's top-k (K 16 here; 2048 in the published models):
     the model's indexer returns that many picks, and the swap's output is as wide."""
     model = model_of(kind, "cuda")
-    ids = prompt(model, batch=2, device="cuda")[:, :6]
-    want_tokens, want_logits = greedy(model, ids)
-    sparse = SparseMLA(model, hot_size=HOT, max_len=PROMPT + NEW + 1, max_requests=2)
-    try:
-        tokens, logits = greedy(model, ids, sparse)
-    finally:
-        sparse.remove()
-    assert torch.equal(tokens, want_tokens)
-    assert (logits - want_logits).abs().max().item() < 1e-4
+    decodes_as_the_model(model, prompt(model, batch=2, device="cuda")[:, :6], max_requests=2)
 
 
 def test_the_topk_stream_tool_measures_the_indexers_picks_beside_the_generator(tmp_path):
