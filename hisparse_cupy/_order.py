@@ -54,9 +54,11 @@ class StreamOrder:
     def enter(self, stream) -> None:
         """Rule 1: ``stream`` (a CuPy stream object) follows every earlier call's work. Also
         drops the arrays held (rule 3) whose reads have run."""
-        if not stream.is_capturing():  # a capture neither waits nor counts as the last call:
+        last, me = self._last, threading.get_ident()
+        if last is not None and last.ptr == stream.ptr and self._thread == me:
+            pass  # the last call's stream, this thread: nothing to order (no capture query)
+        elif not stream.is_capturing():  # a capture neither waits nor counts as the last call:
             # the next eager call (a replay's order()) follows the last eager call's work
-            last, me = self._last, threading.get_ident()
             if last is not None and last.ptr == _PER_THREAD and self._thread != me:
                 # another thread's per-thread default stream: no event can be recorded on it
                 # from here, so the device is waited for instead (a host sync, on this path

@@ -24,6 +24,7 @@ class Stream:
         self.name, self.ptr, self.capturing, self.waited = name, ptr, False, []
 
     def is_capturing(self):
+        self.queries = getattr(self, "queries", 0) + 1
         return self.capturing
 
     def wait_event(self, ev):
@@ -50,7 +51,7 @@ def test_a_change_of_stream_waits_for_the_previous_calls_stream(order):
     a, b = Stream("A", 1), Stream("B", 2)
     order.enter(a)
     order.enter(a)
-    assert a.waited == []  # one stream throughout: no event
+    assert a.waited == [] and a.queries == 1  # one stream throughout: no event, one query
     order.enter(b)
     order.enter(a)
     assert b.waited == ["A"] and a.waited == ["B"]
