@@ -95,12 +95,12 @@ class DeviceArena:
         step; a step run before its grow backed its token up to the host only)."""
         if n <= self.budget.tokens(rid):
             return
-        had = len(self.budget.pages(rid)) * self.budget.page_tokens if self.is_resident(rid) \
-            else 0
-        if self.budget.grow(rid, n, wait=StreamOrder.waiter(stream)) and self.is_resident(rid):
+        new = self.budget.grow(rid, n, wait=StreamOrder.waiter(stream))
+        if new and self.is_resident(rid):
             with stream:
                 self._write_pages(rid)
-            if host_locs is not None:
+            if host_locs is not None:  # (the new pages are the last ones)
+                had = (len(self.budget.pages(rid)) - len(new)) * self.budget.page_tokens
                 self._load_written(rid, had, host_locs, pool, device, stream, 0)
 
     def _load_written(self, rid: int, first: int, host_locs, pool, device, stream, lo) -> None:
